@@ -1,0 +1,333 @@
+//! Control-queue commands: the verbs control path.
+//!
+//! A command is one descriptor chain on the control queue: device-readable
+//! descriptors holding a [`RequestHeader`] followed by the command's request
+//! payload, then device-writable descriptors with room for a
+//! [`ResponseHeader`] followed by the response payload. The device reads the
+//! request once into its own buffer, executes it and writes the response; the
+//! used length is the number of response bytes written.
+//!
+//! `status` in the response is 0 on success or a positive Linux errno that a
+//! verbs library returns to the application unchanged.
+
+use zerocopy::little_endian::{U16, U32, U64};
+use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+use crate::verbs::wire_enum;
+
+wire_enum! {
+    /// Control command codes.
+    Opcode: u16 {
+        QueryDevice = 1,
+        QueryPort = 2,
+        QueryGid = 3,
+        AllocPd = 4,
+        DeallocPd = 5,
+        RegMr = 6,
+        DeregMr = 7,
+        CreateCq = 8,
+        DestroyCq = 9,
+        CreateQp = 10,
+        ModifyQp = 11,
+        QueryQp = 12,
+        DestroyQp = 13,
+    }
+}
+
+/// Derives the wire traits every control structure carries.
+macro_rules! wire_struct {
+    ($(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* pub $field:ident: $ty:ty,)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
+        #[repr(C)]
+        pub struct $name {
+            $($(#[$fmeta])* pub $field: $ty,)*
+        }
+    };
+}
+
+wire_struct! {
+    /// First bytes of every request.
+    pub struct RequestHeader {
+        /// An [`Opcode`].
+        pub opcode: U16,
+        /// Must be 0.
+        pub flags: U16,
+        /// Length of the request payload that follows the header.
+        pub payload_len: U32,
+    }
+}
+
+wire_struct! {
+    /// First bytes of every response.
+    pub struct ResponseHeader {
+        /// 0, or a positive Linux errno.
+        pub status: U32,
+        /// Length of the response payload that follows the header.
+        pub payload_len: U32,
+    }
+}
+
+wire_struct! {
+    /// Request of `QUERY_PORT`; the response is a [`crate::config::PortAttr`].
+    pub struct QueryPortReq {
+        pub port_num: u8,
+        pub reserved: [u8; 7],
+    }
+}
+
+wire_struct! {
+    /// Request of `QUERY_GID`.
+    pub struct QueryGidReq {
+        pub port_num: u8,
+        pub reserved: [u8; 3],
+        pub index: U32,
+    }
+}
+
+/// GID types (`enum ibv_gid_type`).
+pub mod gid_type {
+    pub const IB: u32 = 0;
+    pub const ROCE_V1: u32 = 1;
+    pub const ROCE_V2: u32 = 2;
+}
+
+wire_struct! {
+    /// Response of `QUERY_GID`.
+    pub struct QueryGidResp {
+        pub gid: [u8; 16],
+        /// One of [`gid_type`].
+        pub gid_type: U32,
+        pub reserved: U32,
+    }
+}
+
+wire_struct! {
+    /// Response of `ALLOC_PD`; request of `DEALLOC_PD`.
+    pub struct PdHandle {
+        pub pdn: U32,
+        pub reserved: U32,
+    }
+}
+
+wire_struct! {
+    /// Request of `REG_MR`.
+    pub struct RegMrReq {
+        pub pdn: U32,
+        /// [`crate::verbs::access`] flags.
+        pub access: U32,
+        /// Start of the region in guest-physical address space.
+        pub addr: U64,
+        pub length: U64,
+        /// The address the region is known by in work requests (`iova` of
+        /// `ibv_reg_mr_iova2`; equal to `addr` for `ibv_reg_mr`).
+        pub iova: U64,
+    }
+}
+
+wire_struct! {
+    /// Response of `REG_MR`.
+    pub struct RegMrResp {
+        /// Handle for `DEREG_MR`.
+        pub handle: U32,
+        pub lkey: U32,
+        pub rkey: U32,
+        pub reserved: U32,
+    }
+}
+
+wire_struct! {
+    /// Request of `DEREG_MR`.
+    pub struct MrHandle {
+        pub handle: U32,
+        pub reserved: U32,
+    }
+}
+
+wire_struct! {
+    /// Request of `CREATE_CQ`. The ring is
+    /// [`crate::ring::cq_ring_bytes`]`(depth)` bytes at `ring_addr`.
+    pub struct CreateCqReq {
+        /// Number of CQEs, a power of two (see [`crate::ring::cq_depth`]).
+        pub depth: U32,
+        /// Completion vector (event queue) the CQ's events go to.
+        pub comp_vector: U32,
+        /// Guest-physical address of the ring, [`crate::ring::RING_ALIGN`]-aligned.
+        pub ring_addr: U64,
+    }
+}
+
+wire_struct! {
+    /// Response of `CREATE_CQ`; request of `DESTROY_CQ`.
+    pub struct CqHandle {
+        pub cqn: U32,
+        pub reserved: U32,
+    }
+}
+
+wire_struct! {
+    /// Queue-pair capacities (`struct ibv_qp_cap`).
+    pub struct QpCap {
+        pub max_send_wr: U32,
+        pub max_recv_wr: U32,
+        pub max_send_sge: U32,
+        pub max_recv_sge: U32,
+        pub max_inline_data: U32,
+    }
+}
+
+/// `srqn` value that means "no shared receive queue".
+pub const NO_SRQ: u32 = u32::MAX;
+
+wire_struct! {
+    /// Request of `CREATE_QP`. The driver sizes its rings with
+    /// [`crate::ring::SqGeometry`]/[`crate::ring::RqGeometry`] from `cap`; the
+    /// device computes the same geometry and checks the rings lie in guest memory.
+    pub struct CreateQpReq {
+        pub pdn: U32,
+        pub send_cqn: U32,
+        pub recv_cqn: U32,
+        /// [`NO_SRQ`] when the QP has its own receive queue.
+        pub srqn: U32,
+        /// A [`crate::verbs::QpType`].
+        pub qp_type: u8,
+        /// Non-zero: every send WQE completes with a CQE.
+        pub sq_sig_all: u8,
+        pub reserved: [u8; 6],
+        pub cap: QpCap,
+        pub reserved2: U32,
+        pub sq_ring_addr: U64,
+        pub rq_ring_addr: U64,
+    }
+}
+
+wire_struct! {
+    /// Response of `CREATE_QP`.
+    pub struct CreateQpResp {
+        pub qpn: U32,
+        pub reserved: U32,
+        /// The capacities granted (at least those asked for).
+        pub cap: QpCap,
+        pub reserved2: U32,
+    }
+}
+
+wire_struct! {
+    /// Request of `DESTROY_QP`.
+    pub struct QpHandle {
+        pub qpn: U32,
+        pub reserved: U32,
+    }
+}
+
+wire_struct! {
+    /// Address vector (`struct ibv_ah_attr` with its `ibv_global_route`).
+    pub struct AhAttr {
+        pub dgid: [u8; 16],
+        pub flow_label: U32,
+        pub dlid: U16,
+        pub sgid_index: u8,
+        pub hop_limit: u8,
+        pub traffic_class: u8,
+        pub is_global: u8,
+        pub sl: u8,
+        pub src_path_bits: u8,
+        pub static_rate: u8,
+        pub port_num: u8,
+        pub reserved: [u8; 10],
+    }
+}
+
+wire_struct! {
+    /// QP attributes (`struct ibv_qp_attr`); which fields matter is given by
+    /// an attribute mask of [`crate::qp_state::mask`] bits.
+    pub struct QpAttr {
+        /// A [`crate::verbs::QpState`].
+        pub qp_state: u8,
+        pub cur_qp_state: u8,
+        /// A [`crate::verbs::Mtu`].
+        pub path_mtu: u8,
+        pub path_mig_state: u8,
+        pub qkey: U32,
+        pub rq_psn: U32,
+        pub sq_psn: U32,
+        pub dest_qp_num: U32,
+        pub qp_access_flags: U32,
+        pub cap: QpCap,
+        pub ah_attr: AhAttr,
+        pub pkey_index: U16,
+        pub en_sqd_async_notify: u8,
+        pub sq_draining: u8,
+        pub max_rd_atomic: u8,
+        pub max_dest_rd_atomic: u8,
+        pub min_rnr_timer: u8,
+        pub port_num: u8,
+        pub timeout: u8,
+        pub retry_cnt: u8,
+        pub rnr_retry: u8,
+        pub reserved: [u8; 9],
+    }
+}
+
+wire_struct! {
+    /// Request of `MODIFY_QP`.
+    pub struct ModifyQpReq {
+        pub qpn: U32,
+        /// [`crate::qp_state::mask`] bits saying which attributes to apply.
+        pub attr_mask: U32,
+        pub attr: QpAttr,
+    }
+}
+
+wire_struct! {
+    /// Request of `QUERY_QP`.
+    pub struct QueryQpReq {
+        pub qpn: U32,
+        pub attr_mask: U32,
+    }
+}
+
+wire_struct! {
+    /// Response of `QUERY_QP`: all attributes, whatever the mask asked for,
+    /// plus the creation attributes `ibv_query_qp` also returns.
+    pub struct QueryQpResp {
+        pub attr: QpAttr,
+        pub send_cqn: U32,
+        pub recv_cqn: U32,
+        pub srqn: U32,
+        pub qp_type: u8,
+        pub sq_sig_all: u8,
+        pub reserved: [u8; 2],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use core::mem::size_of;
+
+    #[test]
+    fn layouts_are_fixed() {
+        assert_eq!(size_of::<RequestHeader>(), 8);
+        assert_eq!(size_of::<ResponseHeader>(), 8);
+        assert_eq!(size_of::<RegMrReq>(), 32);
+        assert_eq!(size_of::<RegMrResp>(), 16);
+        assert_eq!(size_of::<CreateCqReq>(), 16);
+        assert_eq!(size_of::<QpCap>(), 20);
+        assert_eq!(size_of::<CreateQpReq>(), 64);
+        assert_eq!(size_of::<AhAttr>(), 40);
+        assert_eq!(size_of::<QpAttr>(), 104);
+        assert_eq!(size_of::<ModifyQpReq>(), 112);
+        assert_eq!(core::mem::offset_of!(QpAttr, ah_attr), 44);
+    }
+
+    #[test]
+    fn opcodes_round_trip() {
+        for code in 1..=13u16 {
+            let op = Opcode::try_from(code).expect("defined opcode");
+            assert_eq!(u16::from(op), code);
+        }
+        assert!(Opcode::try_from(0).is_err());
+        assert!(Opcode::try_from(14).is_err());
+    }
+}

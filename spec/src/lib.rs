@@ -1,0 +1,47 @@
+//! The vrdma device contract, shared by every side that speaks it.
+//!
+//! This crate is the single definition of the bytes that cross the guest ↔ vdev
+//! boundary (and, later, vdev ↔ hostd): `docs/device-spec.md` is its prose twin.
+//! Every structure is `#[repr(C)]` over little-endian, alignment-1 integer types
+//! from `zerocopy`, so a structure *is* its wire layout: no padding, no host
+//! endianness, and decoding untrusted bytes is a bounds-checked copy.
+//!
+//! - [`config`]: the virtio config space (device capabilities and limits).
+//! - [`control`]: control-queue commands and their payloads.
+//! - [`ring`]: send/receive/completion ring layouts, WQE and CQE formats.
+//! - [`verbs`]: the verbs enumerations (states, opcodes, access flags, MTUs,
+//!   work-completion status) with the numeric values libibverbs uses.
+//! - [`qp_state`]: the RC queue-pair state machine and its attribute-mask rules.
+
+pub mod config;
+pub mod control;
+pub mod qp_state;
+pub mod ring;
+pub mod verbs;
+
+pub use zerocopy;
+
+/// The virtio device id the virtio specification reserves for an RDMA device.
+pub const VIRTIO_ID_RDMA: u32 = 42;
+
+/// Version of this contract. The major number changes when a layout changes
+/// incompatibly; a driver refuses a device whose major number it does not know.
+pub const SPEC_VERSION_MAJOR: u16 = 1;
+/// Minor version: additions that an older driver may ignore.
+pub const SPEC_VERSION_MINOR: u16 = 0;
+
+/// Index of the control virtqueue (verbs control path).
+pub const CONTROL_QUEUE: u16 = 0;
+/// Index of the doorbell virtqueue: a notification on it wakes the device's
+/// ring poller. It carries no descriptors.
+pub const DOORBELL_QUEUE: u16 = 1;
+/// Index of the first event virtqueue; there is one per completion vector.
+pub const FIRST_EVENT_QUEUE: u16 = 2;
+
+/// Number of virtqueues a device with `num_comp_vectors` completion vectors has.
+pub const fn num_queues(num_comp_vectors: u16) -> u16 {
+    FIRST_EVENT_QUEUE + num_comp_vectors
+}
+
+/// Largest control request or response the device accepts, header included.
+pub const MAX_CONTROL_MSG: usize = 4096;
