@@ -34,6 +34,49 @@ wire_enum! {
     }
 }
 
+impl Opcode {
+    /// Exact length of the request payload of this command.
+    pub fn request_len(self) -> usize {
+        use core::mem::size_of;
+        match self {
+            Opcode::QueryDevice | Opcode::AllocPd => 0,
+            Opcode::QueryPort => size_of::<QueryPortReq>(),
+            Opcode::QueryGid => size_of::<QueryGidReq>(),
+            Opcode::DeallocPd => size_of::<PdHandle>(),
+            Opcode::RegMr => size_of::<RegMrReq>(),
+            Opcode::DeregMr => size_of::<MrHandle>(),
+            Opcode::CreateCq => size_of::<CreateCqReq>(),
+            Opcode::DestroyCq => size_of::<CqHandle>(),
+            Opcode::CreateQp => size_of::<CreateQpReq>(),
+            Opcode::ModifyQp => size_of::<ModifyQpReq>(),
+            Opcode::QueryQp => size_of::<QueryQpReq>(),
+            Opcode::DestroyQp => size_of::<QpHandle>(),
+        }
+    }
+
+    /// Length of the response payload of this command when it succeeds (a
+    /// failed command has none). The driver provides at least
+    /// `size_of::<ResponseHeader>() + response_len()` writable bytes.
+    pub fn response_len(self) -> usize {
+        use core::mem::size_of;
+        match self {
+            Opcode::QueryDevice => size_of::<crate::config::DeviceAttr>(),
+            Opcode::QueryPort => size_of::<crate::config::PortAttr>(),
+            Opcode::QueryGid => size_of::<QueryGidResp>(),
+            Opcode::AllocPd => size_of::<PdHandle>(),
+            Opcode::RegMr => size_of::<RegMrResp>(),
+            Opcode::CreateCq => size_of::<CqHandle>(),
+            Opcode::CreateQp => size_of::<CreateQpResp>(),
+            Opcode::QueryQp => size_of::<QueryQpResp>(),
+            Opcode::DeallocPd
+            | Opcode::DeregMr
+            | Opcode::DestroyCq
+            | Opcode::ModifyQp
+            | Opcode::DestroyQp => 0,
+        }
+    }
+}
+
 /// Derives the wire traits every control structure carries.
 macro_rules! wire_struct {
     ($(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* pub $field:ident: $ty:ty,)* }) => {

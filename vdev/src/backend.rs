@@ -1,0 +1,251 @@
+//! The vhost-user backend: what the VMM (or a process-mode driver) talks to.
+//!
+//! [`VrdmaBackend`] implements [`VhostUserBackend`]: it offers the virtio
+//! features and vhost-user protocol features of the device, serves the config
+//! space, takes memory-table updates (revoking shadows whose memory went
+//! away), and drains the control queue into the [`RdmaDevice`].
+
+use std::io;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
+use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
+use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
+use virtio_queue::QueueT;
+use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
+use vmm_sys_util::epoll::EventSet;
+use vmm_sys_util::event::{
+    new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
+};
+use vrdma_spec::zerocopy::IntoBytes;
+use vrdma_spec::{CONTROL_QUEUE, DOORBELL_QUEUE, FIRST_EVENT_QUEUE};
+use vrdma_tenant_policy::Limits;
+
+use crate::control;
+use crate::verbs::{DeviceIdentity, RdmaDevice};
+
+/// Why handling a queue event failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("Event {0} does not belong to any queue of this device")]
+    UnknownEvent(u16),
+    #[error("Event on queue {0} arrived before guest memory")]
+    NoMemory(u16),
+    #[error("Virtqueue {queue} failed")]
+    Queue {
+        queue: u16,
+        #[source]
+        source: virtio_queue::Error,
+    },
+    #[error("Cannot signal the driver on queue {queue}")]
+    Signal {
+        queue: u16,
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl From<BackendError> for io::Error {
+    fn from(e: BackendError) -> Self {
+        io::Error::other(e)
+    }
+}
+
+/// The vhost-user backend of one tenant's device. Cheap to clone (the
+/// daemon wants `Clone`); all clones share one device.
+#[derive(Debug, Clone)]
+pub struct VrdmaBackend {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    identity: DeviceIdentity,
+    limits: Limits,
+    device: Mutex<RdmaDevice>,
+    mem: Mutex<Option<GuestMemoryAtomic<GuestMemoryMmap>>>,
+    event_idx: AtomicBool,
+}
+
+impl VrdmaBackend {
+    /// A backend serving a fresh device.
+    pub fn new(identity: DeviceIdentity, limits: Limits) -> Self {
+        let device = RdmaDevice::new(identity.clone(), limits);
+        VrdmaBackend {
+            inner: Arc::new(Inner {
+                identity,
+                limits,
+                device: Mutex::new(device),
+                mem: Mutex::new(None),
+                event_idx: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// The device, even if a thread panicked while holding it: the device's
+    /// tables are updated so that every step leaves them consistent.
+    pub fn device(&self) -> MutexGuard<'_, RdmaDevice> {
+        self.inner
+            .device
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn tenant(&self) -> &str {
+        &self.inner.identity.tenant
+    }
+
+    /// Drains the control queue, answering every chain, with the EVENT_IDX
+    /// loop: disable notifications, drain, re-enable, drain again if the
+    /// driver added chains meanwhile.
+    fn process_control_queue(&self, vring: &VringRwLock) -> Result<(), BackendError> {
+        let queue = CONTROL_QUEUE;
+        let atomic = self
+            .inner
+            .mem
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let atomic = atomic.ok_or(BackendError::NoMemory(queue))?;
+        let mem = atomic.memory();
+        let event_idx = self.inner.event_idx.load(Ordering::Relaxed);
+        let qerr = |source| BackendError::Queue { queue, source };
+        loop {
+            if event_idx {
+                vring.disable_notification().map_err(qerr)?;
+            }
+            loop {
+                let chain = vring.get_mut().get_queue_mut().pop_descriptor_chain(&*mem);
+                let Some(chain) = chain else { break };
+                let head = chain.head_index();
+                let used = control::process_chain(&mut self.device(), &mem, chain);
+                vring.add_used(head, used).map_err(qerr)?;
+            }
+            if vring.needs_notification().map_err(qerr)? {
+                vring
+                    .signal_used_queue()
+                    .map_err(|source| BackendError::Signal { queue, source })?;
+            }
+            if !event_idx || !vring.enable_notification().map_err(qerr)? {
+                return Ok(());
+            }
+        }
+    }
+}
+
+impl VhostUserBackend for VrdmaBackend {
+    type Bitmap = ();
+    type Vring = VringRwLock;
+
+    fn num_queues(&self) -> usize {
+        usize::from(vrdma_spec::num_queues(self.inner.identity.comp_vectors))
+    }
+
+    fn max_queue_size(&self) -> usize {
+        usize::from(self.inner.identity.max_queue_size)
+    }
+
+    fn features(&self) -> u64 {
+        (1 << VIRTIO_F_VERSION_1)
+            | (1 << VIRTIO_RING_F_EVENT_IDX)
+            | (1 << VIRTIO_RING_F_INDIRECT_DESC)
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+    }
+
+    fn acked_features(&self, features: u64) {
+        tracing::info!(
+            tenant = self.tenant(),
+            features = format_args!("{features:#x}"),
+            "Features acknowledged"
+        );
+    }
+
+    fn protocol_features(&self) -> VhostUserProtocolFeatures {
+        VhostUserProtocolFeatures::CONFIG
+            | VhostUserProtocolFeatures::MQ
+            | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+    }
+
+    fn reset_device(&self) {
+        tracing::info!(
+            tenant = self.tenant(),
+            "Device reset: all verbs objects released"
+        );
+        let mut device = self.device();
+        let mem = self
+            .inner
+            .mem
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        *device = RdmaDevice::new(self.inner.identity.clone(), self.inner.limits);
+        if let Some(mem) = mem {
+            device.update_memory(mem.memory().into_inner());
+        }
+    }
+
+    fn set_event_idx(&self, enabled: bool) {
+        self.inner.event_idx.store(enabled, Ordering::Relaxed);
+    }
+
+    fn get_config(&self, offset: u32, size: u32) -> Vec<u8> {
+        let device = self.device();
+        let bytes = device.config().as_bytes();
+        let start = (offset as usize).min(bytes.len());
+        let end = start.saturating_add(size as usize).min(bytes.len());
+        bytes[start..end].to_vec()
+    }
+
+    fn set_config(&self, offset: u32, _buf: &[u8]) -> io::Result<()> {
+        tracing::warn!(
+            tenant = self.tenant(),
+            offset,
+            "Refused a write to the read-only config space"
+        );
+        Err(io::Error::from(io::ErrorKind::PermissionDenied))
+    }
+
+    fn update_memory(&self, mem: GuestMemoryAtomic<GuestMemoryMmap>) -> io::Result<()> {
+        let snapshot = mem.memory().into_inner();
+        tracing::info!(
+            tenant = self.tenant(),
+            regions = snapshot.num_regions(),
+            "Guest memory table updated"
+        );
+        self.device().update_memory(snapshot);
+        *self.inner.mem.lock().unwrap_or_else(|p| p.into_inner()) = Some(mem);
+        Ok(())
+    }
+
+    fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
+        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+    }
+
+    fn handle_event(
+        &self,
+        device_event: u16,
+        _evset: EventSet,
+        vrings: &[VringRwLock],
+        _thread_id: usize,
+    ) -> io::Result<()> {
+        let vring = vrings
+            .get(usize::from(device_event))
+            .ok_or(BackendError::UnknownEvent(device_event))?;
+        match device_event {
+            CONTROL_QUEUE => self.process_control_queue(vring)?,
+            // Rings are consumed by the datapath once hostd serves this
+            // device; until then a doorbell has no work to wake.
+            DOORBELL_QUEUE => tracing::trace!(tenant = self.tenant(), "Doorbell"),
+            // Event queues only receive buffers from the driver; the device
+            // uses them when it has an event to deliver.
+            q if q >= FIRST_EVENT_QUEUE => {
+                tracing::trace!(tenant = self.tenant(), queue = q, "Event buffers added")
+            }
+            _ => return Err(BackendError::UnknownEvent(device_event).into()),
+        }
+        Ok(())
+    }
+}

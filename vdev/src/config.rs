@@ -1,0 +1,242 @@
+//! vdev configuration: command line and file, validated into [`Config`].
+//!
+//! The command line (clap) names a config file and may override its most
+//! used keys; the file (TOML, serde) holds the rest. Both are untrusted: the
+//! result is validated into a [`Config`] that derives `PartialEq`, so tests
+//! compare what a command line means with what they expect.
+
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use serde::Deserialize;
+use vrdma_tenant_policy::{Limits, LimitsError};
+
+/// Largest virtqueue size vdev accepts (the split-ring maximum).
+const MAX_QUEUE_SIZE: u16 = 32768;
+/// Largest number of completion vectors (event queues).
+const MAX_COMP_VECTORS: u16 = 64;
+
+/// Why a configuration is refused.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("Cannot read config file {path}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("Invalid config file {path}")]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: Box<toml::de::Error>,
+    },
+    #[error("No vhost-user socket given (--socket or `socket` in the config file)")]
+    NoSocket,
+    #[error("Tenant name {0:?} must be 1-64 characters of [A-Za-z0-9_.-]")]
+    TenantName(String),
+    #[error("Queue size {0} must be a power of two between 2 and {MAX_QUEUE_SIZE}")]
+    QueueSize(u16),
+    #[error("Completion vectors {0} must be between 1 and {MAX_COMP_VECTORS}")]
+    CompVectors(u16),
+    #[error("Port LID {0:#x} must be a unicast LID (0x1-0xbfff)")]
+    Lid(u16),
+    #[error("Invalid limits")]
+    Limits(#[source] LimitsError),
+}
+
+/// Command line of `vdev`.
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "vrdma vdev: the vhost-user backend of one tenant's virtual RDMA device"
+)]
+pub struct Args {
+    /// Path of the vhost-user unix socket to listen on.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// TOML config file (see docs/operations.md); flags override its keys.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Tenant this device belongs to (appears on every log line).
+    #[arg(long)]
+    pub tenant: Option<String>,
+    /// The port's LID (unique per device on a host).
+    #[arg(long)]
+    pub lid: Option<u16>,
+    /// Number of completion vectors (event queues).
+    #[arg(long)]
+    pub comp_vectors: Option<u16>,
+    /// Serve one frontend connection, then exit (default: serve again after
+    /// each disconnect, as a VM reboot or a restarted application needs).
+    #[arg(long)]
+    pub once: bool,
+}
+
+/// The config file. Every key is optional; unknown keys are errors.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    socket: Option<PathBuf>,
+    tenant: Option<String>,
+    lid: Option<u16>,
+    comp_vectors: Option<u16>,
+    queue_size: Option<u16>,
+    #[serde(default)]
+    limits: Limits,
+}
+
+/// A validated vdev configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub socket: PathBuf,
+    pub tenant: String,
+    pub lid: u16,
+    pub comp_vectors: u16,
+    pub queue_size: u16,
+    pub limits: Limits,
+    pub once: bool,
+}
+
+/// Defaults for what neither the file nor the flags say.
+pub const DEFAULT_TENANT: &str = "default";
+pub const DEFAULT_LID: u16 = 1;
+pub const DEFAULT_COMP_VECTORS: u16 = 1;
+pub const DEFAULT_QUEUE_SIZE: u16 = 256;
+
+impl TryFrom<Args> for Config {
+    type Error = ConfigError;
+
+    fn try_from(args: Args) -> Result<Self, ConfigError> {
+        let file = match &args.config {
+            Some(path) => read_file(path)?,
+            None => FileConfig::default(),
+        };
+        let config = Config {
+            socket: args.socket.or(file.socket).ok_or(ConfigError::NoSocket)?,
+            tenant: args
+                .tenant
+                .or(file.tenant)
+                .unwrap_or_else(|| DEFAULT_TENANT.into()),
+            lid: args.lid.or(file.lid).unwrap_or(DEFAULT_LID),
+            comp_vectors: args
+                .comp_vectors
+                .or(file.comp_vectors)
+                .unwrap_or(DEFAULT_COMP_VECTORS),
+            queue_size: file.queue_size.unwrap_or(DEFAULT_QUEUE_SIZE),
+            limits: file.limits,
+            once: args.once,
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    toml::from_str(&text).map_err(|source| ConfigError::Parse {
+        path: path.to_owned(),
+        source: Box::new(source),
+    })
+}
+
+impl Config {
+    fn validate(&self) -> Result<(), ConfigError> {
+        let name_ok = (1..=64).contains(&self.tenant.len())
+            && self
+                .tenant
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+        if !name_ok {
+            return Err(ConfigError::TenantName(self.tenant.clone()));
+        }
+        if !self.queue_size.is_power_of_two() || !(2..=MAX_QUEUE_SIZE).contains(&self.queue_size) {
+            return Err(ConfigError::QueueSize(self.queue_size));
+        }
+        if !(1..=MAX_COMP_VECTORS).contains(&self.comp_vectors) {
+            return Err(ConfigError::CompVectors(self.comp_vectors));
+        }
+        if !(0x1..=0xbfff).contains(&self.lid) {
+            return Err(ConfigError::Lid(self.lid));
+        }
+        self.limits.validate().map_err(ConfigError::Limits)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Config, ConfigError> {
+        Config::try_from(
+            Args::try_parse_from(std::iter::once("vdev").chain(args.iter().copied()))
+                .expect("clap accepts"),
+        )
+    }
+
+    #[test]
+    fn flags_alone_give_defaults() {
+        let config = parse(&["--socket", "/tmp/a.sock"]).expect("valid");
+        assert_eq!(
+            config,
+            Config {
+                socket: "/tmp/a.sock".into(),
+                tenant: DEFAULT_TENANT.into(),
+                lid: DEFAULT_LID,
+                comp_vectors: DEFAULT_COMP_VECTORS,
+                queue_size: DEFAULT_QUEUE_SIZE,
+                limits: Limits::default(),
+                once: false,
+            }
+        );
+    }
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = std::env::temp_dir().join(format!("vdev-config-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("vdev.toml");
+        std::fs::write(
+            &path,
+            "socket = \"/run/x.sock\"\ntenant = \"blue\"\nlid = 7\n[limits]\nmax_qp = 4\n",
+        )
+        .expect("write");
+        let config =
+            parse(&["--config", path.to_str().expect("utf8"), "--lid", "9"]).expect("valid");
+        assert_eq!(config.socket, PathBuf::from("/run/x.sock"));
+        assert_eq!(config.tenant, "blue");
+        assert_eq!(config.lid, 9);
+        assert_eq!(config.limits.max_qp, 4);
+        std::fs::write(&path, "socket = \"/x\"\nlimitz = 1\n").expect("write");
+        let err = parse(&["--config", path.to_str().expect("utf8")]).expect_err("unknown key");
+        let chain = format!(
+            "{err}: {}",
+            std::error::Error::source(&err).expect("source")
+        );
+        assert!(
+            chain.contains("limitz") && chain.contains("vdev.toml"),
+            "{chain}"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn bad_values_are_refused() {
+        assert!(matches!(parse(&[]), Err(ConfigError::NoSocket)));
+        assert!(matches!(
+            parse(&["--socket", "/s", "--tenant", "a b"]),
+            Err(ConfigError::TenantName(_))
+        ));
+        assert!(matches!(
+            parse(&["--socket", "/s", "--lid", "0"]),
+            Err(ConfigError::Lid(0))
+        ));
+        assert!(matches!(
+            parse(&["--socket", "/s", "--comp-vectors", "0"]),
+            Err(ConfigError::CompVectors(0))
+        ));
+    }
+}

@@ -1,0 +1,80 @@
+//! vdev: the vhost-user backend of one tenant's vrdma virtual RDMA device.
+//!
+//! One vdev process serves one tenant VM (or process-mode application). It
+//! parses untrusted guest input, so it holds only that tenant's state.
+//!
+//! - [`config`]: command line and config file, validated into [`Config`].
+//! - [`backend`]: the `VhostUserBackend` implementation (features, config
+//!   space, memory table, queue events).
+//! - [`control`]: control-queue chains in, responses out; hostile-input
+//!   framing checks.
+//! - [`verbs`]: the tenant's verbs objects (PD, MR, CQ, QP) and the control
+//!   verbs on them, with limits and the RC state machine.
+//! - [`shadow`]: shadow memory regions — guest ranges resolved into guest
+//!   memory slots, with bounds, access and revocation.
+
+pub mod backend;
+pub mod config;
+pub mod control;
+pub mod shadow;
+pub mod verbs;
+
+use std::sync::Arc;
+
+use vhost_user_backend::VhostUserDaemon;
+use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
+
+pub use backend::VrdmaBackend;
+pub use config::Config;
+use verbs::DeviceIdentity;
+
+/// Why vdev stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("Cannot create the vhost-user daemon")]
+    Daemon(#[source] DaemonError),
+    #[error("Serving {socket} failed")]
+    Serve {
+        socket: String,
+        #[source]
+        source: DaemonError,
+    },
+}
+
+/// vhost-user-backend's error, which implements only `Display`, made a
+/// `std::error::Error` so it can sit in a source chain.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct DaemonError(vhost_user_backend::Error);
+
+/// Serves the device on the configured socket: one frontend connection at
+/// a time, each with a fresh device, until `config.once` says to stop after
+/// the first.
+pub fn run(config: &Config) -> Result<(), Error> {
+    let identity = DeviceIdentity {
+        tenant: Arc::from(config.tenant.as_str()),
+        lid: config.lid,
+        comp_vectors: config.comp_vectors,
+        max_queue_size: config.queue_size,
+    };
+    loop {
+        let backend = VrdmaBackend::new(identity.clone(), config.limits);
+        let mut daemon = VhostUserDaemon::new(
+            format!("vdev-{}", config.tenant),
+            backend,
+            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+        )
+        .map_err(|e| Error::Daemon(DaemonError(e)))?;
+        tracing::info!(tenant = %config.tenant, socket = %config.socket.display(), "Waiting for a frontend");
+        daemon
+            .serve(&config.socket)
+            .map_err(|source| Error::Serve {
+                socket: config.socket.display().to_string(),
+                source: DaemonError(source),
+            })?;
+        tracing::info!(tenant = %config.tenant, "Frontend disconnected; device state released");
+        if config.once {
+            return Ok(());
+        }
+    }
+}

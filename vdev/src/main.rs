@@ -1,0 +1,31 @@
+//! `vdev` command: parse the command line, validate the config, serve.
+
+use std::process::ExitCode;
+
+use clap::Parser;
+use vrdma_vdev::config::{Args, Config};
+use vrdma_vdev::control::error_chain;
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("VRDMA_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let config = match Config::try_from(Args::parse()) {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("vdev: {}", error_chain(&e));
+            return ExitCode::from(2);
+        }
+    };
+    match vrdma_vdev::run(&config) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(tenant = %config.tenant, "{}", error_chain(&e));
+            ExitCode::FAILURE
+        }
+    }
+}

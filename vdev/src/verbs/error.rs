@@ -1,0 +1,57 @@
+//! Errors of the verbs control path, each with the errno a verbs library
+//! hands to the application.
+
+use vrdma_spec::qp_state::TransitionError;
+
+use crate::shadow::ShadowError;
+
+/// Why a control verb failed.
+#[derive(Debug, thiserror::Error)]
+pub enum VerbError {
+    #[error("Invalid argument: {0}")]
+    Invalid(String),
+    #[error("No {kind} with handle {handle}")]
+    NoObject { kind: &'static str, handle: u32 },
+    #[error("{kind} {handle} is still used by {users}")]
+    Busy {
+        kind: &'static str,
+        handle: u32,
+        users: String,
+    },
+    #[error("Limit `{limit}` reached ({current} of {max})")]
+    Limit {
+        limit: &'static str,
+        current: u64,
+        max: u64,
+    },
+    #[error("Bad guest memory range")]
+    Fault(#[source] ShadowError),
+    #[error("Ring at {addr:#x} ({bytes} bytes) is misaligned or not in guest memory")]
+    Ring { addr: u64, bytes: u64 },
+    #[error("Not supported: {0}")]
+    Unsupported(&'static str),
+    #[error("Invalid QP transition")]
+    Transition(#[source] TransitionError),
+    #[error("Malformed command: {0}")]
+    Malformed(String),
+}
+
+impl VerbError {
+    /// The positive Linux errno this error is reported as.
+    pub fn errno(&self) -> i32 {
+        match self {
+            VerbError::Invalid(_)
+            | VerbError::NoObject { .. }
+            | VerbError::Transition(_)
+            | VerbError::Ring { .. }
+            | VerbError::Malformed(_) => libc::EINVAL,
+            VerbError::Busy { .. } => libc::EBUSY,
+            VerbError::Limit { .. } => libc::ENOMEM,
+            VerbError::Fault(_) => libc::EFAULT,
+            VerbError::Unsupported(_) => libc::EOPNOTSUPP,
+        }
+    }
+}
+
+/// Result of a control verb.
+pub type VerbResult<T> = Result<T, VerbError>;

@@ -1,0 +1,469 @@
+//! The verbs objects of one tenant's device and the control verbs on them.
+//!
+//! [`RdmaDevice`] owns the tenant's protection domains, memory regions
+//! (with their shadows), completion queues and queue pairs, enforces the
+//! tenant's [`Limits`] and the dependency rules between objects (a PD with
+//! MRs or QPs cannot go, nor a CQ a QP uses), and executes decoded control
+//! commands. It knows nothing of virtqueues: `control.rs` feeds it bytes.
+
+mod error;
+mod mr;
+mod qp;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use rand::Rng;
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vrdma_spec::config::{DeviceAttr, DeviceConfig, PortAttr, CONFIG_MAGIC, CONFIG_SIZE};
+use vrdma_spec::control::{self, Opcode};
+use vrdma_spec::ring::{self, RING_ALIGN};
+use vrdma_spec::verbs::{atomic_cap, device_cap, LinkLayer, Mtu, PortState};
+use vrdma_spec::zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
+use vrdma_tenant_policy::Limits;
+
+pub use error::{VerbError, VerbResult};
+pub use mr::MemoryRegion;
+pub use qp::QueuePair;
+
+use crate::shadow::MemorySlots;
+
+/// PCI vendor id reported by the device (Red Hat's virtio vendor id).
+pub const VENDOR_ID: u32 = 0x1af4;
+/// Vendor part id: 0x1040 + the virtio device id, as virtio-pci numbers it.
+pub const VENDOR_PART_ID: u32 = 0x1040 + vrdma_spec::VIRTIO_ID_RDMA;
+/// The port's MTU.
+pub const PORT_MTU: Mtu = Mtu::Mtu4096;
+/// Largest message an RC QP carries (2 GiB, as on IB).
+pub const MAX_MSG_SIZE: u32 = 1 << 31;
+/// Subnet prefix of the GIDs hostd's fabric hands out (the IB default).
+pub const GID_PREFIX: [u8; 8] = [0xfe, 0x80, 0, 0, 0, 0, 0, 0];
+
+/// Static identity of a device, from the vdev configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceIdentity {
+    pub tenant: Arc<str>,
+    pub lid: u16,
+    pub comp_vectors: u16,
+    pub max_queue_size: u16,
+}
+
+/// A protection domain.
+#[derive(Debug, Default)]
+struct ProtectionDomain {
+    mrs: u32,
+    qps: u32,
+}
+
+/// A completion queue: its ring in guest memory.
+#[derive(Debug)]
+pub struct CompletionQueue {
+    pub depth: u32,
+    pub comp_vector: u32,
+    pub ring_addr: u64,
+    /// Number of QPs whose send or receive queue completes here.
+    users: u32,
+}
+
+/// One tenant's RDMA device.
+#[derive(Debug)]
+pub struct RdmaDevice {
+    identity: DeviceIdentity,
+    limits: Limits,
+    config: DeviceConfig,
+    mem: Arc<GuestMemoryMmap>,
+    pds: HashMap<u32, ProtectionDomain>,
+    mrs: HashMap<u32, MemoryRegion>,
+    /// MR handle by lkey, for the lookups of the data path.
+    lkeys: HashMap<u32, u32>,
+    cqs: HashMap<u32, CompletionQueue>,
+    qps: HashMap<u32, QueuePair>,
+    /// Bytes registered across all MRs.
+    mr_bytes: u64,
+    next_handle: u32,
+}
+
+impl RdmaDevice {
+    /// A device with no objects and no guest memory yet.
+    pub fn new(identity: DeviceIdentity, limits: Limits) -> Self {
+        let config = build_config(&identity, &limits);
+        RdmaDevice {
+            identity,
+            limits,
+            config,
+            mem: Arc::new(GuestMemoryMmap::new()),
+            pds: HashMap::new(),
+            mrs: HashMap::new(),
+            lkeys: HashMap::new(),
+            cqs: HashMap::new(),
+            qps: HashMap::new(),
+            mr_bytes: 0,
+            next_handle: 1,
+        }
+    }
+
+    /// The tenant this device serves.
+    pub fn tenant(&self) -> &str {
+        &self.identity.tenant
+    }
+
+    /// The config space.
+    pub fn config(&self) -> &DeviceConfig {
+        &self.config
+    }
+
+    /// Takes a new memory table from the VMM and revokes the shadows of MRs
+    /// whose memory is gone. Returns how many MRs it revoked.
+    pub fn update_memory(&mut self, mem: Arc<GuestMemoryMmap>) -> usize {
+        let slots = MemorySlots::of(&mem);
+        self.mem = mem;
+        let revoked = self
+            .mrs
+            .values_mut()
+            .filter_map(|mr| mr.shadow.revalidate(&slots).then_some(()))
+            .count();
+        if revoked > 0 {
+            tracing::warn!(tenant = %self.identity.tenant, revoked, slots = slots.len(),
+                "Guest memory removed under registered memory regions; their shadows are revoked");
+        }
+        revoked
+    }
+
+    /// The CQ numbered `cqn`.
+    pub fn cq(&self, cqn: u32) -> Option<&CompletionQueue> {
+        self.cqs.get(&cqn)
+    }
+
+    /// Number of live objects: (PDs, MRs, CQs, QPs).
+    pub fn object_counts(&self) -> (usize, usize, usize, usize) {
+        (
+            self.pds.len(),
+            self.mrs.len(),
+            self.cqs.len(),
+            self.qps.len(),
+        )
+    }
+
+    /// Executes one control command on its request payload and returns the
+    /// response payload.
+    pub fn execute(&mut self, opcode: Opcode, payload: &[u8]) -> VerbResult<Vec<u8>> {
+        match opcode {
+            Opcode::QueryDevice => {
+                expect_empty(payload)?;
+                Ok(self.config.device.as_bytes().to_vec())
+            }
+            Opcode::QueryPort => {
+                let req: control::QueryPortReq = decode(payload)?;
+                check_port(req.port_num)?;
+                Ok(self.config.port.as_bytes().to_vec())
+            }
+            Opcode::QueryGid => {
+                let req: control::QueryGidReq = decode(payload)?;
+                check_port(req.port_num)?;
+                if req.index.get() != 0 {
+                    return Err(VerbError::Invalid(format!(
+                        "GID index {} (table has 1 entry)",
+                        req.index
+                    )));
+                }
+                let resp = control::QueryGidResp {
+                    gid: self.config.gid,
+                    gid_type: control::gid_type::IB.into(),
+                    reserved: 0.into(),
+                };
+                Ok(resp.as_bytes().to_vec())
+            }
+            Opcode::AllocPd => {
+                expect_empty(payload)?;
+                let pdn = self.alloc_pd()?;
+                Ok(control::PdHandle {
+                    pdn: pdn.into(),
+                    reserved: 0.into(),
+                }
+                .as_bytes()
+                .to_vec())
+            }
+            Opcode::DeallocPd => {
+                let req: control::PdHandle = decode(payload)?;
+                self.dealloc_pd(req.pdn.get()).map(|()| Vec::new())
+            }
+            Opcode::RegMr => {
+                let req: control::RegMrReq = decode(payload)?;
+                self.reg_mr(&req).map(|resp| resp.as_bytes().to_vec())
+            }
+            Opcode::DeregMr => {
+                let req: control::MrHandle = decode(payload)?;
+                self.dereg_mr(req.handle.get()).map(|()| Vec::new())
+            }
+            Opcode::CreateCq => {
+                let req: control::CreateCqReq = decode(payload)?;
+                let cqn = self.create_cq(&req)?;
+                Ok(control::CqHandle {
+                    cqn: cqn.into(),
+                    reserved: 0.into(),
+                }
+                .as_bytes()
+                .to_vec())
+            }
+            Opcode::DestroyCq => {
+                let req: control::CqHandle = decode(payload)?;
+                self.destroy_cq(req.cqn.get()).map(|()| Vec::new())
+            }
+            Opcode::CreateQp => {
+                let req: control::CreateQpReq = decode(payload)?;
+                self.create_qp(&req).map(|resp| resp.as_bytes().to_vec())
+            }
+            Opcode::ModifyQp => {
+                let req: control::ModifyQpReq = decode(payload)?;
+                self.modify_qp(&req).map(|()| Vec::new())
+            }
+            Opcode::QueryQp => {
+                let req: control::QueryQpReq = decode(payload)?;
+                self.query_qp(req.qpn.get())
+                    .map(|resp| resp.as_bytes().to_vec())
+            }
+            Opcode::DestroyQp => {
+                let req: control::QpHandle = decode(payload)?;
+                self.destroy_qp(req.qpn.get()).map(|()| Vec::new())
+            }
+        }
+    }
+
+    /// A fresh handle for a PD, CQ or MR. Handles are per device and never
+    /// reused while the device lives, so a stale handle cannot alias a new
+    /// object.
+    fn new_handle(&mut self) -> u32 {
+        let handle = self.next_handle;
+        self.next_handle = self.next_handle.wrapping_add(1).max(1);
+        handle
+    }
+
+    fn check_count(limit: &'static str, current: usize, max: u32) -> VerbResult<()> {
+        if current as u64 >= u64::from(max) {
+            return Err(VerbError::Limit {
+                limit,
+                current: current as u64,
+                max: max.into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn alloc_pd(&mut self) -> VerbResult<u32> {
+        Self::check_count("max_pd", self.pds.len(), self.limits.max_pd)?;
+        let pdn = self.new_handle();
+        self.pds.insert(pdn, ProtectionDomain::default());
+        Ok(pdn)
+    }
+
+    fn dealloc_pd(&mut self, pdn: u32) -> VerbResult<()> {
+        let pd = self.pds.get(&pdn).ok_or(VerbError::NoObject {
+            kind: "PD",
+            handle: pdn,
+        })?;
+        if pd.mrs > 0 || pd.qps > 0 {
+            return Err(VerbError::Busy {
+                kind: "PD",
+                handle: pdn,
+                users: format!("{} MRs and {} QPs", pd.mrs, pd.qps),
+            });
+        }
+        self.pds.remove(&pdn);
+        Ok(())
+    }
+
+    fn pd_mut(&mut self, pdn: u32) -> VerbResult<&mut ProtectionDomain> {
+        self.pds.get_mut(&pdn).ok_or(VerbError::NoObject {
+            kind: "PD",
+            handle: pdn,
+        })
+    }
+
+    fn create_cq(&mut self, req: &control::CreateCqReq) -> VerbResult<u32> {
+        Self::check_count("max_cq", self.cqs.len(), self.limits.max_cq)?;
+        let entries = req.depth.get();
+        if entries == 0 || entries > self.limits.max_cq_depth {
+            return Err(VerbError::Invalid(format!(
+                "CQ depth {entries} (must be 1..={})",
+                self.limits.max_cq_depth
+            )));
+        }
+        let depth = ring::cq_depth(entries)
+            .ok_or_else(|| VerbError::Invalid(format!("CQ depth {entries}")))?;
+        if req.comp_vector.get() >= u32::from(self.identity.comp_vectors) {
+            return Err(VerbError::Invalid(format!(
+                "completion vector {} (device has {})",
+                req.comp_vector, self.identity.comp_vectors
+            )));
+        }
+        let ring_addr = req.ring_addr.get();
+        self.init_ring(ring_addr, ring::cq_ring_bytes(depth))?;
+        let cqn = self.new_handle();
+        self.cqs.insert(
+            cqn,
+            CompletionQueue {
+                depth,
+                comp_vector: req.comp_vector.get(),
+                ring_addr,
+                users: 0,
+            },
+        );
+        Ok(cqn)
+    }
+
+    fn destroy_cq(&mut self, cqn: u32) -> VerbResult<()> {
+        let cq = self.cqs.get(&cqn).ok_or(VerbError::NoObject {
+            kind: "CQ",
+            handle: cqn,
+        })?;
+        if cq.users > 0 {
+            return Err(VerbError::Busy {
+                kind: "CQ",
+                handle: cqn,
+                users: format!("{} QPs", cq.users),
+            });
+        }
+        self.cqs.remove(&cqn);
+        Ok(())
+    }
+
+    /// Checks a ring lies aligned in guest memory and resets its
+    /// device-owned header line (consumer/producer index, flags).
+    fn init_ring(&self, addr: u64, bytes: u64) -> VerbResult<()> {
+        let bad = || VerbError::Ring { addr, bytes };
+        if !addr.is_multiple_of(RING_ALIGN) || addr.checked_add(bytes).is_none() {
+            return Err(bad());
+        }
+        let len = usize::try_from(bytes).map_err(|_| bad())?;
+        if !self.mem.check_range(GuestAddress(addr), len) {
+            return Err(bad());
+        }
+        let device_line = [0u8; ring::CACHE_LINE];
+        self.mem
+            .write_slice(&device_line, GuestAddress(addr + ring::DEVICE_INDEX_OFFSET))
+            .map_err(|_| bad())
+    }
+}
+
+fn check_port(port: u8) -> VerbResult<()> {
+    if port != 1 {
+        return Err(VerbError::Invalid(format!(
+            "port {port} (the device has port 1)"
+        )));
+    }
+    Ok(())
+}
+
+fn expect_empty(payload: &[u8]) -> VerbResult<()> {
+    if !payload.is_empty() {
+        return Err(VerbError::Malformed(format!(
+            "{} payload bytes, expected none",
+            payload.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Decodes a request payload that must be exactly one `T`.
+fn decode<T: FromBytes + KnownLayout + Immutable>(payload: &[u8]) -> VerbResult<T> {
+    T::read_from_bytes(payload).map_err(|_| {
+        VerbError::Malformed(format!(
+            "{} payload bytes, expected {}",
+            payload.len(),
+            core::mem::size_of::<T>()
+        ))
+    })
+}
+
+/// The config space of a device with this identity and these limits.
+fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
+    // The GUID is derived from the LID, so it is unique wherever the LID is
+    // (hostd assigns LIDs per host); the top bytes say "vrdma".
+    let guid = u64::from_be_bytes([b'v', b'r', 0, 0, 0, 0, 0, 0]) | u64::from(identity.lid);
+    let mut gid = [0u8; 16];
+    gid[..8].copy_from_slice(&GID_PREFIX);
+    gid[8..].copy_from_slice(&guid.to_be_bytes());
+    let mut name = [0u8; 32];
+    let dev_name = format!("vrdma_{}", identity.lid);
+    name[..dev_name.len().min(31)].copy_from_slice(&dev_name.as_bytes()[..dev_name.len().min(31)]);
+    DeviceConfig {
+        magic: CONFIG_MAGIC.into(),
+        version_major: vrdma_spec::SPEC_VERSION_MAJOR.into(),
+        version_minor: vrdma_spec::SPEC_VERSION_MINOR.into(),
+        num_comp_vectors: identity.comp_vectors.into(),
+        max_queue_size: identity.max_queue_size.into(),
+        config_size: (CONFIG_SIZE as u32).into(),
+        device: DeviceAttr {
+            fw_ver: ((u64::from(vrdma_spec::SPEC_VERSION_MAJOR) << 32)
+                | u64::from(vrdma_spec::SPEC_VERSION_MINOR))
+            .into(),
+            node_guid: guid.into(),
+            sys_image_guid: guid.into(),
+            max_mr_size: limits.max_mr_bytes.into(),
+            page_size_cap: 0xffff_f000u64.into(),
+            vendor_id: VENDOR_ID.into(),
+            vendor_part_id: VENDOR_PART_ID.into(),
+            hw_ver: 1.into(),
+            max_qp: limits.max_qp.into(),
+            max_qp_wr: limits.max_qp_depth.into(),
+            device_cap_flags: (device_cap::RC_RNR_NAK_GEN
+                | device_cap::CURR_QP_STATE_MOD
+                | device_cap::PORT_ACTIVE_EVENT
+                | device_cap::SYS_IMAGE_GUID)
+                .into(),
+            max_sge: limits.max_sge.into(),
+            max_cq: limits.max_cq.into(),
+            max_cqe: limits.max_cq_depth.into(),
+            max_mr: limits.max_mr.into(),
+            max_pd: limits.max_pd.into(),
+            max_qp_rd_atom: limits.max_rd_atomic.into(),
+            max_qp_init_rd_atom: limits.max_rd_atomic.into(),
+            max_srq: 0.into(),
+            max_srq_wr: 0.into(),
+            max_srq_sge: 0.into(),
+            max_inline_data: limits.max_inline_data.into(),
+            atomic_cap: atomic_cap::HCA.into(),
+            max_total_mr_bytes: limits.max_total_mr_bytes.into(),
+            max_pkeys: 1.into(),
+            phys_port_cnt: 1,
+            reserved: [0; 5],
+        },
+        port: PortAttr {
+            state: PortState::Active.into(),
+            max_mtu: PORT_MTU.into(),
+            active_mtu: PORT_MTU.into(),
+            link_layer: LinkLayer::Infiniband.into(),
+            gid_tbl_len: 1.into(),
+            port_cap_flags: 0.into(),
+            max_msg_sz: MAX_MSG_SIZE.into(),
+            pkey_tbl_len: 1.into(),
+            lid: identity.lid.into(),
+            sm_lid: 1.into(),
+            lmc: 0,
+            max_vl_num: 1,
+            sm_sl: 0,
+            // 4x width, EDR speed: what ibv_devinfo shows as 100 Gb/s.
+            active_width: 2,
+            active_speed: 32,
+            // LinkUp.
+            phys_state: 5,
+            reserved: [0; 4],
+        },
+        gid,
+        name,
+    }
+}
+
+/// A random key or QPN that `taken` does not hold and that is not in `reserved`.
+fn random_unique(mask: u32, reserved: &[u32], taken: impl Fn(u32) -> bool) -> u32 {
+    let mut rng = rand::rng();
+    loop {
+        let candidate = rng.random::<u32>() & mask;
+        if !reserved.contains(&candidate) && !taken(candidate) {
+            return candidate;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

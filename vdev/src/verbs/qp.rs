@@ -1,0 +1,385 @@
+//! Queue pairs: creation with ring geometry, the RC state machine with
+//! attribute validation, query and destroy.
+
+use vrdma_spec::control::{
+    CreateQpReq, CreateQpResp, ModifyQpReq, QpAttr, QpCap, QueryQpResp, NO_SRQ,
+};
+use vrdma_spec::qp_state::{check_rc_mask, mask};
+use vrdma_spec::ring::{self, WorkRingGeometry};
+use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
+
+use super::{random_unique, RdmaDevice, VerbError, VerbResult, PORT_MTU};
+
+/// QP numbers are 24 bits; 0 and 1 are the IB special QPs (SMI, GSI).
+const QPN_MASK: u32 = 0x00ff_ffff;
+/// Largest PSN (24 bits).
+const MAX_PSN: u32 = 0x00ff_ffff;
+/// Largest IB timer exponent / RNR timer code.
+const MAX_TIMER: u8 = 31;
+/// Largest retry count (3 bits).
+const MAX_RETRY: u8 = 7;
+/// `IBV_MIG_MIGRATED`: automatic path migration is not supported, so the
+/// only path-migration state is "migrated".
+const MIG_MIGRATED: u8 = 0;
+
+/// A queue pair.
+#[derive(Debug)]
+pub struct QueuePair {
+    pub qpn: u32,
+    pub pdn: u32,
+    pub send_cqn: u32,
+    pub recv_cqn: u32,
+    pub sq_sig_all: bool,
+    pub cap: QpCap,
+    pub sq: (u64, WorkRingGeometry),
+    pub rq: (u64, WorkRingGeometry),
+    pub state: QpState,
+    /// Attributes as last set by modify_qp (returned by query_qp).
+    pub attr: QpAttr,
+}
+
+impl RdmaDevice {
+    pub(super) fn create_qp(&mut self, req: &CreateQpReq) -> VerbResult<CreateQpResp> {
+        let pdn = req.pdn.get();
+        self.pd_mut(pdn)?;
+        match QpType::try_from(req.qp_type) {
+            Ok(QpType::Rc) => {}
+            Ok(QpType::Uc | QpType::Ud) => {
+                return Err(VerbError::Unsupported("QP types other than RC"))
+            }
+            Err(other) => return Err(VerbError::Invalid(format!("QP type {other}"))),
+        }
+        if req.srqn.get() != NO_SRQ {
+            return Err(VerbError::Unsupported("shared receive queues"));
+        }
+        let (send_cqn, recv_cqn) = (req.send_cqn.get(), req.recv_cqn.get());
+        for cqn in [send_cqn, recv_cqn] {
+            if !self.cqs.contains_key(&cqn) {
+                return Err(VerbError::NoObject {
+                    kind: "CQ",
+                    handle: cqn,
+                });
+            }
+        }
+        Self::check_count("max_qp", self.qps.len(), self.limits.max_qp)?;
+        let cap = req.cap;
+        let l = &self.limits;
+        let checks = [
+            ("max_send_wr", cap.max_send_wr.get(), l.max_qp_depth),
+            ("max_recv_wr", cap.max_recv_wr.get(), l.max_qp_depth),
+            ("max_send_sge", cap.max_send_sge.get(), l.max_sge),
+            ("max_recv_sge", cap.max_recv_sge.get(), l.max_sge),
+            (
+                "max_inline_data",
+                cap.max_inline_data.get(),
+                l.max_inline_data,
+            ),
+        ];
+        for (name, value, max) in checks {
+            if value > max {
+                return Err(VerbError::Invalid(format!(
+                    "cap.{name} = {value} exceeds {max}"
+                )));
+            }
+        }
+        if cap.max_send_wr.get() == 0 && cap.max_recv_wr.get() == 0 {
+            return Err(VerbError::Invalid(
+                "a QP needs a send or a receive queue".into(),
+            ));
+        }
+        let sq = ring::sq_geometry(
+            cap.max_send_wr.get(),
+            cap.max_send_sge.get(),
+            cap.max_inline_data.get(),
+        )
+        .ok_or_else(|| VerbError::Invalid("send queue geometry".into()))?;
+        let rq = ring::rq_geometry(cap.max_recv_wr.get(), cap.max_recv_sge.get())
+            .ok_or_else(|| VerbError::Invalid("receive queue geometry".into()))?;
+        let (sq_addr, rq_addr) = (req.sq_ring_addr.get(), req.rq_ring_addr.get());
+        let overlap = sq_addr < rq_addr.saturating_add(rq.ring_bytes())
+            && rq_addr < sq_addr.saturating_add(sq.ring_bytes());
+        if overlap {
+            return Err(VerbError::Invalid("send and receive rings overlap".into()));
+        }
+        self.init_ring(sq_addr, sq.ring_bytes())?;
+        self.init_ring(rq_addr, rq.ring_bytes())?;
+
+        // What the rings can hold, never more than the limits allow.
+        let sq_payload = sq.stride - core::mem::size_of::<ring::SendWqe>() as u32;
+        let rq_payload = rq.stride - core::mem::size_of::<ring::RecvWqe>() as u32;
+        let granted = QpCap {
+            max_send_wr: sq.depth.into(),
+            max_recv_wr: rq.depth.into(),
+            max_send_sge: (sq_payload / ring::SGE_SIZE as u32).min(l.max_sge).into(),
+            max_recv_sge: (rq_payload / ring::SGE_SIZE as u32).min(l.max_sge).into(),
+            max_inline_data: sq_payload.min(l.max_inline_data).into(),
+        };
+        let qpn = random_unique(QPN_MASK, &[0, 1], |n| self.qps.contains_key(&n));
+        let attr = QpAttr {
+            qp_state: QpState::Reset.into(),
+            cap: granted,
+            path_mtu: PORT_MTU.into(),
+            port_num: 1,
+            ..QpAttr::default()
+        };
+        self.qps.insert(
+            qpn,
+            QueuePair {
+                qpn,
+                pdn,
+                send_cqn,
+                recv_cqn,
+                sq_sig_all: req.sq_sig_all != 0,
+                cap: granted,
+                sq: (sq_addr, sq),
+                rq: (rq_addr, rq),
+                state: QpState::Reset,
+                attr,
+            },
+        );
+        self.pd_mut(pdn)?.qps += 1;
+        for cqn in [send_cqn, recv_cqn] {
+            if let Some(cq) = self.cqs.get_mut(&cqn) {
+                cq.users += 1;
+            }
+        }
+        Ok(CreateQpResp {
+            qpn: qpn.into(),
+            reserved: 0.into(),
+            cap: granted,
+            reserved2: 0.into(),
+        })
+    }
+
+    pub(super) fn modify_qp(&mut self, req: &ModifyQpReq) -> VerbResult<()> {
+        let qpn = req.qpn.get();
+        let attr_mask = req.attr_mask.get();
+        let port_mtu = self.config.port.active_mtu;
+        let max_rd_atomic = self.limits.max_rd_atomic;
+        let qp = self.qps.get_mut(&qpn).ok_or(VerbError::NoObject {
+            kind: "QP",
+            handle: qpn,
+        })?;
+        let a = &req.attr;
+        if attr_mask & mask::CUR_STATE != 0 && a.cur_qp_state != u8::from(qp.state) {
+            return Err(VerbError::Invalid(format!(
+                "cur_qp_state {} is not the QP's state {:?}",
+                a.cur_qp_state, qp.state
+            )));
+        }
+        let next = if attr_mask & mask::STATE != 0 {
+            QpState::try_from(a.qp_state)
+                .map_err(|v| VerbError::Invalid(format!("qp_state {v}")))?
+        } else {
+            qp.state
+        };
+        check_rc_mask(qp.state, next, attr_mask).map_err(VerbError::Transition)?;
+        validate_attr(a, attr_mask, port_mtu, max_rd_atomic)?;
+        apply_attr(&mut qp.attr, a, attr_mask);
+        qp.state = next;
+        qp.attr.qp_state = next.into();
+        qp.attr.cur_qp_state = next.into();
+        if next == QpState::Reset {
+            // RESET returns the QP to its state after creation.
+            qp.attr = QpAttr {
+                cap: qp.cap,
+                qp_state: next.into(),
+                path_mtu: PORT_MTU.into(),
+                port_num: 1,
+                ..QpAttr::default()
+            };
+        }
+        Ok(())
+    }
+
+    pub(super) fn query_qp(&self, qpn: u32) -> VerbResult<QueryQpResp> {
+        let qp = self.qps.get(&qpn).ok_or(VerbError::NoObject {
+            kind: "QP",
+            handle: qpn,
+        })?;
+        Ok(QueryQpResp {
+            attr: qp.attr,
+            send_cqn: qp.send_cqn.into(),
+            recv_cqn: qp.recv_cqn.into(),
+            srqn: NO_SRQ.into(),
+            qp_type: QpType::Rc.into(),
+            sq_sig_all: qp.sq_sig_all.into(),
+            reserved: [0; 2],
+        })
+    }
+
+    pub(super) fn destroy_qp(&mut self, qpn: u32) -> VerbResult<()> {
+        let qp = self.qps.remove(&qpn).ok_or(VerbError::NoObject {
+            kind: "QP",
+            handle: qpn,
+        })?;
+        if let Some(pd) = self.pds.get_mut(&qp.pdn) {
+            pd.qps -= 1;
+        }
+        for cqn in [qp.send_cqn, qp.recv_cqn] {
+            if let Some(cq) = self.cqs.get_mut(&cqn) {
+                cq.users -= 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// The QP numbered `qpn`.
+    pub fn qp(&self, qpn: u32) -> Option<&QueuePair> {
+        self.qps.get(&qpn)
+    }
+}
+
+/// Checks the value of every attribute the mask names.
+fn validate_attr(a: &QpAttr, attr_mask: u32, port_mtu: u8, max_rd_atomic: u32) -> VerbResult<()> {
+    let has = |bit| attr_mask & bit != 0;
+    let bad = |what: String| Err(VerbError::Invalid(what));
+    if attr_mask & !known_mask() != 0 {
+        return bad(format!(
+            "unknown attribute mask bits {:#x}",
+            attr_mask & !known_mask()
+        ));
+    }
+    if has(mask::PORT) && a.port_num != 1 {
+        return bad(format!("port_num {} (the device has port 1)", a.port_num));
+    }
+    if has(mask::PKEY_INDEX) && a.pkey_index.get() != 0 {
+        return bad(format!(
+            "pkey_index {} (the P_Key table has 1 entry)",
+            a.pkey_index
+        ));
+    }
+    if has(mask::ACCESS_FLAGS) && a.qp_access_flags.get() & !access::QP_SUPPORTED != 0 {
+        return bad(format!("qp_access_flags {:#x}", a.qp_access_flags));
+    }
+    if has(mask::PATH_MTU) {
+        let mtu =
+            Mtu::try_from(a.path_mtu).map_err(|v| VerbError::Invalid(format!("path_mtu {v}")))?;
+        if u8::from(mtu) > port_mtu {
+            return bad(format!("path_mtu {mtu:?} is above the port's active MTU"));
+        }
+    }
+    if has(mask::AV) {
+        let av = &a.ah_attr;
+        if av.port_num != 1 {
+            return bad(format!("ah_attr.port_num {}", av.port_num));
+        }
+        if av.dlid.get() == 0 || av.dlid.get() >= 0xc000 {
+            return bad(format!("ah_attr.dlid {:#x} is not a unicast LID", av.dlid));
+        }
+        if av.is_global != 0 && av.sgid_index != 0 {
+            return bad(format!(
+                "ah_attr.grh.sgid_index {} (the GID table has 1 entry)",
+                av.sgid_index
+            ));
+        }
+    }
+    if has(mask::DEST_QPN) && a.dest_qp_num.get() > QPN_MASK {
+        return bad(format!(
+            "dest_qp_num {:#x} is not a 24-bit QPN",
+            a.dest_qp_num
+        ));
+    }
+    if has(mask::RQ_PSN) && a.rq_psn.get() > MAX_PSN {
+        return bad(format!("rq_psn {:#x} is not a 24-bit PSN", a.rq_psn));
+    }
+    if has(mask::SQ_PSN) && a.sq_psn.get() > MAX_PSN {
+        return bad(format!("sq_psn {:#x} is not a 24-bit PSN", a.sq_psn));
+    }
+    if has(mask::MAX_DEST_RD_ATOMIC) && u32::from(a.max_dest_rd_atomic) > max_rd_atomic {
+        return bad(format!(
+            "max_dest_rd_atomic {} exceeds {max_rd_atomic}",
+            a.max_dest_rd_atomic
+        ));
+    }
+    if has(mask::MAX_QP_RD_ATOMIC) && u32::from(a.max_rd_atomic) > max_rd_atomic {
+        return bad(format!(
+            "max_rd_atomic {} exceeds {max_rd_atomic}",
+            a.max_rd_atomic
+        ));
+    }
+    if has(mask::MIN_RNR_TIMER) && a.min_rnr_timer > MAX_TIMER {
+        return bad(format!("min_rnr_timer {}", a.min_rnr_timer));
+    }
+    if has(mask::TIMEOUT) && a.timeout > MAX_TIMER {
+        return bad(format!("timeout {}", a.timeout));
+    }
+    if has(mask::RETRY_CNT) && a.retry_cnt > MAX_RETRY {
+        return bad(format!("retry_cnt {}", a.retry_cnt));
+    }
+    if has(mask::RNR_RETRY) && a.rnr_retry > MAX_RETRY {
+        return bad(format!("rnr_retry {}", a.rnr_retry));
+    }
+    if has(mask::PATH_MIG_STATE) && a.path_mig_state != MIG_MIGRATED {
+        return bad(format!(
+            "path_mig_state {} (automatic path migration is not supported)",
+            a.path_mig_state
+        ));
+    }
+    if has(mask::ALT_PATH) {
+        return Err(VerbError::Unsupported(
+            "alternate paths (automatic path migration)",
+        ));
+    }
+    if has(mask::RATE_LIMIT) {
+        return Err(VerbError::Unsupported("per-QP rate limits"));
+    }
+    Ok(())
+}
+
+fn known_mask() -> u32 {
+    mask::NAMES.iter().fold(0, |acc, (bit, _)| acc | bit)
+}
+
+/// Copies the attributes the mask names into the QP's stored attributes.
+fn apply_attr(dst: &mut QpAttr, a: &QpAttr, attr_mask: u32) {
+    let has = |bit| attr_mask & bit != 0;
+    if has(mask::EN_SQD_ASYNC_NOTIFY) {
+        dst.en_sqd_async_notify = a.en_sqd_async_notify;
+    }
+    if has(mask::ACCESS_FLAGS) {
+        dst.qp_access_flags = a.qp_access_flags;
+    }
+    if has(mask::PKEY_INDEX) {
+        dst.pkey_index = a.pkey_index;
+    }
+    if has(mask::PORT) {
+        dst.port_num = a.port_num;
+    }
+    if has(mask::AV) {
+        dst.ah_attr = a.ah_attr;
+    }
+    if has(mask::PATH_MTU) {
+        dst.path_mtu = a.path_mtu;
+    }
+    if has(mask::TIMEOUT) {
+        dst.timeout = a.timeout;
+    }
+    if has(mask::RETRY_CNT) {
+        dst.retry_cnt = a.retry_cnt;
+    }
+    if has(mask::RNR_RETRY) {
+        dst.rnr_retry = a.rnr_retry;
+    }
+    if has(mask::RQ_PSN) {
+        dst.rq_psn = a.rq_psn;
+    }
+    if has(mask::SQ_PSN) {
+        dst.sq_psn = a.sq_psn;
+    }
+    if has(mask::MAX_QP_RD_ATOMIC) {
+        dst.max_rd_atomic = a.max_rd_atomic;
+    }
+    if has(mask::MAX_DEST_RD_ATOMIC) {
+        dst.max_dest_rd_atomic = a.max_dest_rd_atomic;
+    }
+    if has(mask::MIN_RNR_TIMER) {
+        dst.min_rnr_timer = a.min_rnr_timer;
+    }
+    if has(mask::PATH_MIG_STATE) {
+        dst.path_mig_state = a.path_mig_state;
+    }
+    if has(mask::DEST_QPN) {
+        dst.dest_qp_num = a.dest_qp_num;
+    }
+}

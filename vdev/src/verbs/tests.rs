@@ -1,0 +1,754 @@
+//! Unit tests of the verbs model, on anonymous guest memory.
+
+use std::sync::Arc;
+
+use vm_memory::{Bytes, GuestAddress, GuestMemoryMmap};
+use vrdma_spec::control::*;
+use vrdma_spec::qp_state::mask;
+use vrdma_spec::ring::{self, RING_ALIGN};
+use vrdma_spec::verbs::{access, Mtu, QpState};
+use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
+
+use super::*;
+
+const MEM_BASE: u64 = 0x10_0000;
+const MEM_SIZE: usize = 4 << 20;
+
+fn device_with(limits: Limits) -> RdmaDevice {
+    let identity = DeviceIdentity {
+        tenant: Arc::from("t1"),
+        lid: 5,
+        comp_vectors: 2,
+        max_queue_size: 256,
+    };
+    let mut dev = RdmaDevice::new(identity, limits);
+    let mem = GuestMemoryMmap::from_ranges(&[(GuestAddress(MEM_BASE), MEM_SIZE)]).expect("memory");
+    dev.update_memory(Arc::new(mem));
+    dev
+}
+
+fn device() -> RdmaDevice {
+    device_with(Limits::default())
+}
+
+fn run<T: FromBytes>(dev: &mut RdmaDevice, op: Opcode, req: &[u8]) -> Result<T, i32> {
+    dev.execute(op, req)
+        .map(|bytes| T::read_from_bytes(&bytes).expect("response size"))
+        .map_err(|e| e.errno())
+}
+
+fn run_unit(dev: &mut RdmaDevice, op: Opcode, req: &[u8]) -> Result<(), i32> {
+    dev.execute(op, req)
+        .map(|bytes| assert!(bytes.is_empty()))
+        .map_err(|e| e.errno())
+}
+
+fn alloc_pd(dev: &mut RdmaDevice) -> u32 {
+    run::<PdHandle>(dev, Opcode::AllocPd, &[])
+        .expect("pd")
+        .pdn
+        .get()
+}
+
+fn reg_mr(
+    dev: &mut RdmaDevice,
+    pdn: u32,
+    addr: u64,
+    len: u64,
+    flags: u32,
+) -> Result<RegMrResp, i32> {
+    let req = RegMrReq {
+        pdn: pdn.into(),
+        access: flags.into(),
+        addr: addr.into(),
+        length: len.into(),
+        iova: addr.into(),
+    };
+    run(dev, Opcode::RegMr, req.as_bytes())
+}
+
+fn create_cq(dev: &mut RdmaDevice, addr: u64) -> Result<u32, i32> {
+    let req = CreateCqReq {
+        depth: 16.into(),
+        comp_vector: 0.into(),
+        ring_addr: addr.into(),
+    };
+    run::<CqHandle>(dev, Opcode::CreateCq, req.as_bytes()).map(|h| h.cqn.get())
+}
+
+fn create_qp(
+    dev: &mut RdmaDevice,
+    pdn: u32,
+    cqn: u32,
+    sq: u64,
+    rq: u64,
+) -> Result<CreateQpResp, i32> {
+    let req = CreateQpReq {
+        pdn: pdn.into(),
+        send_cqn: cqn.into(),
+        recv_cqn: cqn.into(),
+        srqn: NO_SRQ.into(),
+        qp_type: 2,
+        cap: QpCap {
+            max_send_wr: 10.into(),
+            max_recv_wr: 10.into(),
+            max_send_sge: 2.into(),
+            max_recv_sge: 2.into(),
+            max_inline_data: 64.into(),
+        },
+        sq_ring_addr: sq.into(),
+        rq_ring_addr: rq.into(),
+        ..CreateQpReq::default()
+    };
+    run(dev, Opcode::CreateQp, req.as_bytes())
+}
+
+fn modify(dev: &mut RdmaDevice, qpn: u32, attr_mask: u32, attr: QpAttr) -> Result<(), i32> {
+    let req = ModifyQpReq {
+        qpn: qpn.into(),
+        attr_mask: attr_mask.into(),
+        attr,
+    };
+    run_unit(dev, Opcode::ModifyQp, req.as_bytes())
+}
+
+fn query_state(dev: &mut RdmaDevice, qpn: u32) -> QpState {
+    let req = QueryQpReq {
+        qpn: qpn.into(),
+        attr_mask: 0.into(),
+    };
+    let resp: QueryQpResp = run(dev, Opcode::QueryQp, req.as_bytes()).expect("query");
+    QpState::try_from(resp.attr.qp_state).expect("state")
+}
+
+const INIT_MASK: u32 = mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS;
+const RTR_MASK: u32 = mask::STATE
+    | mask::AV
+    | mask::PATH_MTU
+    | mask::DEST_QPN
+    | mask::RQ_PSN
+    | mask::MAX_DEST_RD_ATOMIC
+    | mask::MIN_RNR_TIMER;
+const RTS_MASK: u32 = mask::STATE
+    | mask::SQ_PSN
+    | mask::TIMEOUT
+    | mask::RETRY_CNT
+    | mask::RNR_RETRY
+    | mask::MAX_QP_RD_ATOMIC;
+
+fn rtr_attr() -> QpAttr {
+    let mut a = QpAttr {
+        qp_state: QpState::Rtr.into(),
+        path_mtu: Mtu::Mtu1024.into(),
+        ..QpAttr::default()
+    };
+    a.dest_qp_num = 0x1234.into();
+    a.ah_attr.dlid = 7.into();
+    a.ah_attr.port_num = 1;
+    a.max_dest_rd_atomic = 4;
+    a.min_rnr_timer = 12;
+    a
+}
+
+/// A QP in RESET with its CQ, on fresh rings; returns (pdn, cqn, qpn).
+fn qp_fixture(dev: &mut RdmaDevice) -> (u32, u32, u32) {
+    let pdn = alloc_pd(dev);
+    let cqn = create_cq(dev, MEM_BASE).expect("cq");
+    let qp = create_qp(dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x20000).expect("qp");
+    (pdn, cqn, qp.qpn.get())
+}
+
+#[test]
+fn query_verbs_report_the_configured_device() {
+    let mut dev = device();
+    let attr: vrdma_spec::config::DeviceAttr =
+        run(&mut dev, Opcode::QueryDevice, &[]).expect("query");
+    assert_eq!(attr.max_qp.get(), Limits::default().max_qp);
+    assert_eq!(attr.max_qp_rd_atom.get(), Limits::default().max_rd_atomic);
+    let port: vrdma_spec::config::PortAttr = run(
+        &mut dev,
+        Opcode::QueryPort,
+        QueryPortReq {
+            port_num: 1,
+            ..Default::default()
+        }
+        .as_bytes(),
+    )
+    .expect("port");
+    assert_eq!(port.lid.get(), 5);
+    assert_eq!(port.state, 4, "ACTIVE");
+    let gid: QueryGidResp = run(
+        &mut dev,
+        Opcode::QueryGid,
+        QueryGidReq {
+            port_num: 1,
+            ..Default::default()
+        }
+        .as_bytes(),
+    )
+    .expect("gid");
+    assert_eq!(&gid.gid[..8], &GID_PREFIX);
+    assert_eq!(gid.gid[15], 5, "GUID carries the LID");
+    let bad_port = QueryPortReq {
+        port_num: 2,
+        ..Default::default()
+    };
+    assert_eq!(
+        run::<vrdma_spec::config::PortAttr>(&mut dev, Opcode::QueryPort, bad_port.as_bytes()),
+        Err(libc::EINVAL)
+    );
+    let bad_gid = QueryGidReq {
+        port_num: 1,
+        index: 1.into(),
+        ..Default::default()
+    };
+    assert_eq!(
+        run::<QueryGidResp>(&mut dev, Opcode::QueryGid, bad_gid.as_bytes()),
+        Err(libc::EINVAL)
+    );
+}
+
+#[test]
+fn pd_limits_and_double_dealloc() {
+    let mut dev = device_with(Limits {
+        max_pd: 2,
+        ..Limits::default()
+    });
+    let a = alloc_pd(&mut dev);
+    let _b = alloc_pd(&mut dev);
+    assert_eq!(
+        run::<PdHandle>(&mut dev, Opcode::AllocPd, &[]).map(|_| ()),
+        Err(libc::ENOMEM)
+    );
+    let h = PdHandle {
+        pdn: a.into(),
+        reserved: 0.into(),
+    };
+    run_unit(&mut dev, Opcode::DeallocPd, h.as_bytes()).expect("dealloc");
+    assert_eq!(
+        run_unit(&mut dev, Opcode::DeallocPd, h.as_bytes()),
+        Err(libc::EINVAL),
+        "double dealloc"
+    );
+    assert!(alloc_pd(&mut dev) != a, "handles are not reused");
+}
+
+#[test]
+fn mr_checks_and_accounting() {
+    let mut dev = device_with(Limits {
+        max_mr: 3,
+        max_mr_bytes: 1 << 20,
+        max_total_mr_bytes: 3 << 19,
+        ..Limits::default()
+    });
+    let pdn = alloc_pd(&mut dev);
+    let rw = access::LOCAL_WRITE | access::REMOTE_WRITE;
+    assert_eq!(
+        reg_mr(&mut dev, pdn, MEM_BASE, 4096, access::REMOTE_WRITE).map(|_| ()),
+        Err(libc::EINVAL),
+        "remote write without local write"
+    );
+    assert_eq!(
+        reg_mr(&mut dev, pdn, MEM_BASE, 0, rw).map(|_| ()),
+        Err(libc::EINVAL),
+        "zero length"
+    );
+    assert_eq!(
+        reg_mr(&mut dev, pdn + 100, MEM_BASE, 4096, rw).map(|_| ()),
+        Err(libc::EINVAL),
+        "unknown PD"
+    );
+    assert_eq!(
+        reg_mr(&mut dev, pdn, MEM_BASE, 4096, 1 << 9).map(|_| ()),
+        Err(libc::EINVAL),
+        "unknown access flag"
+    );
+    assert_eq!(
+        reg_mr(&mut dev, pdn, MEM_BASE + MEM_SIZE as u64 - 4096, 8192, rw).map(|_| ()),
+        Err(libc::EFAULT),
+        "runs past guest memory"
+    );
+    assert_eq!(
+        reg_mr(&mut dev, pdn, u64::MAX - 4095, 8192, rw).map(|_| ()),
+        Err(libc::EFAULT),
+        "wraps around"
+    );
+    assert_eq!(
+        reg_mr(&mut dev, pdn, 0, 4096, rw).map(|_| ()),
+        Err(libc::EFAULT),
+        "unmapped"
+    );
+    assert_eq!(
+        reg_mr(&mut dev, pdn, MEM_BASE, 2 << 20, rw).map(|_| ()),
+        Err(libc::ENOMEM),
+        "above max_mr_bytes"
+    );
+
+    let a = reg_mr(&mut dev, pdn, MEM_BASE, 1 << 20, rw).expect("first MiB");
+    assert_ne!(a.lkey.get(), a.rkey.get());
+    assert_eq!(dev.registered_bytes(), 1 << 20);
+    let b = reg_mr(&mut dev, pdn, MEM_BASE, 1 << 19, rw).expect("half MiB");
+    assert_eq!(
+        reg_mr(&mut dev, pdn, MEM_BASE, 4096, rw).map(|_| ()),
+        Err(libc::ENOMEM),
+        "total bytes reached"
+    );
+    run_unit(
+        &mut dev,
+        Opcode::DeregMr,
+        MrHandle {
+            handle: b.handle,
+            reserved: 0.into(),
+        }
+        .as_bytes(),
+    )
+    .expect("dereg");
+    assert_eq!(dev.registered_bytes(), 1 << 20);
+    assert_eq!(
+        run_unit(
+            &mut dev,
+            Opcode::DeregMr,
+            MrHandle {
+                handle: b.handle,
+                reserved: 0.into()
+            }
+            .as_bytes()
+        ),
+        Err(libc::EINVAL),
+        "double dereg"
+    );
+    reg_mr(&mut dev, pdn, MEM_BASE, 4096, rw).expect("room again after dereg");
+
+    // A PD with an MR cannot go; once the MRs are gone it can.
+    let pd = PdHandle {
+        pdn: pdn.into(),
+        reserved: 0.into(),
+    };
+    assert_eq!(
+        run_unit(&mut dev, Opcode::DeallocPd, pd.as_bytes()),
+        Err(libc::EBUSY)
+    );
+}
+
+#[test]
+fn keys_are_not_sequential() {
+    let mut dev = device();
+    let pdn = alloc_pd(&mut dev);
+    let keys: Vec<u32> = (0..8)
+        .map(|i| {
+            reg_mr(&mut dev, pdn, MEM_BASE + i * 4096, 4096, 0)
+                .expect("mr")
+                .lkey
+                .get()
+        })
+        .collect();
+    let steps: std::collections::HashSet<u32> =
+        keys.windows(2).map(|w| w[1].wrapping_sub(w[0])).collect();
+    assert!(steps.len() > 1, "keys {keys:x?} advance by a constant step");
+}
+
+#[test]
+fn local_translation_checks_pd_bounds_and_revocation() {
+    let mut dev = device();
+    let pd_a = alloc_pd(&mut dev);
+    let pd_b = alloc_pd(&mut dev);
+    let mr = reg_mr(
+        &mut dev,
+        pd_a,
+        MEM_BASE + 0x3000,
+        0x2000,
+        access::LOCAL_WRITE,
+    )
+    .expect("mr");
+    let lkey = mr.lkey.get();
+    let pieces = dev
+        .translate_local(pd_a, lkey, MEM_BASE + 0x3100, 0x100, access::LOCAL_WRITE)
+        .expect("ok");
+    assert_eq!(pieces, vec![(GuestAddress(MEM_BASE + 0x3100), 0x100)]);
+    assert!(matches!(
+        dev.translate_local(pd_b, lkey, MEM_BASE + 0x3100, 1, 0),
+        Err(mr::KeyError::OtherPd { .. })
+    ));
+    assert!(matches!(
+        dev.translate_local(pd_a, lkey ^ 1, MEM_BASE + 0x3100, 1, 0),
+        Err(mr::KeyError::UnknownKey(_))
+    ));
+    // The VMM replaces guest memory with different memory at the same address.
+    let other =
+        GuestMemoryMmap::from_ranges(&[(GuestAddress(MEM_BASE), MEM_SIZE)]).expect("memory");
+    assert_eq!(dev.update_memory(Arc::new(other)), 1);
+    assert!(matches!(
+        dev.translate_local(pd_a, lkey, MEM_BASE + 0x3100, 1, 0),
+        Err(mr::KeyError::Translate(
+            crate::shadow::TranslateError::Revoked
+        ))
+    ));
+    // The revoked MR can still be deregistered.
+    run_unit(
+        &mut dev,
+        Opcode::DeregMr,
+        MrHandle {
+            handle: mr.handle,
+            reserved: 0.into(),
+        }
+        .as_bytes(),
+    )
+    .expect("dereg");
+}
+
+#[test]
+fn cq_checks_and_busy_rules() {
+    let mut dev = device();
+    assert_eq!(
+        create_cq(&mut dev, MEM_BASE + 8),
+        Err(libc::EINVAL),
+        "misaligned ring"
+    );
+    let past_end = CreateCqReq {
+        depth: 1024.into(),
+        comp_vector: 0.into(),
+        ring_addr: (MEM_BASE + MEM_SIZE as u64 - RING_ALIGN).into(),
+    };
+    assert_eq!(
+        run::<CqHandle>(&mut dev, Opcode::CreateCq, past_end.as_bytes()).map(|_| ()),
+        Err(libc::EINVAL),
+        "ring past memory"
+    );
+    let too_deep = CreateCqReq {
+        depth: (Limits::default().max_cq_depth + 1).into(),
+        comp_vector: 0.into(),
+        ring_addr: MEM_BASE.into(),
+    };
+    assert_eq!(
+        run::<CqHandle>(&mut dev, Opcode::CreateCq, too_deep.as_bytes()).map(|_| ()),
+        Err(libc::EINVAL)
+    );
+    let bad_vector = CreateCqReq {
+        depth: 4.into(),
+        comp_vector: 2.into(),
+        ring_addr: MEM_BASE.into(),
+    };
+    assert_eq!(
+        run::<CqHandle>(&mut dev, Opcode::CreateCq, bad_vector.as_bytes()).map(|_| ()),
+        Err(libc::EINVAL)
+    );
+
+    // create_cq resets the device half of the ring header.
+    dev.mem
+        .write_slice(&[0xffu8; 128], GuestAddress(MEM_BASE))
+        .expect("dirty");
+    let (pdn, cqn, qpn) = qp_fixture(&mut dev);
+    let mut header = [0u8; 128];
+    dev.mem
+        .read_slice(&mut header, GuestAddress(MEM_BASE))
+        .expect("read");
+    assert!(header[64..].iter().all(|&b| b == 0), "device line zeroed");
+    assert!(
+        header[..64].iter().all(|&b| b == 0xff),
+        "driver line untouched"
+    );
+    assert_eq!(dev.cq(cqn).map(|cq| cq.depth), Some(16));
+
+    let cq = CqHandle {
+        cqn: cqn.into(),
+        reserved: 0.into(),
+    };
+    assert_eq!(
+        run_unit(&mut dev, Opcode::DestroyCq, cq.as_bytes()),
+        Err(libc::EBUSY)
+    );
+    let pd = PdHandle {
+        pdn: pdn.into(),
+        reserved: 0.into(),
+    };
+    assert_eq!(
+        run_unit(&mut dev, Opcode::DeallocPd, pd.as_bytes()),
+        Err(libc::EBUSY)
+    );
+    let qp = QpHandle {
+        qpn: qpn.into(),
+        reserved: 0.into(),
+    };
+    run_unit(&mut dev, Opcode::DestroyQp, qp.as_bytes()).expect("destroy qp");
+    assert_eq!(
+        run_unit(&mut dev, Opcode::DestroyQp, qp.as_bytes()),
+        Err(libc::EINVAL),
+        "double destroy"
+    );
+    run_unit(&mut dev, Opcode::DestroyCq, cq.as_bytes()).expect("destroy cq");
+    run_unit(&mut dev, Opcode::DeallocPd, pd.as_bytes()).expect("dealloc pd");
+    assert_eq!(dev.object_counts(), (0, 0, 0, 0));
+}
+
+#[test]
+fn create_qp_validates_and_grants_caps() {
+    let mut dev = device();
+    let pdn = alloc_pd(&mut dev);
+    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    assert_eq!(
+        create_qp(
+            &mut dev,
+            pdn,
+            cqn + 50,
+            MEM_BASE + 0x10000,
+            MEM_BASE + 0x20000
+        )
+        .map(|_| ()),
+        Err(libc::EINVAL),
+        "unknown CQ"
+    );
+    assert_eq!(
+        create_qp(
+            &mut dev,
+            pdn + 50,
+            cqn,
+            MEM_BASE + 0x10000,
+            MEM_BASE + 0x20000
+        )
+        .map(|_| ()),
+        Err(libc::EINVAL),
+        "unknown PD"
+    );
+    assert_eq!(
+        create_qp(&mut dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x10000).map(|_| ()),
+        Err(libc::EINVAL),
+        "overlapping rings"
+    );
+    assert_eq!(
+        create_qp(&mut dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x20040).map(|_| ()),
+        Err(libc::EINVAL),
+        "misaligned ring"
+    );
+    let qp = create_qp(&mut dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x20000).expect("qp");
+    let sq = ring::sq_geometry(10, 2, 64).expect("geometry");
+    assert_eq!(qp.cap.max_send_wr.get(), sq.depth);
+    assert!(qp.cap.max_inline_data.get() >= 64 && qp.cap.max_send_sge.get() >= 2);
+    assert!(qp.qpn.get() > 1 && qp.qpn.get() <= 0xff_ffff);
+
+    let mut ud = CreateQpReq {
+        pdn: pdn.into(),
+        send_cqn: cqn.into(),
+        recv_cqn: cqn.into(),
+        srqn: NO_SRQ.into(),
+        qp_type: 4,
+        ..CreateQpReq::default()
+    };
+    ud.cap.max_send_wr = 1.into();
+    ud.sq_ring_addr = (MEM_BASE + 0x30000).into();
+    ud.rq_ring_addr = (MEM_BASE + 0x40000).into();
+    assert_eq!(
+        run::<CreateQpResp>(&mut dev, Opcode::CreateQp, ud.as_bytes()).map(|_| ()),
+        Err(libc::EOPNOTSUPP),
+        "UD not supported"
+    );
+    ud.qp_type = 2;
+    ud.cap.max_send_sge = 1000.into();
+    assert_eq!(
+        run::<CreateQpResp>(&mut dev, Opcode::CreateQp, ud.as_bytes()).map(|_| ()),
+        Err(libc::EINVAL),
+        "too many SGEs"
+    );
+}
+
+#[test]
+fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
+    let mut dev = device();
+    let (_, _, qpn) = qp_fixture(&mut dev);
+    let init = QpAttr {
+        qp_state: QpState::Init.into(),
+        port_num: 1,
+        qp_access_flags: access::REMOTE_WRITE.into(),
+        ..QpAttr::default()
+    };
+    assert_eq!(
+        modify(&mut dev, qpn, RTR_MASK, rtr_attr()),
+        Err(libc::EINVAL),
+        "RESET->RTR skips INIT"
+    );
+    assert_eq!(
+        modify(&mut dev, qpn, INIT_MASK & !mask::PORT, init),
+        Err(libc::EINVAL),
+        "missing port"
+    );
+    assert_eq!(
+        modify(
+            &mut dev,
+            qpn,
+            INIT_MASK,
+            QpAttr {
+                port_num: 2,
+                ..init
+            }
+        ),
+        Err(libc::EINVAL),
+        "bad port"
+    );
+    assert_eq!(
+        query_state(&mut dev, qpn),
+        QpState::Reset,
+        "failed modify changes nothing"
+    );
+    modify(&mut dev, qpn, INIT_MASK, init).expect("INIT");
+
+    let mut too_big_mtu = rtr_attr();
+    too_big_mtu.path_mtu = 6;
+    assert_eq!(
+        modify(&mut dev, qpn, RTR_MASK, too_big_mtu),
+        Err(libc::EINVAL),
+        "MTU beyond the enum"
+    );
+    let mut no_dlid = rtr_attr();
+    no_dlid.ah_attr.dlid = 0.into();
+    assert_eq!(
+        modify(&mut dev, qpn, RTR_MASK, no_dlid),
+        Err(libc::EINVAL),
+        "dlid 0"
+    );
+    let mut greedy = rtr_attr();
+    greedy.max_dest_rd_atomic = 200;
+    assert_eq!(
+        modify(&mut dev, qpn, RTR_MASK, greedy),
+        Err(libc::EINVAL),
+        "rd_atomic above the limit"
+    );
+    assert_eq!(
+        modify(&mut dev, qpn, RTR_MASK | mask::ALT_PATH, rtr_attr()),
+        Err(libc::EOPNOTSUPP),
+        "APM"
+    );
+    modify(&mut dev, qpn, RTR_MASK, rtr_attr()).expect("RTR");
+
+    let rts = QpAttr {
+        qp_state: QpState::Rts.into(),
+        timeout: 14,
+        retry_cnt: 7,
+        rnr_retry: 7,
+        max_rd_atomic: 1,
+        sq_psn: 77.into(),
+        ..QpAttr::default()
+    };
+    assert_eq!(
+        modify(
+            &mut dev,
+            qpn,
+            RTS_MASK,
+            QpAttr {
+                retry_cnt: 8,
+                ..rts
+            }
+        ),
+        Err(libc::EINVAL),
+        "retry_cnt 8"
+    );
+    assert_eq!(
+        modify(
+            &mut dev,
+            qpn,
+            RTS_MASK,
+            QpAttr {
+                sq_psn: 0x100_0000.into(),
+                ..rts
+            }
+        ),
+        Err(libc::EINVAL),
+        "PSN above 24 bits"
+    );
+    modify(&mut dev, qpn, RTS_MASK, rts).expect("RTS");
+    let resp: QueryQpResp = run(
+        &mut dev,
+        Opcode::QueryQp,
+        QueryQpReq {
+            qpn: qpn.into(),
+            attr_mask: 0.into(),
+        }
+        .as_bytes(),
+    )
+    .expect("query");
+    assert_eq!(resp.attr.qp_state, u8::from(QpState::Rts));
+    assert_eq!(resp.attr.dest_qp_num.get(), 0x1234);
+    assert_eq!(resp.attr.sq_psn.get(), 77);
+    assert_eq!(resp.attr.path_mtu, u8::from(Mtu::Mtu1024));
+    assert_eq!(resp.attr.ah_attr.dlid.get(), 7);
+
+    let wrong_cur = QpAttr {
+        qp_state: QpState::Sqd.into(),
+        cur_qp_state: QpState::Init.into(),
+        ..QpAttr::default()
+    };
+    assert_eq!(
+        modify(&mut dev, qpn, mask::STATE | mask::CUR_STATE, wrong_cur),
+        Err(libc::EINVAL),
+        "cur_qp_state mismatch"
+    );
+    modify(
+        &mut dev,
+        qpn,
+        mask::STATE,
+        QpAttr {
+            qp_state: QpState::Sqd.into(),
+            ..QpAttr::default()
+        },
+    )
+    .expect("SQD");
+    modify(
+        &mut dev,
+        qpn,
+        mask::STATE,
+        QpAttr {
+            qp_state: QpState::Rts.into(),
+            ..QpAttr::default()
+        },
+    )
+    .expect("back to RTS");
+    modify(
+        &mut dev,
+        qpn,
+        mask::STATE,
+        QpAttr {
+            qp_state: QpState::Err.into(),
+            ..QpAttr::default()
+        },
+    )
+    .expect("ERR");
+    assert_eq!(
+        modify(&mut dev, qpn, RTS_MASK, rts),
+        Err(libc::EINVAL),
+        "ERR->RTS"
+    );
+    modify(
+        &mut dev,
+        qpn,
+        mask::STATE,
+        QpAttr {
+            qp_state: QpState::Reset.into(),
+            ..QpAttr::default()
+        },
+    )
+    .expect("RESET");
+    assert_eq!(query_state(&mut dev, qpn), QpState::Reset);
+    assert_eq!(
+        modify(&mut dev, qpn + 1, INIT_MASK, init),
+        Err(libc::EINVAL),
+        "unknown QP"
+    );
+}
+
+#[test]
+fn malformed_payloads_are_refused() {
+    let mut dev = device();
+    assert_eq!(
+        run::<PdHandle>(&mut dev, Opcode::AllocPd, &[1]).map(|_| ()),
+        Err(libc::EINVAL),
+        "payload where none belongs"
+    );
+    assert_eq!(
+        run_unit(&mut dev, Opcode::DeallocPd, &[1, 2, 3]),
+        Err(libc::EINVAL),
+        "truncated"
+    );
+    assert_eq!(
+        run_unit(&mut dev, Opcode::DeallocPd, &[0; 9]),
+        Err(libc::EINVAL),
+        "oversized"
+    );
+}
