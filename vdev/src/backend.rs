@@ -67,6 +67,8 @@ struct Inner {
     device: Mutex<RdmaDevice>,
     mem: Mutex<Option<GuestMemoryAtomic<GuestMemoryMmap>>>,
     event_idx: AtomicBool,
+    /// Notifiers of the exit events handed to the daemon's worker threads.
+    exit_notifiers: Mutex<Vec<EventNotifier>>,
 }
 
 impl VrdmaBackend {
@@ -80,6 +82,7 @@ impl VrdmaBackend {
                 device: Mutex::new(device),
                 mem: Mutex::new(None),
                 event_idx: AtomicBool::new(false),
+                exit_notifiers: Mutex::new(Vec::new()),
             }),
         }
     }
@@ -91,6 +94,21 @@ impl VrdmaBackend {
             .device
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Tells the daemon's worker threads to exit (after the frontend left).
+    pub fn stop_workers(&self) {
+        for notifier in self
+            .inner
+            .exit_notifiers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+        {
+            if let Err(e) = notifier.notify() {
+                tracing::warn!(tenant = self.tenant(), error = %e, "Cannot stop a worker thread");
+            }
+        }
     }
 
     fn tenant(&self) -> &str {
@@ -221,7 +239,14 @@ impl VhostUserBackend for VrdmaBackend {
     }
 
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
-        new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()
+        let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()?;
+        let kept = notifier.try_clone().ok()?;
+        self.inner
+            .exit_notifiers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(kept);
+        Some((consumer, notifier))
     }
 
     fn handle_event(

@@ -21,6 +21,7 @@ pub mod verbs;
 
 use std::sync::Arc;
 
+use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
 use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
@@ -49,7 +50,9 @@ pub struct DaemonError(vhost_user_backend::Error);
 
 /// Serves the device on the configured socket: one frontend connection at
 /// a time, each with a fresh device, until `config.once` says to stop after
-/// the first.
+/// the first. The listening socket is created once, so a frontend that
+/// connects while another is being served waits in its backlog instead of
+/// meeting a closed socket.
 pub fn run(config: &Config) -> Result<(), Error> {
     let identity = DeviceIdentity {
         tenant: Arc::from(config.tenant.as_str()),
@@ -57,22 +60,33 @@ pub fn run(config: &Config) -> Result<(), Error> {
         comp_vectors: config.comp_vectors,
         max_queue_size: config.queue_size,
     };
+    let socket = config.socket.display().to_string();
+    let serve_err = |source| Error::Serve {
+        socket: socket.clone(),
+        source: DaemonError(source),
+    };
+    let mut listener = Listener::new(&config.socket, true)
+        .map_err(|e| serve_err(vhost_user_backend::Error::CreateVhostUserListener(e)))?;
     loop {
         let backend = VrdmaBackend::new(identity.clone(), config.limits);
         let mut daemon = VhostUserDaemon::new(
             format!("vdev-{}", config.tenant),
-            backend,
+            backend.clone(),
             GuestMemoryAtomic::new(GuestMemoryMmap::new()),
         )
         .map_err(|e| Error::Daemon(DaemonError(e)))?;
-        tracing::info!(tenant = %config.tenant, socket = %config.socket.display(), "Waiting for a frontend");
-        daemon
-            .serve(&config.socket)
-            .map_err(|source| Error::Serve {
-                socket: config.socket.display().to_string(),
-                source: DaemonError(source),
-            })?;
-        tracing::info!(tenant = %config.tenant, "Frontend disconnected; device state released");
+        tracing::info!(tenant = %config.tenant, socket, "Waiting for a frontend");
+        daemon.start(&mut listener).map_err(serve_err)?;
+        tracing::info!(tenant = %config.tenant, "Frontend connected");
+        let result = daemon.wait();
+        backend.stop_workers();
+        match result {
+            Ok(()) => {
+                tracing::info!(tenant = %config.tenant, "Frontend disconnected; device state released")
+            }
+            Err(e) => tracing::warn!(tenant = %config.tenant, error = %e,
+                "Frontend connection ended with an error; device state released"),
+        }
         if config.once {
             return Ok(());
         }

@@ -1,0 +1,137 @@
+//! Starting and stopping daemons built from this workspace.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+/// Directory holding the workspace's binaries: the profile directory the
+/// running test executable was built into (`target/<profile>/deps/..`).
+/// `VRDMA_BIN_DIR` overrides it.
+pub fn bin_dir() -> PathBuf {
+    if let Some(dir) = std::env::var_os("VRDMA_BIN_DIR") {
+        return dir.into();
+    }
+    let exe = std::env::current_exe().expect("test executable path");
+    let mut dir = exe.parent().expect("executable directory").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    dir
+}
+
+/// Path of workspace binary `name`, which must have been built.
+pub fn binary(name: &str) -> PathBuf {
+    let path = bin_dir().join(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the workspace binaries first (`cargo test --workspace` does)",
+        path.display()
+    );
+    path
+}
+
+/// A scratch directory removed on drop.
+#[derive(Debug)]
+pub struct TempDir(PathBuf);
+
+impl TempDir {
+    /// A new empty directory named after `tag`, this process and a counter.
+    pub fn new(tag: &str) -> Self {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let path = std::env::temp_dir().join(format!("vrdma-{tag}-{}-{n}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&path);
+        std::fs::create_dir_all(&path).expect("create temp dir");
+        TempDir(path)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A running vdev; killed on drop.
+#[derive(Debug)]
+pub struct Vdev {
+    child: Child,
+    pub socket: PathBuf,
+    pub tenant: String,
+    log: PathBuf,
+    _dir: TempDir,
+}
+
+impl Vdev {
+    /// Starts vdev for `tenant` with extra command-line `args`, and waits
+    /// until its socket exists.
+    pub fn start(tenant: &str, args: &[&str]) -> Self {
+        let dir = TempDir::new(&format!("vdev-{tenant}"));
+        let socket = dir.path().join("vdev.sock");
+        let log = dir.path().join("vdev.log");
+        let child = Command::new(binary("vdev"))
+            .arg("--socket")
+            .arg(&socket)
+            .args(["--tenant", tenant])
+            .args(args)
+            .env("VRDMA_LOG", "debug")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn vdev");
+        let mut vdev = Vdev {
+            child,
+            socket,
+            tenant: tenant.into(),
+            log,
+            _dir: dir,
+        };
+        vdev.wait_for_socket();
+        vdev
+    }
+
+    fn wait_for_socket(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.socket.exists() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "vdev exited with {status} before listening:\n{}",
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "vdev did not listen within 10 s:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Exit status, if it exited.
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Everything vdev logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Vdev {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,710 @@
+//! vdev as a VMM meets it: a separate vdev process on a real unix socket,
+//! driven through the `vhost` crate's frontend over memfd guest memory, with
+//! control commands in hand-written descriptor chains — well-formed ones and
+//! hostile ones. After every hostile chain the device must still answer.
+
+use vm_memory::{Bytes, GuestAddress};
+use vrdma_spec::config::{DeviceAttr, PortAttr, CONFIG_MAGIC};
+use vrdma_spec::control::*;
+use vrdma_spec::qp_state::mask;
+use vrdma_spec::ring::{self, RING_ALIGN};
+use vrdma_spec::verbs::{access, Mtu, QpState};
+use vrdma_spec::zerocopy::IntoBytes;
+use vrdma_tests::daemon::Vdev;
+use vrdma_tests::vmm::{self, Desc, Vmm, FREE, GUEST_BASE, GUEST_SIZE, SCRATCH};
+
+const EINVAL: u32 = libc::EINVAL as u32;
+const EBUSY: u32 = libc::EBUSY as u32;
+const EFAULT: u32 = libc::EFAULT as u32;
+const ENOMEM: u32 = libc::ENOMEM as u32;
+
+fn alloc_pd(vmm: &mut Vmm) -> u32 {
+    vmm.ok::<PdHandle>(Opcode::AllocPd, &[]).pdn.get()
+}
+
+fn pd(pdn: u32) -> PdHandle {
+    PdHandle {
+        pdn: pdn.into(),
+        reserved: 0.into(),
+    }
+}
+
+fn reg(pdn: u32, addr: u64, len: u64, flags: u32) -> RegMrReq {
+    RegMrReq {
+        pdn: pdn.into(),
+        access: flags.into(),
+        addr: addr.into(),
+        length: len.into(),
+        iova: addr.into(),
+    }
+}
+
+fn cq_req(addr: u64, depth: u32) -> CreateCqReq {
+    CreateCqReq {
+        depth: depth.into(),
+        comp_vector: 0.into(),
+        ring_addr: addr.into(),
+    }
+}
+
+fn qp_req(pdn: u32, cqn: u32, sq: u64, rq: u64) -> CreateQpReq {
+    CreateQpReq {
+        pdn: pdn.into(),
+        send_cqn: cqn.into(),
+        recv_cqn: cqn.into(),
+        srqn: NO_SRQ.into(),
+        qp_type: 2,
+        cap: QpCap {
+            max_send_wr: 16.into(),
+            max_recv_wr: 16.into(),
+            max_send_sge: 1.into(),
+            max_recv_sge: 1.into(),
+            max_inline_data: 32.into(),
+        },
+        sq_ring_addr: sq.into(),
+        rq_ring_addr: rq.into(),
+        ..CreateQpReq::default()
+    }
+}
+
+/// A valid command still works: the device survived what came before.
+fn assert_still_serving(vmm: &mut Vmm) {
+    let attr: DeviceAttr = vmm.ok(Opcode::QueryDevice, &[]);
+    assert_eq!(attr.phys_port_cnt, 1);
+}
+
+#[test]
+fn config_space_and_queries_describe_the_device() {
+    let vdev = Vdev::start("cfg", &["--lid", "9", "--comp-vectors", "2"]);
+    let mut vmm = Vmm::attach(&vdev.socket);
+    assert_eq!(vmm.config.magic.get(), CONFIG_MAGIC);
+    assert_eq!(
+        vmm.config.version_major.get(),
+        vrdma_spec::SPEC_VERSION_MAJOR
+    );
+    assert_eq!(vmm.config.num_comp_vectors.get(), 2);
+    assert_eq!(vmm.config.port.lid.get(), 9);
+    assert_eq!(vmm.config.name(), Some("vrdma_9"));
+    assert_eq!(
+        vmm.frontend_queue_num(),
+        u64::from(vrdma_spec::num_queues(2))
+    );
+
+    let attr: DeviceAttr = vmm.ok(Opcode::QueryDevice, &[]);
+    assert_eq!(
+        attr, vmm.config.device,
+        "QUERY_DEVICE agrees with config space"
+    );
+    assert!(
+        attr.max_qp_rd_atom.get() > 0,
+        "ib_read_bw needs max_qp_rd_atom > 0"
+    );
+    let port: PortAttr = vmm.ok(
+        Opcode::QueryPort,
+        QueryPortReq {
+            port_num: 1,
+            ..Default::default()
+        }
+        .as_bytes(),
+    );
+    assert_eq!(port, vmm.config.port);
+    assert_eq!(port.state, 4, "port ACTIVE");
+    let gid: QueryGidResp = vmm.ok(
+        Opcode::QueryGid,
+        QueryGidReq {
+            port_num: 1,
+            ..Default::default()
+        }
+        .as_bytes(),
+    );
+    assert_eq!(gid.gid, vmm.config.gid);
+    assert_eq!(
+        vmm.errno(
+            Opcode::QueryPort,
+            QueryPortReq {
+                port_num: 0,
+                ..Default::default()
+            }
+            .as_bytes()
+        ),
+        EINVAL
+    );
+}
+
+trait QueueNum {
+    fn frontend_queue_num(&mut self) -> u64;
+}
+
+impl QueueNum for Vmm {
+    fn frontend_queue_num(&mut self) -> u64 {
+        use vhost::vhost_user::VhostUserFrontend;
+        self.frontend.get_queue_num().expect("get_queue_num")
+    }
+}
+
+#[test]
+fn every_control_verb_and_its_failure_paths() {
+    let vdev = Vdev::start("verbs", &[]);
+    let mut vmm = Vmm::attach(&vdev.socket);
+
+    // PD
+    let pdn = alloc_pd(&mut vmm);
+    let other_pdn = alloc_pd(&mut vmm);
+    assert_ne!(pdn, other_pdn);
+
+    // MR: success, then each failure.
+    let rw = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+    let mr: RegMrResp = vmm.ok(Opcode::RegMr, reg(pdn, FREE, 1 << 20, rw).as_bytes());
+    assert_ne!(mr.lkey.get(), 0);
+    assert_eq!(
+        vmm.errno(
+            Opcode::RegMr,
+            reg(pdn, FREE, 4096, access::REMOTE_WRITE).as_bytes()
+        ),
+        EINVAL,
+        "remote write needs local write"
+    );
+    assert_eq!(
+        vmm.errno(Opcode::RegMr, reg(pdn + 1000, FREE, 4096, rw).as_bytes()),
+        EINVAL,
+        "unknown PD"
+    );
+    assert_eq!(
+        vmm.errno(Opcode::RegMr, reg(pdn, FREE, 0, rw).as_bytes()),
+        EINVAL,
+        "zero length"
+    );
+    let end = GUEST_BASE + GUEST_SIZE as u64;
+    assert_eq!(
+        vmm.errno(Opcode::RegMr, reg(pdn, end - 4096, 8192, rw).as_bytes()),
+        EFAULT,
+        "MR spans unmapped memory"
+    );
+    assert_eq!(
+        vmm.errno(
+            Opcode::RegMr,
+            reg(pdn, u64::MAX - 4095, 8192, rw).as_bytes()
+        ),
+        EFAULT,
+        "MR wraps around"
+    );
+    assert_eq!(
+        vmm.errno(Opcode::RegMr, reg(pdn, 0, 4096, rw).as_bytes()),
+        EFAULT,
+        "MR below guest memory"
+    );
+
+    // CQ
+    let cq_ring = FREE + (2 << 20);
+    let cq: CqHandle = vmm.ok(Opcode::CreateCq, cq_req(cq_ring, 64).as_bytes());
+    assert_eq!(
+        vmm.errno(Opcode::CreateCq, cq_req(cq_ring + 64, 64).as_bytes()),
+        EINVAL,
+        "misaligned CQ ring"
+    );
+    assert_eq!(
+        vmm.errno(Opcode::CreateCq, cq_req(end - RING_ALIGN, 4096).as_bytes()),
+        EINVAL,
+        "CQ ring past guest memory"
+    );
+    assert_eq!(
+        vmm.errno(Opcode::CreateCq, cq_req(cq_ring, 0).as_bytes()),
+        EINVAL,
+        "zero depth"
+    );
+
+    // QP
+    let (sq, rq) = (FREE + (3 << 20), FREE + (3 << 20) + 0x10000);
+    let qp: CreateQpResp = vmm.ok(
+        Opcode::CreateQp,
+        qp_req(pdn, cq.cqn.get(), sq, rq).as_bytes(),
+    );
+    let qpn = qp.qpn.get();
+    assert!(qp.cap.max_send_wr.get() >= 16 && qp.cap.max_inline_data.get() >= 32);
+    assert_eq!(
+        vmm.errno(
+            Opcode::CreateQp,
+            qp_req(pdn, cq.cqn.get() + 77, sq, rq).as_bytes()
+        ),
+        EINVAL,
+        "unknown CQ"
+    );
+    assert_eq!(
+        vmm.errno(
+            Opcode::CreateQp,
+            qp_req(pdn, cq.cqn.get(), end, rq).as_bytes()
+        ),
+        EINVAL,
+        "SQ ring outside memory"
+    );
+
+    // modify_qp through RTS, with a wrong attribute at each step first.
+    let modify = |vmm: &mut Vmm, attr_mask: u32, attr: QpAttr| {
+        vmm.errno(
+            Opcode::ModifyQp,
+            ModifyQpReq {
+                qpn: qpn.into(),
+                attr_mask: attr_mask.into(),
+                attr,
+            }
+            .as_bytes(),
+        )
+    };
+    let init = QpAttr {
+        qp_state: QpState::Init.into(),
+        port_num: 1,
+        qp_access_flags: (access::REMOTE_WRITE | access::REMOTE_READ).into(),
+        ..QpAttr::default()
+    };
+    let init_mask = mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS;
+    assert_eq!(
+        modify(&mut vmm, mask::STATE | mask::PORT, init),
+        EINVAL,
+        "missing pkey_index/access_flags"
+    );
+    assert_eq!(modify(&mut vmm, init_mask, init), 0);
+    let mut rtr = QpAttr {
+        qp_state: QpState::Rtr.into(),
+        path_mtu: Mtu::Mtu4096.into(),
+        dest_qp_num: 0x42.into(),
+        max_dest_rd_atomic: 1,
+        min_rnr_timer: 12,
+        ..QpAttr::default()
+    };
+    rtr.ah_attr.dlid = 3.into();
+    rtr.ah_attr.port_num = 1;
+    let rtr_mask = mask::STATE
+        | mask::AV
+        | mask::PATH_MTU
+        | mask::DEST_QPN
+        | mask::RQ_PSN
+        | mask::MAX_DEST_RD_ATOMIC
+        | mask::MIN_RNR_TIMER;
+    assert_eq!(
+        modify(&mut vmm, rtr_mask & !mask::AV, rtr),
+        EINVAL,
+        "missing required AV"
+    );
+    assert_eq!(
+        modify(&mut vmm, rtr_mask, QpAttr { path_mtu: 7, ..rtr }),
+        EINVAL,
+        "path MTU above the port's"
+    );
+    assert_eq!(modify(&mut vmm, rtr_mask, rtr), 0);
+    let rts = QpAttr {
+        qp_state: QpState::Rts.into(),
+        timeout: 14,
+        retry_cnt: 7,
+        rnr_retry: 7,
+        max_rd_atomic: 1,
+        ..QpAttr::default()
+    };
+    let rts_mask = mask::STATE
+        | mask::SQ_PSN
+        | mask::TIMEOUT
+        | mask::RETRY_CNT
+        | mask::RNR_RETRY
+        | mask::MAX_QP_RD_ATOMIC;
+    assert_eq!(
+        modify(&mut vmm, rts_mask | mask::DEST_QPN, rts),
+        EINVAL,
+        "dest_qp_num not allowed RTR->RTS"
+    );
+    assert_eq!(modify(&mut vmm, rts_mask, rts), 0);
+    let q: QueryQpResp = vmm.ok(
+        Opcode::QueryQp,
+        QueryQpReq {
+            qpn: qpn.into(),
+            attr_mask: 0.into(),
+        }
+        .as_bytes(),
+    );
+    assert_eq!(q.attr.qp_state, u8::from(QpState::Rts));
+    assert_eq!(q.attr.dest_qp_num.get(), 0x42);
+    assert_eq!(q.attr.cap, qp.cap);
+    assert_eq!(q.send_cqn.get(), cq.cqn.get());
+    assert_eq!(
+        modify(
+            &mut vmm,
+            mask::STATE,
+            QpAttr {
+                qp_state: QpState::Sqd.into(),
+                ..QpAttr::default()
+            }
+        ),
+        0
+    );
+    assert_eq!(
+        modify(
+            &mut vmm,
+            mask::STATE,
+            QpAttr {
+                qp_state: QpState::Err.into(),
+                ..QpAttr::default()
+            }
+        ),
+        0
+    );
+    assert_eq!(
+        modify(&mut vmm, rts_mask, rts),
+        EINVAL,
+        "ERR->RTS is not a transition"
+    );
+
+    // Dependencies: busy objects cannot go; double destroy fails.
+    assert_eq!(
+        vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()),
+        EBUSY,
+        "PD has an MR and a QP"
+    );
+    assert_eq!(
+        vmm.errno(Opcode::DestroyCq, cq.as_bytes()),
+        EBUSY,
+        "CQ has a QP"
+    );
+    let qp_handle = QpHandle {
+        qpn: qpn.into(),
+        reserved: 0.into(),
+    };
+    assert_eq!(vmm.errno(Opcode::DestroyQp, qp_handle.as_bytes()), 0);
+    assert_eq!(
+        vmm.errno(Opcode::DestroyQp, qp_handle.as_bytes()),
+        EINVAL,
+        "double destroy QP"
+    );
+    assert_eq!(
+        vmm.errno(
+            Opcode::QueryQp,
+            QueryQpReq {
+                qpn: qpn.into(),
+                attr_mask: 0.into()
+            }
+            .as_bytes()
+        ),
+        EINVAL
+    );
+    assert_eq!(vmm.errno(Opcode::DestroyCq, cq.as_bytes()), 0);
+    assert_eq!(
+        vmm.errno(Opcode::DestroyCq, cq.as_bytes()),
+        EINVAL,
+        "double destroy CQ"
+    );
+    assert_eq!(
+        vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()),
+        EBUSY,
+        "PD still has an MR"
+    );
+    let mr_handle = MrHandle {
+        handle: mr.handle,
+        reserved: 0.into(),
+    };
+    assert_eq!(vmm.errno(Opcode::DeregMr, mr_handle.as_bytes()), 0);
+    assert_eq!(
+        vmm.errno(Opcode::DeregMr, mr_handle.as_bytes()),
+        EINVAL,
+        "double dereg"
+    );
+    assert_eq!(vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
+    assert_eq!(
+        vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()),
+        EINVAL,
+        "double dealloc"
+    );
+    assert_still_serving(&mut vmm);
+}
+
+#[test]
+fn limits_from_the_config_file_are_enforced() {
+    let dir = vrdma_tests::daemon::TempDir::new("limits");
+    let config = dir.path().join("vdev.toml");
+    std::fs::write(
+        &config,
+        "[limits]\nmax_pd = 2\nmax_mr = 2\nmax_mr_bytes = 1048576\nmax_total_mr_bytes = 1572864\n",
+    )
+    .expect("config");
+    let vdev = Vdev::start("limits", &["--config", config.to_str().expect("utf8")]);
+    let mut vmm = Vmm::attach(&vdev.socket);
+    assert_eq!(vmm.config.device.max_pd.get(), 2);
+    let pdn = alloc_pd(&mut vmm);
+    alloc_pd(&mut vmm);
+    assert_eq!(vmm.errno(Opcode::AllocPd, &[]), ENOMEM, "third PD");
+    assert_eq!(
+        vmm.errno(Opcode::RegMr, reg(pdn, FREE, 2 << 20, 0).as_bytes()),
+        ENOMEM,
+        "above max_mr_bytes"
+    );
+    let a: RegMrResp = vmm.ok(Opcode::RegMr, reg(pdn, FREE, 1 << 20, 0).as_bytes());
+    assert_eq!(
+        vmm.errno(Opcode::RegMr, reg(pdn, FREE, 1 << 20, 0).as_bytes()),
+        ENOMEM,
+        "total bytes"
+    );
+    let _b: RegMrResp = vmm.ok(Opcode::RegMr, reg(pdn, FREE, 1 << 19, 0).as_bytes());
+    assert_eq!(
+        vmm.errno(Opcode::RegMr, reg(pdn, FREE, 4096, 0).as_bytes()),
+        ENOMEM,
+        "MR count"
+    );
+    assert_eq!(
+        vmm.errno(
+            Opcode::DeregMr,
+            MrHandle {
+                handle: a.handle,
+                reserved: 0.into()
+            }
+            .as_bytes()
+        ),
+        0
+    );
+    let _c: RegMrResp = vmm.ok(Opcode::RegMr, reg(pdn, FREE, 4096, 0).as_bytes());
+}
+
+#[test]
+fn hostile_chains_get_an_error_and_vdev_keeps_serving() {
+    let vdev = Vdev::start("hostile", &[]);
+    let mut vmm = Vmm::attach(&vdev.socket);
+    let header = |op: u16, len: u32| RequestHeader {
+        opcode: op.into(),
+        flags: 0.into(),
+        payload_len: len.into(),
+    };
+
+    // Unknown command code.
+    let (status, _) = vmm.raw_command(header(99, 0).as_bytes(), 64);
+    assert_eq!(status, libc::EOPNOTSUPP as u32);
+    // Truncated: DEALLOC_PD announces 8 payload bytes and carries 3.
+    let mut truncated = header(Opcode::DeallocPd.into(), 8).as_bytes().to_vec();
+    truncated.extend_from_slice(&[1, 0, 0]);
+    assert_eq!(vmm.raw_command(&truncated, 64).0, EINVAL);
+    // Header shorter than a header.
+    assert_eq!(vmm.raw_command(&[4, 0, 0], 64).0, EINVAL);
+    // payload_len disagreeing with the bytes present.
+    let mut lying = header(Opcode::AllocPd.into(), 100).as_bytes().to_vec();
+    lying.extend_from_slice(&[0; 8]);
+    assert_eq!(vmm.raw_command(&lying, 64).0, EINVAL);
+    // Non-zero flags.
+    let flagged = RequestHeader {
+        opcode: u16::from(Opcode::AllocPd).into(),
+        flags: 1.into(),
+        payload_len: 0.into(),
+    };
+    assert_eq!(vmm.raw_command(flagged.as_bytes(), 64).0, EINVAL);
+    // Oversized: 8 KiB of request.
+    let mut huge = header(Opcode::QueryDevice.into(), 8192 - 8)
+        .as_bytes()
+        .to_vec();
+    huge.resize(8192, 0);
+    assert_eq!(vmm.raw_command(&huge, 64).0, libc::EMSGSIZE as u32);
+    // Response room too small for the answer: refused without executing.
+    assert_eq!(
+        vmm.raw_command(header(Opcode::AllocPd.into(), 0).as_bytes(), 8)
+            .0,
+        EINVAL
+    );
+
+    let end = GUEST_BASE + GUEST_SIZE as u64;
+    let resp = SCRATCH + 0x8000;
+    let chains: Vec<(&str, Vec<Desc>)> = vec![
+        (
+            "request outside guest memory",
+            vec![
+                Desc {
+                    addr: end + 4096,
+                    len: 8,
+                    write: false,
+                    next: Some(1),
+                },
+                Desc {
+                    addr: resp,
+                    len: 64,
+                    write: true,
+                    next: None,
+                },
+            ],
+        ),
+        (
+            "request wrapping the address space",
+            vec![
+                Desc {
+                    addr: u64::MAX - 3,
+                    len: 8,
+                    write: false,
+                    next: Some(1),
+                },
+                Desc {
+                    addr: resp,
+                    len: 64,
+                    write: true,
+                    next: None,
+                },
+            ],
+        ),
+        (
+            "request longer than guest memory",
+            vec![
+                Desc {
+                    addr: SCRATCH,
+                    len: u32::MAX,
+                    write: false,
+                    next: Some(1),
+                },
+                Desc {
+                    addr: resp,
+                    len: 64,
+                    write: true,
+                    next: None,
+                },
+            ],
+        ),
+        (
+            "response outside guest memory",
+            vec![
+                Desc {
+                    addr: SCRATCH,
+                    len: 8,
+                    write: false,
+                    next: Some(1),
+                },
+                Desc {
+                    addr: end - 8,
+                    len: 64,
+                    write: true,
+                    next: None,
+                },
+            ],
+        ),
+        (
+            "no writable descriptor",
+            vec![Desc {
+                addr: SCRATCH,
+                len: 8,
+                write: false,
+                next: None,
+            }],
+        ),
+        (
+            "next index beyond the table",
+            vec![Desc {
+                addr: SCRATCH,
+                len: 8,
+                write: false,
+                next: Some(vmm::QUEUE_SIZE + 5),
+            }],
+        ),
+    ];
+    vmm.mem
+        .write_slice(
+            header(Opcode::AllocPd.into(), 0).as_bytes(),
+            GuestAddress(SCRATCH),
+        )
+        .expect("request");
+    for (what, chain) in chains {
+        let used = vmm.submit_chain(&chain);
+        assert_eq!(used, 0, "{what}: nothing written");
+        assert_still_serving(&mut vmm);
+    }
+
+    // Zero-length request descriptor: answered with EINVAL.
+    let used = vmm.submit_chain(&[
+        Desc {
+            addr: SCRATCH,
+            len: 0,
+            write: false,
+            next: Some(1),
+        },
+        Desc {
+            addr: resp,
+            len: 64,
+            write: true,
+            next: None,
+        },
+    ]);
+    assert_eq!(used, 8);
+    let status: u32 = vmm.mem.read_obj(GuestAddress(resp)).expect("status");
+    assert_eq!(status, EINVAL);
+
+    // A descriptor loop: the chain ends after a queue's worth of descriptors.
+    let used = vmm.submit_chain(&[Desc {
+        addr: SCRATCH,
+        len: 8,
+        write: false,
+        next: Some(0),
+    }]);
+    assert_eq!(used, 0, "a loop has no writable descriptor");
+    assert_still_serving(&mut vmm);
+
+    // None of the hostile chains allocated anything: the first PD handle a
+    // valid ALLOC_PD now gets works, and vdev is still running.
+    let pdn = alloc_pd(&mut vmm);
+    assert_eq!(vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
+    let mut vdev = vdev;
+    assert!(vdev.is_running(), "vdev died:\n{}", vdev.log());
+}
+
+#[test]
+fn removed_guest_memory_revokes_shadows_and_is_not_reused() {
+    let vdev = Vdev::start("memtable", &[]);
+    let mut vmm = Vmm::attach(&vdev.socket);
+    use vhost::vhost_user::VhostUserFrontend;
+    // Hot-add a second region, register an MR in it, then remove the region.
+    let extra_gpa = 0x4000_0000;
+    let extra = vmm::memfd_memory("hotplug", extra_gpa, 2 << 20);
+    let info = vmm::region_infos(&extra)[0];
+    vmm.frontend.add_mem_region(&info).expect("add_mem_region");
+    let pdn = alloc_pd(&mut vmm);
+    let mr: RegMrResp = vmm.ok(
+        Opcode::RegMr,
+        reg(pdn, extra_gpa, 1 << 20, access::LOCAL_WRITE).as_bytes(),
+    );
+    let cq_in_extra = cq_req(extra_gpa + (1 << 20), 16);
+    let _cq: CqHandle = vmm.ok(Opcode::CreateCq, cq_in_extra.as_bytes());
+    vmm.frontend
+        .remove_mem_region(&info)
+        .expect("remove_mem_region");
+    // The range is gone: new registrations and rings there fail cleanly.
+    assert_eq!(
+        vmm.errno(Opcode::RegMr, reg(pdn, extra_gpa, 4096, 0).as_bytes()),
+        EFAULT
+    );
+    assert_eq!(vmm.errno(Opcode::CreateCq, cq_in_extra.as_bytes()), EINVAL);
+    // The revoked MR can still be deregistered, and vdev said what it did.
+    assert_eq!(
+        vmm.errno(
+            Opcode::DeregMr,
+            MrHandle {
+                handle: mr.handle,
+                reserved: 0.into()
+            }
+            .as_bytes()
+        ),
+        0
+    );
+    assert_still_serving(&mut vmm);
+    let log = vdev.log();
+    assert!(
+        log.contains("shadows are revoked") && log.contains("revoked=1"),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_new_frontend_gets_a_fresh_device() {
+    let vdev = Vdev::start("reconnect", &[]);
+    let first_pd = {
+        let mut vmm = Vmm::attach(&vdev.socket);
+        let pdn = alloc_pd(&mut vmm);
+        let _: RegMrResp = vmm.ok(Opcode::RegMr, reg(pdn, FREE, 4096, 0).as_bytes());
+        pdn
+    };
+    // The first frontend is gone (dropped); its objects went with it.
+    let mut vmm = Vmm::attach(&vdev.socket);
+    assert_eq!(
+        vmm.errno(Opcode::DeallocPd, pd(first_pd).as_bytes()),
+        EINVAL,
+        "old PD does not exist"
+    );
+    let pdn = alloc_pd(&mut vmm);
+    assert_eq!(vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
+    let depth = ring::cq_depth(100).expect("depth");
+    let _: CqHandle = vmm.ok(Opcode::CreateCq, cq_req(FREE, depth).as_bytes());
+}
