@@ -184,6 +184,16 @@ pub mod access {
     /// Flags vrdma's `reg_mr` implements. `RELAXED_ORDERING` is a hint that is
     /// always honoured (the soft datapath is strongly ordered) and `HUGETLB`
     /// only describes the backing pages, so both are accepted.
+    /// Every MR access flag libibverbs defines.
+    pub const MR_KNOWN: u32 = LOCAL_WRITE
+        | REMOTE_WRITE
+        | REMOTE_READ
+        | REMOTE_ATOMIC
+        | MW_BIND
+        | ZERO_BASED
+        | ON_DEMAND
+        | HUGETLB
+        | RELAXED_ORDERING;
     pub const MR_SUPPORTED: u32 =
         LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ | REMOTE_ATOMIC | HUGETLB | RELAXED_ORDERING;
 }

@@ -226,8 +226,10 @@ impl Vmm {
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS;
         assert!(proto.contains(wanted), "protocol features {proto:?}");
+        // Like QEMU, take RESET_DEVICE when offered, to pass guest resets on.
+        let acked = wanted | (proto & VhostUserProtocolFeatures::RESET_DEVICE);
         frontend
-            .set_protocol_features(wanted)
+            .set_protocol_features(acked)
             .expect("set_protocol_features");
         let buf = [0u8; CONFIG_SIZE];
         let (_, bytes) = frontend

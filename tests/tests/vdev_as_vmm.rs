@@ -3,6 +3,8 @@
 //! control commands in hand-written descriptor chains — well-formed ones and
 //! hostile ones. After every hostile chain the device must still answer.
 
+use vhost::vhost_user::VhostUserFrontend;
+use vhost::VhostBackend;
 use vm_memory::{Bytes, GuestAddress};
 use vrdma_spec::config::{DeviceAttr, PortAttr, CONFIG_MAGIC};
 use vrdma_spec::control::*;
@@ -86,7 +88,7 @@ fn config_space_and_queries_describe_the_device() {
     assert_eq!(vmm.config.port.lid.get(), 9);
     assert_eq!(vmm.config.name(), Some("vrdma_9"));
     assert_eq!(
-        vmm.frontend_queue_num(),
+        vmm.frontend.get_queue_num().expect("get_queue_num"),
         u64::from(vrdma_spec::num_queues(2))
     );
 
@@ -129,17 +131,6 @@ fn config_space_and_queries_describe_the_device() {
         ),
         EINVAL
     );
-}
-
-trait QueueNum {
-    fn frontend_queue_num(&mut self) -> u64;
-}
-
-impl QueueNum for Vmm {
-    fn frontend_queue_num(&mut self) -> u64 {
-        use vhost::vhost_user::VhostUserFrontend;
-        self.frontend.get_queue_num().expect("get_queue_num")
-    }
 }
 
 #[test]
@@ -645,7 +636,6 @@ fn hostile_chains_get_an_error_and_vdev_keeps_serving() {
 fn removed_guest_memory_revokes_shadows_and_is_not_reused() {
     let vdev = Vdev::start("memtable", &[]);
     let mut vmm = Vmm::attach(&vdev.socket);
-    use vhost::vhost_user::VhostUserFrontend;
     // Hot-add a second region, register an MR in it, then remove the region.
     let extra_gpa = 0x4000_0000;
     let extra = vmm::memfd_memory("hotplug", extra_gpa, 2 << 20);
@@ -707,4 +697,36 @@ fn a_new_frontend_gets_a_fresh_device() {
     assert_eq!(vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
     let depth = ring::cq_depth(100).expect("depth");
     let _: CqHandle = vmm.ok(Opcode::CreateCq, cq_req(FREE, depth).as_bytes());
+}
+
+#[test]
+fn a_device_reset_releases_every_object() {
+    let vdev = Vdev::start("reset", &[]);
+    let mut vmm = Vmm::attach(&vdev.socket);
+    let pdn = alloc_pd(&mut vmm);
+    let _: RegMrResp = vmm.ok(Opcode::RegMr, reg(pdn, FREE, 4096, 0).as_bytes());
+    // The guest resets the virtio device (e.g. it rebooted); the VMM tells vdev.
+    vmm.frontend.reset_device().expect("RESET_DEVICE");
+    // As after a reboot, the VMM negotiates features and sets up the queue again.
+    let mut vmm_after = vmm;
+    vmm_after
+        .frontend
+        .set_features(vmm::F_VERSION_1 | vmm::F_PROTOCOL_FEATURES)
+        .expect("set_features");
+    vmm_after.control = vmm::RawQueue::setup(
+        &mut vmm_after.frontend,
+        &vmm_after.mem,
+        vrdma_spec::CONTROL_QUEUE,
+        vmm::CONTROL_RING,
+    );
+    assert_eq!(
+        vmm_after.errno(Opcode::DeallocPd, pd(pdn).as_bytes()),
+        EINVAL,
+        "PD went with the reset"
+    );
+    let pdn = alloc_pd(&mut vmm_after);
+    assert_eq!(vmm_after.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
+    assert!(vdev
+        .log()
+        .contains("Device reset: all verbs objects released"));
 }

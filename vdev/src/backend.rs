@@ -185,6 +185,7 @@ impl VhostUserBackend for VrdmaBackend {
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
             | VhostUserProtocolFeatures::CONFIGURE_MEM_SLOTS
+            | VhostUserProtocolFeatures::RESET_DEVICE
     }
 
     fn reset_device(&self) {

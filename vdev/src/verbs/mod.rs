@@ -297,7 +297,8 @@ impl RdmaDevice {
             )));
         }
         let ring_addr = req.ring_addr.get();
-        self.init_ring(ring_addr, ring::cq_ring_bytes(depth))?;
+        self.check_ring(ring_addr, ring::cq_ring_bytes(depth))?;
+        self.reset_ring(ring_addr)?;
         let cqn = self.new_handle();
         self.cqs.insert(
             cqn,
@@ -327,9 +328,8 @@ impl RdmaDevice {
         Ok(())
     }
 
-    /// Checks a ring lies aligned in guest memory and resets its
-    /// device-owned header line (consumer/producer index, flags).
-    fn init_ring(&self, addr: u64, bytes: u64) -> VerbResult<()> {
+    /// Checks a ring of `bytes` at `addr` lies aligned in guest memory.
+    fn check_ring(&self, addr: u64, bytes: u64) -> VerbResult<()> {
         let bad = || VerbError::Ring { addr, bytes };
         if !addr.is_multiple_of(RING_ALIGN) || addr.checked_add(bytes).is_none() {
             return Err(bad());
@@ -338,10 +338,18 @@ impl RdmaDevice {
         if !self.mem.check_range(GuestAddress(addr), len) {
             return Err(bad());
         }
+        Ok(())
+    }
+
+    /// Resets the device-owned header line (index, flags) of a checked ring.
+    fn reset_ring(&self, addr: u64) -> VerbResult<()> {
         let device_line = [0u8; ring::CACHE_LINE];
         self.mem
             .write_slice(&device_line, GuestAddress(addr + ring::DEVICE_INDEX_OFFSET))
-            .map_err(|_| bad())
+            .map_err(|_| VerbError::Ring {
+                addr,
+                bytes: ring::RING_HEADER_SIZE as u64,
+            })
     }
 }
 

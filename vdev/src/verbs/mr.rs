@@ -37,11 +37,16 @@ impl RdmaDevice {
             req.iova.get(),
         );
         self.pd_mut(pdn)?;
-        if flags & !access::MR_SUPPORTED != 0 {
+        if flags & !access::MR_KNOWN != 0 {
             return Err(VerbError::Invalid(format!(
-                "access flags {:#x} not supported",
-                flags & !access::MR_SUPPORTED
+                "unknown access flags {:#x}",
+                flags & !access::MR_KNOWN
             )));
+        }
+        if flags & !access::MR_SUPPORTED != 0 {
+            return Err(VerbError::Unsupported(
+                "memory windows, zero-based and on-demand memory regions",
+            ));
         }
         if !access_flags_consistent(flags) {
             return Err(VerbError::Invalid(

@@ -101,15 +101,19 @@ impl RdmaDevice {
         if overlap {
             return Err(VerbError::Invalid("send and receive rings overlap".into()));
         }
-        self.init_ring(sq_addr, sq.ring_bytes())?;
-        self.init_ring(rq_addr, rq.ring_bytes())?;
+        // Both rings are checked before either is written, so a refused
+        // CREATE_QP leaves guest memory as it was.
+        self.check_ring(sq_addr, sq.ring_bytes())?;
+        self.check_ring(rq_addr, rq.ring_bytes())?;
+        self.reset_ring(sq_addr)?;
+        self.reset_ring(rq_addr)?;
 
         // What the rings can hold, never more than the limits allow.
         let sq_payload = sq.stride - core::mem::size_of::<ring::SendWqe>() as u32;
         let rq_payload = rq.stride - core::mem::size_of::<ring::RecvWqe>() as u32;
         let granted = QpCap {
-            max_send_wr: sq.depth.into(),
-            max_recv_wr: rq.depth.into(),
+            max_send_wr: sq.depth.min(l.max_qp_depth).into(),
+            max_recv_wr: rq.depth.min(l.max_qp_depth).into(),
             max_send_sge: (sq_payload / ring::SGE_SIZE as u32).min(l.max_sge).into(),
             max_recv_sge: (rq_payload / ring::SGE_SIZE as u32).min(l.max_sge).into(),
             max_inline_data: sq_payload.min(l.max_inline_data).into(),
@@ -173,6 +177,7 @@ impl RdmaDevice {
         } else {
             qp.state
         };
+        check_supported_mask(attr_mask)?;
         check_rc_mask(qp.state, next, attr_mask).map_err(VerbError::Transition)?;
         validate_attr(a, attr_mask, port_mtu, max_rd_atomic)?;
         apply_attr(&mut qp.attr, a, attr_mask);
@@ -230,16 +235,30 @@ impl RdmaDevice {
     }
 }
 
+/// Refuses mask bits that name nothing, and attributes of features vrdma
+/// does not have (so the application learns `EOPNOTSUPP`, not `EINVAL`).
+fn check_supported_mask(attr_mask: u32) -> VerbResult<()> {
+    if attr_mask & !known_mask() != 0 {
+        return Err(VerbError::Invalid(format!(
+            "unknown attribute mask bits {:#x}",
+            attr_mask & !known_mask()
+        )));
+    }
+    if attr_mask & mask::ALT_PATH != 0 {
+        return Err(VerbError::Unsupported(
+            "alternate paths (automatic path migration)",
+        ));
+    }
+    if attr_mask & mask::RATE_LIMIT != 0 {
+        return Err(VerbError::Unsupported("per-QP rate limits"));
+    }
+    Ok(())
+}
+
 /// Checks the value of every attribute the mask names.
 fn validate_attr(a: &QpAttr, attr_mask: u32, port_mtu: u8, max_rd_atomic: u32) -> VerbResult<()> {
     let has = |bit| attr_mask & bit != 0;
     let bad = |what: String| Err(VerbError::Invalid(what));
-    if attr_mask & !known_mask() != 0 {
-        return bad(format!(
-            "unknown attribute mask bits {:#x}",
-            attr_mask & !known_mask()
-        ));
-    }
     if has(mask::PORT) && a.port_num != 1 {
         return bad(format!("port_num {} (the device has port 1)", a.port_num));
     }
@@ -315,14 +334,6 @@ fn validate_attr(a: &QpAttr, attr_mask: u32, port_mtu: u8, max_rd_atomic: u32) -
             "path_mig_state {} (automatic path migration is not supported)",
             a.path_mig_state
         ));
-    }
-    if has(mask::ALT_PATH) {
-        return Err(VerbError::Unsupported(
-            "alternate paths (automatic path migration)",
-        ));
-    }
-    if has(mask::RATE_LIMIT) {
-        return Err(VerbError::Unsupported("per-QP rate limits"));
     }
     Ok(())
 }

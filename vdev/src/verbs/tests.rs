@@ -752,3 +752,78 @@ fn malformed_payloads_are_refused() {
         "oversized"
     );
 }
+
+#[test]
+fn unsupported_features_say_eopnotsupp() {
+    let mut dev = device();
+    let pdn = alloc_pd(&mut dev);
+    assert_eq!(
+        reg_mr(&mut dev, pdn, MEM_BASE, 4096, access::MW_BIND).map(|_| ()),
+        Err(libc::EOPNOTSUPP)
+    );
+    assert_eq!(
+        reg_mr(&mut dev, pdn, MEM_BASE, 4096, access::ON_DEMAND).map(|_| ()),
+        Err(libc::EOPNOTSUPP)
+    );
+    let (_, _, qpn) = qp_fixture(&mut dev);
+    let attr = QpAttr {
+        qp_state: QpState::Init.into(),
+        port_num: 1,
+        ..QpAttr::default()
+    };
+    assert_eq!(
+        modify(&mut dev, qpn, INIT_MASK | mask::RATE_LIMIT, attr),
+        Err(libc::EOPNOTSUPP)
+    );
+    assert_eq!(
+        modify(&mut dev, qpn, INIT_MASK | (1 << 29), attr),
+        Err(libc::EINVAL),
+        "unknown bit"
+    );
+}
+
+#[test]
+fn a_refused_create_qp_writes_no_guest_memory() {
+    let mut dev = device();
+    let pdn = alloc_pd(&mut dev);
+    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let sq = MEM_BASE + 0x10000;
+    dev.mem
+        .write_slice(&[0xabu8; 128], GuestAddress(sq))
+        .expect("dirty");
+    let beyond = MEM_BASE + MEM_SIZE as u64;
+    assert_eq!(
+        create_qp(&mut dev, pdn, cqn, sq, beyond).map(|_| ()),
+        Err(libc::EINVAL)
+    );
+    let mut header = [0u8; 128];
+    dev.mem
+        .read_slice(&mut header, GuestAddress(sq))
+        .expect("read");
+    assert!(header.iter().all(|&b| b == 0xab), "SQ ring untouched");
+}
+
+#[test]
+fn granted_depth_never_exceeds_the_limit() {
+    let mut dev = device_with(Limits {
+        max_qp_depth: 1000,
+        ..Limits::default()
+    });
+    let pdn = alloc_pd(&mut dev);
+    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let mut req = CreateQpReq {
+        pdn: pdn.into(),
+        send_cqn: cqn.into(),
+        recv_cqn: cqn.into(),
+        srqn: NO_SRQ.into(),
+        qp_type: 2,
+        ..CreateQpReq::default()
+    };
+    req.cap.max_send_wr = 1000.into();
+    req.cap.max_recv_wr = 1000.into();
+    req.sq_ring_addr = (MEM_BASE + 0x100000).into();
+    req.rq_ring_addr = (MEM_BASE + 0x200000).into();
+    let qp: CreateQpResp = run(&mut dev, Opcode::CreateQp, req.as_bytes()).expect("qp");
+    assert_eq!(qp.cap.max_send_wr.get(), 1000);
+    assert_eq!(qp.cap.max_recv_wr.get(), 1000);
+}
