@@ -1,0 +1,453 @@
+//! DMA memory: memfd-backed arenas the device can reach, and an allocator.
+//!
+//! In process ("virtio-user") mode the driver's "guest memory" is whatever it
+//! shares with vdev over vhost-user: each [`DmaArena`] is one memfd, mapped
+//! `MAP_SHARED` into this process and handed to vdev as one memory region with
+//! `guest_phys_addr == userspace_addr == ` the mapping's address. Rings,
+//! virtqueues, control buffers and driver-allocated MR buffers all come from
+//! arenas, so the device sees them without copies.
+//!
+//! The device address of a byte is kept apart from its virtual address
+//! ([`DmaBuf::device_addr`]) although both are equal here: in VM mode the
+//! device sees guest-physical addresses that differ from the process's.
+//!
+//! The allocator is a first-fit free list with coalescing. Allocations are few
+//! and long-lived (rings, MRs), so simplicity beats speed here.
+
+use std::collections::BTreeMap;
+use std::ffi::CStr;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd};
+use std::sync::atomic::{AtomicU16, AtomicU32};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use vm_memory::VolatileSlice;
+
+/// Page size the arenas and user regions are built from.
+pub const PAGE_SIZE: usize = 4096;
+/// Default size of an arena.
+pub const DEFAULT_ARENA_SIZE: usize = 16 << 20;
+/// Smallest allocation unit: a cache line, so two allocations never share one.
+const MIN_ALLOC: usize = 64;
+
+/// Errors of DMA memory.
+#[derive(Debug, thiserror::Error)]
+pub enum DmaError {
+    #[error("Cannot create a memfd")]
+    Memfd(#[source] io::Error),
+    #[error("Cannot size a memfd to {size} bytes")]
+    Truncate {
+        size: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("Cannot map {size} bytes of DMA memory")]
+    Map {
+        size: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("Arena size {0} is zero or not a multiple of the page size")]
+    BadSize(usize),
+    #[error("No room for {len} bytes aligned to {align}")]
+    OutOfMemory { len: usize, align: usize },
+    #[error("Alignment {0} is not a power of two")]
+    BadAlign(usize),
+}
+
+/// The memory of a region the device is told about (transport-neutral form
+/// of a vhost-user memory region).
+#[derive(Debug, Clone, Copy)]
+pub struct DmaRegion<'a> {
+    /// File backing the region, mapped from offset 0.
+    pub fd: BorrowedFd<'a>,
+    /// Bytes in the region.
+    pub size: u64,
+    /// Address of the region in this process.
+    pub host_addr: u64,
+    /// Address of the region as the device sees it.
+    pub device_addr: u64,
+}
+
+/// Creates a sealed-size memfd of `size` bytes.
+///
+/// Sealing against shrinking matters: a memfd is shared with vdev, and a
+/// peer that truncated it would make our accesses fault with SIGBUS.
+pub(crate) fn sealed_memfd(name: &CStr, size: usize) -> Result<File, DmaError> {
+    // SAFETY: `name` is a valid NUL-terminated string; the flags are valid.
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    if fd < 0 {
+        return Err(DmaError::Memfd(io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` was just returned by memfd_create and is owned by nobody else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(size as u64)
+        .map_err(|source| DmaError::Truncate { size, source })?;
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: fcntl on an fd we own with a valid command and argument.
+    if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_ADD_SEALS, seals) } < 0 {
+        // Not fatal: sealing is a defence, not a requirement for correctness.
+        tracing::warn!(error = %io::Error::last_os_error(), "Cannot seal a DMA memfd");
+    }
+    Ok(file)
+}
+
+/// One memfd-backed, `MAP_SHARED` mapping that the device can reach.
+#[derive(Debug)]
+pub struct DmaArena {
+    file: File,
+    /// Address of the mapping; kept as an integer so the arena is Send + Sync
+    /// (all accesses go through [`DmaBuf`]'s volatile/atomic helpers).
+    base: usize,
+    size: usize,
+    device_base: u64,
+    free: Mutex<FreeList>,
+}
+
+impl DmaArena {
+    /// Creates and maps an arena of `size` bytes (a multiple of the page size).
+    /// The device address equals the virtual address (process mode).
+    pub fn new(size: usize) -> Result<Arc<Self>, DmaError> {
+        if size == 0 || size & (PAGE_SIZE - 1) != 0 {
+            return Err(DmaError::BadSize(size));
+        }
+        let file = sealed_memfd(c"vrdma-dma", size)?;
+        // SAFETY: a fresh shared mapping of a file we own, at an address the
+        // kernel picks; nothing else is affected.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            let source = io::Error::last_os_error();
+            return Err(DmaError::Map { size, source });
+        }
+        let base = ptr as usize;
+        tracing::debug!(base = format_args!("{base:#x}"), size, "Mapped DMA arena");
+        Ok(Arc::new(Self {
+            file,
+            base,
+            size,
+            device_base: base as u64,
+            free: Mutex::new(FreeList::new(size)),
+        }))
+    }
+
+    /// Bytes in the arena.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    /// Virtual address of the arena's first byte.
+    pub fn host_addr(&self) -> u64 {
+        self.base as u64
+    }
+
+    /// Device address of the arena's first byte.
+    pub fn device_addr(&self) -> u64 {
+        self.device_base
+    }
+
+    /// The memfd backing the arena.
+    pub fn file(&self) -> &File {
+        &self.file
+    }
+
+    /// The arena as a region to announce to the device.
+    pub fn region(&self) -> DmaRegion<'_> {
+        DmaRegion {
+            fd: self.file.as_fd(),
+            size: self.size as u64,
+            host_addr: self.base as u64,
+            device_addr: self.device_base,
+        }
+    }
+
+    /// Whether `[addr, addr + len)` (virtual addresses) lies inside the arena.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        let start = self.base as u64;
+        addr >= start
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= start + self.size as u64)
+    }
+
+    /// Allocates `len` bytes aligned to `align` (a power of two). The bytes
+    /// are not zeroed; see [`DmaArena::alloc_zeroed`].
+    pub fn alloc(self: &Arc<Self>, len: usize, align: usize) -> Result<DmaBuf, DmaError> {
+        if !align.is_power_of_two() {
+            return Err(DmaError::BadAlign(align));
+        }
+        let rounded = len
+            .max(1)
+            .checked_next_multiple_of(MIN_ALLOC)
+            .ok_or(DmaError::OutOfMemory { len, align })?;
+        let offset = self
+            .free_list()
+            .alloc(rounded, align.max(MIN_ALLOC))
+            .ok_or(DmaError::OutOfMemory { len, align })?;
+        Ok(DmaBuf {
+            arena: Arc::clone(self),
+            offset,
+            len,
+            reserved: rounded,
+        })
+    }
+
+    /// Like [`DmaArena::alloc`], with the bytes zeroed.
+    pub fn alloc_zeroed(self: &Arc<Self>, len: usize, align: usize) -> Result<DmaBuf, DmaError> {
+        let buf = self.alloc(len, align)?;
+        buf.zero();
+        Ok(buf)
+    }
+
+    /// Bytes currently free (for tests and diagnostics).
+    pub fn free_bytes(&self) -> usize {
+        self.free_list().free.values().sum()
+    }
+
+    fn free_list(&self) -> MutexGuard<'_, FreeList> {
+        // The list is always consistent between calls: recover from poisoning.
+        self.free.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Drop for DmaArena {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`size` are the mapping made in `new`; every DmaBuf
+        // holds an Arc to the arena, so none can outlive this.
+        if unsafe { libc::munmap(self.base as *mut libc::c_void, self.size) } != 0 {
+            tracing::warn!(error = %io::Error::last_os_error(), "Cannot unmap a DMA arena");
+        }
+    }
+}
+
+/// First-fit free list of `offset -> length` ranges, coalesced on free.
+#[derive(Debug)]
+struct FreeList {
+    free: BTreeMap<usize, usize>,
+}
+
+impl FreeList {
+    fn new(size: usize) -> Self {
+        Self {
+            free: BTreeMap::from([(0, size)]),
+        }
+    }
+
+    fn alloc(&mut self, len: usize, align: usize) -> Option<usize> {
+        let (start, flen, at) = self.free.iter().find_map(|(&start, &flen)| {
+            let at = start.checked_next_multiple_of(align)?;
+            (at.checked_add(len)? <= start + flen).then_some((start, flen, at))
+        })?;
+        self.free.remove(&start);
+        if at > start {
+            self.free.insert(start, at - start);
+        }
+        let end = at + len;
+        if end < start + flen {
+            self.free.insert(end, start + flen - end);
+        }
+        Some(at)
+    }
+
+    fn release(&mut self, offset: usize, len: usize) {
+        let (mut start, mut end) = (offset, offset + len);
+        if let Some((&prev, &plen)) = self.free.range(..offset).next_back() {
+            if prev + plen == offset {
+                self.free.remove(&prev);
+                start = prev;
+            }
+        }
+        if let Some(&nlen) = self.free.get(&end) {
+            self.free.remove(&end);
+            end += nlen;
+        }
+        self.free.insert(start, end - start);
+    }
+}
+
+/// An allocation in a [`DmaArena`]; freed on drop.
+///
+/// The device may read or write these bytes at any time, so they are only
+/// reached through volatile copies and atomics, never through references.
+#[derive(Debug)]
+pub struct DmaBuf {
+    arena: Arc<DmaArena>,
+    offset: usize,
+    len: usize,
+    reserved: usize,
+}
+
+impl DmaBuf {
+    /// Bytes requested.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer is empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Pointer to the first byte in this process.
+    pub fn as_ptr(&self) -> *mut u8 {
+        (self.arena.base + self.offset) as *mut u8
+    }
+
+    /// Device address of the first byte.
+    pub fn device_addr(&self) -> u64 {
+        self.arena.device_base + self.offset as u64
+    }
+
+    /// The arena this buffer is in.
+    pub fn arena(&self) -> &Arc<DmaArena> {
+        &self.arena
+    }
+
+    /// The buffer as a volatile slice.
+    pub fn volatile_slice(&self) -> VolatileSlice<'_> {
+        // SAFETY: the range is inside the arena's mapping, which lives as long
+        // as `self` (we hold an Arc to the arena) and is never unmapped before.
+        unsafe { VolatileSlice::new(self.as_ptr(), self.len) }
+    }
+
+    /// Copies `data` to `offset`. Panics if it does not fit (a driver bug).
+    pub fn write_at(&self, offset: usize, data: &[u8]) {
+        let slice = self.subslice(offset, data.len());
+        slice.copy_from(data);
+    }
+
+    /// Copies bytes at `offset` into `out`. Panics if out of bounds.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) {
+        let slice = self.subslice(offset, out.len());
+        slice.copy_to(out);
+    }
+
+    /// Zeroes the buffer.
+    pub fn zero(&self) {
+        // SAFETY: the range is inside the arena's mapping, which outlives
+        // `self`; the bytes are plain memory with no Rust references to them.
+        unsafe { std::ptr::write_bytes(self.as_ptr(), 0, self.len) };
+    }
+
+    fn subslice(&self, offset: usize, len: usize) -> VolatileSlice<'_> {
+        match self.volatile_slice().subslice(offset, len) {
+            Ok(slice) => slice,
+            Err(e) => panic!("DMA access out of bounds: {e}"),
+        }
+    }
+
+    /// The `u32` at `offset` (4-byte aligned) as an atomic shared with the device.
+    pub(crate) fn atomic_u32(&self, offset: usize) -> &AtomicU32 {
+        assert!(
+            offset & 3 == 0 && offset + 4 <= self.len,
+            "bad atomic offset"
+        );
+        // SAFETY: in bounds and aligned (allocations are at least 64-byte
+        // aligned); the memory lives as long as `self`; AtomicU32 has the
+        // layout of u32 and atomics are the right way to share it with the
+        // device.
+        unsafe { &*(self.as_ptr().add(offset) as *const AtomicU32) }
+    }
+
+    /// The `u16` at `offset` (2-byte aligned) as an atomic shared with the device.
+    pub(crate) fn atomic_u16(&self, offset: usize) -> &AtomicU16 {
+        assert!(
+            offset & 1 == 0 && offset + 2 <= self.len,
+            "bad atomic offset"
+        );
+        // SAFETY: as in `atomic_u32`, for a 2-byte aligned u16.
+        unsafe { &*(self.as_ptr().add(offset) as *const AtomicU16) }
+    }
+}
+
+impl Drop for DmaBuf {
+    fn drop(&mut self) {
+        self.arena.free_list().release(self.offset, self.reserved);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocations_are_aligned_disjoint_and_freed() {
+        let arena = DmaArena::new(64 * 1024).unwrap();
+        assert_eq!(arena.free_bytes(), 64 * 1024);
+        let a = arena.alloc(100, 64).unwrap();
+        let b = arena.alloc(10, 4096).unwrap();
+        let c = arena.alloc(5000, 8).unwrap();
+        assert_eq!(b.device_addr() % 4096, 0);
+        assert_eq!(a.device_addr() % 64, 0);
+        assert_eq!(
+            a.device_addr(),
+            a.as_ptr() as u64,
+            "process mode: dev == va"
+        );
+        let ranges = [
+            (a.device_addr(), 128u64),
+            (b.device_addr(), 64),
+            (c.device_addr(), 5056),
+        ];
+        for (i, x) in ranges.iter().enumerate() {
+            for y in &ranges[i + 1..] {
+                assert!(x.0 + x.1 <= y.0 || y.0 + y.1 <= x.0, "{x:?} overlaps {y:?}");
+            }
+        }
+        drop((a, b, c));
+        assert_eq!(arena.free_bytes(), 64 * 1024);
+        // Coalesced back into one range: the whole arena fits again.
+        let all = arena.alloc(64 * 1024, 4096).unwrap();
+        assert_eq!(all.device_addr(), arena.device_addr());
+    }
+
+    #[test]
+    fn out_of_memory_and_bad_arguments() {
+        let arena = DmaArena::new(8192).unwrap();
+        let _a = arena.alloc(4096, 4096).unwrap();
+        assert!(matches!(
+            arena.alloc(8192, 64),
+            Err(DmaError::OutOfMemory { len: 8192, .. })
+        ));
+        assert!(matches!(arena.alloc(8, 3), Err(DmaError::BadAlign(3))));
+        assert!(matches!(DmaArena::new(100), Err(DmaError::BadSize(100))));
+    }
+
+    #[test]
+    fn reads_writes_and_zeroing_go_through_the_shared_file() {
+        use std::io::Read;
+        use std::os::unix::fs::FileExt;
+        let arena = DmaArena::new(4096).unwrap();
+        let buf = arena.alloc(32, 64).unwrap();
+        buf.write_at(4, b"vrdma");
+        let mut out = [0u8; 5];
+        buf.read_at(4, &mut out);
+        assert_eq!(&out, b"vrdma");
+        // The device sees the bytes through the memfd.
+        let mut file_bytes = [0u8; 5];
+        let off = buf.device_addr() - arena.device_addr() + 4;
+        arena.file().read_exact_at(&mut file_bytes, off).unwrap();
+        assert_eq!(&file_bytes, b"vrdma");
+        buf.zero();
+        buf.read_at(4, &mut out);
+        assert_eq!(out, [0; 5]);
+        let mut f = arena.file().try_clone().unwrap();
+        let mut whole = Vec::new();
+        f.read_to_end(&mut whole).unwrap();
+        assert_eq!(whole.len(), 4096);
+        buf.atomic_u32(8)
+            .store(0x1234_5678, std::sync::atomic::Ordering::Release);
+        buf.read_at(8, &mut out[..4]);
+        assert_eq!(&out[..4], &0x1234_5678u32.to_ne_bytes());
+    }
+}

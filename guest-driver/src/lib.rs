@@ -1,0 +1,39 @@
+//! The vrdma guest driver: the library an RDMA application links to drive a
+//! vrdma device.
+//!
+//! In process ("virtio-user") mode the application itself is the vhost-user
+//! frontend of vdev, the way DPDK's virtio-user works: its memfd-backed DMA
+//! memory is the "guest memory" (guest-physical address == virtual address),
+//! and it sets the virtqueues up itself. A virtio-pci transport for VM mode
+//! will reuse the same core behind the [`transport::Transport`] trait.
+//!
+//! Modules, bottom up:
+//! - [`dma`]: memfd-backed DMA arenas and their allocator.
+//! - [`virtqueue`]: the driver side of a split virtqueue.
+//! - [`transport`]: the transport trait and the vhost-user implementation.
+//! - [`ring`]: the send/receive/completion rings of the data path.
+//! - `user_mem`: moving application memory onto shared memory for `reg_mr`.
+//! - [`device`]: device bring-up, control commands, events.
+//! - [`verbs`]: the verbs-shaped API ([`Context`] and the objects it makes).
+//!
+//! Wire formats all come from [`vrdma_spec`].
+
+pub mod device;
+pub mod dma;
+pub mod error;
+pub mod ring;
+#[cfg(test)]
+mod testing;
+pub mod transport;
+mod user_mem;
+pub mod verbs;
+pub mod virtqueue;
+
+pub use device::{DeviceEvent, DeviceOptions};
+pub use error::{DestroyError, Error, PostError, Result};
+pub use ring::{RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
+pub use transport::{Transport, VhostUserTransport};
+pub use verbs::{
+    CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities, QpInitAttr, QueuePair,
+};
+pub use vrdma_spec;

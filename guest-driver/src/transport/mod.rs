@@ -1,0 +1,139 @@
+//! How the driver core reaches a device: the [`Transport`] trait.
+//!
+//! The core (virtqueues, rings, verbs) only needs what every virtio transport
+//! offers: feature negotiation, config space, queue setup, notifications
+//! both ways, and a way to tell the device which memory it may use. Process
+//! mode implements it over vhost-user ([`vhost_user`]); a virtio-pci
+//! transport for VM mode will implement the same trait.
+
+use std::io;
+use std::os::fd::BorrowedFd;
+use std::time::Duration;
+
+use crate::dma::DmaRegion;
+
+pub mod vhost_user;
+
+pub use vhost_user::VhostUserTransport;
+
+/// `VIRTIO_F_VERSION_1`: a virtio 1.x (modern, little-endian) device.
+pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
+/// `VIRTIO_RING_F_EVENT_IDX`: `used_event`/`avail_event` suppression.
+pub const VIRTIO_RING_F_EVENT_IDX: u64 = 1 << 29;
+
+/// Errors of a transport.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    #[error("Cannot connect to the vhost-user socket {path}")]
+    Connect {
+        path: std::path::PathBuf,
+        #[source]
+        source: vhost::Error,
+    },
+    #[error("vhost-user request {request} failed")]
+    VhostUser {
+        request: &'static str,
+        #[source]
+        source: vhost::Error,
+    },
+    #[error("Device does not offer {0}")]
+    MissingFeature(&'static str),
+    #[error("Device has {0} queues, more than vhost-user allows")]
+    TooManyQueues(u64),
+    #[error("Queue {0} does not exist")]
+    NoQueue(u16),
+    #[error("Config read of {expected} bytes returned {got}")]
+    ConfigSize { expected: usize, got: usize },
+    #[error("Cannot create an eventfd")]
+    EventFd(#[source] io::Error),
+    #[error("Cannot notify queue {queue}")]
+    Notify {
+        queue: u16,
+        #[source]
+        source: io::Error,
+    },
+    #[error("Cannot wait for an interrupt of queue {queue}")]
+    Wait {
+        queue: u16,
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Addresses of one virtqueue, as the device sees them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueSetup {
+    pub index: u16,
+    pub size: u16,
+    pub desc_addr: u64,
+    pub avail_addr: u64,
+    pub used_addr: u64,
+}
+
+/// A way to reach a vrdma device. All methods take `&self`: notifications
+/// come from any thread, so implementations lock what they must.
+pub trait Transport: Send + Sync + std::fmt::Debug {
+    /// Acknowledges the features in `wanted` that the device offers and
+    /// returns them (transport bits the transport needs itself are added).
+    fn negotiate_features(&self, wanted: u64) -> Result<u64, TransportError>;
+
+    /// Number of virtqueues the device has.
+    fn num_queues(&self) -> u16;
+
+    /// Reads `buf.len()` bytes of config space at `offset`.
+    fn read_config(&self, offset: u32, buf: &mut [u8]) -> Result<(), TransportError>;
+
+    /// Lets the device use a region of memory.
+    fn add_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError>;
+
+    /// Takes a region added with [`Transport::add_memory`] away again.
+    fn remove_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError>;
+
+    /// Sets a virtqueue up and enables it.
+    fn setup_queue(&self, queue: &QueueSetup) -> Result<(), TransportError>;
+
+    /// Notifies ("kicks") a queue.
+    fn notify(&self, queue: u16) -> Result<(), TransportError>;
+
+    /// Waits for an interrupt of `queue`, up to `timeout` (`None`: forever).
+    /// Returns whether one came.
+    fn wait(&self, queue: u16, timeout: Option<Duration>) -> Result<bool, TransportError>;
+
+    /// A file descriptor that becomes readable on an interrupt of `queue`,
+    /// for applications that multiplex with poll/epoll.
+    fn interrupt_fd(&self, queue: u16) -> Option<BorrowedFd<'_>> {
+        let _ = queue;
+        None
+    }
+}
+
+/// A shared transport is a transport (lets a caller keep a handle on it).
+impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
+    fn negotiate_features(&self, wanted: u64) -> Result<u64, TransportError> {
+        (**self).negotiate_features(wanted)
+    }
+    fn num_queues(&self) -> u16 {
+        (**self).num_queues()
+    }
+    fn read_config(&self, offset: u32, buf: &mut [u8]) -> Result<(), TransportError> {
+        (**self).read_config(offset, buf)
+    }
+    fn add_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError> {
+        (**self).add_memory(region)
+    }
+    fn remove_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError> {
+        (**self).remove_memory(region)
+    }
+    fn setup_queue(&self, queue: &QueueSetup) -> Result<(), TransportError> {
+        (**self).setup_queue(queue)
+    }
+    fn notify(&self, queue: u16) -> Result<(), TransportError> {
+        (**self).notify(queue)
+    }
+    fn wait(&self, queue: u16, timeout: Option<Duration>) -> Result<bool, TransportError> {
+        (**self).wait(queue, timeout)
+    }
+    fn interrupt_fd(&self, queue: u16) -> Option<BorrowedFd<'_>> {
+        (**self).interrupt_fd(queue)
+    }
+}

@@ -1,0 +1,289 @@
+//! Making memory the application already owns reachable by the device.
+//!
+//! vhost-user can only share memory that is backed by a file descriptor, so
+//! `reg_mr` on ordinary (anonymous, malloc'd) memory moves it onto a memfd in
+//! place: the whole pages covering the range are copied into a new memfd,
+//! which is then mapped `MAP_SHARED | MAP_FIXED` over the very same virtual
+//! range. The application's pointer keeps working, now backed by shared
+//! memory, and the pages are announced to vdev as a new memory region with
+//! `guest_phys_addr == userspace_addr ==` their address.
+//!
+//! Regions are reference-counted per page range: overlapping registrations
+//! share the regions they overlap (new regions are created only for pages not
+//! yet covered), and the last deregistration removes a region from vdev. The
+//! mapping itself stays in place afterwards: the application still owns that
+//! memory and keeps using it.
+//!
+//! Caveats (documented on `reg_mr`): whole pages become shared, including
+//! bytes outside the registered range that share a page with it; writes by
+//! other threads to those pages while the copy is being made are lost; the
+//! pages become readable and writable; memory that is already file-backed
+//! shared memory (or hugetlb) is remapped like any other. A page-aligned
+//! buffer (posix_memalign, mmap) is the expected case.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsFd, AsRawFd};
+
+use crate::dma::{sealed_memfd, DmaRegion, PAGE_SIZE};
+use crate::error::{Error, Result};
+use crate::transport::Transport;
+
+/// One memfd that replaced a page range of the application's memory.
+#[derive(Debug)]
+struct UserRegion {
+    len: u64,
+    file: File,
+    refs: u32,
+}
+
+impl UserRegion {
+    fn dma_region(&self, start: u64) -> DmaRegion<'_> {
+        DmaRegion {
+            fd: self.file.as_fd(),
+            size: self.len,
+            host_addr: start,
+            device_addr: start,
+        }
+    }
+}
+
+/// The regions made from application memory, by start address.
+#[derive(Debug, Default)]
+pub(crate) struct UserRegions {
+    regions: BTreeMap<u64, UserRegion>,
+}
+
+/// Whole pages covering `[addr, addr + len)`.
+pub(crate) fn page_span(addr: u64, len: u64) -> Option<(u64, u64)> {
+    let page = PAGE_SIZE as u64;
+    let start = addr & !(page - 1);
+    let end = addr.checked_add(len)?.checked_next_multiple_of(page)?;
+    Some((start, end))
+}
+
+impl UserRegions {
+    /// Makes `[start, end)` (page-aligned) device-reachable, creating regions
+    /// for pages not yet covered; returns the starts of every region it
+    /// holds a reference on, for [`UserRegions::release`].
+    ///
+    /// # Safety
+    ///
+    /// `[start, end)` must be mapped, readable memory of this process that
+    /// may be replaced in place by a shared mapping with the same contents
+    /// (see the module documentation).
+    pub(crate) unsafe fn acquire(
+        &mut self,
+        transport: &dyn Transport,
+        start: u64,
+        end: u64,
+    ) -> Result<Vec<u64>> {
+        let mut held = Vec::new();
+        let mut cur = start;
+        while cur < end {
+            let covering = self
+                .regions
+                .range_mut(..=cur)
+                .next_back()
+                .filter(|(&s, r)| s + r.len > cur);
+            if let Some((&s, region)) = covering {
+                region.refs += 1;
+                held.push(s);
+                cur = s + region.len;
+                continue;
+            }
+            let gap_end = self
+                .regions
+                .range(cur..)
+                .next()
+                .map_or(end, |(&s, _)| s.min(end));
+            // SAFETY: `[cur, gap_end)` is inside the caller's range.
+            match unsafe { Self::create(transport, cur, gap_end - cur) } {
+                Ok(region) => {
+                    self.regions.insert(cur, region);
+                    held.push(cur);
+                    cur = gap_end;
+                }
+                Err(e) => {
+                    self.release(transport, &held);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(held)
+    }
+
+    /// Drops one reference on each region in `starts`; removes from the
+    /// device the regions no one holds any more.
+    pub(crate) fn release(&mut self, transport: &dyn Transport, starts: &[u64]) {
+        for start in starts {
+            let Some(region) = self.regions.get_mut(start) else {
+                tracing::error!(start, "Releasing an unknown user memory region");
+                continue;
+            };
+            region.refs -= 1;
+            if region.refs > 0 {
+                continue;
+            }
+            if let Err(e) = transport.remove_memory(&region.dma_region(*start)) {
+                tracing::warn!(error = %e, start, "Cannot remove a user memory region");
+            }
+            self.regions.remove(start);
+        }
+    }
+
+    /// Number of regions.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.regions.len()
+    }
+
+    /// Moves `[start, start + len)` onto a new memfd and announces it.
+    ///
+    /// # Safety
+    ///
+    /// As for [`UserRegions::acquire`].
+    unsafe fn create(transport: &dyn Transport, start: u64, len: u64) -> Result<UserRegion> {
+        let size = usize::try_from(len).map_err(|_| Error::InvalidArgument("region too large"))?;
+        let file = sealed_memfd(c"vrdma-user-mr", size)?;
+        let os = |what| move |source| Error::Os { what, source };
+        // Copy the current contents through a temporary mapping of the memfd.
+        // SAFETY: a fresh shared mapping of our memfd at a kernel-chosen address.
+        let tmp = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if tmp == libc::MAP_FAILED {
+            return Err(os("map a memfd")(io::Error::last_os_error()));
+        }
+        // SAFETY: the source range is readable (caller's contract), the
+        // destination is the `size`-byte mapping just made; they are distinct
+        // mappings, so they do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(start as *const u8, tmp.cast::<u8>(), size) };
+        // SAFETY: unmapping exactly the temporary mapping made above.
+        unsafe { libc::munmap(tmp, size) };
+        // SAFETY: replaces the caller's pages (their contract allows it) with
+        // the memfd now holding the same bytes.
+        let fixed = unsafe {
+            libc::mmap(
+                start as *mut libc::c_void,
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if fixed == libc::MAP_FAILED {
+            return Err(os("map a memfd over application memory")(
+                io::Error::last_os_error(),
+            ));
+        }
+        let region = UserRegion { len, file, refs: 1 };
+        transport.add_memory(&region.dma_region(start))?;
+        tracing::debug!(
+            start = format_args!("{start:#x}"),
+            len,
+            "Shared application memory"
+        );
+        Ok(region)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::StubTransport as Recorder;
+
+    /// Anonymous private pages, as malloc would give.
+    fn anon(pages: usize) -> *mut u8 {
+        // SAFETY: a fresh anonymous mapping.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                pages * PAGE_SIZE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        p.cast()
+    }
+
+    #[test]
+    fn page_span_rounds_out() {
+        assert_eq!(page_span(0x1001, 1), Some((0x1000, 0x2000)));
+        assert_eq!(page_span(0x1000, 0x1000), Some((0x1000, 0x2000)));
+        assert_eq!(page_span(0x1fff, 2), Some((0x1000, 0x3000)));
+        assert_eq!(page_span(u64::MAX, 2), None);
+    }
+
+    #[test]
+    fn contents_survive_and_become_shared() {
+        let t = Recorder::default();
+        let mut regions = UserRegions::default();
+        let p = anon(2);
+        // SAFETY: `p` is our 2-page mapping.
+        unsafe { std::ptr::copy_nonoverlapping(b"before".as_ptr(), p.add(100), 6) };
+        let start = p as u64;
+        // SAFETY: the test owns the pages.
+        let held = unsafe { regions.acquire(&t, start, start + 2 * PAGE_SIZE as u64) }.unwrap();
+        assert_eq!(held, vec![start]);
+        assert_eq!(
+            *t.added.lock().unwrap(),
+            vec![(start, 2 * PAGE_SIZE as u64)]
+        );
+        let mut got = [0u8; 6];
+        // SAFETY: still mapped, now shared.
+        unsafe { std::ptr::copy_nonoverlapping(p.add(100), got.as_mut_ptr(), 6) };
+        assert_eq!(&got, b"before");
+        // The device's view (the memfd) sees the application's writes.
+        // SAFETY: within the mapping.
+        unsafe { p.add(PAGE_SIZE + 8).write_volatile(0x5a) };
+        let region = regions.regions.get(&start).unwrap();
+        let mut byte = [0u8; 1];
+        std::os::unix::fs::FileExt::read_exact_at(&region.file, &mut byte, PAGE_SIZE as u64 + 8)
+            .unwrap();
+        assert_eq!(byte[0], 0x5a);
+        regions.release(&t, &held);
+        assert_eq!(
+            *t.removed.lock().unwrap(),
+            vec![(start, 2 * PAGE_SIZE as u64)]
+        );
+        assert_eq!(regions.len(), 0);
+        // SAFETY: the mapping stays in place after release.
+        unsafe { p.add(100).write_volatile(1) };
+    }
+
+    #[test]
+    fn overlapping_registrations_share_and_fill_gaps() {
+        let t = Recorder::default();
+        let mut regions = UserRegions::default();
+        let p = anon(4) as u64;
+        let page = PAGE_SIZE as u64;
+        // SAFETY: the test owns the 4 pages.
+        let a = unsafe { regions.acquire(&t, p + page, p + 2 * page) }.unwrap();
+        // Covers pages 0..4: a new region before, the shared one, one after.
+        // SAFETY: as above.
+        let b = unsafe { regions.acquire(&t, p, p + 4 * page) }.unwrap();
+        assert_eq!(b, vec![p, p + page, p + 2 * page]);
+        assert_eq!(
+            *t.added.lock().unwrap(),
+            vec![(p + page, page), (p, page), (p + 2 * page, 2 * page)]
+        );
+        regions.release(&t, &a);
+        assert!(t.removed.lock().unwrap().is_empty(), "still used by b");
+        regions.release(&t, &b);
+        assert_eq!(t.removed.lock().unwrap().len(), 3);
+        assert_eq!(regions.len(), 0);
+    }
+}

@@ -1,0 +1,786 @@
+//! The verbs-shaped API: context, protection domains, memory regions,
+//! completion queues and queue pairs.
+//!
+//! Objects hold their parents alive (an MR its PD, a QP its PD and CQs), the
+//! way the verbs objects they mirror must be destroyed children first. Each
+//! is destroyed on drop; an explicit `destroy` (or `dereg`) returns the
+//! device's errno instead and hands the object back when it fails (a PD that
+//! still has MRs answers `EBUSY`). Memory the device may still use is never
+//! freed: when the device refuses to destroy an object, its rings and
+//! buffers are kept until the device goes away.
+
+use std::os::fd::BorrowedFd;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use vm_memory::VolatileSlice;
+use vrdma_spec::config::{DeviceAttr, DeviceConfig, PortAttr};
+use vrdma_spec::control::{
+    CqHandle, CreateCqReq, CreateQpReq, CreateQpResp, ModifyQpReq, MrHandle, Opcode, PdHandle,
+    QpAttr, QpCap, QpHandle, QueryGidReq, QueryGidResp, QueryPortReq, QueryQpReq, QueryQpResp,
+    RegMrReq, RegMrResp, NO_SRQ,
+};
+use vrdma_spec::ring::{cq_depth, rq_geometry, sq_geometry};
+use vrdma_spec::verbs::QpType;
+use zerocopy::IntoBytes;
+
+use crate::device::{Device, DeviceEvent, DeviceOptions};
+use crate::dma::{DmaBuf, PAGE_SIZE};
+use crate::error::{DestroyError, Error, PostError, Result};
+use crate::ring::{CqRing, RecvRing, RecvWr, SendRing, SendWr, Sge, WorkCompletion, WorkRing};
+use crate::transport::{Transport, VhostUserTransport};
+use crate::user_mem::page_span;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Ring state is consistent between operations: recover from poisoning.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An open vrdma device (`struct ibv_context`).
+#[derive(Debug, Clone)]
+pub struct Context {
+    dev: Arc<Device>,
+}
+
+impl Context {
+    /// Opens the device behind `transport`.
+    pub fn open(transport: Box<dyn Transport>, options: DeviceOptions) -> Result<Self> {
+        Ok(Self {
+            dev: Device::open(transport, options)?,
+        })
+    }
+
+    /// Connects to vdev's vhost-user socket at `path` (process mode) and
+    /// opens the device with default options.
+    pub fn open_vhost_user(path: impl AsRef<Path>) -> Result<Self> {
+        let transport = VhostUserTransport::connect(path)?;
+        Self::open(Box::new(transport), DeviceOptions::default())
+    }
+
+    /// The device's config space, read at open.
+    pub fn config(&self) -> &DeviceConfig {
+        self.dev.config()
+    }
+
+    /// Number of completion vectors (event queues).
+    pub fn num_comp_vectors(&self) -> u16 {
+        // Bounded by the config's u16 field.
+        self.dev.num_event_queues() as u16
+    }
+
+    /// `ibv_query_device`.
+    pub fn query_device(&self) -> Result<DeviceAttr> {
+        self.dev.command(Opcode::QueryDevice, &[])
+    }
+
+    /// `ibv_query_port`.
+    pub fn query_port(&self, port_num: u8) -> Result<PortAttr> {
+        let req = QueryPortReq {
+            port_num,
+            ..Default::default()
+        };
+        self.dev.command(Opcode::QueryPort, req.as_bytes())
+    }
+
+    /// `ibv_query_gid` (with the GID type).
+    pub fn query_gid(&self, port_num: u8, index: u32) -> Result<QueryGidResp> {
+        let req = QueryGidReq {
+            port_num,
+            index: index.into(),
+            ..Default::default()
+        };
+        self.dev.command(Opcode::QueryGid, req.as_bytes())
+    }
+
+    /// `ibv_alloc_pd`.
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        let handle: PdHandle = self.dev.command(Opcode::AllocPd, &[])?;
+        Ok(ProtectionDomain {
+            inner: Arc::new(PdInner {
+                dev: Arc::clone(&self.dev),
+                pdn: handle.pdn.get(),
+                live: AtomicBool::new(true),
+            }),
+        })
+    }
+
+    /// `ibv_create_cq`: a CQ of at least `cqe` entries whose events go to
+    /// completion vector `comp_vector`.
+    pub fn create_cq(&self, cqe: u32, comp_vector: u16) -> Result<CompletionQueue> {
+        let depth = cq_depth(cqe).ok_or(Error::InvalidArgument("too many CQEs"))?;
+        let (len, align) = CqRing::alloc_args(depth)?;
+        let ring = CqRing::new(self.dev.alloc(len, align, true)?, depth);
+        let req = CreateCqReq {
+            depth: depth.into(),
+            comp_vector: u32::from(comp_vector).into(),
+            ring_addr: ring.device_addr().into(),
+        };
+        let handle: CqHandle = self.dev.command(Opcode::CreateCq, req.as_bytes())?;
+        Ok(CompletionQueue {
+            inner: Arc::new(CqInner {
+                dev: Arc::clone(&self.dev),
+                cqn: handle.cqn.get(),
+                comp_vector,
+                depth,
+                ring: Arc::new(Mutex::new(ring)),
+                live: AtomicBool::new(true),
+            }),
+        })
+    }
+
+    /// The next event of completion vector `comp_vector` (CQ completion
+    /// events, CQ/QP errors, port changes), waiting up to `timeout`:
+    /// `Some(Duration::ZERO)` only polls, `None` waits forever.
+    pub fn get_event(
+        &self,
+        comp_vector: u16,
+        timeout: Option<Duration>,
+    ) -> Result<Option<DeviceEvent>> {
+        self.dev.next_event(comp_vector, timeout)
+    }
+
+    /// A file descriptor that becomes readable when completion vector
+    /// `comp_vector` may have an event (for poll/epoll loops).
+    pub fn event_fd(&self, comp_vector: u16) -> Option<BorrowedFd<'_>> {
+        self.dev.event_fd(comp_vector)
+    }
+}
+
+#[derive(Debug)]
+struct PdInner {
+    dev: Arc<Device>,
+    pdn: u32,
+    live: AtomicBool,
+}
+
+impl PdInner {
+    fn dealloc(&self) -> Result<()> {
+        let req = PdHandle {
+            pdn: self.pdn.into(),
+            ..Default::default()
+        };
+        self.dev
+            .command_no_reply(Opcode::DeallocPd, req.as_bytes())?;
+        self.live.store(false, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl Drop for PdInner {
+    fn drop(&mut self) {
+        if self.live.load(Ordering::Acquire) {
+            if let Err(e) = self.dealloc() {
+                tracing::warn!(error = %e, pdn = self.pdn, "Cannot deallocate a PD");
+            }
+        }
+    }
+}
+
+/// A protection domain (`struct ibv_pd`).
+#[derive(Debug)]
+pub struct ProtectionDomain {
+    inner: Arc<PdInner>,
+}
+
+impl ProtectionDomain {
+    /// The device's PD number.
+    pub fn pdn(&self) -> u32 {
+        self.inner.pdn
+    }
+
+    /// Allocates `len` bytes of zeroed, page-aligned DMA memory and registers
+    /// them with `access` ([`vrdma_spec::verbs::access`] flags). The IOVA is
+    /// the buffer's address.
+    pub fn alloc_mr(&self, len: usize, access: u32) -> Result<MemoryRegion> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("zero-length MR"));
+        }
+        let buf = self.inner.dev.alloc(len, PAGE_SIZE, true)?;
+        let addr = buf.as_ptr() as u64;
+        let device_addr = buf.device_addr();
+        self.register(
+            addr,
+            device_addr,
+            len,
+            addr,
+            access,
+            Backing::Dma(Arc::new(buf)),
+        )
+    }
+
+    /// `ibv_reg_mr`: registers `len` bytes the application owns at `addr`,
+    /// known by their own address in work requests.
+    ///
+    /// Memory outside the driver's DMA arenas is moved onto shared memory in
+    /// place (see the crate documentation): the whole pages covering the
+    /// range are copied into a memfd mapped over the same addresses, then
+    /// shared with the device. Prefer page-aligned buffers (posix_memalign,
+    /// mmap): other data on those pages becomes shared too.
+    ///
+    /// # Safety
+    ///
+    /// - `[addr, addr + len)` must be mapped, readable memory of this process
+    ///   that stays mapped while the MR exists.
+    /// - Every page it touches may be replaced by a shared read-write mapping
+    ///   with the same contents: no other thread may write those pages while
+    ///   this call runs (such writes may be lost), and the pages must not be
+    ///   a mapping whose identity matters (another memfd, a file, hugetlb).
+    pub unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: u32) -> Result<MemoryRegion> {
+        // SAFETY: forwarded from the caller.
+        unsafe { self.reg_mr_iova(addr, len, addr as u64, access) }
+    }
+
+    /// `ibv_reg_mr_iova2`: like [`ProtectionDomain::reg_mr`], with the
+    /// region known as `iova` in work requests.
+    ///
+    /// # Safety
+    ///
+    /// As for [`ProtectionDomain::reg_mr`].
+    pub unsafe fn reg_mr_iova(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        iova: u64,
+        access: u32,
+    ) -> Result<MemoryRegion> {
+        if len == 0 || addr.is_null() {
+            return Err(Error::InvalidArgument("empty or null MR range"));
+        }
+        let va = addr as u64;
+        let (inside, straddles) = self.inner.dev.arena_of(va, len as u64);
+        if straddles {
+            return Err(Error::InvalidArgument("range straddles driver DMA memory"));
+        }
+        if inside {
+            // Driver memory: already shared, device address by translation.
+            let device_addr = self.inner.dev.device_addr_of(va);
+            return self.register(va, device_addr, len, iova, access, Backing::Arena);
+        }
+        let (start, end) =
+            page_span(va, len as u64).ok_or(Error::InvalidArgument("range wraps around"))?;
+        let dev = &self.inner.dev;
+        let held = {
+            let mut regions = lock(&dev.user_regions);
+            // SAFETY: the caller's contract covers every page of the range.
+            unsafe { regions.acquire(dev.transport(), start, end)? }
+        };
+        // User regions are announced with guest-physical == virtual address.
+        self.register(va, va, len, iova, access, Backing::Shared(held))
+    }
+
+    fn register(
+        &self,
+        addr: u64,
+        device_addr: u64,
+        len: usize,
+        iova: u64,
+        access: u32,
+        backing: Backing,
+    ) -> Result<MemoryRegion> {
+        let req = RegMrReq {
+            pdn: self.inner.pdn.into(),
+            access: access.into(),
+            addr: device_addr.into(),
+            length: (len as u64).into(),
+            iova: iova.into(),
+        };
+        let mut mr = MemoryRegion {
+            pd: Arc::clone(&self.inner),
+            handle: 0,
+            lkey: 0,
+            rkey: 0,
+            addr,
+            len,
+            iova,
+            backing,
+            live: false,
+        };
+        // On failure `mr` drops with `live == false`: only its backing is released.
+        let resp: RegMrResp = self.inner.dev.command(Opcode::RegMr, req.as_bytes())?;
+        mr.handle = resp.handle.get();
+        mr.lkey = resp.lkey.get();
+        mr.rkey = resp.rkey.get();
+        mr.live = true;
+        Ok(mr)
+    }
+
+    /// `ibv_create_qp`: rings sized from `init.cap` exactly as the device
+    /// computes them ([`vrdma_spec::ring::sq_geometry`]/`rq_geometry`).
+    pub fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<QueuePair> {
+        let cap = init.cap;
+        let sq_geo = sq_geometry(cap.max_send_wr, cap.max_send_sge, cap.max_inline_data)
+            .ok_or(Error::InvalidArgument("send queue capacities too large"))?;
+        let rq_geo = rq_geometry(cap.max_recv_wr, cap.max_recv_sge)
+            .ok_or(Error::InvalidArgument("receive queue capacities too large"))?;
+        let dev = &self.inner.dev;
+        let (len, align) = WorkRing::alloc_args(sq_geo)?;
+        let sq = WorkRing::new(dev.alloc(len, align, true)?, sq_geo);
+        let (len, align) = WorkRing::alloc_args(rq_geo)?;
+        let rq = WorkRing::new(dev.alloc(len, align, true)?, rq_geo);
+        let req = CreateQpReq {
+            pdn: self.inner.pdn.into(),
+            send_cqn: init.send_cq.inner.cqn.into(),
+            recv_cqn: init.recv_cq.inner.cqn.into(),
+            srqn: NO_SRQ.into(),
+            qp_type: init.qp_type.into(),
+            sq_sig_all: init.sq_sig_all.into(),
+            cap: cap.into(),
+            sq_ring_addr: sq.device_addr().into(),
+            rq_ring_addr: rq.device_addr().into(),
+            ..Default::default()
+        };
+        let resp: CreateQpResp = dev.command(Opcode::CreateQp, req.as_bytes())?;
+        // The device may grant more than asked (what the slot stride holds):
+        // post within the grant; the rings still check the stride.
+        let granted = QpCapabilities::from(resp.cap);
+        Ok(QueuePair {
+            pd: Arc::clone(&self.inner),
+            send_cq: Arc::clone(&init.send_cq.inner),
+            recv_cq: Arc::clone(&init.recv_cq.inner),
+            qpn: resp.qpn.get(),
+            cap: granted,
+            sq: Arc::new(Mutex::new(SendRing::new(
+                sq,
+                granted.max_send_sge,
+                granted.max_inline_data,
+            ))),
+            rq: Arc::new(Mutex::new(RecvRing::new(rq, granted.max_recv_sge))),
+            live: true,
+        })
+    }
+
+    /// `ibv_dealloc_pd`, returning the device's errno (`EBUSY` while MRs or
+    /// QPs use the PD). On failure the PD is handed back.
+    pub fn destroy(self) -> Result<(), DestroyError<Self>> {
+        match self.inner.dealloc() {
+            Ok(()) => Ok(()),
+            Err(error) => Err(DestroyError {
+                object: self,
+                error,
+            }),
+        }
+    }
+}
+
+/// What keeps an MR's memory shared with the device.
+#[derive(Debug)]
+enum Backing {
+    /// A driver buffer from `alloc_mr`.
+    Dma(Arc<DmaBuf>),
+    /// Application memory inside a driver arena: nothing to release.
+    Arena,
+    /// Application memory moved onto user regions (their start addresses).
+    Shared(Vec<u64>),
+}
+
+/// A registered memory region (`struct ibv_mr`).
+#[derive(Debug)]
+pub struct MemoryRegion {
+    pd: Arc<PdInner>,
+    handle: u32,
+    lkey: u32,
+    rkey: u32,
+    addr: u64,
+    len: usize,
+    iova: u64,
+    backing: Backing,
+    live: bool,
+}
+
+impl MemoryRegion {
+    /// Local key, for SGEs.
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+
+    /// Remote key, for peers' RDMA and atomics.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    /// The region's first byte in this process.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.addr as *mut u8
+    }
+
+    /// Bytes in the region.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty (never: registration refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The address the region is known by in work requests.
+    pub fn iova(&self) -> u64 {
+        self.iova
+    }
+
+    /// An SGE for `length` bytes at `offset` into the region.
+    pub fn sge(&self, offset: u64, length: u32) -> Sge {
+        Sge {
+            addr: self.iova + offset,
+            length,
+            lkey: self.lkey,
+        }
+    }
+
+    /// Copies `data` into the region at `offset`.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.slice(offset, data.len())?.copy_from(data);
+        Ok(())
+    }
+
+    /// Copies bytes at `offset` out of the region.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.slice(offset, out.len())?.copy_to(out);
+        Ok(())
+    }
+
+    fn slice(&self, offset: usize, len: usize) -> Result<VolatileSlice<'_>> {
+        if offset.checked_add(len).is_none_or(|end| end > self.len) {
+            return Err(Error::InvalidArgument("access outside the MR"));
+        }
+        // SAFETY: the range is inside the MR, which is mapped while the MR
+        // lives (driver memory we own, or the `reg_mr` caller's promise);
+        // the device may write it concurrently, hence a volatile slice.
+        Ok(unsafe { VolatileSlice::new(self.as_ptr().add(offset), len) })
+    }
+
+    fn dereg_now(&mut self) -> Result<()> {
+        let req = MrHandle {
+            handle: self.handle.into(),
+            ..Default::default()
+        };
+        self.pd
+            .dev
+            .command_no_reply(Opcode::DeregMr, req.as_bytes())?;
+        self.live = false;
+        Ok(())
+    }
+
+    /// `ibv_dereg_mr`, returning the device's errno; on failure the MR is
+    /// handed back.
+    pub fn dereg(mut self) -> Result<(), DestroyError<Self>> {
+        match self.dereg_now() {
+            Ok(()) => Ok(()),
+            Err(error) => Err(DestroyError {
+                object: self,
+                error,
+            }),
+        }
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        if self.live {
+            if let Err(e) = self.dereg_now() {
+                tracing::warn!(error = %e, handle = self.handle, "Cannot deregister an MR");
+                // The device may still reach the memory: keep it shared.
+                if let Backing::Dma(buf) = &self.backing {
+                    self.pd.dev.quarantine(Arc::clone(buf));
+                }
+                return;
+            }
+        }
+        if let Backing::Shared(starts) = &self.backing {
+            let dev = &self.pd.dev;
+            lock(&dev.user_regions).release(dev.transport(), starts);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CqInner {
+    dev: Arc<Device>,
+    cqn: u32,
+    comp_vector: u16,
+    depth: u32,
+    ring: Arc<Mutex<CqRing>>,
+    live: AtomicBool,
+}
+
+impl CqInner {
+    fn destroy(&self) -> Result<()> {
+        let req = CqHandle {
+            cqn: self.cqn.into(),
+            ..Default::default()
+        };
+        self.dev
+            .command_no_reply(Opcode::DestroyCq, req.as_bytes())?;
+        self.live.store(false, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        if self.live.load(Ordering::Acquire) {
+            if let Err(e) = self.destroy() {
+                tracing::warn!(error = %e, cqn = self.cqn, "Cannot destroy a CQ");
+                self.dev.quarantine(Arc::clone(&self.ring));
+            }
+        }
+    }
+}
+
+/// A completion queue (`struct ibv_cq`).
+#[derive(Debug)]
+pub struct CompletionQueue {
+    inner: Arc<CqInner>,
+}
+
+impl CompletionQueue {
+    /// The device's CQ number (what completion events name).
+    pub fn cqn(&self) -> u32 {
+        self.inner.cqn
+    }
+
+    /// Number of CQEs the ring holds (the requested count rounded up to a
+    /// power of two).
+    pub fn depth(&self) -> u32 {
+        self.inner.depth
+    }
+
+    /// The completion vector the CQ's events go to.
+    pub fn comp_vector(&self) -> u16 {
+        self.inner.comp_vector
+    }
+
+    /// `ibv_poll_cq`: moves up to `out.len()` completions into `out` and
+    /// returns how many.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        lock(&self.inner.ring).poll(out)
+    }
+
+    /// `ibv_req_notify_cq`: one event on the next completion (or the next
+    /// solicited one). Poll once more after arming: a completion that came
+    /// before the arm raises no event.
+    pub fn req_notify(&self, solicited_only: bool) {
+        lock(&self.inner.ring).arm(solicited_only);
+    }
+
+    /// `ibv_destroy_cq`, returning the device's errno (`EBUSY` while QPs use
+    /// it); on failure the CQ is handed back.
+    pub fn destroy(self) -> Result<(), DestroyError<Self>> {
+        match self.inner.destroy() {
+            Ok(()) => Ok(()),
+            Err(error) => Err(DestroyError {
+                object: self,
+                error,
+            }),
+        }
+    }
+}
+
+/// Queue-pair capacities (`struct ibv_qp_cap`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QpCapabilities {
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+    pub max_send_sge: u32,
+    pub max_recv_sge: u32,
+    pub max_inline_data: u32,
+}
+
+impl From<QpCapabilities> for QpCap {
+    fn from(c: QpCapabilities) -> Self {
+        QpCap {
+            max_send_wr: c.max_send_wr.into(),
+            max_recv_wr: c.max_recv_wr.into(),
+            max_send_sge: c.max_send_sge.into(),
+            max_recv_sge: c.max_recv_sge.into(),
+            max_inline_data: c.max_inline_data.into(),
+        }
+    }
+}
+
+impl From<QpCap> for QpCapabilities {
+    fn from(c: QpCap) -> Self {
+        QpCapabilities {
+            max_send_wr: c.max_send_wr.get(),
+            max_recv_wr: c.max_recv_wr.get(),
+            max_send_sge: c.max_send_sge.get(),
+            max_recv_sge: c.max_recv_sge.get(),
+            max_inline_data: c.max_inline_data.get(),
+        }
+    }
+}
+
+/// What `create_qp` needs (`struct ibv_qp_init_attr`).
+#[derive(Debug, Clone, Copy)]
+pub struct QpInitAttr<'a> {
+    pub send_cq: &'a CompletionQueue,
+    pub recv_cq: &'a CompletionQueue,
+    pub cap: QpCapabilities,
+    pub qp_type: QpType,
+    /// Every send WQE completes with a CQE, signaled or not.
+    pub sq_sig_all: bool,
+}
+
+/// A queue pair (`struct ibv_qp`).
+#[derive(Debug)]
+pub struct QueuePair {
+    pd: Arc<PdInner>,
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
+    qpn: u32,
+    cap: QpCapabilities,
+    sq: Arc<Mutex<SendRing>>,
+    rq: Arc<Mutex<RecvRing>>,
+    live: bool,
+}
+
+impl QueuePair {
+    /// The QP number.
+    pub fn qp_num(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The capacities the device granted.
+    pub fn cap(&self) -> QpCapabilities {
+        self.cap
+    }
+
+    /// The send and receive CQs' numbers.
+    pub fn cq_nums(&self) -> (u32, u32) {
+        (self.send_cq.cqn, self.recv_cq.cqn)
+    }
+
+    /// `ibv_post_send`: writes the WQEs into the send ring, publishes them
+    /// and rings the doorbell if the device sleeps. A full ring is `ENOMEM`.
+    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
+        let mut sq = lock(&self.sq);
+        let result = sq.post(wrs);
+        if sq.ring.take_kick() {
+            self.pd.dev.ring_doorbell();
+        }
+        result
+    }
+
+    /// `ibv_post_recv`: like [`QueuePair::post_send`] for the receive ring.
+    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
+        let mut rq = lock(&self.rq);
+        let result = rq.post(wrs);
+        if rq.ring.take_kick() {
+            self.pd.dev.ring_doorbell();
+        }
+        result
+    }
+
+    /// Whether the device flagged the send or receive ring as in error.
+    pub fn rings_in_error(&self) -> bool {
+        lock(&self.sq).ring.in_error() || lock(&self.rq).ring.in_error()
+    }
+
+    /// `ibv_modify_qp`: applies the attributes of `attr` that `attr_mask`
+    /// ([`vrdma_spec::qp_state::mask`] bits) selects.
+    pub fn modify(&self, attr: &QpAttr, attr_mask: u32) -> Result<()> {
+        let req = ModifyQpReq {
+            qpn: self.qpn.into(),
+            attr_mask: attr_mask.into(),
+            attr: *attr,
+        };
+        self.pd
+            .dev
+            .command_no_reply(Opcode::ModifyQp, req.as_bytes())
+    }
+
+    /// `ibv_query_qp`: every attribute plus the creation attributes.
+    pub fn query(&self, attr_mask: u32) -> Result<QueryQpResp> {
+        let req = QueryQpReq {
+            qpn: self.qpn.into(),
+            attr_mask: attr_mask.into(),
+        };
+        self.pd.dev.command(Opcode::QueryQp, req.as_bytes())
+    }
+
+    fn destroy_now(&mut self) -> Result<()> {
+        let req = QpHandle {
+            qpn: self.qpn.into(),
+            ..Default::default()
+        };
+        self.pd
+            .dev
+            .command_no_reply(Opcode::DestroyQp, req.as_bytes())?;
+        self.live = false;
+        Ok(())
+    }
+
+    /// `ibv_destroy_qp`, returning the device's errno; on failure the QP is
+    /// handed back.
+    pub fn destroy(mut self) -> Result<(), DestroyError<Self>> {
+        match self.destroy_now() {
+            Ok(()) => Ok(()),
+            Err(error) => Err(DestroyError {
+                object: self,
+                error,
+            }),
+        }
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        if self.live {
+            if let Err(e) = self.destroy_now() {
+                tracing::warn!(error = %e, qpn = self.qpn, "Cannot destroy a QP");
+                self.pd.dev.quarantine(Arc::clone(&self.sq));
+                self.pd.dev.quarantine(Arc::clone(&self.rq));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{config, StubTransport};
+    use crate::transport::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
+
+    #[test]
+    fn context_checks_arguments_before_asking_the_device() {
+        let stub = StubTransport::with_config(
+            &config(2, 64),
+            VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX,
+        );
+        let options = DeviceOptions {
+            arena_size: 1 << 20,
+            control_timeout: Duration::from_millis(10),
+            ..Default::default()
+        };
+        let ctx = Context::open(Box::new(stub), options).unwrap();
+        assert_eq!(ctx.num_comp_vectors(), 2);
+        assert_eq!(ctx.config().name(), Some("vrdma"));
+        let err = ctx.create_cq(u32::MAX, 0).unwrap_err();
+        assert_eq!(err.errno(), libc::EINVAL);
+        assert!(ctx.get_event(0, Some(Duration::ZERO)).unwrap().is_none());
+        assert_eq!(
+            ctx.get_event(5, Some(Duration::ZERO)).unwrap_err().errno(),
+            libc::EINVAL
+        );
+        assert!(ctx.event_fd(0).is_none(), "the stub has no interrupt fds");
+    }
+
+    #[test]
+    fn capabilities_convert_both_ways() {
+        let caps = QpCapabilities {
+            max_send_wr: 1,
+            max_recv_wr: 2,
+            max_send_sge: 3,
+            max_recv_sge: 4,
+            max_inline_data: 5,
+        };
+        let wire = QpCap::from(caps);
+        assert_eq!(
+            wire.as_bytes(),
+            [1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0, 5, 0, 0, 0]
+        );
+        assert_eq!(QpCapabilities::from(wire), caps);
+    }
+}
