@@ -1,0 +1,306 @@
+//! A unix `SOCK_SEQPACKET` channel: message boundaries kept by the kernel,
+//! file descriptors passed with a message, peer credentials read from the
+//! kernel (not from anything the peer says).
+
+use std::fs::File;
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use vmm_sys_util::sock_ctrl_msg::ScmSocket;
+
+use crate::messages::{self, MessageError, MAX_MESSAGE};
+
+/// Most descriptors one message carries.
+pub const MAX_FDS: usize = 32;
+
+/// Why a channel operation failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ChannelError {
+    #[error("Socket operation failed")]
+    Io(#[from] io::Error),
+    #[error("Peer closed the channel")]
+    Closed,
+    #[error("Socket path {0:?} is too long for a unix socket")]
+    PathTooLong(String),
+    #[error("Message refused")]
+    Message(#[from] MessageError),
+}
+
+/// The kernel's word on who is at the other end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCred {
+    pub pid: i32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+fn sockaddr(path: &Path) -> Result<(libc::sockaddr_un, libc::socklen_t), ChannelError> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: sockaddr_un is plain data; all-zero is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    if bytes.len() >= addr.sun_path.len() {
+        return Err(ChannelError::PathTooLong(path.display().to_string()));
+    }
+    for (dst, src) in addr.sun_path.iter_mut().zip(bytes) {
+        *dst = *src as libc::c_char;
+    }
+    let len = std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1;
+    Ok((addr, len as libc::socklen_t))
+}
+
+fn seqpacket_socket() -> io::Result<OwnedFd> {
+    // SAFETY: socket() has no memory-safety preconditions; the result is checked.
+    let fd = unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor owned by nobody else.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// A listening seqpacket socket.
+#[derive(Debug)]
+pub struct Listener {
+    fd: OwnedFd,
+}
+
+impl Listener {
+    /// Binds `path` (replacing a stale socket file) and listens.
+    pub fn bind(path: &Path) -> Result<Self, ChannelError> {
+        let _ = std::fs::remove_file(path);
+        let fd = seqpacket_socket()?;
+        let (addr, len) = sockaddr(path)?;
+        // SAFETY: addr is a valid sockaddr_un of length len; fd is open.
+        let rc = unsafe {
+            libc::bind(
+                fd.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error().into());
+        }
+        // SAFETY: fd is a bound socket.
+        if unsafe { libc::listen(fd.as_raw_fd(), 64) } != 0 {
+            return Err(io::Error::last_os_error().into());
+        }
+        Ok(Listener { fd })
+    }
+
+    /// Accepts one connection.
+    pub fn accept(&self) -> Result<Channel, ChannelError> {
+        // SAFETY: accept4 with null address arguments only returns a new fd.
+        let fd = unsafe {
+            libc::accept4(
+                self.fd.as_raw_fd(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                libc::SOCK_CLOEXEC,
+            )
+        };
+        if fd < 0 {
+            return Err(io::Error::last_os_error().into());
+        }
+        // SAFETY: fd is a fresh descriptor owned by nobody else.
+        Ok(Channel::from_owned(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+}
+
+impl AsRawFd for Listener {
+    fn as_raw_fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// One end of a connected seqpacket channel.
+#[derive(Debug)]
+pub struct Channel {
+    // A UnixStream over a SOCK_SEQPACKET fd: std's type only supplies the
+    // fd plumbing (ScmSocket, shutdown); every message is one datagram.
+    sock: UnixStream,
+}
+
+impl Channel {
+    fn from_owned(fd: OwnedFd) -> Self {
+        Channel {
+            sock: UnixStream::from(fd),
+        }
+    }
+
+    /// Connects to a listening channel at `path`.
+    pub fn connect(path: &Path) -> Result<Self, ChannelError> {
+        let fd = seqpacket_socket()?;
+        let (addr, len) = sockaddr(path)?;
+        // SAFETY: addr is a valid sockaddr_un of length len; fd is open.
+        let rc = unsafe {
+            libc::connect(
+                fd.as_raw_fd(),
+                (&addr as *const libc::sockaddr_un).cast(),
+                len,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error().into());
+        }
+        Ok(Channel::from_owned(fd))
+    }
+
+    /// A connected pair (tests, in-process use).
+    pub fn pair() -> Result<(Self, Self), ChannelError> {
+        let mut fds = [0; 2];
+        // SAFETY: fds has room for the two descriptors socketpair writes.
+        let rc = unsafe {
+            libc::socketpair(
+                libc::AF_UNIX,
+                libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+                0,
+                fds.as_mut_ptr(),
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error().into());
+        }
+        // SAFETY: both descriptors are fresh and owned by nobody else.
+        let (a, b) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        Ok((Channel::from_owned(a), Channel::from_owned(b)))
+    }
+
+    /// The peer's pid, uid and gid as the kernel recorded them at connect.
+    pub fn peer_cred(&self) -> Result<PeerCred, ChannelError> {
+        // SAFETY: ucred is plain data; all-zero is a valid value.
+        let mut cred: libc::ucred = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+        // SAFETY: cred/len describe a writable ucred; the fd is a socket.
+        let rc = unsafe {
+            libc::getsockopt(
+                self.sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_PEERCRED,
+                (&mut cred as *mut libc::ucred).cast(),
+                &mut len,
+            )
+        };
+        if rc != 0 {
+            return Err(io::Error::last_os_error().into());
+        }
+        Ok(PeerCred {
+            pid: cred.pid,
+            uid: cred.uid,
+            gid: cred.gid,
+        })
+    }
+
+    /// Sends one message with `fds` attached.
+    pub fn send<T: Serialize>(&self, msg: &T, fds: &[RawFd]) -> Result<(), ChannelError> {
+        let bytes = messages::encode(msg)?;
+        self.sock
+            .send_with_fds(&[bytes.as_slice()], fds)
+            .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
+        Ok(())
+    }
+
+    /// Receives one message and the descriptors that came with it. A message
+    /// larger than [`MAX_MESSAGE`] is refused (its descriptors are closed).
+    pub fn recv<T: DeserializeOwned>(&self) -> Result<(T, Vec<File>), ChannelError> {
+        let mut buf = vec![0u8; MAX_MESSAGE + 1];
+        let mut fds = [-1; MAX_FDS];
+        let mut iov = [libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        }];
+        // SAFETY: iov points at buf, which outlives the call; fds has MAX_FDS
+        // slots for the descriptors the kernel installs.
+        let (len, nfds) = unsafe { self.sock.recv_with_fds(&mut iov, &mut fds) }
+            .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
+        let files: Vec<File> = fds[..nfds.min(MAX_FDS)]
+            .iter()
+            .filter(|&&fd| fd >= 0)
+            // SAFETY: the kernel just installed these descriptors for us.
+            .map(|&fd| unsafe { File::from_raw_fd(fd) })
+            .collect();
+        if len == 0 && nfds == 0 {
+            return Err(ChannelError::Closed);
+        }
+        if len > MAX_MESSAGE {
+            return Err(MessageError::TooLarge(len).into());
+        }
+        Ok((messages::decode(&buf[..len])?, files))
+    }
+
+    /// Sends a request and waits for its response.
+    pub fn call<Q: Serialize, R: DeserializeOwned>(
+        &self,
+        request: &Q,
+        fds: &[RawFd],
+    ) -> Result<(R, Vec<File>), ChannelError> {
+        self.send(request, fds)?;
+        self.recv()
+    }
+
+    /// Shuts both directions down, waking a peer blocked in `recv`.
+    pub fn shutdown(&self) {
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+impl AsRawFd for Channel {
+    fn as_raw_fd(&self) -> RawFd {
+        self.sock.as_raw_fd()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::messages::{Request, Response};
+    use std::io::{Read, Seek, Write};
+
+    #[test]
+    fn messages_and_fds_cross() {
+        let (a, b) = Channel::pair().expect("pair");
+        let mut file = tempfile_with(b"hello");
+        a.send(&Request::RemoveMemory { slot: 3 }, &[file.as_raw_fd()])
+            .expect("send");
+        let (req, mut files): (Request, _) = b.recv().expect("recv");
+        assert_eq!(req, Request::RemoveMemory { slot: 3 });
+        assert_eq!(files.len(), 1);
+        let mut text = String::new();
+        files[0].rewind().expect("seek");
+        files[0].read_to_string(&mut text).expect("read");
+        assert_eq!(text, "hello");
+        file.write_all(b"!").expect("write");
+        b.send(&Response::Ok, &[]).expect("reply");
+        let (resp, fds): (Response, _) = a.recv().expect("reply");
+        assert_eq!((resp, fds.len()), (Response::Ok, 0));
+        assert_eq!(b.peer_cred().expect("cred").pid, std::process::id() as i32);
+    }
+
+    #[test]
+    fn closed_and_garbage_are_errors() {
+        let (a, b) = Channel::pair().expect("pair");
+        a.sock
+            .send_with_fds(&[b"{not json".as_slice()], &[])
+            .expect("send");
+        assert!(matches!(b.recv::<Request>(), Err(ChannelError::Message(_))));
+        drop(a);
+        assert!(matches!(b.recv::<Request>(), Err(ChannelError::Closed)));
+    }
+
+    fn tempfile_with(data: &[u8]) -> File {
+        let name = std::ffi::CString::new("chan-test").expect("name");
+        // SAFETY: valid NUL-terminated name; result checked.
+        let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(fd >= 0);
+        // SAFETY: fresh descriptor.
+        let mut file = unsafe { File::from_raw_fd(fd) };
+        file.write_all(data).expect("write");
+        file
+    }
+}
