@@ -141,7 +141,7 @@ impl SharedMapping {
     /// The `u32` at `offset` as an atomic.
     fn atomic_u32(&self, offset: usize) -> &AtomicU32 {
         assert!(
-            offset % 4 == 0 && offset + 4 <= self.len,
+            offset.is_multiple_of(4) && offset + 4 <= self.len,
             "ring header inside the mapping"
         );
         // SAFETY: in bounds and 4-aligned (mappings are page-aligned),
@@ -167,7 +167,7 @@ impl Drop for SharedMapping {
 /// writes; the ranges must not overlap.
 unsafe fn volatile_copy(src: *const u8, dst: *mut u8, len: usize) {
     let mut i = 0;
-    if (src as usize) % 8 == 0 && (dst as usize) % 8 == 0 {
+    if (src as usize).is_multiple_of(8) && (dst as usize).is_multiple_of(8) {
         while i + 8 <= len {
             // SAFETY: i + 8 <= len and both pointers are 8-aligned here.
             unsafe {
@@ -290,7 +290,7 @@ impl<'m, T: FromBytes + IntoBytes + KnownLayout + Immutable> Ring<'m, T> {
     /// The ring at `place` in `mem`; `None` if it does not fit or its depth
     /// is not a power of two.
     pub fn new(mem: &'m SharedMapping, place: RingPlace) -> Option<Self> {
-        let fits = place.offset % 64 == 0
+        let fits = place.offset.is_multiple_of(64)
             && place.depth.is_power_of_two()
             && place
                 .offset

@@ -8,6 +8,10 @@
 use std::io;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use vmm_sys_util::eventfd::EventFd;
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
@@ -24,6 +28,8 @@ use vrdma_spec::{CONTROL_QUEUE, DOORBELL_QUEUE, FIRST_EVENT_QUEUE};
 use vrdma_tenant_policy::Limits;
 
 use crate::control;
+use crate::datapath::{self, DatapathContext, SharedVrings};
+use crate::fabric::Fabric;
 use crate::verbs::{DeviceIdentity, RdmaDevice};
 
 /// Why handling a queue event failed.
@@ -63,28 +69,78 @@ pub struct VrdmaBackend {
 #[derive(Debug)]
 struct Inner {
     identity: DeviceIdentity,
-    limits: Limits,
-    device: Mutex<RdmaDevice>,
-    mem: Mutex<Option<GuestMemoryAtomic<GuestMemoryMmap>>>,
+    device: Arc<Mutex<RdmaDevice>>,
+    mem: Arc<Mutex<Option<GuestMemoryAtomic<GuestMemoryMmap>>>>,
     event_idx: AtomicBool,
     /// Notifiers of the exit events handed to the daemon's worker threads.
     exit_notifiers: Mutex<Vec<EventNotifier>>,
+    /// The vrings, for the datapath's events.
+    vrings: Arc<SharedVrings>,
+    /// Wakes the datapath (doorbells, new event buffers, shutdown).
+    wake: Arc<EventFd>,
+    stop: Arc<AtomicBool>,
 }
 
 impl VrdmaBackend {
-    /// A backend serving a fresh device.
-    pub fn new(identity: DeviceIdentity, limits: Limits) -> Self {
-        let device = RdmaDevice::new(identity.clone(), limits);
-        VrdmaBackend {
+    /// A backend serving a fresh device, attached to hostd's fabric if
+    /// `fabric` is given.
+    pub fn new(
+        identity: DeviceIdentity,
+        limits: Limits,
+        fabric: Option<Arc<Fabric>>,
+    ) -> io::Result<Self> {
+        let device = match fabric {
+            Some(fabric) => RdmaDevice::with_fabric(identity.clone(), limits, fabric),
+            None => RdmaDevice::new(identity.clone(), limits),
+        };
+        Ok(VrdmaBackend {
             inner: Arc::new(Inner {
                 identity,
-                limits,
-                device: Mutex::new(device),
-                mem: Mutex::new(None),
+                device: Arc::new(Mutex::new(device)),
+                mem: Arc::new(Mutex::new(None)),
                 event_idx: AtomicBool::new(false),
                 exit_notifiers: Mutex::new(Vec::new()),
+                vrings: Arc::new(SharedVrings::default()),
+                wake: Arc::new(EventFd::new(libc::EFD_NONBLOCK)?),
+                stop: Arc::new(AtomicBool::new(false)),
             }),
+        })
+    }
+
+    /// Starts the datapath thread if the device is on a fabric; it runs
+    /// until [`VrdmaBackend::stop_datapath`].
+    pub fn start_datapath(&self, spin: Duration) -> io::Result<Option<JoinHandle<()>>> {
+        let Some(fabric) = self.device().fabric().cloned() else {
+            return Ok(None);
+        };
+        let ctx = DatapathContext {
+            device: self.inner.device.clone(),
+            mem: self.inner.mem.clone(),
+            vrings: self.inner.vrings.clone(),
+            fabric,
+            wake: self.inner.wake.clone(),
+            stop: self.inner.stop.clone(),
+            spin,
+        };
+        let name = format!("datapath-{}", self.tenant());
+        std::thread::Builder::new()
+            .name(name)
+            .spawn(move || datapath::run(ctx))
+            .map(Some)
+    }
+
+    /// Stops the datapath thread and releases every object (telling hostd).
+    pub fn stop_datapath(&self, thread: Option<JoinHandle<()>>) {
+        self.inner.stop.store(true, Ordering::Release);
+        let _ = self.inner.wake.write(1);
+        if let Some(thread) = thread {
+            let _ = thread.join();
         }
+        self.device().release_all();
+    }
+
+    fn wake_datapath(&self) {
+        let _ = self.inner.wake.write(1);
     }
 
     /// The device, even if a thread panicked while holding it: the device's
@@ -193,17 +249,7 @@ impl VhostUserBackend for VrdmaBackend {
             tenant = self.tenant(),
             "Device reset: all verbs objects released"
         );
-        let mut device = self.device();
-        let mem = self
-            .inner
-            .mem
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        *device = RdmaDevice::new(self.inner.identity.clone(), self.inner.limits);
-        if let Some(mem) = mem {
-            device.update_memory(mem.memory().into_inner());
-        }
+        self.device().release_all();
     }
 
     fn set_event_idx(&self, enabled: bool) {
@@ -260,16 +306,13 @@ impl VhostUserBackend for VrdmaBackend {
         let vring = vrings
             .get(usize::from(device_event))
             .ok_or(BackendError::UnknownEvent(device_event))?;
+        self.inner.vrings.capture(vrings);
         match device_event {
             CONTROL_QUEUE => self.process_control_queue(vring)?,
-            // Rings are consumed by the datapath once hostd serves this
-            // device; until then a doorbell has no work to wake.
-            DOORBELL_QUEUE => tracing::trace!(tenant = self.tenant(), "Doorbell"),
-            // Event queues only receive buffers from the driver; the device
-            // uses them when it has an event to deliver.
-            q if q >= FIRST_EVENT_QUEUE => {
-                tracing::trace!(tenant = self.tenant(), queue = q, "Event buffers added")
-            }
+            // The driver published work while the datapath slept.
+            DOORBELL_QUEUE => self.wake_datapath(),
+            // New event buffers: an event held for lack of one can go now.
+            q if q >= FIRST_EVENT_QUEUE => self.wake_datapath(),
             _ => return Err(BackendError::UnknownEvent(device_event).into()),
         }
         Ok(())

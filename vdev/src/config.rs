@@ -41,6 +41,8 @@ pub enum ConfigError {
     CompVectors(u16),
     #[error("Port LID {0:#x} must be a unicast LID (0x1-0xbfff)")]
     Lid(u16),
+    #[error("Datapath polling time {0} µs exceeds {MAX_SPIN_US}")]
+    SpinUs(u64),
     #[error("Invalid limits")]
     Limits(#[source] LimitsError),
 }
@@ -67,6 +69,10 @@ pub struct Args {
     /// Number of completion vectors (event queues).
     #[arg(long)]
     pub comp_vectors: Option<u16>,
+    /// hostd's socket: attach the device to the host's fabric (without it
+    /// the device has a control path but no peer to reach).
+    #[arg(long)]
+    pub hostd: Option<PathBuf>,
     /// Serve one frontend connection, then exit (default: serve again after
     /// each disconnect, as a VM reboot or a restarted application needs).
     #[arg(long)]
@@ -82,6 +88,9 @@ struct FileConfig {
     lid: Option<u16>,
     comp_vectors: Option<u16>,
     queue_size: Option<u16>,
+    hostd: Option<PathBuf>,
+    /// Microseconds the datapath keeps polling after its last work.
+    spin_us: Option<u64>,
     #[serde(default)]
     limits: Limits,
 }
@@ -95,6 +104,8 @@ pub struct Config {
     pub comp_vectors: u16,
     pub queue_size: u16,
     pub limits: Limits,
+    pub hostd: Option<PathBuf>,
+    pub spin_us: u64,
     pub once: bool,
 }
 
@@ -103,6 +114,11 @@ pub const DEFAULT_TENANT: &str = "default";
 pub const DEFAULT_LID: u16 = 1;
 pub const DEFAULT_COMP_VECTORS: u16 = 1;
 pub const DEFAULT_QUEUE_SIZE: u16 = 256;
+/// Long enough to catch the next request of a ping-pong, short enough not to
+/// burn a core of a 2-core host when idle.
+pub const DEFAULT_SPIN_US: u64 = 200;
+/// Longest polling time accepted (a spinning datapath costs a core).
+const MAX_SPIN_US: u64 = 1_000_000;
 
 impl TryFrom<Args> for Config {
     type Error = ConfigError;
@@ -125,6 +141,8 @@ impl TryFrom<Args> for Config {
                 .unwrap_or(DEFAULT_COMP_VECTORS),
             queue_size: file.queue_size.unwrap_or(DEFAULT_QUEUE_SIZE),
             limits: file.limits,
+            hostd: args.hostd.or(file.hostd),
+            spin_us: file.spin_us.unwrap_or(DEFAULT_SPIN_US),
             once: args.once,
         };
         config.validate()?;
@@ -162,6 +180,9 @@ impl Config {
         if !(0x1..=0xbfff).contains(&self.lid) {
             return Err(ConfigError::Lid(self.lid));
         }
+        if self.spin_us > MAX_SPIN_US {
+            return Err(ConfigError::SpinUs(self.spin_us));
+        }
         self.limits.validate().map_err(ConfigError::Limits)
     }
 }
@@ -189,6 +210,8 @@ mod tests {
                 comp_vectors: DEFAULT_COMP_VECTORS,
                 queue_size: DEFAULT_QUEUE_SIZE,
                 limits: Limits::default(),
+                hostd: None,
+                spin_us: DEFAULT_SPIN_US,
                 once: false,
             }
         );

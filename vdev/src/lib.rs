@@ -16,10 +16,15 @@
 pub mod backend;
 pub mod config;
 pub mod control;
+pub mod datapath;
+pub mod fabric;
 pub mod shadow;
 pub mod verbs;
 
 use std::sync::Arc;
+use std::time::Duration;
+
+use fabric::Fabric;
 
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
@@ -32,6 +37,10 @@ use verbs::DeviceIdentity;
 /// Why vdev stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
+    #[error("Cannot register with hostd")]
+    Fabric(#[source] fabric::FabricError),
+    #[error("Cannot set the device up")]
+    Setup(#[source] std::io::Error),
     #[error("Cannot create the vhost-user daemon")]
     Daemon(#[source] DaemonError),
     #[error("Serving {socket} failed")]
@@ -67,8 +76,25 @@ pub fn run(config: &Config) -> Result<(), Error> {
     };
     let mut listener = Listener::new(&config.socket, true)
         .map_err(|e| serve_err(vhost_user_backend::Error::CreateVhostUserListener(e)))?;
+    let device_name = config.socket.display().to_string();
     loop {
-        let backend = VrdmaBackend::new(identity.clone(), config.limits);
+        // A fresh registration with hostd per frontend: when the frontend
+        // goes, closing it makes hostd drop everything this device had.
+        let fabric = match &config.hostd {
+            Some(path) => Some(Arc::new(
+                Fabric::connect(path, &config.tenant, &device_name).map_err(Error::Fabric)?,
+            )),
+            None => None,
+        };
+        if let Some(fabric) = &fabric {
+            tracing::info!(tenant = %config.tenant, lid = fabric.lid, queues = fabric.queues.len(),
+                "Registered with hostd");
+        }
+        let backend =
+            VrdmaBackend::new(identity.clone(), config.limits, fabric).map_err(Error::Setup)?;
+        let datapath = backend
+            .start_datapath(Duration::from_micros(config.spin_us))
+            .map_err(Error::Setup)?;
         let mut daemon = VhostUserDaemon::new(
             format!("vdev-{}", config.tenant),
             backend.clone(),
@@ -80,6 +106,7 @@ pub fn run(config: &Config) -> Result<(), Error> {
         tracing::info!(tenant = %config.tenant, "Frontend connected");
         let result = daemon.wait();
         backend.stop_workers();
+        backend.stop_datapath(datapath);
         match result {
             Ok(()) => {
                 tracing::info!(tenant = %config.tenant, "Frontend disconnected; device state released")

@@ -19,7 +19,7 @@ use vrdma_spec::verbs::access;
 /// removed or changes its backing is gone for good.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SlotId {
-    gpa: u64,
+    pub gpa: u64,
     len: u64,
     backing: Backing,
 }
@@ -33,7 +33,8 @@ enum Backing {
 }
 
 impl SlotId {
-    fn of<R: GuestMemoryRegion>(region: &R) -> Self {
+    /// The identity of `region`.
+    pub fn of<R: GuestMemoryRegion>(region: &R) -> Self {
         let file = region
             .file_offset()
             .and_then(|fo| fo.file().metadata().ok().map(|m| (m, fo.start())));
@@ -65,6 +66,11 @@ impl MemorySlots {
     /// The slots of `mem`.
     pub fn of(mem: &GuestMemoryMmap) -> Self {
         MemorySlots(mem.iter().map(SlotId::of).collect())
+    }
+
+    /// Whether `slot` is in the table.
+    pub fn contains(&self, slot: &SlotId) -> bool {
+        self.0.contains(slot)
     }
 
     /// Number of slots.

@@ -3,6 +3,7 @@
 
 use vrdma_spec::qp_state::TransitionError;
 
+use crate::fabric::FabricError;
 use crate::shadow::ShadowError;
 
 /// Why a control verb failed.
@@ -34,6 +35,8 @@ pub enum VerbError {
     Transition(#[source] TransitionError),
     #[error("Malformed command: {0}")]
     Malformed(String),
+    #[error("The fabric (hostd) refused")]
+    Fabric(#[source] FabricError),
 }
 
 impl VerbError {
@@ -49,6 +52,7 @@ impl VerbError {
             VerbError::Limit { .. } => libc::ENOMEM,
             VerbError::Fault(_) => libc::EFAULT,
             VerbError::Unsupported(_) => libc::EOPNOTSUPP,
+            VerbError::Fabric(e) => e.errno(),
         }
     }
 }

@@ -26,7 +26,8 @@ pub use error::{VerbError, VerbResult};
 pub use mr::MemoryRegion;
 pub use qp::QueuePair;
 
-use crate::shadow::MemorySlots;
+use crate::fabric::Fabric;
+use crate::shadow::{MemorySlots, SlotId};
 
 /// PCI vendor id reported by the device (Red Hat's virtio vendor id).
 pub const VENDOR_ID: u32 = 0x1af4;
@@ -61,6 +62,13 @@ pub struct CompletionQueue {
     pub depth: u32,
     pub comp_vector: u32,
     pub ring_addr: u64,
+    /// Device-side producer index (the datapath's copy; the guest sees it
+    /// in the ring's device line).
+    pub producer: u32,
+    /// Arm sequence number last answered with an event.
+    pub notified_sn: u32,
+    /// The CQ overflowed; its error event was sent.
+    pub overrun: bool,
     /// Number of QPs whose send or receive queue completes here.
     users: u32,
 }
@@ -81,6 +89,11 @@ pub struct RdmaDevice {
     /// Bytes registered across all MRs.
     mr_bytes: u64,
     next_handle: u32,
+    /// hostd, when the device is attached to a fabric.
+    fabric: Option<Arc<Fabric>>,
+    /// hostd's numbers for the guest memory slots it was given.
+    slot_numbers: HashMap<SlotId, u32>,
+    next_slot_number: u32,
 }
 
 impl RdmaDevice {
@@ -99,7 +112,24 @@ impl RdmaDevice {
             qps: HashMap::new(),
             mr_bytes: 0,
             next_handle: 1,
+            fabric: None,
+            slot_numbers: HashMap::new(),
+            next_slot_number: 0,
         }
+    }
+
+    /// A device attached to hostd's fabric: its LID is hostd's, and memory,
+    /// keys and QPs are mirrored to hostd.
+    pub fn with_fabric(mut identity: DeviceIdentity, limits: Limits, fabric: Arc<Fabric>) -> Self {
+        identity.lid = fabric.lid;
+        let mut device = RdmaDevice::new(identity, limits);
+        device.fabric = Some(fabric);
+        device
+    }
+
+    /// The hostd link, if any.
+    pub fn fabric(&self) -> Option<&Arc<Fabric>> {
+        self.fabric.as_ref()
     }
 
     /// The tenant this device serves.
@@ -116,6 +146,7 @@ impl RdmaDevice {
     /// whose memory is gone. Returns how many MRs it revoked.
     pub fn update_memory(&mut self, mem: Arc<GuestMemoryMmap>) -> usize {
         let slots = MemorySlots::of(&mem);
+        self.mirror_slots(&mem, &slots);
         self.mem = mem;
         let revoked = self
             .mrs
@@ -132,6 +163,86 @@ impl RdmaDevice {
     /// The CQ numbered `cqn`.
     pub fn cq(&self, cqn: u32) -> Option<&CompletionQueue> {
         self.cqs.get(&cqn)
+    }
+
+    /// Tells hostd about slots that appeared and slots that went away.
+    fn mirror_slots(&mut self, mem: &GuestMemoryMmap, slots: &MemorySlots) {
+        let Some(fabric) = self.fabric.clone() else {
+            return;
+        };
+        let gone: Vec<SlotId> = self
+            .slot_numbers
+            .keys()
+            .filter(|s| !slots.contains(s))
+            .copied()
+            .collect();
+        for slot in gone {
+            if let Some(number) = self.slot_numbers.remove(&slot) {
+                if let Err(e) = fabric.remove_memory(number) {
+                    tracing::warn!(tenant = %self.identity.tenant, slot = number, error = %e, "hostd did not drop a memory slot");
+                }
+            }
+        }
+        for region in mem.iter() {
+            let slot = SlotId::of(region);
+            if self.slot_numbers.contains_key(&slot) {
+                continue;
+            }
+            let Some(file) = vm_memory::GuestMemoryRegion::file_offset(region) else {
+                continue;
+            };
+            let number = self.next_slot_number;
+            self.next_slot_number += 1;
+            let gpa = vm_memory::GuestMemoryRegion::start_addr(region).0;
+            let len = vm_memory::GuestMemoryRegion::len(region);
+            match fabric.add_memory(number, gpa, len, file.file(), file.start()) {
+                Ok(()) => {
+                    self.slot_numbers.insert(slot, number);
+                }
+                Err(e) => tracing::warn!(tenant = %self.identity.tenant, gpa, len, error = %e,
+                    "hostd refused a guest memory slot; memory regions in it will fail"),
+            }
+        }
+    }
+
+    /// Releases every object, as a device reset or a departed frontend
+    /// requires: QPs first (hostd stops their work), then MRs (hostd revokes
+    /// their keys), then CQs and PDs. Memory slots stay known to hostd.
+    pub fn release_all(&mut self) {
+        let (pds, mrs, cqs, qps) = self.object_counts();
+        let qpns: Vec<u32> = self.qps.keys().copied().collect();
+        for qpn in qpns {
+            let _ = self.destroy_qp(qpn);
+        }
+        let handles: Vec<u32> = self.mrs.keys().copied().collect();
+        for handle in handles {
+            let _ = self.dereg_mr(handle);
+        }
+        self.cqs.clear();
+        self.pds.clear();
+        if pds + mrs + cqs + qps > 0 {
+            tracing::info!(tenant = %self.identity.tenant, pds, mrs, cqs, qps, "Released all verbs objects");
+        }
+    }
+
+    /// hostd's number for a slot, if it has the slot.
+    fn slot_number(&self, slot: &SlotId) -> Option<u32> {
+        self.slot_numbers.get(slot).copied()
+    }
+
+    /// The QPs.
+    pub fn qps_iter(&self) -> impl Iterator<Item = &QueuePair> {
+        self.qps.values()
+    }
+
+    /// The QP numbered `qpn`, mutably.
+    pub fn qp_mut(&mut self, qpn: u32) -> Option<&mut QueuePair> {
+        self.qps.get_mut(&qpn)
+    }
+
+    /// The CQ numbered `cqn`, mutably.
+    pub fn cq_mut(&mut self, cqn: u32) -> Option<&mut CompletionQueue> {
+        self.cqs.get_mut(&cqn)
     }
 
     /// Number of live objects: (PDs, MRs, CQs, QPs).
@@ -306,6 +417,9 @@ impl RdmaDevice {
                 depth,
                 comp_vector: req.comp_vector.get(),
                 ring_addr,
+                producer: 0,
+                notified_sn: 0,
+                overrun: false,
                 users: 0,
             },
         );

@@ -1,6 +1,7 @@
 //! Memory regions: `reg_mr` / `dereg_mr` and key lookup.
 
 use vm_memory::GuestAddress;
+use vrdma_hostd_protocol::messages::{MrRegistration, MrSegment};
 use vrdma_spec::control::{RegMrReq, RegMrResp};
 use vrdma_spec::verbs::access;
 
@@ -74,13 +75,8 @@ impl RdmaDevice {
         }
         let shadow =
             ShadowRegion::build(&self.mem, addr, len, iova, flags).map_err(VerbError::Fault)?;
+        let (lkey, rkey) = self.register_keys(pdn, &shadow)?;
         let handle = self.new_handle();
-        let taken =
-            |key: u32| self.lkeys.contains_key(&key) || self.mrs.values().any(|mr| mr.rkey == key);
-        // Keys are random so that a peer cannot guess another region's rkey;
-        // 0 is never a key, so a zeroed SGE never names a region.
-        let lkey = random_unique(u32::MAX, &[0], taken);
-        let rkey = random_unique(u32::MAX, &[0, lkey], taken);
         self.mrs.insert(
             handle,
             MemoryRegion {
@@ -101,7 +97,69 @@ impl RdmaDevice {
         })
     }
 
+    /// Picks the region's keys and, on a fabric, registers the shadow with
+    /// hostd under them. Keys are random so that a peer cannot guess another
+    /// region's rkey; 0 is never a key, so a zeroed SGE never names a region.
+    /// hostd keeps keys unique across tenants: a collision there means new
+    /// keys.
+    fn register_keys(&self, pdn: u32, shadow: &ShadowRegion) -> VerbResult<(u32, u32)> {
+        let taken =
+            |key: u32| self.lkeys.contains_key(&key) || self.mrs.values().any(|mr| mr.rkey == key);
+        const ATTEMPTS: usize = 8;
+        for _ in 0..ATTEMPTS {
+            let lkey = random_unique(u32::MAX, &[0], taken);
+            let rkey = random_unique(u32::MAX, &[0, lkey], taken);
+            let Some(fabric) = &self.fabric else {
+                return Ok((lkey, rkey));
+            };
+            let mut segments = Vec::new();
+            for seg in shadow.segments() {
+                let slot = self.slot_number(&seg.slot).ok_or_else(|| {
+                    VerbError::Invalid(format!(
+                        "guest memory at {:#x} is not known to hostd",
+                        seg.gpa
+                    ))
+                })?;
+                segments.push(MrSegment {
+                    slot,
+                    offset: seg.gpa - seg.slot.gpa,
+                    len: seg.len,
+                });
+            }
+            let registration = MrRegistration {
+                lkey,
+                rkey,
+                pd: pdn,
+                access: shadow.access,
+                iova: shadow.iova,
+                len: shadow.len,
+                segments,
+            };
+            match fabric.register_mr(registration) {
+                Ok(()) => return Ok((lkey, rkey)),
+                Err(e) if e.errno() == libc::EEXIST => continue,
+                Err(e) => return Err(VerbError::Fabric(e)),
+            }
+        }
+        Err(VerbError::Limit {
+            limit: "key space",
+            current: ATTEMPTS as u64,
+            max: ATTEMPTS as u64,
+        })
+    }
+
     pub(super) fn dereg_mr(&mut self, handle: u32) -> VerbResult<()> {
+        let lkey = self
+            .mrs
+            .get(&handle)
+            .ok_or(VerbError::NoObject { kind: "MR", handle })?
+            .lkey;
+        if let Some(fabric) = &self.fabric {
+            // hostd answers once no work can touch the region any more.
+            if let Err(e) = fabric.deregister_mr(lkey) {
+                tracing::warn!(tenant = %self.tenant(), lkey, error = %e, "hostd did not deregister the MR");
+            }
+        }
         let mr = self
             .mrs
             .remove(&handle)

@@ -36,6 +36,9 @@ pub struct QueuePair {
     pub state: QpState,
     /// Attributes as last set by modify_qp (returned by query_qp).
     pub attr: QpAttr,
+    /// Next send/receive WQE the datapath takes from the guest rings.
+    pub sq_consumer: u32,
+    pub rq_consumer: u32,
 }
 
 impl RdmaDevice {
@@ -119,6 +122,10 @@ impl RdmaDevice {
             max_inline_data: sq_payload.min(l.max_inline_data).into(),
         };
         let qpn = random_unique(QPN_MASK, &[0, 1], |n| self.qps.contains_key(&n));
+        if let Some(fabric) = &self.fabric {
+            let pqp = fabric.queues[fabric.pqp_index_for(qpn)].grant.pqp;
+            fabric.create_qp(qpn, pdn, pqp).map_err(VerbError::Fabric)?;
+        }
         let attr = QpAttr {
             qp_state: QpState::Reset.into(),
             cap: granted,
@@ -139,6 +146,8 @@ impl RdmaDevice {
                 rq: (rq_addr, rq),
                 state: QpState::Reset,
                 attr,
+                sq_consumer: 0,
+                rq_consumer: 0,
             },
         );
         self.pd_mut(pdn)?.qps += 1;
@@ -180,11 +189,19 @@ impl RdmaDevice {
         check_supported_mask(attr_mask)?;
         check_rc_mask(qp.state, next, attr_mask).map_err(VerbError::Transition)?;
         validate_attr(a, attr_mask, port_mtu, max_rd_atomic)?;
+        if let Some(fabric) = &self.fabric {
+            let mut merged = qp.attr;
+            apply_attr(&mut merged, a, attr_mask);
+            mirror_transition(fabric, qpn, qp.state, next, &merged, attr_mask)
+                .map_err(VerbError::Fabric)?;
+        }
         apply_attr(&mut qp.attr, a, attr_mask);
         qp.state = next;
         qp.attr.qp_state = next.into();
         qp.attr.cur_qp_state = next.into();
         if next == QpState::Reset {
+            qp.sq_consumer = 0;
+            qp.rq_consumer = 0;
             // RESET returns the QP to its state after creation.
             qp.attr = QpAttr {
                 cap: qp.cap,
@@ -214,6 +231,18 @@ impl RdmaDevice {
     }
 
     pub(super) fn destroy_qp(&mut self, qpn: u32) -> VerbResult<()> {
+        if !self.qps.contains_key(&qpn) {
+            return Err(VerbError::NoObject {
+                kind: "QP",
+                handle: qpn,
+            });
+        }
+        if let Some(fabric) = &self.fabric {
+            // hostd answers once no work of the QP can run any more.
+            if let Err(e) = fabric.destroy_qp(qpn) {
+                tracing::warn!(tenant = %self.tenant(), qpn, error = %e, "hostd did not destroy the QP");
+            }
+        }
         let qp = self.qps.remove(&qpn).ok_or(VerbError::NoObject {
             kind: "QP",
             handle: qpn,
@@ -232,6 +261,46 @@ impl RdmaDevice {
     /// The QP numbered `qpn`.
     pub fn qp(&self, qpn: u32) -> Option<&QueuePair> {
         self.qps.get(&qpn)
+    }
+}
+
+/// Tells hostd what a transition means for the fabric: connecting at RTR,
+/// requester parameters at RTS, access changes, flush at ERR, forget at RESET.
+fn mirror_transition(
+    fabric: &crate::fabric::Fabric,
+    qpn: u32,
+    from: QpState,
+    to: QpState,
+    attr: &QpAttr,
+    attr_mask: u32,
+) -> Result<(), crate::fabric::FabricError> {
+    let connection = vrdma_hostd_protocol::messages::QpConnection {
+        vqpn: qpn,
+        dest_lid: attr.ah_attr.dlid.get(),
+        dest_qpn: attr.dest_qp_num.get(),
+        access: attr.qp_access_flags.get(),
+        rnr_retry: if from == QpState::Rtr {
+            attr.rnr_retry
+        } else {
+            7
+        },
+        retry_cnt: if from == QpState::Rtr {
+            attr.retry_cnt
+        } else {
+            7
+        },
+        min_rnr_timer: attr.min_rnr_timer,
+    };
+    match (from, to) {
+        (_, QpState::Err) => fabric.error_qp(qpn),
+        (_, QpState::Reset) => fabric.reset_qp(qpn),
+        (QpState::Init, QpState::Rtr) | (QpState::Rtr, QpState::Rts) => {
+            fabric.connect_qp(connection)
+        }
+        _ if attr_mask & mask::ACCESS_FLAGS != 0 => {
+            fabric.set_qp_access(qpn, attr.qp_access_flags.get())
+        }
+        _ => Ok(()),
     }
 }
 

@@ -1,0 +1,200 @@
+//! vdev's link to hostd, the host's NIC: registration, memory, keys and QP
+//! connections over the control channel, and the physical queues hostd
+//! granted (shared-memory rings with eventfd doorbells).
+
+use std::fs::File;
+use std::os::fd::{AsRawFd, RawFd};
+use std::path::Path;
+use std::sync::Mutex;
+
+use vmm_sys_util::eventfd::EventFd;
+use vrdma_hostd_protocol::channel::{Channel, ChannelError};
+use vrdma_hostd_protocol::messages::{
+    MrRegistration, QpConnection, QueueGrant, Request, Response, PROTOCOL_VERSION,
+};
+use vrdma_hostd_protocol::shm::{QueueLayout, SharedMapping, ShmError};
+
+/// Why talking to hostd failed.
+#[derive(Debug, thiserror::Error)]
+pub enum FabricError {
+    #[error("Cannot reach hostd at {path}")]
+    Connect {
+        path: String,
+        #[source]
+        source: ChannelError,
+    },
+    #[error("hostd channel failed")]
+    Channel(#[from] ChannelError),
+    #[error("hostd refused: {reason}")]
+    Refused { errno: i32, reason: String },
+    #[error("hostd answered {0:?} where another answer was expected")]
+    Unexpected(Box<Response>),
+    #[error("hostd sent {got} descriptors, {want} expected")]
+    Descriptors { got: usize, want: usize },
+    #[error("Cannot map a physical queue")]
+    Queue(#[source] ShmError),
+}
+
+impl FabricError {
+    /// The errno to hand a verb's caller.
+    pub fn errno(&self) -> i32 {
+        match self {
+            FabricError::Refused { errno, .. } => *errno,
+            _ => libc::EIO,
+        }
+    }
+}
+
+/// One physical QP granted by hostd.
+#[derive(Debug)]
+pub struct PhysQueue {
+    pub grant: QueueGrant,
+    pub layout: QueueLayout,
+    pub mem: SharedMapping,
+}
+
+/// A registered vdev on hostd.
+#[derive(Debug)]
+pub struct Fabric {
+    channel: Mutex<Channel>,
+    /// The LID hostd assigned this device.
+    pub lid: u16,
+    pub queues: Vec<PhysQueue>,
+    /// Written after posting work while hostd's datapath sleeps.
+    pub doorbell: EventFd,
+    /// hostd writes it after completing work while vdev's datapath sleeps.
+    pub completions: EventFd,
+}
+
+impl Fabric {
+    /// Connects to hostd and registers this device.
+    pub fn connect(path: &Path, tenant: &str, device: &str) -> Result<Self, FabricError> {
+        let channel = Channel::connect(path).map_err(|source| FabricError::Connect {
+            path: path.display().to_string(),
+            source,
+        })?;
+        let hello = Request::Hello {
+            version: PROTOCOL_VERSION,
+            tenant: tenant.into(),
+            device: device.into(),
+        };
+        let (response, mut files): (Response, Vec<File>) = channel.call(&hello, &[])?;
+        let welcome = match response {
+            Response::Welcome(w) => w,
+            Response::Refused { errno, reason } => {
+                return Err(FabricError::Refused { errno, reason })
+            }
+            other => return Err(FabricError::Unexpected(Box::new(other))),
+        };
+        let want = welcome.queues.len() + 2;
+        if files.len() != want {
+            return Err(FabricError::Descriptors {
+                got: files.len(),
+                want,
+            });
+        }
+        let completions = eventfd_from(files.pop());
+        let doorbell = eventfd_from(files.pop());
+        let (Some(doorbell), Some(completions)) = (doorbell, completions) else {
+            return Err(FabricError::Descriptors { got: 0, want });
+        };
+        let mut queues = Vec::new();
+        for (grant, file) in welcome.queues.iter().zip(files) {
+            let layout = QueueLayout::new(grant.sq_depth, grant.cq_depth);
+            let mem =
+                SharedMapping::map(file, 0, layout.bytes() as u64).map_err(FabricError::Queue)?;
+            queues.push(PhysQueue {
+                grant: *grant,
+                layout,
+                mem,
+            });
+        }
+        Ok(Fabric {
+            channel: Mutex::new(channel),
+            lid: welcome.lid,
+            queues,
+            doorbell,
+            completions,
+        })
+    }
+
+    /// Sends a request (with `fds`) and expects `Ok`.
+    fn call(&self, request: &Request, fds: &[RawFd]) -> Result<(), FabricError> {
+        let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        let (response, _files): (Response, Vec<File>) = channel.call(request, fds)?;
+        match response {
+            Response::Ok => Ok(()),
+            Response::Refused { errno, reason } => Err(FabricError::Refused { errno, reason }),
+            other => Err(FabricError::Unexpected(Box::new(other))),
+        }
+    }
+
+    pub fn add_memory(
+        &self,
+        slot: u32,
+        gpa: u64,
+        len: u64,
+        file: &File,
+        file_offset: u64,
+    ) -> Result<(), FabricError> {
+        self.call(
+            &Request::AddMemory {
+                slot,
+                gpa,
+                len,
+                file_offset,
+            },
+            &[file.as_raw_fd()],
+        )
+    }
+
+    pub fn remove_memory(&self, slot: u32) -> Result<(), FabricError> {
+        self.call(&Request::RemoveMemory { slot }, &[])
+    }
+
+    pub fn register_mr(&self, reg: MrRegistration) -> Result<(), FabricError> {
+        self.call(&Request::RegisterMr(reg), &[])
+    }
+
+    pub fn deregister_mr(&self, lkey: u32) -> Result<(), FabricError> {
+        self.call(&Request::DeregisterMr { lkey }, &[])
+    }
+
+    pub fn create_qp(&self, vqpn: u32, pd: u32, pqp: u32) -> Result<(), FabricError> {
+        self.call(&Request::CreateQp { vqpn, pd, pqp }, &[])
+    }
+
+    pub fn connect_qp(&self, connection: QpConnection) -> Result<(), FabricError> {
+        self.call(&Request::ConnectQp(connection), &[])
+    }
+
+    pub fn set_qp_access(&self, vqpn: u32, access: u32) -> Result<(), FabricError> {
+        self.call(&Request::SetQpAccess { vqpn, access }, &[])
+    }
+
+    pub fn error_qp(&self, vqpn: u32) -> Result<(), FabricError> {
+        self.call(&Request::ErrorQp { vqpn }, &[])
+    }
+
+    pub fn reset_qp(&self, vqpn: u32) -> Result<(), FabricError> {
+        self.call(&Request::ResetQp { vqpn }, &[])
+    }
+
+    pub fn destroy_qp(&self, vqpn: u32) -> Result<(), FabricError> {
+        self.call(&Request::DestroyQp { vqpn }, &[])
+    }
+
+    /// The physical QP a virtual QP is multiplexed onto: spread by QPN so
+    /// that each virtual QP always uses the same one (which keeps its work
+    /// in order).
+    pub fn pqp_index_for(&self, vqpn: u32) -> usize {
+        (vqpn as usize) % self.queues.len().max(1)
+    }
+}
+
+fn eventfd_from(file: Option<File>) -> Option<EventFd> {
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    // SAFETY: the descriptor came from hostd as an eventfd and is ours now;
+    // EventFd takes ownership of it.
+    file.map(|f| unsafe { EventFd::from_raw_fd(f.into_raw_fd()) })
+}
