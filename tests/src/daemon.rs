@@ -71,7 +71,22 @@ impl Vdev {
     /// Starts vdev for `tenant` with extra command-line `args`, and waits
     /// until its socket exists.
     pub fn start(tenant: &str, args: &[&str]) -> Self {
+        Self::start_in(TempDir::new(&format!("vdev-{tenant}")), tenant, args)
+    }
+
+    /// Like [`Vdev::start`], with `config` (TOML) written to a config file
+    /// in vdev's directory and passed as `--config` before `args`.
+    pub fn start_with_config(tenant: &str, config: &str, args: &[&str]) -> Self {
         let dir = TempDir::new(&format!("vdev-{tenant}"));
+        let path = dir.path().join("vdev.toml");
+        std::fs::write(&path, config).expect("write vdev config file");
+        let path = path.to_str().expect("UTF-8 temp path").to_owned();
+        let mut all = vec!["--config", path.as_str()];
+        all.extend_from_slice(args);
+        Self::start_in(dir, tenant, &all)
+    }
+
+    fn start_in(dir: TempDir, tenant: &str, args: &[&str]) -> Self {
         let socket = dir.path().join("vdev.sock");
         let log = dir.path().join("vdev.log");
         let child = Command::new(binary("vdev"))
