@@ -149,6 +149,9 @@ pub(crate) struct WorkRing {
     producer: u32,
     /// Whether the producer moved since the last `take_published`.
     published: bool,
+    /// Most entries outstanding at once: the work requests the device
+    /// granted, which may be fewer than the ring's power-of-two depth.
+    limit: u32,
 }
 
 impl WorkRing {
@@ -162,7 +165,13 @@ impl WorkRing {
             geometry,
             producer: 0,
             published: false,
+            limit: geometry.depth,
         }
+    }
+
+    /// Caps outstanding entries at `granted` (never above the depth).
+    pub(crate) fn limit_to(&mut self, granted: u32) {
+        self.limit = granted.clamp(1, self.geometry.depth);
     }
 
     /// Length and alignment of the memory a ring of `geometry` needs.
@@ -194,7 +203,7 @@ impl WorkRing {
 
     /// Writes one entry (via `write`) into the next slot, if there is room.
     fn push(&mut self, write: impl FnOnce(&DmaBuf, usize)) -> Result<(), Error> {
-        if self.outstanding() >= self.geometry.depth {
+        if self.outstanding() >= self.limit {
             return Err(Error::QueueFull);
         }
         write(&self.mem, self.slot_offset(self.producer));

@@ -310,15 +310,24 @@ impl ProtectionDomain {
     /// computes them ([`vrdma_spec::ring::sq_geometry`]/`rq_geometry`).
     pub fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<QueuePair> {
         let cap = init.cap;
+        // CQ numbers are per device: a CQ of another device would silently
+        // name an unrelated CQ of this one.
+        for cq in [init.send_cq, init.recv_cq] {
+            if !Arc::ptr_eq(&cq.inner.dev, &self.inner.dev) {
+                return Err(Error::InvalidArgument(
+                    "completion queue belongs to another device",
+                ));
+            }
+        }
         let sq_geo = sq_geometry(cap.max_send_wr, cap.max_send_sge, cap.max_inline_data)
             .ok_or(Error::InvalidArgument("send queue capacities too large"))?;
         let rq_geo = rq_geometry(cap.max_recv_wr, cap.max_recv_sge)
             .ok_or(Error::InvalidArgument("receive queue capacities too large"))?;
         let dev = &self.inner.dev;
         let (len, align) = WorkRing::alloc_args(sq_geo)?;
-        let sq = WorkRing::new(dev.alloc(len, align, true)?, sq_geo);
+        let mut sq = WorkRing::new(dev.alloc(len, align, true)?, sq_geo);
         let (len, align) = WorkRing::alloc_args(rq_geo)?;
-        let rq = WorkRing::new(dev.alloc(len, align, true)?, rq_geo);
+        let mut rq = WorkRing::new(dev.alloc(len, align, true)?, rq_geo);
         let req = CreateQpReq {
             pdn: self.inner.pdn.into(),
             send_cqn: init.send_cq.inner.cqn.into(),
@@ -335,6 +344,8 @@ impl ProtectionDomain {
         // The device may grant more than asked (what the slot stride holds):
         // post within the grant; the rings still check the stride.
         let granted = QpCapabilities::from(resp.cap);
+        sq.limit_to(granted.max_send_wr);
+        rq.limit_to(granted.max_recv_wr);
         Ok(QueuePair {
             pd: Arc::clone(&self.inner),
             send_cq: Arc::clone(&init.send_cq.inner),

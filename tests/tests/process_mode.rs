@@ -1965,3 +1965,40 @@ fn the_demo_runs_to_ok() {
         "nothing to keep before vdev ran: {stdout}"
     );
 }
+
+#[test]
+fn posting_stops_at_the_granted_depth_not_the_ring_depth() {
+    let vdev = Vdev::start_with_config("granted", "[limits]\nmax_qp_depth = 100\n", &[]);
+    let ctx = Context::open_vhost_user(&vdev.socket).expect("open");
+    let pd = ctx.alloc_pd().expect("pd");
+    let cq = ctx.create_cq(16, 0).expect("cq");
+    let qp = create_qp(&pd, &cq, caps(100, 1, 1, 0)).expect("qp");
+    assert_eq!(
+        qp.cap().max_send_wr,
+        100,
+        "grant capped by the tenant limit"
+    );
+    let inline = [0u8; 0];
+    let wrs: Vec<SendWr<'_>> = (0..101)
+        .map(|i| SendWr::new(i, SendOpcode::Send, SendPayload::Inline(&inline)))
+        .collect();
+    // No datapath consumes the ring (no hostd): 100 fit, the 101st does not,
+    // although the ring itself has 128 slots.
+    let (bad_wr, errno, _) = post_failure(qp.post_send(&wrs));
+    assert_eq!((bad_wr, errno), (100, libc::ENOMEM));
+}
+
+#[test]
+fn a_queue_pair_cannot_use_another_devices_cq() {
+    let vdev_a = Vdev::start("cq-owner-a", &[]);
+    let vdev_b = Vdev::start("cq-owner-b", &[]);
+    let ctx_a = Context::open_vhost_user(&vdev_a.socket).expect("open a");
+    let ctx_b = Context::open_vhost_user(&vdev_b.socket).expect("open b");
+    let pd_a = ctx_a.alloc_pd().expect("pd");
+    let cq_b = ctx_b.create_cq(16, 0).expect("cq on b");
+    let _cq_a = ctx_a.create_cq(16, 0).expect("cq on a, same number as b's");
+    assert_eq!(
+        driver_errno(create_qp(&pd_a, &cq_b, caps(4, 4, 1, 0))),
+        libc::EINVAL
+    );
+}
