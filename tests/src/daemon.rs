@@ -57,14 +57,102 @@ impl Drop for TempDir {
     }
 }
 
+/// A workspace daemon running as a child process with its own scratch
+/// directory, socket and log file; killed on drop.
+#[derive(Debug)]
+pub struct Daemon {
+    name: &'static str,
+    child: Child,
+    pub socket: PathBuf,
+    log: PathBuf,
+    dir: TempDir,
+}
+
+impl Daemon {
+    /// Starts binary `name` with `--socket <dir>/<name>.sock` and `args`,
+    /// logging to `<dir>/<name>.log`, and waits until the socket exists.
+    pub fn start(name: &'static str, dir: TempDir, args: &[&str]) -> Self {
+        let socket = dir.path().join(format!("{name}.sock"));
+        let log = dir.path().join(format!("{name}.log"));
+        let child = Command::new(binary(name))
+            .arg("--socket")
+            .arg(&socket)
+            .args(args)
+            .env("VRDMA_LOG", "debug")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        let mut daemon = Daemon {
+            name,
+            child,
+            socket,
+            log,
+            dir,
+        };
+        daemon.wait_for_socket();
+        daemon
+    }
+
+    fn wait_for_socket(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !self.socket.exists() {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!(
+                    "{} exited with {status} before listening:\n{}",
+                    self.name,
+                    self.log()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{} did not listen within 10 s:\n{}",
+                self.name,
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// The daemon's scratch directory.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Exit status, if it exited.
+    pub fn exit_status(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Kills the process (SIGKILL) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Everything the daemon logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
 /// A running vdev; killed on drop.
 #[derive(Debug)]
 pub struct Vdev {
-    child: Child,
+    daemon: Daemon,
     pub socket: PathBuf,
     pub tenant: String,
-    log: PathBuf,
-    _dir: TempDir,
 }
 
 impl Vdev {
@@ -72,6 +160,14 @@ impl Vdev {
     /// until its socket exists.
     pub fn start(tenant: &str, args: &[&str]) -> Self {
         Self::start_in(TempDir::new(&format!("vdev-{tenant}")), tenant, args)
+    }
+
+    /// Starts vdev for `tenant` attached to `hostd`.
+    pub fn on_hostd(hostd: &Hostd, tenant: &str, args: &[&str]) -> Self {
+        let path = hostd.socket.to_str().expect("UTF-8 socket path").to_owned();
+        let mut all = vec!["--hostd", path.as_str()];
+        all.extend_from_slice(args);
+        Self::start(tenant, &all)
     }
 
     /// Like [`Vdev::start`], with `config` (TOML) written to a config file
@@ -87,66 +183,71 @@ impl Vdev {
     }
 
     fn start_in(dir: TempDir, tenant: &str, args: &[&str]) -> Self {
-        let socket = dir.path().join("vdev.sock");
-        let log = dir.path().join("vdev.log");
-        let child = Command::new(binary("vdev"))
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--tenant", tenant])
-            .args(args)
-            .env("VRDMA_LOG", "debug")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("spawn vdev");
-        let mut vdev = Vdev {
-            child,
+        let mut all = vec!["--tenant", tenant];
+        all.extend_from_slice(args);
+        let daemon = Daemon::start("vdev", dir, &all);
+        let socket = daemon.socket.clone();
+        Vdev {
+            daemon,
             socket,
             tenant: tenant.into(),
-            log,
-            _dir: dir,
-        };
-        vdev.wait_for_socket();
-        vdev
-    }
-
-    fn wait_for_socket(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.socket.exists() {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "vdev exited with {status} before listening:\n{}",
-                    self.log()
-                );
-            }
-            assert!(
-                Instant::now() < deadline,
-                "vdev did not listen within 10 s:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(5));
         }
     }
 
     /// Whether the process is still running.
     pub fn is_running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
+        self.daemon.is_running()
     }
 
     /// Exit status, if it exited.
     pub fn exit_status(&mut self) -> Option<ExitStatus> {
-        self.child.try_wait().ok().flatten()
+        self.daemon.exit_status()
+    }
+
+    /// Kills vdev (SIGKILL), as a crash would.
+    pub fn kill(&mut self) {
+        self.daemon.kill();
     }
 
     /// Everything vdev logged so far.
     pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
+        self.daemon.log()
     }
 }
 
-impl Drop for Vdev {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+/// A running hostd; killed on drop.
+#[derive(Debug)]
+pub struct Hostd {
+    daemon: Daemon,
+    pub socket: PathBuf,
+}
+
+impl Hostd {
+    /// Starts hostd on its embedded default configuration (tenants `alpha`
+    /// and `beta` in network `demo`), or on `config` (TOML) when given.
+    pub fn start(config: Option<&str>) -> Self {
+        let dir = TempDir::new("hostd");
+        let path = dir.path().join("hostd.toml");
+        let path = path.to_str().expect("UTF-8 temp path").to_owned();
+        let args: Vec<&str> = match config {
+            Some(text) => {
+                std::fs::write(&path, text).expect("write hostd config file");
+                vec!["--config", path.as_str()]
+            }
+            None => Vec::new(),
+        };
+        let daemon = Daemon::start("hostd", dir, &args);
+        let socket = daemon.socket.clone();
+        Hostd { daemon, socket }
+    }
+
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.daemon.is_running()
+    }
+
+    /// Everything hostd logged so far.
+    pub fn log(&self) -> String {
+        self.daemon.log()
     }
 }

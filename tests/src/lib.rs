@@ -6,4 +6,5 @@
 //! ([`vmm`]), or as a tenant application through the guest driver.
 
 pub mod daemon;
+pub mod tenant;
 pub mod vmm;

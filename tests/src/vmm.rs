@@ -23,16 +23,29 @@ pub const F_VERSION_1: u64 = 1 << 32;
 /// `VHOST_USER_F_PROTOCOL_FEATURES`.
 pub const F_PROTOCOL_FEATURES: u64 = 1 << 30;
 
-/// A memfd of `size` bytes mapped as guest memory at `gpa`.
+/// A memfd of `size` bytes mapped as guest memory at `gpa`, sealed against
+/// resizing as QEMU's `memory-backend-memfd` seals it (hostd maps only
+/// sealed memory).
 pub fn memfd_memory(name: &str, gpa: u64, size: usize) -> GuestMemoryMmap {
     let cname = std::ffi::CString::new(name).expect("no NUL");
     // SAFETY: memfd_create takes a valid NUL-terminated name and flags; it
     // returns a new fd or -1, checked below.
-    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd =
+        unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
     // SAFETY: fd is a fresh descriptor that nothing else owns.
     let file = unsafe { File::from_raw_fd(fd) };
     file.set_len(size as u64).expect("size memfd");
+    let seals = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS on a descriptor we own; the result is checked.
+    let rc = unsafe {
+        libc::fcntl(
+            std::os::fd::AsRawFd::as_raw_fd(&file),
+            libc::F_ADD_SEALS,
+            seals,
+        )
+    };
+    assert_eq!(rc, 0, "seal memfd: {}", std::io::Error::last_os_error());
     GuestMemoryMmap::from_ranges_with_files(&[(
         GuestAddress(gpa),
         size,
@@ -208,6 +221,12 @@ pub const FREE: u64 = GUEST_BASE + 0x100000;
 impl Vmm {
     /// Attaches to the vdev at `socket` the way a VMM does.
     pub fn attach(socket: &Path) -> Self {
+        Self::attach_with_memory(socket, GUEST_SIZE)
+    }
+
+    /// Like [`Vmm::attach`], with `size` bytes of guest memory (a sparse
+    /// memfd: only touched pages cost memory).
+    pub fn attach_with_memory(socket: &Path, size: usize) -> Self {
         let mut frontend = connect(socket, 8);
         // Every message waits for the backend's ack (REPLY_ACK), so a memory
         // table change is in force before the next control command.
@@ -236,7 +255,7 @@ impl Vmm {
             .get_config(0, CONFIG_SIZE as u32, VhostUserConfigFlags::empty(), &buf)
             .expect("get_config");
         let config = DeviceConfig::read_from_bytes(&bytes).expect("config size");
-        let mem = memfd_memory("vmm-guest", GUEST_BASE, GUEST_SIZE);
+        let mem = memfd_memory("vmm-guest", GUEST_BASE, size);
         frontend
             .set_mem_table(&region_infos(&mem))
             .expect("set_mem_table");

@@ -1,0 +1,447 @@
+//! `vrdma-bench`: perftest-like measurements of the whole vrdma path —
+//! guest driver → vdev → hostd → peer — between two process-mode tenants,
+//! with baselines measured in the same run on the same machine: a
+//! single-thread memcpy of the same size (the bandwidth a copy can reach)
+//! and a TCP loopback ping-pong (what a tenant would use without RDMA).
+//!
+//! The daemons (`hostd`, two `vdev`s) run as separate processes on unix
+//! sockets in a scratch directory; the two tenants are two vhost-user
+//! frontends in this process, each driven by its own thread.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use vrdma_guest_driver::{MemoryRegion, QueuePair, RecvWr, SendPayload, SendWr, WorkCompletion};
+use vrdma_spec::ring::send_flags::SIGNALED;
+use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
+use vrdma_tests::daemon::{Hostd, Vdev};
+use vrdma_tests::tenant::{connect, default_caps, Connection, Tenant};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Test {
+    WriteLat,
+    ReadLat,
+    SendLat,
+    WriteBw,
+    ReadBw,
+    MsgRate,
+    RegMr,
+}
+
+/// Measures vrdma against memcpy and TCP loopback on this machine.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Tests to run (all when none is given).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    test: Vec<Test>,
+    /// Message sizes in bytes.
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 65536])]
+    size: Vec<usize>,
+    /// Iterations of each latency test.
+    #[arg(long, default_value_t = 10_000)]
+    iters: usize,
+    /// Bytes each bandwidth test moves.
+    #[arg(long, default_value_t = 1 << 30)]
+    bytes: usize,
+    /// Size of the memory region the registration test registers.
+    #[arg(long, default_value_t = 1 << 30)]
+    reg_size: usize,
+}
+
+const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+/// Work requests in flight in the bandwidth tests.
+const WINDOW: usize = 32;
+
+fn main() {
+    let args = Args::parse();
+    let tests = if args.test.is_empty() {
+        vec![
+            Test::WriteLat,
+            Test::ReadLat,
+            Test::SendLat,
+            Test::WriteBw,
+            Test::ReadBw,
+            Test::MsgRate,
+            Test::RegMr,
+        ]
+    } else {
+        args.test.clone()
+    };
+    let hostd = Hostd::start(None);
+    let a = Tenant::start(&hostd, "alpha");
+    let b = Tenant::start(&hostd, "beta");
+    println!("vrdma-bench: hostd + 2 vdevs (separate processes), tenants alpha (LID {}) and beta (LID {})", a.lid, b.lid);
+    println!(
+        "{:<10} {:>8} {:>12} {:>12} {:>14} {:>14} {:>10}",
+        "test", "size", "p50", "p99", "bandwidth", "baseline", "ratio"
+    );
+    for test in tests {
+        if test == Test::RegMr {
+            reg_mr(&hostd, args.reg_size);
+            continue;
+        }
+        for &size in &args.size {
+            match test {
+                Test::WriteLat | Test::SendLat | Test::ReadLat => {
+                    latency(test, &a, &b, size, args.iters)
+                }
+                Test::WriteBw | Test::ReadBw | Test::MsgRate => {
+                    let size = if test == Test::MsgRate { 64 } else { size };
+                    bandwidth(test, &a, &b, size, args.bytes);
+                    if test == Test::MsgRate {
+                        break;
+                    }
+                }
+                Test::RegMr => {}
+            }
+        }
+    }
+}
+
+/// p50 and p99 of `samples` (sorted in place).
+fn percentiles(samples: &mut [Duration]) -> (Duration, Duration) {
+    samples.sort();
+    let at = |q: f64| samples[((samples.len() - 1) as f64 * q) as usize];
+    (at(0.5), at(0.99))
+}
+
+fn us(d: Duration) -> String {
+    format!("{:.2} µs", d.as_secs_f64() * 1e6)
+}
+
+/// A connected QP pair with a buffer on each side.
+struct Link<'t> {
+    qa: QueuePair,
+    qb: QueuePair,
+    ma: MemoryRegion,
+    mb: MemoryRegion,
+    a: &'t Tenant,
+    b: &'t Tenant,
+}
+
+fn link<'t>(a: &'t Tenant, b: &'t Tenant, size: usize) -> Link<'t> {
+    let qa = a.qp(default_caps());
+    let qb = b.qp(default_caps());
+    connect(a, &qa, b, &qb, Connection::default());
+    let len = (2 * size).max(4096);
+    let ma = a.pd.alloc_mr(len, RW).expect("MR on alpha");
+    let mb = b.pd.alloc_mr(len, RW).expect("MR on beta");
+    Link {
+        qa,
+        qb,
+        ma,
+        mb,
+        a,
+        b,
+    }
+}
+
+fn drain(cq: &vrdma_guest_driver::CompletionQueue, want: usize) {
+    let mut got = 0;
+    let mut wcs = [WorkCompletion::default(); 32];
+    while got < want {
+        let n = cq.poll(&mut wcs).expect("poll");
+        for wc in &wcs[..n] {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        }
+        got += n;
+        if n == 0 {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+fn spin_until(mr: &MemoryRegion, offset: usize, value: u8) {
+    let mut byte = [0u8; 1];
+    let mut spins = 0u32;
+    loop {
+        mr.read(offset, &mut byte).expect("read");
+        if byte[0] == value {
+            return;
+        }
+        spins += 1;
+        if spins % 64 == 0 {
+            std::thread::yield_now();
+        }
+    }
+}
+
+fn latency(test: Test, a: &Tenant, b: &Tenant, size: usize, iters: usize) {
+    let l = link(a, b, size);
+    let mut samples = Vec::with_capacity(iters);
+    let warmup = iters / 10;
+    std::thread::scope(|scope| {
+        let (qb, mb, ma, bq) = (&l.qb, &l.mb, &l.ma, l.b);
+        if test != Test::ReadLat {
+            scope.spawn(move || pong(test, qb, mb, ma, bq, size, iters + warmup));
+        }
+        for i in 0..iters + warmup {
+            let seq = (i % 255) as u8 + 1;
+            let start = Instant::now();
+            ping(test, &l, size, seq, i);
+            if i >= warmup {
+                samples.push(start.elapsed());
+            }
+        }
+    });
+    let (p50, p99) = percentiles(&mut samples);
+    // Write and send latency are half a round trip, as perftest reports them.
+    let (p50, p99, halved) = if test == Test::ReadLat {
+        (p50, p99, false)
+    } else {
+        (p50 / 2, p99 / 2, true)
+    };
+    let tcp = tcp_half_rtt(size, iters.min(5000));
+    let name = format!("{test:?}").to_lowercase();
+    println!(
+        "{:<10} {:>8} {:>12} {:>12} {:>14} {:>14} {:>10}",
+        name,
+        size,
+        us(p50),
+        us(p99),
+        "",
+        format!("tcp {}", us(tcp)),
+        format!("{:.2}", p50.as_secs_f64() / tcp.as_secs_f64())
+    );
+    let _ = halved;
+}
+
+/// One iteration on the measuring side.
+fn ping(test: Test, l: &Link<'_>, size: usize, seq: u8, i: usize) {
+    let signal = i % 16 == 15;
+    match test {
+        Test::WriteLat => {
+            l.ma.write(size - 1, &[seq]).expect("seq");
+            post_write(&l.qa, &l.ma, &l.mb, size, signal);
+            spin_until(&l.ma, 2 * size.max(1) - 1, seq);
+            if signal {
+                drain(&l.a.cq, 1);
+            }
+        }
+        Test::SendLat => {
+            l.qa.post_recv(&[RecvWr {
+                wr_id: 0,
+                sg_list: &[l.ma.sge(size as u64, size as u32)],
+            }])
+            .expect("recv");
+            l.ma.write(size - 1, &[seq]).expect("seq");
+            let sge = [l.ma.sge(0, size as u32)];
+            let mut wr = SendWr::new(0, SendOpcode::Send, SendPayload::Sges(&sge));
+            wr.flags = SIGNALED;
+            l.qa.post_send(&[wr]).expect("send");
+            drain(&l.a.cq, 2);
+        }
+        Test::ReadLat => {
+            let sge = [l.ma.sge(0, size as u32)];
+            let mut wr = SendWr::new(0, SendOpcode::RdmaRead, SendPayload::Sges(&sge));
+            wr.flags = SIGNALED;
+            wr.remote_addr = l.mb.iova();
+            wr.rkey = l.mb.rkey();
+            l.qa.post_send(&[wr]).expect("read");
+            drain(&l.a.cq, 1);
+        }
+        _ => {}
+    }
+}
+
+/// The echoing side of write_lat/send_lat.
+fn pong(
+    test: Test,
+    qb: &QueuePair,
+    mb: &MemoryRegion,
+    ma: &MemoryRegion,
+    b: &Tenant,
+    size: usize,
+    iters: usize,
+) {
+    for i in 0..iters {
+        let seq = (i % 255) as u8 + 1;
+        let signal = i % 16 == 15;
+        match test {
+            Test::WriteLat => {
+                spin_until(mb, size - 1, seq);
+                mb.write(2 * size - 1, &[seq]).expect("seq");
+                // Echo into alpha's second half, last byte last.
+                let sge = [mb.sge(size as u64, size as u32)];
+                let mut wr = SendWr::new(0, SendOpcode::RdmaWrite, SendPayload::Sges(&sge));
+                wr.remote_addr = ma.iova() + size as u64;
+                wr.rkey = ma.rkey();
+                wr.flags = if signal { SIGNALED } else { 0 };
+                qb.post_send(&[wr]).expect("echo");
+                if signal {
+                    drain(&b.cq, 1);
+                }
+            }
+            Test::SendLat => {
+                qb.post_recv(&[RecvWr {
+                    wr_id: 0,
+                    sg_list: &[mb.sge(0, size as u32)],
+                }])
+                .expect("recv");
+                drain(&b.cq, 1);
+                let sge = [mb.sge(size as u64, size as u32)];
+                let mut wr = SendWr::new(0, SendOpcode::Send, SendPayload::Sges(&sge));
+                wr.flags = SIGNALED;
+                qb.post_send(&[wr]).expect("send");
+                drain(&b.cq, 1);
+            }
+            _ => {}
+        }
+    }
+}
+
+fn post_write(qp: &QueuePair, src: &MemoryRegion, dst: &MemoryRegion, size: usize, signal: bool) {
+    let sge = [src.sge(0, size as u32)];
+    let mut wr = SendWr::new(0, SendOpcode::RdmaWrite, SendPayload::Sges(&sge));
+    wr.remote_addr = dst.iova();
+    wr.rkey = dst.rkey();
+    wr.flags = if signal { SIGNALED } else { 0 };
+    qp.post_send(&[wr]).expect("write");
+}
+
+fn bandwidth(test: Test, a: &Tenant, b: &Tenant, size: usize, bytes: usize) {
+    let l = link(a, b, size);
+    let count = (bytes / size).max(WINDOW * 4);
+    let opcode = if test == Test::ReadBw {
+        SendOpcode::RdmaRead
+    } else {
+        SendOpcode::RdmaWrite
+    };
+    let sge = [l.ma.sge(0, size as u32)];
+    let mut wr = SendWr::new(0, opcode, SendPayload::Sges(&sge));
+    wr.remote_addr = l.mb.iova();
+    wr.rkey = l.mb.rkey();
+    wr.flags = SIGNALED;
+    let start = Instant::now();
+    let (mut posted, mut done) = (0, 0);
+    let mut wcs = [WorkCompletion::default(); 32];
+    while done < count {
+        while posted < count && posted - done < WINDOW {
+            l.qa.post_send(&[wr]).expect("post");
+            posted += 1;
+        }
+        let n = l.a.cq.poll(&mut wcs).expect("poll");
+        for wc in &wcs[..n] {
+            assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        }
+        done += n;
+        if n == 0 {
+            std::thread::yield_now();
+        }
+    }
+    let elapsed = start.elapsed();
+    let rate = (count * size) as f64 / elapsed.as_secs_f64();
+    let ops = count as f64 / elapsed.as_secs_f64();
+    let copy = memcpy_rate(size, (count * size).min(1 << 30));
+    let name = format!("{test:?}").to_lowercase();
+    println!(
+        "{:<10} {:>8} {:>12} {:>12} {:>14} {:>14} {:>10}",
+        name,
+        size,
+        format!("{:.3} Mop/s", ops / 1e6),
+        "",
+        format!("{:.2} GB/s", rate / 1e9),
+        format!("memcpy {:.2} GB/s", copy / 1e9),
+        format!("{:.2}", rate / copy)
+    );
+}
+
+/// Single-thread memcpy of `size`-byte messages, bytes per second.
+fn memcpy_rate(size: usize, total: usize) -> f64 {
+    let src = vec![0x5au8; size];
+    let mut dst = vec![0u8; size];
+    let rounds = (total / size).max(1);
+    let start = Instant::now();
+    for i in 0..rounds {
+        dst.copy_from_slice(&src);
+        std::hint::black_box(&mut dst);
+        if i % 4096 == 0 {
+            std::hint::black_box(&src);
+        }
+    }
+    (rounds * size) as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Median half round trip of a TCP loopback ping-pong of `size` bytes.
+fn tcp_half_rtt(size: usize, iters: usize) -> Duration {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
+    let addr = listener.local_addr().expect("address");
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = listener.accept().expect("accept");
+        s.set_nodelay(true).expect("nodelay");
+        let mut buf = vec![0u8; size];
+        for _ in 0..iters {
+            s.read_exact(&mut buf).expect("read");
+            s.write_all(&buf).expect("write");
+        }
+    });
+    let mut c = TcpStream::connect(addr).expect("connect");
+    c.set_nodelay(true).expect("nodelay");
+    let mut buf = vec![1u8; size];
+    let mut samples = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        let start = Instant::now();
+        c.write_all(&buf).expect("write");
+        c.read_exact(&mut buf).expect("read");
+        samples.push(start.elapsed());
+    }
+    let _ = server.join();
+    percentiles(&mut samples).0 / 2
+}
+
+/// Registration of a large region of already-shared guest memory, timed
+/// at the control queue: a VMM-style frontend with a sparse memfd as guest
+/// memory, vdev attached to hostd (so hostd records the key too).
+fn reg_mr(hostd: &Hostd, size: usize) {
+    use vrdma_spec::control::{Opcode, PdHandle, RegMrReq, RegMrResp};
+    use vrdma_spec::zerocopy::IntoBytes;
+    let vdev = Vdev::on_hostd(hostd, "alpha", &[]);
+    let mut vmm = vrdma_tests::vmm::Vmm::attach_with_memory(&vdev.socket, size + (16 << 20));
+    let pd: PdHandle = vmm.ok(Opcode::AllocPd, &[]);
+    let mut samples = Vec::new();
+    for _ in 0..20 {
+        let req = RegMrReq {
+            pdn: pd.pdn,
+            access: RW.into(),
+            addr: vrdma_tests::vmm::FREE.into(),
+            length: (size as u64).into(),
+            iova: vrdma_tests::vmm::FREE.into(),
+        };
+        let start = Instant::now();
+        let resp: RegMrResp = vmm.ok(Opcode::RegMr, req.as_bytes());
+        samples.push(start.elapsed());
+        let dereg = vrdma_spec::control::MrHandle {
+            handle: resp.handle,
+            reserved: 0.into(),
+        };
+        let _: () = {
+            let (status, _) = vmm.command(Opcode::DeregMr, dereg.as_bytes());
+            assert_eq!(status, 0, "dereg");
+        };
+    }
+    let small = {
+        let req = RegMrReq {
+            pdn: pd.pdn,
+            access: RW.into(),
+            addr: vrdma_tests::vmm::FREE.into(),
+            length: 4096.into(),
+            iova: vrdma_tests::vmm::FREE.into(),
+        };
+        let start = Instant::now();
+        let _: RegMrResp = vmm.ok(Opcode::RegMr, req.as_bytes());
+        start.elapsed()
+    };
+    let (p50, p99) = percentiles(&mut samples);
+    println!(
+        "{:<10} {:>8} {:>12} {:>12} {:>14} {:>14} {:>10}",
+        "reg_mr",
+        format!("{}M", size >> 20),
+        us(p50),
+        us(p99),
+        "",
+        format!("4K: {}", us(small)),
+        format!("{:.2}", p50.as_secs_f64() / small.as_secs_f64())
+    );
+}
