@@ -45,12 +45,13 @@ fn one(cq: &vrdma_guest_driver::CompletionQueue) -> WorkCompletion {
     wcs.remove(0)
 }
 
-/// hostd, tenants alpha and beta, and one connected QP pair.
+/// hostd, tenants alpha and beta, and one connected QP pair. Fields drop
+/// in order: the QPs before their devices, the devices before hostd.
 struct Setup {
-    a: Tenant,
-    b: Tenant,
     qa: vrdma_guest_driver::QueuePair,
     qb: vrdma_guest_driver::QueuePair,
+    a: Tenant,
+    b: Tenant,
     hostd: Hostd,
 }
 

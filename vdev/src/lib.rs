@@ -76,7 +76,7 @@ pub fn run(config: &Config) -> Result<(), Error> {
     };
     let mut listener = Listener::new(&config.socket, true)
         .map_err(|e| serve_err(vhost_user_backend::Error::CreateVhostUserListener(e)))?;
-    let device_name = config.socket.display().to_string();
+    let device_name = device_name(&config.socket);
     loop {
         // A fresh registration with hostd per frontend: when the frontend
         // goes, closing it makes hostd drop everything this device had.
@@ -118,4 +118,20 @@ pub fn run(config: &Config) -> Result<(), Error> {
             return Ok(());
         }
     }
+}
+
+/// The name this device registers under with hostd: derived from its socket
+/// path, so it is stable across restarts of this vdev (hostd then gives it
+/// the same LID) and unique on the host.
+fn device_name(socket: &std::path::Path) -> String {
+    use std::os::unix::ffi::OsStrExt;
+    // FNV-1a: stable across runs and Rust versions, unlike DefaultHasher.
+    let hash = socket
+        .as_os_str()
+        .as_bytes()
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    format!("vdev-{hash:016x}")
 }

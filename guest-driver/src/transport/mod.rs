@@ -36,6 +36,8 @@ pub enum TransportError {
         #[source]
         source: vhost::Error,
     },
+    #[error("The device went away (its vhost-user socket closed)")]
+    Disconnected,
     #[error("Device does not offer {0}")]
     MissingFeature(&'static str),
     #[error("Device has {0} queues, more than vhost-user allows")]

@@ -9,7 +9,7 @@
 //! Every request is sent with NEED_REPLY (REPLY_ACK is required), so a
 //! request the backend rejects fails here rather than later.
 
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -57,6 +57,10 @@ pub struct VhostUserTransport {
     kicks: Vec<EventFd>,
     /// Per queue: the eventfd the device writes to interrupt us.
     calls: Vec<EventFd>,
+    /// The vhost-user socket (owned by the frontend in `state`), watched
+    /// while waiting so that a vdev that died is noticed at once instead
+    /// of after a timeout.
+    socket: RawFd,
 }
 
 fn request(request: &'static str) -> impl FnOnce(vhost::Error) -> TransportError {
@@ -122,6 +126,7 @@ impl VhostUserTransport {
         Ok(Self {
             kicks: eventfds()?,
             calls: eventfds()?,
+            socket: frontend.as_raw_fd(),
             state: Mutex::new(State {
                 frontend,
                 mem_table_sent: false,
@@ -255,13 +260,27 @@ impl Transport for VhostUserTransport {
     fn wait(&self, queue: u16, timeout: Option<Duration>) -> Result<bool, TransportError> {
         let (_, call) = self.queue_fds(queue)?;
         let timeout_ms = timeout.map_or(-1, |t| i32::try_from(t.as_millis()).unwrap_or(i32::MAX));
-        let mut pfd = libc::pollfd {
-            fd: call.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: `pfd` is a valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
+        let mut pfds = [
+            libc::pollfd {
+                fd: call.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            },
+            // No events asked: poll reports hang-up and errors regardless.
+            libc::pollfd {
+                fd: self.socket,
+                events: 0,
+                revents: 0,
+            },
+        ];
+        // SAFETY: `pfds` is a valid array of two pollfds for the duration
+        // of the call; the socket stays open while `self` lives.
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), 2, timeout_ms) };
+        let pfd = pfds[0];
+        if pfds[1].revents & (libc::POLLHUP | libc::POLLERR) != 0 && pfd.revents & libc::POLLIN == 0
+        {
+            return Err(TransportError::Disconnected);
+        }
         if n < 0 {
             let source = std::io::Error::last_os_error();
             if source.kind() == std::io::ErrorKind::Interrupted {

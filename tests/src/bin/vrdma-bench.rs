@@ -162,7 +162,7 @@ fn spin_until(mr: &MemoryRegion, offset: usize, value: u8) {
             return;
         }
         spins += 1;
-        if spins % 64 == 0 {
+        if spins.is_multiple_of(64) {
             std::thread::yield_now();
         }
     }
