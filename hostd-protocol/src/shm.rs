@@ -138,6 +138,36 @@ impl SharedMapping {
         true
     }
 
+    /// Copies `len` bytes at `src_offset` of this mapping to `dst_offset` of
+    /// `dst` (possibly this mapping); false if either range is outside its
+    /// mapping.
+    ///
+    /// This is the DMA engine's bulk path, so it is a plain `memmove`, not
+    /// the volatile copy used for everything hostd interprets: the payload
+    /// is opaque — never decoded, never used for a decision — so a peer
+    /// rewriting it mid-copy changes only which bytes arrive, exactly as
+    /// with a hardware DMA engine.
+    pub fn copy_to(
+        &self,
+        src_offset: usize,
+        dst: &SharedMapping,
+        dst_offset: usize,
+        len: usize,
+    ) -> bool {
+        let fits = |offset: usize, mapping: &SharedMapping| {
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= mapping.len)
+        };
+        if !fits(src_offset, self) || !fits(dst_offset, dst) {
+            return false;
+        }
+        // SAFETY: both ranges lie inside live mappings (checked above), and
+        // `ptr::copy` allows them to overlap (the same mapping on both sides).
+        unsafe { std::ptr::copy(self.ptr.add(src_offset), dst.ptr.add(dst_offset), len) };
+        true
+    }
+
     /// The `u32` at `offset` as an atomic.
     fn atomic_u32(&self, offset: usize) -> &AtomicU32 {
         assert!(

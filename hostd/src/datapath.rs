@@ -391,12 +391,10 @@ impl Datapath {
                 continue;
             }
             if now.duration_since(last_work) < self.spin {
-                spins = spins.wrapping_add(1);
-                if spins.is_multiple_of(64) {
-                    std::thread::yield_now();
-                } else {
-                    std::hint::spin_loop();
-                }
+                // Idle polling yields every turn: on a host with fewer cores
+                // than polling threads, the work we wait for is produced by
+                // a thread that needs this core.
+                std::thread::yield_now();
                 continue;
             }
             // Sleep: announce it on every ring, then look once more so a

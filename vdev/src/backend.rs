@@ -308,7 +308,12 @@ impl VhostUserBackend for VrdmaBackend {
             .ok_or(BackendError::UnknownEvent(device_event))?;
         self.inner.vrings.capture(vrings);
         match device_event {
-            CONTROL_QUEUE => self.process_control_queue(vring)?,
+            CONTROL_QUEUE => {
+                self.process_control_queue(vring)?;
+                // A new or newly connected QP has rings the sleeping
+                // datapath has not asked to be kicked for yet: let it look.
+                self.wake_datapath();
+            }
             // The driver published work while the datapath slept.
             DOORBELL_QUEUE => self.wake_datapath(),
             // New event buffers: an event held for lack of one can go now.

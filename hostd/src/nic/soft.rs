@@ -239,11 +239,11 @@ fn total_len(pieces: &[Piece]) -> u64 {
     pieces.iter().map(|p| p.len as u64).sum()
 }
 
-/// Copies `len` bytes from `src` pieces to `dst` pieces through a bounded
-/// bounce buffer. False if either side runs out (callers size them first).
+/// Copies `len` bytes from `src` pieces to `dst` pieces, mapping to
+/// mapping in chunks of at most [`COPY_CHUNK`]. False if either side runs
+/// out (callers size them first).
 fn copy_pieces(src: &[Piece], dst: &[Piece], len: u64) -> bool {
     let mut left = len;
-    let mut buf = vec![0u8; usize::try_from(len).unwrap_or(usize::MAX).min(COPY_CHUNK)];
     let (mut si, mut so, mut di, mut doff) = (0, 0, 0, 0);
     while left > 0 {
         while si < src.len() && so == src[si].len {
@@ -259,9 +259,9 @@ fn copy_pieces(src: &[Piece], dst: &[Piece], len: u64) -> bool {
         };
         let n = (s.len - so)
             .min(d.len - doff)
-            .min(buf.len())
+            .min(COPY_CHUNK)
             .min(usize::try_from(left).unwrap_or(usize::MAX));
-        if !s.mem.read(s.offset + so, &mut buf[..n]) || !d.mem.write(d.offset + doff, &buf[..n]) {
+        if !s.mem.copy_to(s.offset + so, &d.mem, d.offset + doff, n) {
             return false;
         }
         so += n;
