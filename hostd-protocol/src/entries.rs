@@ -86,6 +86,21 @@ impl Default for PhysWqe {
 
 use zerocopy::FromZeros;
 
+/// Bits hostd sets in [`PhysCqe::wc_flags`] beside the verbs flags
+/// ([`vrdma_spec::ring::wc_flags`]); vdev clears them before a CQE reaches
+/// the guest.
+pub mod cqe_marker {
+    /// The successful completion of a WQE posted without SIGNALED. hostd
+    /// completes every WQE so vdev knows its work is done; vdev drops these.
+    /// Error and flush completions never carry it: verbs report those even
+    /// for unsignaled work requests.
+    pub const UNSIGNALED: u8 = 0x80;
+    /// A receive completion of a message the sender marked SOLICITED.
+    pub const SOLICITED: u8 = 0x40;
+    /// Every marker bit.
+    pub const ALL: u8 = UNSIGNALED | SOLICITED;
+}
+
 /// One entry of a physical completion ring.
 #[derive(
     Debug,

@@ -150,7 +150,7 @@ pub const DEFAULT_QUEUES_PER_DEVICE: u32 = 2;
 pub const DEFAULT_SQ_DEPTH: u32 = 1024;
 pub const DEFAULT_CQ_DEPTH: u32 = 4096;
 pub const DEFAULT_DATAPATH_THREADS: u32 = 1;
-pub const DEFAULT_SPIN_US: u64 = 50;
+pub const DEFAULT_SPIN_US: u64 = 200;
 
 impl TryFrom<Args> for Config {
     type Error = ConfigError;
@@ -350,7 +350,7 @@ mod tests {
                 sq_depth: 1024,
                 cq_depth: 4096,
                 datapath_threads: 1,
-                spin_us: 50,
+                spin_us: DEFAULT_SPIN_US,
                 tenants: vec![demo("alpha"), demo("beta")],
             }
         );

@@ -27,7 +27,7 @@ use virtio_queue::QueueT;
 use vm_memory::{Bytes, GuestAddress, GuestAddressSpace, GuestMemoryAtomic, GuestMemoryMmap};
 use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::EventFd;
-use vrdma_hostd_protocol::entries::{kind, PhysCqe, PhysWqe, MAX_PHYS_SGE};
+use vrdma_hostd_protocol::entries::{cqe_marker, kind, PhysCqe, PhysWqe, MAX_PHYS_SGE};
 use vrdma_hostd_protocol::shm::Ring;
 use vrdma_spec::ring::{
     self, event_kind, send_flags, Cqe, Event, RecvWqe, SendWqe, Sge, CQ_ARM_NEXT, CQ_ARM_NONE,
@@ -40,9 +40,6 @@ use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
 use crate::fabric::Fabric;
 use crate::verbs::RdmaDevice;
 
-/// Set by hostd in a requester completion's `wc_flags` when the WQE was
-/// unsignaled: vdev only needs it to know the work is done.
-pub const UNSIGNALED_MARKER: u8 = 0x80;
 /// Most WQEs taken from one guest ring per pass, so one busy QP cannot
 /// starve the others.
 const BATCH: u32 = 64;
@@ -448,7 +445,7 @@ impl RdmaDevice {
         let qpn = p.vqpn.get();
         let Some(qp) = self.qp(qpn) else { return };
         let status = WcStatus::try_from(p.status).unwrap_or(WcStatus::GeneralErr);
-        let unsignaled = p.wc_flags & UNSIGNALED_MARKER != 0;
+        let unsignaled = p.wc_flags & cqe_marker::UNSIGNALED != 0;
         if status != WcStatus::Success && status != WcStatus::WrFlushErr && qp.state != QpState::Err
         {
             tracing::info!(tenant = %self.tenant(), qpn, ?status, "Work completed in error; QP moved to ERR");
@@ -467,7 +464,7 @@ impl RdmaDevice {
             wr_id: p.token,
             status: p.status,
             opcode: p.opcode,
-            wc_flags: p.wc_flags & !UNSIGNALED_MARKER,
+            wc_flags: p.wc_flags & !cqe_marker::ALL,
             reserved: 0,
             vendor_err: 0.into(),
             byte_len: p.byte_len,
@@ -475,7 +472,9 @@ impl RdmaDevice {
             qp_num: qpn.into(),
             src_qp: p.src_qp,
         };
-        let solicited = status != WcStatus::Success || p.wc_flags & ring::wc_flags::WITH_IMM != 0;
+        // What wakes a CQ armed for solicited events: a solicited message or
+        // an error.
+        let solicited = status != WcStatus::Success || p.wc_flags & cqe_marker::SOLICITED != 0;
         self.write_cqe(mem, vrings, cqn, &cqe, solicited);
     }
 

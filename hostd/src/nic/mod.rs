@@ -23,13 +23,7 @@ use vrdma_hostd_protocol::shm::SharedMapping;
 /// stale handle can only miss.
 pub type DeviceId = u64;
 
-/// `wc_flags` bit set on the requester completion of a WQE posted without
-/// SIGNALED that completed successfully. hostd always completes every WQE so
-/// vdev knows when it may free the guest's ring slot; vdev drops completions
-/// carrying this bit instead of passing them to the guest's CQ. Error and
-/// flush completions never carry it: verbs report those even for
-/// unsignaled work requests.
-pub const WC_UNSIGNALED: u8 = 0x80;
+pub use vrdma_hostd_protocol::entries::cqe_marker::UNSIGNALED as WC_UNSIGNALED;
 
 /// Why a NIC operation was refused; each maps to the errno vdev receives.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -41,9 +41,7 @@ use vrdma_spec::verbs::{access, SendOpcode, WcOpcode, WcStatus};
 
 use super::{Completion, DeviceId, Nic, NicError, Progress, WC_UNSIGNALED};
 
-/// `wc_flags` bit on a receive completion whose message was sent with
-/// SOLICITED (the protocol's `PhysCqe` has no field for it).
-pub const WC_SOLICITED: u8 = 0x40;
+pub use vrdma_hostd_protocol::entries::cqe_marker::SOLICITED as WC_SOLICITED;
 /// Interval between retries of a packet the fabric dropped.
 pub const RETRY_STEP: Duration = Duration::from_micros(500);
 /// Largest message (the port's max_msg_sz).
