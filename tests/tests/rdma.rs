@@ -678,30 +678,58 @@ fn a_third_tenant_cannot_use_a_victims_rkey_through_its_own_connection() {
 #[test]
 fn killing_one_tenants_vdev_leaves_the_others_traffic_running() {
     let mut s = setup();
-    let hostd = &s.hostd;
-    let mut c = Tenant::start(hostd, "alpha");
+    // A third device (tenant alpha again) floods alpha's first device with
+    // writes from another thread; its vdev is killed in the middle of it.
+    let mut c = Tenant::start(&s.hostd, "alpha");
     let qc = c.qp(default_caps());
     let qa2 = s.a.qp(default_caps());
     connect(&s.a, &qa2, &c, &qc, Connection::default());
-    c.vdev.kill();
+    let target = s.a.pd.alloc_mr(4096, RW).expect("target");
+    let flood_src = c.pd.alloc_mr(4096, RW).expect("flood source");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let flooder = scope.spawn(|| {
+            let sge = [flood_src.sge(0, 4096)];
+            let mut wr = SendWr::new(0, SendOpcode::RdmaWrite, SendPayload::Sges(&sge));
+            wr.remote_addr = target.iova();
+            wr.rkey = target.rkey();
+            let mut posted = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                match qc.post_send(&[wr]) {
+                    Ok(()) => posted += 1,
+                    // The ring is full, or the device is gone: keep trying
+                    // until told to stop; a dead device keeps failing.
+                    Err(_) => std::thread::yield_now(),
+                }
+            }
+            posted
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        c.vdev.kill();
+        let src = s.a.pd.alloc_mr(4096, RW).expect("src");
+        let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
+        for round in 0..20u64 {
+            let data = pattern(512, round as u8);
+            src.write(0, &data).expect("fill");
+            let sge = [src.sge(0, 512)];
+            s.qa.post_send(&[rdma(
+                round,
+                SendOpcode::RdmaWrite,
+                &sge,
+                dst.iova(),
+                dst.rkey(),
+            )])
+            .expect("post");
+            let wc = one(&s.a.cq);
+            assert_eq!((wc.wr_id, wc.status), (round, WcStatus::Success));
+            assert_eq!(bytes(&dst, 0, 512), data);
+        }
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let posted = flooder.join().expect("flooder");
+        assert!(posted > 0, "the flood ran before the kill");
+    });
+    // Work towards the dead device fails, but only on that QP.
     let src = s.a.pd.alloc_mr(4096, RW).expect("src");
-    let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
-    for round in 0..20u64 {
-        let data = pattern(512, round as u8);
-        src.write(0, &data).expect("fill");
-        let sge = [src.sge(0, 512)];
-        s.qa.post_send(&[rdma(
-            round,
-            SendOpcode::RdmaWrite,
-            &sge,
-            dst.iova(),
-            dst.rkey(),
-        )])
-        .expect("post");
-        assert_eq!(one(&s.a.cq).status, WcStatus::Success);
-        assert_eq!(bytes(&dst, 0, 512), data);
-    }
-    // Work towards the dead tenant fails, but only on that QP.
     let sge = [src.sge(0, 8)];
     qa2.post_send(&[signaled(SendWr::new(
         9,
@@ -711,4 +739,53 @@ fn killing_one_tenants_vdev_leaves_the_others_traffic_running() {
     .expect("post");
     assert_eq!(one(&s.a.cq).status, WcStatus::RetryExcErr);
     assert!(s.hostd.is_running(), "hostd survived:\n{}", s.hostd.log());
+}
+
+#[test]
+fn a_cq_armed_for_solicited_events_ignores_unsolicited_messages() {
+    let s = setup();
+    let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
+    s.qb.post_recv(&[
+        RecvWr {
+            wr_id: 1,
+            sg_list: &[dst.sge(0, 64)],
+        },
+        RecvWr {
+            wr_id: 2,
+            sg_list: &[dst.sge(64, 64)],
+        },
+    ])
+    .expect("recv");
+    s.b.cq.req_notify(true);
+    s.qa.post_send(&[SendWr::new(
+        1,
+        SendOpcode::Send,
+        SendPayload::Inline(b"plain"),
+    )])
+    .expect("send");
+    assert_eq!(one(&s.b.cq).wr_id, 1);
+    assert_eq!(
+        s.b.ctx
+            .get_event(0, Some(Duration::from_millis(50)))
+            .expect("poll"),
+        None,
+        "not solicited"
+    );
+    let mut solicited = SendWr::new(2, SendOpcode::Send, SendPayload::Inline(b"urgent"));
+    solicited.flags |= vrdma_spec::ring::send_flags::SOLICITED;
+    s.qa.post_send(&[solicited]).expect("send");
+    let event =
+        s.b.ctx
+            .get_event(0, Some(Duration::from_secs(10)))
+            .expect("event");
+    assert_eq!(
+        event,
+        Some(vrdma_guest_driver::DeviceEvent::Completion { cqn: s.b.cq.cqn() })
+    );
+    let wc = one(&s.b.cq);
+    assert_eq!(
+        (wc.wr_id, wc.wc_flags & 0xc0),
+        (2, 0),
+        "marker bits never reach the guest"
+    );
 }
