@@ -250,6 +250,14 @@ impl Channel {
     }
 }
 
+impl From<OwnedFd> for Channel {
+    /// A channel over a connected `SOCK_SEQPACKET` socket received from the
+    /// peer (e.g. hostd's notification channel).
+    fn from(fd: OwnedFd) -> Self {
+        Channel::from_owned(fd)
+    }
+}
+
 impl AsRawFd for Channel {
     fn as_raw_fd(&self) -> RawFd {
         self.sock.as_raw_fd()

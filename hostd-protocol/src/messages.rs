@@ -7,6 +7,7 @@
 //! decoder in hostd simple and strict (unknown fields are refused).
 
 use serde::{Deserialize, Serialize};
+pub use vrdma_tenant_policy::TenantPolicy;
 
 /// Largest message in bytes.
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -18,10 +19,11 @@ pub const PROTOCOL_VERSION: u32 = 1;
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum Request {
     /// First message: who this vdev serves. hostd checks the tenant against
-    /// its configuration and the peer's credentials, assigns the device's
-    /// LID and grants physical queues. The response carries, as fds, per
-    /// granted queue: its shared memory; then hostd's doorbell eventfd and
-    /// the completion eventfd hostd signals.
+    /// its policy and the peer's credentials, assigns the device's LID and
+    /// grants physical queues. The response carries, as fds, per granted
+    /// queue: its shared memory; then hostd's doorbell eventfd, the
+    /// completion eventfd hostd signals, and the notification channel (a
+    /// seqpacket socket on which hostd sends [`Notification`]s).
     Hello {
         version: u32,
         tenant: String,
@@ -55,6 +57,19 @@ pub enum Request {
     /// The virtual QP is destroyed. When the response arrives no WQE of it
     /// is executed any more.
     DestroyQp { vqpn: u32 },
+    /// vdev refused a verb because of the tenant's quota `quota` (a key of
+    /// [`vrdma_tenant_policy::Limits`]); hostd counts it for the tenant.
+    QuotaRejected { quota: String },
+}
+
+/// A message hostd sends on its own, on the notification channel (the last
+/// descriptor of `Welcome`); vdev does not answer it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, rename_all = "snake_case")]
+pub enum Notification {
+    /// The operator reloaded the policy; this is the tenant's new one.
+    /// Raised quotas apply at once, lowered ones to new objects only.
+    Policy(TenantPolicy),
 }
 
 /// Where a virtual QP sends, and how it behaves as RC requester/responder.
@@ -103,7 +118,7 @@ pub struct MrRegistration {
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum Response {
     /// Answer to `Hello`.
-    Welcome(Welcome),
+    Welcome(Box<Welcome>),
     /// The request was carried out.
     Ok,
     /// The request was refused: a positive errno and why.
@@ -118,6 +133,8 @@ pub struct Welcome {
     pub lid: u16,
     /// Physical QPs granted; each arrives as one shared-memory fd, in order.
     pub queues: Vec<QueueGrant>,
+    /// The tenant's policy in force: vdev enforces its quotas.
+    pub policy: TenantPolicy,
 }
 
 /// Shape of one granted physical QP's shared memory: a submission ring of

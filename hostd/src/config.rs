@@ -1,16 +1,20 @@
 //! hostd configuration: command line and TOML file, validated into [`Config`].
 //!
 //! The file (or, without `--config`, the embedded `default.toml`) holds every
-//! key; flags override the scalar ones. Whatever arrives is validated into a
-//! [`Config`] deriving `PartialEq`, so tests compare what a command line
-//! means with what they expect, and every error names the offending key.
+//! key; flags override them. The tenants hostd serves are not here but in
+//! the policy file (`policy` / `--policy`, see `vrdma-tenant-policy`), or
+//! the built-in default policy without one. Whatever arrives is validated
+//! into a [`Config`] deriving `PartialEq`, so tests compare what a command
+//! line means with what they expect, and every error names the offending
+//! key (for the policy: file, line and key).
 
-use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use serde::Deserialize;
-use vrdma_hostd_protocol::channel::MAX_FDS;
+use vrdma_tenant_policy::{Policy, PolicyError};
+
+use crate::scheduler::{DEFAULT_DEVICE_CREDITS, DEFAULT_TOTAL_CREDITS};
 
 /// The configuration used when no `--config` is given.
 pub const DEFAULT_CONFIG: &str = include_str!("default.toml");
@@ -19,12 +23,13 @@ pub const DEFAULT_CONFIG: &str = include_str!("default.toml");
 pub const MAX_DEPTH: u32 = 1 << 16;
 /// Largest number of physical QPs the modelled NIC has.
 pub const MAX_PHYSICAL_QPS: u32 = 1 << 16;
-/// A Welcome carries one fd per queue plus two eventfds in one message.
-pub const MAX_QUEUES_PER_DEVICE: u32 = (MAX_FDS - 2) as u32;
+pub use crate::policy::MAX_QUEUES_PER_DEVICE;
 /// Datapath threads beyond this only burn cores.
 pub const MAX_DATAPATH_THREADS: u32 = 64;
 /// Busy-poll time above one second is a misconfiguration.
 pub const MAX_SPIN_US: u64 = 1_000_000;
+/// Largest credit pool (send WQEs inside the NIC).
+pub const MAX_CREDITS: u32 = 1 << 20;
 
 /// Why a configuration is refused.
 #[derive(Debug, thiserror::Error)]
@@ -49,10 +54,8 @@ pub enum ConfigError {
         value: String,
         reason: &'static str,
     },
-    #[error("No `[[tenant]]` configured")]
-    NoTenants,
-    #[error("Duplicate `tenant.name` {0:?}")]
-    DuplicateTenant(String),
+    #[error("Invalid policy")]
+    Policy(#[source] PolicyError),
 }
 
 /// Command line of `hostd`.
@@ -65,15 +68,18 @@ pub struct Args {
     /// Path of the unix seqpacket socket vdevs connect to.
     #[arg(long)]
     pub socket: Option<PathBuf>,
-    /// TOML config file (default: the embedded two-tenant demo config).
+    /// Path of the admin socket vrdmactl connects to (default: <socket>.admin).
+    #[arg(long)]
+    pub admin_socket: Option<PathBuf>,
+    /// TOML config file (default: the embedded config).
     #[arg(long)]
     pub config: Option<PathBuf>,
+    /// Tenant policy file (default: the built-in two-tenant demo policy).
+    #[arg(long)]
+    pub policy: Option<PathBuf>,
     /// Physical QPs of the NIC (shared by all vdevs).
     #[arg(long)]
     pub physical_qps: Option<u32>,
-    /// Physical QPs granted to each vdev.
-    #[arg(long)]
-    pub queues_per_device: Option<u32>,
     /// Entries of each submission ring (power of two).
     #[arg(long)]
     pub sq_depth: Option<u32>,
@@ -86,6 +92,12 @@ pub struct Args {
     /// Microseconds of busy polling after the last work before sleeping.
     #[arg(long)]
     pub spin_us: Option<u64>,
+    /// Send WQEs one device may have inside the NIC at once.
+    #[arg(long)]
+    pub device_credits: Option<u32>,
+    /// Send WQEs all devices together may have inside the NIC at once.
+    #[arg(long)]
+    pub total_credits: Option<u32>,
 }
 
 /// The config file. Unknown keys are errors.
@@ -93,64 +105,49 @@ pub struct Args {
 #[serde(deny_unknown_fields)]
 struct FileConfig {
     socket: Option<PathBuf>,
+    admin_socket: Option<PathBuf>,
+    policy: Option<PathBuf>,
     physical_qps: Option<u32>,
-    queues_per_device: Option<u32>,
     sq_depth: Option<u32>,
     cq_depth: Option<u32>,
     datapath_threads: Option<u32>,
     spin_us: Option<u64>,
-    #[serde(default)]
-    tenant: Vec<FileTenant>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileTenant {
-    name: String,
-    network: Option<String>,
-    uid: Option<u32>,
-    #[serde(default)]
-    reachable: Vec<String>,
-}
-
-/// One tenant hostd serves.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Tenant {
-    pub name: String,
-    /// Tenants of one network reach each other.
-    pub network: String,
-    /// If set, a vdev of this tenant must run as this uid (SO_PEERCRED).
-    pub uid: Option<u32>,
-    /// Other networks this tenant's QPs may connect to.
-    pub reachable: BTreeSet<String>,
-}
-
-impl Tenant {
-    /// Whether this tenant may connect a QP to a tenant of `network`.
-    pub fn reaches(&self, network: &str) -> bool {
-        self.network == network || self.reachable.contains(network)
-    }
+    device_credits: Option<u32>,
+    total_credits: Option<u32>,
 }
 
 /// A validated hostd configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     pub socket: PathBuf,
+    /// The admin socket (`vrdmactl`), mode 0600.
+    pub admin_socket: PathBuf,
+    /// The policy file, re-read on SIGHUP and `vrdmactl reload`; `None`:
+    /// the built-in default policy (which cannot be reloaded).
+    pub policy_file: Option<PathBuf>,
+    /// The policy in force at start.
+    pub policy: Policy,
     pub physical_qps: u32,
-    pub queues_per_device: u32,
     pub sq_depth: u32,
     pub cq_depth: u32,
     pub datapath_threads: u32,
     pub spin_us: u64,
-    pub tenants: Vec<Tenant>,
+    pub device_credits: u32,
+    pub total_credits: u32,
 }
 
 pub const DEFAULT_PHYSICAL_QPS: u32 = 64;
-pub const DEFAULT_QUEUES_PER_DEVICE: u32 = 2;
 pub const DEFAULT_SQ_DEPTH: u32 = 1024;
 pub const DEFAULT_CQ_DEPTH: u32 = 4096;
 pub const DEFAULT_DATAPATH_THREADS: u32 = 1;
 pub const DEFAULT_SPIN_US: u64 = 200;
+
+/// The admin socket next to `socket`: `<socket>.admin`.
+pub fn default_admin_socket(socket: &Path) -> PathBuf {
+    let mut name = socket.as_os_str().to_owned();
+    name.push(".admin");
+    PathBuf::from(name)
+}
 
 impl TryFrom<Args> for Config {
     type Error = ConfigError;
@@ -160,26 +157,28 @@ impl TryFrom<Args> for Config {
             Some(path) => read_file(path)?,
             None => parse_text(DEFAULT_CONFIG, Path::new("<embedded default.toml>"))?,
         };
-        let tenants = file
-            .tenant
-            .into_iter()
-            .map(|t| Tenant {
-                network: t.network.unwrap_or_else(|| t.name.clone()),
-                name: t.name,
-                uid: t.uid,
-                reachable: t.reachable.into_iter().collect(),
-            })
-            .collect();
-        let config = Config {
-            socket: args.socket.or(file.socket).ok_or(ConfigError::NoSocket)?,
-            physical_qps: args
-                .physical_qps
-                .or(file.physical_qps)
-                .unwrap_or(DEFAULT_PHYSICAL_QPS),
-            queues_per_device: args
-                .queues_per_device
-                .or(file.queues_per_device)
-                .unwrap_or(DEFAULT_QUEUES_PER_DEVICE),
+        // A relative `policy` in a config file is relative to that file.
+        let file_policy =
+            file.policy
+                .map(|p| match args.config.as_deref().and_then(Path::parent) {
+                    Some(dir) if p.is_relative() => dir.join(p),
+                    _ => p,
+                });
+        let socket = args.socket.or(file.socket).ok_or(ConfigError::NoSocket)?;
+        let physical_qps = args
+            .physical_qps
+            .or(file.physical_qps)
+            .unwrap_or(DEFAULT_PHYSICAL_QPS);
+        let policy_file = args.policy.or(file_policy);
+        let mut config = Config {
+            admin_socket: args
+                .admin_socket
+                .or(file.admin_socket)
+                .unwrap_or_else(|| default_admin_socket(&socket)),
+            socket,
+            policy_file,
+            policy: Policy::default(),
+            physical_qps,
             sq_depth: args.sq_depth.or(file.sq_depth).unwrap_or(DEFAULT_SQ_DEPTH),
             cq_depth: args.cq_depth.or(file.cq_depth).unwrap_or(DEFAULT_CQ_DEPTH),
             datapath_threads: args
@@ -187,9 +186,21 @@ impl TryFrom<Args> for Config {
                 .or(file.datapath_threads)
                 .unwrap_or(DEFAULT_DATAPATH_THREADS),
             spin_us: args.spin_us.or(file.spin_us).unwrap_or(DEFAULT_SPIN_US),
-            tenants,
+            device_credits: args
+                .device_credits
+                .or(file.device_credits)
+                .unwrap_or(DEFAULT_DEVICE_CREDITS),
+            total_credits: args
+                .total_credits
+                .or(file.total_credits)
+                .unwrap_or(DEFAULT_TOTAL_CREDITS),
         };
         config.validate()?;
+        config.policy = match &config.policy_file {
+            Some(path) => crate::policy::load(path, config.physical_qps),
+            None => crate::policy::builtin(config.physical_qps),
+        }
+        .map_err(ConfigError::Policy)?;
         Ok(config)
     }
 }
@@ -209,14 +220,6 @@ fn parse_text(text: &str, path: &Path) -> Result<FileConfig, ConfigError> {
     })
 }
 
-/// Tenant and network names: short, printable, safe in logs.
-fn valid_name(name: &str) -> bool {
-    (1..=64).contains(&name.len())
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b))
-}
-
 fn invalid(key: &'static str, value: impl ToString, reason: &'static str) -> ConfigError {
     ConfigError::Invalid {
         key,
@@ -226,31 +229,12 @@ fn invalid(key: &'static str, value: impl ToString, reason: &'static str) -> Con
 }
 
 impl Config {
-    /// The tenant called `name`.
-    pub fn tenant(&self, name: &str) -> Option<&Tenant> {
-        self.tenants.iter().find(|t| t.name == name)
-    }
-
     fn validate(&self) -> Result<(), ConfigError> {
         if !(1..=MAX_PHYSICAL_QPS).contains(&self.physical_qps) {
             return Err(invalid(
                 "physical_qps",
                 self.physical_qps,
                 "must be between 1 and 65536",
-            ));
-        }
-        if !(1..=MAX_QUEUES_PER_DEVICE).contains(&self.queues_per_device) {
-            return Err(invalid(
-                "queues_per_device",
-                self.queues_per_device,
-                "must be between 1 and 30 (one fd per queue in the Welcome)",
-            ));
-        }
-        if self.queues_per_device > self.physical_qps {
-            return Err(invalid(
-                "queues_per_device",
-                self.queues_per_device,
-                "must not exceed physical_qps",
             ));
         }
         for (key, depth) in [("sq_depth", self.sq_depth), ("cq_depth", self.cq_depth)] {
@@ -272,35 +256,26 @@ impl Config {
         if self.spin_us > MAX_SPIN_US {
             return Err(invalid("spin_us", self.spin_us, "must be at most 1000000"));
         }
-        if self.tenants.is_empty() {
-            return Err(ConfigError::NoTenants);
+        if !(1..=MAX_CREDITS).contains(&self.total_credits) {
+            return Err(invalid(
+                "total_credits",
+                self.total_credits,
+                "must be between 1 and 1048576",
+            ));
         }
-        let mut names = BTreeSet::new();
-        for tenant in &self.tenants {
-            if !valid_name(&tenant.name) {
-                return Err(invalid(
-                    "tenant.name",
-                    format!("{:?}", tenant.name),
-                    "must be 1-64 characters of [A-Za-z0-9_.-]",
-                ));
-            }
-            if !names.insert(tenant.name.as_str()) {
-                return Err(ConfigError::DuplicateTenant(tenant.name.clone()));
-            }
-            if !valid_name(&tenant.network) {
-                return Err(invalid(
-                    "tenant.network",
-                    format!("{:?}", tenant.network),
-                    "must be 1-64 characters of [A-Za-z0-9_.-]",
-                ));
-            }
-            if let Some(bad) = tenant.reachable.iter().find(|n| !valid_name(n)) {
-                return Err(invalid(
-                    "tenant.reachable",
-                    format!("{bad:?}"),
-                    "must be 1-64 characters of [A-Za-z0-9_.-]",
-                ));
-            }
+        if !(1..=self.total_credits).contains(&self.device_credits) {
+            return Err(invalid(
+                "device_credits",
+                self.device_credits,
+                "must be between 1 and total_credits",
+            ));
+        }
+        if self.admin_socket == self.socket {
+            return Err(invalid(
+                "admin_socket",
+                self.admin_socket.display(),
+                "must differ from socket",
+            ));
         }
         Ok(())
     }
@@ -317,12 +292,16 @@ mod tests {
         )
     }
 
-    fn with_file(name: &str, text: &str, extra: &[&str]) -> Result<Config, ConfigError> {
+    fn temp(name: &str, text: &str) -> String {
         let dir = std::env::temp_dir().join(format!("hostd-config-{}", std::process::id()));
         std::fs::create_dir_all(&dir).expect("temp dir");
         let path = dir.join(name);
-        std::fs::write(&path, text).expect("write config");
-        let path = path.to_str().expect("utf-8 path").to_owned();
+        std::fs::write(&path, text).expect("write file");
+        path.to_str().expect("utf-8 path").to_owned()
+    }
+
+    fn with_file(name: &str, text: &str, extra: &[&str]) -> Result<Config, ConfigError> {
+        let path = temp(name, text);
         let mut args = vec!["--config", path.as_str()];
         args.extend_from_slice(extra);
         parse(&args)
@@ -335,81 +314,101 @@ mod tests {
     #[test]
     fn socket_alone_gives_the_embedded_defaults() {
         let config = parse(&["--socket", "/tmp/h.sock"]).expect("valid");
-        let demo = |name: &str| Tenant {
-            name: name.into(),
-            network: "demo".into(),
-            uid: None,
-            reachable: BTreeSet::new(),
-        };
         assert_eq!(
             config,
             Config {
                 socket: "/tmp/h.sock".into(),
+                admin_socket: "/tmp/h.sock.admin".into(),
+                policy_file: None,
+                policy: Policy::default_policy(),
                 physical_qps: 64,
-                queues_per_device: 2,
                 sq_depth: 1024,
                 cq_depth: 4096,
                 datapath_threads: 1,
                 spin_us: DEFAULT_SPIN_US,
-                tenants: vec![demo("alpha"), demo("beta")],
+                device_credits: 256,
+                total_credits: 4096,
             }
         );
+        let names: Vec<_> = config
+            .policy
+            .tenants
+            .iter()
+            .map(|t| t.name.as_str())
+            .collect();
+        assert_eq!(names, ["alpha", "beta"]);
+        assert!(config.policy.tenants.iter().all(|t| t.network() == "demo"));
     }
 
     #[test]
-    fn flags_override_the_file_and_network_defaults_to_name() {
-        let text = r#"
-            socket = "/tmp/file.sock"
-            physical_qps = 8
-            sq_depth = 64
-            [[tenant]]
-            name = "red"
-            uid = 1000
-            reachable = ["blue"]
-            [[tenant]]
-            name = "blue"
-        "#;
+    fn flags_override_the_file_and_the_policy_is_loaded() {
+        let policy = temp(
+            "override-policy.toml",
+            "[[tenant]]\nname = \"red\"\nuid = 1000\nreachable = [\"blue\"]\n\
+             [[tenant]]\nname = \"blue\"\nphysical_queues = 4\n",
+        );
+        let text = format!(
+            "socket = \"/tmp/file.sock\"\nphysical_qps = 8\nsq_depth = 64\npolicy = {policy:?}\n\
+             admin_socket = \"/tmp/admin\"\ndevice_credits = 16\n"
+        );
         let config = with_file(
             "override.toml",
-            text,
-            &["--physical-qps", "16", "--spin-us", "0"],
+            &text,
+            &[
+                "--physical-qps",
+                "16",
+                "--spin-us",
+                "0",
+                "--total-credits",
+                "32",
+            ],
         )
         .expect("valid");
         assert_eq!(config.socket, PathBuf::from("/tmp/file.sock"));
-        assert_eq!(config.physical_qps, 16);
-        assert_eq!(config.sq_depth, 64);
-        assert_eq!(config.spin_us, 0);
-        let red = config.tenant("red").expect("red");
-        assert_eq!(red.network, "red");
+        assert_eq!(config.admin_socket, PathBuf::from("/tmp/admin"));
+        assert_eq!(config.policy_file, Some(PathBuf::from(&policy)));
+        assert_eq!(
+            (config.physical_qps, config.sq_depth, config.spin_us),
+            (16, 64, 0)
+        );
+        assert_eq!((config.device_credits, config.total_credits), (16, 32));
+        let red = config.policy.tenant("red").expect("red");
+        assert_eq!(red.network(), "red");
         assert_eq!(red.uid, Some(1000));
-        assert!(red.reaches("blue") && red.reaches("red") && !red.reaches("green"));
-        assert!(!config.tenant("blue").expect("blue").reaches("red"));
+        assert!(red.may_reach("blue") && red.may_reach("red") && !red.may_reach("green"));
+        assert_eq!(
+            config.policy.tenant("blue").expect("blue").physical_queues,
+            4
+        );
+        // --policy wins over the file; a relative `policy` is next to the file.
+        let other = temp("other-policy.toml", "[[tenant]]\nname = \"solo\"\n");
+        let config = with_file("override.toml", &text, &["--policy", &other]).expect("valid");
+        assert_eq!(config.policy.tenants.len(), 1);
+        let config = with_file(
+            "relative.toml",
+            "socket = \"/tmp/s\"\npolicy = \"other-policy.toml\"\n",
+            &[],
+        )
+        .expect("relative policy path");
+        assert_eq!(config.policy.tenants[0].name, "solo");
     }
 
     #[test]
     fn errors_name_the_key() {
         let cases: &[(&str, &str)] = &[
-            ("sq_depth = 1000\n[[tenant]]\nname = \"a\"", "sq_depth"),
-            ("cq_depth = 0\n[[tenant]]\nname = \"a\"", "cq_depth"),
-            ("physical_qps = 0\n[[tenant]]\nname = \"a\"", "physical_qps"),
-            (
-                "physical_qps = 2\nqueues_per_device = 3\n[[tenant]]\nname = \"a\"",
-                "queues_per_device",
-            ),
-            (
-                "datapath_threads = 0\n[[tenant]]\nname = \"a\"",
-                "datapath_threads",
-            ),
-            ("spin_us = 5000000\n[[tenant]]\nname = \"a\"", "spin_us"),
-            ("[[tenant]]\nname = \"a b\"", "tenant.name"),
-            ("[[tenant]]\nname = \"a\"\nnetwork = \"\"", "tenant.network"),
-            (
-                "[[tenant]]\nname = \"a\"\nreachable = [\"x/y\"]",
-                "tenant.reachable",
-            ),
-            ("bogus = 1\n[[tenant]]\nname = \"a\"", "bogus"),
-            ("[[tenant]]\nname = \"a\"\ncolour = \"red\"", "colour"),
-            ("sq_depth = \"big\"\n[[tenant]]\nname = \"a\"", "sq_depth"),
+            ("sq_depth = 1000", "sq_depth"),
+            ("cq_depth = 0", "cq_depth"),
+            ("physical_qps = 0", "physical_qps"),
+            ("datapath_threads = 0", "datapath_threads"),
+            ("spin_us = 5000000", "spin_us"),
+            ("device_credits = 0", "device_credits"),
+            ("total_credits = 8\ndevice_credits = 9", "device_credits"),
+            ("total_credits = 0", "total_credits"),
+            ("admin_socket = \"/tmp/s\"", "admin_socket"),
+            ("bogus = 1", "bogus"),
+            ("queues_per_device = 2", "queues_per_device"),
+            ("[[tenant]]\nname = \"a\"", "tenant"),
+            ("sq_depth = \"big\"", "sq_depth"),
         ];
         for (i, (text, key)) in cases.iter().enumerate() {
             let err =
@@ -420,17 +419,39 @@ mod tests {
     }
 
     #[test]
-    fn duplicate_tenants_missing_tenants_and_socket_are_refused() {
-        let err = with_file(
-            "dup.toml",
-            "[[tenant]]\nname = \"a\"\n[[tenant]]\nname = \"a\"",
-            &["--socket", "/tmp/s"],
-        )
-        .expect_err("duplicate");
-        assert!(matches!(err, ConfigError::DuplicateTenant(ref n) if n == "a"));
-        let err =
-            with_file("none.toml", "spin_us = 1", &["--socket", "/tmp/s"]).expect_err("no tenants");
-        assert!(matches!(err, ConfigError::NoTenants));
+    fn bad_policies_name_file_line_and_key() {
+        let policy = temp(
+            "bad-policy.toml",
+            "[[tenant]]\nname = \"a\"\n\n[[tenant]]\nname = \"b\"\npriority = { weight = 0 }\n",
+        );
+        let err = parse(&["--socket", "/tmp/s", "--policy", &policy]).expect_err("weight 0");
+        let chain = full_chain(&err);
+        assert!(
+            chain.contains("bad-policy.toml:6") && chain.contains("tenant[1].priority.weight"),
+            "{chain}"
+        );
+        let queues = temp(
+            "queues-policy.toml",
+            "[[tenant]]\nname = \"a\"\nphysical_queues = 3\n",
+        );
+        let err = parse(&[
+            "--socket",
+            "/tmp/s",
+            "--policy",
+            &queues,
+            "--physical-qps",
+            "2",
+        ])
+        .expect_err("3 queues of 2");
+        assert!(full_chain(&err).contains("tenant[0].physical_queues"));
+        assert!(matches!(
+            parse(&["--socket", "/tmp/s", "--policy", "/nonexistent/p.toml"]),
+            Err(ConfigError::Policy(PolicyError::Read { .. }))
+        ));
+    }
+
+    #[test]
+    fn missing_socket_and_file_are_refused() {
         assert!(matches!(parse(&[]), Err(ConfigError::NoSocket)));
         assert!(matches!(
             parse(&["--socket", "/tmp/s", "--config", "/nonexistent/hostd.toml"]),

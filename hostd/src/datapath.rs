@@ -1,12 +1,23 @@
 //! The datapath: polling threads that move work from vdevs' submission
 //! rings into the NIC, run it, and move completions back.
 //!
-//! One [`Core`] behind a mutex holds the NIC, the connected devices and the
-//! completions waiting for room in their rings; control requests take the
-//! same lock, which is what makes "after the response, no WQE touches it"
-//! hold. Each of the `datapath_threads` threads serves the devices with
-//! `id % threads == its index` (so every submission ring has exactly one
-//! consumer), runs the NIC's progress and flushes held completions.
+//! One [`Core`] behind a mutex holds the NIC, the connected devices, the
+//! scheduler, the tenants' accounts and the completions waiting for room in
+//! their rings; control requests take the same lock, which is what makes
+//! "after the response, no WQE touches it" hold. Each of the
+//! `datapath_threads` threads polls the rings of the devices with
+//! `id % threads == its index`, runs the NIC's progress and flushes held
+//! completions.
+//!
+//! Every round, a thread first *stages* the next WQE of each of its pQPs:
+//! it pops the ring into a one-entry slot per pQP (held here, since the
+//! ring has no peek), posting receive WQEs straight to the NIC as it meets
+//! them. Then the [`Scheduler`] decides, WQE by WQE, which staged send WQE
+//! enters the NIC (strict priority between classes, deficit round robin by
+//! bytes inside one, token buckets, credits); after each, that pQP's slot
+//! is refilled. A pQP whose staged WQE waits is not drained further, so
+//! each vQP's work stays in posting order. When the scheduler waits for
+//! tokens it says until when, and a sleeping thread arms its timer for it.
 //!
 //! Polling is adaptive for a 2-core host: after the last work a thread spins
 //! for `spin_us` (with `spin_loop` and an occasional `yield_now`), then
@@ -28,15 +39,24 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 use vmm_sys_util::timerfd::TimerFd;
 use vrdma_hostd_protocol::channel::Channel;
-use vrdma_hostd_protocol::entries::{PhysCqe, PhysWqe};
+use vrdma_hostd_protocol::entries::{kind, PhysCqe, PhysWqe, Sge};
 use vrdma_hostd_protocol::shm::{QueueLayout, Ring, SharedMapping};
+use vrdma_spec::ring::send_flags;
+use vrdma_spec::verbs::SendOpcode;
+use vrdma_tenant_policy::TenantPolicy;
+use zerocopy::FromBytes;
 
 use crate::nic::{Completion, DeviceId, Nic};
+use crate::scheduler::{CreditView, Credits, Head, OpKind, Pick, QueueId, Scheduler};
+use crate::stats::Accounts;
 
-/// WQEs taken from one submission ring per round: fairness between vdevs.
+/// Entries taken from one submission ring at a time while staging
+/// (receives pass straight through; the first send WQE stops it).
 pub const RING_BATCH: usize = 32;
 /// WQEs the NIC executes per round.
 pub const PROGRESS_BUDGET: usize = 256;
+/// Send WQEs the scheduler lets into the NIC per round.
+pub const SCHED_BUDGET: usize = 256;
 /// WQEs of one pQP queued inside the NIC before its ring is left alone.
 /// Each costs ~350 bytes, so a pQP holds at most a few MiB of hostd memory.
 pub const MAX_OUTSTANDING: usize = 16 * 1024;
@@ -58,6 +78,8 @@ pub struct QueueMem {
 #[derive(Debug)]
 pub struct DeviceQueues {
     pub id: DeviceId,
+    /// The tenant it serves.
+    pub tenant: String,
     pub layout: QueueLayout,
     pub queues: Vec<QueueMem>,
     /// vdev writes it after posting while our side sleeps.
@@ -73,12 +95,14 @@ pub struct DeviceQueues {
 impl DeviceQueues {
     pub fn new(
         id: DeviceId,
+        tenant: &str,
         layout: QueueLayout,
         queues: Vec<QueueMem>,
         channel: Arc<Channel>,
     ) -> io::Result<Self> {
         Ok(DeviceQueues {
             id,
+            tenant: tenant.to_owned(),
             layout,
             queues,
             doorbell: EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC)?,
@@ -112,6 +136,46 @@ pub struct Core {
     generation: u64,
     scratch: Vec<Completion>,
     hold_limit: usize,
+    /// The next send WQE of each pQP, popped from its ring, waiting for
+    /// the scheduler.
+    staged: HashMap<QueueId, PhysWqe>,
+    sched: Scheduler,
+    accounts: Accounts,
+}
+
+/// The NIC's send WQEs, as the scheduler's credits see them.
+struct NicCredits<'a>(&'a dyn Nic);
+
+impl CreditView for NicCredits<'_> {
+    fn device(&self, device: DeviceId) -> usize {
+        self.0.queued_sends(device)
+    }
+    fn total(&self) -> usize {
+        self.0.total_queued_sends()
+    }
+}
+
+/// What the scheduler needs to know of a send-side WQE: its rate-limit
+/// kind and the bytes it moves (SGE lengths, or the inline length).
+pub fn head_of(wqe: &PhysWqe) -> Head {
+    let kind = match SendOpcode::try_from(wqe.opcode) {
+        Ok(SendOpcode::RdmaRead | SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd) => {
+            OpKind::Read
+        }
+        _ => OpKind::Send,
+    };
+    let bytes = if wqe.flags & send_flags::INLINE != 0 {
+        u64::from(wqe.inline_len.get()).min(wqe.payload.len() as u64)
+    } else {
+        let n = usize::from(wqe.num_sge).min(wqe.payload.len() / std::mem::size_of::<Sge>());
+        wqe.payload
+            .get(..n * std::mem::size_of::<Sge>())
+            .and_then(|b| <[Sge]>::ref_from_bytes(b).ok())
+            .map_or(0, |sges| {
+                sges.iter().map(|s| u64::from(s.length.get())).sum()
+            })
+    };
+    Head { kind, bytes }
 }
 
 /// What one round did.
@@ -134,6 +198,28 @@ impl Core {
         self.devices.get(&id).cloned()
     }
 
+    /// The tenants' counters and usage.
+    pub fn accounts(&self) -> &Accounts {
+        &self.accounts
+    }
+
+    /// The tenants' counters and usage, for control requests.
+    pub fn accounts_mut(&mut self) -> &mut Accounts {
+        &mut self.accounts
+    }
+
+    /// The scheduler (throttled time, credits).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// Applies tenants' classes, weights and rates at once (policy reload).
+    pub fn configure_tenants(&mut self, tenants: &[TenantPolicy], now: Instant) {
+        for t in tenants {
+            self.sched.configure(t, now);
+        }
+    }
+
     /// Back-pressure: WQEs of `pqp` the datapath may still take, so that
     /// neither the held completions nor the NIC's queues grow without bound.
     fn room(&self, id: DeviceId, pqp: u32) -> usize {
@@ -143,8 +229,56 @@ impl Core {
             .min(MAX_OUTSTANDING.saturating_sub(self.nic.outstanding(id, pqp)))
     }
 
-    /// One pass: drain the given devices' submission rings, run the NIC,
-    /// flush completions into every device's completion rings.
+    /// Stages the next send WQE of `pqp` of `dev` if its slot is empty:
+    /// pops its submission ring, posting receives to the NIC on the way.
+    fn refill(&mut self, dev: &DeviceQueues, pqp: u32) -> bool {
+        let queue = (dev.id, pqp);
+        if self.staged.contains_key(&queue) || dev.failed.load(Ordering::Relaxed) {
+            return false;
+        }
+        let Some(sq) = dev
+            .queue(pqp)
+            .and_then(|q| Ring::<PhysWqe>::new(&q.mem, dev.layout.sq))
+        else {
+            dev.fail("submission ring does not fit");
+            return false;
+        };
+        let mut worked = false;
+        for _ in 0..RING_BATCH {
+            if self.room(dev.id, pqp) == 0 {
+                break;
+            }
+            match sq.pop() {
+                Ok(Some(wqe)) => {
+                    worked = true;
+                    if wqe.kind == kind::RECV {
+                        self.nic.post(dev.id, pqp, &wqe);
+                        continue;
+                    }
+                    self.sched.stage(queue, head_of(&wqe));
+                    if self.sched.is_staged(queue) {
+                        self.staged.insert(queue, wqe);
+                    } else {
+                        // Not a device the scheduler knows (cannot happen):
+                        // never leave work behind.
+                        self.nic.post(dev.id, pqp, &wqe);
+                        continue;
+                    }
+                    break;
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    dev.fail(&format!("submission ring of pQP {pqp}: {e}"));
+                    break;
+                }
+            }
+        }
+        worked
+    }
+
+    /// One pass: stage the given devices' submission rings, let the
+    /// scheduler post staged work into the NIC, run the NIC, flush
+    /// completions into every device's completion rings.
     fn round(&mut self, mine: &[Arc<DeviceQueues>], now: Instant) -> Round {
         let mut round = Round::default();
         for dev in mine {
@@ -152,31 +286,41 @@ impl Core {
                 continue;
             }
             for q in &dev.queues {
-                let Some(sq) = Ring::<PhysWqe>::new(&q.mem, dev.layout.sq) else {
-                    dev.fail("submission ring does not fit");
-                    break;
-                };
-                for _ in 0..self.room(dev.id, q.pqp).min(RING_BATCH) {
-                    match sq.pop() {
-                        Ok(Some(wqe)) => {
-                            self.nic.post(dev.id, q.pqp, &wqe);
-                            round.worked = true;
-                        }
-                        Ok(None) => break,
-                        Err(e) => {
-                            dev.fail(&format!("submission ring of pQP {}: {e}", q.pqp));
-                            break;
-                        }
-                    }
-                }
+                round.worked |= self.refill(dev, q.pqp);
             }
         }
+        let mut dispatched = 0;
+        let mut wait = None;
+        while dispatched < SCHED_BUDGET {
+            match self.sched.pick(now, &NicCredits(self.nic.as_ref())) {
+                Pick::Run(queue) => {
+                    dispatched += 1;
+                    if let Some(wqe) = self.staged.remove(&queue) {
+                        self.nic.post(queue.0, queue.1, &wqe);
+                    }
+                    if let Some(dev) = self.devices.get(&queue.0).cloned() {
+                        self.refill(&dev, queue.1);
+                    }
+                }
+                Pick::Wait(until) => {
+                    wait = until;
+                    break;
+                }
+                Pick::Idle => break,
+            }
+        }
+        round.worked |= dispatched > 0;
+        round.busy = dispatched == SCHED_BUDGET;
         let progress = self.nic.progress(now, PROGRESS_BUDGET);
         round.worked |= progress.worked;
-        round.busy = progress.busy;
-        round.next_due = progress.next_due;
+        round.busy |= progress.busy;
+        round.next_due = match (progress.next_due, wait) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         self.nic.take_completions(&mut self.scratch);
         for c in self.scratch.drain(..) {
+            self.accounts.completion(c.device, &c.cqe);
             self.held
                 .entry((c.device, c.pqp))
                 .or_default()
@@ -248,6 +392,7 @@ impl Datapath {
         threads: u32,
         spin: Duration,
         hold_limit: usize,
+        credits: Credits,
     ) -> io::Result<Arc<Self>> {
         let wakers = (0..threads.max(1))
             .map(|_| EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC))
@@ -260,6 +405,9 @@ impl Datapath {
                 generation: 0,
                 scratch: Vec::new(),
                 hold_limit,
+                staged: HashMap::new(),
+                sched: Scheduler::new(credits),
+                accounts: Accounts::default(),
             }),
             wakers,
             spin,
@@ -280,10 +428,17 @@ impl Datapath {
         }
     }
 
-    /// Starts serving a device's rings.
-    pub fn add_device(&self, dev: Arc<DeviceQueues>) {
+    /// Starts serving a device's rings. `policy` is its tenant's, for the
+    /// scheduler if it does not know the tenant yet (a reload keeps it
+    /// current afterwards).
+    pub fn add_device(&self, dev: Arc<DeviceQueues>, policy: &TenantPolicy) {
         {
             let mut core = self.lock();
+            if !core.sched.knows(&dev.tenant) {
+                core.sched.configure(policy, Instant::now());
+            }
+            core.sched.add_device(dev.id, &dev.tenant);
+            core.accounts.attach(dev.id, &dev.tenant, dev.queues.len());
             core.devices.insert(dev.id, dev);
             core.generation += 1;
         }
@@ -297,6 +452,9 @@ impl Datapath {
             core.devices.remove(&id);
             core.nic.detach_device(id);
             core.held.retain(|(dev, _), _| *dev != id);
+            core.staged.retain(|(dev, _), _| *dev != id);
+            core.sched.remove_device(id);
+            core.accounts.detach(id);
             core.generation += 1;
         }
         self.wake();
@@ -451,15 +609,17 @@ impl Datapath {
 
     /// Whether any served submission ring has work the next round would
     /// take (a corrupt one counts: the next round deals with it). A ring
-    /// held back by back-pressure does not count, or a tenant that never
-    /// drains its completions would keep this thread spinning.
+    /// held back by back-pressure, or whose staged WQE waits for the
+    /// scheduler, does not count, or a tenant that never drains its
+    /// completions or is rate limited would keep this thread spinning.
     fn has_pending(&self, mine: &[Arc<DeviceQueues>]) -> bool {
         let core = self.lock();
         mine.iter()
             .filter(|d| !d.failed.load(Ordering::Relaxed))
             .any(|dev| {
                 dev.queues.iter().any(|q| {
-                    core.room(dev.id, q.pqp) > 0
+                    !core.staged.contains_key(&(dev.id, q.pqp))
+                        && core.room(dev.id, q.pqp) > 0
                         && Ring::<PhysWqe>::new(&q.mem, dev.layout.sq)
                             .is_some_and(|sq| sq.pending().map_or(true, |n| n > 0))
                 })

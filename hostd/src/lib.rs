@@ -3,19 +3,33 @@
 //! engine, and executes RDMA between tenants. vdevs are not trusted.
 //!
 //! - [`config`]: command line and TOML file, validated into [`Config`].
+//! - [`policy`]: the tenant policy file as hostd loads it (checked against
+//!   what this hostd can grant) and the changes a reload makes.
 //! - [`server`]: the control socket: one thread per vdev, one response per
-//!   request, tenant policy (credentials, networks), teardown on disconnect.
-//! - [`datapath`]: polling threads that drain submission rings, run the
-//!   NIC and push completions, spinning briefly before sleeping in epoll.
+//!   request, tenant policy (credentials, networks, physical queues, memory
+//!   quotas), teardown on disconnect, policy reload.
+//! - [`datapath`]: polling threads that stage submission rings, let the
+//!   scheduler post work into the NIC and push completions, spinning
+//!   briefly before sleeping in epoll.
+//! - [`scheduler`]: strict priority between classes, weighted fair sharing
+//!   inside one, token-bucket rate limits and credits.
+//! - [`stats`]: per-tenant counters and usage, Prometheus rendering.
+//! - [`admin`]: the admin socket (`vrdmactl`: stats, metrics, reload) and
+//!   reload on SIGHUP.
 //! - [`nic`]: the [`nic::Nic`] trait hostd drives, and [`nic::soft::SoftNic`],
 //!   the software model of a BlueField-3-style NIC.
 
+pub mod admin;
 pub mod config;
 pub mod datapath;
 pub mod nic;
+pub mod policy;
+pub mod scheduler;
 pub mod server;
+pub mod stats;
 
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use vrdma_hostd_protocol::channel::{ChannelError, Listener};
@@ -23,6 +37,7 @@ use vrdma_hostd_protocol::channel::{ChannelError, Listener};
 pub use config::Config;
 use datapath::Datapath;
 use nic::soft::SoftNic;
+use scheduler::Credits;
 use server::Server;
 
 /// Why hostd could not serve.
@@ -36,10 +51,22 @@ pub enum Error {
     },
     #[error("Cannot start the datapath")]
     Datapath(#[source] std::io::Error),
+    #[error("Cannot set up reload on SIGHUP")]
+    Signals(#[source] std::io::Error),
+    #[error("Cannot start the admin socket's thread")]
+    Admin(#[source] std::io::Error),
 }
 
-/// Serves vdevs on the configured socket until the process is stopped.
+/// Serves vdevs on the configured socket, and the admin socket, until the
+/// process is stopped. Call it before starting any thread of your own:
+/// it blocks SIGHUP (read through a signalfd) and binds the admin socket
+/// under a umask, both process-wide.
 pub fn run(config: &Config) -> Result<(), Error> {
+    let sighup = admin::block_sighup().map_err(Error::Signals)?;
+    let admin_listener = admin::bind(&config.admin_socket).map_err(|source| Error::Listen {
+        path: config.admin_socket.clone(),
+        source,
+    })?;
     let listener = Listener::bind(&config.socket).map_err(|source| Error::Listen {
         path: config.socket.clone(),
         source,
@@ -50,16 +77,25 @@ pub fn run(config: &Config) -> Result<(), Error> {
         Duration::from_micros(config.spin_us),
         // Back-pressure: hold at most one completion ring's worth per pQP.
         config.cq_depth as usize,
+        Credits {
+            per_device: config.device_credits as usize,
+            total: config.total_credits as usize,
+        },
     )
     .map_err(Error::Datapath)?;
     datapath.start().map_err(Error::Datapath)?;
+    let server = Server::new(config.clone(), datapath);
+    admin::spawn(Arc::clone(&server), admin_listener).map_err(Error::Admin)?;
+    admin::spawn_sighup(Arc::clone(&server), sighup).map_err(Error::Admin)?;
     tracing::info!(
         socket = %config.socket.display(),
+        admin_socket = %config.admin_socket.display(),
+        policy = %policy::source_name(config.policy_file.as_ref()),
         physical_qps = config.physical_qps,
-        tenants = config.tenants.len(),
+        tenants = config.policy.tenants.len(),
         "hostd serving"
     );
-    Server::new(config.clone(), datapath).serve(&listener);
+    server.serve(&listener);
     Ok(())
 }
 

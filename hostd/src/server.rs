@@ -2,27 +2,41 @@
 //! memory regions and QPs, one request at a time, each answered with exactly
 //! one response.
 //!
-//! This is where tenant policy lives: the tenant must be configured, the
-//! peer's kernel-reported uid must match the tenant's, and a QP may only be
-//! connected to a device whose tenant's network this tenant reaches. Every
-//! request is validated before the NIC sees it and refused with a real
-//! errno. A vdev that breaks the protocol (undecodable message) or corrupts
-//! a ring is disconnected; on any disconnect everything it had — QPs, keys,
-//! memory, pQPs — is torn down while other vdevs keep running.
+//! This is where tenant policy is enforced on the control path: the tenant
+//! must be in the policy, the peer's kernel-reported uid must match the
+//! tenant's, its devices get the tenant's `physical_queues`, its memory
+//! registrations stay within its memory quotas (over all its devices), and
+//! a QP may only be connected to a device whose tenant's network this
+//! tenant reaches. Every request is validated before the NIC sees it and
+//! refused with a real errno. A vdev that breaks the protocol (undecodable
+//! message) or corrupts a ring is disconnected; on any disconnect
+//! everything it had — QPs, keys, memory, pQPs — is torn down while other
+//! vdevs keep running.
+//!
+//! The policy can be replaced while hostd runs ([`Server::reload`]): the
+//! new one applies to new devices and objects at once, to the scheduler at
+//! once, and each connected vdev whose tenant's policy changed is sent
+//! [`Notification::Policy`] on its notification channel.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use vrdma_hostd_protocol::channel::{Channel, ChannelError, Listener};
-use vrdma_hostd_protocol::messages::{QueueGrant, Request, Response, Welcome, PROTOCOL_VERSION};
+use vrdma_hostd_protocol::messages::{
+    Notification, QueueGrant, Request, Response, Welcome, PROTOCOL_VERSION,
+};
 use vrdma_hostd_protocol::shm::{sealed_memfd, QueueLayout, SharedMapping, ShmError};
+use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
 
-use crate::config::{Config, Tenant};
+use crate::config::{Config, MAX_QUEUES_PER_DEVICE};
 use crate::datapath::{Datapath, DeviceQueues, QueueMem};
 use crate::nic::{DeviceId, NicError};
+use crate::stats::{Stats, TenantStats};
 
 /// Largest LID (unicast range 0x0001–0xbfff).
 const MAX_LID: u16 = 0xbfff;
@@ -58,16 +72,30 @@ fn shm_refusal(e: ShmError) -> Refusal {
     refuse(errno, crate::error_chain(&e))
 }
 
-/// Host-wide bookkeeping of devices.
-#[derive(Debug, Default)]
+/// A connected device as the registry knows it.
+#[derive(Debug)]
+struct Connected {
+    tenant: String,
+    device: String,
+    /// hostd's end of the device's notification channel (non-blocking).
+    notify: Arc<Channel>,
+}
+
+/// Host-wide bookkeeping of devices, and the policy in force.
+#[derive(Debug)]
 struct Registry {
     /// LIDs ever assigned, stable per (tenant, device) while hostd runs.
     lids: HashMap<(String, String), u16>,
     next_lid: u16,
-    /// Connected devices by LID: their tenant's name.
-    connected: HashMap<u16, String>,
+    /// Connected devices by LID.
+    connected: HashMap<u16, Connected>,
     free_pqps: BTreeSet<u32>,
     next_device: DeviceId,
+    /// The policy in force: who may connect, with what.
+    policy: Arc<Policy>,
+    /// The last policy of every tenant ever in force: the current one's,
+    /// and a removed tenant's last (its connected devices keep it).
+    known: HashMap<String, TenantPolicy>,
 }
 
 /// What a vdev holds once greeted.
@@ -75,9 +103,27 @@ struct Registry {
 struct Session {
     id: DeviceId,
     lid: u16,
-    tenant: Tenant,
+    tenant: String,
     device: String,
     pqps: Vec<u32>,
+}
+
+/// What a successful reload changed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reloaded {
+    /// The policy file.
+    pub file: PathBuf,
+    /// One line per change (see [`crate::policy::diff`]).
+    pub changes: Vec<String>,
+}
+
+/// The quota keys vdev may report in `QuotaRejected`: the keys of
+/// [`Limits`] (anything else would let a vdev grow hostd's tables).
+fn quota_keys() -> Vec<String> {
+    match serde_json::to_value(Limits::default()) {
+        Ok(serde_json::Value::Object(map)) => map.keys().cloned().collect(),
+        _ => Vec::new(),
+    }
 }
 
 /// The control server.
@@ -86,27 +132,58 @@ pub struct Server {
     datapath: Arc<Datapath>,
     registry: Mutex<Registry>,
     connections: AtomicUsize,
+    /// Reloads run one at a time.
+    reloading: Mutex<()>,
+    quota_keys: Vec<String>,
 }
 
 impl Server {
-    /// A server for `config` over `datapath`.
+    /// A server for `config` over `datapath`, enforcing `config.policy`.
     pub fn new(config: Config, datapath: Arc<Datapath>) -> Arc<Self> {
+        let policy = Arc::new(config.policy.clone());
+        datapath
+            .lock()
+            .configure_tenants(&policy.tenants, Instant::now());
         let registry = Registry {
+            lids: HashMap::new(),
             next_lid: 1,
-            next_device: 1,
+            connected: HashMap::new(),
             free_pqps: (0..config.physical_qps).collect(),
-            ..Registry::default()
+            next_device: 1,
+            known: policy
+                .tenants
+                .iter()
+                .map(|t| (t.name.clone(), t.clone()))
+                .collect(),
+            policy,
         };
         Arc::new(Server {
             config,
             datapath,
             registry: Mutex::new(registry),
             connections: AtomicUsize::new(0),
+            reloading: Mutex::new(()),
+            quota_keys: quota_keys(),
         })
     }
 
     fn registry(&self) -> MutexGuard<'_, Registry> {
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The policy of `tenant` that applies to its devices: the one in
+    /// force, or its last one if it was removed.
+    fn tenant_policy(&self, tenant: &str) -> Result<TenantPolicy, Refusal> {
+        self.registry()
+            .known
+            .get(tenant)
+            .cloned()
+            .ok_or_else(|| refuse(libc::EACCES, format!("Unknown tenant {tenant:?}")))
+    }
+
+    /// The policy in force.
+    pub fn policy(&self) -> Arc<Policy> {
+        Arc::clone(&self.registry().policy)
     }
 
     /// Accepts vdevs forever, one thread each.
@@ -144,6 +221,7 @@ impl Server {
     /// tears down everything it had.
     pub fn connection(&self, channel: Arc<Channel>) {
         let mut session: Option<Session> = None;
+        let mut notify_peer: Option<Channel> = None;
         loop {
             let (request, files) = match channel.recv::<Request>() {
                 Ok(received) => received,
@@ -167,7 +245,14 @@ impl Server {
                 Err(_) => break,
             };
             let mut keep: Vec<File> = Vec::new();
-            let response = match self.handle(&channel, &mut session, request, files, &mut keep) {
+            let response = match self.handle(
+                &channel,
+                &mut session,
+                request,
+                files,
+                &mut keep,
+                &mut notify_peer,
+            ) {
                 Ok(response) => response,
                 Err(refusal) => {
                     tracing::debug!(
@@ -188,12 +273,15 @@ impl Server {
                 // block on a vdev that does not read, and must not do so
                 // while holding the datapath's lock.
                 let dev = self.datapath.lock().device(s.id);
-                if let Some(dev) = dev {
+                if let (Some(dev), Some(peer)) = (dev, notify_peer.take()) {
                     fds.push(dev.doorbell.as_raw_fd());
                     fds.push(dev.completion.as_raw_fd());
+                    fds.push(peer.as_raw_fd());
                     if channel.send(&response, &fds).is_err() {
                         break;
                     }
+                    // The vdev has its end now; ours lives in the registry.
+                    drop(peer);
                     continue;
                 }
             }
@@ -214,7 +302,7 @@ impl Server {
         reg.connected.remove(&s.lid);
         reg.free_pqps.extend(s.pqps.iter().copied());
         tracing::info!(
-            tenant = %s.tenant.name,
+            tenant = %s.tenant,
             device = %s.device,
             lid = s.lid,
             "vdev disconnected"
@@ -228,6 +316,7 @@ impl Server {
         request: Request,
         mut files: Vec<File>,
         keep: &mut Vec<File>,
+        notify_peer: &mut Option<Channel>,
     ) -> Result<Response, Refusal> {
         let takes_fd = matches!(request, Request::AddMemory { .. });
         if !takes_fd && !files.is_empty() {
@@ -245,10 +334,11 @@ impl Server {
             if session.is_some() {
                 return Err(refuse(libc::EPROTO, "Hello was already received"));
             }
-            let (new, welcome, memfds) = self.hello(channel, version, &tenant, &device)?;
+            let (new, welcome, memfds, peer) = self.hello(channel, version, &tenant, &device)?;
             *session = Some(new);
             keep.extend(memfds);
-            return Ok(Response::Welcome(welcome));
+            *notify_peer = Some(peer);
+            return Ok(Response::Welcome(Box::new(welcome)));
         }
         let Some(s) = session.as_ref() else {
             return Err(refuse(libc::EPROTO, "The first request must be Hello"));
@@ -279,43 +369,71 @@ impl Server {
                 Ok(Response::Ok)
             }
             Request::RegisterMr(mr) => {
-                self.datapath.lock().nic().register_mr(id, &mr)?;
+                let policy = self.tenant_policy(&s.tenant)?;
+                let mut core = self.datapath.lock();
+                if let Err(q) = core.accounts().check_mr(id, mr.len, &policy) {
+                    core.accounts_mut().quota_rejected(&s.tenant, q.quota);
+                    drop(core);
+                    tracing::warn!(
+                        tenant = %s.tenant,
+                        device = %s.device,
+                        quota = q.quota,
+                        limit = q.limit,
+                        used = q.used,
+                        requested = mr.len,
+                        "Memory registration refused by the tenant's quota"
+                    );
+                    return Err(refuse(
+                        libc::ENOMEM,
+                        format!(
+                            "Registering {} bytes exceeds quota {} = {} of tenant {} ({} in use)",
+                            mr.len, q.quota, q.limit, s.tenant, q.used
+                        ),
+                    ));
+                }
+                core.nic().register_mr(id, &mr)?;
+                core.accounts_mut().mr_registered(id, mr.lkey, mr.len);
                 Ok(Response::Ok)
             }
             Request::DeregisterMr { lkey } => {
-                self.datapath.lock().nic().deregister_mr(id, lkey)?;
+                let mut core = self.datapath.lock();
+                core.nic().deregister_mr(id, lkey)?;
+                core.accounts_mut().mr_deregistered(id, lkey);
                 Ok(Response::Ok)
             }
             Request::CreateQp { vqpn, pd, pqp } => {
                 if !s.pqps.contains(&pqp) {
                     return Err(NicError::ForeignPqp(pqp).into());
                 }
-                self.datapath.lock().nic().create_qp(id, vqpn, pd, pqp)?;
+                let mut core = self.datapath.lock();
+                core.nic().create_qp(id, vqpn, pd, pqp)?;
+                core.accounts_mut().qp(id, vqpn, true);
                 Ok(Response::Ok)
             }
             Request::ConnectQp(conn) => {
-                let dest_tenant = self
-                    .registry()
-                    .connected
-                    .get(&conn.dest_lid)
-                    .cloned()
-                    .ok_or_else(|| {
+                let (mine, theirs) = {
+                    let reg = self.registry();
+                    let dest = reg.connected.get(&conn.dest_lid).ok_or_else(|| {
                         refuse(
                             libc::ENOENT,
                             format!("No device with LID {:#x} is connected", conn.dest_lid),
                         )
                     })?;
-                let network = self
-                    .config
-                    .tenant(&dest_tenant)
-                    .map(|t| t.network.as_str())
-                    .unwrap_or_default();
-                if !s.tenant.reaches(network) {
+                    (
+                        reg.known.get(&s.tenant).cloned(),
+                        reg.known.get(&dest.tenant).cloned(),
+                    )
+                };
+                let reaches = match (&mine, &theirs) {
+                    (Some(mine), Some(theirs)) => mine.may_reach(theirs.network()),
+                    _ => false,
+                };
+                if !reaches {
                     return Err(refuse(
                         libc::EACCES,
                         format!(
                             "LID {:#x} is outside the networks tenant {} may reach",
-                            conn.dest_lid, s.tenant.name
+                            conn.dest_lid, s.tenant
                         ),
                     ));
                 }
@@ -337,31 +455,44 @@ impl Server {
                 Ok(Response::Ok)
             }
             Request::DestroyQp { vqpn } => {
-                self.datapath.lock().nic().destroy_qp(id, vqpn)?;
+                let mut core = self.datapath.lock();
+                core.nic().destroy_qp(id, vqpn)?;
+                core.accounts_mut().qp(id, vqpn, false);
+                Ok(Response::Ok)
+            }
+            Request::QuotaRejected { quota } => {
+                if !self.quota_keys.contains(&quota) {
+                    return Err(refuse(
+                        libc::EINVAL,
+                        "QuotaRejected names no quota key of the policy",
+                    ));
+                }
+                tracing::debug!(tenant = %s.tenant, device = %s.device, quota, "vdev refused a verb by quota");
+                self.datapath
+                    .lock()
+                    .accounts_mut()
+                    .quota_rejected(&s.tenant, &quota);
                 Ok(Response::Ok)
             }
         }
     }
 
     /// Checks a Hello, assigns the LID, grants pQPs and starts serving
-    /// the device's rings. Returns the session, the Welcome and the queue
-    /// memfds to send.
+    /// the device's rings. Returns the session, the Welcome, the queue
+    /// memfds and the vdev's end of the notification channel to send.
     fn hello(
         &self,
         channel: &Arc<Channel>,
         version: u32,
         tenant: &str,
         device: &str,
-    ) -> Result<(Session, Welcome, Vec<File>), Refusal> {
+    ) -> Result<(Session, Welcome, Vec<File>, Channel), Refusal> {
         if version != PROTOCOL_VERSION {
             return Err(refuse(
                 libc::EPROTO,
                 format!("Protocol version {version} is not {PROTOCOL_VERSION}"),
             ));
         }
-        let Some(tenant) = self.config.tenant(tenant).cloned() else {
-            return Err(refuse(libc::EACCES, format!("Unknown tenant {tenant:?}")));
-        };
         let device_ok = (1..=64).contains(&device.len())
             && device
                 .bytes()
@@ -372,20 +503,33 @@ impl Server {
                 "Device name must be 1-64 characters of [A-Za-z0-9_.-]",
             ));
         }
-        if let Some(uid) = tenant.uid {
-            let cred = channel
-                .peer_cred()
-                .map_err(|e| refuse(libc::EPERM, crate::error_chain(&e)))?;
-            if cred.uid != uid {
-                return Err(refuse(
-                    libc::EPERM,
-                    format!("Tenant {} must connect as uid {uid}", tenant.name),
-                ));
-            }
-        }
-        let (id, lid, pqps) = {
+        let cred = channel.peer_cred();
+        let (ours, theirs) =
+            Channel::pair().map_err(|e| refuse(libc::ENOMEM, crate::error_chain(&e)))?;
+        set_nonblocking(&ours).map_err(|e| refuse(libc::ENOMEM, e.to_string()))?;
+        let (id, lid, pqps, policy) = {
             let mut reg = self.registry();
-            let key = (tenant.name.clone(), device.to_owned());
+            // Read under the registry lock: a reload either happened before
+            // (this device gets the new policy) or notifies it afterwards.
+            let Some(policy) = reg.policy.tenant(tenant).cloned() else {
+                return Err(refuse(
+                    libc::EACCES,
+                    format!("Tenant {tenant:?} is not in the policy"),
+                ));
+            };
+            if let Some(uid) = policy.uid {
+                match &cred {
+                    Ok(c) if c.uid == uid => {}
+                    Ok(_) => {
+                        return Err(refuse(
+                            libc::EPERM,
+                            format!("Tenant {tenant} must connect as uid {uid}"),
+                        ));
+                    }
+                    Err(e) => return Err(refuse(libc::EPERM, crate::error_chain(e))),
+                }
+            }
+            let key = (tenant.to_owned(), device.to_owned());
             let lid = match reg.lids.get(&key) {
                 Some(&lid) => lid,
                 None if reg.next_lid > MAX_LID => {
@@ -396,13 +540,10 @@ impl Server {
             if reg.connected.contains_key(&lid) {
                 return Err(refuse(
                     libc::EBUSY,
-                    format!(
-                        "Device {device} of tenant {} is already connected",
-                        tenant.name
-                    ),
+                    format!("Device {device} of tenant {tenant} is already connected"),
                 ));
             }
-            let wanted = self.config.queues_per_device as usize;
+            let wanted = policy.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
             if reg.free_pqps.len() < wanted {
                 return Err(refuse(
                     libc::ENOSPC,
@@ -420,28 +561,35 @@ impl Server {
                 slot.insert(lid);
                 reg.next_lid += 1;
             }
-            reg.connected.insert(lid, tenant.name.clone());
+            reg.connected.insert(
+                lid,
+                Connected {
+                    tenant: tenant.to_owned(),
+                    device: device.to_owned(),
+                    notify: Arc::new(ours),
+                },
+            );
             let id = reg.next_device;
             reg.next_device += 1;
-            (id, lid, pqps)
+            (id, lid, pqps, policy)
         };
         let session = Session {
             id,
             lid,
-            tenant,
+            tenant: tenant.to_owned(),
             device: device.to_owned(),
             pqps,
         };
-        match self.start_device(channel, &session) {
+        match self.start_device(channel, &session, policy) {
             Ok((welcome, memfds)) => {
                 tracing::info!(
-                    tenant = %session.tenant.name,
+                    tenant,
                     device,
                     lid,
                     pqps = ?session.pqps,
                     "vdev connected"
                 );
-                Ok((session, welcome, memfds))
+                Ok((session, welcome, memfds, theirs))
             }
             Err(refusal) => {
                 self.teardown(&session);
@@ -454,6 +602,7 @@ impl Server {
         &self,
         channel: &Arc<Channel>,
         s: &Session,
+        policy: TenantPolicy,
     ) -> Result<(Welcome, Vec<File>), Refusal> {
         let layout = QueueLayout::new(self.config.sq_depth, self.config.cq_depth);
         let mut queues = Vec::new();
@@ -468,13 +617,13 @@ impl Server {
             queues.push(QueueMem { pqp, mem });
             memfds.push(file);
         }
-        let dev = DeviceQueues::new(s.id, layout, queues, Arc::clone(channel))
+        let dev = DeviceQueues::new(s.id, &s.tenant, layout, queues, Arc::clone(channel))
             .map_err(|e| refuse(e.raw_os_error().unwrap_or(libc::ENOMEM), e.to_string()))?;
         self.datapath
             .lock()
             .nic()
             .attach_device(s.id, s.lid, &s.pqps)?;
-        self.datapath.add_device(Arc::new(dev));
+        self.datapath.add_device(Arc::new(dev), &policy);
         let welcome = Welcome {
             lid: s.lid,
             queues: s
@@ -486,7 +635,140 @@ impl Server {
                     cq_depth: self.config.cq_depth,
                 })
                 .collect(),
+            policy,
         };
         Ok((welcome, memfds))
     }
+
+    /// Re-reads and validates the policy file and, if it is valid, puts it
+    /// in force: new Hellos, memory registrations and connections follow it
+    /// at once, the scheduler applies its classes, weights and rates at
+    /// once, and every connected vdev whose tenant's policy changed gets
+    /// [`Notification::Policy`]. Nothing that exists is torn down; a
+    /// removed tenant's devices keep running on its last policy. If the
+    /// file is invalid, the policy in force stays and the error (file,
+    /// line, key) is returned.
+    pub fn reload(&self) -> Result<Reloaded, String> {
+        let _one_at_a_time = self.reloading.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(file) = self.config.policy_file.clone() else {
+            let why = "hostd runs the built-in default policy (no policy file configured): \
+                       nothing to reload";
+            tracing::error!("Policy reload refused: {why}");
+            return Err(why.to_owned());
+        };
+        let new = match crate::policy::load(&file, self.config.physical_qps) {
+            Ok(policy) => Arc::new(policy),
+            Err(e) => {
+                let why = crate::policy::describe(&e);
+                tracing::error!("Policy reload failed, the policy in force stays: {why}");
+                return Err(why);
+            }
+        };
+        let (old, notify, orphans) = {
+            let mut reg = self.registry();
+            let old = std::mem::replace(&mut reg.policy, Arc::clone(&new));
+            for t in &new.tenants {
+                reg.known.insert(t.name.clone(), t.clone());
+            }
+            let mut notify = Vec::new();
+            let mut orphans = Vec::new();
+            for c in reg.connected.values() {
+                match new.tenant(&c.tenant) {
+                    Some(t) if old.tenant(&c.tenant) != Some(t) => notify.push((
+                        c.tenant.clone(),
+                        c.device.clone(),
+                        Arc::clone(&c.notify),
+                        t.clone(),
+                    )),
+                    Some(_) => {}
+                    None if old.tenant(&c.tenant).is_some() => {
+                        orphans.push((c.tenant.clone(), c.device.clone()));
+                    }
+                    None => {}
+                }
+            }
+            (old, notify, orphans)
+        };
+        self.datapath
+            .lock()
+            .configure_tenants(&new.tenants, Instant::now());
+        for (tenant, device, chan, policy) in notify {
+            match chan.send(&Notification::Policy(policy), &[]) {
+                Ok(()) => {
+                    tracing::info!(tenant, device, "Sent the tenant's new policy to its vdev")
+                }
+                Err(e) => tracing::warn!(
+                    tenant,
+                    device,
+                    "Cannot send the new policy to the vdev: {}",
+                    crate::error_chain(&e)
+                ),
+            }
+        }
+        for (tenant, device) in orphans {
+            tracing::warn!(
+                tenant,
+                device,
+                "Tenant removed from the policy: its connected device keeps running, new devices are refused"
+            );
+        }
+        let changes = crate::policy::diff(&old, &new);
+        tracing::info!(
+            file = %file.display(),
+            changes = changes.len(),
+            "Policy reloaded"
+        );
+        for change in &changes {
+            tracing::info!("Policy change: {change}");
+        }
+        Ok(Reloaded { file, changes })
+    }
+
+    /// Every tenant's counters, usage and quotas: the tenants of the
+    /// policy in force and every tenant hostd has accounted for.
+    pub fn stats(&self) -> Stats {
+        let (policy, known) = {
+            let reg = self.registry();
+            (Arc::clone(&reg.policy), reg.known.clone())
+        };
+        let now = Instant::now();
+        let core = self.datapath.lock();
+        let accounts = core.accounts().tenants();
+        let names: BTreeSet<&str> = policy
+            .tenants
+            .iter()
+            .map(|t| t.name.as_str())
+            .chain(accounts.keys().map(String::as_str))
+            .collect();
+        let tenants = names
+            .into_iter()
+            .filter_map(|name| {
+                let tp = known.get(name)?;
+                let account = accounts.get(name).cloned().unwrap_or_default();
+                Some(TenantStats::new(
+                    &account,
+                    tp,
+                    policy.tenant(name).is_some(),
+                    core.scheduler().throttled(name, now),
+                ))
+            })
+            .collect();
+        Stats { tenants }
+    }
+}
+
+/// Makes hostd's end of a notification channel non-blocking: a vdev that
+/// does not read it must not stall a reload.
+fn set_nonblocking(chan: &Channel) -> std::io::Result<()> {
+    let fd = chan.as_raw_fd();
+    // SAFETY: F_GETFL on an fd we own has no memory effects.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: F_SETFL with valid flags on an fd we own.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }

@@ -129,6 +129,11 @@ impl Daemon {
         self.child.try_wait().ok().flatten()
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// Kills the process (SIGKILL) and reaps it.
     pub fn kill(&mut self) {
         let _ = self.child.kill();
@@ -223,22 +228,56 @@ pub struct Hostd {
 }
 
 impl Hostd {
-    /// Starts hostd on its embedded default configuration (tenants `alpha`
-    /// and `beta` in network `demo`), or on `config` (TOML) when given.
-    pub fn start(config: Option<&str>) -> Self {
+    /// Starts hostd on its embedded default policy (tenants `alpha` and
+    /// `beta` in network `demo`), or on `policy` (TOML) when given.
+    pub fn start(policy: Option<&str>) -> Self {
         let dir = TempDir::new("hostd");
-        let path = dir.path().join("hostd.toml");
+        let path = dir.path().join("policy.toml");
         let path = path.to_str().expect("UTF-8 temp path").to_owned();
-        let args: Vec<&str> = match config {
+        let args: Vec<&str> = match policy {
             Some(text) => {
-                std::fs::write(&path, text).expect("write hostd config file");
-                vec!["--config", path.as_str()]
+                std::fs::write(&path, text).expect("write the policy file");
+                vec!["--policy", path.as_str()]
             }
             None => Vec::new(),
         };
         let daemon = Daemon::start("hostd", dir, &args);
         let socket = daemon.socket.clone();
         Hostd { daemon, socket }
+    }
+
+    /// The policy file hostd was started with (written by [`Hostd::start`]).
+    pub fn policy_path(&self) -> PathBuf {
+        self.daemon.dir().join("policy.toml")
+    }
+
+    /// hostd's admin socket (the default: next to its vdev socket).
+    pub fn admin_socket(&self) -> PathBuf {
+        let mut name = self.socket.clone().into_os_string();
+        name.push(".admin");
+        name.into()
+    }
+
+    /// Runs `vrdmactl <args>` against this hostd: (exit code, stdout, stderr).
+    pub fn ctl(&self, args: &[&str]) -> (i32, String, String) {
+        let out = Command::new(binary("vrdmactl"))
+            .arg("--admin-socket")
+            .arg(self.admin_socket())
+            .args(args)
+            .output()
+            .expect("run vrdmactl");
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+
+    /// Sends SIGHUP (reload the policy).
+    pub fn sighup(&self) {
+        // SAFETY: kill() with a pid we spawned and a valid signal number.
+        let rc = unsafe { libc::kill(self.daemon.pid() as libc::pid_t, libc::SIGHUP) };
+        assert_eq!(rc, 0, "SIGHUP: {}", std::io::Error::last_os_error());
     }
 
     /// Whether the process is still running.

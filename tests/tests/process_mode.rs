@@ -1940,17 +1940,44 @@ fn the_demo_runs_to_ok() {
     let out = Command::new(env!("CARGO_BIN_EXE_vrdma-demo"))
         .arg("--vdev")
         .arg(binary("vdev"))
+        .arg("--hostd")
+        .arg(binary("hostd"))
         .output()
         .expect("run vrdma-demo");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
-    for expected in ["vrdma_", "ACTIVE", "lkey", "RTS", "EBUSY", "vrdma demo: OK"] {
+    for expected in [
+        "vrdma_",
+        "ACTIVE",
+        "lkey",
+        "RTS",
+        "EBUSY",
+        "RDMA_WRITE SUCCESS",
+        "beta's MR holds the 8192 bytes, byte for byte",
+        "RDMA_READ SUCCESS",
+        "read back equal alpha's buffer",
+        "SEND SUCCESS",
+        "RECV SUCCESS, byte_len 25, imm 0x1234abcd",
+        "FETCH_ADD SUCCESS, fetched 41",
+        "counter went from 41 to 42",
+        "REM_ACCESS_ERR (remote access error)",
+        "beta's MR is unchanged",
+        "alpha's QP is now ERR",
+        "exited with status 0",
+        "SIGTERM",
+    ] {
         assert!(stdout.contains(expected), "{expected:?} missing:\n{stdout}");
     }
+    assert!(
+        stdout.trim_end().ends_with("vrdma demo: OK"),
+        "\"vrdma demo: OK\" is not the last line:\n{stdout}"
+    );
 
     let out = Command::new(env!("CARGO_BIN_EXE_vrdma-demo"))
         .args(["--vdev", "/nonexistent/vdev"])
+        .arg("--hostd")
+        .arg(binary("hostd"))
         .output()
         .expect("run vrdma-demo");
     assert_eq!(out.status.code(), Some(1));

@@ -113,6 +113,9 @@ impl VrdmaBackend {
         let Some(fabric) = self.device().fabric().cloned() else {
             return Ok(None);
         };
+        if let Some(channel) = fabric.take_notifications() {
+            crate::fabric::listen_for_policy(channel, self.inner.device.clone())?;
+        }
         let ctx = DatapathContext {
             device: self.inner.device.clone(),
             mem: self.inner.mem.clone(),

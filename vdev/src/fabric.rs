@@ -10,7 +10,8 @@ use std::sync::Mutex;
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
 use vrdma_hostd_protocol::messages::{
-    MrRegistration, QpConnection, QueueGrant, Request, Response, PROTOCOL_VERSION,
+    MrRegistration, Notification, QpConnection, QueueGrant, Request, Response, TenantPolicy,
+    PROTOCOL_VERSION,
 };
 use vrdma_hostd_protocol::shm::{QueueLayout, SharedMapping, ShmError};
 
@@ -64,6 +65,10 @@ pub struct Fabric {
     pub doorbell: EventFd,
     /// hostd writes it after completing work while vdev's datapath sleeps.
     pub completions: EventFd,
+    /// The tenant's policy as hostd sent it at registration.
+    pub policy: TenantPolicy,
+    /// hostd's notifications (policy reloads); taken by the listener thread.
+    notifications: Mutex<Option<Channel>>,
 }
 
 impl Fabric {
@@ -80,19 +85,22 @@ impl Fabric {
         };
         let (response, mut files): (Response, Vec<File>) = channel.call(&hello, &[])?;
         let welcome = match response {
-            Response::Welcome(w) => w,
+            Response::Welcome(w) => *w,
             Response::Refused { errno, reason } => {
                 return Err(FabricError::Refused { errno, reason })
             }
             other => return Err(FabricError::Unexpected(Box::new(other))),
         };
-        let want = welcome.queues.len() + 2;
+        let want = welcome.queues.len() + 3;
         if files.len() != want {
             return Err(FabricError::Descriptors {
                 got: files.len(),
                 want,
             });
         }
+        let notifications = files
+            .pop()
+            .map(|f| Channel::from(std::os::fd::OwnedFd::from(f)));
         let completions = eventfd_from(files.pop());
         let doorbell = eventfd_from(files.pop());
         let (Some(doorbell), Some(completions)) = (doorbell, completions) else {
@@ -115,6 +123,8 @@ impl Fabric {
             queues,
             doorbell,
             completions,
+            policy: welcome.policy,
+            notifications: Mutex::new(notifications),
         })
     }
 
@@ -127,6 +137,24 @@ impl Fabric {
             Response::Refused { errno, reason } => Err(FabricError::Refused { errno, reason }),
             other => Err(FabricError::Unexpected(Box::new(other))),
         }
+    }
+
+    /// Takes the notification channel (once), for the thread that listens.
+    pub fn take_notifications(&self) -> Option<Channel> {
+        self.notifications
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+    }
+
+    /// Tells hostd a verb was refused for the tenant's quota `quota`.
+    pub fn quota_rejected(&self, quota: &str) -> Result<(), FabricError> {
+        self.call(
+            &Request::QuotaRejected {
+                quota: quota.into(),
+            },
+            &[],
+        )
     }
 
     pub fn add_memory(
@@ -197,4 +225,27 @@ fn eventfd_from(file: Option<File>) -> Option<EventFd> {
     // SAFETY: the descriptor came from hostd as an eventfd and is ours now;
     // EventFd takes ownership of it.
     file.map(|f| unsafe { EventFd::from_raw_fd(f.into_raw_fd()) })
+}
+
+/// Starts the thread that applies hostd's policy notifications to `device`
+/// until hostd closes the channel (the device's registration ended).
+pub fn listen_for_policy(
+    channel: Channel,
+    device: std::sync::Arc<Mutex<crate::verbs::RdmaDevice>>,
+) -> std::io::Result<()> {
+    let name = "policy-listener".to_string();
+    std::thread::Builder::new().name(name).spawn(move || loop {
+        match channel.recv::<Notification>() {
+            Ok((Notification::Policy(policy), _fds)) => {
+                let mut device = device.lock().unwrap_or_else(|p| p.into_inner());
+                device.set_policy_quotas(policy.quotas);
+            }
+            Err(ChannelError::Closed) => return,
+            Err(e) => {
+                tracing::warn!(error = %e, "Bad notification from hostd; no longer listening");
+                return;
+            }
+        }
+    })?;
+    Ok(())
 }

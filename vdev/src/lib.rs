@@ -12,13 +12,24 @@
 //!   verbs on them, with limits and the RC state machine.
 //! - [`shadow`]: shadow memory regions — guest ranges resolved into guest
 //!   memory slots, with bounds, access and revocation.
+//! - [`sandbox`]: the walls vdev puts up around itself before it serves
+//!   (namespaces, landlock, privileges, seccomp; `vrdma-isolation` builds
+//!   them), in the order `main.rs` runs them.
+//!
+//! Start-up is split so that everything needing the file system or
+//! privileges happens before the sandbox: [`open`] binds the listener (and,
+//! when hostd's socket is out of reach of vdev's unprivileged uid, makes the
+//! first hostd registration), then [`run`] serves inside the sandbox.
 
 pub mod backend;
 pub mod config;
 pub mod control;
 pub mod datapath;
 pub mod fabric;
+pub mod sandbox;
 pub mod shadow;
+#[cfg(feature = "test-hooks")]
+pub mod test_hooks;
 pub mod verbs;
 
 use std::sync::Arc;
@@ -57,12 +68,53 @@ pub enum Error {
 #[error("{0}")]
 pub struct DaemonError(vhost_user_backend::Error);
 
-/// Serves the device on the configured socket: one frontend connection at
-/// a time, each with a fresh device, until `config.once` says to stop after
-/// the first. The listening socket is created once, so a frontend that
-/// connects while another is being served waits in its backlog instead of
-/// meeting a closed socket.
-pub fn run(config: &Config) -> Result<(), Error> {
+/// What vdev opens before entering its sandbox.
+pub struct Opened {
+    /// The vhost-user listening socket, bound once for the daemon's life.
+    listener: Listener,
+    /// A registration with hostd made before the sandbox, used for the
+    /// first frontend (see [`sandbox::Plan::register_early`]).
+    early_fabric: Option<Fabric>,
+}
+
+impl std::fmt::Debug for Opened {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opened")
+            .field("early_fabric", &self.early_fabric)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Binds the vhost-user socket and, with `register_early`, registers the
+/// device with hostd now (for the first frontend). Runs before the sandbox.
+pub fn open(config: &Config, register_early: bool) -> Result<Opened, Error> {
+    let listener = Listener::new(&config.socket, true).map_err(|e| Error::Serve {
+        socket: config.socket.display().to_string(),
+        source: DaemonError(vhost_user_backend::Error::CreateVhostUserListener(e)),
+    })?;
+    let early_fabric = match (&config.hostd, register_early) {
+        (Some(path), true) => Some(
+            Fabric::connect(path, &config.tenant, &device_name(&config.socket))
+                .map_err(Error::Fabric)?,
+        ),
+        _ => None,
+    };
+    Ok(Opened {
+        listener,
+        early_fabric,
+    })
+}
+
+/// Serves the device on the listener [`open`] bound: one frontend
+/// connection at a time, each with a fresh device, until `config.once`
+/// says to stop after the first. The listening socket is created once, so
+/// a frontend that connects while another is being served waits in its
+/// backlog instead of meeting a closed socket.
+pub fn run(config: &Config, opened: Opened) -> Result<(), Error> {
+    let Opened {
+        mut listener,
+        mut early_fabric,
+    } = opened;
     let identity = DeviceIdentity {
         tenant: Arc::from(config.tenant.as_str()),
         lid: config.lid,
@@ -74,17 +126,16 @@ pub fn run(config: &Config) -> Result<(), Error> {
         socket: socket.clone(),
         source: DaemonError(source),
     };
-    let mut listener = Listener::new(&config.socket, true)
-        .map_err(|e| serve_err(vhost_user_backend::Error::CreateVhostUserListener(e)))?;
     let device_name = device_name(&config.socket);
     loop {
         // A fresh registration with hostd per frontend: when the frontend
         // goes, closing it makes hostd drop everything this device had.
-        let fabric = match &config.hostd {
-            Some(path) => Some(Arc::new(
+        let fabric = match (early_fabric.take(), &config.hostd) {
+            (Some(fabric), _) => Some(Arc::new(fabric)),
+            (None, Some(path)) => Some(Arc::new(
                 Fabric::connect(path, &config.tenant, &device_name).map_err(Error::Fabric)?,
             )),
-            None => None,
+            (None, None) => None,
         };
         if let Some(fabric) = &fabric {
             tracing::info!(tenant = %config.tenant, lid = fabric.lid, queues = fabric.queues.len(),

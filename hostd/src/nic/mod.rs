@@ -121,6 +121,11 @@ pub trait Nic: Send {
     fn post(&mut self, device: DeviceId, pqp: u32, wqe: &PhysWqe);
     /// WQEs posted on `pqp` that have not completed yet (for back-pressure).
     fn outstanding(&self, device: DeviceId, pqp: u32) -> usize;
+    /// Send WQEs of `device` posted and not completed or discarded yet
+    /// (receives excluded): what the datapath's credits bound.
+    fn queued_sends(&self, device: DeviceId) -> usize;
+    /// [`Nic::queued_sends`] of every device together.
+    fn total_queued_sends(&self) -> usize;
     /// Executes runnable work, at most about `budget` WQEs.
     fn progress(&mut self, now: Instant, budget: usize) -> Progress;
     /// Moves the completions produced so far into `out`, in order.

@@ -85,6 +85,8 @@ struct Device {
     qps: usize,
     /// Queued WQEs per pQP: each will produce one completion there.
     outstanding: HashMap<u32, usize>,
+    /// Send WQEs queued or executing (the datapath's credits).
+    sends: usize,
 }
 
 struct Mr {
@@ -178,6 +180,8 @@ pub struct SoftNic {
     /// vQPs with send work, round-robin.
     active: VecDeque<QpKey>,
     outbox: Vec<Completion>,
+    /// Send WQEs of every device queued or executing.
+    sends: usize,
 }
 
 impl std::fmt::Debug for SoftNic {
@@ -318,6 +322,14 @@ impl SoftNic {
         }
     }
 
+    /// Send WQEs of `device` entered (`delta` > 0) or left the NIC.
+    fn count_sends(&mut self, device: DeviceId, delta: isize) {
+        if let Some(dev) = self.devices.get_mut(&device) {
+            dev.sends = dev.sends.saturating_add_signed(delta);
+            self.sends = self.sends.saturating_add_signed(delta);
+        }
+    }
+
     /// Resolves `[addr, addr + len)` of the MR `lkey_or_rkey` names into
     /// pieces of its device's memory, if `device`, `pd` and `need` match.
     fn resolve(
@@ -419,6 +431,7 @@ impl SoftNic {
         let sq: Vec<_> = qp.sq.drain(..).collect();
         let rq: Vec<_> = qp.rq.drain(..).collect();
         let n = (sq.len() + rq.len()) as isize;
+        self.count_sends(key.0, -(sq.len() as isize));
         for wqe in &sq {
             self.emit(key.0, pqp, send_cqe(wqe, WcStatus::WrFlushErr, 0));
         }
@@ -434,12 +447,14 @@ impl SoftNic {
             return;
         };
         let n = (qp.sq.len() + qp.rq.len()) as isize;
+        let sends = qp.sq.len() as isize;
         qp.sq.clear();
         qp.rq.clear();
         qp.wait = None;
         qp.active = false;
         let pqp = qp.pqp;
         self.count(key.0, pqp, -n);
+        self.count_sends(key.0, -sends);
         self.active.retain(|k| *k != key);
     }
 
@@ -717,6 +732,7 @@ impl SoftNic {
                 qp.wait = None;
             }
             self.count(key.0, pqp, -1);
+            self.count_sends(key.0, -1);
             self.emit(key.0, pqp, send_cqe(&wqe, status, byte_len));
             if status != WcStatus::Success {
                 self.fail_qp(key);
@@ -771,6 +787,7 @@ impl Nic for SoftNic {
                 mrs: 0,
                 qps: 0,
                 outstanding: HashMap::new(),
+                sends: 0,
             },
         );
         Ok(())
@@ -781,6 +798,7 @@ impl Nic for SoftNic {
             return;
         };
         self.lids.remove(&dev.lid);
+        self.sends = self.sends.saturating_sub(dev.sends);
         self.qps.retain(|k, _| k.0 != device);
         self.active.retain(|k| k.0 != device);
         let mrs = &mut self.mrs;
@@ -1027,6 +1045,7 @@ impl Nic for SoftNic {
                     self.active.push_back(key);
                 }
                 self.count(device, pqp, 1);
+                self.count_sends(device, 1);
             }
             _ => self.emit(device, pqp, orphan_cqe(wqe)),
         }
@@ -1037,6 +1056,14 @@ impl Nic for SoftNic {
             .get(&device)
             .and_then(|d| d.outstanding.get(&pqp).copied())
             .unwrap_or(0)
+    }
+
+    fn queued_sends(&self, device: DeviceId) -> usize {
+        self.devices.get(&device).map_or(0, |d| d.sends)
+    }
+
+    fn total_queued_sends(&self) -> usize {
+        self.sends
     }
 
     fn progress(&mut self, now: Instant, budget: usize) -> Progress {
@@ -1696,6 +1723,50 @@ mod tests {
             ]
         );
         assert_eq!(bytes(&env.mem_b, 0, 4), b"late");
+    }
+
+    #[test]
+    fn queued_sends_count_what_the_nic_holds() {
+        let mut env = Env::new();
+        let send_a = |t| send(t, QP_A, SendOpcode::Send, &[sge(IOVA, 4, 0xa1)]);
+        // Receives do not count; sends waiting for a receive (RNR) do.
+        env.nic
+            .post(A, PQP_A, &recv(9, QP_A, &[sge(IOVA, 16, 0xa1)]));
+        for t in 1..=3 {
+            env.nic.post(A, PQP_A, &send_a(t));
+        }
+        assert_eq!(
+            (env.nic.queued_sends(A), env.nic.total_queued_sends()),
+            (3, 3)
+        );
+        assert!(env.run().is_empty(), "B has no receive");
+        assert_eq!(env.nic.queued_sends(A), 3);
+        // One receive: one send completes.
+        env.nic
+            .post(B, PQP_B, &recv(20, QP_B, &[sge(IOVA, 16, 0xb1)]));
+        env.advance(Duration::from_millis(1));
+        assert_eq!(env.nic.queued_sends(A), 2);
+        // ERR flushes the rest; reset and destroy discard without completions.
+        env.nic.error_qp(A, QP_A).expect("error");
+        assert_eq!(env.nic.queued_sends(A), 0);
+        env.nic.reset_qp(A, QP_A).expect("reset");
+        env.nic
+            .connect_qp(A, &conn(QP_A, LID_B, QP_B))
+            .expect("conn");
+        env.nic.post(A, PQP_A, &send_a(4));
+        env.nic.post(
+            B,
+            PQP_B,
+            &send(5, QP_B, SendOpcode::Send, &[sge(IOVA, 4, 0xb1)]),
+        );
+        assert_eq!(env.nic.total_queued_sends(), 2);
+        env.nic.destroy_qp(A, QP_A).expect("destroy");
+        assert_eq!(
+            (env.nic.queued_sends(A), env.nic.total_queued_sends()),
+            (0, 1)
+        );
+        env.nic.detach_device(B);
+        assert_eq!(env.nic.total_queued_sends(), 0);
     }
 
     #[test]

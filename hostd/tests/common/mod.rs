@@ -6,15 +6,16 @@
 
 use std::fs::File;
 use std::io::Write;
-use std::os::fd::{AsRawFd, FromRawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use vrdma_hostd_protocol::channel::Channel;
 use vrdma_hostd_protocol::entries::{kind, PhysCqe, PhysWqe, Sge};
 use vrdma_hostd_protocol::messages::{
-    MrRegistration, MrSegment, QpConnection, QueueGrant, Request, Response, PROTOCOL_VERSION,
+    MrRegistration, MrSegment, Notification, QpConnection, QueueGrant, Request, Response,
+    TenantPolicy, PROTOCOL_VERSION,
 };
 use vrdma_hostd_protocol::shm::{sealed_memfd, QueueLayout, Ring, SharedMapping};
 use vrdma_spec::ring::send_flags;
@@ -27,20 +28,36 @@ pub const ALL_ACCESS: u32 =
 pub struct Hostd {
     child: Child,
     pub socket: PathBuf,
+    /// The admin socket (`<socket>.admin`).
+    pub admin: PathBuf,
+    /// The policy file hostd was started with (rewrite it, then reload).
+    pub policy: PathBuf,
     dir: PathBuf,
 }
 
 impl Hostd {
-    /// Starts hostd with `config` (TOML without `socket`, which is added).
+    /// Starts hostd with `config` (TOML without `socket` and `policy`,
+    /// which are added) and the standard test tenants ([`policy`]).
     pub fn start(name: &str, config: &str) -> Self {
+        Hostd::start_with(name, config, &policy())
+    }
+
+    /// Starts hostd with `config` and the policy file `policy_text`.
+    pub fn start_with(name: &str, config: &str, policy_text: &str) -> Self {
         let dir = std::env::temp_dir().join(format!("hostd-it-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("temp dir");
         let socket = dir.join("hostd.sock");
+        let admin = dir.join("hostd.sock.admin");
+        let policy = dir.join("policy.toml");
+        std::fs::write(&policy, policy_text).expect("policy");
         let path = dir.join("hostd.toml");
         std::fs::write(
             &path,
-            format!("socket = {:?}\n{config}", socket.to_str().expect("utf-8")),
+            format!(
+                "socket = {:?}\npolicy = \"policy.toml\"\n{config}",
+                socket.to_str().expect("utf-8")
+            ),
         )
         .expect("config");
         let child = Command::new(env!("CARGO_BIN_EXE_hostd"))
@@ -50,7 +67,13 @@ impl Hostd {
             .stdin(Stdio::null())
             .spawn()
             .expect("spawn hostd");
-        let hostd = Hostd { child, socket, dir };
+        let hostd = Hostd {
+            child,
+            socket,
+            admin,
+            policy,
+            dir,
+        };
         let deadline = Instant::now() + Duration::from_secs(10);
         while Channel::connect(&hostd.socket).is_err() {
             assert!(Instant::now() < deadline, "hostd did not come up");
@@ -75,6 +98,35 @@ impl Hostd {
     pub fn alive(&mut self) -> bool {
         self.child.try_wait().expect("try_wait").is_none()
     }
+
+    /// Runs `vrdmactl --admin-socket <ours> ARGS`.
+    pub fn vrdmactl(&self, args: &[&str]) -> Output {
+        Command::new(env!("CARGO_BIN_EXE_vrdmactl"))
+            .arg("--admin-socket")
+            .arg(&self.admin)
+            .args(args)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run vrdmactl")
+    }
+
+    /// `vrdmactl ARGS` that must succeed: its stdout.
+    pub fn vrdmactl_ok(&self, args: &[&str]) -> String {
+        let out = self.vrdmactl(args);
+        assert!(
+            out.status.success(),
+            "vrdmactl {args:?} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).expect("utf-8")
+    }
+
+    /// Sends SIGHUP.
+    pub fn hangup(&self) {
+        // SAFETY: kill has no memory-safety preconditions.
+        let rc = unsafe { libc::kill(self.child.id() as i32, libc::SIGHUP) };
+        assert_eq!(rc, 0, "kill");
+    }
 }
 
 impl Drop for Hostd {
@@ -85,18 +137,26 @@ impl Drop for Hostd {
     }
 }
 
-/// The standard test tenants: alpha and beta in "demo", gamma in "other",
-/// delta in "edge" reaching "demo", and "locked" bound to a uid not ours.
+/// hostd's test configuration: small rings, short polling.
 pub fn config(physical_qps: u32) -> String {
+    format!(
+        r#"
+physical_qps = {physical_qps}
+sq_depth = 64
+cq_depth = 128
+spin_us = 20
+"#
+    )
+}
+
+/// The standard test tenants (2 physical queues each): alpha and beta in
+/// "demo", gamma in "other", delta in "edge" reaching "demo", and "locked"
+/// bound to a uid not ours.
+pub fn policy() -> String {
     // SAFETY: getuid has no preconditions.
     let other_uid = unsafe { libc::getuid() } + 1;
     format!(
         r#"
-physical_qps = {physical_qps}
-queues_per_device = 2
-sq_depth = 64
-cq_depth = 128
-spin_us = 20
 [[tenant]]
 name = "alpha"
 network = "demo"
@@ -127,6 +187,10 @@ pub struct Client {
     pub layout: QueueLayout,
     pub doorbell: File,
     pub completion: File,
+    /// The notification channel (hostd → vdev).
+    pub notify: Channel,
+    /// The tenant's policy from the Welcome.
+    pub policy: TenantPolicy,
 }
 
 /// A refusal as (errno, reason).
@@ -151,11 +215,12 @@ impl Client {
     pub fn greet(chan: Channel, hello: Request) -> Result<Client, Refused> {
         let (resp, mut files): (Response, Vec<File>) = chan.call(&hello, &[]).expect("hello");
         let welcome = match resp {
-            Response::Welcome(w) => w,
+            Response::Welcome(w) => *w,
             Response::Refused { errno, reason } => return Err((errno, reason)),
             other => panic!("unexpected {other:?}"),
         };
-        assert_eq!(files.len(), welcome.queues.len() + 2, "fds per Welcome");
+        assert_eq!(files.len(), welcome.queues.len() + 3, "fds per Welcome");
+        let notify = Channel::from(OwnedFd::from(files.pop().expect("notification channel")));
         let completion = files.pop().expect("completion eventfd");
         let doorbell = files.pop().expect("doorbell eventfd");
         let grant = welcome.queues[0];
@@ -172,7 +237,25 @@ impl Client {
             layout,
             doorbell,
             completion,
+            notify,
+            policy: welcome.policy,
         })
+    }
+
+    /// The next notification within `timeout`, if any.
+    pub fn notification(&self, timeout: Duration) -> Option<Notification> {
+        let mut pfd = libc::pollfd {
+            fd: self.notify.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: pfd is one valid pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, timeout.as_millis() as i32) };
+        if n <= 0 {
+            return None;
+        }
+        let (note, _): (Notification, _) = self.notify.recv().expect("notification");
+        Some(note)
     }
 
     pub fn pqp(&self, q: usize) -> u32 {

@@ -28,6 +28,11 @@ enum Test {
     ReadBw,
     MsgRate,
     RegMr,
+    /// Latency of a realtime tenant while a normal tenant floods, against
+    /// the same without a policy (everyone normal).
+    Isolation,
+    /// Bandwidth shares of two flooding normal tenants weighted 1:3.
+    Weights,
 }
 
 /// Measures vrdma against memcpy and TCP loopback on this machine.
@@ -72,10 +77,26 @@ fn main() {
             Test::ReadBw,
             Test::MsgRate,
             Test::RegMr,
+            Test::Isolation,
+            Test::Weights,
         ]
     } else {
         args.test.clone()
     };
+    // These two start hostds of their own, with a policy each.
+    if tests.contains(&Test::Isolation) {
+        isolation_under_load(args.iters.min(5000));
+    }
+    if tests.contains(&Test::Weights) {
+        weighted_shares();
+    }
+    let tests: Vec<Test> = tests
+        .into_iter()
+        .filter(|t| !matches!(t, Test::Isolation | Test::Weights))
+        .collect();
+    if tests.is_empty() {
+        return;
+    }
     let hostd = Hostd::start(None);
     let a = Tenant::start(&hostd, "alpha");
     let b = Tenant::start(&hostd, "beta");
@@ -101,7 +122,7 @@ fn main() {
                         break;
                     }
                 }
-                Test::RegMr => {}
+                Test::RegMr | Test::Isolation | Test::Weights => {}
             }
         }
     }
@@ -460,5 +481,130 @@ fn reg_mr(hostd: &Hostd, size: usize) {
         "",
         format!("4K: {}", us(small)),
         format!("{:.2}", p50.as_secs_f64() / small.as_secs_f64())
+    );
+}
+
+/// A policy of tenants in one network with the given classes and weights.
+fn policy(tenants: &[(&str, &str, u32)]) -> String {
+    tenants
+        .iter()
+        .map(|(name, class, weight)| {
+            format!("[[tenant]]\nname = \"{name}\"\nnetwork = \"bench\"\npriority = {{ class = \"{class}\", weight = {weight} }}\n\n")
+        })
+        .collect()
+}
+
+/// Floods `size`-byte RDMA WRITEs from `from` into `to` until `stop`;
+/// returns bytes per second.
+fn flood(from: &Tenant, to: &Tenant, size: usize, stop: &std::sync::atomic::AtomicBool) -> f64 {
+    let l = link(from, to, size);
+    let sge = [l.ma.sge(0, size as u32)];
+    let mut wr = SendWr::new(0, SendOpcode::RdmaWrite, SendPayload::Sges(&sge));
+    wr.remote_addr = l.mb.iova();
+    wr.rkey = l.mb.rkey();
+    wr.flags = SIGNALED;
+    let batch = [wr; POST_BATCH];
+    let (mut posted, mut done) = (0usize, 0usize);
+    let mut wcs = [WorkCompletion::default(); 32];
+    let start = Instant::now();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        if posted - done + POST_BATCH <= WINDOW {
+            l.qa.post_send(&batch).expect("post");
+            posted += POST_BATCH;
+        }
+        let n = from.cq.poll(&mut wcs).expect("poll");
+        done += n;
+        if n == 0 {
+            std::thread::yield_now();
+        }
+    }
+    let rate = (done * size) as f64 / start.elapsed().as_secs_f64();
+    while done < posted {
+        done += from.cq.poll(&mut wcs).expect("poll");
+    }
+    rate
+}
+
+/// p50/p99 of `iters` 64-byte RDMA READs from `probe` to `peer`.
+fn read_probe(probe: &Tenant, peer: &Tenant, iters: usize) -> (Duration, Duration) {
+    let l = link(probe, peer, 64);
+    let mut samples = Vec::with_capacity(iters);
+    for i in 0..iters + iters / 10 {
+        let start = Instant::now();
+        ping(Test::ReadLat, &l, 64, 1, 0);
+        if i >= iters / 10 {
+            samples.push(start.elapsed());
+        }
+    }
+    percentiles(&mut samples)
+}
+
+fn isolation_under_load(iters: usize) {
+    let setups = [
+        (
+            "policy: probe realtime, flood normal",
+            [
+                ("probe", "realtime", 1),
+                ("flood", "normal", 1),
+                ("peer", "realtime", 1),
+            ],
+        ),
+        (
+            "no policy: everyone normal, weight 1",
+            [
+                ("probe", "normal", 1),
+                ("flood", "normal", 1),
+                ("peer", "normal", 1),
+            ],
+        ),
+    ];
+    for (label, classes) in setups {
+        let hostd = Hostd::start(Some(&policy(&classes)));
+        let probe = Tenant::start(&hostd, "probe");
+        let flooder = Tenant::start(&hostd, "flood");
+        let peer = Tenant::start(&hostd, "peer");
+        let (alone50, alone99) = read_probe(&probe, &peer, iters);
+        let stop = std::sync::atomic::AtomicBool::new(false);
+        let ((load50, load99), flood_rate) = std::thread::scope(|scope| {
+            let f = scope.spawn(|| flood(&flooder, &peer, 65536, &stop));
+            std::thread::sleep(Duration::from_millis(200));
+            let probe_result = read_probe(&probe, &peer, iters);
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            (probe_result, f.join().expect("flood thread"))
+        });
+        println!(
+            "isolation  {label}: probe read_lat 64 B alone p50 {} p99 {}; with a 64 KiB flood ({:.2} GB/s) p50 {} p99 {}; p99 ratio {:.2}",
+            us(alone50),
+            us(alone99),
+            flood_rate / 1e9,
+            us(load50),
+            us(load99),
+            load99.as_secs_f64() / alone99.as_secs_f64()
+        );
+    }
+}
+
+fn weighted_shares() {
+    let hostd = Hostd::start(Some(&policy(&[
+        ("light", "normal", 1),
+        ("heavy", "normal", 3),
+        ("sink", "normal", 1),
+    ])));
+    let light = Tenant::start(&hostd, "light");
+    let heavy = Tenant::start(&hostd, "heavy");
+    let sink = Tenant::start(&hostd, "sink");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (l, h) = std::thread::scope(|scope| {
+        let l = scope.spawn(|| flood(&light, &sink, 65536, &stop));
+        let h = scope.spawn(|| flood(&heavy, &sink, 65536, &stop));
+        std::thread::sleep(Duration::from_secs(3));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (l.join().expect("light"), h.join().expect("heavy"))
+    });
+    println!(
+        "weights    normal 1:3 flooding 64 KiB writes for 3 s: light {:.2} GB/s, heavy {:.2} GB/s, heavy/light {:.2} (target 3 ± 10 %)",
+        l / 1e9,
+        h / 1e9,
+        h / l
     );
 }

@@ -77,7 +77,10 @@ pub struct CompletionQueue {
 #[derive(Debug)]
 pub struct RdmaDevice {
     identity: DeviceIdentity,
+    /// The limits in force.
     limits: Limits,
+    /// vdev's own configured limits (hostd's policy may only tighten them).
+    local_limits: Limits,
     config: DeviceConfig,
     mem: Arc<GuestMemoryMmap>,
     pds: HashMap<u32, ProtectionDomain>,
@@ -103,6 +106,7 @@ impl RdmaDevice {
         RdmaDevice {
             identity,
             limits,
+            local_limits: limits,
             config,
             mem: Arc::new(GuestMemoryMmap::new()),
             pds: HashMap::new(),
@@ -120,11 +124,28 @@ impl RdmaDevice {
 
     /// A device attached to hostd's fabric: its LID is hostd's, and memory,
     /// keys and QPs are mirrored to hostd.
-    pub fn with_fabric(mut identity: DeviceIdentity, limits: Limits, fabric: Arc<Fabric>) -> Self {
+    /// Both vdev's configured limits and hostd's policy are the operator's
+    /// word, so the stricter of the two applies, limit by limit.
+    pub fn with_fabric(mut identity: DeviceIdentity, local: Limits, fabric: Arc<Fabric>) -> Self {
         identity.lid = fabric.lid;
-        let mut device = RdmaDevice::new(identity, limits);
+        let mut device = RdmaDevice::new(identity, local.stricter(&fabric.policy.quotas));
+        device.local_limits = local;
         device.fabric = Some(fabric);
         device
+    }
+
+    /// Applies a new policy's quotas (a reload), still capped by vdev's own
+    /// limits. Raised limits apply at once; lowered ones only refuse new
+    /// objects: nothing that exists is torn down. The config space and
+    /// QUERY_DEVICE report the new limits.
+    pub fn set_policy_quotas(&mut self, quotas: Limits) {
+        let limits = self.local_limits.stricter(&quotas);
+        if limits == self.limits {
+            return;
+        }
+        tracing::info!(tenant = %self.identity.tenant, old = ?self.limits, new = ?limits, "Quotas changed");
+        self.limits = limits;
+        self.config = build_config(&self.identity, &limits);
     }
 
     /// The hostd link, if any.
@@ -256,8 +277,20 @@ impl RdmaDevice {
     }
 
     /// Executes one control command on its request payload and returns the
-    /// response payload.
+    /// response payload. A refusal for a quota is reported to hostd, which
+    /// counts it for the tenant.
     pub fn execute(&mut self, opcode: Opcode, payload: &[u8]) -> VerbResult<Vec<u8>> {
+        let result = self.dispatch(opcode, payload);
+        if let (Err(VerbError::Limit { limit, .. }), Some(fabric)) = (&result, &self.fabric) {
+            if let Err(e) = fabric.quota_rejected(limit) {
+                tracing::warn!(tenant = %self.identity.tenant, quota = limit, error = %e,
+                    "Cannot report a quota rejection to hostd");
+            }
+        }
+        result
+    }
+
+    fn dispatch(&mut self, opcode: Opcode, payload: &[u8]) -> VerbResult<Vec<u8>> {
         match opcode {
             Opcode::QueryDevice => {
                 expect_empty(payload)?;

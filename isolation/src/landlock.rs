@@ -1,0 +1,206 @@
+//! landlock: what the daemon may still reach by path after start-up.
+//!
+//! The ruleset handles every file-system access right of landlock ABI 7
+//! (read, write, execute, create, remove, rename/link across directories,
+//! truncate, device ioctls), TCP bind/connect, and the ABI 6 scopes
+//! (abstract unix sockets and signals outside the sandbox). Access is then
+//! granted only beneath the paths of a [`FsPolicy`] — for vdev, none:
+//! after its listener is bound it opens nothing by path.
+//!
+//! What landlock does **not** stop on this ABI: `connect()` to a pathname
+//! unix socket (landlock ABI 9, `LANDLOCK_ACCESS_FS_RESOLVE_UNIX`, adds
+//! that), `stat` of paths, and anything done through descriptors opened
+//! before. File permissions, the `--sandbox namespace` mount view and the
+//! seccomp filter cover those.
+//!
+//! A kernel without landlock (not built in, or not in the `lsm=` list)
+//! leaves the ruleset unenforced; [`check`] turns that into a refusal
+//! unless the operator explicitly allowed it.
+
+use std::path::PathBuf;
+
+use ::landlock::{
+    Access, AccessFs, AccessNet, CompatLevel, Compatible, LandlockStatus, PathBeneath, PathFd,
+    Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetError, RulesetStatus, Scope, ABI,
+};
+
+/// The landlock ABI whose rights vdev asks for: the newest one this code
+/// has been tested on (Linux 6.15+). On older kernels the missing rights
+/// are dropped (best effort) and [`Enforcement::Partial`] says so.
+pub const TARGET_ABI: ABI = ABI::V7;
+
+/// Access granted beneath a path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FsAccess {
+    /// Read files and list directories.
+    Read,
+    /// Everything: read, write, create, remove.
+    ReadWrite,
+}
+
+/// The paths a sandboxed process keeps, each with its access.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FsPolicy {
+    pub paths: Vec<(PathBuf, FsAccess)>,
+}
+
+/// How much of the ruleset the running kernel enforces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Enforcement {
+    /// Every requested right is enforced.
+    Full,
+    /// The kernel has landlock, but an older ABI: some rights (named in
+    /// the log) are not enforced.
+    Partial,
+    /// The kernel has no landlock: nothing is enforced.
+    Absent,
+}
+
+/// Why the landlock step failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LandlockError {
+    #[error("Cannot build or apply the landlock ruleset")]
+    Ruleset(#[source] RulesetError),
+    #[error("Cannot open {} for a landlock rule", path.display())]
+    Path {
+        path: PathBuf,
+        #[source]
+        source: ::landlock::PathFdError,
+    },
+    #[error(
+        "This kernel does not enforce landlock ({status}): vdev would run without its \
+         file-system wall; refusing to start (pass --allow-no-landlock to run anyway)"
+    )]
+    Unsupported { status: String },
+}
+
+/// Restricts the calling thread (and every thread it starts later) to
+/// `policy`, and sets `no_new_privs`. Must run before other threads
+/// exist: landlock ABI < 8 restricts the calling thread only.
+pub fn restrict(policy: &FsPolicy) -> Result<(Enforcement, String), LandlockError> {
+    let fs_all = AccessFs::from_all(TARGET_ABI);
+    let mut ruleset = Ruleset::default()
+        .set_compatibility(CompatLevel::BestEffort)
+        .handle_access(fs_all)
+        .and_then(|r| r.handle_access(AccessNet::from_all(TARGET_ABI)))
+        .and_then(|r| r.scope(Scope::from_all(TARGET_ABI)))
+        .and_then(|r| r.create())
+        .map_err(LandlockError::Ruleset)?;
+    for (path, access) in &policy.paths {
+        let rights = match access {
+            FsAccess::Read => AccessFs::from_read(TARGET_ABI),
+            FsAccess::ReadWrite => fs_all,
+        };
+        let fd = PathFd::new(path).map_err(|source| LandlockError::Path {
+            path: path.clone(),
+            source,
+        })?;
+        ruleset = ruleset
+            .add_rule(PathBeneath::new(fd, rights))
+            .map_err(LandlockError::Ruleset)?;
+    }
+    let status = ruleset.restrict_self().map_err(LandlockError::Ruleset)?;
+    let enforcement = match status.ruleset {
+        RulesetStatus::FullyEnforced => Enforcement::Full,
+        RulesetStatus::PartiallyEnforced => Enforcement::Partial,
+        RulesetStatus::NotEnforced => Enforcement::Absent,
+    };
+    Ok((enforcement, describe(status.landlock)))
+}
+
+/// The kernel's landlock support in words, for logs and errors.
+pub fn describe(status: LandlockStatus) -> String {
+    match status {
+        LandlockStatus::NotEnabled => {
+            "landlock is built in but not enabled (add it to the lsm= boot parameter)".into()
+        }
+        LandlockStatus::NotImplemented => "the kernel is built without landlock".into(),
+        LandlockStatus::Available {
+            effective_abi,
+            kernel_abi,
+        } => match kernel_abi {
+            Some(kernel) => format!("landlock ABI {kernel}, used as {effective_abi:?}"),
+            None => format!("landlock {effective_abi:?}"),
+        },
+    }
+}
+
+/// The start-up decision: a kernel that does not enforce landlock is a
+/// refusal unless the operator passed `--allow-no-landlock`.
+pub fn check(
+    enforcement: Enforcement,
+    status: &str,
+    allow_absent: bool,
+) -> Result<(), LandlockError> {
+    match enforcement {
+        Enforcement::Absent if !allow_absent => Err(LandlockError::Unsupported {
+            status: status.to_owned(),
+        }),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_landlock_is_refused_unless_allowed() {
+        let err = check(
+            Enforcement::Absent,
+            "the kernel is built without landlock",
+            false,
+        )
+        .expect_err("refused");
+        let text = err.to_string();
+        assert!(text.contains("--allow-no-landlock"), "{text}");
+        assert!(text.contains("built without landlock"), "{text}");
+        check(Enforcement::Absent, "x", true).expect("explicitly allowed");
+        check(Enforcement::Full, "x", false).expect("enforced");
+        check(Enforcement::Partial, "x", false).expect("partly enforced");
+    }
+
+    #[test]
+    fn statuses_read_well() {
+        assert!(describe(LandlockStatus::NotEnabled).contains("lsm="));
+        assert!(describe(LandlockStatus::NotImplemented).contains("without"));
+    }
+
+    /// Runs `f` on a fresh thread: landlock restricts only that thread, so
+    /// the test process stays unrestricted.
+    fn on_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        std::thread::spawn(f).join().expect("thread")
+    }
+
+    #[test]
+    fn a_restricted_thread_opens_only_what_the_policy_names() {
+        let dir = std::env::temp_dir().join(format!("isolation-landlock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let allowed = dir.join("allowed.txt");
+        std::fs::write(&allowed, b"ok").expect("write");
+        let policy = FsPolicy {
+            paths: vec![(dir.clone(), FsAccess::Read)],
+        };
+        let (enforcement, status, passwd, ours, write) = on_thread(move || {
+            let (enforcement, status) = restrict(&policy).expect("restrict");
+            let passwd = std::fs::read("/etc/passwd").map_err(|e| e.raw_os_error());
+            let ours = std::fs::read(&allowed).map_err(|e| e.raw_os_error());
+            let write = std::fs::write(&allowed, b"no").map_err(|e| e.raw_os_error());
+            (enforcement, status, passwd, ours, write)
+        });
+        std::fs::remove_dir_all(&dir).ok();
+        match enforcement {
+            Enforcement::Absent => {
+                // No landlock in this kernel: nothing was restricted, and
+                // the start-up check refuses unless explicitly allowed.
+                assert!(passwd.is_ok());
+                assert!(check(enforcement, &status, false).is_err());
+            }
+            _ => {
+                assert_eq!(passwd, Err(Some(libc::EACCES)), "{status}");
+                assert_eq!(ours, Ok(b"ok".to_vec()));
+                assert_eq!(write, Err(Some(libc::EACCES)));
+            }
+        }
+    }
+}

@@ -1,0 +1,55 @@
+//! vrdma-isolation: the walls around a vrdma daemon that parses untrusted
+//! input (today: vdev, the per-tenant vhost-user backend).
+//!
+//! Each wall is one module, applied by the daemon in a fixed order after it
+//! has opened what it needs (sockets, files) and before it starts threads:
+//!
+//! 1. [`namespaces`] (optional, `--sandbox namespace`): private mount,
+//!    network and IPC namespaces, and a root directory that holds nothing
+//!    but what the daemon must still reach by path.
+//! 2. [`landlock`]: the file system rules — for vdev, nothing at all.
+//! 3. [`privileges`]: resource limits, then another uid/gid, no
+//!    capabilities (effective, permitted, inheritable, ambient, bounding),
+//!    `no_new_privs`, not dumpable.
+//! 4. [`seccomp`]: one allow-list of system calls for the whole process,
+//!    built from the rules of the thread roles the daemon runs, installed
+//!    on every thread (TSYNC) before the worker threads start.
+//!
+//! The order matters: mounts need `CAP_SYS_ADMIN` and are refused inside a
+//! landlock domain; landlock paths are resolved in the final mount view;
+//! changing uid needs the capabilities the last step drops; and the seccomp
+//! filter forbids every call the earlier steps make.
+//!
+//! `docs/security.md` describes the threat model and what each wall stops.
+
+pub mod landlock;
+pub mod namespaces;
+pub mod privileges;
+pub mod seccomp;
+
+/// Number of threads of the calling process (from `/proc/self/status`).
+///
+/// Landlock and the credential changes apply to the calling thread only
+/// (and to the threads it starts later), so the sandbox must be entered
+/// while the process is still single-threaded; callers check it with this.
+pub fn thread_count() -> std::io::Result<usize> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    status
+        .lines()
+        .find_map(|line| line.strip_prefix("Threads:"))
+        .and_then(|n| n.trim().parse().ok())
+        .ok_or_else(|| std::io::Error::other("no Threads: line in /proc/self/status"))
+}
+
+/// `errno` of the last failed libc call, as an `io::Error`.
+pub(crate) fn last_os_error() -> std::io::Error {
+    std::io::Error::last_os_error()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_test_process_has_threads() {
+        assert!(super::thread_count().expect("thread count") >= 1);
+    }
+}

@@ -1,0 +1,403 @@
+//! Tenant policy end to end: quotas from hostd's policy file enforced at
+//! every verb (and again by hostd for memory), hot reload that raises and
+//! lowers limits without touching what exists, rate limits, and the
+//! per-tenant counters operators read with `vrdmactl`.
+
+use std::fmt::Debug;
+use std::time::{Duration, Instant};
+
+use vrdma_guest_driver::{Error, QpCapabilities, SendPayload, SendWr, WorkCompletion};
+use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
+use vrdma_tests::daemon::Hostd;
+use vrdma_tests::tenant::{connect, default_caps, Connection, Tenant};
+
+const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+const MIB: usize = 1 << 20;
+
+/// The errno a device-side refusal carried.
+#[track_caller]
+fn refused<T: Debug>(result: Result<T, Error>) -> i32 {
+    match result {
+        Err(Error::Device(errno)) => errno,
+        other => panic!("expected the device to refuse, got {other:?}"),
+    }
+}
+
+fn caps(wr: u32) -> QpCapabilities {
+    QpCapabilities {
+        max_send_wr: wr,
+        max_recv_wr: wr,
+        ..default_caps()
+    }
+}
+
+const QUOTA_POLICY: &str = r#"
+[[tenant]]
+name = "alpha"
+network = "demo"
+quotas = { max_pd = 2, max_cq = 3, max_qp = 2, max_mr = 3, max_cq_depth = 64, max_qp_depth = 32, max_mr_bytes = 1048576, max_total_mr_bytes = 1572864 }
+
+[[tenant]]
+name = "beta"
+network = "demo"
+"#;
+
+#[test]
+fn every_quota_refuses_the_next_object_and_freeing_makes_room() {
+    let hostd = Hostd::start(Some(QUOTA_POLICY));
+    // Tenant::start allocates one PD and one CQ (depth 1024 would exceed
+    // max_cq_depth 64, so open the device by hand).
+    let vdev = vrdma_tests::daemon::Vdev::on_hostd(&hostd, "alpha", &[]);
+    let ctx = vrdma_guest_driver::Context::open_vhost_user(&vdev.socket).expect("open");
+    let attr = ctx.query_device().expect("query_device");
+    assert_eq!(
+        (attr.max_pd.get(), attr.max_qp.get(), attr.max_mr.get()),
+        (2, 2, 3),
+        "the device advertises the policy"
+    );
+
+    // PDs
+    let pd = ctx.alloc_pd().expect("pd 1");
+    let pd2 = ctx.alloc_pd().expect("pd 2");
+    assert_eq!(refused(ctx.alloc_pd()), libc::ENOMEM, "third PD");
+    pd2.destroy().expect("free one");
+    let pd2 = ctx.alloc_pd().expect("room again");
+
+    // CQs, and the CQ depth
+    assert_eq!(
+        refused(ctx.create_cq(65, 0)),
+        libc::EINVAL,
+        "deeper than max_cq_depth"
+    );
+    let cqs: Vec<_> = (0..3)
+        .map(|i| {
+            ctx.create_cq(64, 0)
+                .unwrap_or_else(|e| panic!("cq {i}: {e}"))
+        })
+        .collect();
+    assert_eq!(refused(ctx.create_cq(8, 0)), libc::ENOMEM, "fourth CQ");
+
+    // QPs, and the QP depth
+    let init = |cap| vrdma_guest_driver::QpInitAttr {
+        send_cq: &cqs[0],
+        recv_cq: &cqs[0],
+        cap,
+        qp_type: vrdma_spec::verbs::QpType::Rc,
+        sq_sig_all: false,
+    };
+    assert_eq!(
+        refused(pd.create_qp(&init(caps(33)))),
+        libc::EINVAL,
+        "deeper than max_qp_depth"
+    );
+    let qp1 = pd.create_qp(&init(caps(32))).expect("qp 1");
+    let qp2 = pd2.create_qp(&init(caps(8))).expect("qp 2");
+    assert_eq!(
+        refused(pd.create_qp(&init(caps(8)))),
+        libc::ENOMEM,
+        "third QP"
+    );
+    assert!(qp1.query(0).is_ok(), "the other QPs keep working");
+    qp2.destroy().expect("free one");
+    let _qp3 = pd.create_qp(&init(caps(8))).expect("room again");
+
+    // Memory: the largest MR, the bytes across MRs, the MR count
+    assert_eq!(
+        refused(pd.alloc_mr(2 * MIB, RW)),
+        libc::ENOMEM,
+        "above max_mr_bytes"
+    );
+    let big = pd.alloc_mr(MIB, RW).expect("1 MiB");
+    assert_eq!(
+        refused(pd.alloc_mr(MIB, RW)),
+        libc::ENOMEM,
+        "would pass 1.5 MiB in all"
+    );
+    let half = pd
+        .alloc_mr(MIB / 2, RW)
+        .expect("0.5 MiB: exactly the total");
+    assert_eq!(
+        refused(pd.alloc_mr(4096, RW)),
+        libc::ENOMEM,
+        "total reached"
+    );
+    big.write(0, b"still mine")
+        .expect("the other MRs keep working");
+    big.dereg().expect("free 1 MiB");
+    let small: Vec<_> = (0..2)
+        .map(|_| pd.alloc_mr(4096, RW).expect("room again"))
+        .collect();
+    assert_eq!(
+        refused(pd.alloc_mr(4096, RW)),
+        libc::ENOMEM,
+        "fourth MR: max_mr = 3"
+    );
+    drop((half, small));
+
+    // hostd counted the refusals for the tenant.
+    let (code, metrics, err) = hostd.ctl(&["metrics"]);
+    assert_eq!(code, 0, "{err}");
+    for quota in [
+        "max_pd",
+        "max_cq",
+        "max_qp",
+        "max_mr_bytes",
+        "max_total_mr_bytes",
+        "max_mr",
+    ] {
+        let line =
+            format!("vrdma_tenant_quota_rejections_total{{tenant=\"alpha\",quota=\"{quota}\"}}");
+        let count = metrics
+            .lines()
+            .find(|l| l.starts_with(&line))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        assert!(count >= 1.0, "{quota} rejection not counted:\n{metrics}");
+    }
+}
+
+#[test]
+fn hostd_caps_memory_across_all_devices_of_a_tenant() {
+    let policy = r#"
+[[tenant]]
+name = "alpha"
+network = "demo"
+quotas = { max_mr_bytes = 1048576, max_total_mr_bytes = 1572864 }
+
+[[tenant]]
+name = "beta"
+network = "demo"
+"#;
+    let hostd = Hostd::start(Some(policy));
+    let one = Tenant::start(&hostd, "alpha");
+    let two = Tenant::start(&hostd, "alpha");
+    let _a = one.pd.alloc_mr(MIB, RW).expect("1 MiB on the first device");
+    // Each device alone is within its quota; together they are not.
+    assert_eq!(
+        refused(two.pd.alloc_mr(MIB, RW)),
+        libc::ENOMEM,
+        "hostd's tenant-wide cap"
+    );
+    let _b = two.pd.alloc_mr(MIB / 2, RW).expect("what is left");
+}
+
+#[test]
+fn reload_raises_and_lowers_limits_without_touching_what_exists() {
+    let policy = |max_qp: u32| {
+        format!(
+            "[[tenant]]\nname = \"alpha\"\nnetwork = \"demo\"\nquotas = {{ max_qp = {max_qp} }}\n\n[[tenant]]\nname = \"beta\"\nnetwork = \"demo\"\n"
+        )
+    };
+    let hostd = Hostd::start(Some(&policy(1)));
+    let a = Tenant::start(&hostd, "alpha");
+    let b = Tenant::start(&hostd, "beta");
+    let qa = a.qp(default_caps());
+    assert_eq!(
+        refused(a.pd.create_qp(&vrdma_guest_driver::QpInitAttr {
+            send_cq: &a.cq,
+            recv_cq: &a.cq,
+            cap: default_caps(),
+            qp_type: vrdma_spec::verbs::QpType::Rc,
+            sq_sig_all: false,
+        })),
+        libc::ENOMEM
+    );
+
+    // Raise with the control command: applies at once.
+    std::fs::write(hostd.policy_path(), policy(3)).expect("rewrite");
+    let (code, out, err) = hostd.ctl(&["reload"]);
+    assert_eq!(code, 0, "reload: {out}{err}");
+    let more = wait_for(|| a.pd.create_qp(&init(&a)).ok());
+    let third = a.qp(default_caps());
+
+    // Lower with SIGHUP: new objects refused, existing ones keep working.
+    std::fs::write(hostd.policy_path(), policy(1)).expect("rewrite");
+    hostd.sighup();
+    wait_for(|| match a.pd.create_qp(&init(&a)) {
+        Err(Error::Device(libc::ENOMEM)) => Some(()),
+        Ok(qp) => {
+            drop(qp);
+            None
+        }
+        Err(e) => panic!("{e}"),
+    });
+    let qb = b.qp(default_caps());
+    connect(&a, &qa, &b, &qb, Connection::default());
+    let src = a.pd.alloc_mr(4096, RW).expect("src");
+    let dst = b.pd.alloc_mr(4096, RW).expect("dst");
+    src.write(0, b"after the reload").expect("fill");
+    let sge = [src.sge(0, 16)];
+    let mut wr = SendWr::new(1, SendOpcode::RdmaWrite, SendPayload::Sges(&sge));
+    wr.flags = vrdma_spec::ring::send_flags::SIGNALED;
+    wr.remote_addr = dst.iova();
+    wr.rkey = dst.rkey();
+    qa.post_send(&[wr]).expect("post");
+    assert_eq!(
+        vrdma_tests::tenant::wait_completions(&a.cq, 1)[0].status,
+        WcStatus::Success
+    );
+    let mut got = [0u8; 16];
+    dst.read(0, &mut got).expect("read");
+    assert_eq!(&got, b"after the reload");
+    assert!(
+        more.query(0).is_ok() && third.query(0).is_ok(),
+        "QPs above the lowered quota still exist"
+    );
+
+    // A broken file is refused with its location and changes nothing.
+    std::fs::write(
+        hostd.policy_path(),
+        "[[tenant]]\nname = \"alpha\"\nquotas = { max_qp = -4 }\n",
+    )
+    .expect("rewrite");
+    let (code, out, err) = hostd.ctl(&["reload"]);
+    assert_ne!(code, 0, "a broken policy must not load: {out}");
+    let text = format!("{out}{err}");
+    assert!(
+        text.contains("policy.toml:3") && text.contains("max_qp"),
+        "{text}"
+    );
+    assert_eq!(
+        refused(a.pd.create_qp(&init(&a))),
+        libc::ENOMEM,
+        "the policy in force is unchanged"
+    );
+    assert!(
+        Tenant::start(&hostd, "beta").lid > 0,
+        "beta, absent from the broken file, still registers"
+    );
+}
+
+fn init(t: &Tenant) -> vrdma_guest_driver::QpInitAttr<'_> {
+    vrdma_guest_driver::QpInitAttr {
+        send_cq: &t.cq,
+        recv_cq: &t.cq,
+        cap: default_caps(),
+        qp_type: vrdma_spec::verbs::QpType::Rc,
+        sq_sig_all: false,
+    }
+}
+
+/// Retries `f` until it gives a value: a policy notification reaches vdev
+/// asynchronously, shortly after hostd answered the reload.
+fn wait_for<T>(mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the new policy did not reach vdev within 5 s"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Completed RDMA WRITEs per second of a QP kept busy for `window`.
+fn measure_ops(
+    t: &Tenant,
+    qp: &vrdma_guest_driver::QueuePair,
+    wr: SendWr<'_>,
+    window: Duration,
+) -> f64 {
+    let mut wcs = [WorkCompletion::default(); 32];
+    let (mut posted, mut done) = (0usize, 0usize);
+    let start = Instant::now();
+    while start.elapsed() < window {
+        while posted - done < 32 {
+            qp.post_send(&[wr]).expect("post");
+            posted += 1;
+        }
+        let n = t.cq.poll(&mut wcs).expect("poll");
+        assert!(
+            wcs[..n].iter().all(|wc| wc.status == WcStatus::Success),
+            "{:?}",
+            &wcs[..n]
+        );
+        done += n;
+        if n == 0 {
+            std::thread::yield_now();
+        }
+    }
+    let elapsed = start.elapsed();
+    // Drain what is still in flight so the QP is quiet for the next user.
+    while done < posted {
+        done += t.cq.poll(&mut wcs).expect("poll");
+    }
+    done as f64 / elapsed.as_secs_f64()
+}
+
+#[test]
+fn a_rate_limited_tenant_stays_within_ten_percent_while_another_floods() {
+    const LIMIT: f64 = 2000.0;
+    let policy = r#"
+[[tenant]]
+name = "alpha"
+network = "demo"
+rate.send = { ops_per_sec = 2000, ops_burst = 20 }
+
+[[tenant]]
+name = "beta"
+network = "demo"
+"#;
+    let hostd = Hostd::start(Some(policy));
+    let a = Tenant::start(&hostd, "alpha");
+    let b = Tenant::start(&hostd, "beta");
+    let (qa, qb) = (a.qp(default_caps()), b.qp(default_caps()));
+    connect(&a, &qa, &b, &qb, Connection::default());
+    let (qb2, qa2) = (b.qp(default_caps()), a.qp(default_caps()));
+    connect(&b, &qb2, &a, &qa2, Connection::default());
+    let (src_a, dst_b) = (
+        a.pd.alloc_mr(4096, RW).expect("mr"),
+        b.pd.alloc_mr(4096, RW).expect("mr"),
+    );
+    let (src_b, dst_a) = (
+        b.pd.alloc_mr(65536, RW).expect("mr"),
+        a.pd.alloc_mr(65536, RW).expect("mr"),
+    );
+    let small_sge = [src_a.sge(0, 64)];
+    let mut small = SendWr::new(0, SendOpcode::RdmaWrite, SendPayload::Sges(&small_sge));
+    small.flags = vrdma_spec::ring::send_flags::SIGNALED;
+    small.remote_addr = dst_b.iova();
+    small.rkey = dst_b.rkey();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (limited, unlimited) = std::thread::scope(|scope| {
+        let flood = scope.spawn(|| {
+            let sge = [src_b.sge(0, 65536)];
+            let mut wr = SendWr::new(0, SendOpcode::RdmaWrite, SendPayload::Sges(&sge));
+            wr.flags = vrdma_spec::ring::send_flags::SIGNALED;
+            wr.remote_addr = dst_a.iova();
+            wr.rkey = dst_a.rkey();
+            let mut rates = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                rates.push(measure_ops(&b, &qb2, wr, Duration::from_millis(200)));
+            }
+            rates.iter().sum::<f64>() / rates.len().max(1) as f64
+        });
+        // Spend the burst, then measure over a window.
+        measure_ops(&a, &qa, small, Duration::from_millis(300));
+        let limited = measure_ops(&a, &qa, small, Duration::from_secs(2));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (limited, flood.join().expect("flood"))
+    });
+    assert!(
+        (limited - LIMIT).abs() <= LIMIT * 0.10,
+        "alpha ran at {limited:.0} ops/s, limit {LIMIT}"
+    );
+    assert!(
+        unlimited > 2.0 * LIMIT,
+        "beta is not limited: {unlimited:.0} ops/s"
+    );
+    let (code, metrics, err) = hostd.ctl(&["metrics"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        metrics.contains("vrdma_tenant_throttled_seconds_total{tenant=\"alpha\""),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("vrdma_tenant_ops_total{tenant=\"beta\""),
+        "{metrics}"
+    );
+}
