@@ -409,13 +409,18 @@ fn metrics_show_real_counters() {
 /// Keeps queue 0 of `client` full of 64-byte loopback writes (QP 1 → 2,
 /// keys `key` and `key + 1`) until `end`; returns the completion times.
 fn pump(client: &Client, key: u32, end: Instant) -> Vec<Instant> {
+    pump_sized(client, key, 64, end)
+}
+
+/// [`pump`] with writes of `size` bytes.
+fn pump_sized(client: &Client, key: u32, size: u32, end: Instant) -> Vec<Instant> {
     let cq: Ring<'_, PhysCqe> = Ring::new(&client.queues[0], client.layout.cq).expect("cq");
     let mut done = Vec::new();
     let mut token = 0u64;
     while Instant::now() < end {
         while client.try_post(
             0,
-            &write_wqe(token, 1, sge(IOVA, 64, key), IOVA + 4096, key + 1),
+            &write_wqe(token, 1, sge(IOVA, size, key), IOVA + MIB / 2, key + 1),
         ) {
             token += 1;
         }
@@ -485,4 +490,38 @@ network = "demo"
     );
     assert!(s.ops["write"] >= slow_done.len() as u64, "{:?}", s.ops);
     assert_eq!(tenant_stats(&hostd, "fast").throttled_seconds["send"], 0.0);
+}
+
+#[test]
+fn weights_share_the_nic_between_backlogged_tenants() {
+    let policy = r#"
+[[tenant]]
+name = "light"
+network = "demo"
+priority = { class = "normal", weight = 1 }
+
+[[tenant]]
+name = "heavy"
+network = "demo"
+priority = { class = "normal", weight = 3 }
+"#;
+    let hostd = Hostd::start_with("weights", &config(64), policy);
+    let (light, _light_mem) = loopback(&hostd, "light", 0x10);
+    let (heavy, _heavy_mem) = loopback(&hostd, "heavy", 0x20);
+    let size = 256 * 1024;
+    let start = Instant::now();
+    let end = start + Duration::from_millis(2500);
+    let heavy_thread = std::thread::spawn(move || (pump_sized(&heavy, 0x20, size, end), heavy));
+    let light_done = pump_sized(&light, 0x10, size, end);
+    let (heavy_done, _heavy) = heavy_thread.join().expect("heavy");
+    let from = start + Duration::from_millis(500);
+    let count = |done: &[Instant]| done.iter().filter(|&&t| t >= from).count() as f64;
+    let (l, h) = (count(&light_done), count(&heavy_done));
+    eprintln!("light {l} heavy {h} ratio {:.2}", h / l);
+    assert!(l > 100.0, "light barely ran: {l}");
+    assert!(
+        (h / l - 3.0).abs() < 0.3,
+        "heavy/light = {:.2} ({h}/{l})",
+        h / l
+    );
 }

@@ -403,6 +403,9 @@ pub fn control_rules() -> Result<Rules, SeccompError> {
         ],
     )?;
     any(&mut r, libc::SYS_shutdown);
+    // A re-registration waits while hostd still tears the previous one of
+    // the same device down (it answers EBUSY until then).
+    any(&mut r, libc::SYS_clock_nanosleep);
     // At exit the listener removes its socket file; landlock (no rights)
     // or file permissions refuse it when sandboxed, which is harmless —
     // the next start replaces the file — but must not be a seccomp kill.
@@ -741,6 +744,11 @@ mod tests {
             ],
             Role::Control => vec![
                 ("accept4", libc::SYS_accept4, [3, 0, 0, 0o2000000, 0, 0]),
+                (
+                    "clock_nanosleep",
+                    libc::SYS_clock_nanosleep,
+                    [1, 0, 0, 0, 0, 0],
+                ),
                 (
                     "socket",
                     libc::SYS_socket,

@@ -133,7 +133,7 @@ pub fn run(config: &Config, opened: Opened) -> Result<(), Error> {
         let fabric = match (early_fabric.take(), &config.hostd) {
             (Some(fabric), _) => Some(Arc::new(fabric)),
             (None, Some(path)) => Some(Arc::new(
-                Fabric::connect(path, &config.tenant, &device_name).map_err(Error::Fabric)?,
+                register(path, &config.tenant, &device_name).map_err(Error::Fabric)?,
             )),
             (None, None) => None,
         };
@@ -185,4 +185,32 @@ fn device_name(socket: &std::path::Path) -> String {
             (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
         });
     format!("vdev-{hash:016x}")
+}
+
+/// Registers with hostd. hostd tears the previous registration of this
+/// device down when it sees that connection close, which can be a moment
+/// after vdev, whose frontend just left, asks again: while hostd still
+/// answers EBUSY for this device, wait a little and retry.
+fn register(
+    path: &std::path::Path,
+    tenant: &str,
+    device: &str,
+) -> Result<Fabric, fabric::FabricError> {
+    const PATIENCE: Duration = Duration::from_secs(5);
+    let deadline = std::time::Instant::now() + PATIENCE;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match Fabric::connect(path, tenant, device) {
+            Err(e) if e.errno() == libc::EBUSY && std::time::Instant::now() < deadline => {
+                tracing::debug!(
+                    tenant,
+                    device,
+                    "hostd still has the previous registration; retrying"
+                );
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            result => return result,
+        }
+    }
 }

@@ -1,0 +1,642 @@
+//! The data path: the functions the inline `ibv_post_send`, `ibv_post_recv`,
+//! `ibv_poll_cq`, `ibv_req_notify_cq` and `ibv_post_srq_recv` call through
+//! `context->ops`, translating libibverbs' structures to the guest driver's
+//! work requests and completions.
+//!
+//! - `ibv_send_wr`/`ibv_recv_wr` lists are posted in order; at the first
+//!   work request that fails, `*bad_wr` names it and its errno is returned
+//!   (those before it are posted, as with a hardware provider).
+//! - `IBV_SEND_INLINE`: the SGEs name the application's own buffers (no
+//!   lkey); their bytes are gathered and copied into the WQE.
+//! - `wr.rdma` / `wr.atomic` are read according to the opcode; immediate
+//!   data is already big-endian and passes through byte for byte.
+//! - Completions fill every field of `ibv_wc`; `slid`/`sl` of a receive
+//!   completion come from the QP's path (RC: the peer it is connected to).
+//! - An application that busy-polls an empty CQ yields its core every
+//!   `VRDMA_POLL_YIELD` empty polls (default 1; 0 never yields): the device
+//!   (vdev, hostd) runs on the same cores, and on a small host a poller
+//!   that never yields starves it for whole scheduler time slices.
+
+use std::ffi::c_int;
+use std::sync::atomic::Ordering;
+
+use vrdma_guest_driver::vrdma_spec::ring::send_flags;
+use vrdma_guest_driver::vrdma_spec::verbs::{SendOpcode, WcOpcode};
+use vrdma_guest_driver::{RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
+
+use crate::abi::{
+    ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_srq, ibv_wc, ibv_wc__bindgen_ty_1,
+    IBV_SEND_INLINE,
+};
+use crate::context::Ctx;
+use crate::ffi::{errno_of, guard, VResult};
+use crate::objects::{Cq, Qp, Wrapper};
+
+/// SGEs translated on the stack; longer lists go to the heap.
+const STACK_SGES: usize = 16;
+/// Largest inline payload a WQE can hold (a 4096-byte slot minus the
+/// 64-byte fixed part).
+const MAX_INLINE: usize = 4096 - 64;
+/// Completions translated per guest-driver poll.
+const POLL_BATCH: usize = 32;
+/// The variable that sets how many empty polls in a row yield the core.
+pub const POLL_YIELD_VAR: &str = "VRDMA_POLL_YIELD";
+
+/// Empty polls in a row after which `poll_cq` yields (0: never).
+fn yield_every() -> u32 {
+    static EVERY: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *EVERY.get_or_init(|| {
+        std::env::var(POLL_YIELD_VAR)
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(1)
+    })
+}
+
+/// Counts an empty poll of `cq` and yields the core every
+/// [`yield_every`] of them in a row.
+fn empty_poll(cq: &Cq) {
+    let every = yield_every();
+    if every == 0 {
+        return;
+    }
+    let n = cq
+        .empty_polls
+        .fetch_add(1, Ordering::Relaxed)
+        .wrapping_add(1);
+    if n.is_multiple_of(every) {
+        std::thread::yield_now();
+    }
+}
+
+/// A work request's SGEs in the guest driver's form.
+// Stack storage on purpose: no allocation on the data path.
+#[allow(clippy::large_enum_variant)]
+enum Sges {
+    Stack([Sge; STACK_SGES], usize),
+    Heap(Vec<Sge>),
+}
+
+impl Sges {
+    fn as_slice(&self) -> &[Sge] {
+        match self {
+            Sges::Stack(a, n) => &a[..*n],
+            Sges::Heap(v) => v,
+        }
+    }
+}
+
+fn to_sge(s: &ibv_sge) -> Sge {
+    Sge {
+        addr: s.addr,
+        length: s.length,
+        lkey: s.lkey,
+    }
+}
+
+/// The application's SGE array.
+///
+/// # Safety
+///
+/// `sg_list` points to `num_sge` SGEs when `num_sge > 0`.
+unsafe fn sge_slice<'a>(sg_list: *const ibv_sge, num_sge: c_int) -> VResult<&'a [ibv_sge]> {
+    let n = usize::try_from(num_sge).map_err(|_| libc::EINVAL)?;
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if sg_list.is_null() {
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: the caller's promise (the verbs contract for sg_list).
+    Ok(unsafe { std::slice::from_raw_parts(sg_list, n) })
+}
+
+fn convert_sges(list: &[ibv_sge]) -> Sges {
+    if list.len() <= STACK_SGES {
+        let mut a = [Sge::default(); STACK_SGES];
+        for (d, s) in a.iter_mut().zip(list) {
+            *d = to_sge(s);
+        }
+        Sges::Stack(a, list.len())
+    } else {
+        Sges::Heap(list.iter().map(to_sge).collect())
+    }
+}
+
+/// Gathers the bytes an inline send's SGEs point to.
+///
+/// # Safety
+///
+/// Each SGE names `length` readable bytes at the virtual address `addr`
+/// (the verbs contract for `IBV_SEND_INLINE`).
+unsafe fn gather_inline<'a>(list: &[ibv_sge], buf: &'a mut [u8; MAX_INLINE]) -> VResult<&'a [u8]> {
+    let mut n = 0usize;
+    for s in list {
+        let len = s.length as usize;
+        let end = n
+            .checked_add(len)
+            .filter(|&e| e <= MAX_INLINE)
+            .ok_or(libc::EINVAL)?;
+        if len > 0 {
+            if s.addr == 0 {
+                return Err(libc::EINVAL);
+            }
+            // SAFETY: the caller's promise; the destination range is inside
+            // `buf` (checked above) and cannot overlap the application's.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    s.addr as usize as *const u8,
+                    buf[n..end].as_mut_ptr(),
+                    len,
+                );
+            }
+        }
+        n = end;
+    }
+    Ok(&buf[..n])
+}
+
+/// Where the payload of one translated send work request lives.
+struct SendStorage {
+    sges: Sges,
+    /// Allocated on the first inline send of a thread, then reused.
+    inline: Option<Box<[u8; MAX_INLINE]>>,
+}
+
+thread_local! {
+    /// Each thread's inline buffer, lent to [`with_storage`].
+    static INLINE: std::cell::Cell<Option<Box<[u8; MAX_INLINE]>>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with translation storage (the thread's inline buffer, if any).
+fn with_storage<R>(f: impl FnOnce(&mut SendStorage) -> R) -> R {
+    let mut st = SendStorage {
+        sges: Sges::Stack([Sge::default(); STACK_SGES], 0),
+        inline: INLINE.with(std::cell::Cell::take),
+    };
+    let r = f(&mut st);
+    INLINE.with(|c| c.set(st.inline.take()));
+    r
+}
+
+/// Translates one `ibv_send_wr` (its `next` is not followed).
+///
+/// # Safety
+///
+/// `w` follows the verbs contract: `sg_list` holds `num_sge` SGEs and, for
+/// inline sends, they point to readable memory.
+unsafe fn translate_send<'a>(w: &ibv_send_wr, storage: &'a mut SendStorage) -> VResult<SendWr<'a>> {
+    let opcode = u8::try_from(w.opcode)
+        .ok()
+        .and_then(|o| SendOpcode::try_from(o).ok())
+        .ok_or(libc::EINVAL)?;
+    // SAFETY: the caller's promise about sg_list.
+    let list = unsafe { sge_slice(w.sg_list, w.num_sge)? };
+    let payload = if w.send_flags & IBV_SEND_INLINE != 0 {
+        let buf = storage
+            .inline
+            .get_or_insert_with(|| Box::new([0; MAX_INLINE]));
+        // SAFETY: the caller's promise about inline buffers.
+        let data = unsafe { gather_inline(list, buf)? };
+        SendPayload::Inline(data)
+    } else {
+        storage.sges = convert_sges(list);
+        SendPayload::Sges(storage.sges.as_slice())
+    };
+    let mut wr = SendWr::new(w.wr_id, opcode, payload);
+    // FENCE, SIGNALED and SOLICITED have the same bits on the wire;
+    // INLINE is carried by the payload, IP_CSUM means nothing to RC.
+    let known = send_flags::FENCE | send_flags::SIGNALED | send_flags::SOLICITED;
+    wr.flags = (w.send_flags & u32::from(known)) as u8;
+    // SAFETY: every variant of these unions is plain integers, so reading
+    // any of them is defined; the opcode says which one the application set.
+    unsafe {
+        wr.imm_data = w.__bindgen_anon_1.imm_data.to_ne_bytes();
+        match opcode {
+            SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm | SendOpcode::RdmaRead => {
+                wr.remote_addr = w.wr.rdma.remote_addr;
+                wr.rkey = w.wr.rdma.rkey;
+            }
+            SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd => {
+                wr.remote_addr = w.wr.atomic.remote_addr;
+                wr.rkey = w.wr.atomic.rkey;
+                wr.compare_add = w.wr.atomic.compare_add;
+                wr.swap = w.wr.atomic.swap;
+            }
+            _ => {}
+        }
+    }
+    Ok(wr)
+}
+
+/// `ops.post_send`.
+///
+/// # Safety
+///
+/// Called by the inline `ibv_post_send` with a live QP, a well-formed work
+/// request list and a writable `bad_wr`.
+pub(crate) unsafe extern "C" fn post_send(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_send_wr,
+    bad_wr: *mut *mut ibv_send_wr,
+) -> c_int {
+    guard("ibv_post_send", libc::EIO, || {
+        with_storage(|storage| {
+            let mut cur = wr;
+            // SAFETY: the caller passes a live QP.
+            let qp = match unsafe { Qp::from_raw(qp) }
+                .and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL))
+            {
+                Ok(q) => q,
+                Err(errno) => return fail_at(bad_wr, cur, errno),
+            };
+            while !cur.is_null() {
+                // SAFETY: a non-null element of the application's list.
+                let w = unsafe { &*cur };
+                // SAFETY: the verbs contract for the work request's buffers.
+                let posted = unsafe { translate_send(w, storage) }
+                    .and_then(|t| qp.post_send(&[t]).map_err(|e| e.errno()));
+                if let Err(errno) = posted {
+                    return fail_at(bad_wr, cur, errno);
+                }
+                cur = w.next;
+            }
+            0
+        })
+    })
+}
+
+fn fail_at<T>(bad_wr: *mut *mut T, at: *mut T, errno: c_int) -> c_int {
+    if !bad_wr.is_null() {
+        // SAFETY: a non-null bad_wr is writable (the verbs contract).
+        unsafe { *bad_wr = at };
+    }
+    errno
+}
+
+/// `ops.post_recv`.
+///
+/// # Safety
+///
+/// Called by the inline `ibv_post_recv` with a live QP, a well-formed work
+/// request list and a writable `bad_wr`.
+pub(crate) unsafe extern "C" fn post_recv(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_recv_wr,
+    bad_wr: *mut *mut ibv_recv_wr,
+) -> c_int {
+    guard("ibv_post_recv", libc::EIO, || {
+        let mut cur = wr;
+        // SAFETY: the caller passes a live QP.
+        let qp =
+            match unsafe { Qp::from_raw(qp) }.and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL)) {
+                Ok(q) => q,
+                Err(errno) => return fail_at(bad_wr, cur, errno),
+            };
+        while !cur.is_null() {
+            // SAFETY: a non-null element of the application's list.
+            let w = unsafe { &*cur };
+            // SAFETY: the verbs contract for sg_list.
+            let posted = unsafe { sge_slice(w.sg_list, w.num_sge) }.and_then(|list| {
+                let sges = convert_sges(list);
+                let r = RecvWr {
+                    wr_id: w.wr_id,
+                    sg_list: sges.as_slice(),
+                };
+                qp.post_recv(&[r]).map_err(|e| e.errno())
+            });
+            if let Err(errno) = posted {
+                return fail_at(bad_wr, cur, errno);
+            }
+            cur = w.next;
+        }
+        0
+    })
+}
+
+/// `ops.post_srq_recv`: vrdma has no SRQs, so no SRQ can reach this.
+///
+/// # Safety
+///
+/// `bad_wr` is NULL or writable.
+pub(crate) unsafe extern "C" fn post_srq_recv(
+    _srq: *mut ibv_srq,
+    wr: *mut ibv_recv_wr,
+    bad_wr: *mut *mut ibv_recv_wr,
+) -> c_int {
+    fail_at(bad_wr, wr, crate::ffi::unsupported("ibv_post_srq_recv"))
+}
+
+/// Fills an `ibv_wc` from a completion; `path` is the QP's (dlid, sl).
+pub(crate) fn fill_wc(wc: &WorkCompletion, path: Option<(u16, u8)>) -> ibv_wc {
+    let (slid, sl) = path.unwrap_or((0, 0));
+    ibv_wc {
+        wr_id: wc.wr_id,
+        status: u32::from(u8::from(wc.status)),
+        opcode: wc.opcode.map_or(0, |o| u32::from(u8::from(o))),
+        vendor_err: wc.vendor_err,
+        byte_len: wc.byte_len,
+        __bindgen_anon_1: ibv_wc__bindgen_ty_1 {
+            imm_data: wc.imm_data.map_or(0, u32::from_ne_bytes),
+        },
+        qp_num: wc.qp_num,
+        src_qp: wc.src_qp,
+        // GRH and WITH_IMM have libibverbs' bits on the wire.
+        wc_flags: u32::from(wc.wc_flags),
+        pkey_index: 0,
+        slid,
+        sl,
+        dlid_path_bits: 0,
+    }
+}
+
+fn is_receive(wc: &WorkCompletion) -> bool {
+    matches!(wc.opcode, Some(WcOpcode::Recv | WcOpcode::RecvRdmaWithImm))
+}
+
+/// `ops.poll_cq`: the number of completions written, or a negative errno.
+///
+/// # Safety
+///
+/// Called by the inline `ibv_poll_cq` with a live CQ and room for
+/// `num_entries` completions at `wc`.
+pub(crate) unsafe extern "C" fn poll_cq(
+    cq: *mut ibv_cq,
+    num_entries: c_int,
+    wc: *mut ibv_wc,
+) -> c_int {
+    guard("ibv_poll_cq", -libc::EIO, || {
+        // SAFETY: the caller passes a live CQ.
+        let (cq_box, our) = match unsafe { Cq::from_raw(cq) }
+            .and_then(|c| Ok((c, c.inner.as_ref().ok_or(libc::EINVAL)?)))
+        {
+            Ok(c) => c,
+            Err(errno) => return -errno,
+        };
+        let Ok(want) = usize::try_from(num_entries) else {
+            return -libc::EINVAL;
+        };
+        if want == 0 {
+            return 0;
+        }
+        if wc.is_null() {
+            return -libc::EINVAL;
+        }
+        // SAFETY: the caller provides room for `num_entries` completions.
+        let out = unsafe { std::slice::from_raw_parts_mut(wc, want) };
+        let mut buf = [WorkCompletion::default(); POLL_BATCH];
+        let mut total = 0;
+        while total < want {
+            let n = (want - total).min(POLL_BATCH);
+            let got = match our.poll(&mut buf[..n]) {
+                Ok(got) => got,
+                Err(e) if total == 0 => return -errno_of(&e),
+                Err(_) => break,
+            };
+            for (dst, src) in out[total..].iter_mut().zip(&buf[..got]) {
+                let path = if is_receive(src) {
+                    // SAFETY: a live CQ's context is open.
+                    unsafe { qp_path(cq, src.qp_num) }
+                } else {
+                    None
+                };
+                *dst = fill_wc(src, path);
+            }
+            total += got;
+            if got < n {
+                break;
+            }
+        }
+        if total == 0 {
+            empty_poll(cq_box);
+        } else {
+            cq_box.empty_polls.store(0, Ordering::Relaxed);
+        }
+        c_int::try_from(total).unwrap_or(c_int::MAX)
+    })
+}
+
+/// The (dlid, sl) of a local QP, for a receive completion's slid/sl.
+///
+/// # Safety
+///
+/// `cq` is a live CQ.
+unsafe fn qp_path(cq: *mut ibv_cq, qpn: u32) -> Option<(u16, u8)> {
+    // SAFETY: a live CQ's context is an open context of this library.
+    let ctx = unsafe { Ctx::from_ibv((*cq).context) }.ok()?;
+    let qps = ctx.shared.qps.read().unwrap_or_else(|e| e.into_inner());
+    qps.get(&qpn).map(|r| (r.dlid, r.sl))
+}
+
+/// `ops.req_notify_cq`.
+///
+/// # Safety
+///
+/// Called by the inline `ibv_req_notify_cq` with a live CQ.
+pub(crate) unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -> c_int {
+    guard("ibv_req_notify_cq", libc::EIO, || {
+        // SAFETY: the caller passes a live CQ.
+        match unsafe { Cq::from_raw(cq) }.and_then(|c| c.inner.as_ref().ok_or(libc::EINVAL)) {
+            Ok(c) => {
+                c.req_notify(solicited_only != 0);
+                0
+            }
+            Err(errno) => errno,
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::{
+        ibv_send_wr__bindgen_ty_2__bindgen_ty_1, ibv_send_wr__bindgen_ty_2__bindgen_ty_2,
+        IBV_SEND_SIGNALED, IBV_SEND_SOLICITED, IBV_WC_GRH, IBV_WC_RECV, IBV_WC_WITH_IMM,
+        IBV_WR_ATOMIC_CMP_AND_SWP, IBV_WR_RDMA_WRITE_WITH_IMM, IBV_WR_SEND,
+    };
+    use vrdma_guest_driver::vrdma_spec::verbs::WcStatus;
+
+    fn storage() -> SendStorage {
+        SendStorage {
+            sges: Sges::Stack([Sge::default(); STACK_SGES], 0),
+            inline: None,
+        }
+    }
+
+    #[test]
+    fn send_wr_translation() {
+        let mut sges = [
+            ibv_sge {
+                addr: 0x1000,
+                length: 64,
+                lkey: 7,
+            },
+            ibv_sge {
+                addr: 0x2000,
+                length: 8,
+                lkey: 9,
+            },
+        ];
+        let mut w = ibv_send_wr {
+            wr_id: 42,
+            sg_list: sges.as_mut_ptr(),
+            num_sge: 2,
+            opcode: IBV_WR_RDMA_WRITE_WITH_IMM,
+            send_flags: IBV_SEND_SIGNALED | IBV_SEND_SOLICITED,
+            ..Default::default()
+        };
+        w.__bindgen_anon_1.imm_data = u32::from_ne_bytes([1, 2, 3, 4]);
+        w.wr.rdma = ibv_send_wr__bindgen_ty_2__bindgen_ty_1 {
+            remote_addr: 0xdead_0000,
+            rkey: 0x55,
+        };
+        let mut st = storage();
+        // SAFETY: sg_list holds num_sge SGEs.
+        let t = unsafe { translate_send(&w, &mut st) }.unwrap();
+        assert_eq!(t.wr_id, 42);
+        assert_eq!(t.opcode, SendOpcode::RdmaWriteWithImm);
+        assert_eq!(t.flags, send_flags::SIGNALED | send_flags::SOLICITED);
+        assert_eq!(t.imm_data, [1, 2, 3, 4], "big-endian bytes pass through");
+        assert_eq!((t.remote_addr, t.rkey), (0xdead_0000, 0x55));
+        match t.payload {
+            SendPayload::Sges(s) => assert_eq!(
+                s,
+                [
+                    Sge {
+                        addr: 0x1000,
+                        length: 64,
+                        lkey: 7
+                    },
+                    Sge {
+                        addr: 0x2000,
+                        length: 8,
+                        lkey: 9
+                    }
+                ]
+            ),
+            SendPayload::Inline(_) => panic!("not inline"),
+        }
+
+        let mut w = ibv_send_wr {
+            opcode: IBV_WR_ATOMIC_CMP_AND_SWP,
+            ..Default::default()
+        };
+        w.wr.atomic = ibv_send_wr__bindgen_ty_2__bindgen_ty_2 {
+            remote_addr: 0x40,
+            compare_add: 1,
+            swap: 2,
+            rkey: 3,
+        };
+        // SAFETY: no SGEs.
+        let t = unsafe { translate_send(&w, &mut st) }.unwrap();
+        assert_eq!(
+            (t.remote_addr, t.rkey, t.compare_add, t.swap),
+            (0x40, 3, 1, 2)
+        );
+
+        w.opcode = 99;
+        // SAFETY: no SGEs.
+        let r = unsafe { translate_send(&w, &mut st) };
+        assert_eq!(r.err(), Some(libc::EINVAL));
+        w.opcode = IBV_WR_SEND;
+        w.num_sge = -1;
+        // SAFETY: a negative count is refused before any read.
+        let r = unsafe { translate_send(&w, &mut st) };
+        assert_eq!(r.err(), Some(libc::EINVAL));
+    }
+
+    #[test]
+    fn inline_sends_gather_application_bytes() {
+        let a = *b"hello ";
+        let b = *b"world";
+        let mut sges = [
+            ibv_sge {
+                addr: a.as_ptr() as u64,
+                length: 6,
+                lkey: 0,
+            },
+            ibv_sge {
+                addr: b.as_ptr() as u64,
+                length: 5,
+                lkey: 0,
+            },
+        ];
+        let w = ibv_send_wr {
+            sg_list: sges.as_mut_ptr(),
+            num_sge: 2,
+            opcode: IBV_WR_SEND,
+            send_flags: IBV_SEND_INLINE | IBV_SEND_SIGNALED,
+            ..Default::default()
+        };
+        let mut st = storage();
+        // SAFETY: the SGEs point to the arrays above.
+        let t = unsafe { translate_send(&w, &mut st) }.unwrap();
+        assert_eq!(t.flags, send_flags::SIGNALED);
+        match t.payload {
+            SendPayload::Inline(d) => assert_eq!(d, b"hello world"),
+            SendPayload::Sges(_) => panic!("inline"),
+        }
+        let mut long = [sges[0], sges[1]];
+        long[1].length = MAX_INLINE as u32;
+        let w = ibv_send_wr {
+            sg_list: long.as_mut_ptr(),
+            ..w
+        };
+        // SAFETY: too long is refused before reading past the arrays.
+        let r = unsafe { translate_send(&w, &mut st) };
+        assert_eq!(r.err(), Some(libc::EINVAL));
+    }
+
+    #[test]
+    fn long_sge_lists_use_the_heap() {
+        let list = vec![
+            ibv_sge {
+                addr: 1,
+                length: 2,
+                lkey: 3
+            };
+            STACK_SGES + 3
+        ];
+        let s = convert_sges(&list);
+        assert!(matches!(s, Sges::Heap(_)));
+        assert_eq!(s.as_slice().len(), STACK_SGES + 3);
+        assert!(matches!(convert_sges(&list[..2]), Sges::Stack(_, 2)));
+    }
+
+    #[test]
+    fn completions_fill_every_field() {
+        let wc = WorkCompletion {
+            wr_id: 5,
+            status: WcStatus::Success,
+            opcode: Some(WcOpcode::Recv),
+            vendor_err: 0,
+            byte_len: 4096,
+            imm_data: Some([0, 0, 0, 9]),
+            qp_num: 0x1234,
+            src_qp: 0x5678,
+            wc_flags: (IBV_WC_WITH_IMM | IBV_WC_GRH) as u8,
+        };
+        let out = fill_wc(&wc, Some((17, 3)));
+        assert_eq!(out.wr_id, 5);
+        assert_eq!(out.status, 0);
+        assert_eq!(out.opcode, IBV_WC_RECV);
+        assert_eq!(out.byte_len, 4096);
+        // SAFETY: reading the imm_data member of a plain-integer union.
+        let imm = unsafe { out.__bindgen_anon_1.imm_data };
+        assert_eq!(imm.to_ne_bytes(), [0, 0, 0, 9]);
+        assert_eq!((out.qp_num, out.src_qp), (0x1234, 0x5678));
+        assert_eq!(out.wc_flags, IBV_WC_WITH_IMM | IBV_WC_GRH);
+        assert_eq!(
+            (out.slid, out.sl, out.pkey_index, out.dlid_path_bits),
+            (17, 3, 0, 0)
+        );
+        let err = WorkCompletion {
+            status: WcStatus::RemAccessErr,
+            opcode: None,
+            ..wc
+        };
+        let out = fill_wc(&err, None);
+        assert_eq!(out.status, 10);
+        assert_eq!(out.opcode, 0);
+    }
+}

@@ -1,0 +1,243 @@
+//! What vrdma refuses, and the provider interface it does not have.
+//!
+//! Verbs vrdma does not implement fail the way a provider without the
+//! feature fails: NULL with `errno = EOPNOTSUPP`, or `EOPNOTSUPP` returned.
+//! Nothing here succeeds silently.
+//!
+//! `IBVERBS_PRIVATE_34` is the interface between rdma-core and its
+//! provider libraries (`libmlx5`, `libefa`, ...). perftest links those
+//! libraries, so their imports must resolve and their constructors call
+//! `verbs_register_driver_34`; this library loads no provider, so the
+//! registration is ignored and every other entry point refuses.
+
+use std::ffi::{c_int, c_void};
+
+use crate::abi::{
+    ibv_alloc_dm_attr, ibv_context, ibv_counters, ibv_counters_init_attr, ibv_cq_ex,
+    ibv_cq_init_attr_ex, ibv_dm, ibv_ece, ibv_flow, ibv_flow_attr, ibv_gid, ibv_mr, ibv_mw,
+    ibv_mw_bind, ibv_mw_type, ibv_parent_domain_init_attr, ibv_pd, ibv_qp, ibv_qp_ex,
+    ibv_qp_init_attr_ex, ibv_qp_open_attr, ibv_rwq_ind_table, ibv_rwq_ind_table_init_attr, ibv_srq,
+    ibv_srq_attr, ibv_srq_init_attr, ibv_srq_init_attr_ex, ibv_td, ibv_td_init_attr, ibv_wq,
+    ibv_wq_init_attr, ibv_xrcd, ibv_xrcd_init_attr,
+};
+use crate::ffi::{int_verb, ptr_verb, set_errno, unsupported};
+
+/// Defines context-op refusals that return NULL with `errno = EOPNOTSUPP`.
+macro_rules! refuse_ptr {
+    ($($name:ident($($arg:ident: $ty:ty),*) -> $ret:ty, $what:literal;)+) => {$(
+        #[doc = concat!("Refuses ", $what, ": NULL, `errno = EOPNOTSUPP`.")]
+        ///
+        /// # Safety
+        ///
+        /// Any arguments: none is dereferenced.
+        pub(crate) unsafe extern "C" fn $name($(_: $ty),*) -> *mut $ret {
+            ptr_verb($what, || Err(unsupported($what)))
+        }
+    )+};
+}
+
+/// Defines refusals that return `EOPNOTSUPP` (also in `errno`).
+macro_rules! refuse_int {
+    ($($(#[$attr:meta])* $vis:vis $name:ident($($arg:ident: $ty:ty),*), $what:literal;)+) => {$(
+        #[doc = concat!("Refuses ", $what, ": `EOPNOTSUPP`.")]
+        ///
+        /// # Safety
+        ///
+        /// Any arguments: none is dereferenced.
+        $(#[$attr])*
+        $vis unsafe extern "C" fn $name($(_: $ty),*) -> c_int {
+            int_verb($what, || Err(unsupported($what)))
+        }
+    )+};
+}
+
+refuse_ptr! {
+    alloc_mw(pd: *mut ibv_pd, kind: ibv_mw_type) -> ibv_mw, "memory windows (ibv_alloc_mw)";
+    open_xrcd(context: *mut ibv_context, attr: *mut ibv_xrcd_init_attr) -> ibv_xrcd, "XRC domains (ibv_open_xrcd)";
+    create_srq_ex(context: *mut ibv_context, attr: *mut ibv_srq_init_attr_ex) -> ibv_srq, "SRQs (ibv_create_srq_ex)";
+    create_qp_ex(context: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> ibv_qp, "extended QP creation (ibv_create_qp_ex)";
+    open_qp(context: *mut ibv_context, attr: *mut ibv_qp_open_attr) -> ibv_qp, "XRC target QPs (ibv_open_qp)";
+    create_cq_ex(context: *mut ibv_context, attr: *mut ibv_cq_init_attr_ex) -> ibv_cq_ex, "extended CQs (ibv_create_cq_ex)";
+    create_wq(context: *mut ibv_context, attr: *mut ibv_wq_init_attr) -> ibv_wq, "work queues (ibv_create_wq)";
+    alloc_dm(context: *mut ibv_context, attr: *mut ibv_alloc_dm_attr) -> ibv_dm, "device memory (ibv_alloc_dm)";
+    alloc_td(context: *mut ibv_context, attr: *mut ibv_td_init_attr) -> ibv_td, "thread domains (ibv_alloc_td)";
+    alloc_parent_domain(context: *mut ibv_context, attr: *mut ibv_parent_domain_init_attr) -> ibv_pd, "parent domains (ibv_alloc_parent_domain)";
+    create_counters(context: *mut ibv_context, attr: *mut ibv_counters_init_attr) -> ibv_counters, "counters (ibv_create_counters)";
+    create_flow(qp: *mut ibv_qp, attr: *mut ibv_flow_attr) -> ibv_flow, "flow steering (ibv_create_flow)";
+    create_rwq_ind_table(context: *mut ibv_context, attr: *mut ibv_rwq_ind_table_init_attr) -> ibv_rwq_ind_table, "RSS tables (ibv_create_rwq_ind_table)";
+    alloc_null_mr(pd: *mut ibv_pd) -> ibv_mr, "null MRs (ibv_alloc_null_mr)";
+}
+
+refuse_int! {
+    pub(crate) bind_mw(qp: *mut ibv_qp, mw: *mut ibv_mw, bind: *mut ibv_mw_bind), "memory windows (ibv_bind_mw)";
+    pub(crate) dealloc_mw(mw: *mut ibv_mw), "memory windows (ibv_dealloc_mw)";
+    pub(crate) close_xrcd(xrcd: *mut ibv_xrcd), "XRC domains (ibv_close_xrcd)";
+    pub ibv_destroy_srq(srq: *mut ibv_srq), "SRQs (ibv_destroy_srq)";
+    pub ibv_modify_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr, mask: c_int), "SRQs (ibv_modify_srq)";
+    pub ibv_query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr), "SRQs (ibv_query_srq)";
+    pub ibv_attach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16), "multicast (ibv_attach_mcast)";
+    pub ibv_detach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16), "multicast (ibv_detach_mcast)";
+    pub ibv_query_ece(qp: *mut ibv_qp, ece: *mut ibv_ece), "ECE (ibv_query_ece)";
+    pub ibv_set_ece(qp: *mut ibv_qp, ece: *mut ibv_ece), "ECE (ibv_set_ece)";
+    pub ibv_resolve_eth_l2_from_gid(context: *mut ibv_context, attr: *mut c_void, mac: *mut u8, vid: *mut u16), "Ethernet L2 resolution (ibv_resolve_eth_l2_from_gid)";
+}
+
+/// `ibv_create_srq`: vrdma has no SRQs (`max_srq` is 0).
+///
+/// # Safety
+///
+/// Any arguments: none is dereferenced.
+pub unsafe extern "C" fn ibv_create_srq(
+    _pd: *mut ibv_pd,
+    _attr: *mut ibv_srq_init_attr,
+) -> *mut ibv_srq {
+    ptr_verb("ibv_create_srq", || {
+        Err(unsupported("SRQs (ibv_create_srq)"))
+    })
+}
+
+/// `ibv_qp_to_qp_ex`: no QP is created with the extended interface, so
+/// there is no `ibv_qp_ex` (NULL, as rdma-core answers for such QPs).
+///
+/// # Safety
+///
+/// Any arguments: none is dereferenced.
+pub unsafe extern "C" fn ibv_qp_to_qp_ex(_qp: *mut ibv_qp) -> *mut ibv_qp_ex {
+    set_errno(libc::EOPNOTSUPP);
+    std::ptr::null_mut()
+}
+
+fn provider_only(name: &'static str) -> c_int {
+    tracing::warn!(
+        name,
+        "A provider interface was called; vrdma loads no providers"
+    );
+    set_errno(libc::EOPNOTSUPP);
+    libc::EOPNOTSUPP
+}
+
+/// Defines `IBVERBS_PRIVATE_34` entry points returning `EOPNOTSUPP`.
+/// Their C arguments are ignored (and never read), which the x86_64 C
+/// calling convention allows.
+macro_rules! provider_int {
+    ($($name:ident),+ $(,)?) => {$(
+        #[doc = concat!("`", stringify!($name), "` (IBVERBS_PRIVATE_34): a provider interface; `EOPNOTSUPP`.")]
+        pub extern "C" fn $name() -> c_int {
+            provider_only(stringify!($name))
+        }
+    )+};
+}
+
+provider_int!(
+    execute_ioctl,
+    ibv_cmd_advise_mr,
+    ibv_cmd_alloc_dm,
+    ibv_cmd_alloc_mw,
+    ibv_cmd_alloc_pd,
+    ibv_cmd_attach_mcast,
+    ibv_cmd_close_xrcd,
+    ibv_cmd_create_ah,
+    ibv_cmd_create_counters,
+    ibv_cmd_create_cq_ex,
+    ibv_cmd_create_flow,
+    ibv_cmd_create_flow_action_esp,
+    ibv_cmd_create_qp_ex,
+    ibv_cmd_create_qp_ex2,
+    ibv_cmd_create_rwq_ind_table,
+    ibv_cmd_create_srq,
+    ibv_cmd_create_srq_ex,
+    ibv_cmd_create_wq,
+    ibv_cmd_dealloc_mw,
+    ibv_cmd_dealloc_pd,
+    ibv_cmd_dereg_mr,
+    ibv_cmd_destroy_ah,
+    ibv_cmd_destroy_counters,
+    ibv_cmd_destroy_cq,
+    ibv_cmd_destroy_flow,
+    ibv_cmd_destroy_flow_action,
+    ibv_cmd_destroy_qp,
+    ibv_cmd_destroy_rwq_ind_table,
+    ibv_cmd_destroy_srq,
+    ibv_cmd_destroy_wq,
+    ibv_cmd_detach_mcast,
+    ibv_cmd_free_dm,
+    ibv_cmd_get_context,
+    ibv_cmd_modify_cq,
+    ibv_cmd_modify_flow_action_esp,
+    ibv_cmd_modify_qp,
+    ibv_cmd_modify_qp_ex,
+    ibv_cmd_modify_srq,
+    ibv_cmd_modify_wq,
+    ibv_cmd_open_qp,
+    ibv_cmd_open_xrcd,
+    ibv_cmd_query_context,
+    ibv_cmd_query_device_any,
+    ibv_cmd_query_mr,
+    ibv_cmd_query_port,
+    ibv_cmd_query_qp,
+    ibv_cmd_query_srq,
+    ibv_cmd_read_counters,
+    ibv_cmd_reg_dm_mr,
+    ibv_cmd_reg_dmabuf_mr,
+    ibv_cmd_reg_mr,
+    ibv_cmd_rereg_mr,
+    ibv_cmd_resize_cq,
+);
+
+/// `_verbs_init_and_alloc_context` (IBVERBS_PRIVATE_34): providers only;
+/// NULL with `errno = EOPNOTSUPP`.
+pub extern "C" fn _verbs_init_and_alloc_context() -> *mut c_void {
+    provider_only("_verbs_init_and_alloc_context");
+    std::ptr::null_mut()
+}
+
+/// `verbs_open_device` (IBVERBS_PRIVATE_34): providers only; NULL with
+/// `errno = EOPNOTSUPP`.
+pub extern "C" fn verbs_open_device() -> *mut c_void {
+    provider_only("verbs_open_device");
+    std::ptr::null_mut()
+}
+
+/// `verbs_register_driver_34` (IBVERBS_PRIVATE_34): provider libraries
+/// call it from their constructors; vrdma uses no provider and ignores it.
+pub extern "C" fn verbs_register_driver_34(_ops: *const c_void) {}
+
+/// `verbs_init_cq` (IBVERBS_PRIVATE_34): providers only; does nothing.
+pub extern "C" fn verbs_init_cq() {
+    provider_only("verbs_init_cq");
+}
+
+/// `verbs_set_ops` (IBVERBS_PRIVATE_34): providers only; does nothing.
+pub extern "C" fn verbs_set_ops() {
+    provider_only("verbs_set_ops");
+}
+
+/// `verbs_uninit_context` (IBVERBS_PRIVATE_34): providers only; does nothing.
+pub extern "C" fn verbs_uninit_context() {
+    provider_only("verbs_uninit_context");
+}
+
+/// `__verbs_log` (IBVERBS_PRIVATE_34): providers' debug log; ignored.
+pub extern "C" fn __verbs_log() {}
+
+/// `verbs_allow_disassociate_destroy` (IBVERBS_PRIVATE_34): false.
+pub extern "C" fn verbs_allow_disassociate_destroy() -> c_int {
+    0
+}
+
+/// Defines the historical kernel-structure copy helpers of IBVERBS_1.0/1.1,
+/// private to rdma-core since: nothing of vrdma uses kernel structures.
+macro_rules! kern_copy {
+    ($($name:ident),+ $(,)?) => {$(
+        #[doc = concat!("`", stringify!($name), "`: a historical rdma-core internal; does nothing.")]
+        pub extern "C" fn $name() {
+            provider_only(stringify!($name));
+        }
+    )+};
+}
+
+kern_copy!(
+    ibv_copy_ah_attr_from_kern,
+    ibv_copy_path_rec_from_kern,
+    ibv_copy_qp_attr_from_kern,
+);

@@ -1,0 +1,2 @@
+/* What bindgen reads to produce src/abi.rs: the public libibverbs header. */
+#include <infiniband/verbs.h>

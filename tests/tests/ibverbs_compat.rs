@@ -1,0 +1,574 @@
+//! Binary compatibility: Debian's own RDMA programs (ibverbs-utils,
+//! perftest), unmodified, on vrdma through the drop-in `libibverbs.so.1`
+//! (`guest-driver/libibverbs`), between two process-mode tenants of one
+//! hostd. The server side runs on tenant alpha's vdev, the client on
+//! beta's; they exchange QP numbers over TCP on 127.0.0.1.
+//!
+//! The programs come from Debian packages that `.ci/run` installs. Where
+//! they are missing, each test says so on stderr and returns (and fails
+//! under CI, where they must be there).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use vrdma_tests::daemon::{Hostd, TempDir, Vdev};
+
+/// The tests share two cores with the daemons: one program pair at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// TCP ports for the programs' QP exchange, one per run.
+fn next_port() -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20000 + (std::process::id() % 20000) as u16;
+    base + NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// `name` found on PATH.
+fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+/// Whether every tool is installed; if not, says which are missing (and
+/// fails under CI, whose `.ci/run` installs them).
+fn have(tools: &[&str]) -> bool {
+    let missing: Vec<&str> = tools
+        .iter()
+        .copied()
+        .filter(|t| which(t).is_none())
+        .collect();
+    if missing.is_empty() {
+        return true;
+    }
+    let msg = format!(
+        "SKIPPED: {} not installed (apt-get install ibverbs-utils perftest libibverbs-dev)",
+        missing.join(", ")
+    );
+    assert!(
+        std::env::var_os("CI").is_none(),
+        "{msg}: .ci/run installs them"
+    );
+    eprintln!("{msg}");
+    false
+}
+
+/// A directory holding `libibverbs.so.1` → the built cdylib.
+struct ShimDir(TempDir);
+
+impl ShimDir {
+    fn new() -> Self {
+        // The profile directory this test was built into (not
+        // `VRDMA_BIN_DIR`, which may name other daemons).
+        let exe = std::env::current_exe().expect("test executable path");
+        let dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("target/<profile>/deps/<test>");
+        // `cargo test --workspace` leaves the cdylib in deps/ (built for the
+        // doctests); `cargo build` also copies it up. Take the newest.
+        let lib = [dir.join("libibverbs.so"), dir.join("deps/libibverbs.so")]
+            .into_iter()
+            .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
+            .max()
+            .map(|(_, p)| p)
+            .unwrap_or_else(|| {
+                panic!(
+                    "libibverbs.so is missing in {}: build the workspace first \
+                     (`cargo test --workspace` builds vrdma-libibverbs)",
+                    dir.display()
+                )
+            });
+        let tmp = TempDir::new("ibverbs-shim");
+        std::os::unix::fs::symlink(&lib, tmp.path().join("libibverbs.so.1"))
+            .expect("symlink libibverbs.so.1");
+        ShimDir(tmp)
+    }
+
+    fn path(&self) -> &Path {
+        self.0.path()
+    }
+
+    /// `program` with the shim first on the library path and `socket` as
+    /// its only vrdma device.
+    fn command(&self, program: &str, socket: &Path) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.env("LD_LIBRARY_PATH", self.path())
+            .env("VRDMA_DEVICES", socket)
+            .env_remove("VRDMA_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
+}
+
+/// hostd with its two default tenants' vdevs.
+struct Fabric {
+    // Dropped in declaration order: the vdevs before hostd.
+    alpha: Vdev,
+    beta: Vdev,
+    hostd: Hostd,
+}
+
+impl Fabric {
+    fn start() -> Self {
+        let hostd = Hostd::start(None);
+        let alpha = Vdev::on_hostd(&hostd, "alpha", &[]);
+        let beta = Vdev::on_hostd(&hostd, "beta", &[]);
+        Fabric { alpha, beta, hostd }
+    }
+
+    fn logs(&self) -> String {
+        format!(
+            "--- hostd log:\n{}\n--- vdev alpha log:\n{}\n--- vdev beta log:\n{}",
+            self.hostd.log(),
+            self.alpha.log(),
+            self.beta.log()
+        )
+    }
+}
+
+/// Waits for `child` up to `timeout`; kills it if it takes longer.
+fn wait_output(mut child: Child, timeout: Duration) -> (Output, bool) {
+    let deadline = Instant::now() + timeout;
+    let timed_out = loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break false,
+            Ok(None) if Instant::now() >= deadline => {
+                let _ = child.kill();
+                break true;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("wait: {e}"),
+        }
+    };
+    (child.wait_with_output().expect("collect output"), timed_out)
+}
+
+/// Whether something listens on TCP `port` (read from /proc, so that the
+/// server's single accept is not used up by a probe).
+fn listening(port: u16) -> bool {
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+        std::fs::read_to_string(f).is_ok_and(|table| {
+            table.lines().skip(1).any(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let local_port = fields
+                    .get(1)
+                    .and_then(|a| a.rsplit(':').next())
+                    .and_then(|p| u16::from_str_radix(p, 16).ok());
+                // State 0A is LISTEN.
+                local_port == Some(port) && fields.get(3) == Some(&"0A")
+            })
+        })
+    })
+}
+
+struct Run {
+    server: Output,
+    client: Output,
+}
+
+impl Run {
+    fn text(o: &Output) -> String {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    }
+
+    fn server_text(&self) -> String {
+        Self::text(&self.server)
+    }
+
+    fn client_text(&self) -> String {
+        Self::text(&self.client)
+    }
+}
+
+/// Runs `program args` as the server on alpha and `program args localhost`
+/// as the client on beta (both with `-p port`); both must exit 0.
+fn run_pair(shim: &ShimDir, fabric: &Fabric, program: &str, args: &[&str]) -> Run {
+    let port = next_port().to_string();
+    let server = shim
+        .command(program, &fabric.alpha.socket)
+        .args(["-p", &port])
+        .args(args)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !listening(port.parse().expect("port")) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let client = shim
+        .command(program, &fabric.beta.socket)
+        .args(["-p", &port])
+        .args(args)
+        .arg("localhost")
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let (client, client_late) = wait_output(client, Duration::from_secs(120));
+    let (server, server_late) = wait_output(server, Duration::from_secs(20));
+    let run = Run { server, client };
+    let ok = run.server.status.success() && run.client.status.success();
+    assert!(
+        ok && !client_late && !server_late,
+        "{program} {args:?}: server {:?}{}, client {:?}{}\n--- server:\n{}\n--- client:\n{}\n{}",
+        run.server.status,
+        if server_late {
+            " (killed: too slow)"
+        } else {
+            ""
+        },
+        run.client.status,
+        if client_late {
+            " (killed: too slow)"
+        } else {
+            ""
+        },
+        run.server_text(),
+        run.client_text(),
+        fabric.logs()
+    );
+    run
+}
+
+#[test]
+fn ibv_devinfo_lists_the_vrdma_device_with_an_active_port() {
+    if !have(&["ibv_devinfo"]) {
+        return;
+    }
+    let _serial = serial();
+    let shim = ShimDir::new();
+    let fabric = Fabric::start();
+    let child = shim
+        .command("ibv_devinfo", &fabric.alpha.socket)
+        .arg("-v")
+        .spawn()
+        .expect("spawn ibv_devinfo");
+    let (out, late) = wait_output(child, Duration::from_secs(30));
+    let text = Run::text(&out);
+    assert!(
+        out.status.success() && !late,
+        "ibv_devinfo: {:?}\n{text}",
+        out.status
+    );
+    for expected in [
+        "hca_id:\tvrdma0",
+        "transport:\t\t\tInfiniBand (0)",
+        "vendor_id:\t\t\t0x1af4",
+        "phys_port_cnt:\t\t\t1",
+        "state:\t\t\tPORT_ACTIVE (4)",
+        "active_mtu:\t\t4096 (5)",
+        "link_layer:\t\tInfiniBand",
+        "GID[  0]:\t\tfe80:0000:0000:0000:7672:",
+    ] {
+        assert!(text.contains(expected), "no {expected:?} in:\n{text}");
+    }
+    // hostd assigned the port a LID (rc_pingpong needs one on InfiniBand).
+    let lid = text
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("port_lid:"))
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .expect("port_lid line");
+    assert!(lid > 0, "{text}");
+}
+
+#[test]
+fn misconfiguration_is_reported_clearly() {
+    if !have(&["ibv_devinfo"]) {
+        return;
+    }
+    let shim = ShimDir::new();
+    let dir = TempDir::new("ibverbs-noconf");
+    // Nothing configured (a config file that is named but missing).
+    let out = Command::new("ibv_devinfo")
+        .env("LD_LIBRARY_PATH", shim.path())
+        .env_remove("VRDMA_DEVICES")
+        .env("VRDMA_CONFIG", dir.path().join("missing.toml"))
+        .output()
+        .expect("run ibv_devinfo");
+    let text = Run::text(&out);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("libibverbs (vrdma): invalid vrdma configuration in"),
+        "{text}"
+    );
+    assert!(text.contains("No IB devices found"), "{text}");
+    // A device whose vdev is not there.
+    let out = Command::new("ibv_devinfo")
+        .env("LD_LIBRARY_PATH", shim.path())
+        .env("VRDMA_DEVICES", dir.path().join("gone.sock"))
+        .output()
+        .expect("run ibv_devinfo");
+    let text = Run::text(&out);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("libibverbs (vrdma): cannot open device vrdma0 (vdev socket")
+            && text.contains("gone.sock"),
+        "{text}"
+    );
+}
+
+fn rc_pingpong(args: &[&str]) {
+    if !have(&["ibv_rc_pingpong"]) {
+        return;
+    }
+    let _serial = serial();
+    let shim = ShimDir::new();
+    // A fresh fabric per pair: each program is a new vhost-user frontend.
+    let fabric = Fabric::start();
+    let run = run_pair(&shim, &fabric, "ibv_rc_pingpong", args);
+    for (side, text) in [("server", run.server_text()), ("client", run.client_text())] {
+        assert!(text.contains("local address:  LID 0x"), "{side}:\n{text}");
+        assert!(
+            text.contains(" bytes in ") && text.contains(" iters in "),
+            "{side}:\n{text}"
+        );
+    }
+}
+
+#[test]
+fn ibv_rc_pingpong_polling() {
+    rc_pingpong(&["-n", "500"]);
+}
+
+#[test]
+fn ibv_rc_pingpong_with_completion_events() {
+    rc_pingpong(&["-n", "500", "-e"]);
+}
+
+#[test]
+fn ibv_rc_pingpong_validates_buffer_contents() {
+    rc_pingpong(&["-n", "500", "-c"]);
+}
+
+/// 64-byte messages fit the QP's inline data (rc_pingpong asks
+/// `ibv_query_qp` for it), so they go as IBV_SEND_INLINE; `-c` checks them.
+#[test]
+fn ibv_rc_pingpong_inline_sends_arrive_intact() {
+    rc_pingpong(&["-n", "500", "-s", "64", "-c"]);
+}
+
+/// One perftest program at a small and a large message size.
+fn perftest(program: &str, iters: &str) {
+    if !have(&[program]) {
+        return;
+    }
+    let _serial = serial();
+    let shim = ShimDir::new();
+    for size in ["64", "65536"] {
+        let fabric = Fabric::start();
+        let run = run_pair(&shim, &fabric, program, &["-s", size, "-n", iters, "-F"]);
+        // Both sides connected; the client reports the results (the
+        // passive side of a READ test prints none).
+        let server = run.server_text();
+        assert!(
+            server.contains(" local address: LID "),
+            "{program} server:\n{server}"
+        );
+        let client = run.client_text();
+        assert!(
+            client.contains("#bytes"),
+            "{program} client (size {size}):\n{client}"
+        );
+        let row = client
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(size))
+            .unwrap_or_else(|| panic!("{program}: no result row for {size}:\n{client}"));
+        assert!(row.split_whitespace().count() >= 4, "{program}: {row}");
+        eprintln!(
+            "{program} -s {size}: {}",
+            run.client_text()
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some(size))
+                .unwrap_or_default()
+                .trim()
+        );
+    }
+}
+
+#[test]
+fn perftest_ib_write_bw() {
+    perftest("ib_write_bw", "2000");
+}
+
+#[test]
+fn perftest_ib_read_bw() {
+    perftest("ib_read_bw", "2000");
+}
+
+#[test]
+fn perftest_ib_send_bw() {
+    perftest("ib_send_bw", "2000");
+}
+
+#[test]
+fn perftest_ib_write_lat() {
+    perftest("ib_write_lat", "1000");
+}
+
+#[test]
+fn perftest_ib_read_lat() {
+    perftest("ib_read_lat", "1000");
+}
+
+#[test]
+fn perftest_ib_send_lat() {
+    perftest("ib_send_lat", "1000");
+}
+
+/// perftest's `-e`: both sides sleep on completion channels (perftest
+/// allows it for SEND and READ tests).
+#[test]
+fn perftest_with_completion_events() {
+    if !have(&["ib_send_bw", "ib_send_lat", "ib_read_lat"]) {
+        return;
+    }
+    let _serial = serial();
+    let shim = ShimDir::new();
+    for program in ["ib_send_bw", "ib_send_lat", "ib_read_lat"] {
+        let fabric = Fabric::start();
+        let run = run_pair(
+            &shim,
+            &fabric,
+            program,
+            &["-e", "-s", "64", "-n", "500", "-F"],
+        );
+        let client = run.client_text();
+        assert!(
+            client
+                .lines()
+                .any(|l| l.split_whitespace().next() == Some("64")),
+            "{program} -e: no result row:\n{client}"
+        );
+    }
+}
+
+/// A C program built against Debian's <infiniband/verbs.h> and libibverbs,
+/// run on the shim: what vrdma refuses fails with EOPNOTSUPP/ENOSYS.
+const REFUSALS_C: &str = r#"
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <infiniband/verbs.h>
+
+static int refused(const char *what, const void *obj, int err)
+{
+	printf("%s: %s, errno %d (%s)\n", what, obj ? "an object" : "NULL", err, strerror(err));
+	return !obj && (err == EOPNOTSUPP || err == ENOSYS);
+}
+
+int main(void)
+{
+	int n = -1, ok = 1;
+	struct ibv_device **list = ibv_get_device_list(&n);
+	if (!list || n != 1) { printf("device list: %d\n", n); return 2; }
+	struct ibv_context *ctx = ibv_open_device(list[0]);
+	if (!ctx) { perror("ibv_open_device"); return 3; }
+	struct ibv_pd *pd = ibv_alloc_pd(ctx);
+	struct ibv_cq *cq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
+	if (!pd || !cq) { perror("pd/cq"); return 4; }
+
+	errno = 0;
+	struct ibv_mw *mw = ibv_alloc_mw(pd, IBV_MW_TYPE_1);
+	ok &= refused("ibv_alloc_mw", mw, errno);
+
+	struct ibv_xrcd_init_attr xattr = {
+		.comp_mask = IBV_XRCD_INIT_ATTR_FD | IBV_XRCD_INIT_ATTR_OFLAGS,
+		.fd = -1, .oflags = O_CREAT,
+	};
+	errno = 0;
+	struct ibv_xrcd *xrcd = ibv_open_xrcd(ctx, &xattr);
+	ok &= refused("ibv_open_xrcd", xrcd, errno);
+
+	struct ibv_srq_init_attr sattr = { .attr = { .max_wr = 16, .max_sge = 1 } };
+	errno = 0;
+	struct ibv_srq *srq = ibv_create_srq(pd, &sattr);
+	ok &= refused("ibv_create_srq", srq, errno);
+
+	struct ibv_cq_init_attr_ex cattr = { .cqe = 16 };
+	errno = 0;
+	struct ibv_cq_ex *cq_ex = ibv_create_cq_ex(ctx, &cattr);
+	ok &= refused("ibv_create_cq_ex", cq_ex, errno);
+
+	struct ibv_qp_init_attr qattr = {
+		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UD,
+		.cap = { .max_send_wr = 4, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 },
+	};
+	errno = 0;
+	struct ibv_qp *ud = ibv_create_qp(pd, &qattr);
+	ok &= refused("ibv_create_qp(UD)", ud, errno);
+
+	qattr.qp_type = IBV_QPT_RC;
+	struct ibv_qp *rc = ibv_create_qp(pd, &qattr);
+	if (!rc) { perror("ibv_create_qp(RC)"); return 5; }
+	union ibv_gid gid = { .raw = { 0xff } };
+	int ret = ibv_attach_mcast(rc, &gid, 0xc001);
+	ok &= refused("ibv_attach_mcast", NULL, ret);
+	struct ibv_ece ece;
+	ret = ibv_query_ece(rc, &ece);
+	ok &= refused("ibv_query_ece", NULL, ret);
+
+	if (ibv_destroy_qp(rc) || ibv_destroy_cq(cq) || ibv_dealloc_pd(pd) || ibv_close_device(ctx)) {
+		perror("cleanup");
+		return 6;
+	}
+	ibv_free_device_list(list);
+	printf(ok ? "all refused\n" : "SOMETHING WAS NOT REFUSED\n");
+	return ok ? 0 : 1;
+}
+"#;
+
+#[test]
+fn refused_verbs_return_errors_not_crashes() {
+    if !have(&["cc"]) || !Path::new("/usr/include/infiniband/verbs.h").exists() {
+        if std::env::var_os("CI").is_none() {
+            eprintln!("SKIPPED: needs cc and libibverbs-dev");
+            return;
+        }
+        panic!("cc and libibverbs-dev are installed by .ci/run");
+    }
+    let shim = ShimDir::new();
+    let dir = TempDir::new("ibverbs-refusals");
+    let src = dir.path().join("refusals.c");
+    std::fs::File::create(&src)
+        .and_then(|mut f| f.write_all(REFUSALS_C.as_bytes()))
+        .expect("write the C program");
+    let exe = dir.path().join("refusals");
+    // Linked against Debian's libibverbs, so the binary imports versioned
+    // symbols exactly as packaged programs do.
+    let cc = Command::new("cc")
+        .arg(&src)
+        .arg("-o")
+        .arg(&exe)
+        .args(["-Wl,-z,now", "-libverbs"])
+        .output()
+        .expect("run cc");
+    assert!(cc.status.success(), "cc: {}", Run::text(&cc));
+    // Control verbs only: a vdev without hostd serves them.
+    let vdev = Vdev::start("refusals", &[]);
+    let child = shim
+        .command(exe.to_str().expect("UTF-8 path"), &vdev.socket)
+        .spawn()
+        .expect("run the program");
+    let (out, late) = wait_output(child, Duration::from_secs(30));
+    let text = Run::text(&out);
+    assert!(
+        out.status.success() && !late && text.contains("all refused"),
+        "{:?}\n{text}\n--- vdev log:\n{}",
+        out.status,
+        vdev.log()
+    );
+}
