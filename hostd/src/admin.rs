@@ -424,7 +424,7 @@ mod tests {
         acc.attach(1, "alpha", 2);
         acc.mr_registered(1, 1, 3 << 20);
         acc.quota_rejected("alpha", "max_qp");
-        let account = acc.tenants()["alpha"].clone();
+        let account = acc.snapshot()["alpha"].clone();
         Stats {
             tenants: (0..tenants)
                 .map(|i| {

@@ -27,7 +27,7 @@
 //! retry. Completion eventfds are written only when the vdev's side of a
 //! completion ring said it sleeps.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -46,6 +46,7 @@ use vrdma_spec::verbs::SendOpcode;
 use vrdma_tenant_policy::TenantPolicy;
 use zerocopy::FromBytes;
 
+use crate::ids::IdMap;
 use crate::nic::{Completion, DeviceId, Nic};
 use crate::scheduler::{CreditView, Credits, Head, OpKind, Pick, QueueId, Scheduler};
 use crate::stats::Accounts;
@@ -137,14 +138,14 @@ pub struct Core {
     nic: Box<dyn Nic>,
     devices: BTreeMap<DeviceId, Arc<DeviceQueues>>,
     /// Completions waiting for room in their completion ring, per pQP.
-    held: HashMap<(DeviceId, u32), VecDeque<PhysCqe>>,
+    held: IdMap<(DeviceId, u32), VecDeque<PhysCqe>>,
     /// Bumped when devices come or go.
     generation: u64,
     scratch: Vec<Completion>,
     hold_limit: usize,
     /// The next send WQE of each pQP, popped from its ring, waiting for
     /// the scheduler.
-    staged: HashMap<QueueId, PhysWqe>,
+    staged: IdMap<QueueId, PhysWqe>,
     sched: Scheduler,
     accounts: Accounts,
 }
@@ -410,11 +411,11 @@ impl Datapath {
             core: Mutex::new(Core {
                 nic,
                 devices: BTreeMap::new(),
-                held: HashMap::new(),
+                held: IdMap::default(),
                 generation: 0,
                 scratch: Vec::new(),
                 hold_limit,
-                staged: HashMap::new(),
+                staged: IdMap::default(),
                 sched: Scheduler::new(credits),
                 accounts: Accounts::default(),
             }),

@@ -16,14 +16,17 @@
 //! - [`stats`]: per-tenant counters and usage, Prometheus rendering.
 //! - [`admin`]: the admin socket (`vrdmactl`: stats, metrics, reload) and
 //!   reload on SIGHUP.
+//! - [`ids`]: fast hash maps keyed by identifiers hostd assigns.
 //! - [`nic`]: the [`nic::Nic`] trait hostd drives, and [`nic::soft::SoftNic`],
 //!   the software model of a BlueField-3-style NIC.
 
 pub mod admin;
 pub mod config;
 pub mod datapath;
+pub mod ids;
 pub mod nic;
 pub mod policy;
+pub mod sandbox;
 pub mod scheduler;
 pub mod server;
 pub mod stats;
@@ -57,11 +60,27 @@ pub enum Error {
     Admin(#[source] std::io::Error),
 }
 
-/// Serves vdevs on the configured socket, and the admin socket, until the
-/// process is stopped. Call it before starting any thread of your own:
-/// it blocks SIGHUP (read through a signalfd) and binds the admin socket
-/// under a umask, both process-wide.
-pub fn run(config: &Config) -> Result<(), Error> {
+/// What hostd opens before entering its sandbox: the SIGHUP signalfd and
+/// both listeners (the only steps that need the file system by path,
+/// besides reading the policy file on reload).
+#[derive(Debug)]
+pub struct Opened {
+    sighup: std::os::fd::OwnedFd,
+    admin_listener: Listener,
+    listener: Listener,
+}
+
+/// Mode of the vdev socket: every uid may connect. hostd authenticates
+/// each vdev by `SO_PEERCRED` against the tenant policy's `uid`, not by
+/// file permissions, so vdevs running as `nobody` (or per-tenant uids)
+/// register from inside their sandbox.
+pub const VDEV_SOCKET_MODE: u32 = 0o666;
+
+/// Blocks SIGHUP (read through a signalfd) and binds the admin socket
+/// (mode 0600) and the vdev socket (mode [`VDEV_SOCKET_MODE`]). Call it
+/// before starting any thread: both steps are process-wide.
+pub fn open(config: &Config) -> Result<Opened, Error> {
+    use std::os::unix::fs::PermissionsExt;
     let sighup = admin::block_sighup().map_err(Error::Signals)?;
     let admin_listener = admin::bind(&config.admin_socket).map_err(|source| Error::Listen {
         path: config.admin_socket.clone(),
@@ -71,6 +90,36 @@ pub fn run(config: &Config) -> Result<(), Error> {
         path: config.socket.clone(),
         source,
     })?;
+    std::fs::set_permissions(
+        &config.socket,
+        std::fs::Permissions::from_mode(VDEV_SOCKET_MODE),
+    )
+    .map_err(|source| Error::Listen {
+        path: config.socket.clone(),
+        source: source.into(),
+    })?;
+    Ok(Opened {
+        sighup,
+        admin_listener,
+        listener,
+    })
+}
+
+/// Serves vdevs on the configured socket, and the admin socket, until the
+/// process is stopped: [`open`], then [`serve`] (without a sandbox; the
+/// `hostd` command puts one up between the two).
+pub fn run(config: &Config) -> Result<(), Error> {
+    serve(config, open(config)?)
+}
+
+/// Starts the datapath, admin and SIGHUP threads and serves vdevs on what
+/// [`open`] bound, until the process is stopped.
+pub fn serve(config: &Config, opened: Opened) -> Result<(), Error> {
+    let Opened {
+        sighup,
+        admin_listener,
+        listener,
+    } = opened;
     let datapath = Datapath::new(
         Box::new(SoftNic::new()),
         config.datapath_threads,

@@ -1,4 +1,9 @@
-//! `hostd` command: parse the command line, validate the config, serve.
+//! `hostd` command: parse the command line, open what must be opened, put
+//! the sandbox up, serve.
+//!
+//! The start-up order is fixed and visible here, one step per line below:
+//! every thread hostd ever runs starts after the last step, so each one
+//! inherits all the walls (docs/security.md).
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -6,6 +11,20 @@ use std::process::ExitCode;
 use clap::Parser;
 use vrdma_hostd::config::{Args, Config};
 use vrdma_hostd::error_chain;
+use vrdma_hostd::sandbox::{self, Plan, SandboxArgs};
+
+/// hostd's command line: the configuration flags and the sandbox flags.
+#[derive(Debug, Parser)]
+#[command(
+    version,
+    about = "vrdma hostd: the host datapath that plays the RDMA NIC for every tenant's vdev"
+)]
+struct Cli {
+    #[command(flatten)]
+    args: Args,
+    #[command(flatten)]
+    sandbox: SandboxArgs,
+}
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -16,18 +35,38 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let config = match Config::try_from(Args::parse()) {
+    // 1. Configuration: flags, config file and policy file, validated.
+    let cli = Cli::parse();
+    let config = match Config::try_from(cli.args) {
         Ok(config) => config,
         Err(e) => {
             eprintln!("hostd: {}", error_chain(&e));
             return ExitCode::from(2);
         }
     };
-    match vrdma_hostd::run(&config) {
+    match start(&config, &cli.sandbox) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{}", error_chain(&e));
+            tracing::error!("{e}");
             ExitCode::FAILURE
         }
     }
+}
+
+fn start(config: &Config, sandbox_args: &SandboxArgs) -> Result<(), String> {
+    let chain = |e: &dyn std::error::Error| error_chain(e);
+    // 2. What the sandbox will be, decided before anything changes.
+    let plan = Plan::new(sandbox_args, config).map_err(|e| chain(&e))?;
+    // 3. Open what needs the file system: SIGHUP's signalfd, the admin
+    //    socket (0600) and the vdev socket (0666).
+    let opened = vrdma_hostd::open(config).map_err(|e| chain(&e))?;
+    // 4. The sandbox, single-threaded: landlock, then privileges.
+    sandbox::restrict_filesystem(&plan).map_err(|e| chain(&e))?;
+    sandbox::drop_privileges(&plan).map_err(|e| chain(&e))?;
+    // 5. seccomp, on every thread, last: it forbids what the steps above do.
+    sandbox::install_seccomp(&plan).map_err(|e| chain(&e))?;
+    #[cfg(feature = "test-hooks")]
+    sandbox::test_hooks::after_sandbox();
+    // 6. Threads and service.
+    vrdma_hostd::serve(config, opened).map_err(|e| chain(&e))
 }

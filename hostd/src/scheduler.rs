@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 
 use vrdma_tenant_policy::{PriorityClass, RateLimit, TenantPolicy};
 
+use crate::ids::IdMap;
 use crate::nic::DeviceId;
 
 /// Bytes a tenant of weight 1 may send per deficit-round-robin turn.
@@ -344,8 +345,9 @@ pub struct Scheduler {
     credits: Credits,
     tenants: Vec<TenantState>,
     by_name: HashMap<String, usize>,
-    devices: HashMap<DeviceId, usize>,
-    heads: BTreeMap<QueueId, Head>,
+    devices: IdMap<DeviceId, usize>,
+    /// Staged WQEs: their tenant's index and head.
+    heads: BTreeMap<QueueId, (usize, Head)>,
     /// Tenants of each class in deficit-round-robin order.
     rings: [VecDeque<usize>; 3],
     views: Vec<View>,
@@ -358,7 +360,7 @@ impl Scheduler {
             credits,
             tenants: Vec::new(),
             by_name: HashMap::new(),
-            devices: HashMap::new(),
+            devices: IdMap::default(),
             heads: BTreeMap::new(),
             rings: Default::default(),
             views: Vec::new(),
@@ -432,8 +434,8 @@ impl Scheduler {
 
     /// The next WQE of `queue` is staged.
     pub fn stage(&mut self, queue: QueueId, head: Head) {
-        if self.devices.contains_key(&queue.0) {
-            self.heads.insert(queue, head);
+        if let Some(&tenant) = self.devices.get(&queue.0) {
+            self.heads.insert(queue, (tenant, head));
         }
     }
 
@@ -473,10 +475,7 @@ impl Scheduler {
         }
         let total = credits.total();
         let mut wait: Option<Instant> = None;
-        for (&queue, head) in &self.heads {
-            let Some(&ti) = self.devices.get(&queue.0) else {
-                continue;
-            };
+        for (&queue, &(ti, ref head)) in &self.heads {
             let (Some(t), Some(view)) = (self.tenants.get_mut(ti), self.views.get_mut(ti)) else {
                 continue;
             };
@@ -564,7 +563,7 @@ impl Scheduler {
                     t.deficit -= cost;
                     t.cursor = Some(queue);
                     let head = self.heads.remove(&queue);
-                    if let Some(head) = head {
+                    if let Some((_, head)) = head {
                         t.limiters[head.kind as usize].take(head.bytes);
                     }
                     return Some(queue);

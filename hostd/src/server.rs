@@ -732,8 +732,15 @@ impl Server {
             (Arc::clone(&reg.policy), reg.known.clone())
         };
         let now = Instant::now();
-        let core = self.datapath.lock();
-        let accounts = core.accounts().tenants();
+        let (accounts, throttled) = {
+            let core = self.datapath.lock();
+            let accounts = core.accounts().snapshot();
+            let throttled: HashMap<String, [std::time::Duration; 2]> = known
+                .keys()
+                .map(|name| (name.clone(), core.scheduler().throttled(name, now)))
+                .collect();
+            (accounts, throttled)
+        };
         let names: BTreeSet<&str> = policy
             .tenants
             .iter()
@@ -749,7 +756,7 @@ impl Server {
                     &account,
                     tp,
                     policy.tenant(name).is_some(),
-                    core.scheduler().throttled(name, now),
+                    throttled.get(name).copied().unwrap_or_default(),
                 ))
             })
             .collect();

@@ -18,6 +18,7 @@ use vrdma_hostd_protocol::entries::PhysCqe;
 use vrdma_spec::verbs::{WcOpcode, WcStatus};
 use vrdma_tenant_policy::{PriorityClass, TenantPolicy};
 
+use crate::ids::IdMap;
 use crate::nic::DeviceId;
 
 /// Kinds of work counted, in the order of [`Counters::ops`].
@@ -94,6 +95,20 @@ impl Counters {
             self.bytes[k] += u64::from(cqe.byte_len.get());
         }
     }
+
+    /// Adds `other` to these counters.
+    pub fn add(&mut self, other: &Counters) {
+        for k in 0..KINDS.len() {
+            self.ops[k] += other.ops[k];
+            self.bytes[k] += other.bytes[k];
+        }
+        for (status, n) in &other.errors {
+            *self.errors.entry(status).or_insert(0) += n;
+        }
+        for (quota, n) in &other.quota_rejections {
+            *self.quota_rejections.entry(quota.clone()).or_insert(0) += n;
+        }
+    }
 }
 
 /// What a tenant holds now, summed over its connected devices.
@@ -130,6 +145,9 @@ pub struct TenantAccount {
 #[derive(Debug, Clone, Default)]
 struct DeviceAccount {
     tenant: String,
+    /// Completions of this device not yet folded into its tenant's
+    /// counters (one map lookup per completion on the datapath).
+    counters: Counters,
     pqps: u64,
     /// Registered MRs: lkey → bytes.
     mrs: HashMap<u32, u64>,
@@ -150,7 +168,7 @@ pub struct QuotaExceeded {
 #[derive(Debug, Default)]
 pub struct Accounts {
     tenants: BTreeMap<String, TenantAccount>,
-    devices: HashMap<DeviceId, DeviceAccount>,
+    devices: IdMap<DeviceId, DeviceAccount>,
 }
 
 impl Accounts {
@@ -159,9 +177,17 @@ impl Accounts {
         self.tenants.entry(tenant.to_owned()).or_default()
     }
 
-    /// Every tenant's account, by name.
-    pub fn tenants(&self) -> &BTreeMap<String, TenantAccount> {
-        &self.tenants
+    /// Every tenant's account, by name, with its connected devices'
+    /// counters folded in.
+    pub fn snapshot(&self) -> BTreeMap<String, TenantAccount> {
+        let mut out = self.tenants.clone();
+        for dev in self.devices.values() {
+            out.entry(dev.tenant.clone())
+                .or_default()
+                .counters
+                .add(&dev.counters);
+        }
+        out
     }
 
     /// A device of `tenant` with `pqps` physical queues connected.
@@ -185,7 +211,9 @@ impl Accounts {
         let Some(dev) = self.devices.remove(&device) else {
             return;
         };
-        let usage = &mut self.tenant_mut(&dev.tenant).usage;
+        let account = self.tenant_mut(&dev.tenant);
+        account.counters.add(&dev.counters);
+        let usage = &mut account.usage;
         usage.devices = usage.devices.saturating_sub(1);
         usage.physical_queues = usage.physical_queues.saturating_sub(dev.pqps);
         usage.mrs = usage.mrs.saturating_sub(dev.mrs.len() as u64);
@@ -294,11 +322,8 @@ impl Accounts {
 
     /// A completion the NIC produced for `device`.
     pub fn completion(&mut self, device: DeviceId, cqe: &PhysCqe) {
-        let Some(dev) = self.devices.get(&device) else {
-            return;
-        };
-        if let Some(t) = self.tenants.get_mut(&dev.tenant) {
-            t.counters.completion(cqe);
+        if let Some(dev) = self.devices.get_mut(&device) {
+            dev.counters.completion(cqe);
         }
     }
 
@@ -554,7 +579,7 @@ mod tests {
             acc.completion(1, &cqe(status, opcode, len));
         }
         acc.completion(99, &cqe(WcStatus::Success, WcOpcode::Send, 1));
-        let c = &acc.tenants()["alpha"].counters;
+        let c = &acc.snapshot()["alpha"].counters;
         assert_eq!(c.ops, [1, 2, 1, 2, 2]);
         assert_eq!(c.bytes, [10, 150, 7, 16, 13]);
         assert_eq!(
@@ -596,12 +621,12 @@ mod tests {
         acc.check_mr(1, 100, &policy).expect("device 1 has one MR");
         acc.mr_deregistered(1, 0x10);
         acc.mr_deregistered(1, 0x10);
-        assert_eq!(acc.tenants()["alpha"].usage.mr_bytes, 300);
+        assert_eq!(acc.snapshot()["alpha"].usage.mr_bytes, 300);
         acc.qp(2, 5, true);
         acc.qp(2, 5, true);
         acc.qp(2, 6, true);
         acc.qp(2, 6, false);
-        let usage = acc.tenants()["alpha"].usage;
+        let usage = acc.snapshot()["alpha"].usage;
         assert_eq!(
             usage,
             Usage {
@@ -615,7 +640,7 @@ mod tests {
         acc.detach(2);
         acc.detach(2);
         assert_eq!(
-            acc.tenants()["alpha"].usage,
+            acc.snapshot()["alpha"].usage,
             Usage {
                 devices: 1,
                 physical_queues: 2,
@@ -633,7 +658,7 @@ mod tests {
         acc.detach(1);
         acc.attach(2, "alpha", 2);
         acc.completion(2, &cqe(WcStatus::Success, WcOpcode::Send, 5));
-        let c = &acc.tenants()["alpha"].counters;
+        let c = &acc.snapshot()["alpha"].counters;
         assert_eq!((c.ops[0], c.bytes[0]), (2, 10));
         assert_eq!(c.quota_rejections["max_qp"], 1);
     }
@@ -650,7 +675,7 @@ mod tests {
         policy.name = "al\"pha".into();
         let stats = Stats {
             tenants: vec![TenantStats::new(
-                &acc.tenants()["alpha"],
+                &acc.snapshot()["alpha"],
                 &policy,
                 true,
                 [Duration::from_millis(1500), Duration::ZERO],

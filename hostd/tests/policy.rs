@@ -420,7 +420,13 @@ fn pump_sized(client: &Client, key: u32, size: u32, end: Instant) -> Vec<Instant
     while Instant::now() < end {
         while client.try_post(
             0,
-            &write_wqe(token, 1, sge(IOVA, size, key), IOVA + MIB / 2, key + 1),
+            &write_wqe(
+                token,
+                1,
+                sge(IOVA, size, key),
+                IOVA + u64::from(size),
+                key + 1,
+            ),
         ) {
             token += 1;
         }
@@ -438,9 +444,15 @@ fn pump_sized(client: &Client, key: u32, size: u32, end: Instant) -> Vec<Instant
 }
 
 fn loopback(hostd: &Hostd, tenant: &str, key: u32) -> (Client, SharedMapping) {
+    loopback_sized(hostd, tenant, key, MIB)
+}
+
+/// A tenant's device with `size` bytes of memory registered under `key`
+/// and a QP pair (1 ↔ 2) connected to itself.
+fn loopback_sized(hostd: &Hostd, tenant: &str, key: u32, size: u64) -> (Client, SharedMapping) {
     let c = Client::hello(&hostd.socket, tenant, "vm0").expect("hello");
-    let mem = c.add_memory(0, MIB);
-    c.register(key, key + 1, ALL_ACCESS, IOVA, 0, 0, MIB)
+    let mem = c.add_memory(0, size);
+    c.register(key, key + 1, ALL_ACCESS, IOVA, 0, 0, size)
         .expect("mr");
     c.create_qp(1, 0);
     c.create_qp(2, 0);
@@ -506,9 +518,11 @@ network = "demo"
 priority = { class = "normal", weight = 3 }
 "#;
     let hostd = Hostd::start_with("weights", &config(64), policy);
-    let (light, _light_mem) = loopback(&hostd, "light", 0x10);
-    let (heavy, _heavy_mem) = loopback(&hostd, "heavy", 0x20);
-    let size = 256 * 1024;
+    // 1 MiB writes: a full submission ring is ~10 ms of the NIC's work, so
+    // the clients keep hostd backlogged even on a loaded machine.
+    let (light, _light_mem) = loopback_sized(&hostd, "light", 0x10, 4 * MIB);
+    let (heavy, _heavy_mem) = loopback_sized(&hostd, "heavy", 0x20, 4 * MIB);
+    let size = MIB as u32;
     let start = Instant::now();
     let end = start + Duration::from_millis(2500);
     let heavy_thread = std::thread::spawn(move || (pump_sized(&heavy, 0x20, size, end), heavy));
@@ -518,7 +532,7 @@ priority = { class = "normal", weight = 3 }
     let count = |done: &[Instant]| done.iter().filter(|&&t| t >= from).count() as f64;
     let (l, h) = (count(&light_done), count(&heavy_done));
     eprintln!("light {l} heavy {h} ratio {:.2}", h / l);
-    assert!(l > 100.0, "light barely ran: {l}");
+    assert!(l > 50.0, "light barely ran: {l}");
     assert!(
         (h / l - 3.0).abs() < 0.3,
         "heavy/light = {:.2} ({h}/{l})",

@@ -34,6 +34,8 @@ pub const TARGET_ABI: ABI = ABI::V7;
 pub enum FsAccess {
     /// Read files and list directories.
     Read,
+    /// Read one regular file (the path names the file itself).
+    ReadFile,
     /// Everything: read, write, create, remove.
     ReadWrite,
 }
@@ -68,8 +70,8 @@ pub enum LandlockError {
         source: ::landlock::PathFdError,
     },
     #[error(
-        "This kernel does not enforce landlock ({status}): vdev would run without its \
-         file-system wall; refusing to start (pass --allow-no-landlock to run anyway)"
+        "This kernel does not enforce landlock ({status}): the daemon would run without \
+         its file-system wall; refusing to start (pass --allow-no-landlock to run anyway)"
     )]
     Unsupported { status: String },
 }
@@ -89,6 +91,7 @@ pub fn restrict(policy: &FsPolicy) -> Result<(Enforcement, String), LandlockErro
     for (path, access) in &policy.paths {
         let rights = match access {
             FsAccess::Read => AccessFs::from_read(TARGET_ABI),
+            FsAccess::ReadFile => AccessFs::ReadFile.into(),
             FsAccess::ReadWrite => fs_all,
         };
         let fd = PathFd::new(path).map_err(|source| LandlockError::Path {
@@ -202,5 +205,37 @@ mod tests {
                 assert_eq!(write, Err(Some(libc::EACCES)));
             }
         }
+    }
+
+    #[test]
+    fn a_read_file_rule_allows_that_file_only() {
+        let dir = std::env::temp_dir().join(format!("isolation-readfile-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let policy_file = dir.join("policy.toml");
+        let sibling = dir.join("other.toml");
+        std::fs::write(&policy_file, b"policy").expect("write");
+        std::fs::write(&sibling, b"other").expect("write");
+        let policy = FsPolicy {
+            paths: vec![(policy_file.clone(), FsAccess::ReadFile)],
+        };
+        let (enforcement, ours, other, write, list) = on_thread(move || {
+            let (enforcement, _) = restrict(&policy).expect("restrict");
+            let ours = std::fs::read(&policy_file).map_err(|e| e.raw_os_error());
+            let other = std::fs::read(&sibling).map_err(|e| e.raw_os_error());
+            let write = std::fs::write(&policy_file, b"x").map_err(|e| e.raw_os_error());
+            let list = std::fs::read_dir(policy_file.parent().expect("dir"))
+                .map(drop)
+                .map_err(|e| e.raw_os_error());
+            (enforcement, ours, other, write, list)
+        });
+        std::fs::remove_dir_all(&dir).ok();
+        if enforcement == Enforcement::Absent {
+            return;
+        }
+        assert_eq!(enforcement, Enforcement::Full);
+        assert_eq!(ours, Ok(b"policy".to_vec()));
+        assert_eq!(other, Err(Some(libc::EACCES)));
+        assert_eq!(write, Err(Some(libc::EACCES)));
+        assert_eq!(list, Err(Some(libc::EACCES)));
     }
 }

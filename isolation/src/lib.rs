@@ -1,5 +1,6 @@
-//! vrdma-isolation: the walls around a vrdma daemon that parses untrusted
-//! input (today: vdev, the per-tenant vhost-user backend).
+//! vrdma-isolation: the walls around the vrdma daemons that handle
+//! untrusted input: vdev (the per-tenant vhost-user backend) and hostd (the
+//! host datapath every vdev talks to).
 //!
 //! Each wall is one module, applied by the daemon in a fixed order after it
 //! has opened what it needs (sockets, files) and before it starts threads:
@@ -7,7 +8,8 @@
 //! 1. [`namespaces`] (optional, `--sandbox namespace`): private mount,
 //!    network and IPC namespaces, and a root directory that holds nothing
 //!    but what the daemon must still reach by path.
-//! 2. [`landlock`]: the file system rules — for vdev, nothing at all.
+//! 2. [`landlock`]: the file system rules — for vdev, nothing at all; for
+//!    hostd, reading its policy file.
 //! 3. [`privileges`]: resource limits, then another uid/gid, no
 //!    capabilities (effective, permitted, inheritable, ambient, bounding),
 //!    `no_new_privs`, not dumpable.

@@ -357,8 +357,19 @@ impl Identity {
     /// socket. Mode bits only (no ACLs): a hint for a clear start-up
     /// message, the connect itself is the real test.
     pub fn may_connect(&self, path: &Path) -> std::io::Result<bool> {
-        let socket = std::fs::metadata(path)?;
-        if !self.allows(&socket, 0o2) {
+        self.may_reach(path, 0o2)
+    }
+
+    /// Whether this identity passes the file-permission checks of opening
+    /// `path` read-only (hostd's policy file on reload): search on every
+    /// directory above it, read on the file. Mode bits only, as above.
+    pub fn may_read(&self, path: &Path) -> std::io::Result<bool> {
+        self.may_reach(path, 0o4)
+    }
+
+    /// Search on every directory above `path`, `want` on `path` itself.
+    fn may_reach(&self, path: &Path, want: u32) -> std::io::Result<bool> {
+        if !self.allows(&std::fs::metadata(path)?, want) {
             return Ok(false);
         }
         let absolute = std::path::absolute(path)?;
@@ -442,6 +453,33 @@ mod tests {
         assert!(stranger.may_connect(&sock).expect("check"));
         std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
         assert!(!stranger.may_connect(&sock).expect("check"));
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn mode_bits_decide_who_may_read() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("isolation-read-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let file = dir.join("policy.toml");
+        std::fs::write(&file, b"").expect("write");
+        let meta = std::fs::metadata(&file).expect("stat");
+        let owner = Identity {
+            uid: meta.uid(),
+            gid: meta.gid(),
+        };
+        let stranger = Identity {
+            uid: meta.uid().wrapping_add(4242),
+            gid: meta.gid().wrapping_add(4242),
+        };
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        assert!(owner.may_read(&file).expect("check"));
+        assert!(!stranger.may_read(&file).expect("check"));
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        assert!(stranger.may_read(&file).expect("check"));
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
+        assert!(!stranger.may_read(&file).expect("check"));
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -13,6 +13,18 @@
 //! - [`Role::Datapath`] — the polling thread and hostd's policy listener:
 //!   eventfds, `epoll_wait`, `sched_yield`, requests to hostd.
 //!
+//! hostd runs two more ([`Role::HOSTD`]):
+//!
+//! - [`Role::HostdControl`] — the vdev and admin listeners, one thread per
+//!   vdev connection and the SIGHUP thread: descriptors in and out
+//!   (`SCM_RIGHTS`), `SO_PEERCRED`, tenant memory mapped (never
+//!   executable), sealed queue memfds created (`memfd_create`,
+//!   `ftruncate`, `F_ADD_SEALS`), notification `socketpair`s, eventfds,
+//!   and the policy file re-read on reload. No `socket`, `connect`,
+//!   `bind` or `listen`: its sockets are bound before the filter.
+//! - [`Role::HostdDatapath`] — the polling threads: epoll, a monotonic
+//!   timerfd, `sched_yield`.
+//!
 //! All threads of a process share one filter if it is installed with
 //! TSYNC before they start, so vdev installs the **union** of the roles it
 //! runs ([`install`]); the per-role functions keep that union explicit and
@@ -44,7 +56,7 @@ use seccompiler::{
     SeccompCondition as Cond, SeccompFilter, SeccompRule, TargetArch,
 };
 
-/// The thread roles of vdev.
+/// The thread roles of vdev and of hostd.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Role {
     /// The main thread: listener, hostd registration, thread management.
@@ -53,11 +65,18 @@ pub enum Role {
     VhostUser,
     /// The datapath poller and hostd's policy listener.
     Datapath,
+    /// hostd's control threads: the vdev and admin listeners, one thread
+    /// per vdev connection, policy reload on SIGHUP.
+    HostdControl,
+    /// hostd's datapath polling threads.
+    HostdDatapath,
 }
 
 impl Role {
     /// Every role vdev runs.
     pub const ALL: [Role; 3] = [Role::Control, Role::VhostUser, Role::Datapath];
+    /// Every role hostd runs.
+    pub const HOSTD: [Role; 2] = [Role::HostdControl, Role::HostdDatapath];
 
     /// The rules of this role merged with the rules every thread needs.
     pub fn rules(self) -> Result<Rules, SeccompError> {
@@ -65,6 +84,8 @@ impl Role {
             Role::Control => control_rules()?,
             Role::VhostUser => vhost_user_rules()?,
             Role::Datapath => datapath_rules()?,
+            Role::HostdControl => hostd_control_rules()?,
+            Role::HostdDatapath => hostd_datapath_rules()?,
         };
         Ok(merge(common_rules()?, own))
     }
@@ -76,6 +97,8 @@ impl fmt::Display for Role {
             Role::Control => "control",
             Role::VhostUser => "vhost-user",
             Role::Datapath => "datapath",
+            Role::HostdControl => "hostd-control",
+            Role::HostdDatapath => "hostd-datapath",
         })
     }
 }
@@ -411,6 +434,108 @@ pub fn control_rules() -> Result<Rules, SeccompError> {
     // the next start replaces the file — but must not be a seccomp kill.
     any(&mut r, libc::SYS_unlink);
     any(&mut r, libc::SYS_unlinkat);
+    Ok(r)
+}
+
+/// hostd's control threads: the main thread accepting vdevs, one thread
+/// per vdev connection, the admin socket's thread and the SIGHUP thread.
+pub fn hostd_control_rules() -> Result<Rules, SeccompError> {
+    let mut r = Rules::new();
+    // vdevs and vrdmactl connect on listeners bound before the sandbox.
+    any(&mut r, libc::SYS_accept4);
+    // Requests and responses, with descriptors (SCM_RIGHTS): guest memory
+    // memfds in, queue memfds and notification channels out.
+    any(&mut r, libc::SYS_recvmsg);
+    any(&mut r, libc::SYS_sendmsg);
+    any(&mut r, libc::SYS_shutdown);
+    // The vdev's uid, checked against the policy (SO_PEERCRED only).
+    r.insert(
+        libc::SYS_getsockopt,
+        vec![rule(vec![
+            cond(1, Op::Eq, libc::SOL_SOCKET as u64)?,
+            cond(2, Op::Eq, libc::SO_PEERCRED as u64)?,
+        ])?],
+    );
+    // The notification channel of each registration: an AF_UNIX seqpacket
+    // pair, nothing else. No socket() at all: hostd connects nowhere.
+    r.insert(
+        libc::SYS_socketpair,
+        vec![rule(vec![
+            cond(0, Op::Eq, libc::AF_UNIX as u64)?,
+            cond(1, Op::MaskedEq(SOCK_TYPE_MASK), libc::SOCK_SEQPACKET as u64)?,
+        ])?],
+    );
+    // The physical queues hostd grants: a sealable memfd, sized, sealed.
+    one_of(
+        &mut r,
+        libc::SYS_memfd_create,
+        1,
+        &[(libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) as u64],
+    )?;
+    any(&mut r, libc::SYS_ftruncate);
+    // Seals added (own queues) and checked (a vdev's guest memory is mapped
+    // only if sealed against shrinking); non-blocking notification ends;
+    // descriptors duplicated (try_clone) and inspected.
+    one_of(
+        &mut r,
+        libc::SYS_fcntl,
+        1,
+        &[
+            libc::F_ADD_SEALS as u64,
+            libc::F_GET_SEALS as u64,
+            libc::F_GETFL as u64,
+            libc::F_SETFL as u64,
+            libc::F_DUPFD_CLOEXEC as u64,
+            libc::F_GETFD as u64,
+            libc::F_SETFD as u64,
+        ],
+    )?;
+    // Tenant memory and queues mapped shared, read/write, never
+    // executable (common rule), and unmapped on teardown.
+    any(&mut r, libc::SYS_munmap);
+    // Each device's doorbell and completion eventfds.
+    any(&mut r, libc::SYS_eventfd2);
+    // Policy reload: the file is opened read-only (common openat rule;
+    // landlock allows exactly that file) and sized by its descriptor
+    // (statx, or newfstatat where statx is missing; AT_EMPTY_PATH only).
+    masked(
+        &mut r,
+        libc::SYS_statx,
+        2,
+        libc::AT_EMPTY_PATH as u64,
+        libc::AT_EMPTY_PATH as u64,
+    )?;
+    masked(
+        &mut r,
+        libc::SYS_newfstatat,
+        3,
+        libc::AT_EMPTY_PATH as u64,
+        libc::AT_EMPTY_PATH as u64,
+    )?;
+    // A re-registration waits while the previous one is torn down.
+    any(&mut r, libc::SYS_clock_nanosleep);
+    // Devices come and go on the datapath's epoll set.
+    any(&mut r, libc::SYS_epoll_ctl);
+    Ok(r)
+}
+
+/// hostd's datapath polling threads.
+pub fn hostd_datapath_rules() -> Result<Rules, SeccompError> {
+    let mut r = Rules::new();
+    // Sleeping on doorbells, the wake eventfd and the retry timer.
+    any(&mut r, libc::SYS_epoll_create1);
+    any(&mut r, libc::SYS_epoll_ctl);
+    any(&mut r, libc::SYS_epoll_wait);
+    any(&mut r, libc::SYS_epoll_pwait);
+    one_of(
+        &mut r,
+        libc::SYS_timerfd_create,
+        0,
+        &[libc::CLOCK_MONOTONIC as u64],
+    )?;
+    any(&mut r, libc::SYS_timerfd_settime);
+    // Adaptive polling yields the core every turn.
+    any(&mut r, libc::SYS_sched_yield);
     Ok(r)
 }
 
@@ -776,13 +901,120 @@ mod tests {
                 ("shutdown", libc::SYS_shutdown, [19, 2, 0, 0, 0, 0]),
                 ("unlink", libc::SYS_unlink, [0; 6]),
             ],
+            // From `strace -f` of hostd under the workspace integration
+            // tests (rdma, policy reload) after its filter is installed.
+            Role::HostdControl => vec![
+                ("accept4", libc::SYS_accept4, [3, 0, 0, 0o2000000, 0, 0]),
+                ("recvmsg", libc::SYS_recvmsg, [9, 0, 0x40000000, 0, 0, 0]),
+                ("sendmsg", libc::SYS_sendmsg, [9, 0, 0x4000, 0, 0, 0]),
+                (
+                    "getsockopt SO_PEERCRED",
+                    libc::SYS_getsockopt,
+                    [
+                        9,
+                        libc::SOL_SOCKET as u64,
+                        libc::SO_PEERCRED as u64,
+                        0,
+                        0,
+                        0,
+                    ],
+                ),
+                (
+                    "socketpair",
+                    libc::SYS_socketpair,
+                    [
+                        libc::AF_UNIX as u64,
+                        (libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC) as u64,
+                        0,
+                        0,
+                        0,
+                        0,
+                    ],
+                ),
+                (
+                    "memfd_create",
+                    libc::SYS_memfd_create,
+                    [
+                        0,
+                        (libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) as u64,
+                        0,
+                        0,
+                        0,
+                        0,
+                    ],
+                ),
+                ("ftruncate", libc::SYS_ftruncate, [10, 1 << 20, 0, 0, 0, 0]),
+                fcntl(libc::F_ADD_SEALS),
+                fcntl(libc::F_GET_SEALS),
+                fcntl(libc::F_GETFL),
+                fcntl(libc::F_SETFL),
+                fcntl(libc::F_DUPFD_CLOEXEC),
+                fcntl(libc::F_GETFD),
+                (
+                    "mmap tenant memory",
+                    libc::SYS_mmap,
+                    [0, 1 << 24, rw, libc::MAP_SHARED as u64, 11, 0],
+                ),
+                ("eventfd2", libc::SYS_eventfd2, [0, nonblock, 0, 0, 0, 0]),
+                (
+                    "openat policy file",
+                    libc::SYS_openat,
+                    [
+                        libc::AT_FDCWD as u64,
+                        0,
+                        (libc::O_RDONLY | libc::O_CLOEXEC) as u64,
+                        0,
+                        0,
+                        0,
+                    ],
+                ),
+                ("statx", libc::SYS_statx, [12, 0, empty_path, 0xfff, 0, 0]),
+                (
+                    "clock_nanosleep",
+                    libc::SYS_clock_nanosleep,
+                    [1, 0, 0, 0, 0, 0],
+                ),
+                ("shutdown", libc::SYS_shutdown, [9, 2, 0, 0, 0, 0]),
+            ],
+            Role::HostdDatapath => vec![
+                (
+                    "epoll_create1",
+                    libc::SYS_epoll_create1,
+                    [cloexec, 0, 0, 0, 0, 0],
+                ),
+                ("epoll_ctl", libc::SYS_epoll_ctl, [7, 1, 9, 0, 0, 0]),
+                ("epoll_wait", libc::SYS_epoll_wait, [7, 0, 64, 1, 0, 0]),
+                (
+                    "timerfd_create",
+                    libc::SYS_timerfd_create,
+                    [
+                        libc::CLOCK_MONOTONIC as u64,
+                        libc::TFD_CLOEXEC as u64,
+                        0,
+                        0,
+                        0,
+                        0,
+                    ],
+                ),
+                (
+                    "timerfd_settime",
+                    libc::SYS_timerfd_settime,
+                    [8, 0, 0, 0, 0, 0],
+                ),
+                ("sched_yield", libc::SYS_sched_yield, [0; 6]),
+            ],
         };
         common.into_iter().chain(own).collect()
     }
 
+    /// Every role of every daemon.
+    fn every_role() -> impl Iterator<Item = Role> {
+        Role::ALL.into_iter().chain(Role::HOSTD)
+    }
+
     #[test]
     fn each_role_compiles_for_x86_64() {
-        for role in Role::ALL {
+        for role in every_role() {
             for action in [
                 ViolationAction::Kill,
                 ViolationAction::Trap,
@@ -794,6 +1026,7 @@ mod tests {
             }
         }
         compile(&Role::ALL, ViolationAction::Kill, TargetArch::x86_64).expect("union");
+        compile(&Role::HOSTD, ViolationAction::Kill, TargetArch::x86_64).expect("hostd union");
         clone3_prelude(TargetArch::x86_64).expect("prelude");
     }
 
@@ -801,7 +1034,7 @@ mod tests {
     /// the role makes, with the arguments it makes it with.
     #[test]
     fn each_role_allows_what_it_needs_at_run_time() {
-        for role in Role::ALL {
+        for role in every_role() {
             let program =
                 compile(&[role], ViolationAction::Kill, TargetArch::x86_64).expect("compiles");
             let refused: Vec<_> = needed(role)
@@ -984,6 +1217,160 @@ mod tests {
 
         assert_eq!(run(&f, libc::SYS_execve, [0; 6]), KILL);
         assert_eq!(run(&f, libc::SYS_ioctl, [0, 0x5401, 0, 0, 0, 0]), KILL);
+    }
+
+    #[test]
+    fn hostd_roles_are_not_all_the_same() {
+        let control = Role::HostdControl.rules().expect("rules");
+        let datapath = Role::HostdDatapath.rules().expect("rules");
+        for nr in [
+            libc::SYS_accept4,
+            libc::SYS_memfd_create,
+            libc::SYS_socketpair,
+        ] {
+            assert!(control.contains_key(&nr));
+            assert!(!datapath.contains_key(&nr));
+        }
+        assert!(datapath.contains_key(&libc::SYS_timerfd_create));
+        assert!(!control.contains_key(&libc::SYS_timerfd_create));
+    }
+
+    #[test]
+    fn dangerous_calls_are_in_no_hostd_role() {
+        let all = union(&Role::HOSTD).expect("union");
+        for (name, nr) in [
+            ("execve", libc::SYS_execve),
+            ("execveat", libc::SYS_execveat),
+            ("fork", libc::SYS_fork),
+            ("vfork", libc::SYS_vfork),
+            ("ptrace", libc::SYS_ptrace),
+            ("process_vm_readv", libc::SYS_process_vm_readv),
+            ("process_vm_writev", libc::SYS_process_vm_writev),
+            ("kill", libc::SYS_kill),
+            ("ioctl", libc::SYS_ioctl),
+            // hostd's sockets are bound before the sandbox; it connects
+            // nowhere and creates no socket but a socketpair.
+            ("socket", libc::SYS_socket),
+            ("connect", libc::SYS_connect),
+            ("bind", libc::SYS_bind),
+            ("listen", libc::SYS_listen),
+            ("mount", libc::SYS_mount),
+            ("unshare", libc::SYS_unshare),
+            ("setns", libc::SYS_setns),
+            ("setuid", libc::SYS_setuid),
+            ("setresuid", libc::SYS_setresuid),
+            ("capset", libc::SYS_capset),
+            ("bpf", libc::SYS_bpf),
+            ("perf_event_open", libc::SYS_perf_event_open),
+            ("io_uring_setup", libc::SYS_io_uring_setup),
+            ("keyctl", libc::SYS_keyctl),
+            ("userfaultfd", libc::SYS_userfaultfd),
+            ("pkey_mprotect", libc::SYS_pkey_mprotect),
+            ("open_by_handle_at", libc::SYS_open_by_handle_at),
+            ("seccomp", libc::SYS_seccomp),
+            ("unlink", libc::SYS_unlink),
+            ("unlinkat", libc::SYS_unlinkat),
+            ("chmod", libc::SYS_chmod),
+            ("signalfd4", libc::SYS_signalfd4),
+        ] {
+            assert!(
+                !all.contains_key(&nr),
+                "{name} must not be allowed in hostd"
+            );
+        }
+    }
+
+    #[test]
+    fn the_hostd_filter_checks_arguments() {
+        let f = compile(&Role::HOSTD, ViolationAction::Kill, TargetArch::x86_64).expect("compiles");
+        let seq = (libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC) as u64;
+        let stream = (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64;
+        let unix = libc::AF_UNIX as u64;
+        assert_eq!(
+            run(&f, libc::SYS_socketpair, [unix, seq, 0, 0, 0, 0]),
+            ALLOW
+        );
+        assert_eq!(
+            run(&f, libc::SYS_socketpair, [unix, stream, 0, 0, 0, 0]),
+            KILL
+        );
+        assert_eq!(
+            run(
+                &f,
+                libc::SYS_socketpair,
+                [libc::AF_INET as u64, seq, 0, 0, 0, 0]
+            ),
+            KILL
+        );
+        assert_eq!(run(&f, libc::SYS_socket, [unix, seq, 0, 0, 0, 0]), KILL);
+
+        let sol = libc::SOL_SOCKET as u64;
+        let peercred = libc::SO_PEERCRED as u64;
+        assert_eq!(
+            run(&f, libc::SYS_getsockopt, [3, sol, peercred, 0, 0, 0]),
+            ALLOW
+        );
+        assert_eq!(
+            run(
+                &f,
+                libc::SYS_getsockopt,
+                [3, sol, libc::SO_RCVBUF as u64, 0, 0, 0]
+            ),
+            KILL
+        );
+        assert_eq!(
+            run(&f, libc::SYS_setsockopt, [3, sol, peercred, 0, 0, 0]),
+            KILL
+        );
+
+        let sealing = (libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) as u64;
+        assert_eq!(
+            run(&f, libc::SYS_memfd_create, [0, sealing, 0, 0, 0, 0]),
+            ALLOW
+        );
+        for flags in [
+            libc::MFD_CLOEXEC,
+            libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING | libc::MFD_HUGETLB,
+        ] {
+            assert_eq!(
+                run(&f, libc::SYS_memfd_create, [0, flags as u64, 0, 0, 0, 0]),
+                KILL,
+                "memfd_create flags {flags:#x}"
+            );
+        }
+
+        let rw = (libc::PROT_READ | libc::PROT_WRITE) as u64;
+        let rwx = rw | libc::PROT_EXEC as u64;
+        let shared = libc::MAP_SHARED as u64;
+        assert_eq!(run(&f, libc::SYS_mmap, [0, 4096, rw, shared, 5, 0]), ALLOW);
+        assert_eq!(run(&f, libc::SYS_mmap, [0, 4096, rwx, shared, 5, 0]), KILL);
+        assert_eq!(run(&f, libc::SYS_mprotect, [0, 4096, rwx, 0, 0, 0]), KILL);
+
+        let seals = libc::F_ADD_SEALS as u64;
+        assert_eq!(run(&f, libc::SYS_fcntl, [3, seals, 15, 0, 0, 0]), ALLOW);
+        assert_eq!(
+            run(&f, libc::SYS_fcntl, [3, libc::F_SETOWN as u64, 1, 0, 0, 0]),
+            KILL
+        );
+        let wronly = libc::O_WRONLY as u64;
+        assert_eq!(run(&f, libc::SYS_openat, [0, 0, wronly, 0, 0, 0]), KILL);
+        assert_eq!(
+            run(
+                &f,
+                libc::SYS_statx,
+                [libc::AT_FDCWD as u64, 0, 0, 0xfff, 0, 0]
+            ),
+            KILL
+        );
+        assert_eq!(
+            run(
+                &f,
+                libc::SYS_timerfd_create,
+                [libc::CLOCK_REALTIME as u64, 0, 0, 0, 0, 0]
+            ),
+            KILL
+        );
+        assert_eq!(run(&f, libc::SYS_execve, [0; 6]), KILL);
     }
 
     #[test]

@@ -53,7 +53,9 @@ pub struct Plan {
     /// permissions). Only the first frontend can then be served: the
     /// registration for the next one fails. Connecting as the final uid
     /// is what hostd's peer-credential check expects, so this is only a
-    /// fallback for a hostd socket that is not yet made connectable.
+    /// fallback for a hostd socket that is not connectable (hostd creates
+    /// its vdev socket with mode 0666; a directory above it that the uid
+    /// cannot search, or an older hostd, still needs this).
     pub register_early: bool,
 }
 

@@ -40,6 +40,7 @@ use vrdma_spec::ring::{send_flags, wc_flags};
 use vrdma_spec::verbs::{access, SendOpcode, WcOpcode, WcStatus};
 
 use super::{Completion, DeviceId, Nic, NicError, Progress, WC_UNSIGNALED};
+use crate::ids::IdMap;
 
 pub use vrdma_hostd_protocol::entries::cqe_marker::SOLICITED as WC_SOLICITED;
 /// Interval between retries of a packet the fabric dropped.
@@ -84,7 +85,7 @@ struct Device {
     mrs: usize,
     qps: usize,
     /// Queued WQEs per pQP: each will produce one completion there.
-    outstanding: HashMap<u32, usize>,
+    outstanding: IdMap<u32, usize>,
     /// Send WQEs queued or executing (the datapath's credits).
     sends: usize,
 }
@@ -170,8 +171,9 @@ enum Local {
 /// The software NIC.
 #[derive(Default)]
 pub struct SoftNic {
-    devices: HashMap<DeviceId, Device>,
-    lids: HashMap<u16, DeviceId>,
+    /// Keyed by ids hostd assigns (device ids, LIDs): fast hashing.
+    devices: IdMap<DeviceId, Device>,
+    lids: IdMap<u16, DeviceId>,
     /// Memory regions by lkey.
     mrs: HashMap<u32, Mr>,
     /// rkey → lkey.
@@ -786,7 +788,7 @@ impl Nic for SoftNic {
                 slots: HashMap::new(),
                 mrs: 0,
                 qps: 0,
-                outstanding: HashMap::new(),
+                outstanding: IdMap::default(),
                 sends: 0,
             },
         );

@@ -1,0 +1,270 @@
+//! hostd's sandbox: which walls, built from what, in the order `main.rs`
+//! runs them (docs/security.md has the threat model).
+//!
+//! 1. [`Plan::new`] decides everything up front from the flags and the
+//!    process's situation (root or not), and refuses impossible requests
+//!    (`--uid` without root) before anything is opened or changed.
+//! 2. [`restrict_filesystem`] — landlock: read access to the policy file
+//!    (for reload), nothing else; the sockets are bound before.
+//! 3. [`drop_privileges`] — limits, uid/gid, capabilities.
+//! 4. [`install_seccomp`] — one allow-list, the union of hostd's thread
+//!    roles, on every thread, before any thread of hostd starts.
+
+use std::path::PathBuf;
+
+use vrdma_isolation::landlock::{self, Enforcement, FsAccess, FsPolicy, LandlockError};
+use vrdma_isolation::privileges::{self, Identity, PrivilegeError, ResourceLimits};
+use vrdma_isolation::seccomp::{self, Role, SeccompError, SeccompMode};
+
+use crate::Config;
+
+/// Default `RLIMIT_NOFILE`: every vdev holds a connection, a notification
+/// channel, two eventfds and its memfds open in hostd.
+pub const DEFAULT_RLIMIT_NOFILE: u64 = 65536;
+
+/// The sandbox flags of `hostd`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SandboxArgs {
+    /// What a system call outside hostd's allow-list does: kill (SIGSYS),
+    /// trap (fails with EPERM, reported on stderr), log (allowed, logged
+    /// by the kernel) or off (no filter).
+    #[arg(long, default_value = "kill", value_parser = parse_seccomp)]
+    pub seccomp: SeccompMode,
+    /// Landlock (file-system wall): on or off.
+    #[arg(long, default_value = "on", value_parser = ["on", "off"])]
+    pub landlock: String,
+    /// Start even on a kernel that cannot enforce landlock.
+    #[arg(long)]
+    pub allow_no_landlock: bool,
+    /// Numeric uid to switch to when started as root (default 65534, nobody).
+    #[arg(long)]
+    pub uid: Option<u32>,
+    /// Numeric gid to switch to when started as root (default 65534, nogroup).
+    #[arg(long)]
+    pub gid: Option<u32>,
+    /// RLIMIT_NOFILE (soft = hard).
+    #[arg(long, default_value_t = DEFAULT_RLIMIT_NOFILE)]
+    pub rlimit_nofile: u64,
+}
+
+fn parse_seccomp(text: &str) -> Result<SeccompMode, String> {
+    text.parse().map_err(|e: SeccompError| e.to_string())
+}
+
+/// Why hostd refused to start its sandbox.
+#[derive(Debug, thiserror::Error)]
+pub enum SandboxError {
+    #[error("The sandbox must be entered before any thread starts, but hostd runs {0} threads")]
+    Threads(usize),
+    #[error("Cannot count hostd's threads")]
+    ThreadCount(#[source] std::io::Error),
+    #[error("Landlock")]
+    Landlock(#[source] LandlockError),
+    #[error("Dropping privileges")]
+    Privileges(#[source] PrivilegeError),
+    #[error("seccomp")]
+    Seccomp(#[source] SeccompError),
+}
+
+/// Everything the sandbox steps will do, decided before the first one.
+#[derive(Debug)]
+pub struct Plan {
+    args: SandboxArgs,
+    /// The policy file, readable after the sandbox (reload).
+    policy_file: Option<PathBuf>,
+    /// The uid/gid to switch to (`None`: not started as root, kept).
+    identity: Option<Identity>,
+    limits: ResourceLimits,
+}
+
+impl Plan {
+    /// Decides the sandbox; refuses `--uid`/`--gid` without root.
+    pub fn new(args: &SandboxArgs, config: &Config) -> Result<Plan, SandboxError> {
+        let identity = privileges::plan(privileges::started_as_root(), args.uid, args.gid)
+            .map_err(SandboxError::Privileges)?;
+        if let (Some(id), Some(file)) = (identity, &config.policy_file) {
+            // The file was just read (as the uid hostd started as); a
+            // reload reads it again as `id`, without capabilities.
+            if !id.may_read(file).unwrap_or(true) {
+                tracing::warn!(
+                    policy = %file.display(),
+                    uid = id.uid,
+                    gid = id.gid,
+                    "The policy file is not readable by the uid hostd switches to: reloads \
+                     (SIGHUP, vrdmactl reload) will fail. Make it (and its directories) \
+                     readable by that uid or group, or keep uid 0 with --uid 0 --gid 0"
+                );
+            }
+        }
+        Ok(Plan {
+            args: args.clone(),
+            policy_file: config.policy_file.clone(),
+            identity,
+            // hostd locks no memory.
+            limits: ResourceLimits {
+                nofile: args.rlimit_nofile,
+                memlock: 0,
+            },
+        })
+    }
+}
+
+/// Step 1: checks that hostd is still single-threaded (landlock and the
+/// credential changes apply to the calling thread only), then landlock:
+/// read access to the policy file, nothing else. Refuses a kernel without
+/// landlock unless the operator allowed it.
+pub fn restrict_filesystem(plan: &Plan) -> Result<(), SandboxError> {
+    let threads = vrdma_isolation::thread_count().map_err(SandboxError::ThreadCount)?;
+    if threads != 1 {
+        return Err(SandboxError::Threads(threads));
+    }
+    if plan.args.landlock == "off" {
+        tracing::warn!(
+            "LANDLOCK IS OFF (--landlock off): hostd can open any file its uid can reach"
+        );
+        return Ok(());
+    }
+    let policy = FsPolicy {
+        paths: plan
+            .policy_file
+            .iter()
+            .map(|p| (p.clone(), FsAccess::ReadFile))
+            .collect(),
+    };
+    let (enforcement, status) = if simulate_no_landlock() {
+        (
+            Enforcement::Absent,
+            "no landlock (simulated by VRDMA_TEST_LANDLOCK=absent)".to_owned(),
+        )
+    } else {
+        landlock::restrict(&policy).map_err(SandboxError::Landlock)?
+    };
+    landlock::check(enforcement, &status, plan.args.allow_no_landlock)
+        .map_err(SandboxError::Landlock)?;
+    let readable = plan.policy_file.as_ref().map(|p| p.display().to_string());
+    match enforcement {
+        Enforcement::Full => tracing::info!(
+            %status,
+            readable = readable.as_deref().unwrap_or("nothing"),
+            "Landlock: no file-system access but reading the policy file"
+        ),
+        Enforcement::Partial => tracing::warn!(
+            %status,
+            "Landlock enforced only in part: this kernel's ABI lacks some of the rights hostd \
+             asks for (see docs/security.md)"
+        ),
+        Enforcement::Absent => tracing::warn!(
+            %status,
+            "LANDLOCK NOT ENFORCED: this kernel has no landlock and --allow-no-landlock was \
+             given; hostd runs without its file-system wall"
+        ),
+    }
+    Ok(())
+}
+
+#[cfg(feature = "test-hooks")]
+fn simulate_no_landlock() -> bool {
+    std::env::var("VRDMA_TEST_LANDLOCK").is_ok_and(|v| v == "absent")
+}
+
+#[cfg(not(feature = "test-hooks"))]
+fn simulate_no_landlock() -> bool {
+    false
+}
+
+/// Step 2: resource limits, the uid/gid switch (when started as root) and
+/// no capabilities, no_new_privs, not dumpable.
+pub fn drop_privileges(plan: &Plan) -> Result<(), SandboxError> {
+    let limits = privileges::set_limits(plan.limits).map_err(SandboxError::Privileges)?;
+    let dropped = privileges::drop_privileges(plan.identity).map_err(SandboxError::Privileges)?;
+    tracing::info!(
+        uid = dropped.uid,
+        gid = dropped.gid,
+        bounding_set_left = dropped.bounding_left,
+        nofile = limits.nofile,
+        "Privileges dropped: no capabilities, no_new_privs, not dumpable, no core files"
+    );
+    Ok(())
+}
+
+/// The thread roles hostd runs (all in one process, so one filter).
+pub const ROLES: [Role; 2] = Role::HOSTD;
+
+/// Step 3: the seccomp allow-list of [`ROLES`] on every thread, with the
+/// operator's violation action — or, only when explicitly asked, nothing.
+pub fn install_seccomp(plan: &Plan) -> Result<(), SandboxError> {
+    match plan.args.seccomp {
+        SeccompMode::Off => {
+            tracing::warn!(
+                "SECCOMP IS OFF (--seccomp off): hostd may make any system call; a compromised \
+                 hostd is limited only by the other walls"
+            );
+            Ok(())
+        }
+        SeccompMode::Enforce(action) => {
+            let allowed = seccomp::install(&ROLES, action).map_err(SandboxError::Seccomp)?;
+            tracing::info!(
+                mode = %plan.args.seccomp,
+                roles = ?ROLES,
+                allowed,
+                "seccomp filter installed on every thread"
+            );
+            Ok(())
+        }
+    }
+}
+
+/// Test-only hooks (cargo feature `test-hooks`, never a default feature):
+/// `VRDMA_TEST_FORBIDDEN=execve|open-passwd|inet-socket` makes hostd
+/// attempt that operation on a new thread right after its sandbox is up
+/// and log `test hook: <op>: <outcome>`; `VRDMA_TEST_LANDLOCK=absent`
+/// makes the landlock step act as on a kernel without landlock.
+#[cfg(feature = "test-hooks")]
+pub mod test_hooks {
+    /// Starts the forbidden operation `VRDMA_TEST_FORBIDDEN` names, if any.
+    pub fn after_sandbox() {
+        let Ok(op) = std::env::var("VRDMA_TEST_FORBIDDEN") else {
+            return;
+        };
+        let spawned = std::thread::Builder::new()
+            .name("test-hook".into())
+            .spawn(move || {
+                let outcome = attempt(&op);
+                tracing::warn!("test hook: {op}: {outcome}");
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "test hook: cannot start its thread");
+        }
+    }
+
+    fn attempt(op: &str) -> String {
+        let result = match op {
+            "execve" => {
+                let path = c"/bin/true";
+                let argv = [path.as_ptr(), std::ptr::null()];
+                let envp = [std::ptr::null()];
+                // SAFETY: NUL-terminated path, argv and envp arrays ending
+                // in null; on success this process image is replaced.
+                unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
+                Err(std::io::Error::last_os_error())
+            }
+            "open-passwd" => std::fs::File::open("/etc/passwd").map(drop),
+            "inet-socket" => {
+                // SAFETY: socket takes integers; the result is checked.
+                let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
+                if fd < 0 {
+                    Err(std::io::Error::last_os_error())
+                } else {
+                    // SAFETY: closes the descriptor just created.
+                    unsafe { libc::close(fd) };
+                    Ok(())
+                }
+            }
+            other => return format!("unknown operation {other:?}"),
+        };
+        match result {
+            Ok(()) => "succeeded".into(),
+            Err(e) => format!("failed: errno {}", e.raw_os_error().unwrap_or(0)),
+        }
+    }
+}
