@@ -66,7 +66,7 @@ fn start(config: &Config, sandbox_args: &SandboxArgs) -> Result<(), String> {
     // 5. seccomp, on every thread, last: it forbids what the steps above do.
     sandbox::install_seccomp(&plan).map_err(|e| chain(&e))?;
     #[cfg(feature = "test-hooks")]
-    sandbox::test_hooks::after_sandbox();
+    vrdma_isolation::test_hooks::after_sandbox();
     // 6. Threads and service.
     vrdma_hostd::serve(config, opened).map_err(|e| chain(&e))
 }

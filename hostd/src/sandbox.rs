@@ -164,7 +164,7 @@ pub fn restrict_filesystem(plan: &Plan) -> Result<(), SandboxError> {
 
 #[cfg(feature = "test-hooks")]
 fn simulate_no_landlock() -> bool {
-    std::env::var("VRDMA_TEST_LANDLOCK").is_ok_and(|v| v == "absent")
+    vrdma_isolation::test_hooks::landlock_absent()
 }
 
 #[cfg(not(feature = "test-hooks"))]
@@ -210,61 +210,6 @@ pub fn install_seccomp(plan: &Plan) -> Result<(), SandboxError> {
                 "seccomp filter installed on every thread"
             );
             Ok(())
-        }
-    }
-}
-
-/// Test-only hooks (cargo feature `test-hooks`, never a default feature):
-/// `VRDMA_TEST_FORBIDDEN=execve|open-passwd|inet-socket` makes hostd
-/// attempt that operation on a new thread right after its sandbox is up
-/// and log `test hook: <op>: <outcome>`; `VRDMA_TEST_LANDLOCK=absent`
-/// makes the landlock step act as on a kernel without landlock.
-#[cfg(feature = "test-hooks")]
-pub mod test_hooks {
-    /// Starts the forbidden operation `VRDMA_TEST_FORBIDDEN` names, if any.
-    pub fn after_sandbox() {
-        let Ok(op) = std::env::var("VRDMA_TEST_FORBIDDEN") else {
-            return;
-        };
-        let spawned = std::thread::Builder::new()
-            .name("test-hook".into())
-            .spawn(move || {
-                let outcome = attempt(&op);
-                tracing::warn!("test hook: {op}: {outcome}");
-            });
-        if let Err(e) = spawned {
-            tracing::error!(error = %e, "test hook: cannot start its thread");
-        }
-    }
-
-    fn attempt(op: &str) -> String {
-        let result = match op {
-            "execve" => {
-                let path = c"/bin/true";
-                let argv = [path.as_ptr(), std::ptr::null()];
-                let envp = [std::ptr::null()];
-                // SAFETY: NUL-terminated path, argv and envp arrays ending
-                // in null; on success this process image is replaced.
-                unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
-                Err(std::io::Error::last_os_error())
-            }
-            "open-passwd" => std::fs::File::open("/etc/passwd").map(drop),
-            "inet-socket" => {
-                // SAFETY: socket takes integers; the result is checked.
-                let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
-                if fd < 0 {
-                    Err(std::io::Error::last_os_error())
-                } else {
-                    // SAFETY: closes the descriptor just created.
-                    unsafe { libc::close(fd) };
-                    Ok(())
-                }
-            }
-            other => return format!("unknown operation {other:?}"),
-        };
-        match result {
-            Ok(()) => "succeeded".into(),
-            Err(e) => format!("failed: errno {}", e.raw_os_error().unwrap_or(0)),
         }
     }
 }

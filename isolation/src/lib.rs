@@ -28,6 +28,8 @@ pub mod landlock;
 pub mod namespaces;
 pub mod privileges;
 pub mod seccomp;
+#[cfg(feature = "test-hooks")]
+pub mod test_hooks;
 
 /// Number of threads of the calling process (from `/proc/self/status`).
 ///

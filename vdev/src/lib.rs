@@ -28,8 +28,6 @@ pub mod datapath;
 pub mod fabric;
 pub mod sandbox;
 pub mod shadow;
-#[cfg(feature = "test-hooks")]
-pub mod test_hooks;
 pub mod verbs;
 
 use std::sync::Arc;

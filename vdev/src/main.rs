@@ -54,7 +54,7 @@ fn start(config: &Config) -> Result<(), String> {
     // 5. seccomp, on every thread, last: it forbids what the steps above do.
     sandbox::install_seccomp(&plan).map_err(|e| chain(&e))?;
     #[cfg(feature = "test-hooks")]
-    vrdma_vdev::test_hooks::after_sandbox();
+    vrdma_isolation::test_hooks::after_sandbox();
     // 6. Threads and service.
     vrdma_vdev::run(config, opened).map_err(|e| chain(&e))
 }

@@ -171,7 +171,7 @@ pub fn restrict_filesystem(plan: &Plan) -> Result<(), SandboxError> {
 
 #[cfg(feature = "test-hooks")]
 fn simulate_no_landlock() -> bool {
-    crate::test_hooks::landlock_absent()
+    vrdma_isolation::test_hooks::landlock_absent()
 }
 
 #[cfg(not(feature = "test-hooks"))]

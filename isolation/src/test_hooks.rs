@@ -1,10 +1,11 @@
-//! Test-only hooks (cargo feature `test-hooks`, never a default feature):
-//! they let the sandbox tests make vdev misbehave from inside its sandbox,
-//! as a compromised vdev would, and act on a kernel without landlock.
+//! Test-only hooks (cargo feature `test-hooks`, never a default feature of
+//! any crate): they let the sandbox tests make a daemon (vdev, hostd)
+//! misbehave from inside its sandbox, as a compromised daemon would, and
+//! act on a kernel without landlock.
 //!
 //! - `VRDMA_TEST_FORBIDDEN=execve|open-passwd|inet-socket`: right after
 //!   the sandbox is up, a thread attempts that operation and logs
-//!   `test hook: <op>: ...` with the outcome; vdev goes on serving (if it
+//!   `test hook: <op>: ...` with the outcome; the daemon goes on serving (if it
 //!   survives the attempt).
 //! - `VRDMA_TEST_LANDLOCK=absent`: the landlock step acts as on a kernel
 //!   without landlock (nothing restricted), to exercise the refusal and
