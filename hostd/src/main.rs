@@ -47,26 +47,26 @@ fn main() -> ExitCode {
     match start(&config, &cli.sandbox) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e}");
+            tracing::error!("{}", error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }
 }
 
-fn start(config: &Config, sandbox_args: &SandboxArgs) -> Result<(), String> {
-    let chain = |e: &dyn std::error::Error| error_chain(e);
+fn start(config: &Config, sandbox_args: &SandboxArgs) -> Result<(), Box<dyn std::error::Error>> {
     // 2. What the sandbox will be, decided before anything changes.
-    let plan = Plan::new(sandbox_args, config).map_err(|e| chain(&e))?;
+    let plan = Plan::new(sandbox_args, config)?;
     // 3. Open what needs the file system: SIGHUP's signalfd, the admin
     //    socket (0600) and the vdev socket (0666).
-    let opened = vrdma_hostd::open(config).map_err(|e| chain(&e))?;
+    let opened = vrdma_hostd::open(config)?;
     // 4. The sandbox, single-threaded: landlock, then privileges.
-    sandbox::restrict_filesystem(&plan).map_err(|e| chain(&e))?;
-    sandbox::drop_privileges(&plan).map_err(|e| chain(&e))?;
+    sandbox::restrict_filesystem(&plan)?;
+    sandbox::drop_privileges(&plan)?;
     // 5. seccomp, on every thread, last: it forbids what the steps above do.
-    sandbox::install_seccomp(&plan).map_err(|e| chain(&e))?;
+    sandbox::install_seccomp(&plan)?;
     #[cfg(feature = "test-hooks")]
     vrdma_isolation::test_hooks::after_sandbox();
     // 6. Threads and service.
-    vrdma_hostd::serve(config, opened).map_err(|e| chain(&e))
+    vrdma_hostd::serve(config, opened)?;
+    Ok(())
 }

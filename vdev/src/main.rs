@@ -33,28 +33,28 @@ fn main() -> ExitCode {
     match start(&config) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(tenant = %config.tenant, "{e}");
+            tracing::error!(tenant = %config.tenant, "{}", error_chain(e.as_ref()));
             ExitCode::FAILURE
         }
     }
 }
 
-fn start(config: &Config) -> Result<(), String> {
-    let chain = |e: &dyn std::error::Error| error_chain(e);
+fn start(config: &Config) -> Result<(), Box<dyn std::error::Error>> {
     // 2. What the sandbox will be, decided before anything changes.
-    let plan = Plan::new(config).map_err(|e| chain(&e))?;
+    let plan = Plan::new(config)?;
     // 3. Open what needs the file system or privileges: the vhost-user
     //    listener (and the first hostd registration if hostd's socket is
     //    out of reach of vdev's final uid).
-    let opened = vrdma_vdev::open(config, plan.register_early).map_err(|e| chain(&e))?;
+    let opened = vrdma_vdev::open(config, plan.register_early)?;
     // 4. The sandbox, single-threaded: namespaces, landlock, privileges.
-    sandbox::enter_namespaces(&plan).map_err(|e| chain(&e))?;
-    sandbox::restrict_filesystem(&plan).map_err(|e| chain(&e))?;
-    sandbox::drop_privileges(&plan).map_err(|e| chain(&e))?;
+    sandbox::enter_namespaces(&plan)?;
+    sandbox::restrict_filesystem(&plan)?;
+    sandbox::drop_privileges(&plan)?;
     // 5. seccomp, on every thread, last: it forbids what the steps above do.
-    sandbox::install_seccomp(&plan).map_err(|e| chain(&e))?;
+    sandbox::install_seccomp(&plan)?;
     #[cfg(feature = "test-hooks")]
     vrdma_isolation::test_hooks::after_sandbox();
     // 6. Threads and service.
-    vrdma_vdev::run(config, opened).map_err(|e| chain(&e))
+    vrdma_vdev::run(config, opened)?;
+    Ok(())
 }
