@@ -299,6 +299,20 @@ impl RdmaDevice {
         moved as usize
     }
 
+    /// Translates one guest WQE ring slot (`bytes`) of QP `qpn` as the
+    /// datapath does — a send WQE when `send`, else a receive WQE — without
+    /// touching rings. Only for the fuzz targets and property tests of
+    /// `vrdma-fuzz-checks`, which must drive the real translation; not an
+    /// API.
+    #[doc(hidden)]
+    pub fn translate_wqe_for_fuzzing(&self, qpn: u32, send: bool, bytes: &[u8]) -> PhysWqe {
+        if send {
+            self.translate_send(qpn, bytes)
+        } else {
+            self.translate_recv(qpn, bytes)
+        }
+    }
+
     /// A guest send WQE (`bytes`, one ring slot) as a physical WQE.
     fn translate_send(&self, qpn: u32, bytes: &[u8]) -> PhysWqe {
         let mut out = PhysWqe::default();

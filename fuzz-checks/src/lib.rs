@@ -1,0 +1,33 @@
+//! Check functions for vrdma's decoders of untrusted input.
+//!
+//! Each module has one `check(data: &[u8])` that turns fuzzer bytes into
+//! input for a real decoder of vrdma (not a copy), runs it and asserts the
+//! decoder's invariants, panicking on a violation. The cargo-fuzz targets in
+//! `fuzz/` and the property tests and corpus replay in `tests/` call the
+//! same functions, so a finding of one is a test of the other.
+//!
+//! - [`control`]: control-queue chains through `control::process_chain`
+//!   and commands through `RdmaDevice::execute`.
+//! - [`wqe`]: send/receive WQEs translated against random MR tables.
+//! - [`hostd`]: hostd's request decoder and shared-ring consumption.
+//! - [`policy`]: the tenant policy file parser.
+//! - [`memory`]: memory-table changes interleaved with MRs and WQEs.
+
+pub mod control;
+pub mod hostd;
+pub mod input;
+pub mod memory;
+pub mod policy;
+pub mod wqe;
+
+/// A check function: panics when `data` breaks an invariant.
+pub type Check = fn(&[u8]);
+
+/// The fuzz targets, by the name of their corpus directory.
+pub const TARGETS: &[(&str, Check)] = &[
+    ("control", control::check),
+    ("wqe", wqe::check),
+    ("hostd_request", hostd::check),
+    ("policy", policy::check),
+    ("memory", memory::check),
+];

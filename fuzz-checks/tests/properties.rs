@@ -1,0 +1,136 @@
+//! The fuzz targets' invariants as property tests (bounded, run in CI),
+//! replay of the committed fuzz corpus, and regression inputs of findings.
+
+use std::path::PathBuf;
+
+use proptest::prelude::*;
+use vrdma_fuzz_checks::{control, hostd, memory, policy, wqe, TARGETS};
+
+fn config() -> ProptestConfig {
+    ProptestConfig {
+        cases: 256,
+        // Shrinking a failure is worth its time; a pass stays fast.
+        max_shrink_iters: 2048,
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    #[test]
+    fn control_commands(data in proptest::collection::vec(any::<u8>(), 0..2048)) {
+        control::check(&data);
+    }
+
+    #[test]
+    fn wqe_translation(data in proptest::collection::vec(any::<u8>(), 0..4096)) {
+        wqe::check(&data);
+    }
+
+    #[test]
+    fn hostd_requests(data in proptest::collection::vec(any::<u8>(), 0..1024)) {
+        hostd::check(&data);
+    }
+
+    #[test]
+    fn hostd_request_json(text in r#"\{"[a-z_]{3,14}":(\{("[a-z_]{1,8}":(-?[0-9]{1,20}|"[a-z]{0,4}"|\[\]|\{\})),?\}|\[\]|null|"x")\}"#) {
+        hostd::check_request(text.as_bytes());
+    }
+
+    #[test]
+    fn policy_files(text in policy_text()) {
+        policy::check(text.as_bytes());
+    }
+
+    #[test]
+    fn memory_changes(data in proptest::collection::vec(any::<u8>(), 0..2048)) {
+        memory::check(&data);
+    }
+}
+
+/// Policy-shaped TOML: tenant tables with known and unknown keys.
+fn policy_text() -> impl Strategy<Value = String> {
+    let key = prop_oneof![
+        Just("name"),
+        Just("network"),
+        Just("reachable"),
+        Just("uid"),
+        Just("physical_queues"),
+        Just("quotas.max_pd"),
+        Just("quotas.max_mr_bytes"),
+        Just("quotas.max_total_mr_bytes"),
+        Just("priority.class"),
+        Just("priority.weight"),
+        Just("rate.send.ops_per_sec"),
+        Just("bogus"),
+    ];
+    let value = prop_oneof![
+        "[a-z]{1,6}".prop_map(|s| format!("\"{s}\"")),
+        any::<u64>().prop_map(|v| v.to_string()),
+        (0u32..70).prop_map(|v| v.to_string()),
+        Just("[\"a\", \"b\"]".to_owned()),
+        Just("-1".to_owned()),
+        Just("\"gold\"".to_owned()),
+        Just("\"\"".to_owned()),
+    ];
+    let table = proptest::collection::vec((key, value), 0..6).prop_map(|kvs| {
+        let mut t = String::from("[[tenant]]\n");
+        for (k, v) in kvs {
+            t.push_str(&format!("{k} = {v}\n"));
+        }
+        t
+    });
+    proptest::collection::vec(table, 0..4).prop_map(|ts| ts.concat())
+}
+
+fn corpus_dir(target: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../fuzz/corpus")
+        .join(target)
+}
+
+/// Every committed corpus input of every target passes its check.
+#[test]
+fn corpus_replay() {
+    for (target, check) in TARGETS {
+        let dir = corpus_dir(target);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            panic!("no corpus for target {target} at {}", dir.display())
+        };
+        let mut n = 0;
+        for entry in entries {
+            let path = entry.expect("corpus entry").path();
+            let data = std::fs::read(&path).expect("corpus file");
+            let outcome = std::panic::catch_unwind(|| check(&data));
+            assert!(outcome.is_ok(), "{target}: {} fails", path.display());
+            n += 1;
+        }
+        assert!(n > 0, "empty corpus for {target}");
+    }
+}
+
+/// Inputs that once crashed a target or broke an invariant
+/// (fuzz/regressions/<target>/), kept as tests.
+#[test]
+fn regressions() {
+    for (target, check) in TARGETS {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("../fuzz/regressions")
+            .join(target);
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries {
+            let path = entry.expect("regression entry").path();
+            let data = std::fs::read(&path).expect("regression file");
+            let outcome = std::panic::catch_unwind(|| check(&data));
+            assert!(
+                outcome.is_ok(),
+                "{target}: regression {} fails again",
+                path.display()
+            );
+        }
+    }
+}
