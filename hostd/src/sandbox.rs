@@ -193,23 +193,5 @@ pub const ROLES: [Role; 2] = Role::HOSTD;
 /// Step 3: the seccomp allow-list of [`ROLES`] on every thread, with the
 /// operator's violation action — or, only when explicitly asked, nothing.
 pub fn install_seccomp(plan: &Plan) -> Result<(), SandboxError> {
-    match plan.args.seccomp {
-        SeccompMode::Off => {
-            tracing::warn!(
-                "SECCOMP IS OFF (--seccomp off): hostd may make any system call; a compromised \
-                 hostd is limited only by the other walls"
-            );
-            Ok(())
-        }
-        SeccompMode::Enforce(action) => {
-            let allowed = seccomp::install(&ROLES, action).map_err(SandboxError::Seccomp)?;
-            tracing::info!(
-                mode = %plan.args.seccomp,
-                roles = ?ROLES,
-                allowed,
-                "seccomp filter installed on every thread"
-            );
-            Ok(())
-        }
-    }
+    seccomp::install_mode(plan.args.seccomp, &ROLES, "hostd").map_err(SandboxError::Seccomp)
 }

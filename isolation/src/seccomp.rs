@@ -607,6 +607,26 @@ pub fn install(roles: &[Role], action: ViolationAction) -> Result<usize, Seccomp
     Ok(allowed)
 }
 
+/// A daemon's seccomp step: installs the allow-list of `roles` with the
+/// operator's violation action, or — only when explicitly asked — nothing,
+/// loudly; logs what it did, naming `daemon`.
+pub fn install_mode(mode: SeccompMode, roles: &[Role], daemon: &str) -> Result<(), SeccompError> {
+    match mode {
+        SeccompMode::Off => {
+            tracing::warn!(
+                "SECCOMP IS OFF (--seccomp off): {daemon} may make any system call; a compromised \
+                 {daemon} is limited only by the other walls"
+            );
+            Ok(())
+        }
+        SeccompMode::Enforce(action) => {
+            let allowed = install(roles, action)?;
+            tracing::info!(mode = %mode, ?roles, allowed, "seccomp filter installed on every thread");
+            Ok(())
+        }
+    }
+}
+
 /// Layout of the `SIGSYS` part of `siginfo_t` on 64-bit Linux
 /// (`<asm-generic/siginfo.h>`: `_sigsys { _call_addr, _syscall, _arch }`
 /// after the three `int` header fields and their padding).

@@ -17,7 +17,7 @@ use std::path::PathBuf;
 use vrdma_isolation::landlock::{self, Enforcement, FsPolicy, LandlockError};
 use vrdma_isolation::namespaces::{self, NamespaceError, NamespacePlan};
 use vrdma_isolation::privileges::{self, Identity, PrivilegeError, ResourceLimits};
-use vrdma_isolation::seccomp::{self, Role, SeccompError, SeccompMode};
+use vrdma_isolation::seccomp::{self, Role, SeccompError};
 
 use crate::config::{Config, SandboxConfig};
 
@@ -201,23 +201,5 @@ pub const ROLES: [Role; 3] = Role::ALL;
 /// Step 4: the seccomp allow-list of [`ROLES`] on every thread, with the
 /// operator's violation action — or, only when explicitly asked, nothing.
 pub fn install_seccomp(plan: &Plan) -> Result<(), SandboxError> {
-    match plan.config.seccomp {
-        SeccompMode::Off => {
-            tracing::warn!(
-                "SECCOMP IS OFF (--seccomp off): vdev may make any system call; a compromised \
-                 vdev is limited only by the other walls"
-            );
-            Ok(())
-        }
-        SeccompMode::Enforce(action) => {
-            let allowed = seccomp::install(&ROLES, action).map_err(SandboxError::Seccomp)?;
-            tracing::info!(
-                mode = %plan.config.seccomp,
-                roles = ?ROLES,
-                allowed,
-                "seccomp filter installed on every thread"
-            );
-            Ok(())
-        }
-    }
+    seccomp::install_mode(plan.config.seccomp, &ROLES, "vdev").map_err(SandboxError::Seccomp)
 }
