@@ -12,7 +12,7 @@
 
 use std::path::PathBuf;
 
-use vrdma_isolation::landlock::{self, Enforcement, FsAccess, FsPolicy, LandlockError};
+use vrdma_isolation::landlock::{self, FsAccess, FsPolicy, LandlockError};
 use vrdma_isolation::privileges::{self, Identity, PrivilegeError, ResourceLimits};
 use vrdma_isolation::seccomp::{self, Role, SeccompError, SeccompMode};
 
@@ -131,60 +131,19 @@ pub fn restrict_filesystem(plan: &Plan) -> Result<(), SandboxError> {
             .map(|p| (p.clone(), FsAccess::ReadFile))
             .collect(),
     };
-    let (enforcement, status) = if simulate_no_landlock() {
-        (
-            Enforcement::Absent,
-            "no landlock (simulated by VRDMA_TEST_LANDLOCK=absent)".to_owned(),
-        )
-    } else {
-        landlock::restrict(&policy).map_err(SandboxError::Landlock)?
-    };
-    landlock::check(enforcement, &status, plan.args.allow_no_landlock)
-        .map_err(SandboxError::Landlock)?;
-    let readable = plan.policy_file.as_ref().map(|p| p.display().to_string());
-    match enforcement {
-        Enforcement::Full => tracing::info!(
-            %status,
-            readable = readable.as_deref().unwrap_or("nothing"),
-            "Landlock: no file-system access but reading the policy file"
-        ),
-        Enforcement::Partial => tracing::warn!(
-            %status,
-            "Landlock enforced only in part: this kernel's ABI lacks some of the rights hostd \
-             asks for (see docs/security.md)"
-        ),
-        Enforcement::Absent => tracing::warn!(
-            %status,
-            "LANDLOCK NOT ENFORCED: this kernel has no landlock and --allow-no-landlock was \
-             given; hostd runs without its file-system wall"
-        ),
-    }
-    Ok(())
-}
-
-#[cfg(feature = "test-hooks")]
-fn simulate_no_landlock() -> bool {
-    vrdma_isolation::test_hooks::landlock_absent()
-}
-
-#[cfg(not(feature = "test-hooks"))]
-fn simulate_no_landlock() -> bool {
-    false
+    let readable = plan
+        .policy_file
+        .as_ref()
+        .map_or_else(|| "nothing".to_owned(), |p| p.display().to_string());
+    let full = format!("no file-system access but reading the policy file (readable: {readable})");
+    landlock::enter(&policy, plan.args.allow_no_landlock, "hostd", &full)
+        .map_err(SandboxError::Landlock)
 }
 
 /// Step 2: resource limits, the uid/gid switch (when started as root) and
 /// no capabilities, no_new_privs, not dumpable.
 pub fn drop_privileges(plan: &Plan) -> Result<(), SandboxError> {
-    let limits = privileges::set_limits(plan.limits).map_err(SandboxError::Privileges)?;
-    let dropped = privileges::drop_privileges(plan.identity).map_err(SandboxError::Privileges)?;
-    tracing::info!(
-        uid = dropped.uid,
-        gid = dropped.gid,
-        bounding_set_left = dropped.bounding_left,
-        nofile = limits.nofile,
-        "Privileges dropped: no capabilities, no_new_privs, not dumpable, no core files"
-    );
-    Ok(())
+    privileges::apply(plan.limits, plan.identity).map_err(SandboxError::Privileges)
 }
 
 /// The thread roles hostd runs (all in one process, so one filter).

@@ -143,6 +143,52 @@ pub fn check(
     }
 }
 
+/// A daemon's landlock step: restricts the process to `policy` (or, under
+/// the test hook `VRDMA_TEST_LANDLOCK=absent`, acts as on a kernel without
+/// landlock), refuses a kernel without it unless `allow_absent`, and logs
+/// the outcome naming `daemon`; `full` describes what a full enforcement
+/// leaves the daemon.
+pub fn enter(
+    policy: &FsPolicy,
+    allow_absent: bool,
+    daemon: &str,
+    full: &str,
+) -> Result<(), LandlockError> {
+    let (enforcement, status) = if simulate_absent() {
+        (
+            Enforcement::Absent,
+            "no landlock (simulated by VRDMA_TEST_LANDLOCK=absent)".to_owned(),
+        )
+    } else {
+        restrict(policy)?
+    };
+    check(enforcement, &status, allow_absent)?;
+    match enforcement {
+        Enforcement::Full => tracing::info!(%status, "Landlock: {full}"),
+        Enforcement::Partial => tracing::warn!(
+            %status,
+            "Landlock enforced only in part: this kernel's ABI lacks some of the rights {daemon} \
+             asks for (see docs/security.md)"
+        ),
+        Enforcement::Absent => tracing::warn!(
+            %status,
+            "LANDLOCK NOT ENFORCED: this kernel has no landlock and --allow-no-landlock was \
+             given; {daemon} runs without its file-system wall"
+        ),
+    }
+    Ok(())
+}
+
+#[cfg(feature = "test-hooks")]
+fn simulate_absent() -> bool {
+    crate::test_hooks::landlock_absent()
+}
+
+#[cfg(not(feature = "test-hooks"))]
+fn simulate_absent() -> bool {
+    false
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

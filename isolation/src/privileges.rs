@@ -187,6 +187,23 @@ pub struct Dropped {
     pub bounding_left: u32,
 }
 
+/// A daemon's privilege step: resource limits, then the switch to
+/// `target` and no capabilities, no_new_privs, not dumpable; logs the
+/// result.
+pub fn apply(limits: ResourceLimits, target: Option<Identity>) -> Result<(), PrivilegeError> {
+    let limits = set_limits(limits)?;
+    let dropped = drop_privileges(target)?;
+    tracing::info!(
+        uid = dropped.uid,
+        gid = dropped.gid,
+        bounding_set_left = dropped.bounding_left,
+        nofile = limits.nofile,
+        memlock = limits.memlock,
+        "Privileges dropped: no capabilities, no_new_privs, not dumpable, no core files"
+    );
+    Ok(())
+}
+
 /// Switches to `target` (if any) and drops every capability; sets
 /// `no_new_privs` and makes the process non-dumpable. Verifies the result.
 pub fn drop_privileges(target: Option<Identity>) -> Result<Dropped, PrivilegeError> {

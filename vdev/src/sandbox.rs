@@ -14,7 +14,7 @@
 
 use std::path::PathBuf;
 
-use vrdma_isolation::landlock::{self, Enforcement, FsPolicy, LandlockError};
+use vrdma_isolation::landlock::{self, FsPolicy, LandlockError};
 use vrdma_isolation::namespaces::{self, NamespaceError, NamespacePlan};
 use vrdma_isolation::privileges::{self, Identity, PrivilegeError, ResourceLimits};
 use vrdma_isolation::seccomp::{self, Role, SeccompError};
@@ -143,56 +143,19 @@ pub fn restrict_filesystem(plan: &Plan) -> Result<(), SandboxError> {
         );
         return Ok(());
     }
-    let (enforcement, status) = if simulate_no_landlock() {
-        (
-            Enforcement::Absent,
-            "no landlock (simulated by VRDMA_TEST_LANDLOCK=absent)".to_owned(),
-        )
-    } else {
-        landlock::restrict(&FsPolicy::default()).map_err(SandboxError::Landlock)?
-    };
-    landlock::check(enforcement, &status, plan.config.allow_no_landlock)
-        .map_err(SandboxError::Landlock)?;
-    match enforcement {
-        Enforcement::Full => tracing::info!(%status, "Landlock: no file-system access at all"),
-        Enforcement::Partial => tracing::warn!(
-            %status,
-            "Landlock enforced only in part: this kernel's ABI lacks some of the rights vdev \
-             asks for (see docs/security.md)"
-        ),
-        Enforcement::Absent => tracing::warn!(
-            %status,
-            "LANDLOCK NOT ENFORCED: this kernel has no landlock and --allow-no-landlock was \
-             given; vdev runs without its file-system wall"
-        ),
-    }
-    Ok(())
-}
-
-#[cfg(feature = "test-hooks")]
-fn simulate_no_landlock() -> bool {
-    vrdma_isolation::test_hooks::landlock_absent()
-}
-
-#[cfg(not(feature = "test-hooks"))]
-fn simulate_no_landlock() -> bool {
-    false
+    landlock::enter(
+        &FsPolicy::default(),
+        plan.config.allow_no_landlock,
+        "vdev",
+        "no file-system access at all",
+    )
+    .map_err(SandboxError::Landlock)
 }
 
 /// Step 3: resource limits, the uid/gid switch (when started as root) and
 /// no capabilities, no_new_privs, not dumpable.
 pub fn drop_privileges(plan: &Plan) -> Result<(), SandboxError> {
-    let limits = privileges::set_limits(plan.limits).map_err(SandboxError::Privileges)?;
-    let dropped = privileges::drop_privileges(plan.identity).map_err(SandboxError::Privileges)?;
-    tracing::info!(
-        uid = dropped.uid,
-        gid = dropped.gid,
-        bounding_set_left = dropped.bounding_left,
-        nofile = limits.nofile,
-        memlock = limits.memlock,
-        "Privileges dropped: no capabilities, no_new_privs, not dumpable, no core files"
-    );
-    Ok(())
+    privileges::apply(plan.limits, plan.identity).map_err(SandboxError::Privileges)
 }
 
 /// The thread roles vdev runs (all in one process, so one filter).
