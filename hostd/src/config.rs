@@ -98,6 +98,9 @@ pub struct Args {
     /// Send WQEs all devices together may have inside the NIC at once.
     #[arg(long)]
     pub total_credits: Option<u32>,
+    /// Line rate of the NIC's port in Gbit/s (the modelled link).
+    #[arg(long)]
+    pub line_rate_gbps: Option<u32>,
 }
 
 /// The config file. Unknown keys are errors.
@@ -114,6 +117,7 @@ struct FileConfig {
     spin_us: Option<u64>,
     device_credits: Option<u32>,
     total_credits: Option<u32>,
+    line_rate_gbps: Option<u32>,
 }
 
 /// A validated hostd configuration.
@@ -134,6 +138,8 @@ pub struct Config {
     pub spin_us: u64,
     pub device_credits: u32,
     pub total_credits: u32,
+    /// Line rate of the NIC's port, Gbit/s.
+    pub line_rate_gbps: u32,
 }
 
 pub const DEFAULT_PHYSICAL_QPS: u32 = 64;
@@ -141,6 +147,10 @@ pub const DEFAULT_SQ_DEPTH: u32 = 1024;
 pub const DEFAULT_CQ_DEPTH: u32 = 4096;
 pub const DEFAULT_DATAPATH_THREADS: u32 = 1;
 pub const DEFAULT_SPIN_US: u64 = 200;
+/// A BlueField-3 port: 400 Gbit/s.
+pub const DEFAULT_LINE_RATE_GBPS: u32 = 400;
+/// Fastest port accepted (1.6 Tbit/s).
+const MAX_LINE_RATE_GBPS: u32 = 1600;
 
 /// The admin socket next to `socket`: `<socket>.admin`.
 pub fn default_admin_socket(socket: &Path) -> PathBuf {
@@ -194,6 +204,10 @@ impl TryFrom<Args> for Config {
                 .total_credits
                 .or(file.total_credits)
                 .unwrap_or(DEFAULT_TOTAL_CREDITS),
+            line_rate_gbps: args
+                .line_rate_gbps
+                .or(file.line_rate_gbps)
+                .unwrap_or(DEFAULT_LINE_RATE_GBPS),
         };
         config.validate()?;
         config.policy = match &config.policy_file {
@@ -229,6 +243,11 @@ fn invalid(key: &'static str, value: impl ToString, reason: &'static str) -> Con
 }
 
 impl Config {
+    /// The port's line rate in bytes per second.
+    pub fn line_rate_bytes(&self) -> u64 {
+        u64::from(self.line_rate_gbps) * 1_000_000_000 / 8
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
         if !(1..=MAX_PHYSICAL_QPS).contains(&self.physical_qps) {
             return Err(invalid(
@@ -268,6 +287,13 @@ impl Config {
                 "device_credits",
                 self.device_credits,
                 "must be between 1 and total_credits",
+            ));
+        }
+        if !(1..=MAX_LINE_RATE_GBPS).contains(&self.line_rate_gbps) {
+            return Err(invalid(
+                "line_rate_gbps",
+                self.line_rate_gbps,
+                "must be between 1 and 1600",
             ));
         }
         if self.admin_socket == self.socket {
@@ -328,8 +354,10 @@ mod tests {
                 spin_us: DEFAULT_SPIN_US,
                 device_credits: 256,
                 total_credits: 4096,
+                line_rate_gbps: 400,
             }
         );
+        assert_eq!(config.line_rate_bytes(), 50_000_000_000);
         let names: Vec<_> = config
             .policy
             .tenants
@@ -361,6 +389,8 @@ mod tests {
                 "0",
                 "--total-credits",
                 "32",
+                "--line-rate-gbps",
+                "25",
             ],
         )
         .expect("valid");
@@ -372,6 +402,7 @@ mod tests {
             (16, 64, 0)
         );
         assert_eq!((config.device_credits, config.total_credits), (16, 32));
+        assert_eq!(config.line_rate_gbps, 25);
         let red = config.policy.tenant("red").expect("red");
         assert_eq!(red.network(), "red");
         assert_eq!(red.uid, Some(1000));
@@ -404,6 +435,8 @@ mod tests {
             ("device_credits = 0", "device_credits"),
             ("total_credits = 8\ndevice_credits = 9", "device_credits"),
             ("total_credits = 0", "total_credits"),
+            ("line_rate_gbps = 0", "line_rate_gbps"),
+            ("line_rate_gbps = 2000", "line_rate_gbps"),
             ("admin_socket = \"/tmp/s\"", "admin_socket"),
             ("bogus = 1", "bogus"),
             ("queues_per_device = 2", "queues_per_device"),

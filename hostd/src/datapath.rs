@@ -48,7 +48,7 @@ use zerocopy::FromBytes;
 
 use crate::ids::IdMap;
 use crate::nic::{Completion, DeviceId, Nic};
-use crate::scheduler::{CreditView, Credits, Head, OpKind, Pick, QueueId, Scheduler};
+use crate::scheduler::{CreditView, Head, OpKind, Pick, QueueId, Scheduler};
 use crate::stats::Accounts;
 
 /// Entries taken from one submission ring at a time while staging
@@ -402,7 +402,7 @@ impl Datapath {
         threads: u32,
         spin: Duration,
         hold_limit: usize,
-        credits: Credits,
+        sched: Scheduler,
     ) -> io::Result<Arc<Self>> {
         let wakers = (0..threads.max(1))
             .map(|_| EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC))
@@ -416,7 +416,7 @@ impl Datapath {
                 scratch: Vec::new(),
                 hold_limit,
                 staged: IdMap::default(),
-                sched: Scheduler::new(credits),
+                sched,
                 accounts: Accounts::default(),
             }),
             wakers,

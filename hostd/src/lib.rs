@@ -40,7 +40,7 @@ use vrdma_hostd_protocol::channel::{ChannelError, Listener};
 pub use config::Config;
 use datapath::Datapath;
 use nic::soft::SoftNic;
-use scheduler::Credits;
+use scheduler::{Credits, Link, Scheduler};
 use server::Server;
 
 /// Why hostd could not serve.
@@ -126,10 +126,13 @@ pub fn serve(config: &Config, opened: Opened) -> Result<(), Error> {
         Duration::from_micros(config.spin_us),
         // Back-pressure: hold at most one completion ring's worth per pQP.
         config.cq_depth as usize,
-        Credits {
-            per_device: config.device_credits as usize,
-            total: config.total_credits as usize,
-        },
+        Scheduler::new(
+            Credits {
+                per_device: config.device_credits as usize,
+                total: config.total_credits as usize,
+            },
+            Some(Link::new(config.line_rate_bytes())),
+        ),
     )
     .map_err(Error::Datapath)?;
     datapath.start().map_err(Error::Datapath)?;

@@ -26,8 +26,13 @@
 //! message consumes them). Every decision takes `now` from the caller, so
 //! tests drive the scheduler with a simulated clock.
 //!
+//! 4. **The port.** With a line rate configured ([`Link`]), a class may only
+//!    put work into the NIC while the port is not booked too far ahead by
+//!    work of that class or a higher one: the link, not the host's CPU, is
+//!    then the resource the classes and weights divide.
+//!
 //! When nothing is admissible, [`Pick::Wait`] says when the earliest token
-//! bucket will hold enough, so the datapath sleeps until then instead of
+//! bucket (or the port) will allow some, so the datapath sleeps until then instead of
 //! spinning. The time a tenant had work of a kind that no bucket allowed is
 //! counted as throttled time.
 
@@ -139,6 +144,66 @@ impl Default for Credits {
         Credits {
             per_device: DEFAULT_DEVICE_CREDITS as usize,
             total: DEFAULT_TOTAL_CREDITS as usize,
+        }
+    }
+}
+
+/// The NIC's port: the rate at which it puts bytes on the wire.
+///
+/// A real NIC's transmit arbiter works in packets, so a message of a higher
+/// class overtakes a lower class's long message at the next packet boundary
+/// instead of waiting for all of it. The model books the port per class:
+/// `busy_until[c]` is when the port has sent everything admitted of class
+/// `c` or higher. Admitting work of class `c` books the port for its wire
+/// time in `c` and every lower class (they wait behind it), never in a
+/// higher one. Without a configured line rate the port is never the
+/// bottleneck (the host's memory bandwidth is).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Link {
+    /// Bytes per second on the wire.
+    rate: u64,
+    /// Per class index (realtime first).
+    busy_until: [Option<Instant>; 3],
+}
+
+impl Link {
+    /// Work admitted ahead of the wire: enough to keep the port busy across
+    /// a datapath thread that comes back a little late, small enough that a
+    /// lower class cannot book the port far ahead of a higher one.
+    pub const BACKLOG: Duration = Duration::from_micros(20);
+
+    /// A port sending `rate` bytes per second.
+    pub fn new(rate: u64) -> Self {
+        Link {
+            rate: rate.max(1),
+            busy_until: [None; 3],
+        }
+    }
+
+    /// Whether work of class index `class` may enter the NIC at `now`.
+    fn open(&self, class: usize, now: Instant) -> bool {
+        self.busy_until
+            .get(class)
+            .copied()
+            .flatten()
+            .is_none_or(|busy| busy <= now + Self::BACKLOG)
+    }
+
+    /// When work of class index `class` may enter next.
+    fn opens_at(&self, class: usize, now: Instant) -> Instant {
+        match self.busy_until.get(class).copied().flatten() {
+            Some(busy) => busy.checked_sub(Self::BACKLOG).unwrap_or(busy),
+            None => now,
+        }
+    }
+
+    /// Books the wire time of `bytes` of class index `class`.
+    fn book(&mut self, class: usize, bytes: u64, now: Instant) {
+        let ns = u128::from(bytes) * 1_000_000_000 / u128::from(self.rate);
+        let wire = Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX));
+        for busy in self.busy_until.iter_mut().skip(class) {
+            let from = busy.map_or(now, |b| b.max(now));
+            *busy = Some(from.checked_add(wire).unwrap_or(from));
         }
     }
 }
@@ -351,12 +416,21 @@ pub struct Scheduler {
     /// Tenants of each class in deficit-round-robin order.
     rings: [VecDeque<usize>; 3],
     views: Vec<View>,
+    /// The port, when a line rate is configured.
+    link: Option<Link>,
+}
+
+/// The admissible WQE a tenant would send next, from its view.
+fn candidate(views: &[View], tenant: usize) -> Option<(QueueId, u64)> {
+    views.get(tenant).and_then(|v| v.next.or(v.first))
 }
 
 impl Scheduler {
-    /// A scheduler handing out `credits`.
-    pub fn new(credits: Credits) -> Self {
+    /// A scheduler handing out `credits`, with a port of `link` (`None`:
+    /// unlimited).
+    pub fn new(credits: Credits, link: Option<Link>) -> Self {
         Scheduler {
+            link,
             credits,
             tenants: Vec::new(),
             by_name: HashMap::new(),
@@ -515,8 +589,24 @@ impl Scheduler {
                 }
             }
         }
-        for class in CLASSES {
-            if let Some(queue) = self.serve_class(class_index(class)) {
+        for class in CLASSES.map(class_index) {
+            if let Some(link) = &self.link {
+                if !link.open(class, now) {
+                    // Lower classes are booked at least as far ahead.
+                    if self.rings[class]
+                        .iter()
+                        .any(|&i| candidate(&self.views, i).is_some())
+                    {
+                        let at = link.opens_at(class, now);
+                        wait = Some(wait.map_or(at, |w| w.min(at)));
+                    }
+                    continue;
+                }
+            }
+            if let Some((queue, cost)) = self.serve_class(class) {
+                if let Some(link) = &mut self.link {
+                    link.book(class, cost, now);
+                }
                 return Pick::Run(queue);
             }
         }
@@ -533,9 +623,9 @@ impl Scheduler {
         }
     }
 
-    /// Deficit round robin among the eligible tenants of one class.
-    fn serve_class(&mut self, class: usize) -> Option<QueueId> {
-        let candidate = |views: &[View], i: usize| views.get(i).and_then(|v| v.next.or(v.first));
+    /// Deficit round robin among the eligible tenants of one class: the
+    /// chosen pQP and the cost of its WQE.
+    fn serve_class(&mut self, class: usize) -> Option<(QueueId, u64)> {
         let ring = &self.rings[class];
         if !ring.iter().any(|&i| candidate(&self.views, i).is_some()) {
             return None;
@@ -566,7 +656,7 @@ impl Scheduler {
                     if let Some((_, head)) = head {
                         t.limiters[head.kind as usize].take(head.bytes);
                     }
-                    return Some(queue);
+                    return Some((queue, cost));
                 }
                 t.visited = false;
                 self.rings[class].rotate_left(1);
@@ -633,7 +723,7 @@ mod tests {
 
     /// A scheduler with one device (id = index + 1, pQP 0) per tenant.
     fn setup(tenants: &[TenantPolicy], now: Instant) -> Scheduler {
-        let mut s = Scheduler::new(Credits::default());
+        let mut s = Scheduler::new(Credits::default(), None);
         for (i, t) in tenants.iter().enumerate() {
             s.configure(t, now);
             assert!(s.add_device(i as DeviceId + 1, &t.name));
@@ -726,7 +816,7 @@ mod tests {
     #[test]
     fn a_tenants_queues_take_turns_and_keep_their_order() {
         let now = Instant::now();
-        let mut s = Scheduler::new(Credits::default());
+        let mut s = Scheduler::new(Credits::default(), None);
         s.configure(&tenant("t", PriorityClass::Normal, 1), now);
         assert!(s.add_device(7, "t"));
         assert!(!s.add_device(8, "nobody"), "unknown tenant");
@@ -919,7 +1009,7 @@ mod tests {
         assert!(!credits.grant(PriorityClass::Realtime, 3, 0), "per device");
 
         let now = Instant::now();
-        let mut s = Scheduler::new(credits);
+        let mut s = Scheduler::new(credits, None);
         for (i, class) in [PriorityClass::Normal, PriorityClass::Realtime]
             .into_iter()
             .enumerate()
@@ -968,5 +1058,59 @@ mod tests {
         s.stage((2, 0), send(64));
         let served = run(&mut s, now, 1000, |_| send(64));
         assert_eq!(served.len(), 2, "both realtime tenants share: {served:?}");
+    }
+
+    #[test]
+    fn the_port_is_shared_by_weight_and_realtime_overtakes_booked_work() {
+        let start = Instant::now();
+        let mut s = setup(
+            &[
+                tenant("one", PriorityClass::Normal, 1),
+                tenant("three", PriorityClass::Normal, 3),
+                tenant("rt", PriorityClass::Realtime, 1),
+            ],
+            start,
+        );
+        // 1 GB/s: one byte per nanosecond.
+        s.link = Some(Link::new(1_000_000_000));
+        let nic = Nic::default();
+        let big = send(65536);
+        s.stage((1, 0), big);
+        s.stage((2, 0), big);
+        let mut now = start;
+        let mut served: HashMap<DeviceId, u64> = HashMap::new();
+        let end = start + Duration::from_millis(100);
+        while now < end {
+            match s.pick(now, &nic) {
+                Pick::Run(q) => {
+                    *served.entry(q.0).or_default() += big.bytes;
+                    s.stage(q, big);
+                }
+                Pick::Wait(Some(at)) => {
+                    assert!(at > now, "a wait must move time forward");
+                    now = at;
+                }
+                other => panic!("backlogged tenants got {other:?}"),
+            }
+        }
+        // The port, not the caller's speed, sets the total: 100 ms at
+        // 1 GB/s plus the booked backlog.
+        let total = served.values().sum::<u64>();
+        let wire = 100_000_000 + Link::BACKLOG.as_nanos() as u64 + 2 * big.bytes;
+        assert!(total <= wire && total >= 99_000_000, "{total} bytes");
+        let ratio = served[&2] as f64 / served[&1] as f64;
+        assert!(
+            (ratio - 3.0).abs() < 0.06,
+            "1:3 on the port gave 1:{ratio:.3}"
+        );
+        // The normal class books the port ahead; realtime then goes at once.
+        while let Pick::Run(q) = s.pick(now, &nic) {
+            s.stage(q, big);
+        }
+        s.stage((3, 0), send(64));
+        assert_eq!(s.pick(now, &nic), Pick::Run((3, 0)));
+        // ... and the normal class waits behind it.
+        let link = s.link.expect("link");
+        assert!(link.busy_until[2] > link.busy_until[0]);
     }
 }

@@ -231,16 +231,22 @@ impl Hostd {
     /// Starts hostd on its embedded default policy (tenants `alpha` and
     /// `beta` in network `demo`), or on `policy` (TOML) when given.
     pub fn start(policy: Option<&str>) -> Self {
+        Hostd::start_with(policy, &[])
+    }
+
+    /// [`Hostd::start`] with more command-line arguments.
+    pub fn start_with(policy: Option<&str>, extra: &[&str]) -> Self {
         let dir = TempDir::new("hostd");
         let path = dir.path().join("policy.toml");
         let path = path.to_str().expect("UTF-8 temp path").to_owned();
-        let args: Vec<&str> = match policy {
+        let mut args: Vec<&str> = match policy {
             Some(text) => {
                 std::fs::write(&path, text).expect("write the policy file");
                 vec!["--policy", path.as_str()]
             }
             None => Vec::new(),
         };
+        args.extend_from_slice(extra);
         let daemon = Daemon::start("hostd", dir, &args);
         let socket = daemon.socket.clone();
         Hostd { daemon, socket }

@@ -401,3 +401,73 @@ network = "demo"
         "{metrics}"
     );
 }
+
+#[test]
+fn weights_one_to_three_share_a_congested_port_within_ten_percent() {
+    // A 1 Gbit/s port: slow enough that even debug builds on a loaded
+    // 2-core machine keep both tenants' queues full, so the port is the
+    // bottleneck and hostd's scheduler decides the shares.
+    let policy = r#"
+[[tenant]]
+name = "light"
+network = "bench"
+priority = { class = "normal", weight = 1 }
+
+[[tenant]]
+name = "heavy"
+network = "bench"
+priority = { class = "normal", weight = 3 }
+
+[[tenant]]
+name = "sink"
+network = "bench"
+"#;
+    let hostd = Hostd::start_with(Some(policy), &["--line-rate-gbps", "1"]);
+    let sink = Tenant::start(&hostd, "sink");
+    // Per flooding tenant: its QP, the sink's QP, source and destination.
+    let floods: Vec<_> = ["light", "heavy"]
+        .into_iter()
+        .map(|name| {
+            let t = Tenant::start(&hostd, name);
+            let (q, qs) = (t.qp(default_caps()), sink.qp(default_caps()));
+            connect(&t, &q, &sink, &qs, Connection::default());
+            let src = t.pd.alloc_mr(65536, RW).expect("source");
+            let dst = sink.pd.alloc_mr(65536, RW).expect("destination");
+            (t, q, qs, src, dst)
+        })
+        .collect();
+    let rates: Vec<f64> = std::thread::scope(|scope| {
+        let workers: Vec<_> = floods
+            .iter()
+            .map(|(t, q, _, src, dst)| {
+                scope.spawn(move || {
+                    let sge = [src.sge(0, 65536)];
+                    let mut wr = SendWr::new(0, SendOpcode::RdmaWrite, SendPayload::Sges(&sge));
+                    wr.flags = vrdma_spec::ring::send_flags::SIGNALED;
+                    wr.remote_addr = dst.iova();
+                    wr.rkey = dst.rkey();
+                    // Fill the queues first, then measure.
+                    measure_ops(t, q, wr, Duration::from_millis(300));
+                    measure_ops(t, q, wr, Duration::from_secs(2))
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("flood"))
+            .collect()
+    });
+    let (light, heavy) = (rates[0], rates[1]);
+    let ratio = heavy / light;
+    assert!(
+        (ratio - 3.0).abs() <= 0.3,
+        "weights 1:3 gave light {light:.0} ops/s, heavy {heavy:.0} ops/s (1:{ratio:.2})"
+    );
+    // Together they fill the port (125 MB/s = 1907 writes of 64 KiB per s).
+    let port = 1e9 / 8.0 / 65536.0;
+    let total = light + heavy;
+    assert!(
+        total <= port * 1.05 && total >= port * 0.8,
+        "{total:.0} writes/s on a port of {port:.0}"
+    );
+}

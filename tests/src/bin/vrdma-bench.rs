@@ -53,6 +53,11 @@ struct Args {
     /// Size of the memory region the registration test registers.
     #[arg(long, default_value_t = 1 << 30)]
     reg_size: usize,
+    /// Line rate (Gbit/s) of the modelled NIC port in the isolation and
+    /// weights tests: below what this host's CPUs can move, so that the
+    /// port, as on a real NIC, is the resource tenants contend for.
+    #[arg(long, default_value_t = 40)]
+    line_rate_gbps: u32,
 }
 
 const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
@@ -85,10 +90,10 @@ fn main() {
     };
     // These two start hostds of their own, with a policy each.
     if tests.contains(&Test::Isolation) {
-        isolation_under_load(args.iters.min(5000));
+        isolation_under_load(args.iters.min(5000), args.line_rate_gbps);
     }
     if tests.contains(&Test::Weights) {
-        weighted_shares();
+        weighted_shares(args.line_rate_gbps);
     }
     let tests: Vec<Test> = tests
         .into_iter()
@@ -539,7 +544,12 @@ fn read_probe(probe: &Tenant, peer: &Tenant, iters: usize) -> (Duration, Duratio
     percentiles(&mut samples)
 }
 
-fn isolation_under_load(iters: usize) {
+/// hostd with `policy` and a port of `gbps`.
+fn hostd_at_line_rate(policy: &str, gbps: u32) -> Hostd {
+    Hostd::start_with(Some(policy), &["--line-rate-gbps", &gbps.to_string()])
+}
+
+fn isolation_under_load(iters: usize, gbps: u32) {
     let setups = [
         (
             "policy: probe realtime, flood normal",
@@ -559,7 +569,7 @@ fn isolation_under_load(iters: usize) {
         ),
     ];
     for (label, classes) in setups {
-        let hostd = Hostd::start(Some(&policy(&classes)));
+        let hostd = hostd_at_line_rate(&policy(&classes), gbps);
         let probe = Tenant::start(&hostd, "probe");
         let flooder = Tenant::start(&hostd, "flood");
         let peer = Tenant::start(&hostd, "peer");
@@ -573,7 +583,7 @@ fn isolation_under_load(iters: usize) {
             (probe_result, f.join().expect("flood thread"))
         });
         println!(
-            "isolation  {label}: probe read_lat 64 B alone p50 {} p99 {}; with a 64 KiB flood ({:.2} GB/s) p50 {} p99 {}; p99 ratio {:.2}",
+            "isolation  port {gbps} Gbit/s, {label}: probe read_lat 64 B alone p50 {} p99 {}; with a 64 KiB flood ({:.2} GB/s) p50 {} p99 {}; p99 ratio {:.2}",
             us(alone50),
             us(alone99),
             flood_rate / 1e9,
@@ -584,12 +594,15 @@ fn isolation_under_load(iters: usize) {
     }
 }
 
-fn weighted_shares() {
-    let hostd = Hostd::start(Some(&policy(&[
-        ("light", "normal", 1),
-        ("heavy", "normal", 3),
-        ("sink", "normal", 1),
-    ])));
+fn weighted_shares(gbps: u32) {
+    let hostd = hostd_at_line_rate(
+        &policy(&[
+            ("light", "normal", 1),
+            ("heavy", "normal", 3),
+            ("sink", "normal", 1),
+        ]),
+        gbps,
+    );
     let light = Tenant::start(&hostd, "light");
     let heavy = Tenant::start(&hostd, "heavy");
     let sink = Tenant::start(&hostd, "sink");
@@ -602,7 +615,7 @@ fn weighted_shares() {
         (l.join().expect("light"), h.join().expect("heavy"))
     });
     println!(
-        "weights    normal 1:3 flooding 64 KiB writes for 3 s: light {:.2} GB/s, heavy {:.2} GB/s, heavy/light {:.2} (target 3 ± 10 %)",
+        "weights    port {gbps} Gbit/s, normal 1:3 flooding 64 KiB writes for 3 s: light {:.2} GB/s, heavy {:.2} GB/s, heavy/light {:.2} (target 3 ± 10 %)",
         l / 1e9,
         h / 1e9,
         h / l
