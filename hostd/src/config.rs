@@ -98,9 +98,9 @@ pub struct Args {
     /// Send WQEs all devices together may have inside the NIC at once.
     #[arg(long)]
     pub total_credits: Option<u32>,
-    /// Line rate of the NIC's port in Gbit/s (the modelled link).
+    /// Line rate of the NIC's port in Mbit/s (the modelled link).
     #[arg(long)]
-    pub line_rate_gbps: Option<u32>,
+    pub line_rate_mbps: Option<u32>,
 }
 
 /// The config file. Unknown keys are errors.
@@ -117,7 +117,7 @@ struct FileConfig {
     spin_us: Option<u64>,
     device_credits: Option<u32>,
     total_credits: Option<u32>,
-    line_rate_gbps: Option<u32>,
+    line_rate_mbps: Option<u32>,
 }
 
 /// A validated hostd configuration.
@@ -138,8 +138,8 @@ pub struct Config {
     pub spin_us: u64,
     pub device_credits: u32,
     pub total_credits: u32,
-    /// Line rate of the NIC's port, Gbit/s.
-    pub line_rate_gbps: u32,
+    /// Line rate of the NIC's port, Mbit/s.
+    pub line_rate_mbps: u32,
 }
 
 pub const DEFAULT_PHYSICAL_QPS: u32 = 64;
@@ -148,9 +148,9 @@ pub const DEFAULT_CQ_DEPTH: u32 = 4096;
 pub const DEFAULT_DATAPATH_THREADS: u32 = 1;
 pub const DEFAULT_SPIN_US: u64 = 200;
 /// A BlueField-3 port: 400 Gbit/s.
-pub const DEFAULT_LINE_RATE_GBPS: u32 = 400;
+pub const DEFAULT_LINE_RATE_MBPS: u32 = 400_000;
 /// Fastest port accepted (1.6 Tbit/s).
-const MAX_LINE_RATE_GBPS: u32 = 1600;
+const MAX_LINE_RATE_MBPS: u32 = 1_600_000;
 
 /// The admin socket next to `socket`: `<socket>.admin`.
 pub fn default_admin_socket(socket: &Path) -> PathBuf {
@@ -204,10 +204,10 @@ impl TryFrom<Args> for Config {
                 .total_credits
                 .or(file.total_credits)
                 .unwrap_or(DEFAULT_TOTAL_CREDITS),
-            line_rate_gbps: args
-                .line_rate_gbps
-                .or(file.line_rate_gbps)
-                .unwrap_or(DEFAULT_LINE_RATE_GBPS),
+            line_rate_mbps: args
+                .line_rate_mbps
+                .or(file.line_rate_mbps)
+                .unwrap_or(DEFAULT_LINE_RATE_MBPS),
         };
         config.validate()?;
         config.policy = match &config.policy_file {
@@ -245,7 +245,7 @@ fn invalid(key: &'static str, value: impl ToString, reason: &'static str) -> Con
 impl Config {
     /// The port's line rate in bytes per second.
     pub fn line_rate_bytes(&self) -> u64 {
-        u64::from(self.line_rate_gbps) * 1_000_000_000 / 8
+        u64::from(self.line_rate_mbps) * 1_000_000 / 8
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
@@ -289,11 +289,11 @@ impl Config {
                 "must be between 1 and total_credits",
             ));
         }
-        if !(1..=MAX_LINE_RATE_GBPS).contains(&self.line_rate_gbps) {
+        if !(1..=MAX_LINE_RATE_MBPS).contains(&self.line_rate_mbps) {
             return Err(invalid(
-                "line_rate_gbps",
-                self.line_rate_gbps,
-                "must be between 1 and 1600",
+                "line_rate_mbps",
+                self.line_rate_mbps,
+                "must be between 1 and 1600000 (1.6 Tbit/s)",
             ));
         }
         if self.admin_socket == self.socket {
@@ -354,7 +354,7 @@ mod tests {
                 spin_us: DEFAULT_SPIN_US,
                 device_credits: 256,
                 total_credits: 4096,
-                line_rate_gbps: 400,
+                line_rate_mbps: 400_000,
             }
         );
         assert_eq!(config.line_rate_bytes(), 50_000_000_000);
@@ -389,7 +389,7 @@ mod tests {
                 "0",
                 "--total-credits",
                 "32",
-                "--line-rate-gbps",
+                "--line-rate-mbps",
                 "25",
             ],
         )
@@ -402,7 +402,8 @@ mod tests {
             (16, 64, 0)
         );
         assert_eq!((config.device_credits, config.total_credits), (16, 32));
-        assert_eq!(config.line_rate_gbps, 25);
+        assert_eq!(config.line_rate_mbps, 25);
+        assert_eq!(config.line_rate_bytes(), 3_125_000);
         let red = config.policy.tenant("red").expect("red");
         assert_eq!(red.network(), "red");
         assert_eq!(red.uid, Some(1000));
@@ -435,8 +436,8 @@ mod tests {
             ("device_credits = 0", "device_credits"),
             ("total_credits = 8\ndevice_credits = 9", "device_credits"),
             ("total_credits = 0", "total_credits"),
-            ("line_rate_gbps = 0", "line_rate_gbps"),
-            ("line_rate_gbps = 2000", "line_rate_gbps"),
+            ("line_rate_mbps = 0", "line_rate_mbps"),
+            ("line_rate_mbps = 2000000", "line_rate_mbps"),
             ("admin_socket = \"/tmp/s\"", "admin_socket"),
             ("bogus = 1", "bogus"),
             ("queues_per_device = 2", "queues_per_device"),

@@ -376,6 +376,15 @@ pub fn datapath_rules() -> Result<Rules, SeccompError> {
     any(&mut r, libc::SYS_epoll_pwait);
     // Adaptive polling yields the core every turn.
     any(&mut r, libc::SYS_sched_yield);
+    // The poller sets its own niceness from the tenant's priority class:
+    // PRIO_PROCESS of thread 0 (itself) only.
+    r.insert(
+        libc::SYS_setpriority,
+        vec![rule(vec![
+            cond(0, Op::Eq, libc::PRIO_PROCESS as u64)?,
+            cond(1, Op::Eq, 0)?,
+        ])?],
+    );
     // Requests to hostd (revocations, QP errors) and its notifications.
     any(&mut r, libc::SYS_sendmsg);
     any(&mut r, libc::SYS_recvmsg);
@@ -884,6 +893,11 @@ mod tests {
                 ("epoll_ctl", libc::SYS_epoll_ctl, [12, 1, 4, 0, 0, 0]),
                 ("epoll_wait", libc::SYS_epoll_wait, [12, 0, 4, 100, 0, 0]),
                 ("sched_yield", libc::SYS_sched_yield, [0; 6]),
+                (
+                    "setpriority self",
+                    libc::SYS_setpriority,
+                    [libc::PRIO_PROCESS as u64, 0, 10, 0, 0, 0],
+                ),
                 ("sendmsg", libc::SYS_sendmsg, [7, 0, 0, 0, 0, 0]),
                 ("recvmsg", libc::SYS_recvmsg, [7, 0, 0, 0, 0, 0]),
             ],
@@ -1154,6 +1168,20 @@ mod tests {
             ),
             KILL
         );
+
+        // Its own niceness only: not another thread's, process group's or
+        // user's (another tenant's vdev runs as the same uid).
+        let process = libc::PRIO_PROCESS as u64;
+        assert_eq!(
+            run(&f, libc::SYS_setpriority, [process, 0, 10, 0, 0, 0]),
+            ALLOW
+        );
+        for (which, who) in [(process, 4242), (libc::PRIO_USER as u64, 0), (1, 0)] {
+            assert_eq!(
+                run(&f, libc::SYS_setpriority, [which, who, 19, 0, 0, 0]),
+                KILL
+            );
+        }
 
         let name = libc::PR_SET_NAME as u64;
         assert_eq!(run(&f, libc::SYS_prctl, [name, 0, 0, 0, 0, 0]), ALLOW);

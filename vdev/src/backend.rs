@@ -109,12 +109,16 @@ impl VrdmaBackend {
 
     /// Starts the datapath thread if the device is on a fabric; it runs
     /// until [`VrdmaBackend::stop_datapath`].
-    pub fn start_datapath(&self, spin: Duration) -> io::Result<Option<JoinHandle<()>>> {
+    pub fn start_datapath(
+        &self,
+        spin: Duration,
+        class_cpu_priority: bool,
+    ) -> io::Result<Option<JoinHandle<()>>> {
         let Some(fabric) = self.device().fabric().cloned() else {
             return Ok(None);
         };
         if let Some(channel) = fabric.take_notifications() {
-            crate::fabric::listen_for_policy(channel, self.inner.device.clone())?;
+            crate::fabric::listen_for_policy(channel, self.inner.device.clone(), fabric.clone())?;
         }
         let ctx = DatapathContext {
             device: self.inner.device.clone(),
@@ -124,6 +128,7 @@ impl VrdmaBackend {
             wake: self.inner.wake.clone(),
             stop: self.inner.stop.clone(),
             spin,
+            class_cpu_priority,
         };
         let name = format!("datapath-{}", self.tenant());
         std::thread::Builder::new()

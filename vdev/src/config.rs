@@ -102,6 +102,11 @@ pub struct Args {
     /// each disconnect, as a VM reboot or a restarted application needs).
     #[arg(long)]
     pub once: bool,
+    /// Give the datapath thread the CPU priority of the tenant's class
+    /// (niceness 0 realtime, 5 priority, 10 normal): for hosts where vdevs'
+    /// datapath threads share cores with one another.
+    #[arg(long)]
+    pub class_cpu_priority: bool,
     /// What a system call outside vdev's seccomp allow-list does: `kill`
     /// the process (default), `trap` (the call fails with EPERM and is
     /// reported), `log` (allowed, logged by the kernel's audit), or `off`
@@ -191,6 +196,8 @@ struct FileConfig {
     hostd: Option<PathBuf>,
     /// Microseconds the datapath keeps polling after its last work.
     spin_us: Option<u64>,
+    /// See [`Args::class_cpu_priority`].
+    class_cpu_priority: Option<bool>,
     #[serde(default)]
     limits: Limits,
     #[serde(default)]
@@ -208,6 +215,7 @@ pub struct Config {
     pub limits: Limits,
     pub hostd: Option<PathBuf>,
     pub spin_us: u64,
+    pub class_cpu_priority: bool,
     pub once: bool,
     pub sandbox: SandboxConfig,
 }
@@ -290,6 +298,7 @@ impl TryFrom<Args> for Config {
                 })
                 .transpose()?,
             spin_us: file.spin_us.unwrap_or(DEFAULT_SPIN_US),
+            class_cpu_priority: args.class_cpu_priority || file.class_cpu_priority.unwrap_or(false),
             once: args.once,
             sandbox,
         };
@@ -489,6 +498,7 @@ mod tests {
                 limits: Limits::default(),
                 hostd: None,
                 spin_us: DEFAULT_SPIN_US,
+                class_cpu_priority: false,
                 once: false,
                 sandbox: SandboxConfig::default(),
             }

@@ -17,6 +17,11 @@
 //! while there is work and for `spin` after it, then asks every producer to
 //! wake it (guest rings' NEED_KICK, hostd rings' sleeping flag), checks
 //! once more and sleeps on its eventfds.
+//!
+//! With `class_cpu_priority`, the thread's CPU priority follows the
+//! tenant's priority class: where vdevs' polling threads share cores, the
+//! kernel's scheduler decides whose work reaches hostd first, and it must
+//! not undo what hostd's scheduler does with the policy.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,6 +41,8 @@ use vrdma_spec::ring::{
 };
 use vrdma_spec::verbs::{access, QpState, SendOpcode, WcStatus};
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
+
+use vrdma_tenant_policy::PriorityClass;
 
 use crate::fabric::Fabric;
 use crate::verbs::RdmaDevice;
@@ -82,6 +89,8 @@ pub struct DatapathContext {
     pub stop: Arc<AtomicBool>,
     /// How long to keep polling after the last work.
     pub spin: Duration,
+    /// Whether the thread's niceness follows the tenant's class.
+    pub class_cpu_priority: bool,
 }
 
 /// Runs the datapath until `ctx.stop` is set (and `ctx.wake` written).
@@ -99,7 +108,13 @@ pub fn run(ctx: DatapathContext) {
         }
     };
     let mut last_work = Instant::now();
+    let mut class = None;
     while !ctx.stop.load(Ordering::Acquire) {
+        let now_class = ctx.fabric.priority_class();
+        if ctx.class_cpu_priority && class != Some(now_class) {
+            class = Some(now_class);
+            set_cpu_priority(&tenant, now_class);
+        }
         let work = pass(&ctx, false);
         if work > 0 {
             last_work = Instant::now();
@@ -123,6 +138,37 @@ pub fn run(ctx: DatapathContext) {
         last_work = Instant::now();
     }
     tracing::debug!(tenant, "Datapath stopped");
+}
+
+/// Niceness of the datapath thread per class. Realtime keeps the default:
+/// an unprivileged vdev cannot go below it, and it need not — the classes
+/// below it step aside.
+pub fn nice_of(class: PriorityClass) -> i32 {
+    match class {
+        PriorityClass::Realtime => 0,
+        PriorityClass::Priority => 5,
+        PriorityClass::Normal => 10,
+    }
+}
+
+/// Gives the calling thread the CPU priority of `class`.
+fn set_cpu_priority(tenant: &str, class: PriorityClass) {
+    let nice = nice_of(class);
+    // SAFETY: setpriority takes no pointers; PRIO_PROCESS with who = 0 is
+    // the calling thread (the nice value is per thread on Linux).
+    let rc = unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, nice) };
+    if rc == 0 {
+        tracing::debug!(tenant, ?class, nice, "Datapath CPU priority set");
+    } else {
+        // Raising it back needs RLIMIT_NICE, which a container may forbid.
+        tracing::warn!(
+            tenant,
+            ?class,
+            nice,
+            error = %std::io::Error::last_os_error(),
+            "Cannot raise the datapath's CPU priority (RLIMIT_NICE); it follows at the next vdev start"
+        );
+    }
 }
 
 fn setup_epoll(ctx: &DatapathContext) -> std::io::Result<Epoll> {

@@ -5,6 +5,7 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Mutex;
 
 use vmm_sys_util::eventfd::EventFd;
@@ -14,6 +15,7 @@ use vrdma_hostd_protocol::messages::{
     PROTOCOL_VERSION,
 };
 use vrdma_hostd_protocol::shm::{QueueLayout, SharedMapping, ShmError};
+use vrdma_tenant_policy::PriorityClass;
 
 /// Why talking to hostd failed.
 #[derive(Debug, thiserror::Error)]
@@ -69,6 +71,9 @@ pub struct Fabric {
     pub policy: TenantPolicy,
     /// hostd's notifications (policy reloads); taken by the listener thread.
     notifications: Mutex<Option<Channel>>,
+    /// The tenant's priority class as hostd last said (at registration,
+    /// then in policy reloads); the datapath thread's CPU priority follows.
+    class: AtomicU8,
 }
 
 impl Fabric {
@@ -123,9 +128,19 @@ impl Fabric {
             queues,
             doorbell,
             completions,
+            class: AtomicU8::new(welcome.policy.priority.class as u8),
             policy: welcome.policy,
             notifications: Mutex::new(notifications),
         })
+    }
+
+    /// The tenant's priority class now.
+    pub fn priority_class(&self) -> PriorityClass {
+        match self.class.load(Ordering::Relaxed) {
+            c if c == PriorityClass::Realtime as u8 => PriorityClass::Realtime,
+            c if c == PriorityClass::Priority as u8 => PriorityClass::Priority,
+            _ => PriorityClass::Normal,
+        }
     }
 
     /// Sends a request (with `fds`) and expects `Ok`.
@@ -232,11 +247,15 @@ fn eventfd_from(file: Option<File>) -> Option<EventFd> {
 pub fn listen_for_policy(
     channel: Channel,
     device: std::sync::Arc<Mutex<crate::verbs::RdmaDevice>>,
+    fabric: std::sync::Arc<Fabric>,
 ) -> std::io::Result<()> {
     let name = "policy-listener".to_string();
     std::thread::Builder::new().name(name).spawn(move || loop {
         match channel.recv::<Notification>() {
             Ok((Notification::Policy(policy), _fds)) => {
+                fabric
+                    .class
+                    .store(policy.priority.class as u8, Ordering::Relaxed);
                 let mut device = device.lock().unwrap_or_else(|p| p.into_inner());
                 device.set_policy_quotas(policy.quotas);
             }

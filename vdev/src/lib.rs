@@ -142,7 +142,10 @@ pub fn run(config: &Config, opened: Opened) -> Result<(), Error> {
         let backend =
             VrdmaBackend::new(identity.clone(), config.limits, fabric).map_err(Error::Setup)?;
         let datapath = backend
-            .start_datapath(Duration::from_micros(config.spin_us))
+            .start_datapath(
+                Duration::from_micros(config.spin_us),
+                config.class_cpu_priority,
+            )
             .map_err(Error::Setup)?;
         let mut daemon = VhostUserDaemon::new(
             format!("vdev-{}", config.tenant),
