@@ -30,7 +30,7 @@ use crate::device::{Device, DeviceEvent, DeviceOptions};
 use crate::dma::{DmaBuf, PAGE_SIZE};
 use crate::error::{DestroyError, Error, PostError, Result};
 use crate::ring::{CqRing, RecvRing, RecvWr, SendRing, SendWr, Sge, WorkCompletion, WorkRing};
-use crate::transport::{Transport, VhostUserTransport};
+use crate::transport::{PciDevice, Transport, TransportError, VhostUserTransport, VirtioPciTransport};
 use crate::memory::{Hold, Placement};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -56,6 +56,20 @@ impl Context {
     /// opens the device with default options.
     pub fn open_vhost_user(path: impl AsRef<Path>) -> Result<Self> {
         let transport = VhostUserTransport::connect(path)?;
+        Self::open(Box::new(transport), DeviceOptions::default())
+    }
+
+    /// Takes the vrdma virtio-pci function at `address` (or the first one
+    /// with `virtio_id`, when `None`) from the kernel (VM mode) and opens
+    /// the device with default options. Needs root: sysfs binding, BAR
+    /// mapping, hugepages and pagemap.
+    pub fn open_pci(address: Option<&str>, virtio_id: u16) -> Result<Self> {
+        let device = match address {
+            Some(bdf) => PciDevice::at(bdf),
+            None => PciDevice::find(virtio_id),
+        }
+        .map_err(TransportError::from)?;
+        let transport = VirtioPciTransport::open(&device, virtio_id).map_err(TransportError::from)?;
         Self::open(Box::new(transport), DeviceOptions::default())
     }
 
