@@ -22,8 +22,8 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 use crate::dma::{DmaArena, DmaBuf, DEFAULT_ARENA_SIZE, PAGE_SIZE};
 use crate::error::{Error, Result};
-use crate::transport::{QueueSetup, Transport, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use crate::memory::DeviceMemory;
+use crate::transport::{QueueSetup, Transport, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use crate::virtqueue::SplitQueue;
 
 /// Size of one event buffer: one [`Event`].

@@ -72,7 +72,11 @@ impl DeviceMemory {
     /// (announced to it when the model needs that). Hugepage arenas are 2
     /// MiB unless an allocation needs more: every extra hugepage must be
     /// physically adjacent to the one before.
-    pub(crate) fn new_arena(&self, transport: &dyn Transport, size: usize) -> Result<Arc<DmaArena>> {
+    pub(crate) fn new_arena(
+        &self,
+        transport: &dyn Transport,
+        size: usize,
+    ) -> Result<Arc<DmaArena>> {
         match self {
             Self::SharedFiles { .. } => {
                 let arena = DmaArena::new(size)?;
@@ -107,7 +111,8 @@ impl DeviceMemory {
         va: u64,
         len: u64,
     ) -> Result<(Placement, Hold)> {
-        let (start, end) = page_span(va, len).ok_or(Error::InvalidArgument("range wraps around"))?;
+        let (start, end) =
+            page_span(va, len).ok_or(Error::InvalidArgument("range wraps around"))?;
         match self {
             Self::SharedFiles { user_regions } => {
                 let mut regions = lock(user_regions);
@@ -163,7 +168,12 @@ impl PinnedPages {
         for (run_start, run_end) in runs(&fresh) {
             // SAFETY: mlock only changes residency of our own mapped pages
             // (it faults them in for writing); unmapped ranges give ENOMEM.
-            let rc = unsafe { libc::mlock(run_start as *const libc::c_void, (run_end - run_start) as usize) };
+            let rc = unsafe {
+                libc::mlock(
+                    run_start as *const libc::c_void,
+                    (run_end - run_start) as usize,
+                )
+            };
             if rc != 0 {
                 let source = io::Error::last_os_error();
                 // Undo the runs locked so far.

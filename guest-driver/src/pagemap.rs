@@ -70,9 +70,7 @@ impl Pagemap {
     /// with physically adjacent pages merged: `(phys_addr, len)` pairs whose
     /// lengths add up to `len`.
     pub fn segments(&self, va: u64, len: u64) -> Result<Vec<(u64, u64)>, PagemapError> {
-        let end = va
-            .checked_add(len)
-            .ok_or(PagemapError::Wraps { va, len })?;
+        let end = va.checked_add(len).ok_or(PagemapError::Wraps { va, len })?;
         let mut out: Vec<(u64, u64)> = Vec::new();
         let mut cur = va;
         while cur < end {
@@ -151,7 +149,12 @@ mod tests {
         assert_eq!(segs.iter().map(|s| s.1).sum::<u64>(), 3 * PAGE);
         assert_eq!(segs[0].0 % PAGE, 100, "offset within the first page");
         for (i, w) in segs.windows(2).enumerate() {
-            assert_ne!(w[0].0 + w[0].1, w[1].0, "segments {i} and {} not merged", i + 1);
+            assert_ne!(
+                w[0].0 + w[0].1,
+                w[1].0,
+                "segments {i} and {} not merged",
+                i + 1
+            );
         }
         // Each page's own translation agrees with the segments.
         let mut off = 0;

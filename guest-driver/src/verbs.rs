@@ -18,9 +18,9 @@ use std::time::Duration;
 use vm_memory::VolatileSlice;
 use vrdma_spec::config::{DeviceAttr, DeviceConfig, PortAttr};
 use vrdma_spec::control::{
-    CqHandle, CreateCqReq, CreateQpReq, CreateQpResp, ModifyQpReq, MrHandle, Opcode, PdHandle,
-    QpAttr, QpCap, QpHandle, QueryGidReq, QueryGidResp, QueryPortReq, QueryQpReq, QueryQpResp,
-    MrSgSegment, RegMrReq, RegMrResp, RegMrSgReq, MAX_MR_SEGMENTS, NO_SRQ,
+    CqHandle, CreateCqReq, CreateQpReq, CreateQpResp, ModifyQpReq, MrHandle, MrSgSegment, Opcode,
+    PdHandle, QpAttr, QpCap, QpHandle, QueryGidReq, QueryGidResp, QueryPortReq, QueryQpReq,
+    QueryQpResp, RegMrReq, RegMrResp, RegMrSgReq, MAX_MR_SEGMENTS, NO_SRQ,
 };
 use vrdma_spec::ring::{cq_depth, rq_geometry, sq_geometry};
 use vrdma_spec::verbs::QpType;
@@ -29,9 +29,11 @@ use zerocopy::IntoBytes;
 use crate::device::{Device, DeviceEvent, DeviceOptions};
 use crate::dma::{DmaBuf, PAGE_SIZE};
 use crate::error::{DestroyError, Error, PostError, Result};
-use crate::ring::{CqRing, RecvRing, RecvWr, SendRing, SendWr, Sge, WorkCompletion, WorkRing};
-use crate::transport::{PciDevice, Transport, TransportError, VhostUserTransport, VirtioPciTransport};
 use crate::memory::{Hold, Placement};
+use crate::ring::{CqRing, RecvRing, RecvWr, SendRing, SendWr, Sge, WorkCompletion, WorkRing};
+use crate::transport::{
+    PciDevice, Transport, TransportError, VhostUserTransport, VirtioPciTransport,
+};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Ring state is consistent between operations: recover from poisoning.
@@ -69,7 +71,8 @@ impl Context {
             None => PciDevice::find(virtio_id),
         }
         .map_err(TransportError::from)?;
-        let transport = VirtioPciTransport::open(&device, virtio_id).map_err(TransportError::from)?;
+        let transport =
+            VirtioPciTransport::open(&device, virtio_id).map_err(TransportError::from)?;
         Self::open(Box::new(transport), DeviceOptions::default())
     }
 
@@ -229,7 +232,12 @@ impl ProtectionDomain {
     /// contiguous in this process either: reach it with
     /// [`MemoryRegion::read`]/[`MemoryRegion::write`], not
     /// [`MemoryRegion::as_ptr`].
-    pub fn alloc_mr_scattered(&self, lens: &[usize], iova: u64, access: u32) -> Result<MemoryRegion> {
+    pub fn alloc_mr_scattered(
+        &self,
+        lens: &[usize],
+        iova: u64,
+        access: u32,
+    ) -> Result<MemoryRegion> {
         if lens.is_empty() || lens.contains(&0) {
             return Err(Error::InvalidArgument("empty segment list or segment"));
         }
@@ -557,7 +565,9 @@ impl MemoryRegion {
                 // the MR lives (driver memory we own, or the `reg_mr`
                 // caller's promise); the device may write it concurrently,
                 // hence a volatile slice.
-                out.push(unsafe { VolatileSlice::new((va as *mut u8).add(lo - piece_start), hi - lo) });
+                out.push(unsafe {
+                    VolatileSlice::new((va as *mut u8).add(lo - piece_start), hi - lo)
+                });
             }
             piece_start = piece_end;
         }

@@ -798,11 +798,10 @@ fn a_memory_region_of_scattered_segments_takes_writes_and_reads() {
     let lens = [4096, 100, 5000];
     let total: usize = lens.iter().sum();
     let iova = 0x5000_0000;
-    let dst = s
-        .b
-        .pd
-        .alloc_mr_scattered(&lens, iova, RW)
-        .expect("scattered MR");
+    let dst =
+        s.b.pd
+            .alloc_mr_scattered(&lens, iova, RW)
+            .expect("scattered MR");
     assert_eq!((dst.len(), dst.iova()), (total, iova));
     let src = s.a.pd.alloc_mr(2 * total, RW).expect("source MR");
     let data = pattern(total, 41);
@@ -817,8 +816,14 @@ fn a_memory_region_of_scattered_segments_takes_writes_and_reads() {
     let patch = pattern(300, 7);
     src.write(total, &patch).expect("fill patch");
     let sge = [src.sge(total as u64, 300)];
-    s.qa.post_send(&[rdma(2, SendOpcode::RdmaWrite, &sge, iova + 4146, dst.rkey())])
-        .expect("post write");
+    s.qa.post_send(&[rdma(
+        2,
+        SendOpcode::RdmaWrite,
+        &sge,
+        iova + 4146,
+        dst.rkey(),
+    )])
+    .expect("post write");
     assert_eq!(one(&s.a.cq).status, WcStatus::Success);
     let mut expected = data.clone();
     expected[4146..4446].copy_from_slice(&patch);
@@ -831,7 +836,13 @@ fn a_memory_region_of_scattered_segments_takes_writes_and_reads() {
     assert_eq!(bytes(&src, total, total), expected, "read across segments");
     // One byte past the end is outside the MR.
     let sge = [src.sge(0, 2)];
-    s.qa.post_send(&[rdma(4, SendOpcode::RdmaWrite, &sge, iova + total as u64 - 1, dst.rkey())])
-        .expect("post write");
+    s.qa.post_send(&[rdma(
+        4,
+        SendOpcode::RdmaWrite,
+        &sge,
+        iova + total as u64 - 1,
+        dst.rkey(),
+    )])
+    .expect("post write");
     assert_eq!(one(&s.a.cq).status, WcStatus::RemAccessErr);
 }

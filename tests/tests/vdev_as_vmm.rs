@@ -766,15 +766,30 @@ fn hostile_segment_lists_are_refused_and_vdev_keeps_serving() {
     let list = FREE + (3 << 20);
     let good = [(FREE, 0x1000), (FREE + 0x3000, 0x800)];
     let cases: [(&str, Vec<(u64, u64)>, RegMrSgReq, u32); 7] = [
-        ("list outside guest memory", good.to_vec(), reg_sg(pdn, end - 16, 2, 0x1800), EFAULT),
-        ("list wraps around", good.to_vec(), reg_sg(pdn, u64::MAX - 15, 2, 0x1800), EFAULT),
+        (
+            "list outside guest memory",
+            good.to_vec(),
+            reg_sg(pdn, end - 16, 2, 0x1800),
+            EFAULT,
+        ),
+        (
+            "list wraps around",
+            good.to_vec(),
+            reg_sg(pdn, u64::MAX - 15, 2, 0x1800),
+            EFAULT,
+        ),
         (
             "too many segments",
             good.to_vec(),
             reg_sg(pdn, list, MAX_MR_SEGMENTS + 1, 0x1800),
             EINVAL,
         ),
-        ("zero segments", good.to_vec(), reg_sg(pdn, list, 0, 0x1800), EINVAL),
+        (
+            "zero segments",
+            good.to_vec(),
+            reg_sg(pdn, list, 0, 0x1800),
+            EINVAL,
+        ),
         (
             "segment outside guest memory",
             vec![(FREE, 0x1000), (end - 0x400, 0x800)],
@@ -787,7 +802,12 @@ fn hostile_segment_lists_are_refused_and_vdev_keeps_serving() {
             reg_sg(pdn, list, 2, 0x1800),
             EFAULT,
         ),
-        ("total differs from length", good.to_vec(), reg_sg(pdn, list, 2, 0x2000), EINVAL),
+        (
+            "total differs from length",
+            good.to_vec(),
+            reg_sg(pdn, list, 2, 0x2000),
+            EINVAL,
+        ),
     ];
     for (what, segs, req, errno) in cases {
         write_segments(&mut vmm, list, &segs);

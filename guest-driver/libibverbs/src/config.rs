@@ -237,7 +237,9 @@ fn validate(entries: Vec<Entry>, source: &str) -> Result<Vec<DeviceSpec>, Config
             return Err(invalid(format!("device name {name:?} is used twice")));
         }
         let endpoint = match raw {
-            RawEndpoint::Invalid(reason) => return Err(invalid(format!("device {name:?}: {reason}"))),
+            RawEndpoint::Invalid(reason) => {
+                return Err(invalid(format!("device {name:?}: {reason}")))
+            }
             RawEndpoint::Socket(socket) => {
                 let len = socket.as_os_str().len();
                 if len == 0 || len > MAX_SOCKET {
@@ -249,8 +251,7 @@ fn validate(entries: Vec<Entry>, source: &str) -> Result<Vec<DeviceSpec>, Config
             }
             RawEndpoint::Pci(pci, id) => {
                 let virtio_id = id.unwrap_or(VIRTIO_ID_RDMA);
-                device_id(virtio_id)
-                    .map_err(|e| invalid(format!("device {name:?}: {e}")))?;
+                device_id(virtio_id).map_err(|e| invalid(format!("device {name:?}: {e}")))?;
                 let address = match pci.as_str() {
                     "auto" => None,
                     bdf => Some(
@@ -293,7 +294,10 @@ mod tests {
     fn pci_devices_from_the_variable_and_the_file() {
         assert_eq!(
             parse_list("vrdma0=pci:0000:00:04.0,pci:auto").unwrap(),
-            vec![pci("vrdma0", Some("0000:00:04.0"), 42), pci("vrdma1", None, 42)]
+            vec![
+                pci("vrdma0", Some("0000:00:04.0"), 42),
+                pci("vrdma1", None, 42)
+            ]
         );
         assert_eq!(
             parse_list_with("pci:00:05.0", Some(38)).unwrap(),

@@ -115,7 +115,9 @@ const MAX_CAPS: usize = 48;
 /// Errors of the virtio-pci transport.
 #[derive(Debug, thiserror::Error)]
 pub enum PciError {
-    #[error("No virtio PCI function with device id {device:#06x} (virtio id {virtio_id}) in {dir}")]
+    #[error(
+        "No virtio PCI function with device id {device:#06x} (virtio id {virtio_id}) in {dir}"
+    )]
     NotFound {
         device: u16,
         virtio_id: u16,
@@ -157,7 +159,9 @@ pub enum PciError {
     CapOverflow { at: usize, offset: u32, length: u32 },
     #[error("Device has no usable virtio {0} capability")]
     MissingCap(&'static str),
-    #[error("Virtio {what} structure ({offset:#x} + {length:#x}) lies outside BAR {bar} ({size} bytes)")]
+    #[error(
+        "Virtio {what} structure ({offset:#x} + {length:#x}) lies outside BAR {bar} ({size} bytes)"
+    )]
     OutsideBar {
         what: &'static str,
         bar: u8,
@@ -265,7 +269,11 @@ pub fn parse_capabilities(config: &[u8]) -> Result<VirtioCaps, PciError> {
             if offset.checked_add(length).is_none() {
                 return Err(PciError::CapOverflow { at, offset, length });
             }
-            let loc = CapLocation { bar, offset, length };
+            let loc = CapLocation {
+                bar,
+                offset,
+                length,
+            };
             if bar <= MAX_BAR {
                 match kind {
                     cfg_type::COMMON if common.is_none() => common = Some(loc),
@@ -407,7 +415,10 @@ impl Window {
     fn ptr(&self, off: u32, width: u32) -> usize {
         // Offsets are driver constants or checked by the callers; a bad one
         // is a driver bug, not device input.
-        assert!(off + width <= self.len, "register {off:#x} outside its window");
+        assert!(
+            off + width <= self.len,
+            "register {off:#x} outside its window"
+        );
         self.base + off as usize
     }
     fn read8(&self, off: u32) -> u8 {
@@ -488,7 +499,8 @@ impl VirtioPciTransport {
         bind_uio(device)?;
         let uio = open_uio(device)?;
         let config_path = path.join("config");
-        let config = std::fs::read(&config_path).map_err(sysfs("read the config space", &config_path))?;
+        let config =
+            std::fs::read(&config_path).map_err(sysfs("read the config space", &config_path))?;
         let caps = parse_capabilities(&config)?;
         enable_bus_master(&config_path, &config)?;
 
@@ -520,7 +532,10 @@ impl VirtioPciTransport {
         let common = window("common configuration", caps.common)?;
         let notify = window("notification", caps.notify)?;
         let isr = window("ISR status", caps.isr)?;
-        let device_cfg = caps.device.map(|d| window("device configuration", d)).transpose()?;
+        let device_cfg = caps
+            .device
+            .map(|d| window("device configuration", d))
+            .transpose()?;
         let bars = bars.into_iter().map(|(_, b)| b).collect();
 
         let mut transport = Self {
@@ -533,7 +548,9 @@ impl VirtioPciTransport {
             device_cfg,
             num_queues: 0,
             uio,
-            state: Mutex::new(State { notify_off: Vec::new() }),
+            state: Mutex::new(State {
+                notify_off: Vec::new(),
+            }),
         };
         transport.reset()?;
         let num_queues = transport.common.read16(common::NUM_QUEUES);
@@ -809,7 +826,8 @@ fn open_uio(device: &PciDevice) -> Result<File, PciError> {
 /// Sets memory-space and bus-master enable in the command register: the
 /// device may then reach guest memory (QEMU checks bus mastering).
 fn enable_bus_master(config_path: &Path, config: &[u8]) -> Result<(), PciError> {
-    let cmd = le16(config, PCI_COMMAND as usize).ok_or(PciError::ShortConfig { len: config.len() })?;
+    let cmd =
+        le16(config, PCI_COMMAND as usize).ok_or(PciError::ShortConfig { len: config.len() })?;
     let wanted = cmd | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER;
     if wanted == cmd {
         return Ok(());
@@ -837,7 +855,8 @@ fn map_bar(device: &PciDevice, bar: u8) -> Result<Bar, PciError> {
         .open(&path)
         .map_err(err)?;
     let size = file.metadata().map_err(err)?.len();
-    let size = usize::try_from(size).map_err(|_| err(io::Error::from(io::ErrorKind::InvalidData)))?;
+    let size =
+        usize::try_from(size).map_err(|_| err(io::Error::from(io::ErrorKind::InvalidData)))?;
     if size == 0 {
         return Err(err(io::Error::from(io::ErrorKind::InvalidData)));
     }
@@ -1012,7 +1031,10 @@ mod tests {
         // A notify capability without room for its multiplier.
         assert!(matches!(
             with(&|c| c[0x72] = 16),
-            Err(PciError::CapTooShort { at: 0x70, cap_len: 16 })
+            Err(PciError::CapTooShort {
+                at: 0x70,
+                cap_len: 16
+            })
         ));
         // A common configuration too short for the registers.
         assert!(matches!(
@@ -1020,7 +1042,10 @@ mod tests {
             Err(PciError::MissingCap(_))
         ));
         // No capability list at all, or a config space with no header.
-        assert!(matches!(with(&|c| c[PCI_STATUS] = 0), Err(PciError::NoCapabilities)));
+        assert!(matches!(
+            with(&|c| c[PCI_STATUS] = 0),
+            Err(PciError::NoCapabilities)
+        ));
         assert!(matches!(
             parse_capabilities(&base[..4]),
             Err(PciError::ShortConfig { len: 4 })
@@ -1033,9 +1058,19 @@ mod tests {
 
     #[test]
     fn addresses_and_ids() {
-        assert_eq!(PciDevice::at("0000:00:04.0").unwrap().address(), "0000:00:04.0");
+        assert_eq!(
+            PciDevice::at("0000:00:04.0").unwrap().address(),
+            "0000:00:04.0"
+        );
         assert_eq!(PciDevice::at("00:1F.7").unwrap().address(), "0000:00:1f.7");
-        for bad in ["", "00:04", "0000:00:04.8", "0000:00:20.0", "x000:00:04.0", "0:0:0:0.0"] {
+        for bad in [
+            "",
+            "00:04",
+            "0000:00:04.8",
+            "0000:00:20.0",
+            "x000:00:04.0",
+            "0:0:0:0.0",
+        ] {
             assert!(PciDevice::at(bad).is_err(), "{bad:?}");
         }
         assert_eq!(device_id(42).unwrap(), 0x106a);
@@ -1057,7 +1092,10 @@ mod tests {
         fake("0000:00:03.0", "0x1af4", "0x1041"); // a virtio-net
         fake("0000:00:04.0", "0x1af4", "0x1066");
         fake("0000:00:02.0", "0x8086", "0x1066");
-        assert_eq!(PciDevice::find_in(&dir, 38).unwrap().address(), "0000:00:04.0");
+        assert_eq!(
+            PciDevice::find_in(&dir, 38).unwrap().address(),
+            "0000:00:04.0"
+        );
         assert!(matches!(
             PciDevice::find_in(&dir, 42),
             Err(PciError::NotFound { device: 0x106a, .. })

@@ -88,11 +88,14 @@ impl RdmaDevice {
                 return Err(VerbError::Invalid(format!("segment {i} is empty")));
             }
             if addr.checked_add(seg_len).is_none() {
-                return Err(VerbError::Fault(ShadowError::Overflow { addr, len: seg_len }));
+                return Err(VerbError::Fault(ShadowError::Overflow {
+                    addr,
+                    len: seg_len,
+                }));
             }
-            sum = sum.checked_add(seg_len).ok_or_else(|| {
-                VerbError::Invalid("segment lengths overflow".into())
-            })?;
+            sum = sum
+                .checked_add(seg_len)
+                .ok_or_else(|| VerbError::Invalid("segment lengths overflow".into()))?;
             ranges.push((addr, seg_len));
         }
         if sum != len {

@@ -367,8 +367,15 @@ fn scattered_mr_translates_through_its_segments_in_order() {
     let pdn = alloc_pd(&mut dev);
     let list = MEM_BASE;
     let (a, b) = (MEM_BASE + 0x8000, MEM_BASE + 0x2000);
-    let mr = reg_mr_sg(&mut dev, pdn, list, &[(a, 0x1000), (b, 0x800)], 0x1800, 0x7000)
-        .expect("scattered MR");
+    let mr = reg_mr_sg(
+        &mut dev,
+        pdn,
+        list,
+        &[(a, 0x1000), (b, 0x800)],
+        0x1800,
+        0x7000,
+    )
+    .expect("scattered MR");
     assert_eq!(dev.registered_bytes(), 0x1800);
     let pieces = dev
         .translate_local(pdn, mr.lkey.get(), 0x7ff0, 0x20, access::LOCAL_WRITE)
@@ -400,7 +407,11 @@ fn scattered_mr_checks_list_segments_and_quota() {
     let sg = |dev: &mut RdmaDevice, list: u64, segs: &[(u64, u64)], len: u64| {
         reg_mr_sg(dev, pdn, list, segs, len, 0x1000).map(|_| ())
     };
-    assert_eq!(sg(&mut dev, MEM_BASE, &[], 0x1000), Err(libc::EINVAL), "no segments");
+    assert_eq!(
+        sg(&mut dev, MEM_BASE, &[], 0x1000),
+        Err(libc::EINVAL),
+        "no segments"
+    );
     let many = vec![(MEM_BASE + 0x4000, 1); MAX_MR_SEGMENTS as usize + 1];
     assert_eq!(
         sg(&mut dev, MEM_BASE, &many, many.len() as u64),
@@ -413,7 +424,12 @@ fn scattered_mr_checks_list_segments_and_quota() {
         "segment past guest memory"
     );
     assert_eq!(
-        sg(&mut dev, MEM_BASE, &[seg, (u64::MAX - 0xff, 0x1000)], 0x2000),
+        sg(
+            &mut dev,
+            MEM_BASE,
+            &[seg, (u64::MAX - 0xff, 0x1000)],
+            0x2000
+        ),
         Err(libc::EFAULT),
         "segment wraps around"
     );
