@@ -105,7 +105,7 @@ mod tests {
 
     #[test]
     fn entries_decode_to_addresses_or_clear_errors() {
-        assert_eq!(decode(PRESENT | 0x1234, 0x7000_0abc).unwrap(), 0x1234_abc);
+        assert_eq!(decode(PRESENT | 0x1234, 0x7000_0abc).unwrap(), 0x0123_4abc);
         assert!(matches!(
             decode(0x1234, 0x1000),
             Err(PagemapError::NotPresent(0x1000))

@@ -218,11 +218,12 @@ impl ProtectionDomain {
         let addr = buf.as_ptr() as u64;
         let placement = Placement::Contiguous(buf.device_addr());
         self.register(
-            vec![(addr, len)],
+            addr,
+            len,
             placement,
             addr,
             access,
-            Backing::Dma(vec![Arc::new(buf)]),
+            Backing::Dma(Box::new([Arc::new(buf)])),
         )
     }
 
@@ -249,17 +250,18 @@ impl ProtectionDomain {
             let _spacer = dev.alloc(PAGE_SIZE, PAGE_SIZE, false)?;
             bufs.push(Arc::new(dev.alloc(len, PAGE_SIZE, true)?));
         }
-        let pieces = bufs.iter().map(|b| (b.as_ptr() as u64, b.len())).collect();
         let segments = bufs
             .iter()
             .map(|b| (b.device_addr(), b.len() as u64))
             .collect();
+        let total = lens.iter().sum();
         self.register(
-            pieces,
+            bufs[0].as_ptr() as u64,
+            total,
             Placement::Segments(segments),
             iova,
             access,
-            Backing::Dma(bufs),
+            Backing::Dma(bufs.into_boxed_slice()),
         )
     }
 
@@ -310,31 +312,39 @@ impl ProtectionDomain {
             // Driver memory: already reachable, device address by translation.
             let device_addr = self.inner.dev.device_addr_of(va);
             let placement = Placement::Contiguous(device_addr);
-            return self.register(vec![(va, len)], placement, iova, access, Backing::Arena);
+            return self.register(va, len, placement, iova, access, Backing::Arena);
         }
         let dev = &self.inner.dev;
         // SAFETY: the caller's contract covers every page of the range.
         let (placement, hold) = unsafe { dev.memory.acquire(dev.transport(), va, len as u64)? };
-        self.register(vec![(va, len)], placement, iova, access, Backing::App(hold))
+        self.register(
+            va,
+            len,
+            placement,
+            iova,
+            access,
+            Backing::App(Box::new(hold)),
+        )
     }
 
-    /// Registers memory the device reaches at `placement`; `pieces` are the
-    /// same bytes in this process. On failure the backing is released.
+    /// Registers `len` bytes the device reaches at `placement`; they start
+    /// at `addr` in this process (or are the buffers of a scattered
+    /// backing). On failure the backing is released.
     fn register(
         &self,
-        pieces: Vec<(u64, usize)>,
+        addr: u64,
+        len: usize,
         placement: Placement,
         iova: u64,
         access: u32,
         backing: Backing,
     ) -> Result<MemoryRegion> {
-        let len: usize = pieces.iter().map(|p| p.1).sum();
         let mut mr = MemoryRegion {
             pd: Arc::clone(&self.inner),
             handle: 0,
             lkey: 0,
             rkey: 0,
-            pieces,
+            addr,
             len,
             iova,
             backing,
@@ -464,11 +474,11 @@ impl ProtectionDomain {
 #[derive(Debug)]
 enum Backing {
     /// Driver buffers from `alloc_mr` / `alloc_mr_scattered`.
-    Dma(Vec<Arc<DmaBuf>>),
+    Dma(Box<[Arc<DmaBuf>]>),
     /// Application memory inside a driver arena: nothing to release.
     Arena,
     /// Application memory made reachable in the transport's memory model.
-    App(Hold),
+    App(Box<Hold>),
 }
 
 /// A registered memory region (`struct ibv_mr`).
@@ -478,9 +488,9 @@ pub struct MemoryRegion {
     handle: u32,
     lkey: u32,
     rkey: u32,
-    /// The region's bytes in this process: one piece, or one per buffer of
-    /// a scattered driver MR.
-    pieces: Vec<(u64, usize)>,
+    /// The region's first byte in this process (a scattered driver MR's
+    /// bytes are its backing buffers).
+    addr: u64,
     len: usize,
     iova: u64,
     backing: Backing,
@@ -501,7 +511,7 @@ impl MemoryRegion {
     /// The region's first byte in this process (of its first buffer, for
     /// a scattered MR).
     pub fn as_ptr(&self) -> *mut u8 {
-        self.pieces.first().map_or(0, |p| p.0) as *mut u8
+        self.addr as *mut u8
     }
 
     /// Bytes in the region.
@@ -555,9 +565,15 @@ impl MemoryRegion {
             .checked_add(len)
             .filter(|&end| end <= self.len)
             .ok_or(Error::InvalidArgument("access outside the MR"))?;
+        let pieces: Vec<(u64, usize)> = match &self.backing {
+            Backing::Dma(bufs) if bufs.len() > 1 => {
+                bufs.iter().map(|b| (b.as_ptr() as u64, b.len())).collect()
+            }
+            _ => vec![(self.addr, self.len)],
+        };
         let mut out = Vec::new();
         let mut piece_start = 0;
-        for &(va, piece_len) in &self.pieces {
+        for (va, piece_len) in pieces {
             let piece_end = piece_start + piece_len;
             let (lo, hi) = (offset.max(piece_start), end.min(piece_end));
             if lo < hi {

@@ -731,6 +731,10 @@ fn a_device_reset_releases_every_object() {
         .contains("Device reset: all verbs objects released"));
 }
 
+/// A hostile `REG_MR_SG` case: what it is, the list written, the request,
+/// the errno expected.
+type HostileList = (&'static str, Vec<(u64, u64)>, RegMrSgReq, u32);
+
 /// Writes a `REG_MR_SG` segment list into guest memory at `list`.
 fn write_segments(vmm: &mut Vmm, list: u64, segs: &[(u64, u64)]) {
     let entries: Vec<MrSgSegment> = segs
@@ -765,7 +769,7 @@ fn hostile_segment_lists_are_refused_and_vdev_keeps_serving() {
     let end = GUEST_BASE + GUEST_SIZE as u64;
     let list = FREE + (3 << 20);
     let good = [(FREE, 0x1000), (FREE + 0x3000, 0x800)];
-    let cases: [(&str, Vec<(u64, u64)>, RegMrSgReq, u32); 7] = [
+    let cases: [HostileList; 7] = [
         (
             "list outside guest memory",
             good.to_vec(),

@@ -80,8 +80,15 @@ pub enum TransportError {
         #[source]
         source: io::Error,
     },
+    /// Boxed: it is large, and every driver error carries a transport error.
     #[error("virtio-pci device")]
-    Pci(#[from] virtio_pci::PciError),
+    Pci(#[source] Box<virtio_pci::PciError>),
+}
+
+impl From<virtio_pci::PciError> for TransportError {
+    fn from(e: virtio_pci::PciError) -> Self {
+        TransportError::Pci(Box::new(e))
+    }
 }
 
 /// Addresses of one virtqueue, as the device sees them.

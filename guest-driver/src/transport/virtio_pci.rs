@@ -605,7 +605,7 @@ impl VirtioPciTransport {
         let mut i = 0usize;
         while i < buf.len() {
             let off = offset + i as u32;
-            if off % 4 == 0 && buf.len() - i >= 4 {
+            if off.is_multiple_of(4) && buf.len() - i >= 4 {
                 buf[i..i + 4].copy_from_slice(&cfg.read32(off).to_le_bytes());
                 i += 4;
             } else {
