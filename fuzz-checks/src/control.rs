@@ -266,7 +266,7 @@ fn aim(payload: &mut [u8], opcode: Opcode, mode: u8, handles: &Handles, input: &
         }
     };
     let pool: &[u32] = match opcode {
-        Opcode::DeallocPd | Opcode::RegMr | Opcode::CreateQp => &handles.pds,
+        Opcode::DeallocPd | Opcode::RegMr | Opcode::RegMrSg | Opcode::CreateQp => &handles.pds,
         Opcode::DeregMr => &handles.mrs,
         Opcode::DestroyCq => &handles.cqs,
         Opcode::ModifyQp | Opcode::QueryQp | Opcode::DestroyQp => &handles.qps,
@@ -289,6 +289,15 @@ fn aim(payload: &mut [u8], opcode: Opcode, mode: u8, handles: &Handles, input: &
                 if mode & 4 != 0 {
                     put64(payload, 24, addr);
                 }
+            }
+            Opcode::RegMrSg => {
+                // pdn, access, iova, length, nsegs, reserved, list_addr: a
+                // short list somewhere in guest memory, whose entries are
+                // whatever bytes are there.
+                let list = MEM_BASE + u64::from(input.u32()) % MEM_SIZE as u64;
+                put64(payload, 16, u64::from(input.u32() % (300 << 10)));
+                put32(payload, 24, u32::from(input.u8() % 5));
+                put64(payload, 32, list);
             }
             Opcode::CreateCq => {
                 // depth, comp_vector, ring_addr.
@@ -322,7 +331,7 @@ fn learn(handles: &mut Handles, opcode: Opcode, response: &[u8]) {
     let Some(handle) = first else { return };
     match opcode {
         Opcode::AllocPd => handles.pds.push(handle),
-        Opcode::RegMr => handles.mrs.push(handle),
+        Opcode::RegMr | Opcode::RegMrSg => handles.mrs.push(handle),
         Opcode::CreateCq => handles.cqs.push(handle),
         Opcode::CreateQp => handles.qps.push(handle),
         _ => {}

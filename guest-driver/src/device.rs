@@ -22,8 +22,8 @@ use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 use crate::dma::{DmaArena, DmaBuf, DEFAULT_ARENA_SIZE, PAGE_SIZE};
 use crate::error::{Error, Result};
+use crate::memory::DeviceMemory;
 use crate::transport::{QueueSetup, Transport, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
-use crate::user_mem::UserRegions;
 use crate::virtqueue::SplitQueue;
 
 /// Size of one event buffer: one [`Event`].
@@ -125,7 +125,8 @@ pub struct Device {
     events: Vec<Mutex<EventQueue>>,
     /// The doorbell queue: only its memory matters, it is never used.
     _doorbell: SplitQueue,
-    pub(crate) user_regions: Mutex<UserRegions>,
+    /// Arenas and application memory, in the transport's memory model.
+    pub(crate) memory: DeviceMemory,
     /// Memory the device may still use because destroying its object
     /// failed: kept until the device goes away rather than reused.
     quarantine: Mutex<Vec<Box<dyn Any + Send>>>,
@@ -190,8 +191,11 @@ impl Device {
         }
         let queue_size = |wanted: u16| pow2_floor(wanted.min(max_queue).max(1));
 
-        let arena = DmaArena::new(options.arena_size)?;
-        transport.add_memory(&arena.region())?;
+        let memory = DeviceMemory::new(transport.memory_model())?;
+        let arena = memory.new_arena(
+            transport.as_ref(),
+            memory.arena_size(PAGE_SIZE, options.arena_size),
+        )?;
 
         let setup = |index: u16, vq: &SplitQueue| {
             transport.setup_queue(&QueueSetup {
@@ -231,10 +235,14 @@ impl Device {
             for slot in 0..n {
                 eq.post(slot)?;
             }
-            if eq.vq.should_notify() {
-                transport.notify(index)?;
-            }
             events.push(Mutex::new(eq));
+        }
+        transport.activate()?;
+        for eq in &mut events {
+            let eq = eq.get_mut().unwrap_or_else(|e| e.into_inner());
+            if eq.vq.should_notify() {
+                transport.notify(eq.index)?;
+            }
         }
         tracing::info!(
             name = config.name().unwrap_or("?"),
@@ -251,7 +259,7 @@ impl Device {
             control: Mutex::new(control),
             events,
             _doorbell: doorbell,
-            user_regions: Mutex::new(UserRegions::default()),
+            memory,
             quarantine: Mutex::new(Vec::new()),
         }))
     }
@@ -284,13 +292,12 @@ impl Device {
         if let Some(buf) = arenas.iter().find_map(|a| try_alloc(a).ok()) {
             return Ok(buf);
         }
-        let size = len
+        let needed = len
             .checked_add(align.max(PAGE_SIZE))
             .and_then(|n| n.checked_next_multiple_of(PAGE_SIZE))
-            .ok_or(Error::InvalidArgument("allocation too large"))?
-            .max(self.options.arena_size);
-        let arena = DmaArena::new(size)?;
-        self.transport.add_memory(&arena.region())?;
+            .ok_or(Error::InvalidArgument("allocation too large"))?;
+        let size = self.memory.arena_size(needed, self.options.arena_size);
+        let arena = self.memory.new_arena(self.transport.as_ref(), size)?;
         let buf = try_alloc(&arena)?;
         arenas.push(arena);
         Ok(buf)
@@ -643,7 +650,10 @@ mod tests {
         let mem = GuestMemoryMmap::<()>::from_ranges_with_files(&[(
             GuestAddress(arena.device_addr()),
             arena.size(),
-            Some(FileOffset::new(arena.file().try_clone().unwrap(), 0)),
+            Some(FileOffset::new(
+                arena.file().expect("memfd arena").try_clone().unwrap(),
+                0,
+            )),
         )])
         .unwrap();
         let setup = stub.setups.lock().unwrap()[0];

@@ -8,8 +8,12 @@
 //! arenas, so the device sees them without copies.
 //!
 //! The device address of a byte is kept apart from its virtual address
-//! ([`DmaBuf::device_addr`]) although both are equal here: in VM mode the
-//! device sees guest-physical addresses that differ from the process's.
+//! ([`DmaBuf::device_addr`]): equal in process mode, but in VM mode the
+//! device sees guest-physical addresses. There an arena is made of 2 MiB
+//! hugepages ([`DmaArena::hugepages`]): each hugepage is physically
+//! contiguous and never swapped or moved, and an arena of several is only
+//! accepted when they are physically adjacent, so every allocation (a ring,
+//! a virtqueue) is one contiguous range of device addresses.
 //!
 //! The allocator is a first-fit free list with coalescing. Allocations are few
 //! and long-lived (rings, MRs), so simplicity beats speed here.
@@ -24,8 +28,15 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use vm_memory::VolatileSlice;
 
+use crate::pagemap::{Pagemap, PagemapError};
+
 /// Page size the arenas and user regions are built from.
 pub const PAGE_SIZE: usize = 4096;
+/// Size of the hugepages VM-mode arenas are made of.
+pub const HUGE_PAGE_SIZE: usize = 2 << 20;
+/// `MAP_HUGE_2MB`: log2(2 MiB) in the mmap flags' hugepage-size field.
+const MAP_HUGE_2MB: libc::c_int = 21 << libc::MAP_HUGE_SHIFT;
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
 /// Default size of an arena.
 pub const DEFAULT_ARENA_SIZE: usize = 16 << 20;
 /// Smallest allocation unit: a cache line, so two allocations never share one.
@@ -54,6 +65,22 @@ pub enum DmaError {
     OutOfMemory { len: usize, align: usize },
     #[error("Alignment {0} is not a power of two")]
     BadAlign(usize),
+    #[error(
+        "Cannot map {size} bytes of 2 MiB hugepages: reserve more with \
+         `echo N > {NR_HUGEPAGES}` (the driver tried to raise it itself)"
+    )]
+    Hugepages {
+        size: usize,
+        #[source]
+        source: io::Error,
+    },
+    #[error("Cannot learn the physical address of DMA memory")]
+    Pagemap(#[source] PagemapError),
+    #[error(
+        "The {pages} hugepages of a {size}-byte arena are not physically adjacent; \
+         allocations that large need contiguous memory (reserve hugepages early)"
+    )]
+    NotContiguous { size: usize, pages: usize },
 }
 
 /// The memory of a region the device is told about (transport-neutral form
@@ -94,10 +121,14 @@ pub(crate) fn sealed_memfd(name: &CStr, size: usize) -> Result<File, DmaError> {
     Ok(file)
 }
 
-/// One memfd-backed, `MAP_SHARED` mapping that the device can reach.
+/// One `MAP_SHARED` mapping that the device can reach: a memfd shared
+/// with vdev (process mode) or hugepages at known physical addresses (VM
+/// mode).
 #[derive(Debug)]
 pub struct DmaArena {
-    file: File,
+    /// The memfd in process mode; none for hugepages (the device reaches
+    /// them by physical address, nothing is handed over).
+    file: Option<File>,
     /// Address of the mapping; kept as an integer so the arena is Send + Sync
     /// (all accesses go through [`DmaBuf`]'s volatile/atomic helpers).
     base: usize,
@@ -133,12 +164,64 @@ impl DmaArena {
         let base = ptr as usize;
         tracing::debug!(base = format_args!("{base:#x}"), size, "Mapped DMA arena");
         Ok(Arc::new(Self {
-            file,
+            file: Some(file),
             base,
             size,
             device_base: base as u64,
             free: Mutex::new(FreeList::new(size)),
         }))
+    }
+
+    /// Creates an arena of 2 MiB hugepages (`size` rounded up to whole
+    /// hugepages) whose device addresses are its physical addresses, read
+    /// from `pagemap`. When too few hugepages are free the pool is raised
+    /// through `/proc/sys/vm/nr_hugepages` (root only) before giving up.
+    pub fn hugepages(size: usize, pagemap: &Pagemap) -> Result<Arc<Self>, DmaError> {
+        let size = size
+            .max(1)
+            .checked_next_multiple_of(HUGE_PAGE_SIZE)
+            .ok_or(DmaError::BadSize(size))?;
+        let pages = size / HUGE_PAGE_SIZE;
+        let base = match map_hugepages(size) {
+            Ok(base) => base,
+            Err(_) => {
+                if let Err(e) = reserve_hugepages(pages) {
+                    tracing::warn!(error = %e, pages, "Cannot reserve hugepages");
+                }
+                map_hugepages(size).map_err(|source| DmaError::Hugepages { size, source })?
+            }
+        };
+        // From here on the mapping is owned by `arena` and unmapped on drop.
+        let mut arena = Self {
+            file: None,
+            base,
+            size,
+            device_base: 0,
+            free: Mutex::new(FreeList::new(size)),
+        };
+        for i in 0..pages {
+            // Fault every hugepage in for writing now: a page must be
+            // present, and stay the same page, before it is translated.
+            // SAFETY: inside the fresh mapping, which nothing else uses yet.
+            unsafe { ((base + i * HUGE_PAGE_SIZE) as *mut u8).write_volatile(0) };
+        }
+        let first = pagemap.phys_addr(base as u64).map_err(DmaError::Pagemap)?;
+        for i in 1..pages {
+            let pa = pagemap
+                .phys_addr((base + i * HUGE_PAGE_SIZE) as u64)
+                .map_err(DmaError::Pagemap)?;
+            if pa != first + (i * HUGE_PAGE_SIZE) as u64 {
+                return Err(DmaError::NotContiguous { size, pages });
+            }
+        }
+        arena.device_base = first;
+        tracing::debug!(
+            base = format_args!("{base:#x}"),
+            phys = format_args!("{first:#x}"),
+            size,
+            "Mapped hugepage DMA arena"
+        );
+        Ok(Arc::new(arena))
     }
 
     /// Bytes in the arena.
@@ -156,19 +239,20 @@ impl DmaArena {
         self.device_base
     }
 
-    /// The memfd backing the arena.
-    pub fn file(&self) -> &File {
-        &self.file
+    /// The memfd backing the arena (process mode only).
+    pub fn file(&self) -> Option<&File> {
+        self.file.as_ref()
     }
 
-    /// The arena as a region to announce to the device.
-    pub fn region(&self) -> DmaRegion<'_> {
-        DmaRegion {
-            fd: self.file.as_fd(),
+    /// The arena as a region to announce to the device; none for a
+    /// hugepage arena, which the device reaches without being told.
+    pub fn region(&self) -> Option<DmaRegion<'_>> {
+        self.file.as_ref().map(|file| DmaRegion {
+            fd: file.as_fd(),
             size: self.size as u64,
             host_addr: self.base as u64,
             device_addr: self.device_base,
-        }
+        })
     }
 
     /// Whether `[addr, addr + len)` (virtual addresses) lies inside the arena.
@@ -228,6 +312,53 @@ impl Drop for DmaArena {
             tracing::warn!(error = %io::Error::last_os_error(), "Cannot unmap a DMA arena");
         }
     }
+}
+
+/// Maps `size` bytes of shared anonymous 2 MiB hugepages. Shared, so that a
+/// `fork` of the application never turns them copy-on-write (which would
+/// move the parent's pages away from the addresses the device knows).
+fn map_hugepages(size: usize) -> io::Result<usize> {
+    // SAFETY: a fresh mapping at an address the kernel picks.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | MAP_HUGE_2MB,
+            -1,
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(ptr as usize)
+}
+
+/// Free 2 MiB hugepages, from /proc/meminfo (the default hugepage size is
+/// 2 MiB on x86-64).
+fn free_hugepages() -> io::Result<usize> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo")?;
+    meminfo
+        .lines()
+        .find_map(|l| l.strip_prefix("HugePages_Free:"))
+        .and_then(|v| v.trim().parse().ok())
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no HugePages_Free in meminfo"))
+}
+
+/// Raises the hugepage pool so that `pages` more are free.
+fn reserve_hugepages(pages: usize) -> io::Result<()> {
+    let free = free_hugepages()?;
+    if free >= pages {
+        return Ok(());
+    }
+    let current: usize = std::fs::read_to_string(NR_HUGEPAGES)?
+        .trim()
+        .parse()
+        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))?;
+    let wanted = current + (pages - free);
+    tracing::info!(current, wanted, "Raising the hugepage pool");
+    std::fs::write(NR_HUGEPAGES, wanted.to_string())
 }
 
 /// First-fit free list of `offset -> length` ranges, coalesced on free.
@@ -436,12 +567,13 @@ mod tests {
         // The device sees the bytes through the memfd.
         let mut file_bytes = [0u8; 5];
         let off = buf.device_addr() - arena.device_addr() + 4;
-        arena.file().read_exact_at(&mut file_bytes, off).unwrap();
+        let file = arena.file().expect("a memfd arena");
+        file.read_exact_at(&mut file_bytes, off).unwrap();
         assert_eq!(&file_bytes, b"vrdma");
         buf.zero();
         buf.read_at(4, &mut out);
         assert_eq!(out, [0; 5]);
-        let mut f = arena.file().try_clone().unwrap();
+        let mut f = file.try_clone().unwrap();
         let mut whole = Vec::new();
         f.read_to_end(&mut whole).unwrap();
         assert_eq!(whole.len(), 4096);
@@ -449,5 +581,46 @@ mod tests {
             .store(0x1234_5678, std::sync::atomic::Ordering::Release);
         buf.read_at(8, &mut out[..4]);
         assert_eq!(&out[..4], &0x1234_5678u32.to_ne_bytes());
+    }
+
+    /// Sets `/proc/sys/vm/nr_hugepages` back to what it was when dropped.
+    struct RestoreHugepages(Option<String>);
+
+    impl Drop for RestoreHugepages {
+        fn drop(&mut self) {
+            if let Some(v) = &self.0 {
+                let _ = std::fs::write(NR_HUGEPAGES, v);
+            }
+        }
+    }
+
+    #[test]
+    fn hugepage_arenas_are_physically_contiguous_and_translated() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: hugepage reservation and pagemap need root");
+            return;
+        }
+        let _restore = RestoreHugepages(std::fs::read_to_string(NR_HUGEPAGES).ok());
+        let pagemap = Pagemap::open().expect("pagemap");
+        let arena = DmaArena::hugepages(1, &pagemap).expect("one hugepage");
+        assert_eq!(arena.size(), HUGE_PAGE_SIZE);
+        assert!(arena.region().is_none(), "nothing to announce");
+        assert!(arena.file().is_none());
+        assert_eq!(arena.device_addr() % HUGE_PAGE_SIZE as u64, 0);
+        assert_ne!(arena.device_addr(), arena.host_addr());
+        let buf = arena.alloc_zeroed(3 * PAGE_SIZE, PAGE_SIZE).unwrap();
+        buf.write_at(PAGE_SIZE + 5, b"phys");
+        // Every page of the allocation is where its device address says.
+        for page in 0..3 {
+            let va = buf.as_ptr() as u64 + (page * PAGE_SIZE) as u64;
+            assert_eq!(
+                pagemap.phys_addr(va).expect("present"),
+                buf.device_addr() + (page * PAGE_SIZE) as u64
+            );
+        }
+        let mut out = [0u8; 4];
+        buf.read_at(PAGE_SIZE + 5, &mut out);
+        assert_eq!(&out, b"phys");
     }
 }

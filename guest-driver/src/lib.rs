@@ -5,12 +5,19 @@
 //! frontend of vdev, the way DPDK's virtio-user works: its memfd-backed DMA
 //! memory is the "guest memory" (guest-physical address == virtual address),
 //! and it sets the virtqueues up itself. A virtio-pci transport for VM mode
-//! will reuse the same core behind the [`transport::Transport`] trait.
+//! reuses the same core behind the [`transport::Transport`] trait: inside a
+//! Linux guest the application drives the virtio-pci function from
+//! userspace (like DPDK's virtio PMD), and the transport's
+//! [`transport::MemoryModel`] decides how DMA memory is made (memfds shared
+//! over vhost-user, or hugepages and pinned pages at guest-physical
+//! addresses).
 //!
 //! Modules, bottom up:
-//! - [`dma`]: memfd-backed DMA arenas and their allocator.
+//! - [`dma`]: DMA arenas (memfds or hugepages) and their allocator.
+//! - [`pagemap`]: physical addresses of this process's pages.
+//! - `memory`: the memory model of the transport (arenas, `reg_mr` memory).
 //! - [`virtqueue`]: the driver side of a split virtqueue.
-//! - [`transport`]: the transport trait and the vhost-user implementation.
+//! - [`transport`]: the transport trait, vhost-user and virtio-pci.
 //! - [`ring`]: the send/receive/completion rings of the data path.
 //! - `user_mem`: moving application memory onto shared memory for `reg_mr`.
 //! - [`device`]: device bring-up, control commands, events.
@@ -21,6 +28,8 @@
 pub mod device;
 pub mod dma;
 pub mod error;
+mod memory;
+pub mod pagemap;
 pub mod ring;
 #[cfg(test)]
 mod testing;
@@ -32,7 +41,7 @@ pub mod virtqueue;
 pub use device::{DeviceEvent, DeviceOptions};
 pub use error::{DestroyError, Error, PostError, Result};
 pub use ring::{RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
-pub use transport::{Transport, VhostUserTransport};
+pub use transport::{MemoryModel, PciDevice, Transport, VhostUserTransport, VirtioPciTransport};
 pub use verbs::{
     CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities, QpInitAttr, QueuePair,
 };

@@ -18,9 +18,9 @@ use std::time::Duration;
 use vm_memory::VolatileSlice;
 use vrdma_spec::config::{DeviceAttr, DeviceConfig, PortAttr};
 use vrdma_spec::control::{
-    CqHandle, CreateCqReq, CreateQpReq, CreateQpResp, ModifyQpReq, MrHandle, Opcode, PdHandle,
-    QpAttr, QpCap, QpHandle, QueryGidReq, QueryGidResp, QueryPortReq, QueryQpReq, QueryQpResp,
-    RegMrReq, RegMrResp, NO_SRQ,
+    CqHandle, CreateCqReq, CreateQpReq, CreateQpResp, ModifyQpReq, MrHandle, MrSgSegment, Opcode,
+    PdHandle, QpAttr, QpCap, QpHandle, QueryGidReq, QueryGidResp, QueryPortReq, QueryQpReq,
+    QueryQpResp, RegMrReq, RegMrResp, RegMrSgReq, MAX_MR_SEGMENTS, NO_SRQ,
 };
 use vrdma_spec::ring::{cq_depth, rq_geometry, sq_geometry};
 use vrdma_spec::verbs::QpType;
@@ -29,9 +29,11 @@ use zerocopy::IntoBytes;
 use crate::device::{Device, DeviceEvent, DeviceOptions};
 use crate::dma::{DmaBuf, PAGE_SIZE};
 use crate::error::{DestroyError, Error, PostError, Result};
+use crate::memory::{Hold, Placement};
 use crate::ring::{CqRing, RecvRing, RecvWr, SendRing, SendWr, Sge, WorkCompletion, WorkRing};
-use crate::transport::{Transport, VhostUserTransport};
-use crate::user_mem::page_span;
+use crate::transport::{
+    PciDevice, Transport, TransportError, VhostUserTransport, VirtioPciTransport,
+};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Ring state is consistent between operations: recover from poisoning.
@@ -56,6 +58,21 @@ impl Context {
     /// opens the device with default options.
     pub fn open_vhost_user(path: impl AsRef<Path>) -> Result<Self> {
         let transport = VhostUserTransport::connect(path)?;
+        Self::open(Box::new(transport), DeviceOptions::default())
+    }
+
+    /// Takes the vrdma virtio-pci function at `address` (or the first one
+    /// with `virtio_id`, when `None`) from the kernel (VM mode) and opens
+    /// the device with default options. Needs root: sysfs binding, BAR
+    /// mapping, hugepages and pagemap.
+    pub fn open_pci(address: Option<&str>, virtio_id: u16) -> Result<Self> {
+        let device = match address {
+            Some(bdf) => PciDevice::at(bdf),
+            None => PciDevice::find(virtio_id),
+        }
+        .map_err(TransportError::from)?;
+        let transport =
+            VirtioPciTransport::open(&device, virtio_id).map_err(TransportError::from)?;
         Self::open(Box::new(transport), DeviceOptions::default())
     }
 
@@ -199,14 +216,52 @@ impl ProtectionDomain {
         }
         let buf = self.inner.dev.alloc(len, PAGE_SIZE, true)?;
         let addr = buf.as_ptr() as u64;
-        let device_addr = buf.device_addr();
+        let placement = Placement::Contiguous(buf.device_addr());
         self.register(
             addr,
-            device_addr,
             len,
+            placement,
             addr,
             access,
-            Backing::Dma(Arc::new(buf)),
+            Backing::Dma(Box::new([Arc::new(buf)])),
+        )
+    }
+
+    /// Allocates one zeroed DMA buffer per entry of `lens`, apart from each
+    /// other, and registers them as one MR whose bytes are the buffers'
+    /// bytes in order (`REG_MR_SG`), known as `iova`. The MR is not
+    /// contiguous in this process either: reach it with
+    /// [`MemoryRegion::read`]/[`MemoryRegion::write`], not
+    /// [`MemoryRegion::as_ptr`].
+    pub fn alloc_mr_scattered(
+        &self,
+        lens: &[usize],
+        iova: u64,
+        access: u32,
+    ) -> Result<MemoryRegion> {
+        if lens.is_empty() || lens.contains(&0) {
+            return Err(Error::InvalidArgument("empty segment list or segment"));
+        }
+        let dev = &self.inner.dev;
+        let mut bufs = Vec::with_capacity(lens.len());
+        for &len in lens {
+            // A spacer keeps consecutive buffers from being adjacent, so the
+            // device really gets separate segments.
+            let _spacer = dev.alloc(PAGE_SIZE, PAGE_SIZE, false)?;
+            bufs.push(Arc::new(dev.alloc(len, PAGE_SIZE, true)?));
+        }
+        let segments = bufs
+            .iter()
+            .map(|b| (b.device_addr(), b.len() as u64))
+            .collect();
+        let total = lens.iter().sum();
+        self.register(
+            bufs[0].as_ptr() as u64,
+            total,
+            Placement::Segments(segments),
+            iova,
+            access,
+            Backing::Dma(bufs.into_boxed_slice()),
         )
     }
 
@@ -254,38 +309,36 @@ impl ProtectionDomain {
             return Err(Error::InvalidArgument("range straddles driver DMA memory"));
         }
         if inside {
-            // Driver memory: already shared, device address by translation.
+            // Driver memory: already reachable, device address by translation.
             let device_addr = self.inner.dev.device_addr_of(va);
-            return self.register(va, device_addr, len, iova, access, Backing::Arena);
+            let placement = Placement::Contiguous(device_addr);
+            return self.register(va, len, placement, iova, access, Backing::Arena);
         }
-        let (start, end) =
-            page_span(va, len as u64).ok_or(Error::InvalidArgument("range wraps around"))?;
         let dev = &self.inner.dev;
-        let held = {
-            let mut regions = lock(&dev.user_regions);
-            // SAFETY: the caller's contract covers every page of the range.
-            unsafe { regions.acquire(dev.transport(), start, end)? }
-        };
-        // User regions are announced with guest-physical == virtual address.
-        self.register(va, va, len, iova, access, Backing::Shared(held))
+        // SAFETY: the caller's contract covers every page of the range.
+        let (placement, hold) = unsafe { dev.memory.acquire(dev.transport(), va, len as u64)? };
+        self.register(
+            va,
+            len,
+            placement,
+            iova,
+            access,
+            Backing::App(Box::new(hold)),
+        )
     }
 
+    /// Registers `len` bytes the device reaches at `placement`; they start
+    /// at `addr` in this process (or are the buffers of a scattered
+    /// backing). On failure the backing is released.
     fn register(
         &self,
         addr: u64,
-        device_addr: u64,
         len: usize,
+        placement: Placement,
         iova: u64,
         access: u32,
         backing: Backing,
     ) -> Result<MemoryRegion> {
-        let req = RegMrReq {
-            pdn: self.inner.pdn.into(),
-            access: access.into(),
-            addr: device_addr.into(),
-            length: (len as u64).into(),
-            iova: iova.into(),
-        };
         let mut mr = MemoryRegion {
             pd: Arc::clone(&self.inner),
             handle: 0,
@@ -298,7 +351,49 @@ impl ProtectionDomain {
             live: false,
         };
         // On failure `mr` drops with `live == false`: only its backing is released.
-        let resp: RegMrResp = self.inner.dev.command(Opcode::RegMr, req.as_bytes())?;
+        let dev = &self.inner.dev;
+        let resp: RegMrResp = match placement {
+            Placement::Contiguous(device_addr) => {
+                let req = RegMrReq {
+                    pdn: self.inner.pdn.into(),
+                    access: access.into(),
+                    addr: device_addr.into(),
+                    length: (len as u64).into(),
+                    iova: iova.into(),
+                };
+                dev.command(Opcode::RegMr, req.as_bytes())?
+            }
+            Placement::Segments(segments) => {
+                if segments.len() > MAX_MR_SEGMENTS as usize {
+                    return Err(Error::InvalidArgument(
+                        "memory is scattered over more segments than REG_MR_SG takes \
+                         (register less at once, or use hugepage-backed buffers)",
+                    ));
+                }
+                let list: Vec<MrSgSegment> = segments
+                    .iter()
+                    .map(|&(addr, len)| MrSgSegment {
+                        addr: addr.into(),
+                        len: len.into(),
+                    })
+                    .collect();
+                let list_buf = dev.alloc(list.as_bytes().len(), 64, false)?;
+                list_buf.write_at(0, list.as_bytes());
+                let req = RegMrSgReq {
+                    pdn: self.inner.pdn.into(),
+                    access: access.into(),
+                    iova: iova.into(),
+                    length: (len as u64).into(),
+                    // At most MAX_MR_SEGMENTS, checked above.
+                    nsegs: (list.len() as u32).into(),
+                    reserved: 0.into(),
+                    list_addr: list_buf.device_addr().into(),
+                };
+                // The device reads the list once, while executing: the
+                // buffer is free again when the command is answered.
+                dev.command(Opcode::RegMrSg, req.as_bytes())?
+            }
+        };
         mr.handle = resp.handle.get();
         mr.lkey = resp.lkey.get();
         mr.rkey = resp.rkey.get();
@@ -375,15 +470,15 @@ impl ProtectionDomain {
     }
 }
 
-/// What keeps an MR's memory shared with the device.
+/// What keeps an MR's memory reachable by the device.
 #[derive(Debug)]
 enum Backing {
-    /// A driver buffer from `alloc_mr`.
-    Dma(Arc<DmaBuf>),
+    /// Driver buffers from `alloc_mr` / `alloc_mr_scattered`.
+    Dma(Box<[Arc<DmaBuf>]>),
     /// Application memory inside a driver arena: nothing to release.
     Arena,
-    /// Application memory moved onto user regions (their start addresses).
-    Shared(Vec<u64>),
+    /// Application memory made reachable in the transport's memory model.
+    App(Box<Hold>),
 }
 
 /// A registered memory region (`struct ibv_mr`).
@@ -393,6 +488,8 @@ pub struct MemoryRegion {
     handle: u32,
     lkey: u32,
     rkey: u32,
+    /// The region's first byte in this process (a scattered driver MR's
+    /// bytes are its backing buffers).
     addr: u64,
     len: usize,
     iova: u64,
@@ -411,7 +508,8 @@ impl MemoryRegion {
         self.rkey
     }
 
-    /// The region's first byte in this process.
+    /// The region's first byte in this process (of its first buffer, for
+    /// a scattered MR).
     pub fn as_ptr(&self) -> *mut u8 {
         self.addr as *mut u8
     }
@@ -442,24 +540,54 @@ impl MemoryRegion {
 
     /// Copies `data` into the region at `offset`.
     pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.slice(offset, data.len())?.copy_from(data);
+        let mut done = 0;
+        for slice in self.slices(offset, data.len())? {
+            slice.copy_from(&data[done..done + slice.len()]);
+            done += slice.len();
+        }
         Ok(())
     }
 
     /// Copies bytes at `offset` out of the region.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.slice(offset, out.len())?.copy_to(out);
+        let mut done = 0;
+        for slice in self.slices(offset, out.len())? {
+            let n = slice.len();
+            slice.copy_to(&mut out[done..done + n]);
+            done += n;
+        }
         Ok(())
     }
 
-    fn slice(&self, offset: usize, len: usize) -> Result<VolatileSlice<'_>> {
-        if offset.checked_add(len).is_none_or(|end| end > self.len) {
-            return Err(Error::InvalidArgument("access outside the MR"));
+    /// The region's bytes `[offset, offset + len)` as slices of its pieces.
+    fn slices(&self, offset: usize, len: usize) -> Result<Vec<VolatileSlice<'_>>> {
+        let end = offset
+            .checked_add(len)
+            .filter(|&end| end <= self.len)
+            .ok_or(Error::InvalidArgument("access outside the MR"))?;
+        let pieces: Vec<(u64, usize)> = match &self.backing {
+            Backing::Dma(bufs) if bufs.len() > 1 => {
+                bufs.iter().map(|b| (b.as_ptr() as u64, b.len())).collect()
+            }
+            _ => vec![(self.addr, self.len)],
+        };
+        let mut out = Vec::new();
+        let mut piece_start = 0;
+        for (va, piece_len) in pieces {
+            let piece_end = piece_start + piece_len;
+            let (lo, hi) = (offset.max(piece_start), end.min(piece_end));
+            if lo < hi {
+                // SAFETY: inside one piece of the MR, which is mapped while
+                // the MR lives (driver memory we own, or the `reg_mr`
+                // caller's promise); the device may write it concurrently,
+                // hence a volatile slice.
+                out.push(unsafe {
+                    VolatileSlice::new((va as *mut u8).add(lo - piece_start), hi - lo)
+                });
+            }
+            piece_start = piece_end;
         }
-        // SAFETY: the range is inside the MR, which is mapped while the MR
-        // lives (driver memory we own, or the `reg_mr` caller's promise);
-        // the device may write it concurrently, hence a volatile slice.
-        Ok(unsafe { VolatileSlice::new(self.as_ptr().add(offset), len) })
+        Ok(out)
     }
 
     fn dereg_now(&mut self) -> Result<()> {
@@ -493,15 +621,15 @@ impl Drop for MemoryRegion {
             if let Err(e) = self.dereg_now() {
                 tracing::warn!(error = %e, handle = self.handle, "Cannot deregister an MR");
                 // The device may still reach the memory: keep it shared.
-                if let Backing::Dma(buf) = &self.backing {
-                    self.pd.dev.quarantine(Arc::clone(buf));
+                if let Backing::Dma(bufs) = &self.backing {
+                    self.pd.dev.quarantine(bufs.clone());
                 }
                 return;
             }
         }
-        if let Backing::Shared(starts) = &self.backing {
+        if let Backing::App(hold) = &self.backing {
             let dev = &self.pd.dev;
-            lock(&dev.user_regions).release(dev.transport(), starts);
+            dev.memory.release(dev.transport(), hold);
         }
     }
 }

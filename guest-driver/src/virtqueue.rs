@@ -281,7 +281,7 @@ mod tests {
     /// The device's view: a second mapping of the arena's memfd, at
     /// guest-physical addresses equal to the driver's virtual addresses.
     fn device_memory(arena: &DmaArena) -> GuestMemoryMmap {
-        let file = arena.file().try_clone().unwrap();
+        let file = arena.file().expect("memfd arena").try_clone().unwrap();
         GuestMemoryMmap::from_ranges_with_files(&[(
             GuestAddress(arena.device_addr()),
             arena.size(),

@@ -201,6 +201,26 @@ mod tests {
     }
 
     #[test]
+    fn the_largest_mr_a_vdev_may_register_fits_one_message() {
+        let segment = MrSegment {
+            slot: u32::MAX,
+            offset: u64::MAX,
+            len: u64::MAX,
+        };
+        let req = Request::RegisterMr(MrRegistration {
+            lkey: u32::MAX,
+            rkey: u32::MAX,
+            pd: u32::MAX,
+            access: u32::MAX,
+            iova: u64::MAX,
+            len: u64::MAX,
+            segments: vec![segment; vrdma_spec::control::MAX_MR_PIECES],
+        });
+        let bytes = encode(&req).expect("within MAX_MESSAGE");
+        assert!(bytes.len() <= MAX_MESSAGE);
+    }
+
+    #[test]
     fn hostile_messages_are_refused() {
         assert!(decode::<Request>(br#"{"remove_memory":{"slot":1,"extra":2}}"#).is_err());
         assert!(decode::<Request>(br#"{"remove_memory":{"slot":-1}}"#).is_err());

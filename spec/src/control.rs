@@ -31,8 +31,20 @@ wire_enum! {
         ModifyQp = 11,
         QueryQp = 12,
         DestroyQp = 13,
+        RegMrSg = 14,
     }
 }
+
+/// Most segments a `REG_MR_SG` list may have. The list is at most
+/// `MAX_MR_SEGMENTS * 16` = 4 KiB of guest memory, which the device copies
+/// once; and the shadow it becomes (one piece per segment and memory slot it
+/// crosses, at most [`MAX_MR_PIECES`]) fits in one registration message to
+/// the host datapath.
+pub const MAX_MR_SEGMENTS: u32 = 256;
+
+/// Most pieces of guest memory one memory region may be made of (segments
+/// split at memory-slot boundaries).
+pub const MAX_MR_PIECES: usize = 512;
 
 impl Opcode {
     /// Exact length of the request payload of this command.
@@ -44,6 +56,7 @@ impl Opcode {
             Opcode::QueryGid => size_of::<QueryGidReq>(),
             Opcode::DeallocPd => size_of::<PdHandle>(),
             Opcode::RegMr => size_of::<RegMrReq>(),
+            Opcode::RegMrSg => size_of::<RegMrSgReq>(),
             Opcode::DeregMr => size_of::<MrHandle>(),
             Opcode::CreateCq => size_of::<CreateCqReq>(),
             Opcode::DestroyCq => size_of::<CqHandle>(),
@@ -64,7 +77,7 @@ impl Opcode {
             Opcode::QueryPort => size_of::<crate::config::PortAttr>(),
             Opcode::QueryGid => size_of::<QueryGidResp>(),
             Opcode::AllocPd => size_of::<PdHandle>(),
-            Opcode::RegMr => size_of::<RegMrResp>(),
+            Opcode::RegMr | Opcode::RegMrSg => size_of::<RegMrResp>(),
             Opcode::CreateCq => size_of::<CqHandle>(),
             Opcode::CreateQp => size_of::<CreateQpResp>(),
             Opcode::QueryQp => size_of::<QueryQpResp>(),
@@ -169,7 +182,37 @@ wire_struct! {
 }
 
 wire_struct! {
-    /// Response of `REG_MR`.
+    /// Request of `REG_MR_SG`: a memory region whose guest memory is a list
+    /// of segments (an application buffer in a VM is virtually contiguous but
+    /// physically scattered). The region's bytes are the segments' bytes in
+    /// list order; `length` must equal their sum.
+    pub struct RegMrSgReq {
+        pub pdn: U32,
+        /// [`crate::verbs::access`] flags.
+        pub access: U32,
+        /// The address the region is known by in work requests.
+        pub iova: U64,
+        pub length: U64,
+        /// Number of [`MrSgSegment`]s at `list_addr`: 1 to [`MAX_MR_SEGMENTS`].
+        pub nsegs: U32,
+        pub reserved: U32,
+        /// Guest address of the segment list (any alignment).
+        pub list_addr: U64,
+    }
+}
+
+wire_struct! {
+    /// One entry of a `REG_MR_SG` segment list.
+    pub struct MrSgSegment {
+        /// Guest address of the segment's first byte.
+        pub addr: U64,
+        /// Bytes in the segment, at least 1.
+        pub len: U64,
+    }
+}
+
+wire_struct! {
+    /// Response of `REG_MR` and `REG_MR_SG`.
     pub struct RegMrResp {
         /// Handle for `DEREG_MR`.
         pub handle: U32,
@@ -355,6 +398,9 @@ mod tests {
         assert_eq!(size_of::<ResponseHeader>(), 8);
         assert_eq!(size_of::<RegMrReq>(), 32);
         assert_eq!(size_of::<RegMrResp>(), 16);
+        assert_eq!(size_of::<RegMrSgReq>(), 40);
+        assert_eq!(size_of::<MrSgSegment>(), 16);
+        assert_eq!(core::mem::offset_of!(RegMrSgReq, list_addr), 32);
         assert_eq!(size_of::<CreateCqReq>(), 16);
         assert_eq!(size_of::<QpCap>(), 20);
         assert_eq!(size_of::<CreateQpReq>(), 64);
@@ -366,11 +412,11 @@ mod tests {
 
     #[test]
     fn opcodes_round_trip() {
-        for code in 1..=13u16 {
+        for code in 1..=14u16 {
             let op = Opcode::try_from(code).expect("defined opcode");
             assert_eq!(u16::from(op), code);
         }
         assert!(Opcode::try_from(0).is_err());
-        assert!(Opcode::try_from(14).is_err());
+        assert!(Opcode::try_from(15).is_err());
     }
 }

@@ -730,3 +730,106 @@ fn a_device_reset_releases_every_object() {
         .log()
         .contains("Device reset: all verbs objects released"));
 }
+
+/// A hostile `REG_MR_SG` case: what it is, the list written, the request,
+/// the errno expected.
+type HostileList = (&'static str, Vec<(u64, u64)>, RegMrSgReq, u32);
+
+/// Writes a `REG_MR_SG` segment list into guest memory at `list`.
+fn write_segments(vmm: &mut Vmm, list: u64, segs: &[(u64, u64)]) {
+    let entries: Vec<MrSgSegment> = segs
+        .iter()
+        .map(|&(addr, len)| MrSgSegment {
+            addr: addr.into(),
+            len: len.into(),
+        })
+        .collect();
+    vmm.mem
+        .write_slice(entries.as_bytes(), GuestAddress(list))
+        .expect("segment list");
+}
+
+fn reg_sg(pdn: u32, list: u64, nsegs: u32, len: u64) -> RegMrSgReq {
+    RegMrSgReq {
+        pdn: pdn.into(),
+        access: (access::LOCAL_WRITE | access::REMOTE_WRITE).into(),
+        iova: 0x4000_0000.into(),
+        length: len.into(),
+        nsegs: nsegs.into(),
+        reserved: 0.into(),
+        list_addr: list.into(),
+    }
+}
+
+#[test]
+fn hostile_segment_lists_are_refused_and_vdev_keeps_serving() {
+    let vdev = Vdev::start("sg-hostile", &[]);
+    let mut vmm = Vmm::attach(&vdev.socket);
+    let pdn = alloc_pd(&mut vmm);
+    let end = GUEST_BASE + GUEST_SIZE as u64;
+    let list = FREE + (3 << 20);
+    let good = [(FREE, 0x1000), (FREE + 0x3000, 0x800)];
+    let cases: [HostileList; 7] = [
+        (
+            "list outside guest memory",
+            good.to_vec(),
+            reg_sg(pdn, end - 16, 2, 0x1800),
+            EFAULT,
+        ),
+        (
+            "list wraps around",
+            good.to_vec(),
+            reg_sg(pdn, u64::MAX - 15, 2, 0x1800),
+            EFAULT,
+        ),
+        (
+            "too many segments",
+            good.to_vec(),
+            reg_sg(pdn, list, MAX_MR_SEGMENTS + 1, 0x1800),
+            EINVAL,
+        ),
+        (
+            "zero segments",
+            good.to_vec(),
+            reg_sg(pdn, list, 0, 0x1800),
+            EINVAL,
+        ),
+        (
+            "segment outside guest memory",
+            vec![(FREE, 0x1000), (end - 0x400, 0x800)],
+            reg_sg(pdn, list, 2, 0x1800),
+            EFAULT,
+        ),
+        (
+            "segment overflows",
+            vec![(FREE, 0x1000), (u64::MAX - 0x3ff, 0x800)],
+            reg_sg(pdn, list, 2, 0x1800),
+            EFAULT,
+        ),
+        (
+            "total differs from length",
+            good.to_vec(),
+            reg_sg(pdn, list, 2, 0x2000),
+            EINVAL,
+        ),
+    ];
+    for (what, segs, req, errno) in cases {
+        write_segments(&mut vmm, list, &segs);
+        assert_eq!(vmm.errno(Opcode::RegMrSg, req.as_bytes()), errno, "{what}");
+        assert_still_serving(&mut vmm);
+    }
+    write_segments(&mut vmm, list, &good);
+    let mr: RegMrResp = vmm.ok(Opcode::RegMrSg, reg_sg(pdn, list, 2, 0x1800).as_bytes());
+    assert_ne!(mr.lkey.get(), 0);
+    assert_eq!(
+        vmm.errno(
+            Opcode::DeregMr,
+            MrHandle {
+                handle: mr.handle,
+                reserved: 0.into()
+            }
+            .as_bytes()
+        ),
+        0
+    );
+}

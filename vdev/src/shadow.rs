@@ -99,6 +99,35 @@ pub enum ShadowError {
     Overflow { addr: u64, len: u64 },
     #[error("Guest address {0:#x} is not in guest memory")]
     Unmapped(u64),
+    #[error("Region needs more than {0} pieces of guest memory")]
+    TooManyPieces(usize),
+}
+
+/// Appends the pieces of guest memory slots that `[addr, addr + len)` covers.
+fn push_pieces(
+    mem: &GuestMemoryMmap,
+    addr: u64,
+    len: u64,
+    segments: &mut Vec<Segment>,
+) -> Result<(), ShadowError> {
+    let end = addr
+        .checked_add(len)
+        .ok_or(ShadowError::Overflow { addr, len })?;
+    let mut cursor = addr;
+    while cursor < end {
+        let region = mem
+            .find_region(GuestAddress(cursor))
+            .ok_or(ShadowError::Unmapped(cursor))?;
+        let region_end = region.start_addr().0.saturating_add(region.len());
+        let piece = region_end.min(end) - cursor;
+        segments.push(Segment {
+            slot: SlotId::of(region),
+            gpa: cursor,
+            len: piece,
+        });
+        cursor += piece;
+    }
+    Ok(())
 }
 
 /// Why a work request's access through a shadow is refused. Each maps onto
@@ -134,24 +163,45 @@ impl ShadowRegion {
         iova: u64,
         access: u32,
     ) -> Result<Self, ShadowError> {
-        let end = addr
-            .checked_add(len)
-            .filter(|_| iova.checked_add(len).is_some())
-            .ok_or(ShadowError::Overflow { addr, len })?;
+        if iova.checked_add(len).is_none() {
+            return Err(ShadowError::Overflow { addr, len });
+        }
         let mut segments = Vec::new();
-        let mut cursor = addr;
-        while cursor < end {
-            let region = mem
-                .find_region(GuestAddress(cursor))
-                .ok_or(ShadowError::Unmapped(cursor))?;
-            let region_end = region.start_addr().0.saturating_add(region.len());
-            let piece = region_end.min(end) - cursor;
-            segments.push(Segment {
-                slot: SlotId::of(region),
-                gpa: cursor,
-                len: piece,
-            });
-            cursor += piece;
+        push_pieces(mem, addr, len, &mut segments)?;
+        Ok(ShadowRegion {
+            iova,
+            len,
+            access,
+            segments,
+            revoked: false,
+        })
+    }
+
+    /// Shadows a region made of `ranges` (guest `(addr, len)` pairs, each
+    /// non-empty) concatenated in order, known as `iova`: the pieces of each
+    /// range follow one another, so a physically scattered buffer becomes
+    /// one region. At most `max_pieces` pieces (ranges split at memory-slot
+    /// boundaries) are accepted.
+    pub fn build_scattered(
+        mem: &GuestMemoryMmap,
+        ranges: &[(u64, u64)],
+        iova: u64,
+        access: u32,
+        max_pieces: usize,
+    ) -> Result<Self, ShadowError> {
+        let mut segments = Vec::new();
+        let mut len = 0u64;
+        for &(addr, seg_len) in ranges {
+            len = len
+                .checked_add(seg_len)
+                .ok_or(ShadowError::Overflow { addr, len: seg_len })?;
+            push_pieces(mem, addr, seg_len, &mut segments)?;
+            if segments.len() > max_pieces {
+                return Err(ShadowError::TooManyPieces(max_pieces));
+            }
+        }
+        if iova.checked_add(len).is_none() {
+            return Err(ShadowError::Overflow { addr: iova, len });
         }
         Ok(ShadowRegion {
             iova,
@@ -328,6 +378,63 @@ mod tests {
         );
         assert!(in_second.translate(0x20000, 1, 0).is_ok());
         assert!(!in_first.revalidate(&slots), "revoked once, stays revoked");
+    }
+
+    #[test]
+    fn scattered_ranges_concatenate_in_list_order() {
+        let mem = memory();
+        // Out of address order, one crossing the adjacent-slot boundary.
+        let ranges = [(0x21000, PAGE), (0x10800, 100), (0x23800, PAGE)];
+        let mr = ShadowRegion::build_scattered(&mem, &ranges, 0x9000, access::LOCAL_WRITE, 8)
+            .expect("mapped");
+        assert_eq!(mr.len, 2 * PAGE + 100);
+        let pieces: Vec<_> = mr.segments().iter().map(|s| (s.gpa, s.len)).collect();
+        assert_eq!(
+            pieces,
+            vec![
+                (0x21000, PAGE),
+                (0x10800, 100),
+                (0x23800, PAGE / 2),
+                (0x24000, PAGE / 2)
+            ]
+        );
+        // A WQE range across the first two segments gets both pieces.
+        let t = mr
+            .translate(0x9000 + PAGE - 8, 16, access::LOCAL_WRITE)
+            .expect("inside");
+        assert_eq!(
+            t,
+            vec![
+                (GuestAddress(0x21000 + PAGE - 8), 8),
+                (GuestAddress(0x10800), 8)
+            ]
+        );
+        assert!(mr
+            .translate(0x9000 + 2 * PAGE + 100, 1, access::LOCAL_WRITE)
+            .is_err());
+    }
+
+    #[test]
+    fn scattered_ranges_are_checked() {
+        let mem = memory();
+        assert_eq!(
+            ShadowRegion::build_scattered(&mem, &[(0x10000, PAGE), (0x14000, 1)], 0, 0, 8),
+            Err(ShadowError::Unmapped(0x14000))
+        );
+        assert!(matches!(
+            ShadowRegion::build_scattered(&mem, &[(u64::MAX, 2)], 0, 0, 8),
+            Err(ShadowError::Overflow { .. })
+        ));
+        assert!(matches!(
+            ShadowRegion::build_scattered(&mem, &[(0x10000, 16)], u64::MAX - 8, 0, 8),
+            Err(ShadowError::Overflow { .. })
+        ));
+        let across = [(0x23000, 2 * PAGE); 3];
+        assert_eq!(
+            ShadowRegion::build_scattered(&mem, &across, 0, 0, 5),
+            Err(ShadowError::TooManyPieces(5))
+        );
+        assert!(ShadowRegion::build_scattered(&mem, &across, 0, 0, 6).is_ok());
     }
 
     #[test]

@@ -2,9 +2,14 @@
 //! config file (documented in docs/compat.md).
 //!
 //! The first source that is set wins:
-//! 1. `VRDMA_DEVICES`: a comma-separated list of `[name=]socket` entries,
+//! 1. `VRDMA_DEVICES`: a comma-separated list of `[name=]endpoint` entries,
 //!    e.g. `VRDMA_DEVICES=/run/vrdma/a.sock` or
 //!    `VRDMA_DEVICES=mlx_a=/run/vrdma/a.sock,mlx_b=/run/vrdma/b.sock`.
+//!    An endpoint is vdev's vhost-user socket (process mode) or, inside a
+//!    VM, `pci:auto` (the first vrdma PCI function) or `pci:0000:00:04.0`
+//!    (the function at that address). `VRDMA_VIRTIO_ID` says which virtio
+//!    device id the PCI function runs with (42 unless set; 38 under QEMU
+//!    11, which cannot run 42).
 //! 2. `VRDMA_CONFIG`: the path of a TOML file (below).
 //! 3. [`DEFAULT_CONFIG_FILE`], if it exists.
 //!
@@ -12,11 +17,17 @@
 //! [[device]]
 //! socket = "/run/vrdma/tenant-a.sock"   # vdev's vhost-user socket
 //! name = "vrdma0"                       # optional: vrdma<index> by default
+//!
+//! [[device]]                            # VM mode
+//! pci = "auto"                          # or "0000:00:04.0"
+//! virtio_id = 38                        # optional: 42 by default
 //! ```
 
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
+use vrdma_guest_driver::transport::virtio_pci::{device_id, VIRTIO_ID_RDMA};
+use vrdma_guest_driver::PciDevice;
 
 /// The config file read when neither variable is set.
 pub const DEFAULT_CONFIG_FILE: &str = "/etc/vrdma/libibverbs.toml";
@@ -24,6 +35,10 @@ pub const DEFAULT_CONFIG_FILE: &str = "/etc/vrdma/libibverbs.toml";
 pub const DEVICES_VAR: &str = "VRDMA_DEVICES";
 /// The config-file variable.
 pub const CONFIG_VAR: &str = "VRDMA_CONFIG";
+/// The variable naming the virtio id of PCI devices from `VRDMA_DEVICES`.
+pub const VIRTIO_ID_VAR: &str = "VRDMA_VIRTIO_ID";
+/// Prefix of a PCI endpoint in `VRDMA_DEVICES`.
+const PCI_PREFIX: &str = "pci:";
 
 /// Longest device name (`ibv_device.name` holds 64 bytes with the NUL).
 const MAX_NAME: usize = 63;
@@ -36,8 +51,34 @@ const MAX_SOCKET: usize = 107;
 pub struct DeviceSpec {
     /// What `ibv_get_device_name` returns.
     pub name: String,
-    /// vdev's vhost-user socket.
-    pub socket: PathBuf,
+    /// How the device is reached.
+    pub endpoint: Endpoint,
+}
+
+/// How a device is reached.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    /// Process mode: vdev's vhost-user socket.
+    Socket(PathBuf),
+    /// VM mode: a virtio-pci function.
+    Pci {
+        /// Its PCI address; `None`: the first vrdma function found.
+        address: Option<String>,
+        /// The virtio device id it runs with.
+        virtio_id: u16,
+    },
+}
+
+impl Endpoint {
+    /// What `ibv_device.dev_path` shows.
+    pub fn display(&self) -> String {
+        match self {
+            Endpoint::Socket(p) => p.display().to_string(),
+            Endpoint::Pci { address, .. } => {
+                format!("{PCI_PREFIX}{}", address.as_deref().unwrap_or("auto"))
+            }
+        }
+    }
 }
 
 /// Why the configuration is unusable.
@@ -62,16 +103,30 @@ struct File {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct FileDevice {
-    socket: PathBuf,
+    socket: Option<PathBuf>,
+    pci: Option<String>,
+    virtio_id: Option<u16>,
     name: Option<String>,
+}
+
+/// An entry before validation: name, and socket or PCI address with its id.
+type Entry = (Option<String>, RawEndpoint);
+
+#[derive(Debug)]
+enum RawEndpoint {
+    Socket(PathBuf),
+    Pci(String, Option<u16>),
+    Invalid(String),
 }
 
 /// Reads the configuration from this process's environment.
 pub fn load() -> Result<Vec<DeviceSpec>, ConfigError> {
+    let var = |name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned());
     load_from(
-        std::env::var_os(DEVICES_VAR).map(|v| v.to_string_lossy().into_owned()),
-        std::env::var_os(CONFIG_VAR).map(PathBuf::from),
+        var(DEVICES_VAR),
+        var(CONFIG_VAR).map(PathBuf::from),
         Path::new(DEFAULT_CONFIG_FILE),
+        var(VIRTIO_ID_VAR),
     )
 }
 
@@ -80,9 +135,17 @@ pub fn load_from(
     devices_var: Option<String>,
     config_var: Option<PathBuf>,
     default_file: &Path,
+    virtio_id_var: Option<String>,
 ) -> Result<Vec<DeviceSpec>, ConfigError> {
     if let Some(list) = devices_var.filter(|v| !v.trim().is_empty()) {
-        return parse_list(&list);
+        let virtio_id = match virtio_id_var.filter(|v| !v.trim().is_empty()) {
+            None => None,
+            Some(v) => Some(v.trim().parse::<u16>().map_err(|_| ConfigError::Invalid {
+                origin: VIRTIO_ID_VAR.to_owned(),
+                reason: format!("{v:?} is not a virtio device id (a number, e.g. 38)"),
+            })?),
+        };
+        return parse_list_with(&list, virtio_id);
     }
     let (path, must_exist) = match config_var {
         Some(p) => (p, true),
@@ -100,15 +163,25 @@ pub fn load_from(
     }
 }
 
-/// Parses a `VRDMA_DEVICES` value.
+/// Parses a `VRDMA_DEVICES` value (PCI devices with the default id).
 pub fn parse_list(list: &str) -> Result<Vec<DeviceSpec>, ConfigError> {
+    parse_list_with(list, None)
+}
+
+/// Parses a `VRDMA_DEVICES` value; PCI devices run with `virtio_id`
+/// (`VRDMA_VIRTIO_ID`) when given.
+pub fn parse_list_with(list: &str, virtio_id: Option<u16>) -> Result<Vec<DeviceSpec>, ConfigError> {
+    let endpoint = |e: &str| match e.strip_prefix(PCI_PREFIX) {
+        Some(pci) => RawEndpoint::Pci(pci.to_owned(), virtio_id),
+        None => RawEndpoint::Socket(PathBuf::from(e)),
+    };
     let entries = list
         .split(',')
         .map(str::trim)
         .filter(|e| !e.is_empty())
         .map(|e| match e.split_once('=') {
-            Some((name, socket)) => (Some(name.trim().to_owned()), PathBuf::from(socket.trim())),
-            None => (None, PathBuf::from(e)),
+            Some((name, rest)) => (Some(name.trim().to_owned()), endpoint(rest.trim())),
+            None => (None, endpoint(e)),
         })
         .collect();
     validate(entries, DEVICES_VAR)
@@ -123,16 +196,23 @@ pub fn parse_file(text: &str, source: &str) -> Result<Vec<DeviceSpec>, ConfigErr
     validate(
         file.device
             .into_iter()
-            .map(|d| (d.name, d.socket))
+            .map(|d| {
+                let endpoint = match (d.socket, d.pci) {
+                    (Some(socket), None) if d.virtio_id.is_none() => RawEndpoint::Socket(socket),
+                    (None, Some(pci)) => RawEndpoint::Pci(pci, d.virtio_id),
+                    (Some(_), None) => {
+                        RawEndpoint::Invalid("virtio_id applies to pci devices only".into())
+                    }
+                    _ => RawEndpoint::Invalid("give exactly one of socket and pci".into()),
+                };
+                (d.name, endpoint)
+            })
             .collect(),
         source,
     )
 }
 
-fn validate(
-    entries: Vec<(Option<String>, PathBuf)>,
-    source: &str,
-) -> Result<Vec<DeviceSpec>, ConfigError> {
+fn validate(entries: Vec<Entry>, source: &str) -> Result<Vec<DeviceSpec>, ConfigError> {
     let invalid = |reason: String| ConfigError::Invalid {
         origin: source.to_owned(),
         reason,
@@ -141,7 +221,7 @@ fn validate(
         return Err(ConfigError::NotConfigured);
     }
     let mut out: Vec<DeviceSpec> = Vec::with_capacity(entries.len());
-    for (i, (name, socket)) in entries.into_iter().enumerate() {
+    for (i, (name, raw)) in entries.into_iter().enumerate() {
         let name = name.unwrap_or_else(|| format!("vrdma{i}"));
         let valid_name = !name.is_empty()
             && name.len() <= MAX_NAME
@@ -156,13 +236,35 @@ fn validate(
         if out.iter().any(|d| d.name == name) {
             return Err(invalid(format!("device name {name:?} is used twice")));
         }
-        let len = socket.as_os_str().len();
-        if len == 0 || len > MAX_SOCKET {
-            return Err(invalid(format!(
-                "device {name:?}: socket path must have 1 to {MAX_SOCKET} bytes"
-            )));
-        }
-        out.push(DeviceSpec { name, socket });
+        let endpoint = match raw {
+            RawEndpoint::Invalid(reason) => {
+                return Err(invalid(format!("device {name:?}: {reason}")))
+            }
+            RawEndpoint::Socket(socket) => {
+                let len = socket.as_os_str().len();
+                if len == 0 || len > MAX_SOCKET {
+                    return Err(invalid(format!(
+                        "device {name:?}: socket path must have 1 to {MAX_SOCKET} bytes"
+                    )));
+                }
+                Endpoint::Socket(socket)
+            }
+            RawEndpoint::Pci(pci, id) => {
+                let virtio_id = id.unwrap_or(VIRTIO_ID_RDMA);
+                device_id(virtio_id).map_err(|e| invalid(format!("device {name:?}: {e}")))?;
+                let address = match pci.as_str() {
+                    "auto" => None,
+                    bdf => Some(
+                        PciDevice::at(bdf)
+                            .map_err(|e| invalid(format!("device {name:?}: {e}")))?
+                            .address()
+                            .to_owned(),
+                    ),
+                };
+                Endpoint::Pci { address, virtio_id }
+            }
+        };
+        out.push(DeviceSpec { name, endpoint });
     }
     Ok(out)
 }
@@ -174,7 +276,59 @@ mod tests {
     fn spec(name: &str, socket: &str) -> DeviceSpec {
         DeviceSpec {
             name: name.into(),
-            socket: socket.into(),
+            endpoint: Endpoint::Socket(socket.into()),
+        }
+    }
+
+    fn pci(name: &str, address: Option<&str>, virtio_id: u16) -> DeviceSpec {
+        DeviceSpec {
+            name: name.into(),
+            endpoint: Endpoint::Pci {
+                address: address.map(str::to_owned),
+                virtio_id,
+            },
+        }
+    }
+
+    #[test]
+    fn pci_devices_from_the_variable_and_the_file() {
+        assert_eq!(
+            parse_list("vrdma0=pci:0000:00:04.0,pci:auto").unwrap(),
+            vec![
+                pci("vrdma0", Some("0000:00:04.0"), 42),
+                pci("vrdma1", None, 42)
+            ]
+        );
+        assert_eq!(
+            parse_list_with("pci:00:05.0", Some(38)).unwrap(),
+            vec![pci("vrdma0", Some("0000:00:05.0"), 38)]
+        );
+        assert_eq!(pci("x", None, 38).endpoint.display(), "pci:auto");
+        let err = parse_list("pci:00:04").unwrap_err();
+        assert!(err.to_string().contains("not a PCI address"), "{err}");
+        let err = parse_list_with("pci:auto", Some(0)).unwrap_err();
+        assert!(err.to_string().contains("Virtio id 0"), "{err}");
+        let dir = std::path::Path::new("/nonexistent");
+        let err = load_from(Some("pci:auto".into()), None, dir, Some("forty".into())).unwrap_err();
+        assert!(err.to_string().contains(VIRTIO_ID_VAR), "{err}");
+        assert_eq!(
+            load_from(Some("pci:auto".into()), None, dir, Some(" 38 ".into())).unwrap(),
+            vec![pci("vrdma0", None, 38)]
+        );
+
+        let text = "[[device]]\npci = \"auto\"\nvirtio_id = 38\n[[device]]\nname = \"b\"\npci = \"0000:00:06.0\"\n";
+        assert_eq!(
+            parse_file(text, "f").unwrap(),
+            vec![pci("vrdma0", None, 38), pci("b", Some("0000:00:06.0"), 42)]
+        );
+        for bad in [
+            "[[device]]\nsocket = \"/s\"\npci = \"auto\"\n",
+            "[[device]]\nname = \"x\"\n",
+            "[[device]]\nsocket = \"/s\"\nvirtio_id = 38\n",
+            "[[device]]\npci = \"auto\"\nvirtio_id = 200\n",
+        ] {
+            let err = parse_file(bad, "f").unwrap_err();
+            assert!(matches!(err, ConfigError::Invalid { .. }), "{bad}: {err}");
         }
     }
 
@@ -230,23 +384,23 @@ mod tests {
         let missing = dir.join("missing.toml");
         // The variable wins over the file.
         assert_eq!(
-            load_from(Some("/from/var".into()), Some(file.clone()), &missing).unwrap(),
+            load_from(Some("/from/var".into()), Some(file.clone()), &missing, None).unwrap(),
             vec![spec("vrdma0", "/from/var")]
         );
         assert_eq!(
-            load_from(None, Some(file.clone()), &missing).unwrap(),
+            load_from(None, Some(file.clone()), &missing, None).unwrap(),
             vec![spec("vrdma0", "/from/file")]
         );
         assert_eq!(
-            load_from(Some(String::new()), None, &file).unwrap(),
+            load_from(Some(String::new()), None, &file, None).unwrap(),
             vec![spec("vrdma0", "/from/file")]
         );
         // Nothing configured: a message that says how to configure.
-        let err = load_from(None, None, &missing).unwrap_err();
+        let err = load_from(None, None, &missing, None).unwrap_err();
         assert!(matches!(err, ConfigError::NotConfigured));
         assert!(err.to_string().contains(DEVICES_VAR));
         // A named file must exist.
-        let err = load_from(None, Some(missing.clone()), &file).unwrap_err();
+        let err = load_from(None, Some(missing.clone()), &file, None).unwrap_err();
         assert!(matches!(err, ConfigError::Invalid { .. }), "{err}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -14,7 +14,7 @@ use std::sync::OnceLock;
 use vrdma_guest_driver::Context;
 
 use crate::abi::{__be64, ibv_context, ibv_device, IBV_NODE_CA, IBV_TRANSPORT_IB};
-use crate::config::{self, DeviceSpec};
+use crate::config::{self, DeviceSpec, Endpoint};
 use crate::context::Ctx;
 use crate::ffi::{guard, int_verb, ptr_verb, write_c_str};
 
@@ -48,7 +48,7 @@ impl DeviceEntry {
         write_c_str(&mut ibv.name, &spec.name);
         write_c_str(&mut ibv.dev_name, &format!("vrdma-uverbs{index}"));
         // Where the device really is: vdev's socket.
-        write_c_str(&mut ibv.dev_path, &spec.socket.to_string_lossy());
+        write_c_str(&mut ibv.dev_path, &spec.endpoint.display());
         write_c_str(&mut ibv.ibdev_path, &ibdev_path(&spec.name));
         Self {
             ibv,
@@ -197,7 +197,7 @@ pub(crate) fn chain(e: &dyn std::error::Error) -> String {
 }
 
 /// `ibv_open_device`: connects to the device's vdev socket (process mode)
-/// and brings the device up.
+/// or takes its virtio-pci function (VM mode) and brings the device up.
 ///
 /// # Safety
 ///
@@ -205,12 +205,22 @@ pub(crate) fn chain(e: &dyn std::error::Error) -> String {
 pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_context {
     ptr_verb("ibv_open_device", || {
         let entry = entry_of(device).ok_or(libc::EINVAL)?;
-        let socket = &entry.spec.socket;
-        let dev = Context::open_vhost_user(socket).map_err(|e| {
+        let endpoint = &entry.spec.endpoint;
+        let opened = match endpoint {
+            Endpoint::Socket(socket) => Context::open_vhost_user(socket),
+            Endpoint::Pci { address, virtio_id } => {
+                Context::open_pci(address.as_deref(), *virtio_id)
+            }
+        };
+        let dev = opened.map_err(|e| {
+            let what = match endpoint {
+                Endpoint::Socket(_) => "vdev socket",
+                Endpoint::Pci { .. } => "virtio-pci function",
+            };
             eprintln!(
-                "{PREFIX}: cannot open device {} (vdev socket {}): {}",
+                "{PREFIX}: cannot open device {} ({what} {}): {}",
                 entry.spec.name,
-                socket.display(),
+                endpoint.display(),
                 chain(&e)
             );
             match e.errno() {
@@ -224,7 +234,7 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
             eprintln!("{PREFIX}: cannot open device {}: {e}", entry.spec.name);
             e.raw_os_error().unwrap_or(libc::ENOMEM)
         })?;
-        tracing::info!(device = entry.spec.name, socket = %socket.display(), "Opened");
+        tracing::info!(device = entry.spec.name, endpoint = %endpoint.display(), "Opened");
         let raw = Box::into_raw(ctx);
         // SAFETY: `raw` is the live box just leaked; only a field address
         // is taken.

@@ -155,7 +155,7 @@ pub(crate) fn dispatch(shared: &Shared) {
                     Err(e) => {
                         tracing::error!(error = %e, vector = v, "Cannot read the event queue");
                         // The device is unusable: wait for the stop only.
-                        wait_readable(&[shared.stop.as_raw_fd()]);
+                        wait_readable(&[shared.stop.as_raw_fd()], -1);
                         return;
                     }
                 }
@@ -163,7 +163,14 @@ pub(crate) fn dispatch(shared: &Shared) {
         }
         let mut fds = vec![shared.stop.as_raw_fd()];
         fds.extend((0..vectors).filter_map(|v| shared.dev.event_fd(v).map(|fd| fd.as_raw_fd())));
-        let ready = wait_readable(&fds);
+        // A transport without per-queue interrupt fds (virtio-pci: one INTx
+        // line for all) is drained every few milliseconds instead.
+        let timeout_ms = if fds.len() == usize::from(vectors) + 1 {
+            -1
+        } else {
+            EVENT_POLL_MS
+        };
+        let ready = wait_readable(&fds, timeout_ms);
         if ready.first() == Some(&true) {
             return;
         }
@@ -174,8 +181,12 @@ pub(crate) fn dispatch(shared: &Shared) {
     }
 }
 
-/// Waits until one of `fds` is readable; returns which are.
-fn wait_readable(fds: &[c_int]) -> Vec<bool> {
+/// How often event queues without an interrupt fd are drained.
+const EVENT_POLL_MS: c_int = 5;
+
+/// Waits until one of `fds` is readable, or `timeout_ms` passed (-1:
+/// forever); returns which are.
+fn wait_readable(fds: &[c_int], timeout_ms: c_int) -> Vec<bool> {
     let mut pfds: Vec<libc::pollfd> = fds
         .iter()
         .map(|&fd| libc::pollfd {
@@ -186,8 +197,8 @@ fn wait_readable(fds: &[c_int]) -> Vec<bool> {
         .collect();
     loop {
         // SAFETY: `pfds` is a valid array of `pfds.len()` pollfds.
-        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, -1) };
-        if n > 0 {
+        let n = unsafe { libc::poll(pfds.as_mut_ptr(), pfds.len() as libc::nfds_t, timeout_ms) };
+        if n > 0 || (n == 0 && timeout_ms >= 0) {
             return pfds.iter().map(|p| p.revents != 0).collect();
         }
         let e = io::Error::last_os_error();
@@ -462,7 +473,7 @@ mod tests {
         let b = eventfd(0).unwrap();
         signal(&b);
         assert_eq!(
-            wait_readable(&[a.as_raw_fd(), b.as_raw_fd()]),
+            wait_readable(&[a.as_raw_fd(), b.as_raw_fd()], -1),
             vec![false, true]
         );
     }

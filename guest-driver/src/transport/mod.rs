@@ -3,8 +3,8 @@
 //! The core (virtqueues, rings, verbs) only needs what every virtio transport
 //! offers: feature negotiation, config space, queue setup, notifications
 //! both ways, and a way to tell the device which memory it may use. Process
-//! mode implements it over vhost-user ([`vhost_user`]); a virtio-pci
-//! transport for VM mode will implement the same trait.
+//! mode implements it over vhost-user ([`vhost_user`]), VM mode over
+//! virtio-pci from userspace ([`virtio_pci`]).
 
 use std::io;
 use std::os::fd::BorrowedFd;
@@ -13,8 +13,28 @@ use std::time::Duration;
 use crate::dma::DmaRegion;
 
 pub mod vhost_user;
+pub mod virtio_pci;
 
 pub use vhost_user::VhostUserTransport;
+pub use virtio_pci::{PciDevice, VirtioPciTransport};
+
+/// How the device reaches the driver's memory: a property of the transport,
+/// which decides where DMA arenas come from and what `reg_mr` does with
+/// application memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemoryModel {
+    /// Process mode (vhost-user): the device sees only memory the driver
+    /// shares with [`Transport::add_memory`] — memfd arenas, and application
+    /// pages moved onto memfds by `reg_mr` — at device address == virtual
+    /// address.
+    SharedFiles,
+    /// VM mode (virtio-pci): the device reaches all guest-physical memory and
+    /// is told nothing. DMA arenas are hugepages at known physical
+    /// addresses; `reg_mr` pins application pages, translates them through
+    /// `/proc/self/pagemap` and registers their physical segments
+    /// (`REG_MR_SG`).
+    GuestPhysical,
+}
 
 /// `VIRTIO_F_VERSION_1`: a virtio 1.x (modern, little-endian) device.
 pub const VIRTIO_F_VERSION_1: u64 = 1 << 32;
@@ -60,6 +80,15 @@ pub enum TransportError {
         #[source]
         source: io::Error,
     },
+    /// Boxed: it is large, and every driver error carries a transport error.
+    #[error("virtio-pci device")]
+    Pci(#[source] Box<virtio_pci::PciError>),
+}
+
+impl From<virtio_pci::PciError> for TransportError {
+    fn from(e: virtio_pci::PciError) -> Self {
+        TransportError::Pci(Box::new(e))
+    }
 }
 
 /// Addresses of one virtqueue, as the device sees them.
@@ -75,6 +104,11 @@ pub struct QueueSetup {
 /// A way to reach a vrdma device. All methods take `&self`: notifications
 /// come from any thread, so implementations lock what they must.
 pub trait Transport: Send + Sync + std::fmt::Debug {
+    /// How the device reaches the driver's memory.
+    fn memory_model(&self) -> MemoryModel {
+        MemoryModel::SharedFiles
+    }
+
     /// Acknowledges the features in `wanted` that the device offers and
     /// returns them (transport bits the transport needs itself are added).
     fn negotiate_features(&self, wanted: u64) -> Result<u64, TransportError>;
@@ -85,7 +119,8 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     /// Reads `buf.len()` bytes of config space at `offset`.
     fn read_config(&self, offset: u32, buf: &mut [u8]) -> Result<(), TransportError>;
 
-    /// Lets the device use a region of memory.
+    /// Lets the device use a region of memory ([`MemoryModel::SharedFiles`]
+    /// only: the driver never calls it for the other model).
     fn add_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError>;
 
     /// Takes a region added with [`Transport::add_memory`] away again.
@@ -93,6 +128,12 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
 
     /// Sets a virtqueue up and enables it.
     fn setup_queue(&self, queue: &QueueSetup) -> Result<(), TransportError>;
+
+    /// Every queue is set up: the device may start (virtio's DRIVER_OK).
+    /// Queues are notified only after this.
+    fn activate(&self) -> Result<(), TransportError> {
+        Ok(())
+    }
 
     /// Notifies ("kicks") a queue.
     fn notify(&self, queue: u16) -> Result<(), TransportError>;
@@ -111,6 +152,9 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
 
 /// A shared transport is a transport (lets a caller keep a handle on it).
 impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
+    fn memory_model(&self) -> MemoryModel {
+        (**self).memory_model()
+    }
     fn negotiate_features(&self, wanted: u64) -> Result<u64, TransportError> {
         (**self).negotiate_features(wanted)
     }
@@ -128,6 +172,9 @@ impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
     }
     fn setup_queue(&self, queue: &QueueSetup) -> Result<(), TransportError> {
         (**self).setup_queue(queue)
+    }
+    fn activate(&self) -> Result<(), TransportError> {
+        (**self).activate()
     }
     fn notify(&self, queue: u16) -> Result<(), TransportError> {
         (**self).notify(queue)

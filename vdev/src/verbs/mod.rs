@@ -335,6 +335,10 @@ impl RdmaDevice {
                 let req: control::RegMrReq = decode(payload)?;
                 self.reg_mr(&req).map(|resp| resp.as_bytes().to_vec())
             }
+            Opcode::RegMrSg => {
+                let req: control::RegMrSgReq = decode(payload)?;
+                self.reg_mr_sg(&req).map(|resp| resp.as_bytes().to_vec())
+            }
             Opcode::DeregMr => {
                 let req: control::MrHandle = decode(payload)?;
                 self.dereg_mr(req.handle.get()).map(|()| Vec::new())

@@ -1,12 +1,18 @@
 //! Memory regions: `reg_mr` / `dereg_mr` and key lookup.
 
-use vm_memory::GuestAddress;
+use vm_memory::{Bytes, GuestAddress};
 use vrdma_hostd_protocol::messages::{MrRegistration, MrSegment};
-use vrdma_spec::control::{RegMrReq, RegMrResp};
+use vrdma_spec::control::{
+    MrSgSegment, RegMrReq, RegMrResp, RegMrSgReq, MAX_MR_PIECES, MAX_MR_SEGMENTS,
+};
 use vrdma_spec::verbs::access;
+use vrdma_spec::zerocopy::FromBytes;
 
 use super::{random_unique, RdmaDevice, VerbError, VerbResult};
-use crate::shadow::{access_flags_consistent, ShadowRegion, TranslateError};
+use crate::shadow::{access_flags_consistent, ShadowError, ShadowRegion, TranslateError};
+
+/// Bytes of one segment-list entry.
+const ENTRY: usize = core::mem::size_of::<MrSgSegment>();
 
 /// A registered memory region.
 #[derive(Debug)]
@@ -37,6 +43,77 @@ impl RdmaDevice {
             req.length.get(),
             req.iova.get(),
         );
+        self.check_mr_args(pdn, flags, len)?;
+        let total = self.check_mr_quota(len)?;
+        let shadow =
+            ShadowRegion::build(&self.mem, addr, len, iova, flags).map_err(VerbError::Fault)?;
+        self.insert_mr(pdn, shadow, total)
+    }
+
+    /// `REG_MR_SG`: the segment list is copied out of guest memory once,
+    /// bounded by [`MAX_MR_SEGMENTS`], and only the copy is checked and used.
+    pub(super) fn reg_mr_sg(&mut self, req: &RegMrSgReq) -> VerbResult<RegMrResp> {
+        let (pdn, flags, len, iova) = (
+            req.pdn.get(),
+            req.access.get(),
+            req.length.get(),
+            req.iova.get(),
+        );
+        let (nsegs, list_addr) = (req.nsegs.get(), req.list_addr.get());
+        self.check_mr_args(pdn, flags, len)?;
+        if nsegs == 0 || nsegs > MAX_MR_SEGMENTS {
+            return Err(VerbError::Invalid(format!(
+                "{nsegs} segments (1 to {MAX_MR_SEGMENTS} accepted)"
+            )));
+        }
+        let total = self.check_mr_quota(len)?;
+        let list_len = u64::from(nsegs) * ENTRY as u64;
+        if list_addr.checked_add(list_len).is_none() {
+            return Err(VerbError::Fault(ShadowError::Overflow {
+                addr: list_addr,
+                len: list_len,
+            }));
+        }
+        let mut raw = vec![0u8; nsegs as usize * ENTRY];
+        self.mem
+            .read_slice(&mut raw, GuestAddress(list_addr))
+            .map_err(|_| VerbError::Fault(ShadowError::Unmapped(list_addr)))?;
+        let mut ranges = Vec::with_capacity(nsegs as usize);
+        let mut sum = 0u64;
+        for (i, entry) in raw.chunks_exact(ENTRY).enumerate() {
+            let seg = MrSgSegment::read_from_bytes(entry)
+                .map_err(|_| VerbError::Malformed("segment list entry".into()))?;
+            let (addr, seg_len) = (seg.addr.get(), seg.len.get());
+            if seg_len == 0 {
+                return Err(VerbError::Invalid(format!("segment {i} is empty")));
+            }
+            if addr.checked_add(seg_len).is_none() {
+                return Err(VerbError::Fault(ShadowError::Overflow {
+                    addr,
+                    len: seg_len,
+                }));
+            }
+            sum = sum
+                .checked_add(seg_len)
+                .ok_or_else(|| VerbError::Invalid("segment lengths overflow".into()))?;
+            ranges.push((addr, seg_len));
+        }
+        if sum != len {
+            return Err(VerbError::Invalid(format!(
+                "segments hold {sum} bytes, the region is {len}"
+            )));
+        }
+        let shadow = ShadowRegion::build_scattered(&self.mem, &ranges, iova, flags, MAX_MR_PIECES)
+            .map_err(|e| match e {
+                ShadowError::TooManyPieces(_) => VerbError::Invalid(e.to_string()),
+                e => VerbError::Fault(e),
+            })?;
+        self.insert_mr(pdn, shadow, total)
+    }
+
+    /// The argument checks both registration commands share, in the
+    /// documented order.
+    fn check_mr_args(&mut self, pdn: u32, flags: u32, len: u64) -> VerbResult<()> {
         self.pd_mut(pdn)?;
         if flags & !access::MR_KNOWN != 0 {
             return Err(VerbError::Invalid(format!(
@@ -57,6 +134,12 @@ impl RdmaDevice {
         if len == 0 {
             return Err(VerbError::Invalid("zero-length memory region".into()));
         }
+        Ok(())
+    }
+
+    /// The tenant's MR quotas; returns the registered bytes once a region
+    /// of `len` bytes is added.
+    fn check_mr_quota(&self, len: u64) -> VerbResult<u64> {
         Self::check_count("max_mr", self.mrs.len(), self.limits.max_mr)?;
         if len > self.limits.max_mr_bytes {
             return Err(VerbError::Limit {
@@ -73,8 +156,10 @@ impl RdmaDevice {
                 max: self.limits.max_total_mr_bytes,
             });
         }
-        let shadow =
-            ShadowRegion::build(&self.mem, addr, len, iova, flags).map_err(VerbError::Fault)?;
+        Ok(total)
+    }
+
+    fn insert_mr(&mut self, pdn: u32, shadow: ShadowRegion, total: u64) -> VerbResult<RegMrResp> {
         let (lkey, rkey) = self.register_keys(pdn, &shadow)?;
         let handle = self.new_handle();
         self.mrs.insert(

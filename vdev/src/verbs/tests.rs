@@ -330,6 +330,158 @@ fn mr_checks_and_accounting() {
     );
 }
 
+/// Writes `segs` as a segment list at `list` and registers them.
+fn reg_mr_sg(
+    dev: &mut RdmaDevice,
+    pdn: u32,
+    list: u64,
+    segs: &[(u64, u64)],
+    len: u64,
+    iova: u64,
+) -> Result<RegMrResp, i32> {
+    let entries: Vec<MrSgSegment> = segs
+        .iter()
+        .map(|&(addr, len)| MrSgSegment {
+            addr: addr.into(),
+            len: len.into(),
+        })
+        .collect();
+    dev.mem
+        .write_slice(entries.as_bytes(), GuestAddress(list))
+        .expect("list in memory");
+    let req = RegMrSgReq {
+        pdn: pdn.into(),
+        access: access::LOCAL_WRITE.into(),
+        iova: iova.into(),
+        length: len.into(),
+        nsegs: (segs.len() as u32).into(),
+        reserved: 0.into(),
+        list_addr: list.into(),
+    };
+    run(dev, Opcode::RegMrSg, req.as_bytes())
+}
+
+#[test]
+fn scattered_mr_translates_through_its_segments_in_order() {
+    let mut dev = device();
+    let pdn = alloc_pd(&mut dev);
+    let list = MEM_BASE;
+    let (a, b) = (MEM_BASE + 0x8000, MEM_BASE + 0x2000);
+    let mr = reg_mr_sg(
+        &mut dev,
+        pdn,
+        list,
+        &[(a, 0x1000), (b, 0x800)],
+        0x1800,
+        0x7000,
+    )
+    .expect("scattered MR");
+    assert_eq!(dev.registered_bytes(), 0x1800);
+    let pieces = dev
+        .translate_local(pdn, mr.lkey.get(), 0x7ff0, 0x20, access::LOCAL_WRITE)
+        .expect("inside");
+    assert_eq!(
+        pieces,
+        vec![(GuestAddress(a + 0xff0), 0x10), (GuestAddress(b), 0x10)]
+    );
+    // The list is read once: changing it afterwards changes nothing.
+    dev.mem
+        .write_slice(&[0xffu8; 32], GuestAddress(list))
+        .expect("scribble");
+    assert_eq!(
+        dev.translate_local(pdn, mr.lkey.get(), 0x8000, 0x10, 0)
+            .expect("inside"),
+        vec![(GuestAddress(b), 0x10)]
+    );
+}
+
+#[test]
+fn scattered_mr_checks_list_segments_and_quota() {
+    let mut dev = device_with(Limits {
+        max_mr_bytes: 1 << 20,
+        ..Limits::default()
+    });
+    let pdn = alloc_pd(&mut dev);
+    let end = MEM_BASE + MEM_SIZE as u64;
+    let seg = (MEM_BASE + 0x4000, 0x1000);
+    let sg = |dev: &mut RdmaDevice, list: u64, segs: &[(u64, u64)], len: u64| {
+        reg_mr_sg(dev, pdn, list, segs, len, 0x1000).map(|_| ())
+    };
+    assert_eq!(
+        sg(&mut dev, MEM_BASE, &[], 0x1000),
+        Err(libc::EINVAL),
+        "no segments"
+    );
+    let many = vec![(MEM_BASE + 0x4000, 1); MAX_MR_SEGMENTS as usize + 1];
+    assert_eq!(
+        sg(&mut dev, MEM_BASE, &many, many.len() as u64),
+        Err(libc::EINVAL),
+        "too many segments"
+    );
+    assert_eq!(
+        sg(&mut dev, MEM_BASE, &[seg, (end - 0x800, 0x1000)], 0x2000),
+        Err(libc::EFAULT),
+        "segment past guest memory"
+    );
+    assert_eq!(
+        sg(
+            &mut dev,
+            MEM_BASE,
+            &[seg, (u64::MAX - 0xff, 0x1000)],
+            0x2000
+        ),
+        Err(libc::EFAULT),
+        "segment wraps around"
+    );
+    assert_eq!(
+        sg(&mut dev, MEM_BASE, &[seg, (MEM_BASE, u64::MAX)], 0x1000),
+        Err(libc::EFAULT),
+        "segment length overflows"
+    );
+    assert_eq!(
+        sg(&mut dev, MEM_BASE, &[seg, seg], 0x1000),
+        Err(libc::EINVAL),
+        "total differs from length"
+    );
+    assert_eq!(
+        sg(&mut dev, MEM_BASE, &[seg, (MEM_BASE, 0)], 0x1000),
+        Err(libc::EINVAL),
+        "empty segment"
+    );
+    assert_eq!(
+        sg(&mut dev, MEM_BASE, &[(MEM_BASE, 2 << 20)], 2 << 20),
+        Err(libc::ENOMEM),
+        "above max_mr_bytes"
+    );
+    assert_eq!(dev.registered_bytes(), 0, "no refusal registered anything");
+    // A list that is not in guest memory: written in memory, pointed elsewhere.
+    let req = RegMrSgReq {
+        pdn: pdn.into(),
+        access: 0.into(),
+        iova: 0.into(),
+        length: 0x1000.into(),
+        nsegs: 1.into(),
+        reserved: 0.into(),
+        list_addr: (end - 8).into(),
+    };
+    assert_eq!(
+        run::<RegMrResp>(&mut dev, Opcode::RegMrSg, req.as_bytes()).map(|_| ()),
+        Err(libc::EFAULT),
+        "list straddles the end of guest memory"
+    );
+    let wrapped = RegMrSgReq {
+        list_addr: (u64::MAX - 8).into(),
+        ..req
+    };
+    assert_eq!(
+        run::<RegMrResp>(&mut dev, Opcode::RegMrSg, wrapped.as_bytes()).map(|_| ()),
+        Err(libc::EFAULT),
+        "list wraps around"
+    );
+    sg(&mut dev, MEM_BASE, &[seg, seg], 0x2000).expect("a segment may repeat");
+    assert_eq!(dev.registered_bytes(), 0x2000);
+}
+
 #[test]
 fn keys_are_not_sequential() {
     let mut dev = device();

@@ -1,0 +1,285 @@
+//! The driver's memory as the device sees it, per [`MemoryModel`].
+//!
+//! Two jobs differ between the models: where DMA arenas come from, and how
+//! application memory given to `reg_mr` becomes reachable.
+//!
+//! | | [`MemoryModel::SharedFiles`] (process) | [`MemoryModel::GuestPhysical`] (VM) |
+//! |---|---|---|
+//! | arena | memfd, announced with `add_memory`, device addr = VA | 2 MiB hugepages, device addr = physical addr (pagemap) |
+//! | `reg_mr` on app memory | pages moved onto memfds in place, announced; one range at addr = VA | pages locked (`mlock`), translated page by page, merged into physical segments |
+//! | registration | `REG_MR` | `REG_MR` for one segment, `REG_MR_SG` for several |
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::dma::{DmaArena, DmaError, HUGE_PAGE_SIZE, PAGE_SIZE};
+use crate::error::{Error, Result};
+use crate::pagemap::Pagemap;
+use crate::transport::{MemoryModel, Transport};
+use crate::user_mem::{page_span, UserRegions};
+
+/// Where application memory registered with `reg_mr` is, for the device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// One range of device addresses starting here.
+    Contiguous(u64),
+    /// Several `(device_addr, len)` segments, in the region's byte order.
+    Segments(Vec<(u64, u64)>),
+}
+
+/// What keeps application memory reachable until its MR is gone.
+#[derive(Debug)]
+pub(crate) enum Hold {
+    /// User regions (memfds) by start address.
+    Shared(Vec<u64>),
+    /// Locked pages `[start, end)`.
+    Pinned { start: u64, end: u64 },
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The guarded state is consistent between calls.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The driver's memory, in the transport's model.
+#[derive(Debug)]
+pub(crate) enum DeviceMemory {
+    SharedFiles {
+        user_regions: Mutex<UserRegions>,
+    },
+    GuestPhysical {
+        pagemap: Pagemap,
+        pinned: Mutex<PinnedPages>,
+    },
+}
+
+impl DeviceMemory {
+    /// The memory of a device reached through a transport with `model`.
+    pub(crate) fn new(model: MemoryModel) -> Result<Self> {
+        Ok(match model {
+            MemoryModel::SharedFiles => Self::SharedFiles {
+                user_regions: Mutex::new(UserRegions::default()),
+            },
+            MemoryModel::GuestPhysical => Self::GuestPhysical {
+                pagemap: Pagemap::open().map_err(|e| Error::Dma(DmaError::Pagemap(e)))?,
+                pinned: Mutex::new(PinnedPages::default()),
+            },
+        })
+    }
+
+    /// A new arena of at least `size` bytes that the device can reach
+    /// (announced to it when the model needs that). Hugepage arenas are 2
+    /// MiB unless an allocation needs more: every extra hugepage must be
+    /// physically adjacent to the one before.
+    pub(crate) fn new_arena(
+        &self,
+        transport: &dyn Transport,
+        size: usize,
+    ) -> Result<Arc<DmaArena>> {
+        match self {
+            Self::SharedFiles { .. } => {
+                let arena = DmaArena::new(size)?;
+                if let Some(region) = arena.region() {
+                    transport.add_memory(&region)?;
+                }
+                Ok(arena)
+            }
+            Self::GuestPhysical { pagemap, .. } => Ok(DmaArena::hugepages(size, pagemap)?),
+        }
+    }
+
+    /// Size of the next arena for an allocation of `needed` bytes, when the
+    /// configured arena size is `configured`.
+    pub(crate) fn arena_size(&self, needed: usize, configured: usize) -> usize {
+        match self {
+            Self::SharedFiles { .. } => needed.max(configured),
+            Self::GuestPhysical { .. } => needed.max(HUGE_PAGE_SIZE),
+        }
+    }
+
+    /// Makes `[va, va + len)` of application memory reachable by the device.
+    ///
+    /// # Safety
+    ///
+    /// The range must be mapped memory of this process that stays mapped
+    /// until [`DeviceMemory::release`]; in the shared-files model its pages
+    /// may be replaced in place (see `user_mem`).
+    pub(crate) unsafe fn acquire(
+        &self,
+        transport: &dyn Transport,
+        va: u64,
+        len: u64,
+    ) -> Result<(Placement, Hold)> {
+        let (start, end) =
+            page_span(va, len).ok_or(Error::InvalidArgument("range wraps around"))?;
+        match self {
+            Self::SharedFiles { user_regions } => {
+                let mut regions = lock(user_regions);
+                // SAFETY: the caller's contract covers every page of the range.
+                let held = unsafe { regions.acquire(transport, start, end)? };
+                // User regions are announced with device address == VA.
+                Ok((Placement::Contiguous(va), Hold::Shared(held)))
+            }
+            Self::GuestPhysical { pagemap, pinned } => {
+                lock(pinned).pin(start, end)?;
+                let hold = Hold::Pinned { start, end };
+                match pagemap.segments(va, len) {
+                    Ok(segments) if segments.len() == 1 => {
+                        Ok((Placement::Contiguous(segments[0].0), hold))
+                    }
+                    Ok(segments) => Ok((Placement::Segments(segments), hold)),
+                    Err(e) => {
+                        self.release(transport, &hold);
+                        Err(Error::Dma(DmaError::Pagemap(e)))
+                    }
+                }
+            }
+        }
+    }
+
+    /// Gives up what [`DeviceMemory::acquire`] took.
+    pub(crate) fn release(&self, transport: &dyn Transport, hold: &Hold) {
+        match (self, hold) {
+            (Self::SharedFiles { user_regions }, Hold::Shared(starts)) => {
+                lock(user_regions).release(transport, starts);
+            }
+            (Self::GuestPhysical { pinned, .. }, Hold::Pinned { start, end }) => {
+                lock(pinned).unpin(*start, *end);
+            }
+            _ => tracing::error!(?hold, "Releasing memory of another memory model"),
+        }
+    }
+}
+
+/// Reference counts of locked application pages: `mlock` does not nest, so
+/// a page is unlocked only when the last MR over it goes.
+#[derive(Debug, Default)]
+pub(crate) struct PinnedPages {
+    refs: BTreeMap<u64, u32>,
+}
+
+impl PinnedPages {
+    /// Locks the pages of `[start, end)` (page-aligned) not locked yet.
+    pub(crate) fn pin(&mut self, start: u64, end: u64) -> Result<()> {
+        let fresh: Vec<u64> = pages(start, end)
+            .filter(|p| !self.refs.contains_key(p))
+            .collect();
+        for (run_start, run_end) in runs(&fresh) {
+            // SAFETY: mlock only changes residency of our own mapped pages
+            // (it faults them in for writing); unmapped ranges give ENOMEM.
+            let rc = unsafe {
+                libc::mlock(
+                    run_start as *const libc::c_void,
+                    (run_end - run_start) as usize,
+                )
+            };
+            if rc != 0 {
+                let source = io::Error::last_os_error();
+                // Undo the runs locked so far.
+                for (s, e) in runs(&fresh).take_while(|&(s, _)| s < run_start) {
+                    // SAFETY: unlocking pages locked just above.
+                    unsafe { libc::munlock(s as *const libc::c_void, (e - s) as usize) };
+                }
+                return Err(Error::Os {
+                    what: "lock application memory (mlock; raise RLIMIT_MEMLOCK)",
+                    source,
+                });
+            }
+        }
+        for p in pages(start, end) {
+            *self.refs.entry(p).or_insert(0) += 1;
+        }
+        Ok(())
+    }
+
+    /// Drops one reference on each page of `[start, end)`; unlocks the
+    /// pages no MR holds any more.
+    pub(crate) fn unpin(&mut self, start: u64, end: u64) {
+        let mut gone = Vec::new();
+        for p in pages(start, end) {
+            match self.refs.get_mut(&p) {
+                Some(1) => {
+                    self.refs.remove(&p);
+                    gone.push(p);
+                }
+                Some(n) => *n -= 1,
+                None => tracing::error!(page = p, "Unpinning a page that is not pinned"),
+            }
+        }
+        for (s, e) in runs(&gone) {
+            // SAFETY: unlocking pages this tracker locked.
+            unsafe { libc::munlock(s as *const libc::c_void, (e - s) as usize) };
+        }
+    }
+
+    /// Number of pinned pages.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.refs.len()
+    }
+}
+
+fn pages(start: u64, end: u64) -> impl Iterator<Item = u64> {
+    (start..end).step_by(PAGE_SIZE)
+}
+
+/// Sorted page addresses merged into `[start, end)` runs.
+fn runs(pages: &[u64]) -> impl Iterator<Item = (u64, u64)> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        let start = *pages.get(i)?;
+        let mut end = start + PAGE_SIZE as u64;
+        i += 1;
+        while pages.get(i) == Some(&end) {
+            end += PAGE_SIZE as u64;
+            i += 1;
+        }
+        Some((start, end))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const P: u64 = PAGE_SIZE as u64;
+
+    #[test]
+    fn runs_merge_adjacent_pages() {
+        let got: Vec<_> = runs(&[0, P, 2 * P, 5 * P, 7 * P, 8 * P]).collect();
+        assert_eq!(got, vec![(0, 3 * P), (5 * P, 6 * P), (7 * P, 9 * P)]);
+        assert_eq!(runs(&[]).count(), 0);
+    }
+
+    #[test]
+    fn overlapping_pins_keep_pages_locked_until_the_last() {
+        let len = 4 * PAGE_SIZE;
+        // SAFETY: a fresh anonymous mapping owned by the test.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        let base = p as u64;
+        let mut pinned = PinnedPages::default();
+        pinned.pin(base, base + 3 * P).expect("pin a");
+        pinned.pin(base + 2 * P, base + 4 * P).expect("pin b");
+        assert_eq!(pinned.len(), 4);
+        pinned.unpin(base, base + 3 * P);
+        assert_eq!(pinned.len(), 2, "pages of b stay");
+        pinned.unpin(base + 2 * P, base + 4 * P);
+        assert_eq!(pinned.len(), 0);
+        // Locking unmapped memory fails and leaves nothing behind.
+        // SAFETY: unmapping the test's own mapping.
+        unsafe { libc::munmap(p, len) };
+        assert!(pinned.pin(base, base + P).is_err());
+        assert_eq!(pinned.len(), 0);
+    }
+}
