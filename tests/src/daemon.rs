@@ -37,10 +37,15 @@ pub struct TempDir(PathBuf);
 impl TempDir {
     /// A new empty directory named after `tag`, this process and a counter.
     pub fn new(tag: &str) -> Self {
+        Self::new_in(&std::env::temp_dir(), tag)
+    }
+
+    /// Like [`TempDir::new`], under `parent` (created if missing).
+    pub fn new_in(parent: &Path, tag: &str) -> Self {
         use std::sync::atomic::{AtomicU32, Ordering};
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("vrdma-{tag}-{}-{n}", std::process::id()));
+        let path = parent.join(format!("vrdma-{tag}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).expect("create temp dir");
         TempDir(path)
@@ -187,7 +192,9 @@ impl Vdev {
         Self::start_in(dir, tenant, &all)
     }
 
-    fn start_in(dir: TempDir, tenant: &str, args: &[&str]) -> Self {
+    /// Like [`Vdev::start`], with socket and log in `dir` (e.g. a
+    /// directory a chrooted VMM can reach: [`crate::vm::VmImage::temp_dir`]).
+    pub fn start_in(dir: TempDir, tenant: &str, args: &[&str]) -> Self {
         let mut all = vec!["--tenant", tenant];
         all.extend_from_slice(args);
         let daemon = Daemon::start("vdev", dir, &all);
