@@ -280,6 +280,19 @@ impl Hostd {
         )
     }
 
+    /// What `tenant` holds in hostd now (`vrdmactl stats --json`, its
+    /// `usage` object: devices, physical_queues, qps, mrs, mr_bytes).
+    pub fn usage(&self, tenant: &str) -> serde_json::Value {
+        let (code, out, err) = self.ctl(&["stats", "--json"]);
+        assert_eq!(code, 0, "vrdmactl stats: {err}");
+        let stats: serde_json::Value = serde_json::from_str(&out).expect("stats JSON");
+        stats["tenants"]
+            .as_array()
+            .and_then(|t| t.iter().find(|t| t["tenant"] == tenant))
+            .map(|t| t["usage"].clone())
+            .unwrap_or_else(|| panic!("no tenant {tenant} in hostd's stats:\n{out}"))
+    }
+
     /// Sends SIGHUP (reload the policy).
     pub fn sighup(&self) {
         // SAFETY: kill() with a pid we spawned and a valid signal number.

@@ -93,6 +93,30 @@ impl Message {
         use FrontendReq as R;
         let req = FrontendReq::try_from(self.request).ok();
         let reply = self.flags & FLAG_REPLY != 0;
+        // A REPLY_ACK: 0 is success.
+        if reply && self.payload.len() == 8 && self.flags & FLAG_NEED_REPLY == 0 {
+            if let Some(
+                R::SET_VRING_KICK
+                | R::SET_VRING_CALL
+                | R::SET_VRING_ERR
+                | R::SET_VRING_NUM
+                | R::SET_VRING_ADDR
+                | R::SET_VRING_BASE
+                | R::SET_VRING_ENABLE
+                | R::SET_FEATURES
+                | R::SET_MEM_TABLE
+                | R::ADD_MEM_REG
+                | R::REM_MEM_REG
+                | R::SET_STATUS
+                | R::RESET_DEVICE
+                | R::SET_OWNER
+                | R::SET_PROTOCOL_FEATURES
+                | R::SET_CONFIG,
+            ) = req
+            {
+                return format!("ack={}", self.u64_at(0).unwrap_or_default());
+            }
+        }
         match req {
             Some(
                 R::SET_VRING_NUM | R::SET_VRING_BASE | R::GET_VRING_BASE | R::SET_VRING_ENABLE,

@@ -659,6 +659,10 @@ pub struct GuestConfig {
     pub allow_reboot: bool,
     /// Extra kernel command-line words.
     pub append: String,
+    /// Extra QEMU arguments, last on its command line. [`GuestConfig::default`]
+    /// takes them from `VRDMA_VM_QEMU_ARGS` (split at whitespace), e.g.
+    /// `-trace vhost_*` to watch QEMU's side of vhost-user.
+    pub extra_args: Vec<String>,
 }
 
 impl Default for GuestConfig {
@@ -668,6 +672,9 @@ impl Default for GuestConfig {
             device: None,
             allow_reboot: false,
             append: String::new(),
+            extra_args: std::env::var("VRDMA_VM_QEMU_ARGS")
+                .map(|a| a.split_whitespace().map(str::to_owned).collect())
+                .unwrap_or_default(),
         }
     }
 }
@@ -958,6 +965,7 @@ fn qemu_args(
             ),
         ]);
     }
+    args.extend(config.extra_args.iter().cloned());
     Ok(args)
 }
 

@@ -27,6 +27,18 @@ vrdma_take() {
     [ "$(basename "$(readlink "$dev/driver")")" = uio_pci_generic ]
 }
 
+# Enables bus mastering (PCI COMMAND bit 2) on $BDF. A driver must: the
+# device DMAs, and QEMU's virtio-pci clears DRIVER_OK (stopping the
+# vhost-user backend) at any COMMAND write that leaves bus mastering off
+# — uio_pci_generic's INTx masking writes COMMAND on every interrupt.
+vrdma_bus_master() {
+    lo=$(( $(cfg_u8 4) | 4 ))
+    hi=$(cfg_u8 5)
+    printf "\\$(printf %o "$lo")\\$(printf %o "$hi")" |
+        dd of="/sys/bus/pci/devices/$BDF/config" bs=2 seek=2 count=1 conv=notrunc 2>/dev/null
+    [ $(( $(cfg_u8 4) & 4 )) -ne 0 ]
+}
+
 # Config-space readers: byte and little-endian dword at offset $1.
 cfg_u8() { hexdump -s "$1" -n 1 -e '1/1 "%u"' "/sys/bus/pci/devices/$BDF/config"; }
 cfg_u32() { hexdump -s "$1" -n 4 -e '1/4 "%u"' "/sys/bus/pci/devices/$BDF/config"; }
@@ -43,11 +55,12 @@ bar_start() {
     sed -n "$(($1 + 1))p" "/sys/bus/pci/devices/$BDF/resource" | cut -d' ' -f1
 }
 
-# Walks the capability list and sets COMMON to the physical address of the
-# virtio common configuration structure (cfg_type 1), printing every
-# virtio capability on the way.
+# Walks the capability list and sets COMMON and DEVICE to the physical
+# addresses of the virtio common (cfg_type 1) and device-specific
+# (cfg_type 4) configuration structures, printing every virtio capability.
 vrdma_caps() {
     COMMON=
+    DEVICE=
     off=$(cfg_u8 52)
     while [ "$off" -ne 0 ]; do
         id=$(cfg_u8 "$off")
@@ -59,11 +72,13 @@ vrdma_caps() {
             echo "VRDMA-CAP at=$off cfg_type=$type bar=$bar offset=$boff length=$blen"
             if [ "$type" -eq 1 ]; then
                 COMMON=$(($(bar_start "$bar") + boff))
+            elif [ "$type" -eq 4 ]; then
+                DEVICE=$(($(bar_start "$bar") + boff))
             fi
         fi
         off=$(cfg_u8 $((off + 1)))
     done
-    [ -n "$COMMON" ]
+    [ -n "$COMMON" ] && [ -n "$DEVICE" ]
 }
 
 # virtio common configuration registers (virtio 1.x, 4.1.4.3).
