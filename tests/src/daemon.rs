@@ -310,3 +310,49 @@ impl Hostd {
         self.daemon.log()
     }
 }
+
+/// A directory holding `libibverbs.so.1` → the workspace's drop-in cdylib
+/// (vrdma-libibverbs), to put first on a library path; removed on drop.
+#[derive(Debug)]
+pub struct IbverbsShim(TempDir);
+
+impl IbverbsShim {
+    /// Links the cdylib of the profile this test was built into (not
+    /// `VRDMA_BIN_DIR`, which may name other daemons).
+    pub fn new() -> Self {
+        let exe = std::env::current_exe().expect("test executable path");
+        let dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("target/<profile>/deps/<test>");
+        // `cargo test --workspace` leaves the cdylib in deps/ (built for the
+        // doctests); `cargo build` also copies it up. Take the newest.
+        let lib = [dir.join("libibverbs.so"), dir.join("deps/libibverbs.so")]
+            .into_iter()
+            .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
+            .max()
+            .map(|(_, p)| p)
+            .unwrap_or_else(|| {
+                panic!(
+                    "libibverbs.so is missing in {}: build the workspace first \
+                     (`cargo test --workspace` builds vrdma-libibverbs)",
+                    dir.display()
+                )
+            });
+        let tmp = TempDir::new("ibverbs-shim");
+        std::os::unix::fs::symlink(&lib, tmp.path().join("libibverbs.so.1"))
+            .expect("symlink libibverbs.so.1");
+        IbverbsShim(tmp)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Default for IbverbsShim {
+    fn default() -> Self {
+        Self::new()
+    }
+}

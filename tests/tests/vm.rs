@@ -13,7 +13,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use vhost::vhost_user::message::FrontendReq;
-use vrdma_tests::daemon::Vdev;
+use vrdma_tests::daemon::{IbverbsShim, Vdev};
 use vrdma_tests::vhost_tap::{render, Message, VhostTap};
 use vrdma_tests::vm::{self, Guest, GuestConfig, VrdmaDevice, QEMU_VIRTIO_ID};
 
@@ -48,6 +48,7 @@ vrdma_caps || {{ fail caps "no virtio common configuration capability"; exit; }}
 echo "VRDMA-QUEUES $(($(common_r 18 16)))"
 echo "VRDMA-MAGIC $(devmem $DEVICE 32)"
 pass caps
+ibv_rc_pingpong -h 2>&1 | grep -q "Usage:" && pass libs || fail libs "ibv_rc_pingpong does not run: $(ibv_rc_pingpong -h 2>&1 | head -3)"
 vrdma_bring_up {RING_GPA:#x} || {{ fail driver-ok "status $(common_r $STATUS 8)"; exit; }}
 echo "VRDMA-STEP driver-ok"
 sleep 2
@@ -143,7 +144,17 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
         std::io::Read::read_to_string(&mut stream, &mut text).expect("read the guest's line");
         text
     });
-    let initramfs = image.initramfs().script(&guest_script(port));
+    // Debian's ibv_rc_pingpong with vrdma's libibverbs.so.1: the libraries
+    // resolve in the guest as on the host.
+    let shim = IbverbsShim::new();
+    let initramfs = image
+        .initramfs()
+        .library_dir(shim.path())
+        .binary(
+            Path::new("/usr/bin/ibv_rc_pingpong"),
+            "/bin/ibv_rc_pingpong",
+        )
+        .script(&guest_script(port));
     let mut guest = Guest::boot(&image, initramfs, &config).expect("boot the guest");
     println!("QEMU: {}", guest.command_line().join(" "));
 
@@ -165,6 +176,7 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
     );
 
     check(guest.verdict("caps", STEP), &vdev, &tap);
+    check(guest.verdict("libs", STEP), &vdev, &tap);
     let console = guest.console();
     let bytes = config_bytes(&console);
     assert!(
