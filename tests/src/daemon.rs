@@ -37,10 +37,15 @@ pub struct TempDir(PathBuf);
 impl TempDir {
     /// A new empty directory named after `tag`, this process and a counter.
     pub fn new(tag: &str) -> Self {
+        Self::new_in(&std::env::temp_dir(), tag)
+    }
+
+    /// Like [`TempDir::new`], under `parent` (created if missing).
+    pub fn new_in(parent: &Path, tag: &str) -> Self {
         use std::sync::atomic::{AtomicU32, Ordering};
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path = std::env::temp_dir().join(format!("vrdma-{tag}-{}-{n}", std::process::id()));
+        let path = parent.join(format!("vrdma-{tag}-{}-{n}", std::process::id()));
         let _ = std::fs::remove_dir_all(&path);
         std::fs::create_dir_all(&path).expect("create temp dir");
         TempDir(path)
@@ -209,7 +214,9 @@ impl Vdev {
         Self::start_in(dir, tenant, &all)
     }
 
-    fn start_in(dir: TempDir, tenant: &str, args: &[&str]) -> Self {
+    /// Like [`Vdev::start`], with socket and log in `dir` (e.g. a
+    /// directory a chrooted VMM can reach: [`crate::vm::VmImage::temp_dir`]).
+    pub fn start_in(dir: TempDir, tenant: &str, args: &[&str]) -> Self {
         let mut all = vec!["--tenant", tenant];
         all.extend_from_slice(args);
         let daemon = Daemon::start("vdev", dir, &all);
@@ -301,6 +308,19 @@ impl Hostd {
         )
     }
 
+    /// What `tenant` holds in hostd now (`vrdmactl stats --json`, its
+    /// `usage` object: devices, physical_queues, qps, mrs, mr_bytes).
+    pub fn usage(&self, tenant: &str) -> serde_json::Value {
+        let (code, out, err) = self.ctl(&["stats", "--json"]);
+        assert_eq!(code, 0, "vrdmactl stats: {err}");
+        let stats: serde_json::Value = serde_json::from_str(&out).expect("stats JSON");
+        stats["tenants"]
+            .as_array()
+            .and_then(|t| t.iter().find(|t| t["tenant"] == tenant))
+            .map(|t| t["usage"].clone())
+            .unwrap_or_else(|| panic!("no tenant {tenant} in hostd's stats:\n{out}"))
+    }
+
     /// Sends SIGHUP (reload the policy).
     pub fn sighup(&self) {
         // SAFETY: kill() with a pid we spawned and a valid signal number.
@@ -316,5 +336,51 @@ impl Hostd {
     /// Everything hostd logged so far.
     pub fn log(&self) -> String {
         self.daemon.log()
+    }
+}
+
+/// A directory holding `libibverbs.so.1` → the workspace's drop-in cdylib
+/// (vrdma-libibverbs), to put first on a library path; removed on drop.
+#[derive(Debug)]
+pub struct IbverbsShim(TempDir);
+
+impl IbverbsShim {
+    /// Links the cdylib of the profile this test was built into (not
+    /// `VRDMA_BIN_DIR`, which may name other daemons).
+    pub fn new() -> Self {
+        let exe = std::env::current_exe().expect("test executable path");
+        let dir = exe
+            .parent()
+            .and_then(Path::parent)
+            .expect("target/<profile>/deps/<test>");
+        // `cargo test --workspace` leaves the cdylib in deps/ (built for the
+        // doctests); `cargo build` also copies it up. Take the newest.
+        let lib = [dir.join("libibverbs.so"), dir.join("deps/libibverbs.so")]
+            .into_iter()
+            .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
+            .max()
+            .map(|(_, p)| p)
+            .unwrap_or_else(|| {
+                panic!(
+                    "libibverbs.so is missing in {}: build the workspace first \
+                     (`cargo test --workspace` builds vrdma-libibverbs)",
+                    dir.display()
+                )
+            });
+        let tmp = TempDir::new("ibverbs-shim");
+        std::os::unix::fs::symlink(&lib, tmp.path().join("libibverbs.so.1"))
+            .expect("symlink libibverbs.so.1");
+        IbverbsShim(tmp)
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        self.0.path()
+    }
+}
+
+impl Default for IbverbsShim {
+    fn default() -> Self {
+        Self::new()
     }
 }

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use vrdma_tests::daemon::{Hostd, TempDir, Vdev};
+use vrdma_tests::daemon::{Hostd, IbverbsShim, TempDir, Vdev};
 
 /// The tests share two cores with the daemons: one program pair at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -62,36 +62,12 @@ fn have(tools: &[&str]) -> bool {
     false
 }
 
-/// A directory holding `libibverbs.so.1` → the built cdylib.
-struct ShimDir(TempDir);
+/// The drop-in's directory ([`IbverbsShim`]) and how to run programs on it.
+struct ShimDir(IbverbsShim);
 
 impl ShimDir {
     fn new() -> Self {
-        // The profile directory this test was built into (not
-        // `VRDMA_BIN_DIR`, which may name other daemons).
-        let exe = std::env::current_exe().expect("test executable path");
-        let dir = exe
-            .parent()
-            .and_then(Path::parent)
-            .expect("target/<profile>/deps/<test>");
-        // `cargo test --workspace` leaves the cdylib in deps/ (built for the
-        // doctests); `cargo build` also copies it up. Take the newest.
-        let lib = [dir.join("libibverbs.so"), dir.join("deps/libibverbs.so")]
-            .into_iter()
-            .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
-            .max()
-            .map(|(_, p)| p)
-            .unwrap_or_else(|| {
-                panic!(
-                    "libibverbs.so is missing in {}: build the workspace first \
-                     (`cargo test --workspace` builds vrdma-libibverbs)",
-                    dir.display()
-                )
-            });
-        let tmp = TempDir::new("ibverbs-shim");
-        std::os::unix::fs::symlink(&lib, tmp.path().join("libibverbs.so.1"))
-            .expect("symlink libibverbs.so.1");
-        ShimDir(tmp)
+        ShimDir(IbverbsShim::new())
     }
 
     fn path(&self) -> &Path {

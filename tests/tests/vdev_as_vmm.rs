@@ -12,7 +12,7 @@ use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::{self, RING_ALIGN};
 use vrdma_spec::verbs::{access, Mtu, QpState};
 use vrdma_spec::zerocopy::IntoBytes;
-use vrdma_tests::daemon::Vdev;
+use vrdma_tests::daemon::{Hostd, Vdev};
 use vrdma_tests::vmm::{self, Desc, Vmm, FREE, GUEST_BASE, GUEST_SIZE, SCRATCH};
 
 const EINVAL: u32 = libc::EINVAL as u32;
@@ -832,4 +832,106 @@ fn hostile_segment_lists_are_refused_and_vdev_keeps_serving() {
         ),
         0
     );
+}
+
+/// One of each object, registered with hostd: (pdn, MR lkey).
+fn make_objects(vmm: &mut Vmm) -> (u32, u32) {
+    let pdn = alloc_pd(vmm);
+    let rw = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+    let mr: RegMrResp = vmm.ok(Opcode::RegMr, reg(pdn, FREE, 1 << 20, rw).as_bytes());
+    let cq: CqHandle = vmm.ok(Opcode::CreateCq, cq_req(FREE + (2 << 20), 64).as_bytes());
+    let (sq, rq) = (FREE + (3 << 20), FREE + (3 << 20) + 0x10000);
+    let _: CreateQpResp = vmm.ok(
+        Opcode::CreateQp,
+        qp_req(pdn, cq.cqn.get(), sq, rq).as_bytes(),
+    );
+    (pdn, mr.lkey.get())
+}
+
+/// What QEMU 11 sends when the guest resets the device (status 0) or the
+/// machine resets (QMP system_reset, a reboot), as recorded by
+/// tests/tests/vm.rs: every ring disabled, then GET_VRING_BASE for each
+/// started ring. No RESET_DEVICE.
+fn qemu_stops_the_device(vmm: &mut Vmm) {
+    let queues = vrdma_spec::num_queues(1);
+    for index in 0..usize::from(queues) {
+        vmm.frontend
+            .set_vring_enable(index, false)
+            .expect("SET_VRING_ENABLE 0");
+    }
+    let base = vmm
+        .frontend
+        .get_vring_base(usize::from(vrdma_spec::CONTROL_QUEUE))
+        .expect("GET_VRING_BASE");
+    assert!(base > 0, "the control queue had served commands");
+}
+
+#[test]
+fn qemus_device_reset_sequence_releases_everything_in_vdev_and_hostd() {
+    let hostd = Hostd::start(None);
+    let alpha = Vdev::on_hostd(&hostd, "alpha", &[]);
+    let beta = Vdev::on_hostd(&hostd, "beta", &[]);
+    let mut vmm = Vmm::attach(&alpha.socket);
+    let mut other = Vmm::attach(&beta.socket);
+    let (pdn, _) = make_objects(&mut vmm);
+    let (other_pdn, _) = make_objects(&mut other);
+    let before = hostd.usage("alpha");
+    assert_eq!(before["mrs"], 1, "alpha's MR in hostd: {before}");
+    assert_eq!(before["mr_bytes"], 1 << 20);
+    let other_before = hostd.usage("beta");
+
+    for round in 0..2 {
+        qemu_stops_the_device(&mut vmm);
+        let after = hostd.usage("alpha");
+        assert_eq!(
+            after["mrs"], 0,
+            "round {round}: MRs freed in hostd: {after}"
+        );
+        assert_eq!(
+            after["mr_bytes"], 0,
+            "round {round}: quota given back: {after}"
+        );
+        assert_eq!(
+            after["qps"], 0,
+            "round {round}: QPs freed in hostd: {after}"
+        );
+        assert_eq!(
+            after["devices"], before["devices"],
+            "the device stays registered: {after}"
+        );
+        assert_eq!(hostd.usage("beta"), other_before, "beta is untouched");
+
+        // A fresh driver brings the device up again, as QEMU replays it:
+        // features, then the control queue from index 0.
+        vmm.frontend
+            .set_features(vmm::F_VERSION_1 | vmm::F_PROTOCOL_FEATURES)
+            .expect("SET_FEATURES");
+        vmm.control = vmm::RawQueue::setup(
+            &mut vmm.frontend,
+            &vmm.mem,
+            vrdma_spec::CONTROL_QUEUE,
+            vmm::CONTROL_RING,
+        );
+        assert_eq!(
+            vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()),
+            EINVAL,
+            "round {round}: the old PD went with the reset"
+        );
+        make_objects(&mut vmm);
+        assert_eq!(
+            hostd.usage("alpha")["mrs"],
+            1,
+            "round {round}: new MR in hostd"
+        );
+    }
+    assert!(alpha
+        .log()
+        .contains("Control queue stopped (device reset): all verbs objects released"));
+    // The other tenant's objects still work.
+    let rw = access::LOCAL_WRITE;
+    let _: RegMrResp = other.ok(
+        Opcode::RegMr,
+        reg(other_pdn, FREE + (8 << 20), 4096, rw).as_bytes(),
+    );
+    assert_eq!(hostd.usage("beta")["mrs"], 2);
 }

@@ -260,6 +260,27 @@ impl VhostUserBackend for VrdmaBackend {
         self.device().release_all();
     }
 
+    /// GET_VRING_BASE: the frontend stops a ring. QEMU sends no
+    /// RESET_DEVICE (nor SET_STATUS, which this backend does not offer)
+    /// when the guest resets the device or the machine reboots: it stops
+    /// every started ring, and later starts them again from index 0 for
+    /// the new driver (docs/vm.md has the recorded sequences). So a
+    /// stopped control queue is the device reset: the driver that made the
+    /// objects is gone, and nothing of it may outlive it — least of all
+    /// QPs that a peer could still write into memory the rebooted guest
+    /// reuses. A VM pause (QMP stop) stops the rings the same way, so it
+    /// resets the device too.
+    fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
+        if queue_index == u32::from(CONTROL_QUEUE) {
+            tracing::info!(
+                tenant = self.tenant(),
+                "Control queue stopped (device reset): all verbs objects released"
+            );
+            self.device().release_all();
+        }
+        Ok(())
+    }
+
     fn set_event_idx(&self, enabled: bool) {
         self.inner.event_idx.store(enabled, Ordering::Relaxed);
     }

@@ -1,0 +1,986 @@
+//! Running a real guest: QEMU 11 (TCG) from the cached Debian trixie root
+//! that `tests/vm/prepare.sh` builds, a Debian kernel, an initramfs built
+//! here, and vrdma attached as `vhost-user-test-device-pci`.
+//!
+//! - [`VmImage`]: the prepared root (QEMU, guest kernel, modules, busybox).
+//! - [`Initramfs`]: busybox, kernel modules, host binaries with their
+//!   shared libraries, and the caller's init script, as a newc cpio.
+//! - [`Guest`]: QEMU running in the root through chroot, with the serial
+//!   console in a file, a QMP socket and user networking (the guest reaches
+//!   the host as 10.0.2.2).
+//!
+//! QEMU runs chrooted, so every path it is given — the vhost-user socket
+//! above all — must lie inside the root: [`VmImage::temp_dir`] makes
+//! scratch directories there (start vdev in one with
+//! [`crate::daemon::Vdev::start_in`]), and [`VmImage::guest_view`] turns a
+//! host path into the path QEMU sees.
+//!
+//! docs/vm.md describes the command line and the cache.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Component, Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::daemon::TempDir;
+
+/// The virtio device id the device runs with under QEMU. vrdma is virtio
+/// device 42 (RDMA), but QEMU 11.1 asserts in `virtio_id_to_name` for any
+/// id past the end of its name table, which stops at 41 (GPIO). 38 is in
+/// that table and no Linux driver claims it, so the device stays unbound
+/// until the guest driver, told this id, takes it. See docs/vm.md.
+pub const QEMU_VIRTIO_ID: u16 = 38;
+
+/// The PCI device id of a modern virtio device with `virtio_id`
+/// (virtio 1.x, 4.1.2.1: 0x1040 + id), vendor 0x1af4.
+pub const fn virtio_pci_device_id(virtio_id: u16) -> u16 {
+    0x1040 + virtio_id
+}
+
+/// What the guest prints for a check that passed: `VRDMA-VERDICT <name> PASS`.
+/// `FAIL` instead of `PASS` (followed by a reason) for one that failed.
+pub const VERDICT: &str = "VRDMA-VERDICT";
+
+/// Why preparing, building or running a guest failed.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("Cannot run {what}")]
+    Spawn {
+        what: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("tests/vm/prepare.sh failed ({status}):\n{stderr}")]
+    Prepare { status: ExitStatus, stderr: String },
+    #[error("The prepared root {0} lacks {1}")]
+    Incomplete(PathBuf, &'static str),
+    #[error("Kernel module {0} is not in modules.dep")]
+    UnknownModule(String),
+    #[error("{path} failed")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("ldd {binary} failed: {output}")]
+    Ldd { binary: PathBuf, output: String },
+    #[error("{0} is outside the VM root, where the chrooted QEMU cannot see it")]
+    OutsideRoot(PathBuf),
+    #[error("QMP: {0}")]
+    Qmp(String),
+    #[error("{what}\n--- QEMU stderr ---\n{stderr}\n--- guest console ---\n{console}")]
+    Guest {
+        what: String,
+        console: String,
+        stderr: String,
+    },
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> VmError + '_ {
+    move |source| VmError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// The prepared root: QEMU in it, the guest's files under `guest/`.
+#[derive(Debug, Clone)]
+pub struct VmImage {
+    root: PathBuf,
+    kernel: PathBuf,
+    modules: PathBuf,
+    busybox: PathBuf,
+}
+
+impl VmImage {
+    /// Runs `tests/vm/prepare.sh` (near instant when its cache is warm)
+    /// and checks what it made.
+    pub fn prepare() -> Result<Self, VmError> {
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("vm/prepare.sh");
+        let out = Command::new(&script)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|source| VmError::Spawn {
+                what: script.display().to_string(),
+                source,
+            })?;
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        if !out.status.success() {
+            return Err(VmError::Prepare {
+                status: out.status,
+                stderr,
+            });
+        }
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let root = stdout.lines().last().unwrap_or_default().trim();
+        Self::open(Path::new(root))
+    }
+
+    /// The image in an already prepared `root`.
+    pub fn open(root: &Path) -> Result<Self, VmError> {
+        let guest = root.join("guest");
+        let kernel = first_entry(&guest.join("boot"), "vmlinuz-").ok_or_else(|| {
+            VmError::Incomplete(root.into(), "a guest kernel (guest/boot/vmlinuz-*)")
+        })?;
+        let version = kernel
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("vmlinuz-"))
+            .unwrap_or_default()
+            .to_owned();
+        // Debian trixie ships modules under /usr/lib (merged /usr).
+        let modules = ["usr/lib/modules", "lib/modules"]
+            .iter()
+            .map(|dir| guest.join(dir).join(&version))
+            .find(|dir| dir.join("modules.dep").exists())
+            .ok_or_else(|| VmError::Incomplete(root.into(), "the guest kernel's modules.dep"))?;
+        let busybox = ["usr/bin/busybox", "bin/busybox"]
+            .iter()
+            .map(|p| guest.join(p))
+            .find(|p| p.exists())
+            .ok_or_else(|| VmError::Incomplete(root.into(), "a static busybox"))?;
+        Ok(VmImage {
+            root: root.into(),
+            kernel,
+            modules,
+            busybox,
+        })
+    }
+
+    /// The root QEMU runs in.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The guest kernel.
+    pub fn kernel(&self) -> &Path {
+        &self.kernel
+    }
+
+    /// A scratch directory inside the root (under its /tmp), removed on
+    /// drop: sockets and files QEMU must reach go there.
+    pub fn temp_dir(&self, tag: &str) -> TempDir {
+        TempDir::new_in(&self.root.join("tmp"), tag)
+    }
+
+    /// The path under which the chrooted QEMU sees host path `path`.
+    pub fn guest_view(&self, path: &Path) -> Result<PathBuf, VmError> {
+        let inside = path
+            .strip_prefix(&self.root)
+            .map_err(|_| VmError::OutsideRoot(path.into()))?;
+        if inside
+            .components()
+            .any(|c| matches!(c, Component::ParentDir))
+        {
+            return Err(VmError::OutsideRoot(path.into()));
+        }
+        Ok(Path::new("/").join(inside))
+    }
+
+    /// An initramfs builder with this image's busybox and modules.
+    pub fn initramfs(&self) -> Initramfs {
+        Initramfs::new(self)
+    }
+}
+
+fn first_entry(dir: &Path, prefix: &str) -> Option<PathBuf> {
+    let mut found: Vec<PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(prefix))
+        })
+        .collect();
+    found.sort();
+    found.pop()
+}
+
+/// One file of the initramfs.
+#[derive(Debug, Clone)]
+enum Entry {
+    Dir,
+    File { data: Source, mode: u32 },
+    Symlink(String),
+    CharDev { major: u32, minor: u32 },
+}
+
+#[derive(Debug, Clone)]
+enum Source {
+    Bytes(Vec<u8>),
+    Host(PathBuf),
+    /// A `.ko.xz` decompressed while building.
+    Xz(PathBuf),
+}
+
+/// Where shared libraries go in the guest (a directory the guest's
+/// loader searches, exported as LD_LIBRARY_PATH too).
+pub const GUEST_LIB_DIR: &str = "/lib/x86_64-linux-gnu";
+/// Where kernel modules go in the guest.
+const GUEST_MODULE_DIR: &str = "/lib/modules";
+
+/// Builds a guest initramfs: busybox as the userland, kernel modules
+/// loaded by `/init` in dependency order, host binaries with the shared
+/// libraries they need, and the caller's init script. The archive is
+/// deterministic (sorted entries, zero times, uncompressed).
+#[derive(Debug, Clone)]
+pub struct Initramfs {
+    entries: BTreeMap<String, Entry>,
+    modules_dir: PathBuf,
+    modules: Vec<String>,
+    library_path: Vec<PathBuf>,
+    script: String,
+}
+
+/// Modules every guest loads: uio_pci_generic to take the vrdma function
+/// from virtio-pci, virtio_net (with its failover dependencies) for the
+/// NIC of QEMU's user networking.
+const BASE_MODULES: &[&str] = &["uio_pci_generic", "virtio_net"];
+
+impl Initramfs {
+    fn new(image: &VmImage) -> Self {
+        let mut fs = Initramfs {
+            entries: BTreeMap::new(),
+            modules_dir: image.modules.clone(),
+            modules: Vec::new(),
+            library_path: Vec::new(),
+            script: String::new(),
+        };
+        for dir in [
+            "/bin", "/dev", "/etc", "/proc", "/sys", "/tmp", "/lib64", "/root",
+        ] {
+            fs.add(dir, Entry::Dir);
+        }
+        fs.add("/dev/console", Entry::CharDev { major: 5, minor: 1 });
+        fs.add(
+            "/bin/busybox",
+            Entry::File {
+                data: Source::Host(image.busybox.clone()),
+                mode: 0o755,
+            },
+        );
+        fs.add("/bin/sh", Entry::Symlink("busybox".into()));
+        fs
+    }
+
+    fn add(&mut self, path: &str, entry: Entry) {
+        for dir in Path::new(path).ancestors().skip(1) {
+            let dir = dir.to_string_lossy();
+            if dir == "/" || dir.is_empty() {
+                break;
+            }
+            self.entries.entry(dir.into_owned()).or_insert(Entry::Dir);
+        }
+        self.entries.insert(path.into(), entry);
+    }
+}
+
+impl Initramfs {
+    /// Loads kernel module `name` (and what it depends on) in `/init`.
+    pub fn module(mut self, name: &str) -> Self {
+        self.modules.push(name.into());
+        self
+    }
+
+    /// Places host binary `host` at `guest` (an absolute path), with the
+    /// shared libraries it needs as the host's loader resolves them (with
+    /// the directories of [`Initramfs::library_dir`] searched first).
+    pub fn binary(mut self, host: &Path, guest: &str) -> Self {
+        self.add(
+            guest,
+            Entry::File {
+                data: Source::Host(host.into()),
+                mode: 0o755,
+            },
+        );
+        self
+    }
+
+    /// Searches `dir` first for the shared libraries of [`Initramfs::binary`]
+    /// (like LD_LIBRARY_PATH): how the guest gets vrdma's libibverbs.so.1
+    /// instead of the host's.
+    pub fn library_dir(mut self, dir: &Path) -> Self {
+        self.library_path.push(dir.into());
+        self
+    }
+
+    /// Places `data` at `guest` with permission bits `mode`.
+    pub fn file(mut self, guest: &str, data: &[u8], mode: u32) -> Self {
+        self.add(
+            guest,
+            Entry::File {
+                data: Source::Bytes(data.into()),
+                mode,
+            },
+        );
+        self
+    }
+
+    /// The shell script `/init` runs (sourced, so it can call `pass NAME`
+    /// and `fail NAME REASON`) once the system is up: /proc, /sys and /dev
+    /// mounted, modules loaded, `eth0` at 10.0.2.15/24 with the host at
+    /// 10.0.2.2. The guest powers off when it returns.
+    pub fn script(mut self, script: &str) -> Self {
+        self.script = script.into();
+        self
+    }
+
+    /// Writes the archive to `out`.
+    pub fn build(mut self, out: &Path) -> Result<(), VmError> {
+        let modules = self.resolve_modules()?;
+        for (name, path) in &modules {
+            let data = if path.extension().is_some_and(|e| e == "xz") {
+                Source::Xz(path.clone())
+            } else {
+                Source::Host(path.clone())
+            };
+            self.add(
+                &format!("{GUEST_MODULE_DIR}/{name}.ko"),
+                Entry::File { data, mode: 0o644 },
+            );
+        }
+        let binaries: Vec<PathBuf> = self
+            .entries
+            .values()
+            .filter_map(|e| match e {
+                Entry::File {
+                    data: Source::Host(path),
+                    mode,
+                } if mode & 0o111 != 0 && !path.ends_with("busybox") => Some(path.clone()),
+                _ => None,
+            })
+            .collect();
+        for binary in binaries {
+            for (guest, host) in shared_libraries(&binary, &self.library_path)? {
+                self.add(
+                    &guest,
+                    Entry::File {
+                        data: Source::Host(host),
+                        mode: 0o755,
+                    },
+                );
+            }
+        }
+        let names: Vec<&str> = modules.iter().map(|(n, _)| n.as_str()).collect();
+        let init = init_script(&names);
+        let script = std::mem::take(&mut self.script);
+        self.add(
+            "/init",
+            Entry::File {
+                data: Source::Bytes(init.into_bytes()),
+                mode: 0o755,
+            },
+        );
+        self.add(
+            "/vrdma/test.sh",
+            Entry::File {
+                data: Source::Bytes(script.into_bytes()),
+                mode: 0o644,
+            },
+        );
+        let file = std::fs::File::create(out).map_err(io_err(out))?;
+        let mut writer = CpioWriter::new(std::io::BufWriter::new(file));
+        for (path, entry) in &self.entries {
+            writer.entry(path, entry).map_err(io_err(out))?;
+        }
+        writer.finish().map_err(io_err(out))
+    }
+
+    /// The modules to load, dependencies first: (name, file).
+    fn resolve_modules(&self) -> Result<Vec<(String, PathBuf)>, VmError> {
+        let dep_file = self.modules_dir.join("modules.dep");
+        let text = std::fs::read_to_string(&dep_file).map_err(io_err(&dep_file))?;
+        let mut table: BTreeMap<String, (String, Vec<String>)> = BTreeMap::new();
+        for line in text.lines() {
+            let Some((module, deps)) = line.split_once(':') else {
+                continue;
+            };
+            table.insert(
+                module_name(module),
+                (
+                    module.into(),
+                    deps.split_whitespace().map(module_name).collect(),
+                ),
+            );
+        }
+        let mut order = Vec::new();
+        let mut seen = BTreeSet::new();
+        let wanted: Vec<String> = BASE_MODULES
+            .iter()
+            .map(|m| m.to_string())
+            .chain(self.modules.iter().cloned())
+            .map(|m| m.replace('-', "_"))
+            .collect();
+        for name in wanted {
+            visit(&name, &table, &mut seen, &mut order)?;
+        }
+        Ok(order
+            .into_iter()
+            .map(|name| {
+                let file = self.modules_dir.join(&table[&name].0);
+                (name, file)
+            })
+            .collect())
+    }
+}
+
+fn visit(
+    name: &str,
+    table: &BTreeMap<String, (String, Vec<String>)>,
+    seen: &mut BTreeSet<String>,
+    order: &mut Vec<String>,
+) -> Result<(), VmError> {
+    if !seen.insert(name.into()) {
+        return Ok(());
+    }
+    let (_, deps) = table
+        .get(name)
+        .ok_or_else(|| VmError::UnknownModule(name.into()))?;
+    for dep in deps {
+        visit(dep, table, seen, order)?;
+    }
+    order.push(name.into());
+    Ok(())
+}
+
+/// `kernel/drivers/uio/uio_pci_generic.ko.xz` -> `uio_pci_generic`.
+fn module_name(path: &str) -> String {
+    let file = path.rsplit('/').next().unwrap_or(path);
+    let stem = file.split(".ko").next().unwrap_or(file);
+    stem.replace('-', "_")
+}
+
+/// The shared libraries `binary` needs, as (guest path, host file): the
+/// loader at its own path, every other library in [`GUEST_LIB_DIR`] under
+/// the name the binary asks for. A static binary needs none.
+fn shared_libraries(binary: &Path, search: &[PathBuf]) -> Result<Vec<(String, PathBuf)>, VmError> {
+    let mut ldd = Command::new("ldd");
+    ldd.arg(binary);
+    if !search.is_empty() {
+        let joined = std::env::join_paths(search).map_err(|e| VmError::Ldd {
+            binary: binary.into(),
+            output: e.to_string(),
+        })?;
+        ldd.env("LD_LIBRARY_PATH", joined);
+    }
+    let out = ldd.output().map_err(|source| VmError::Spawn {
+        what: "ldd".into(),
+        source,
+    })?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    if !out.status.success() {
+        if text.contains("not a dynamic executable") || err.contains("not a dynamic executable") {
+            return Ok(Vec::new());
+        }
+        return Err(VmError::Ldd {
+            binary: binary.into(),
+            output: format!("{text}{err}"),
+        });
+    }
+    let mut libs = Vec::new();
+    for line in text.lines().map(str::trim) {
+        if line.contains("not found") {
+            return Err(VmError::Ldd {
+                binary: binary.into(),
+                output: text.clone(),
+            });
+        }
+        let before_addr = line.split(" (0x").next().unwrap_or(line);
+        match before_addr.split_once(" => ") {
+            Some((name, path)) if path.starts_with('/') => {
+                libs.push((format!("{GUEST_LIB_DIR}/{name}"), PathBuf::from(path)));
+            }
+            Some(_) => {}
+            // The loader is listed by its absolute path; the vDSO by name.
+            None if before_addr.starts_with('/') => {
+                libs.push((before_addr.to_owned(), PathBuf::from(before_addr)));
+            }
+            None => {}
+        }
+    }
+    Ok(libs)
+}
+
+/// The guest's `/init`.
+fn init_script(modules: &[&str]) -> String {
+    let modules = modules.join(" ");
+    format!(
+        r#"#!/bin/sh
+# Generated by vrdma-tests (tests/src/vm.rs).
+export PATH=/bin
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+for m in {modules}; do
+    insmod {GUEST_MODULE_DIR}/$m.ko || echo "VRDMA-INIT insmod $m failed"
+done
+ip link set lo up
+if [ -e /sys/class/net/eth0 ]; then
+    ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 && ip route add default via 10.0.2.2 \
+        || echo "VRDMA-INIT eth0 setup failed"
+fi
+export LD_LIBRARY_PATH={GUEST_LIB_DIR}
+pass() {{ echo "{VERDICT} $1 PASS"; }}
+fail() {{ n=$1; shift; echo "{VERDICT} $n FAIL $*"; }}
+echo "VRDMA-INIT ready"
+( . /vrdma/test.sh )
+echo "VRDMA-INIT script exited with $?"
+poweroff -f
+"#
+    )
+}
+
+/// A newc ("070701") cpio writer, as the kernel's initramfs unpacker reads.
+struct CpioWriter<W: Write> {
+    out: W,
+    ino: u32,
+}
+
+impl<W: Write> CpioWriter<W> {
+    fn new(out: W) -> Self {
+        CpioWriter { out, ino: 1 }
+    }
+
+    fn entry(&mut self, path: &str, entry: &Entry) -> std::io::Result<()> {
+        let name = path.trim_start_matches('/');
+        let (mode, data, rdev) = match entry {
+            Entry::Dir => (0o040_755, Vec::new(), (0, 0)),
+            Entry::Symlink(target) => (0o120_777, target.clone().into_bytes(), (0, 0)),
+            Entry::CharDev { major, minor } => (0o020_600, Vec::new(), (*major, *minor)),
+            Entry::File { data, mode } => (0o100_000 | mode, read_source(data)?, (0, 0)),
+        };
+        self.raw(name, mode, rdev, &data)
+    }
+
+    fn raw(&mut self, name: &str, mode: u32, rdev: (u32, u32), data: &[u8]) -> std::io::Result<()> {
+        let size = u32::try_from(data.len())
+            .map_err(|_| std::io::Error::other(format!("{name} is larger than 4 GiB")))?;
+        let namesize = name.len() + 1;
+        let nlink = if mode & 0o170_000 == 0o040_000 { 2 } else { 1 };
+        let fields = [
+            self.ino,
+            mode,
+            0,
+            0,
+            nlink,
+            0,
+            size,
+            0,
+            0,
+            rdev.0,
+            rdev.1,
+            namesize as u32,
+            0,
+        ];
+        self.ino += 1;
+        let mut header = String::from("070701");
+        for f in fields {
+            header.push_str(&format!("{f:08x}"));
+        }
+        self.out.write_all(header.as_bytes())?;
+        self.out.write_all(name.as_bytes())?;
+        self.out.write_all(&[0])?;
+        self.pad(110 + namesize)?;
+        self.out.write_all(data)?;
+        self.pad(data.len())
+    }
+
+    fn pad(&mut self, len: usize) -> std::io::Result<()> {
+        let pad = (4 - len % 4) % 4;
+        self.out.write_all(&[0u8; 3][..pad])
+    }
+
+    fn finish(mut self) -> std::io::Result<()> {
+        self.raw("TRAILER!!!", 0, (0, 0), &[])?;
+        self.out.flush()
+    }
+}
+
+fn read_source(source: &Source) -> std::io::Result<Vec<u8>> {
+    match source {
+        Source::Bytes(bytes) => Ok(bytes.clone()),
+        Source::Host(path) => std::fs::read(path)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
+        Source::Xz(path) => {
+            let out = Command::new("xz").arg("-dc").arg(path).output()?;
+            if !out.status.success() {
+                return Err(std::io::Error::other(format!(
+                    "xz -dc {}: {}",
+                    path.display(),
+                    String::from_utf8_lossy(&out.stderr)
+                )));
+            }
+            Ok(out.stdout)
+        }
+    }
+}
+
+/// The vrdma device as QEMU's `vhost-user-test-device-pci` describes it.
+#[derive(Debug, Clone)]
+pub struct VrdmaDevice {
+    /// vdev's vhost-user socket (a host path inside the VM root).
+    pub socket: PathBuf,
+    /// Virtqueues: control, doorbell and one event queue per completion
+    /// vector (`vrdma_spec::num_queues`).
+    pub num_queues: u16,
+    /// Size of every virtqueue (vdev's `queue_size`).
+    pub queue_size: u16,
+    /// Bytes of device config space.
+    pub config_size: usize,
+}
+
+impl VrdmaDevice {
+    /// The device a vdev with its default configuration serves on `socket`.
+    pub fn for_vdev(socket: &Path) -> Self {
+        VrdmaDevice {
+            socket: socket.into(),
+            num_queues: vrdma_spec::num_queues(vrdma_vdev::config::DEFAULT_COMP_VECTORS),
+            queue_size: vrdma_vdev::config::DEFAULT_QUEUE_SIZE,
+            config_size: vrdma_spec::config::CONFIG_SIZE,
+        }
+    }
+}
+
+/// How to run a guest.
+#[derive(Debug, Clone)]
+pub struct GuestConfig {
+    /// Guest RAM, MiB (a shared memfd, so vdev can map it).
+    pub memory_mib: u32,
+    /// The vrdma device, if the guest has one.
+    pub device: Option<VrdmaDevice>,
+    /// Whether a reset (QMP `system_reset`, or the guest rebooting)
+    /// restarts the guest; otherwise QEMU exits on it (`-no-reboot`).
+    pub allow_reboot: bool,
+    /// Extra kernel command-line words.
+    pub append: String,
+    /// Extra QEMU arguments, last on its command line. [`GuestConfig::default`]
+    /// takes them from `VRDMA_VM_QEMU_ARGS` (split at whitespace), e.g.
+    /// `-trace vhost_*` to watch QEMU's side of vhost-user.
+    pub extra_args: Vec<String>,
+}
+
+impl Default for GuestConfig {
+    fn default() -> Self {
+        GuestConfig {
+            memory_mib: 512,
+            device: None,
+            allow_reboot: false,
+            append: String::new(),
+            extra_args: std::env::var("VRDMA_VM_QEMU_ARGS")
+                .map(|a| a.split_whitespace().map(str::to_owned).collect())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// A QEMU guest running in the VM root; killed on drop.
+#[derive(Debug)]
+pub struct Guest {
+    child: Child,
+    console: PathBuf,
+    stderr: PathBuf,
+    qmp: PathBuf,
+    command_line: Vec<String>,
+    dir: TempDir,
+}
+
+impl Guest {
+    /// Builds `initramfs` and boots it with `config`.
+    pub fn boot(
+        image: &VmImage,
+        initramfs: Initramfs,
+        config: &GuestConfig,
+    ) -> Result<Self, VmError> {
+        let dir = image.temp_dir("guest");
+        let initrd = dir.path().join("initramfs.cpio");
+        initramfs.build(&initrd)?;
+        let console = dir.path().join("console.log");
+        let stderr = dir.path().join("qemu.log");
+        let qmp = dir.path().join("qmp.sock");
+        let args = qemu_args(image, config, &initrd, &console, &qmp)?;
+        let log = std::fs::File::create(&stderr).map_err(io_err(&stderr))?;
+        let child = Command::new("chroot")
+            .arg(image.root())
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().map_err(io_err(&stderr))?)
+            .stderr(log)
+            .spawn()
+            .map_err(|source| VmError::Spawn {
+                what: "chroot qemu-system-x86_64".into(),
+                source,
+            })?;
+        Ok(Guest {
+            child,
+            console,
+            stderr,
+            qmp,
+            command_line: args,
+            dir,
+        })
+    }
+
+    /// QEMU's command line (as run inside the root).
+    pub fn command_line(&self) -> &[String] {
+        &self.command_line
+    }
+
+    /// The guest's serial console so far.
+    pub fn console(&self) -> String {
+        let bytes = std::fs::read(&self.console).unwrap_or_default();
+        String::from_utf8_lossy(&bytes).replace('\r', "")
+    }
+
+    /// What QEMU wrote to its stdout and stderr so far.
+    pub fn qemu_log(&self) -> String {
+        std::fs::read_to_string(&self.stderr).unwrap_or_default()
+    }
+
+    /// The guest's scratch directory (inside the root).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A failure carrying `what`, QEMU's output and the console.
+    pub fn error(&self, what: impl Into<String>) -> VmError {
+        VmError::Guest {
+            what: what.into(),
+            console: self.console(),
+            stderr: self.qemu_log(),
+        }
+    }
+
+    /// A mark for [`Guest::wait_for_after`]: the console's length now.
+    pub fn console_mark(&self) -> usize {
+        self.console().len()
+    }
+
+    /// Waits until a console line containing `needle` appears and returns it.
+    pub fn wait_for(&mut self, needle: &str, timeout: Duration) -> Result<String, VmError> {
+        self.wait_for_after(0, needle, timeout)
+    }
+
+    /// Like [`Guest::wait_for`], looking only past console offset `mark`.
+    pub fn wait_for_after(
+        &mut self,
+        mark: usize,
+        needle: &str,
+        timeout: Duration,
+    ) -> Result<String, VmError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let console = self.console();
+            if let Some(line) = console
+                .get(mark..)
+                .unwrap_or_default()
+                .lines()
+                .find(|l| l.contains(needle))
+            {
+                return Ok(line.to_owned());
+            }
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Err(self.error(format!(
+                    "QEMU exited ({status}) before the console showed {needle:?}"
+                )));
+            }
+            if Instant::now() >= deadline {
+                return Err(self.error(format!("No {needle:?} on the console within {timeout:?}")));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits for the guest's verdict on check `name` (`pass name` or
+    /// `fail name reason` in its script); a FAIL is an error.
+    pub fn verdict(&mut self, name: &str, timeout: Duration) -> Result<(), VmError> {
+        self.verdict_after(0, name, timeout)
+    }
+
+    /// Like [`Guest::verdict`], looking only past console offset `mark`.
+    pub fn verdict_after(
+        &mut self,
+        mark: usize,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<(), VmError> {
+        let line = self.wait_for_after(mark, &format!("{VERDICT} {name} "), timeout)?;
+        if line.contains(&format!("{VERDICT} {name} PASS")) {
+            Ok(())
+        } else {
+            Err(self.error(format!("The guest failed {name}: {line}")))
+        }
+    }
+
+    /// Runs QMP command `execute` with `arguments` (JSON, or empty) and
+    /// returns QEMU's answer line.
+    pub fn qmp(&self, execute: &str, arguments: &str) -> Result<String, VmError> {
+        let qerr = |what: &str, e: std::io::Error| VmError::Qmp(format!("{what}: {e}"));
+        let stream = UnixStream::connect(&self.qmp).map_err(|e| qerr("connect", e))?;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(30)))
+            .map_err(|e| qerr("timeout", e))?;
+        let mut reader = BufReader::new(stream.try_clone().map_err(|e| qerr("clone", e))?);
+        let mut writer = stream;
+        let read_answer = |reader: &mut BufReader<UnixStream>| -> Result<String, VmError> {
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).map_err(|e| qerr("read", e))? == 0 {
+                    return Err(VmError::Qmp("QEMU closed the QMP socket".into()));
+                }
+                // Events come in between; the answer has "return" or "error".
+                if line.contains("\"return\"") {
+                    return Ok(line);
+                }
+                if line.contains("\"error\"") {
+                    return Err(VmError::Qmp(line));
+                }
+            }
+        };
+        let mut greeting = String::new();
+        reader
+            .read_line(&mut greeting)
+            .map_err(|e| qerr("greeting", e))?;
+        writer
+            .write_all(b"{\"execute\":\"qmp_capabilities\"}\n")
+            .map_err(|e| qerr("write", e))?;
+        read_answer(&mut reader)?;
+        let command = if arguments.is_empty() {
+            format!("{{\"execute\":\"{execute}\"}}\n")
+        } else {
+            format!("{{\"execute\":\"{execute}\",\"arguments\":{arguments}}}\n")
+        };
+        writer
+            .write_all(command.as_bytes())
+            .map_err(|e| qerr("write", e))?;
+        read_answer(&mut reader)
+    }
+
+    /// Resets the machine as a reset button would (QMP `system_reset`).
+    pub fn system_reset(&self) -> Result<(), VmError> {
+        self.qmp("system_reset", "").map(drop)
+    }
+
+    /// Waits for QEMU to exit (the guest powered off).
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<ExitStatus, VmError> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Ok(status);
+            }
+            if Instant::now() >= deadline {
+                return Err(self.error(format!("QEMU still runs after {timeout:?}")));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Asks QEMU to quit (QMP `quit`) and waits for it.
+    pub fn quit(&mut self, timeout: Duration) -> Result<ExitStatus, VmError> {
+        // QEMU may close the socket before answering: its exit is the answer.
+        let _ = self.qmp("quit", "");
+        self.wait_exit(timeout)
+    }
+}
+
+impl Drop for Guest {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// QEMU's command line, with paths as the chrooted QEMU sees them.
+fn qemu_args(
+    image: &VmImage,
+    config: &GuestConfig,
+    initrd: &Path,
+    console: &Path,
+    qmp: &Path,
+) -> Result<Vec<String>, VmError> {
+    let view = |p: &Path| image.guest_view(p).map(|p| p.display().to_string());
+    let mem = config.memory_mib;
+    let mut append = String::from("console=ttyS0 quiet panic=-1");
+    if !config.append.is_empty() {
+        append.push(' ');
+        append.push_str(&config.append);
+    }
+    let mut args: Vec<String> = [
+        "qemu-system-x86_64",
+        "-accel",
+        "tcg",
+        "-machine",
+        "q35",
+        "-nodefaults",
+        "-nographic",
+        "-smp",
+        "1",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    args.extend([
+        "-m".into(),
+        format!("{mem}M"),
+        // vhost-user needs guest RAM the backend can map: a shared memfd.
+        "-object".into(),
+        format!("memory-backend-memfd,id=mem,size={mem}M,share=on"),
+        "-numa".into(),
+        "node,memdev=mem".into(),
+        "-kernel".into(),
+        view(image.kernel())?,
+        "-initrd".into(),
+        view(initrd)?,
+        "-append".into(),
+        append,
+        "-serial".into(),
+        format!("file:{}", view(console)?),
+        "-monitor".into(),
+        "none".into(),
+        "-qmp".into(),
+        format!("unix:{},server=on,wait=off", view(qmp)?),
+        // User networking: the guest reaches the host as 10.0.2.2. No
+        // option ROM: the guest boots its kernel directly.
+        "-netdev".into(),
+        "user,id=net0".into(),
+        "-device".into(),
+        "virtio-net-pci,netdev=net0,romfile=".into(),
+    ]);
+    if !config.allow_reboot {
+        args.push("-no-reboot".into());
+    }
+    if let Some(device) = &config.device {
+        args.extend([
+            "-chardev".into(),
+            format!("socket,id=vrdma,path={}", view(&device.socket)?),
+            "-device".into(),
+            format!(
+                "vhost-user-test-device-pci,chardev=vrdma,virtio-id={QEMU_VIRTIO_ID},num_vqs={},vq_size={},config_size={}",
+                device.num_queues, device.queue_size, device.config_size
+            ),
+        ]);
+    }
+    args.extend(config.extra_args.iter().cloned());
+    Ok(args)
+}
+
+/// Whether the VM tests run here, and the image if so. In CI (env `CI`
+/// set) a missing image is a failure; elsewhere, without root, the test is
+/// skipped with a SKIPPED line on stderr.
+pub fn image_for_test(test: &str) -> Option<VmImage> {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    if std::env::var_os("CI").is_none() && !root {
+        eprintln!("SKIPPED {test}: the VM tests need root (debootstrap, chroot) outside CI");
+        return None;
+    }
+    match VmImage::prepare() {
+        Ok(image) => Some(image),
+        Err(e) => panic!("{test}: cannot prepare the VM image: {e}"),
+    }
+}
