@@ -10,6 +10,7 @@
 //! `VRDMA_CHAOS_CYCLES` the leak check's cycles (docs/robustness.md).
 
 use std::collections::BTreeMap;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -18,12 +19,18 @@ use vrdma_guest_driver::{
     CompletionQueue, MemoryRegion, ProtectionDomain, QpInitAttr, QueuePair, RecvWr, SendPayload,
     SendWr, Sge, WorkCompletion,
 };
+use vrdma_hostd_protocol::entries::PhysWqe;
+use vrdma_hostd_protocol::messages::Request;
 use vrdma_spec::control::QpAttr;
 use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcStatus};
 use vrdma_tests::daemon::Hostd;
-use vrdma_tests::tenant::{bring_up, connect, default_caps, wait_completions, Connection, Tenant};
+use vrdma_tests::rogue::{Answer, RogueVdev};
+use vrdma_tests::tenant::{
+    bring_up, connect, default_caps, wait_completions, Connection, Tenant, INIT_MASK, RTR_MASK,
+    RTS_MASK,
+};
 
 const RW: u32 =
     access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
@@ -315,6 +322,14 @@ impl Victim {
             lid: self.t.lid,
             canary: key(&self.canary),
             traffic: [key(&self.src), key(&self.dst)],
+            qpns: [
+                self.qa.qp_num(),
+                self.qb.qp_num(),
+                self.exposed
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .qp_num(),
+            ],
         }
     }
 
@@ -427,6 +442,8 @@ struct Secrets {
     lid: u16,
     canary: (u64, u32, u32),
     traffic: [(u64, u32, u32); 2],
+    /// The traffic QPs `qa`, `qb` and the exposed QP.
+    qpns: [u32; 3],
 }
 
 impl Secrets {
@@ -535,12 +552,17 @@ enum Move {
     SendWithoutReceive,
     /// More SGEs or inline bytes than the QP allows.
     OversizedWr,
+    /// A QP connected to one of the victim's QPs, which is not connected
+    /// back to it.
+    Hijack,
     /// Transitions and values the RC state machine refuses.
     BogusModify,
     /// Random states, masks and attributes.
     RandomModify,
     /// Inconsistent or unknown MR access flags, zero length.
     BadRegistration,
+    /// Every PD and QP the quota allows.
+    Exhaust,
     /// Destroying a CQ a QP uses, a PD that has an MR.
     DestroyBusy,
     /// Destroying QPs and their CQ with work in flight.
@@ -556,9 +578,12 @@ enum Move {
     KillVdev,
     /// SIGKILL of beta's vdev in the middle of control verbs.
     KillMidControl,
+    /// A compromised vdev of beta talking to hostd directly: hostile
+    /// requests, and physical WQEs naming the victim's keys.
+    CompromisedVdev,
 }
 
-const MOVES: [Move; 27] = [
+const MOVES: [Move; 30] = [
     Move::OwnWrite,
     Move::CanaryRead,
     Move::ZeroLengthWrite,
@@ -576,9 +601,11 @@ const MOVES: [Move; 27] = [
     Move::UnsupportedOpcode,
     Move::SendWithoutReceive,
     Move::OversizedWr,
+    Move::Hijack,
     Move::BogusModify,
     Move::RandomModify,
     Move::BadRegistration,
+    Move::Exhaust,
     Move::DestroyBusy,
     Move::DestroyInFlight,
     Move::DeregInFlight,
@@ -586,6 +613,7 @@ const MOVES: [Move; 27] = [
     Move::UserMemoryInFlight,
     Move::KillVdev,
     Move::KillMidControl,
+    Move::CompromisedVdev,
 ];
 
 /// What the attacker saw: per move, how often it ran and each outcome.
@@ -593,6 +621,8 @@ type Tally = BTreeMap<Move, BTreeMap<String, u64>>;
 
 struct Attacker<'v> {
     rng: Rng,
+    /// hostd's vdev socket, for the compromised vdev.
+    hostd_socket: std::path::PathBuf,
     victim: &'v Victim,
     secrets: Secrets,
     beta: Option<Beta>,
@@ -607,6 +637,7 @@ impl<'v> Attacker<'v> {
     fn new(hostd: &Hostd, victim: &'v Victim, seed: u64) -> Self {
         Attacker {
             rng: Rng(seed),
+            hostd_socket: hostd.socket.clone(),
             victim,
             secrets: victim.secrets(),
             beta: Some(Beta::new(Tenant::start(hostd, "beta"))),
@@ -643,7 +674,8 @@ impl<'v> Attacker<'v> {
     }
 
     /// Runs until `deadline` (and at least one round), or `stop`.
-    fn run(mut self, deadline: Instant, stop: &AtomicBool) -> (Tally, u64) {
+    /// Returns what it saw, the rounds it played and its vdev's log.
+    fn run(mut self, deadline: Instant, stop: &AtomicBool) -> (Tally, u64, String) {
         let mut rounds = 0;
         while (rounds == 0 || Instant::now() < deadline) && !stop.load(Ordering::Relaxed) {
             let mut deck = MOVES;
@@ -657,7 +689,8 @@ impl<'v> Attacker<'v> {
             }
             rounds += 1;
         }
-        (self.tally, rounds)
+        let log = self.beta().t.vdev.log();
+        (self.tally, rounds, log)
     }
 
     fn play(&mut self, m: Move) {
@@ -744,9 +777,11 @@ impl<'v> Attacker<'v> {
             Move::UnsupportedOpcode => self.unsupported_opcode(),
             Move::SendWithoutReceive => self.send_without_receive(),
             Move::OversizedWr => self.oversized_wr(),
+            Move::Hijack => self.hijack(),
             Move::BogusModify => self.bogus_modify(),
             Move::RandomModify => self.random_modify(),
             Move::BadRegistration => self.bad_registration(),
+            Move::Exhaust => self.exhaust(),
             Move::DestroyBusy => self.destroy_busy(),
             Move::DestroyInFlight => self.destroy_in_flight(),
             Move::DeregInFlight => self.dereg_in_flight(),
@@ -754,6 +789,7 @@ impl<'v> Attacker<'v> {
             Move::UserMemoryInFlight => self.user_memory_in_flight(),
             Move::KillVdev => self.kill_vdev(),
             Move::KillMidControl => self.kill_mid_control(),
+            Move::CompromisedVdev => self.compromised_vdev(),
         }
     }
 
@@ -1036,16 +1072,38 @@ impl<'v> Attacker<'v> {
             .unwrap_or_else(|e| panic!("{}: destroy: {e}", self.context()));
     }
 
+    /// Random walks through the state machine: each step aims at a random
+    /// state with the usual attribute mask for it (sometimes a bit off) and
+    /// random values, towards the victim's or beta's own LID and QPs. A
+    /// refused step changes nothing; an accepted one reaches its state.
     fn random_modify(&mut self) {
         let qp = self.fresh_qp();
-        for _ in 0..4 {
+        let beta_lid = self.beta().t.lid;
+        for _ in 0..6 {
+            let (target, usual) = [
+                (QpState::Reset, mask::STATE),
+                (QpState::Init, INIT_MASK),
+                (QpState::Rtr, RTR_MASK),
+                (QpState::Rts, RTS_MASK),
+                (QpState::Sqd, mask::STATE),
+                (QpState::Err, mask::STATE),
+            ][self.rng.below(6) as usize];
+            let attr_mask = if self.rng.chance(2) {
+                usual ^ 1 << self.rng.below(21)
+            } else {
+                usual
+            };
             let mut attr = QpAttr {
-                qp_state: self.rng.below(8) as u8,
-                cur_qp_state: self.rng.below(8) as u8,
-                qp_access_flags: (self.rng.next() as u32 & 0xff).into(),
+                qp_state: target.into(),
+                qp_access_flags: (self.rng.next() as u32 & 0x1f).into(),
                 port_num: self.rng.below(3) as u8,
                 path_mtu: self.rng.below(7) as u8,
-                dest_qp_num: (self.rng.next() as u32 & 0xff_ffff).into(),
+                dest_qp_num: [
+                    self.secrets.qpns[self.rng.below(3) as usize],
+                    qp.qp_num(),
+                    self.rng.next() as u32 & 0xff_ffff,
+                ][self.rng.below(3) as usize]
+                    .into(),
                 max_dest_rd_atomic: self.rng.below(32) as u8,
                 max_rd_atomic: self.rng.below(32) as u8,
                 min_rnr_timer: self.rng.below(40) as u8,
@@ -1054,22 +1112,143 @@ impl<'v> Attacker<'v> {
                 rnr_retry: self.rng.below(10) as u8,
                 ..QpAttr::default()
             };
-            attr.ah_attr.dlid = [self.secrets.lid, self.beta().t.lid, self.rng.next() as u16]
+            attr.ah_attr.dlid = [self.secrets.lid, beta_lid, self.rng.next() as u16]
                 [self.rng.below(3) as usize]
                 .into();
             attr.ah_attr.port_num = 1;
-            let attr_mask = self.rng.next() as u32 & 0x01ff_ffff;
-            let outcome = match qp.modify(&attr, attr_mask) {
-                Ok(()) => "ok".to_owned(),
-                Err(e) => format!("errno {}", e.errno()),
-            };
-            self.note(outcome);
+            let before = qp_state(&qp);
+            let result = qp.modify(&attr, attr_mask);
+            let after = qp_state(&qp);
+            match result {
+                Ok(()) => {
+                    self.note("ok");
+                    let reached = if attr_mask & mask::STATE != 0 {
+                        u8::from(target)
+                    } else {
+                        before
+                    };
+                    assert_eq!(
+                        after,
+                        reached,
+                        "{}: an accepted modify_qp({attr_mask:#x}) did not reach its state",
+                        self.context()
+                    );
+                }
+                Err(e) => {
+                    self.note(format!("errno {}", e.errno()));
+                    assert_eq!(
+                        after,
+                        before,
+                        "{}: a refused modify_qp({attr_mask:#x}) changed the state ({e})",
+                        self.context()
+                    );
+                }
+            }
         }
-        // Whatever state it reached, the QP answers and goes away.
-        let state = qp_state(&qp);
-        assert!(state <= u8::from(QpState::Err), "{}", self.context());
+        // Wherever the walk led, work aimed at the victim's memory fails.
+        let (iova, _, rkey) = self.secrets.traffic[1];
+        let id = self.wr_id();
+        let mut wr = SendWr::new(id, SendOpcode::RdmaWrite, SendPayload::Inline(b"walk"));
+        wr.flags |= SIGNALED;
+        wr.remote_addr = iova;
+        wr.rkey = rkey;
+        if qp.post_send(&[wr]).is_ok() {
+            let cq = &self.beta().t.cq;
+            if let Some(wc) = collect(cq, 1, Duration::from_millis(100)).first() {
+                self.note(format!("{:?}", wc.status));
+                assert_ne!(wc.status, WcStatus::Success, "{}", self.context());
+            }
+        }
         qp.destroy()
             .unwrap_or_else(|e| panic!("{}: destroy: {e}", self.context()));
+        // A late completion of that write must not confuse a later move.
+        let mut batch = [WorkCompletion::default(); 4];
+        while self.beta().t.cq.poll(&mut batch).expect("poll") > 0 {}
+    }
+
+    /// Beta takes every PD and QP its quota allows: the quota says
+    /// ENOMEM, and the victim can still create both.
+    fn exhaust(&mut self) {
+        let ctx = self.context();
+        let beta = self.beta();
+        let mut pds = Vec::new();
+        let pd_errno = loop {
+            match beta.t.ctx.alloc_pd() {
+                Ok(pd) if pds.len() < 1000 => pds.push(pd),
+                Ok(_) => panic!("{ctx}: no PD quota"),
+                Err(e) => break e.errno(),
+            }
+        };
+        let caps = vrdma_guest_driver::QpCapabilities {
+            max_send_wr: 1,
+            max_recv_wr: 1,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
+        let mut qps = Vec::new();
+        let qp_errno = loop {
+            let made = beta.t.pd.create_qp(&QpInitAttr {
+                send_cq: &beta.t.cq,
+                recv_cq: &beta.t.cq,
+                cap: caps,
+                qp_type: QpType::Rc,
+                sq_sig_all: false,
+            });
+            match made {
+                Ok(qp) if qps.len() < 1000 => qps.push(qp),
+                Ok(_) => panic!("{ctx}: no QP quota"),
+                Err(e) => break e.errno(),
+            }
+        };
+        let victim = &self.victim.t;
+        let pd = victim
+            .ctx
+            .alloc_pd()
+            .unwrap_or_else(|e| panic!("{ctx}: the victim's alloc_pd: {e}"));
+        let qp = pd
+            .create_qp(&QpInitAttr {
+                send_cq: &victim.cq,
+                recv_cq: &victim.cq,
+                cap: caps,
+                qp_type: QpType::Rc,
+                sq_sig_all: false,
+            })
+            .unwrap_or_else(|e| panic!("{ctx}: the victim's create_qp: {e}"));
+        drop((qp, pd, qps, pds));
+        self.expect_errno("a PD over quota", Err::<(), _>(pd_errno), &[libc::ENOMEM]);
+        self.expect_errno("a QP over quota", Err::<(), _>(qp_errno), &[libc::ENOMEM]);
+    }
+
+    /// A QP of beta connected to one of the victim's QPs, which is not
+    /// connected back to it: its SENDs (the victim posts receives) and
+    /// WRITEs with the victim's real rkey are lost on the fabric.
+    fn hijack(&mut self) {
+        let ctx = self.context();
+        let target = self.secrets.qpns[self.rng.below(3) as usize];
+        let victim_lid = self.secrets.lid;
+        let (iova, _, rkey) = self.secrets.traffic[1];
+        let id = self.wr_id();
+        let write = self.rng.chance(2);
+        let beta = self.beta();
+        let cq = beta.t.ctx.create_cq(16, 0).expect("CQ");
+        let qp = rc_qp(&beta.t.pd, &cq);
+        bring_up(&qp, target, victim_lid, ATTACKER)
+            .unwrap_or_else(|e| panic!("{ctx}: connect towards the victim: {e}"));
+        let wr = if write {
+            let mut wr = SendWr::new(id, SendOpcode::RdmaWrite, SendPayload::Inline(b"hijack"));
+            wr.remote_addr = iova;
+            wr.rkey = rkey;
+            wr
+        } else {
+            SendWr::new(id, SendOpcode::Send, SendPayload::Inline(b"hijack"))
+        };
+        let mut wr = wr;
+        wr.flags |= SIGNALED;
+        qp.post_send(&[wr])
+            .unwrap_or_else(|e| panic!("{ctx}: post: {e}"));
+        let wc = wait_completions(&cq, 1)[0];
+        self.expect_status(&wc, WcStatus::RetryExcErr);
     }
 
     fn bad_registration(&mut self) {
@@ -1433,6 +1612,406 @@ impl<'v> Attacker<'v> {
     }
 }
 
+/// A physical completion's status, as the tally names it.
+fn status_name(status: u8) -> String {
+    match WcStatus::try_from(status) {
+        Ok(s) => format!("{s:?}"),
+        Err(raw) => format!("status {raw}"),
+    }
+}
+
+/// A physical send WQE of the compromised vdev.
+fn phys_wqe(token: u64, op: SendOpcode, vqpn: u32, local: Sge, remote: (u64, u32)) -> PhysWqe {
+    let mut wqe = PhysWqe {
+        token: token.into(),
+        kind: vrdma_hostd_protocol::entries::kind::SEND,
+        opcode: op.into(),
+        flags: SIGNALED,
+        vqpn: vqpn.into(),
+        remote_addr: remote.0.into(),
+        rkey: remote.1.into(),
+        ..PhysWqe::default()
+    };
+    let wire = vrdma_spec::ring::Sge {
+        addr: local.addr.into(),
+        length: local.length.into(),
+        lkey: local.lkey.into(),
+    };
+    assert!(wqe.set_sges(&[wire]));
+    wqe
+}
+
+impl Attacker<'_> {
+    /// Registers a compromised vdev of beta, retrying while hostd still
+    /// tears down the previous device of the same name.
+    fn rogue_hello(&mut self) -> RogueVdev {
+        let name = format!("rogue-{}", self.rng.below(4));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match RogueVdev::hello(&self.hostd_socket, "beta", &name) {
+                Ok(rogue) => return rogue,
+                Err(libc::EBUSY) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Err(errno) => panic!("{}: Hello refused with errno {errno}", self.context()),
+            }
+        }
+    }
+
+    fn expect_answer(&mut self, what: &str, got: Answer, expected: Answer) {
+        self.note(format!("{got:?}"));
+        assert_eq!(got, expected, "{}: {what}", self.context());
+    }
+
+    fn expect_refused(&mut self, what: &str, got: Answer) {
+        self.note(format!("{got:?}"));
+        assert!(
+            matches!(got, Answer::Refused(_)),
+            "{}: {what}: {got:?}",
+            self.context()
+        );
+    }
+
+    /// A compromised vdev of beta: hostile control requests, then physical
+    /// WQEs over a connection the victim accepted, naming the victim's keys
+    /// as remote and as local keys; then revoked memory; then a corrupt
+    /// ring, for which hostd drops the device.
+    fn compromised_vdev(&mut self) {
+        use vrdma_hostd_protocol::messages::{MrRegistration, MrSegment, QpConnection};
+        use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
+        const LEN: u64 = 64 * 1024;
+        const IOVA: u64 = 0x10_0000;
+        let rogue = self.rogue_hello();
+        let secrets = self.secrets;
+
+        // Control requests it has no business making.
+        let again = Request::Hello {
+            version: vrdma_hostd_protocol::messages::PROTOCOL_VERSION,
+            tenant: "alpha".into(),
+            device: "alpha-impostor".into(),
+        };
+        self.expect_answer(
+            "a second Hello",
+            rogue.call(&again, &[]),
+            Answer::Refused(libc::EPROTO),
+        );
+        let memfd = sealed_memfd("rogue", LEN).expect("memfd");
+        let mine = SharedMapping::map(memfd.try_clone().expect("dup"), 0, LEN).expect("map");
+        self.expect_answer(
+            "memory beyond its file",
+            rogue.add_memory(0, &memfd, 2 * LEN),
+            Answer::Refused(libc::EINVAL),
+        );
+        let unsealed = std::fs::File::open("/proc/self/exe").expect("an unsealed file");
+        self.expect_answer(
+            "an unsealed file as memory",
+            rogue.add_memory(0, &unsealed, 4096),
+            Answer::Refused(libc::EINVAL),
+        );
+        self.expect_answer("memory", rogue.add_memory(0, &memfd, LEN), Answer::Ok);
+        self.expect_refused("a slot twice", rogue.add_memory(0, &memfd, LEN));
+        self.expect_answer(
+            "memory without its fd",
+            rogue.call(
+                &Request::AddMemory {
+                    slot: 1,
+                    gpa: 0,
+                    len: LEN,
+                    file_offset: 0,
+                },
+                &[],
+            ),
+            Answer::Refused(libc::EINVAL),
+        );
+        self.expect_answer(
+            "an fd with a request that takes none",
+            rogue.call(&Request::RemoveMemory { slot: 9 }, &[memfd.as_raw_fd()]),
+            Answer::Refused(libc::EINVAL),
+        );
+        let registration = |lkey, rkey, slot| {
+            Request::RegisterMr(MrRegistration {
+                lkey,
+                rkey,
+                pd: 1,
+                access: RW,
+                iova: IOVA,
+                len: LEN,
+                segments: vec![MrSegment {
+                    slot,
+                    offset: 0,
+                    len: LEN,
+                }],
+            })
+        };
+        let victim_keys = secrets.keys();
+        let stolen = victim_keys[self.rng.below(victim_keys.len() as u64) as usize];
+        let fresh = (self.rng.next() as u32 | 1, self.rng.next() as u32 | 2);
+        self.expect_refused(
+            "registering the victim's key as an lkey",
+            rogue.call(&registration(stolen, fresh.1, 0), &[]),
+        );
+        self.expect_refused(
+            "registering the victim's key as an rkey",
+            rogue.call(&registration(fresh.0, stolen, 0), &[]),
+        );
+        self.expect_refused(
+            "registering over a slot it does not have",
+            rogue.call(&registration(fresh.0, fresh.1, 7), &[]),
+        );
+        self.expect_refused(
+            "deregistering the victim's MR",
+            rogue.call(&Request::DeregisterMr { lkey: stolen }, &[]),
+        );
+        let vqpn = 0x00ab_0000 | self.rng.below(0xffff) as u32;
+        for victims_qpn in secrets.qpns {
+            for request in [
+                Request::DestroyQp { vqpn: victims_qpn },
+                Request::ErrorQp { vqpn: victims_qpn },
+                Request::ResetQp { vqpn: victims_qpn },
+            ] {
+                self.expect_refused("touching a QP it does not have", rogue.call(&request, &[]));
+            }
+        }
+        let foreign_pqp = (0..64).find(|p| !rogue.welcome.queues.iter().any(|q| q.pqp == *p));
+        self.expect_refused(
+            "a QP on another device's physical queue",
+            rogue.call(
+                &Request::CreateQp {
+                    vqpn,
+                    pd: 1,
+                    pqp: foreign_pqp.expect("a pQP not granted"),
+                },
+                &[],
+            ),
+        );
+        self.expect_answer(
+            "an unknown quota key",
+            rogue.call(
+                &Request::QuotaRejected {
+                    quota: "not-a-quota".into(),
+                },
+                &[],
+            ),
+            Answer::Refused(libc::EINVAL),
+        );
+
+        // Its own MR and a QP the victim accepts a connection from.
+        let (lkey, rkey) = loop {
+            let keys = (self.rng.next() as u32 | 1, self.rng.next() as u32 | 2);
+            if keys.0 != keys.1 && rogue.call(&registration(keys.0, keys.1, 0), &[]) == Answer::Ok {
+                break keys;
+            }
+        };
+        let pqp = rogue.pqp(0);
+        let create = Request::CreateQp { vqpn, pd: 1, pqp };
+        self.expect_answer("its own QP", rogue.call(&create, &[]), Answer::Ok);
+        let connect = |dest_lid, dest_qpn| {
+            Request::ConnectQp(QpConnection {
+                vqpn,
+                dest_lid,
+                dest_qpn,
+                access: 0,
+                rnr_retry: 1,
+                retry_cnt: 1,
+                min_rnr_timer: 1,
+            })
+        };
+        self.expect_answer(
+            "a LID nobody has",
+            rogue.call(&connect(0xbffe, 1), &[]),
+            Answer::Refused(libc::ENOENT),
+        );
+        let exposed = self.victim.accept(vqpn, rogue.lid());
+        // The victim now talks to the compromised vdev, not to beta's link.
+        self.discard(true);
+        let reconnect = Request::ResetQp { vqpn };
+        self.expect_answer(
+            "connect",
+            rogue.call(&connect(secrets.lid, exposed), &[]),
+            Answer::Ok,
+        );
+
+        // Physical WQEs: one at a time, the QP reconnected after each error.
+        let own = |off: u64, len: u32| Sge {
+            addr: IOVA + off,
+            length: len,
+            lkey,
+        };
+        let (canary_iova, _, canary_rkey) = secrets.canary;
+        let (dst_iova, dst_lkey, dst_rkey) = secrets.traffic[1];
+        let (src_iova, src_lkey, _) = secrets.traffic[0];
+        let off = self.rng.below((REGION - 256) as u64);
+        let attacks = [
+            (
+                SendOpcode::RdmaRead,
+                own(0, 256),
+                (canary_iova + off, canary_rkey),
+                WcStatus::Success,
+            ),
+            (
+                SendOpcode::RdmaWrite,
+                own(0, 64),
+                (canary_iova, canary_rkey),
+                WcStatus::RemAccessErr,
+            ),
+            (
+                SendOpcode::RdmaWrite,
+                own(0, 64),
+                (dst_iova, dst_rkey),
+                WcStatus::RemAccessErr,
+            ),
+            (
+                SendOpcode::AtomicFetchAndAdd,
+                own(0, 8),
+                (canary_iova, canary_rkey),
+                WcStatus::RemAccessErr,
+            ),
+            // The victim's lkeys as local keys: reading its memory out, or
+            // writing the canary into it.
+            (
+                SendOpcode::RdmaWrite,
+                Sge {
+                    addr: src_iova,
+                    length: 64,
+                    lkey: src_lkey,
+                },
+                (IOVA, rkey),
+                WcStatus::LocProtErr,
+            ),
+            (
+                SendOpcode::RdmaRead,
+                Sge {
+                    addr: dst_iova,
+                    length: 64,
+                    lkey: dst_lkey,
+                },
+                (canary_iova, canary_rkey),
+                WcStatus::LocProtErr,
+            ),
+        ];
+        for (i, (op, local, remote, expected)) in attacks.into_iter().enumerate() {
+            let token = self.wr_id();
+            rogue.post(0, &phys_wqe(token, op, vqpn, local, remote));
+            let cqe = rogue
+                .completion(0, Duration::from_secs(10))
+                .unwrap_or_else(|| panic!("{}: no completion for attack {i}", self.context()));
+            assert_eq!(cqe.token.get(), token, "{}", self.context());
+            let status = WcStatus::try_from(cqe.status).expect("a known status");
+            self.note(format!("{status:?}"));
+            assert_eq!(status, expected, "{}: attack {i}: {cqe:?}", self.context());
+            if status == WcStatus::Success {
+                let mut got = vec![0u8; 256];
+                assert!(mine.read(0, &mut got));
+                let off = off as usize;
+                assert!(
+                    got == self.victim.canary_bytes[off..off + 256],
+                    "{}: the canary read by the compromised vdev differs",
+                    self.context()
+                );
+            } else {
+                self.expect_answer("reset", rogue.call(&reconnect, &[]), Answer::Ok);
+                self.expect_answer(
+                    "reconnect",
+                    rogue.call(&connect(secrets.lid, exposed), &[]),
+                    Answer::Ok,
+                );
+            }
+        }
+        // Too many SGEs, and work of a QP it does not have.
+        let token = self.wr_id();
+        let mut wqe = phys_wqe(token, SendOpcode::RdmaWrite, vqpn, own(0, 8), (IOVA, rkey));
+        wqe.num_sge = 200;
+        rogue.post(0, &wqe);
+        let token2 = self.wr_id();
+        let other = secrets.qpns[0];
+        rogue.post(
+            0,
+            &phys_wqe(token2, SendOpcode::Send, other, own(0, 8), (0, 0)),
+        );
+        // Two QPs: their completions come in either order.
+        let mut tokens = Vec::new();
+        for _ in 0..2 {
+            let cqe = rogue
+                .completion(0, Duration::from_secs(10))
+                .expect("completion");
+            tokens.push(cqe.token.get());
+            self.note(status_name(cqe.status));
+            assert_eq!(
+                cqe.status,
+                u8::from(WcStatus::LocQpOpErr),
+                "{}",
+                self.context()
+            );
+        }
+        tokens.sort_unstable();
+        assert_eq!(tokens, [token, token2], "{}", self.context());
+        self.expect_answer("reset", rogue.call(&reconnect, &[]), Answer::Ok);
+        self.expect_answer(
+            "reconnect",
+            rogue.call(&connect(secrets.lid, exposed), &[]),
+            Answer::Ok,
+        );
+
+        // Memory it removed is never touched again.
+        self.expect_answer(
+            "removing its memory",
+            rogue.call(&Request::RemoveMemory { slot: 0 }, &[]),
+            Answer::Ok,
+        );
+        let before = {
+            let mut b = vec![0u8; 256];
+            assert!(mine.read(0, &mut b));
+            b
+        };
+        let token = self.wr_id();
+        rogue.post(
+            0,
+            &phys_wqe(
+                token,
+                SendOpcode::RdmaRead,
+                vqpn,
+                own(0, 256),
+                (canary_iova, canary_rkey),
+            ),
+        );
+        let cqe = rogue
+            .completion(0, Duration::from_secs(10))
+            .expect("completion");
+        self.note(status_name(cqe.status));
+        assert_eq!(
+            cqe.status,
+            u8::from(WcStatus::LocProtErr),
+            "{}",
+            self.context()
+        );
+        let mut after = vec![0u8; 256];
+        assert!(mine.read(0, &mut after));
+        assert!(
+            after == before,
+            "{}: hostd wrote memory that was removed",
+            self.context()
+        );
+
+        // A corrupt ring: hostd drops the device.
+        let depth = self.rng.below(1 << 20) as u32;
+        rogue.corrupt_submission_ring(0, depth.wrapping_add(1 << 31));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let probe = Request::QuotaRejected {
+            quota: "max_qp".into(),
+        };
+        loop {
+            match rogue.call(&probe, &[]) {
+                Answer::Gone => break,
+                Answer::Ok if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                other => panic!("{}: after a corrupt ring: {other:?}", self.context()),
+            }
+        }
+        self.note("dropped for a corrupt ring");
+    }
+}
+
 /// A private anonymous mapping, unmapped on drop.
 struct AnonMap {
     ptr: *mut u8,
@@ -1505,7 +2084,7 @@ fn an_attacker_never_reaches_the_victim_and_hostd_stays_up() {
     let started = Instant::now();
     let deadline = started + settings.duration;
     let mut checks = (0u64, 0u64);
-    let (report, (tally, rounds)) = std::thread::scope(|scope| {
+    let (report, (tally, rounds, beta_log)) = std::thread::scope(|scope| {
         let traffic = scope.spawn(|| victim_traffic(&victim, settings.seed, &stop));
         let attack = scope.spawn(|| attacker.run(deadline, &stop));
         let mut last_stats = Instant::now();
@@ -1553,7 +2132,14 @@ fn an_attacker_never_reaches_the_victim_and_hostd_stays_up() {
     for m in MOVES {
         assert!(tally.contains_key(&m), "move {m:?} never ran: {tally:?}");
     }
-    for (who, log) in [("hostd", hostd.log()), ("vdev alpha", victim.t.vdev.log())] {
+    std::fs::write("/tmp/chaos-hostd.log", hostd.log()).ok();
+    std::fs::write("/tmp/chaos-alpha.log", victim.t.vdev.log()).ok();
+    std::fs::write("/tmp/chaos-beta.log", &beta_log).ok();
+    for (who, log) in [
+        ("hostd", hostd.log()),
+        ("vdev alpha", victim.t.vdev.log()),
+        ("vdev beta", beta_log),
+    ] {
         assert!(!log.contains("panicked"), "{who} panicked:\n{log}");
     }
 
@@ -1678,4 +2264,37 @@ fn create_destroy_cycles_leak_nothing() {
             ("qps", 0.0),
         ],
     );
+}
+
+/// Found by the chaos test's compromised vdev: every new device name took
+/// a fresh LID for good, so one tenant's vdev cycling names (or a VMM
+/// naming sockets per boot) used up the host's 49151 LIDs, after which no
+/// tenant's new device could register. hostd now remembers 64 names per
+/// tenant and recycles a tenant's own LIDs only (`hostd/src/lids.rs`).
+#[test]
+fn a_tenant_cycling_device_names_cannot_use_up_the_hosts_lids() {
+    const NAMES: usize = 200;
+    const REMEMBERED_PER_TENANT: usize = 64;
+    let _serial = serial();
+    let hostd = Hostd::start(None);
+    let alpha = RogueVdev::hello(&hostd.socket, "alpha", "alpha-vm").expect("alpha registers");
+    let alpha_lid = alpha.lid();
+    drop(alpha);
+    let mut lids = std::collections::BTreeSet::new();
+    for i in 0..NAMES {
+        let beta = RogueVdev::hello(&hostd.socket, "beta", &format!("cycling-{i}"))
+            .unwrap_or_else(|errno| panic!("name {i} refused with errno {errno}"));
+        lids.insert(beta.lid());
+    }
+    assert!(
+        lids.len() <= REMEMBERED_PER_TENANT + 4,
+        "{} LIDs for {NAMES} names of one tenant",
+        lids.len()
+    );
+    assert!(
+        !lids.contains(&alpha_lid),
+        "a LID never passes to another tenant"
+    );
+    let alpha = RogueVdev::hello(&hostd.socket, "alpha", "alpha-vm").expect("alpha comes back");
+    assert_eq!(alpha.lid(), alpha_lid, "alpha's device keeps its LID");
 }
