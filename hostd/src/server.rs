@@ -96,6 +96,21 @@ struct Registry {
     known: HashMap<String, TenantPolicy>,
 }
 
+impl Registry {
+    /// Physical QPs kept free for the first device of every other tenant
+    /// of the policy that has none connected: however many devices one
+    /// tenant (or a compromised vdev of it) registers, every other tenant
+    /// can still connect one.
+    fn reserved_for_others(&self, tenant: &str) -> usize {
+        self.policy
+            .tenants
+            .iter()
+            .filter(|t| t.name != tenant && !self.connected.values().any(|c| c.tenant == t.name))
+            .map(|t| t.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize)
+            .sum()
+    }
+}
+
 /// What a vdev holds once greeted.
 #[derive(Debug)]
 struct Session {
@@ -538,11 +553,13 @@ impl Server {
                 ));
             }
             let wanted = policy.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
-            if reg.free_pqps.len() < wanted {
+            let reserved = reg.reserved_for_others(tenant);
+            if reg.free_pqps.len() < wanted + reserved {
                 return Err(refuse(
                     libc::ENOSPC,
                     format!(
-                        "{} physical QPs are free, {wanted} needed",
+                        "{} physical QPs are free, {wanted} needed, {reserved} kept for \
+                         other tenants' first devices",
                         reg.free_pqps.len()
                     ),
                 ));

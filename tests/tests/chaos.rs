@@ -2298,3 +2298,44 @@ fn a_tenant_cycling_device_names_cannot_use_up_the_hosts_lids() {
     let alpha = RogueVdev::hello(&hostd.socket, "alpha", "alpha-vm").expect("alpha comes back");
     assert_eq!(alpha.lid(), alpha_lid, "alpha's device keeps its LID");
 }
+
+/// Found with the chaos test's compromised vdev: one tenant could register
+/// devices until every physical queue of the NIC was taken, and then no
+/// other tenant's device could register at all. hostd now keeps enough
+/// physical queues free for the first device of every other tenant.
+#[test]
+fn one_tenant_cannot_take_every_physical_queue() {
+    let _serial = serial();
+    let hostd = Hostd::start(None);
+    let mut held = Vec::new();
+    let errno = loop {
+        match RogueVdev::hello(&hostd.socket, "beta", &format!("hog-{}", held.len())) {
+            Ok(rogue) if held.len() < 1000 => held.push(rogue),
+            Ok(_) => panic!("no limit on beta's devices"),
+            Err(errno) => break errno,
+        }
+    };
+    assert_eq!(
+        errno,
+        libc::ENOSPC,
+        "beta's device {} is refused",
+        held.len()
+    );
+    let alpha = RogueVdev::hello(&hostd.socket, "alpha", "vm")
+        .unwrap_or_else(|errno| panic!("alpha's first device refused with errno {errno}"));
+    assert!(alpha.lid() > 0);
+    // Once beta lets one go, it may take that one again (no reservation
+    // for itself), and alpha's second device competes with it.
+    drop(held.pop());
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let again = loop {
+        match RogueVdev::hello(&hostd.socket, "beta", "hog-again") {
+            Ok(rogue) => break rogue,
+            Err(libc::ENOSPC) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(errno) => panic!("beta's device refused with errno {errno}"),
+        }
+    };
+    assert!(again.lid() > 0);
+}
