@@ -100,13 +100,20 @@ impl Registry {
     /// Physical QPs kept free for the first device of every other tenant
     /// of the policy that has none connected: however many devices one
     /// tenant (or a compromised vdev of it) registers, every other tenant
-    /// can still connect one.
-    fn reserved_for_others(&self, tenant: &str) -> usize {
+    /// can still connect one. Only a policy whose tenants' first devices
+    /// all fit in the NIC's `physical_qps` can promise that; an
+    /// over-committed one keeps nothing (first come, first served).
+    fn reserved_for_others(&self, tenant: &str, physical_qps: u32) -> usize {
+        let queues = |t: &TenantPolicy| t.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
+        let all: usize = self.policy.tenants.iter().map(queues).sum();
+        if all > physical_qps as usize {
+            return 0;
+        }
         self.policy
             .tenants
             .iter()
             .filter(|t| t.name != tenant && !self.connected.values().any(|c| c.tenant == t.name))
-            .map(|t| t.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize)
+            .map(queues)
             .sum()
     }
 }
@@ -553,7 +560,7 @@ impl Server {
                 ));
             }
             let wanted = policy.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
-            let reserved = reg.reserved_for_others(tenant);
+            let reserved = reg.reserved_for_others(tenant, self.config.physical_qps);
             if reg.free_pqps.len() < wanted + reserved {
                 return Err(refuse(
                     libc::ENOSPC,
