@@ -1552,7 +1552,11 @@ impl<'v> Attacker<'v> {
             "{ctx}: verbs on a dying device took {:?}",
             started.elapsed()
         );
-        self.note(format!("died after {} cycles", verbs.min(2)));
+        self.note(if verbs > 1 {
+            "died after a cycle or more"
+        } else {
+            "died in the first cycle"
+        });
         self.expect_errno(
             "a verb while the vdev dies",
             Err::<(), _>(errno),
