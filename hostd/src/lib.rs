@@ -17,6 +17,7 @@
 //! - [`admin`]: the admin socket (`vrdmactl`: stats, metrics, reload) and
 //!   reload on SIGHUP.
 //! - [`ids`]: fast hash maps keyed by identifiers hostd assigns.
+//! - [`lids`]: device LIDs, stable per device name and bounded per tenant.
 //! - [`nic`]: the [`nic::Nic`] trait hostd drives, and [`nic::soft::SoftNic`],
 //!   the software model of a BlueField-3-style NIC.
 
@@ -24,6 +25,7 @@ pub mod admin;
 pub mod config;
 pub mod datapath;
 pub mod ids;
+pub mod lids;
 pub mod nic;
 pub mod policy;
 pub mod sandbox;

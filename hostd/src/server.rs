@@ -35,11 +35,10 @@ use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
 
 use crate::config::{Config, MAX_QUEUES_PER_DEVICE};
 use crate::datapath::{Datapath, DeviceQueues, QueueMem};
+use crate::lids::LidTable;
 use crate::nic::{DeviceId, NicError};
 use crate::stats::{Stats, TenantStats};
 
-/// Largest LID (unicast range 0x0001–0xbfff).
-const MAX_LID: u16 = 0xbfff;
 /// Concurrent vdev connections (each costs a thread).
 const MAX_CONNECTIONS: usize = 1024;
 
@@ -84,9 +83,8 @@ struct Connected {
 /// Host-wide bookkeeping of devices, and the policy in force.
 #[derive(Debug)]
 struct Registry {
-    /// LIDs ever assigned, stable per (tenant, device) while hostd runs.
-    lids: HashMap<(String, String), u16>,
-    next_lid: u16,
+    /// LIDs by (tenant, device), bounded per tenant.
+    lids: LidTable,
     /// Connected devices by LID.
     connected: HashMap<u16, Connected>,
     free_pqps: BTreeSet<u32>,
@@ -96,6 +94,28 @@ struct Registry {
     /// The last policy of every tenant ever in force: the current one's,
     /// and a removed tenant's last (its connected devices keep it).
     known: HashMap<String, TenantPolicy>,
+}
+
+impl Registry {
+    /// Physical QPs kept free for the first device of every other tenant
+    /// of the policy that has none connected: however many devices one
+    /// tenant (or a compromised vdev of it) registers, every other tenant
+    /// can still connect one. Only a policy whose tenants' first devices
+    /// all fit in the NIC's `physical_qps` can promise that; an
+    /// over-committed one keeps nothing (first come, first served).
+    fn reserved_for_others(&self, tenant: &str, physical_qps: u32) -> usize {
+        let queues = |t: &TenantPolicy| t.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
+        let all: usize = self.policy.tenants.iter().map(queues).sum();
+        if all > physical_qps as usize {
+            return 0;
+        }
+        self.policy
+            .tenants
+            .iter()
+            .filter(|t| t.name != tenant && !self.connected.values().any(|c| c.tenant == t.name))
+            .map(queues)
+            .sum()
+    }
 }
 
 /// What a vdev holds once greeted.
@@ -145,8 +165,7 @@ impl Server {
             .lock()
             .configure_tenants(&policy.tenants, Instant::now());
         let registry = Registry {
-            lids: HashMap::new(),
-            next_lid: 1,
+            lids: LidTable::default(),
             connected: HashMap::new(),
             free_pqps: (0..config.physical_qps).collect(),
             next_device: 1,
@@ -529,14 +548,11 @@ impl Server {
                     Err(e) => return Err(refuse(libc::EPERM, crate::error_chain(e))),
                 }
             }
-            let key = (tenant.to_owned(), device.to_owned());
-            let lid = match reg.lids.get(&key) {
-                Some(&lid) => lid,
-                None if reg.next_lid > MAX_LID => {
-                    return Err(refuse(libc::ENOSPC, "No LID left on this host"));
-                }
-                None => reg.next_lid,
-            };
+            let assignment = reg
+                .lids
+                .assign(tenant, device, |lid| reg.connected.contains_key(&lid))
+                .map_err(|e| refuse(libc::ENOSPC, e.to_string()))?;
+            let lid = assignment.lid;
             if reg.connected.contains_key(&lid) {
                 return Err(refuse(
                     libc::EBUSY,
@@ -544,11 +560,13 @@ impl Server {
                 ));
             }
             let wanted = policy.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
-            if reg.free_pqps.len() < wanted {
+            let reserved = reg.reserved_for_others(tenant, self.config.physical_qps);
+            if reg.free_pqps.len() < wanted + reserved {
                 return Err(refuse(
                     libc::ENOSPC,
                     format!(
-                        "{} physical QPs are free, {wanted} needed",
+                        "{} physical QPs are free, {wanted} needed, {reserved} kept for \
+                         other tenants' first devices",
                         reg.free_pqps.len()
                     ),
                 ));
@@ -557,10 +575,7 @@ impl Server {
             for pqp in &pqps {
                 reg.free_pqps.remove(pqp);
             }
-            if let std::collections::hash_map::Entry::Vacant(slot) = reg.lids.entry(key) {
-                slot.insert(lid);
-                reg.next_lid += 1;
-            }
+            reg.lids.commit(assignment);
             reg.connected.insert(
                 lid,
                 Connected {

@@ -62,12 +62,31 @@ impl Drop for TempDir {
     }
 }
 
+/// Spawns binary `name` on `socket` with `args`, appending its stderr to `log`.
+fn spawn(name: &str, socket: &Path, args: &[String], log: &Path) -> Child {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .expect("log file");
+    Command::new(binary(name))
+        .arg("--socket")
+        .arg(socket)
+        .args(args)
+        .env("VRDMA_LOG", "debug")
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {name}: {e}"))
+}
+
 /// A workspace daemon running as a child process with its own scratch
 /// directory, socket and log file; killed on drop.
 #[derive(Debug)]
 pub struct Daemon {
     name: &'static str,
     child: Child,
+    args: Vec<String>,
     pub socket: PathBuf,
     log: PathBuf,
     dir: TempDir,
@@ -79,24 +98,31 @@ impl Daemon {
     pub fn start(name: &'static str, dir: TempDir, args: &[&str]) -> Self {
         let socket = dir.path().join(format!("{name}.sock"));
         let log = dir.path().join(format!("{name}.log"));
-        let child = Command::new(binary(name))
-            .arg("--socket")
-            .arg(&socket)
-            .args(args)
-            .env("VRDMA_LOG", "debug")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+        let args: Vec<String> = args.iter().map(|&a| a.to_owned()).collect();
+        let child = spawn(name, &socket, &args, &log);
         let mut daemon = Daemon {
             name,
             child,
+            args,
             socket,
             log,
             dir,
         };
         daemon.wait_for_socket();
         daemon
+    }
+
+    /// Kills the process (SIGKILL) and starts it again with the same
+    /// arguments on the same socket, as a supervisor would after a crash;
+    /// the log continues in the same file. Waits until the new process
+    /// listens.
+    pub fn restart(&mut self) {
+        self.kill();
+        // The dead process's socket file stays behind: remove it, so that
+        // waiting for the socket waits for the new process.
+        let _ = std::fs::remove_file(&self.socket);
+        self.child = spawn(self.name, &self.socket, &self.args, &self.log);
+        self.wait_for_socket();
     }
 
     fn wait_for_socket(&mut self) {
@@ -243,6 +269,11 @@ impl Vdev {
         self.daemon.kill();
     }
 
+    /// Kills vdev (SIGKILL) and starts it again on the same socket.
+    pub fn restart(&mut self) {
+        self.daemon.restart();
+    }
+
     /// Everything vdev logged so far.
     pub fn log(&self) -> String {
         self.daemon.log()
@@ -333,6 +364,20 @@ impl Hostd {
         self.daemon.is_running()
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.daemon.pid()
+    }
+
+    /// The value of the sample `series` (name and labels exactly as
+    /// hostd prints them, e.g. `vrdma_tenant_usage{tenant="alpha",resource="mrs"}`)
+    /// in `vrdmactl metrics`, or `None` when hostd does not print it.
+    pub fn metric(&self, series: &str) -> Option<f64> {
+        let (code, text, err) = self.ctl(&["metrics"]);
+        assert_eq!(code, 0, "vrdmactl metrics: {err}");
+        metric_value(&text, series)
+    }
+
     /// Everything hostd logged so far.
     pub fn log(&self) -> String {
         self.daemon.log()
@@ -383,4 +428,13 @@ impl Default for IbverbsShim {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// The value of the sample `series` (name and labels, exactly as printed)
+/// in the Prometheus text `metrics`.
+pub fn metric_value(metrics: &str, series: &str) -> Option<f64> {
+    metrics
+        .lines()
+        .filter_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
+        .find_map(|value| value.trim().parse().ok())
 }

@@ -34,7 +34,11 @@ impl Tenant {
 
     /// Like [`Tenant::start`] with extra vdev arguments.
     pub fn start_with(hostd: &Hostd, tenant: &str, args: &[&str]) -> Self {
-        let vdev = Vdev::on_hostd(hostd, tenant, args);
+        Self::open(Vdev::on_hostd(hostd, tenant, args))
+    }
+
+    /// Opens the device `vdev` serves (a new frontend connection).
+    pub fn open(vdev: Vdev) -> Self {
         let ctx = Context::open_vhost_user(&vdev.socket).expect("open the device");
         let lid = ctx.query_port(1).expect("query_port").lid.get();
         let pd = ctx.alloc_pd().expect("alloc_pd");
@@ -46,6 +50,20 @@ impl Tenant {
             lid,
             vdev,
         }
+    }
+
+    /// Closes the device, children first, and hands its vdev back (still
+    /// running, waiting for the next frontend, unless it was killed).
+    pub fn close(self) -> Vdev {
+        let Tenant {
+            cq,
+            pd,
+            ctx,
+            lid: _,
+            vdev,
+        } = self;
+        drop((cq, pd, ctx));
+        vdev
     }
 
     /// A new RC QP on this tenant's PD and CQ.

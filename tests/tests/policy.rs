@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::{Error, QpCapabilities, SendPayload, SendWr, WorkCompletion};
 use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
-use vrdma_tests::daemon::Hostd;
+use vrdma_tests::daemon::{metric_value, Hostd};
 use vrdma_tests::tenant::{connect, default_caps, Connection, Tenant};
 
 const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
@@ -147,12 +147,7 @@ fn every_quota_refuses_the_next_object_and_freeing_makes_room() {
     ] {
         let line =
             format!("vrdma_tenant_quota_rejections_total{{tenant=\"alpha\",quota=\"{quota}\"}}");
-        let count = metrics
-            .lines()
-            .find(|l| l.starts_with(&line))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0);
+        let count = metric_value(&metrics, &line).unwrap_or(0.0);
         assert!(count >= 1.0, "{quota} rejection not counted:\n{metrics}");
     }
 }

@@ -6,6 +6,7 @@
 //! away), and drains the control queue into the [`RdmaDevice`].
 
 use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -74,6 +75,8 @@ struct Inner {
     event_idx: AtomicBool,
     /// Notifiers of the exit events handed to the daemon's worker threads.
     exit_notifiers: Mutex<Vec<EventNotifier>>,
+    /// The exit events' consumer ends, owned here (see `exit_event`).
+    exit_consumers: Mutex<Vec<OwnedFd>>,
     /// The vrings, for the datapath's events.
     vrings: Arc<SharedVrings>,
     /// Wakes the datapath (doorbells, new event buffers, shutdown).
@@ -100,6 +103,7 @@ impl VrdmaBackend {
                 mem: Arc::new(Mutex::new(None)),
                 event_idx: AtomicBool::new(false),
                 exit_notifiers: Mutex::new(Vec::new()),
+                exit_consumers: Mutex::new(Vec::new()),
                 vrings: Arc::new(SharedVrings::default()),
                 wake: Arc::new(EventFd::new(libc::EFD_NONBLOCK)?),
                 stop: Arc::new(AtomicBool::new(false)),
@@ -317,6 +321,23 @@ impl VhostUserBackend for VrdmaBackend {
     fn exit_event(&self, _thread_index: usize) -> Option<(EventConsumer, EventNotifier)> {
         let (consumer, notifier) = new_event_consumer_and_notifier(EventFlag::NONBLOCK).ok()?;
         let kept = notifier.try_clone().ok()?;
+        // vhost-user-backend 0.24 adds the consumer to its epoll set with
+        // `into_raw_fd()` and never closes it (`VringEpollHandler::new`):
+        // an eventfd leaked per frontend connection. vdev owns it instead,
+        // closed when this backend (the daemon's and its workers' last
+        // user) goes, and lends the daemon its number.
+        // SAFETY: `consumer` is a fresh eventfd we own.
+        let owned = unsafe { OwnedFd::from_raw_fd(consumer.into_raw_fd()) };
+        // SAFETY: the daemon's only use of the lent consumer is
+        // `into_raw_fd()` (never closed on its side), and the descriptor
+        // stays open while the daemon's worker threads use it: they are
+        // joined when the daemon drops, before the backend's last clone.
+        let consumer = unsafe { EventConsumer::from_raw_fd(owned.as_raw_fd()) };
+        self.inner
+            .exit_consumers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(owned);
         self.inner
             .exit_notifiers
             .lock()

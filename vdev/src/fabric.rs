@@ -154,6 +154,18 @@ impl Fabric {
         }
     }
 
+    /// Ends the registration: hostd sees the channel close and tears the
+    /// device down, and closes the notification channel, which ends the
+    /// policy listener. Needed because the listener holds the device, and
+    /// with it this fabric, until then: dropping references alone would
+    /// never close the channel.
+    pub fn close(&self) {
+        self.channel
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .shutdown();
+    }
+
     /// Takes the notification channel (once), for the thread that listens.
     pub fn take_notifications(&self) -> Option<Channel> {
         self.notifications

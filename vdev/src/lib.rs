@@ -159,6 +159,11 @@ pub fn run(config: &Config, opened: Opened) -> Result<(), Error> {
         let result = daemon.wait();
         backend.stop_workers();
         backend.stop_datapath(datapath);
+        // The registration ends with the frontend, so that the next one
+        // can register this device again.
+        if let Some(fabric) = backend.device().fabric() {
+            fabric.close();
+        }
         match result {
             Ok(()) => {
                 tracing::info!(tenant = %config.tenant, "Frontend disconnected; device state released")

@@ -1,0 +1,201 @@
+//! LIDs of devices: stable per (tenant, device name), so that a restarted
+//! vdev gets its LID back, and bounded per tenant, so that a vdev cycling
+//! through device names (a compromised one, or a VMM naming sockets after
+//! each boot) cannot use up the host's LIDs and lock every other tenant's
+//! new devices out.
+//!
+//! Each tenant keeps up to [`REMEMBERED_PER_TENANT`] names. A new name
+//! beyond that takes over the LID of the tenant's least recently connected
+//! name that is not connected now; a LID therefore only ever passes between
+//! devices of one tenant, never to another tenant, whose QPs the old
+//! device's peers would then accept work from. Only when every name of the
+//! tenant is connected does a new name take a fresh LID.
+
+use std::collections::HashMap;
+
+/// Device names remembered per tenant once disconnected.
+pub const REMEMBERED_PER_TENANT: usize = 64;
+/// Largest LID (unicast range 0x0001–0xbfff).
+pub const MAX_LID: u16 = 0xbfff;
+
+/// A remembered device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Remembered {
+    lid: u16,
+    /// When the device last connected (a counter).
+    seen: u64,
+}
+
+/// The LID a device gets, before [`LidTable::commit`] makes it so.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Assignment {
+    tenant: String,
+    device: String,
+    pub lid: u16,
+    /// The name whose LID this one takes over (forgotten at commit).
+    replaces: Option<String>,
+    /// Whether the LID is a fresh one.
+    fresh: bool,
+}
+
+/// No LID left for a new device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("No LID left on this host")]
+pub struct Exhausted;
+
+/// LIDs by (tenant, device name).
+#[derive(Debug)]
+pub struct LidTable {
+    by_device: HashMap<(String, String), Remembered>,
+    next: u16,
+    clock: u64,
+}
+
+impl Default for LidTable {
+    fn default() -> Self {
+        LidTable {
+            by_device: HashMap::new(),
+            next: 1,
+            clock: 0,
+        }
+    }
+}
+
+impl LidTable {
+    /// The LID `device` of `tenant` gets: its own if it is remembered,
+    /// else one of the tenant's forgotten devices' (see the module doc) or
+    /// a fresh one. `connected` says whether a LID is in use now. Nothing
+    /// changes until [`LidTable::commit`].
+    pub fn assign(
+        &self,
+        tenant: &str,
+        device: &str,
+        connected: impl Fn(u16) -> bool,
+    ) -> Result<Assignment, Exhausted> {
+        let assignment = |lid, replaces, fresh| Assignment {
+            tenant: tenant.to_owned(),
+            device: device.to_owned(),
+            lid,
+            replaces,
+            fresh,
+        };
+        if let Some(r) = self.by_device.get(&(tenant.to_owned(), device.to_owned())) {
+            return Ok(assignment(r.lid, None, false));
+        }
+        let mine = || self.by_device.iter().filter(|((t, _), _)| t == tenant);
+        if mine().count() >= REMEMBERED_PER_TENANT {
+            let oldest = mine()
+                .filter(|(_, r)| !connected(r.lid))
+                .min_by_key(|(_, r)| r.seen);
+            if let Some(((_, name), r)) = oldest {
+                return Ok(assignment(r.lid, Some(name.clone()), false));
+            }
+        }
+        if self.next > MAX_LID {
+            return Err(Exhausted);
+        }
+        Ok(assignment(self.next, None, true))
+    }
+
+    /// Records that the device of `a` connected with `a.lid`.
+    pub fn commit(&mut self, a: Assignment) {
+        if let Some(name) = a.replaces {
+            self.by_device.remove(&(a.tenant.clone(), name));
+        }
+        if a.fresh {
+            self.next += 1;
+        }
+        self.clock += 1;
+        self.by_device.insert(
+            (a.tenant, a.device),
+            Remembered {
+                lid: a.lid,
+                seen: self.clock,
+            },
+        );
+    }
+
+    /// Names remembered for `tenant`.
+    pub fn remembered(&self, tenant: &str) -> usize {
+        self.by_device.keys().filter(|(t, _)| t == tenant).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connect(table: &mut LidTable, tenant: &str, device: &str) -> u16 {
+        let a = table.assign(tenant, device, |_| false).expect("a LID");
+        let lid = a.lid;
+        table.commit(a);
+        lid
+    }
+
+    #[test]
+    fn a_device_keeps_its_lid_and_names_get_distinct_ones() {
+        let mut t = LidTable::default();
+        let a = connect(&mut t, "alpha", "one");
+        let b = connect(&mut t, "alpha", "two");
+        let c = connect(&mut t, "beta", "one");
+        assert_eq!((a, b, c), (1, 2, 3));
+        assert_eq!(
+            connect(&mut t, "alpha", "one"),
+            a,
+            "a restart keeps the LID"
+        );
+        assert_eq!(connect(&mut t, "beta", "one"), c, "names are per tenant");
+    }
+
+    #[test]
+    fn cycling_names_reuses_the_tenants_own_lids() {
+        let mut t = LidTable::default();
+        let alpha = connect(&mut t, "alpha", "vm");
+        let mut beta = std::collections::BTreeSet::new();
+        for i in 0..10 * REMEMBERED_PER_TENANT {
+            beta.insert(connect(&mut t, "beta", &format!("name-{i}")));
+        }
+        assert_eq!(beta.len(), REMEMBERED_PER_TENANT, "beta's LIDs are bounded");
+        assert!(!beta.contains(&alpha), "never another tenant's LID");
+        assert_eq!(t.remembered("beta"), REMEMBERED_PER_TENANT);
+        assert_eq!(connect(&mut t, "alpha", "vm"), alpha);
+        // The most recent names are still remembered; the oldest are not.
+        let last = format!("name-{}", 10 * REMEMBERED_PER_TENANT - 1);
+        let lid = t.assign("beta", &last, |_| false).expect("LID");
+        assert!(lid.replaces.is_none() && !lid.fresh, "{lid:?}");
+    }
+
+    #[test]
+    fn connected_lids_are_never_taken_over() {
+        let mut t = LidTable::default();
+        for i in 0..REMEMBERED_PER_TENANT {
+            connect(&mut t, "beta", &format!("name-{i}"));
+        }
+        // All connected: a new name gets a fresh LID.
+        let a = t.assign("beta", "new", |_| true).expect("LID");
+        assert!(
+            a.fresh && a.lid as usize == REMEMBERED_PER_TENANT + 1,
+            "{a:?}"
+        );
+        // Only LID 5 is free: the new name takes it over.
+        let a = t.assign("beta", "new", |lid| lid != 5).expect("LID");
+        assert_eq!((a.lid, a.replaces.as_deref()), (5, Some("name-4")));
+        t.commit(a);
+        assert_eq!(t.remembered("beta"), REMEMBERED_PER_TENANT);
+    }
+
+    #[test]
+    fn fresh_lids_run_out_only_when_all_are_in_use() {
+        let mut t = LidTable {
+            next: MAX_LID,
+            ..LidTable::default()
+        };
+        assert_eq!(connect(&mut t, "alpha", "last"), MAX_LID);
+        assert_eq!(t.assign("alpha", "more", |_| true), Err(Exhausted));
+        assert_eq!(
+            t.assign("alpha", "last", |_| true).map(|a| a.lid),
+            Ok(MAX_LID),
+            "a known name still gets its LID"
+        );
+    }
+}
