@@ -403,7 +403,8 @@ impl Initramfs {
                 } = entry
                 {
                     if *mode & 0o111 != 0 {
-                        if let Source::Host(path) = std::mem::replace(data, Source::Bytes(Vec::new()))
+                        if let Source::Host(path) =
+                            std::mem::replace(data, Source::Bytes(Vec::new()))
                         {
                             *data = Source::Stripped(path);
                         }

@@ -891,7 +891,10 @@ fn one_vdev_serves_frontend_after_frontend_on_hostd() {
         // The frontend left: hostd releases what it had.
         let deadline = Instant::now() + Duration::from_secs(10);
         while hostd.usage("alpha")["qps"] != 0 {
-            assert!(Instant::now() < deadline, "frontend {round}'s QP is still in hostd");
+            assert!(
+                Instant::now() < deadline,
+                "frontend {round}'s QP is still in hostd"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }

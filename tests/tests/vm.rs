@@ -297,9 +297,12 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
 }
 
 /// The host end of the guest's command loop: the guest script fetches
-/// its next shell command over HTTP (`wget http://10.0.2.2:PORT/`), runs
-/// it and asks again, also after a reboot. The host so decides what runs
-/// when, in step with its own side of each exchange.
+/// its next shell command over HTTP (`wget http://10.0.2.2:PORT/BOOT_ID`),
+/// runs it and asks again, also after a reboot. The host so decides what
+/// runs when, in step with its own side of each exchange. A request the
+/// guest made before a machine reset may still wait in the listener's
+/// backlog (user networking keeps the connection): requests carry the
+/// kernel's boot id, and only the current boot's get an answer.
 struct Commands {
     listener: TcpListener,
     port: u16,
@@ -315,24 +318,34 @@ impl Commands {
         Commands { listener, port }
     }
 
-    /// Answers the guest's next request with `command`; waits up to
-    /// `timeout` for the request.
-    fn send(&self, command: &str, timeout: Duration) -> Result<(), String> {
+    /// Answers the next request of boot `boot` with `command`; waits up
+    /// to `timeout` for it.
+    fn send(&self, boot: &str, command: &str, timeout: Duration) -> Result<(), String> {
         let deadline = Instant::now() + timeout;
-        let mut stream = loop {
-            match self.listener.accept() {
-                Ok((stream, _)) => break stream,
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    if Instant::now() >= deadline {
-                        return Err(format!(
-                            "the guest did not ask for a command within {timeout:?}"
-                        ));
+        loop {
+            let stream = loop {
+                match self.listener.accept() {
+                    Ok((stream, _)) => break stream,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if Instant::now() >= deadline {
+                            return Err(format!(
+                                "the guest did not ask for a command within {timeout:?}"
+                            ));
+                        }
+                        std::thread::sleep(Duration::from_millis(50));
                     }
-                    std::thread::sleep(Duration::from_millis(50));
+                    Err(e) => return Err(format!("accept: {e}")),
                 }
-                Err(e) => return Err(format!("accept: {e}")),
+            };
+            if Self::answer(stream, boot, command)? {
+                return Ok(());
             }
-        };
+        }
+    }
+
+    /// Reads a request and answers it with `command` if it comes from boot
+    /// `boot`; returns whether it did.
+    fn answer(mut stream: std::net::TcpStream, boot: &str, command: &str) -> Result<bool, String> {
         let io = |e: std::io::Error| format!("answering the guest: {e}");
         stream.set_nonblocking(false).map_err(io)?;
         stream
@@ -342,10 +355,19 @@ impl Commands {
         let mut request = Vec::new();
         let mut byte = [0u8; 1];
         while !request.ends_with(b"\r\n\r\n") {
-            if stream.read(&mut byte).map_err(io)? == 0 {
-                return Err("the guest closed its request early".into());
+            match stream.read(&mut byte) {
+                Ok(1) => request.push(byte[0]),
+                // A request from before a reset may be cut short.
+                _ => return Ok(false),
             }
-            request.push(byte[0]);
+        }
+        let first = String::from_utf8_lossy(&request);
+        if !first.starts_with(&format!("GET /{boot} ")) {
+            println!(
+                "dropped a request of an earlier boot: {:?}",
+                first.lines().next()
+            );
+            return Ok(false);
         }
         let body = format!("{command}\n");
         write!(
@@ -353,7 +375,8 @@ impl Commands {
             "HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         )
-        .map_err(io)
+        .map_err(io)?;
+        Ok(true)
     }
 }
 
@@ -367,9 +390,10 @@ run() {{
     "$@"; rc=$?
     if [ $rc -eq 0 ]; then pass "$name"; else fail "$name" "exit status $rc"; fi
 }}
-echo "VRDMA-AGENT up"
+boot=$(cat /proc/sys/kernel/random/boot_id)
+echo "VRDMA-AGENT up $boot"
 while :; do
-    if wget -q -O /tmp/command "http://10.0.2.2:{command_port}/next"; then
+    if wget -q -O /tmp/command "http://10.0.2.2:{command_port}/$boot"; then
         echo "VRDMA-AGENT runs: $(cat /tmp/command)"
         . /tmp/command
     else
@@ -563,6 +587,8 @@ struct Rig {
     host_vdev: Vdev,
     hostd: Hostd,
     commands: Commands,
+    /// The guest's current boot id (the command loop's `VRDMA-AGENT up` line).
+    boot: String,
     shim: IbverbsShim,
 }
 
@@ -585,10 +611,24 @@ impl Rig {
 
     /// Runs `command` in the guest and waits for its verdict `name`.
     fn guest_run(&mut self, name: &str, command: &str) {
-        let sent = self.commands.send(&format!("run {name} {command}"), STEP);
+        let sent = self
+            .commands
+            .send(&self.boot, &format!("run {name} {command}"), STEP);
         self.ok(sent);
         let verdict = self.guest.verdict(name, STEP);
         self.ok(verdict);
+    }
+
+    /// Waits for the command loop of the boot after console offset `mark`
+    /// and takes its boot id.
+    fn wait_for_boot(&mut self, mark: usize) {
+        let line = self.guest.wait_for_after(mark, "VRDMA-AGENT up", STEP);
+        let line = self.ok(line);
+        self.boot = line
+            .split_whitespace()
+            .last()
+            .unwrap_or_default()
+            .to_owned();
     }
 
     /// What the guest printed while running command `name` (up to its verdict).
@@ -607,7 +647,7 @@ impl Rig {
 
     /// Runs `command` in the guest (no verdict).
     fn guest_do(&mut self, command: &str) {
-        let sent = self.commands.send(command, STEP);
+        let sent = self.commands.send(&self.boot, command, STEP);
         self.ok(sent);
     }
 
@@ -624,7 +664,9 @@ impl Rig {
         let guest_text = self.output_of(name);
         const PASS: &str = "VRDMA-GUEST: PASS WRITE, READ and SEND/RECV";
         if !guest_text.contains(PASS) {
-            self.fail(&format!("{name}: vrdma-guest in the VM said:\n{guest_text}"));
+            self.fail(&format!(
+                "{name}: vrdma-guest in the VM said:\n{guest_text}"
+            ));
         }
         if !status.is_some_and(|s| s.success()) || !text.contains(PASS) {
             self.fail(&format!(
@@ -662,7 +704,10 @@ impl Rig {
                 return ops;
             }
             if Instant::now() >= deadline {
-                self.fail(&format!("tenant vm did {} work requests, wanted {more}", ops - from));
+                self.fail(&format!(
+                    "tenant vm did {} work requests, wanted {more}",
+                    ops - from
+                ));
             }
             std::thread::sleep(Duration::from_millis(200));
         }
@@ -713,11 +758,7 @@ fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
     let started = Instant::now();
     let hostd = Hostd::start(Some(POLICY));
     let hostd_socket = hostd.socket.to_str().expect("UTF-8 path").to_owned();
-    let vm_vdev = Vdev::start_in(
-        image.temp_dir("vdev-vm"),
-        "vm",
-        &["--hostd", &hostd_socket],
-    );
+    let vm_vdev = Vdev::start_in(image.temp_dir("vdev-vm"), "vm", &["--hostd", &hostd_socket]);
     let host_vdev = Vdev::on_hostd(&hostd, "host", &[]);
     let mut bystander = Bystander::start(&hostd);
     let commands = Commands::new();
@@ -747,10 +788,10 @@ fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
         host_vdev,
         hostd,
         commands,
+        boot: String::new(),
         shim,
     };
-    let boot = rig.guest.wait_for("VRDMA-AGENT up", STEP);
-    rig.ok(boot);
+    rig.wait_for_boot(0);
     println!("{:?}: guest up", started.elapsed());
 
     // 1. WRITE, READ and SEND/RECV, checked on both sides.
@@ -768,16 +809,20 @@ fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
     );
     let status = wait_child(&mut server, STEP);
     let out = server.wait_with_output().expect("server output");
-    let host_text = String::from_utf8_lossy(&out.stdout).into_owned()
-        + &String::from_utf8_lossy(&out.stderr);
+    let host_text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     let guest_text = rig.output_of("pingpong");
     for (side, text) in [("host", &host_text), ("guest", &guest_text)] {
         if !(text.contains("local address:  LID 0x") && text.contains(" iters in ")) {
-            rig.fail(&format!("ibv_rc_pingpong on the {side}: no result lines:\n{text}"));
+            rig.fail(&format!(
+                "ibv_rc_pingpong on the {side}: no result lines:\n{text}"
+            ));
         }
     }
     if !status.is_some_and(|s| s.success()) {
-        rig.fail(&format!("ibv_rc_pingpong on the host: {status:?}\n{host_text}"));
+        rig.fail(&format!(
+            "ibv_rc_pingpong on the host: {status:?}\n{host_text}"
+        ));
     }
     print!("guest ibv_rc_pingpong:\n{guest_text}host ibv_rc_pingpong:\n{host_text}");
     rig.wait_vm_released("ibv_rc_pingpong ended");
@@ -826,8 +871,9 @@ fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
     let _ = server.wait();
     rig.daemons_alive("the machine reset");
     bystander.check("the machine reset");
-    let rebooted = rig.guest.wait_for_after(mark, "VRDMA-AGENT up", STEP);
-    rig.ok(rebooted);
+    let before = rig.boot.clone();
+    rig.wait_for_boot(mark);
+    assert_ne!(rig.boot, before, "the guest booted again");
     rig.guest_program_round("rdma-after-reset");
     rig.wait_vm_released("vrdma-guest after the reset");
     rig.daemons_alive("the test");

@@ -860,7 +860,10 @@ fn unmask_intx(config: &File) -> io::Result<bool> {
     if cmd & PCI_COMMAND_INTX_DISABLE == 0 {
         return Ok(false);
     }
-    config.write_all_at(&(cmd & !PCI_COMMAND_INTX_DISABLE).to_le_bytes(), PCI_COMMAND)?;
+    config.write_all_at(
+        &(cmd & !PCI_COMMAND_INTX_DISABLE).to_le_bytes(),
+        PCI_COMMAND,
+    )?;
     Ok(true)
 }
 
@@ -1135,10 +1138,8 @@ mod tests {
         );
         let mut image = std::fs::read(fixture).unwrap();
         image[4..6].copy_from_slice(&command.to_le_bytes());
-        let path = std::env::temp_dir().join(format!(
-            "vrdma-config-{}-{command:x}",
-            std::process::id()
-        ));
+        let path =
+            std::env::temp_dir().join(format!("vrdma-config-{}-{command:x}", std::process::id()));
         std::fs::write(&path, &image).unwrap();
         let file = OpenOptions::new()
             .read(true)

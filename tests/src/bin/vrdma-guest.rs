@@ -346,7 +346,11 @@ fn run(args: &Args) -> Result<String, String> {
         .map_err(|e| format!("post WRITE: {e}"))?;
     completions.take(WR_WRITE, "RDMA WRITE")?;
     // SEND the same bytes; the peer receives them into its landing area.
-    let mut wr = signaled(SendWr::new(WR_SEND, SendOpcode::Send, SendPayload::Sges(&sge)));
+    let mut wr = signaled(SendWr::new(
+        WR_SEND,
+        SendOpcode::Send,
+        SendPayload::Sges(&sge),
+    ));
     wr.imm_data = [0; 4];
     qp.post_send(&[wr]).map_err(|e| format!("post SEND: {e}"))?;
     // Two completions: our SEND and the peer's SEND into our receive.
