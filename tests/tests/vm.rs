@@ -1,10 +1,17 @@
 //! vrdma under a real VMM: stock QEMU 11 (TCG) from Debian trixie-backports
-//! attaches vdev as `vhost-user-test-device-pci`, a Debian guest takes the
-//! function from virtio-pci for uio_pci_generic and drives its virtio-pci
-//! registers like a user-space driver: bring-up to DRIVER_OK, a device
-//! reset, a second bring-up; then the machine is reset (QMP system_reset)
-//! and QEMU quits. A recording proxy between QEMU and vdev shows what QEMU
-//! sends at each step, and the test checks that vdev saw it.
+//! attaches vdev as `vhost-user-test-device-pci`.
+//!
+//! - The smoke test: a Debian guest takes the function from virtio-pci for
+//!   uio_pci_generic and drives its virtio-pci registers from busybox sh:
+//!   bring-up to DRIVER_OK, a device reset, a second bring-up; then the
+//!   machine is reset (QMP system_reset) and QEMU quits. A recording proxy
+//!   between QEMU and vdev shows what QEMU sends at each step, and the test
+//!   checks that vdev saw it.
+//! - The RDMA test: the guest driver's virtio-pci transport in the guest
+//!   (`vrdma-guest`, Debian's `ibv_rc_pingpong` on vrdma's libibverbs)
+//!   against a process-mode tenant on the host through hostd, then the
+//!   guest misbehaving (its driver killed mid-traffic, the machine reset
+//!   while QPs exist) while vdev, hostd and a bystander tenant carry on.
 //!
 //! Needs root (debootstrap, chroot) and the cache `tests/vm/prepare.sh`
 //! fills (docs/vm.md); outside CI without root it prints SKIPPED.
@@ -169,6 +176,7 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
     let shim = IbverbsShim::new();
     let initramfs = image
         .initramfs()
+        .strip_debug()
         .library_dir(shim.path())
         .binary(
             Path::new("/usr/bin/ibv_rc_pingpong"),
@@ -844,6 +852,12 @@ fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
     let _ = server.kill();
     let _ = server.wait();
     rig.daemons_alive("the guest driver was killed");
+    // Nobody reset the device: its objects stay until the next driver's
+    // reset releases them.
+    let usage = rig.hostd.usage("vm");
+    if usage["qps"] == 0 {
+        rig.fail(&format!("tenant vm lost its QP without a reset: {usage}"));
+    }
     bystander.check("the guest driver was killed");
     rig.guest_program_round("rdma-after-kill");
     rig.wait_vm_released("vrdma-guest after the kill");
