@@ -342,14 +342,29 @@ impl Hostd {
     /// What `tenant` holds in hostd now (`vrdmactl stats --json`, its
     /// `usage` object: devices, physical_queues, qps, mrs, mr_bytes).
     pub fn usage(&self, tenant: &str) -> serde_json::Value {
+        self.tenant_stats(tenant)["usage"].clone()
+    }
+
+    /// Everything hostd reports about `tenant` (`vrdmactl stats --json`:
+    /// its `ops`, `bytes`, `errors`, `usage` ... objects).
+    pub fn tenant_stats(&self, tenant: &str) -> serde_json::Value {
         let (code, out, err) = self.ctl(&["stats", "--json"]);
         assert_eq!(code, 0, "vrdmactl stats: {err}");
         let stats: serde_json::Value = serde_json::from_str(&out).expect("stats JSON");
         stats["tenants"]
             .as_array()
             .and_then(|t| t.iter().find(|t| t["tenant"] == tenant))
-            .map(|t| t["usage"].clone())
+            .cloned()
             .unwrap_or_else(|| panic!("no tenant {tenant} in hostd's stats:\n{out}"))
+    }
+
+    /// Successful work requests of `tenant` so far, all kinds together.
+    pub fn ops(&self, tenant: &str) -> u64 {
+        let stats = self.tenant_stats(tenant);
+        stats["ops"]
+            .as_object()
+            .map(|ops| ops.values().filter_map(serde_json::Value::as_u64).sum())
+            .unwrap_or(0)
     }
 
     /// Sends SIGHUP (reload the policy).
@@ -422,6 +437,37 @@ impl IbverbsShim {
     pub fn path(&self) -> &Path {
         self.0.path()
     }
+
+    /// `program` with the shim first on the library path and `device` (a
+    /// vdev socket) as its only vrdma device; output piped.
+    pub fn command(&self, program: &str, device: &Path) -> Command {
+        let mut cmd = Command::new(program);
+        cmd.env("LD_LIBRARY_PATH", self.path())
+            .env("VRDMA_DEVICES", device)
+            .env_remove("VRDMA_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        cmd
+    }
+}
+
+/// Whether something listens on TCP `port` (read from /proc, so that a
+/// server's single accept is not used up by a probe).
+pub fn tcp_listening(port: u16) -> bool {
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+        std::fs::read_to_string(f).is_ok_and(|table| {
+            table.lines().skip(1).any(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let local_port = fields
+                    .get(1)
+                    .and_then(|a| a.rsplit(':').next())
+                    .and_then(|p| u16::from_str_radix(p, 16).ok());
+                // State 0A is LISTEN.
+                local_port == Some(port) && fields.get(3) == Some(&"0A")
+            })
+        })
+    })
 }
 
 impl Default for IbverbsShim {

@@ -22,6 +22,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Component, Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::daemon::TempDir;
@@ -215,6 +216,8 @@ enum Source {
     Host(PathBuf),
     /// A `.ko.xz` decompressed while building.
     Xz(PathBuf),
+    /// A host ELF file without its debug sections (`strip --strip-debug`).
+    Stripped(PathBuf),
 }
 
 /// Where shared libraries go in the guest (a directory the guest's
@@ -234,6 +237,7 @@ pub struct Initramfs {
     modules: Vec<String>,
     library_path: Vec<PathBuf>,
     script: String,
+    strip_debug: bool,
 }
 
 /// Modules every guest loads: uio_pci_generic to take the vrdma function
@@ -249,6 +253,7 @@ impl Initramfs {
             modules: Vec::new(),
             library_path: Vec::new(),
             script: String::new(),
+            strip_debug: false,
         };
         for dir in [
             "/bin", "/dev", "/etc", "/proc", "/sys", "/tmp", "/lib64", "/root",
@@ -305,6 +310,14 @@ impl Initramfs {
     /// instead of the host's.
     pub fn library_dir(mut self, dir: &Path) -> Self {
         self.library_path.push(dir.into());
+        self
+    }
+
+    /// Packs host binaries and their shared libraries without debug
+    /// information: the workspace's debug builds are tens of MB each, which
+    /// the guest would unpack into its RAM.
+    pub fn strip_debug(mut self) -> Self {
+        self.strip_debug = true;
         self
     }
 
@@ -382,6 +395,23 @@ impl Initramfs {
                 mode: 0o644,
             },
         );
+        if self.strip_debug {
+            for entry in self.entries.values_mut() {
+                if let Entry::File {
+                    data: data @ Source::Host(_),
+                    mode,
+                } = entry
+                {
+                    if *mode & 0o111 != 0 {
+                        if let Source::Host(path) =
+                            std::mem::replace(data, Source::Bytes(Vec::new()))
+                        {
+                            *data = Source::Stripped(path);
+                        }
+                    }
+                }
+            }
+        }
         let file = std::fs::File::create(out).map_err(io_err(out))?;
         let mut writer = CpioWriter::new(std::io::BufWriter::new(file));
         for (path, entry) in &self.entries {
@@ -617,6 +647,32 @@ fn read_source(source: &Source) -> std::io::Result<Vec<u8>> {
                 )));
             }
             Ok(out.stdout)
+        }
+        Source::Stripped(path) => {
+            // Unique per call: tests build initramfs images in parallel.
+            static NEXT: AtomicUsize = AtomicUsize::new(0);
+            let copy = std::env::temp_dir().join(format!(
+                "vrdma-strip-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ));
+            let out = Command::new("strip")
+                .arg("--strip-debug")
+                .arg("-o")
+                .arg(&copy)
+                .arg(path)
+                .output()?;
+            let data = if out.status.success() {
+                std::fs::read(&copy)
+            } else {
+                Err(std::io::Error::other(format!(
+                    "strip --strip-debug {}: {}",
+                    path.display(),
+                    String::from_utf8_lossy(&out.stderr)
+                )))
+            };
+            let _ = std::fs::remove_file(&copy);
+            data
         }
     }
 }

@@ -10,12 +10,12 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Output};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use vrdma_tests::daemon::{Hostd, IbverbsShim, TempDir, Vdev};
+use vrdma_tests::daemon::{tcp_listening, Hostd, IbverbsShim, TempDir, Vdev};
 
 /// The tests share two cores with the daemons: one program pair at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -62,32 +62,6 @@ fn have(tools: &[&str]) -> bool {
     false
 }
 
-/// The drop-in's directory ([`IbverbsShim`]) and how to run programs on it.
-struct ShimDir(IbverbsShim);
-
-impl ShimDir {
-    fn new() -> Self {
-        ShimDir(IbverbsShim::new())
-    }
-
-    fn path(&self) -> &Path {
-        self.0.path()
-    }
-
-    /// `program` with the shim first on the library path and `socket` as
-    /// its only vrdma device.
-    fn command(&self, program: &str, socket: &Path) -> Command {
-        let mut cmd = Command::new(program);
-        cmd.env("LD_LIBRARY_PATH", self.path())
-            .env("VRDMA_DEVICES", socket)
-            .env_remove("VRDMA_CONFIG")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        cmd
-    }
-}
-
 /// hostd with its two default tenants' vdevs.
 struct Fabric {
     // Dropped in declaration order: the vdevs before hostd.
@@ -131,24 +105,6 @@ fn wait_output(mut child: Child, timeout: Duration) -> (Output, bool) {
     (child.wait_with_output().expect("collect output"), timed_out)
 }
 
-/// Whether something listens on TCP `port` (read from /proc, so that the
-/// server's single accept is not used up by a probe).
-fn listening(port: u16) -> bool {
-    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
-        std::fs::read_to_string(f).is_ok_and(|table| {
-            table.lines().skip(1).any(|line| {
-                let fields: Vec<&str> = line.split_whitespace().collect();
-                let local_port = fields
-                    .get(1)
-                    .and_then(|a| a.rsplit(':').next())
-                    .and_then(|p| u16::from_str_radix(p, 16).ok());
-                // State 0A is LISTEN.
-                local_port == Some(port) && fields.get(3) == Some(&"0A")
-            })
-        })
-    })
-}
-
 struct Run {
     server: Output,
     client: Output,
@@ -174,7 +130,7 @@ impl Run {
 
 /// Runs `program args` as the server on alpha and `program args localhost`
 /// as the client on beta (both with `-p port`); both must exit 0.
-fn run_pair(shim: &ShimDir, fabric: &Fabric, program: &str, args: &[&str]) -> Run {
+fn run_pair(shim: &IbverbsShim, fabric: &Fabric, program: &str, args: &[&str]) -> Run {
     let port = next_port().to_string();
     let server = shim
         .command(program, &fabric.alpha.socket)
@@ -183,7 +139,7 @@ fn run_pair(shim: &ShimDir, fabric: &Fabric, program: &str, args: &[&str]) -> Ru
         .spawn()
         .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
     let deadline = Instant::now() + Duration::from_secs(20);
-    while !listening(port.parse().expect("port")) && Instant::now() < deadline {
+    while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
     let client = shim
@@ -225,7 +181,7 @@ fn ibv_devinfo_lists_the_vrdma_device_with_an_active_port() {
         return;
     }
     let _serial = serial();
-    let shim = ShimDir::new();
+    let shim = IbverbsShim::new();
     let fabric = Fabric::start();
     let child = shim
         .command("ibv_devinfo", &fabric.alpha.socket)
@@ -265,7 +221,7 @@ fn misconfiguration_is_reported_clearly() {
     if !have(&["ibv_devinfo"]) {
         return;
     }
-    let shim = ShimDir::new();
+    let shim = IbverbsShim::new();
     let dir = TempDir::new("ibverbs-noconf");
     // Nothing configured (a config file that is named but missing).
     let out = Command::new("ibv_devinfo")
@@ -301,7 +257,7 @@ fn rc_pingpong(args: &[&str]) {
         return;
     }
     let _serial = serial();
-    let shim = ShimDir::new();
+    let shim = IbverbsShim::new();
     // A fresh fabric per pair: each program is a new vhost-user frontend.
     let fabric = Fabric::start();
     let run = run_pair(&shim, &fabric, "ibv_rc_pingpong", args);
@@ -342,7 +298,7 @@ fn perftest(program: &str, iters: &str) {
         return;
     }
     let _serial = serial();
-    let shim = ShimDir::new();
+    let shim = IbverbsShim::new();
     for size in ["64", "65536"] {
         let fabric = Fabric::start();
         let run = run_pair(&shim, &fabric, program, &["-s", size, "-n", iters, "-F"]);
@@ -412,7 +368,7 @@ fn perftest_with_completion_events() {
         return;
     }
     let _serial = serial();
-    let shim = ShimDir::new();
+    let shim = IbverbsShim::new();
     for program in ["ib_send_bw", "ib_send_lat", "ib_read_lat"] {
         let fabric = Fabric::start();
         let run = run_pair(
@@ -516,7 +472,7 @@ fn refused_verbs_return_errors_not_crashes() {
         }
         panic!("cc and libibverbs-dev are installed by .ci/run");
     }
-    let shim = ShimDir::new();
+    let shim = IbverbsShim::new();
     let dir = TempDir::new("ibverbs-refusals");
     let src = dir.path().join("refusals.c");
     std::fs::File::create(&src)

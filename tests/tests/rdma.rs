@@ -2,12 +2,12 @@
 //! processes, two process-mode tenants, every operation with its data
 //! checked byte for byte on the other side, and the RC error cases.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use vrdma_guest_driver::{RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
+use vrdma_guest_driver::{Context, QpInitAttr, RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
 use vrdma_spec::ring::send_flags::SIGNALED;
-use vrdma_spec::verbs::{access, QpState, SendOpcode, WcOpcode, WcStatus};
-use vrdma_tests::daemon::Hostd;
+use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcOpcode, WcStatus};
+use vrdma_tests::daemon::{Hostd, Vdev};
 use vrdma_tests::tenant::{
     assert_no_completion, bring_up, connect, default_caps, wait_completions, Connection, Tenant,
 };
@@ -845,4 +845,58 @@ fn a_memory_region_of_scattered_segments_takes_writes_and_reads() {
     )])
     .expect("post write");
     assert_eq!(one(&s.a.cq).status, WcStatus::RemAccessErr);
+}
+
+/// vdev serves one frontend after another on the same hostd registration
+/// name: each frontend's leaving ends its registration (hostd releases the
+/// device's objects), so the next frontend registers anew and works. Once
+/// broken: vdev's policy listener kept the registration alive, hostd kept
+/// refusing the next one as "already connected" and vdev gave up and exited.
+#[test]
+fn one_vdev_serves_frontend_after_frontend_on_hostd() {
+    let hostd = Hostd::start(None);
+    let mut alpha = Vdev::on_hostd(&hostd, "alpha", &[]);
+    let beta = Tenant::start(&hostd, "beta");
+    for round in 0..3u8 {
+        let ctx = Context::open_vhost_user(&alpha.socket)
+            .unwrap_or_else(|e| panic!("frontend {round}: open: {e}\n{}", alpha.log()));
+        let lid = ctx.query_port(1).expect("query_port").lid.get();
+        let pd = ctx.alloc_pd().expect("alloc_pd");
+        let cq = ctx.create_cq(16, 0).expect("create_cq");
+        let qp = pd
+            .create_qp(&QpInitAttr {
+                send_cq: &cq,
+                recv_cq: &cq,
+                cap: default_caps(),
+                qp_type: QpType::Rc,
+                sq_sig_all: false,
+            })
+            .expect("create_qp");
+        let peer = beta.qp(default_caps());
+        bring_up(&qp, peer.qp_num(), beta.lid, Connection::default()).expect("bring up");
+        bring_up(&peer, qp.qp_num(), lid, Connection::default()).expect("bring up the peer");
+        let src = pd.alloc_mr(4096, RW).expect("src");
+        let dst = beta.pd.alloc_mr(4096, RW).expect("dst");
+        let data = vec![round + 1; 4096];
+        src.write(0, &data).expect("fill");
+        let sge = [src.sge(0, 4096)];
+        qp.post_send(&[rdma(1, SendOpcode::RdmaWrite, &sge, dst.iova(), dst.rkey())])
+            .expect("post WRITE");
+        assert_eq!(one(&cq).status, WcStatus::Success, "frontend {round}");
+        let mut landed = vec![0u8; 4096];
+        dst.read(0, &mut landed).expect("read");
+        assert_eq!(landed, data, "frontend {round}'s WRITE landed");
+        assert_eq!(hostd.usage("alpha")["qps"], 1, "frontend {round}");
+        drop((src, qp, cq, pd, ctx));
+        // The frontend left: hostd releases what it had.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while hostd.usage("alpha")["qps"] != 0 {
+            assert!(
+                Instant::now() < deadline,
+                "frontend {round}'s QP is still in hostd"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    assert!(alpha.is_running(), "vdev stays up:\n{}", alpha.log());
 }

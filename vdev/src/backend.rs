@@ -122,7 +122,11 @@ impl VrdmaBackend {
             return Ok(None);
         };
         if let Some(channel) = fabric.take_notifications() {
-            crate::fabric::listen_for_policy(channel, self.inner.device.clone(), fabric.clone())?;
+            crate::fabric::listen_for_policy(
+                channel,
+                Arc::downgrade(&self.inner.device),
+                Arc::downgrade(&fabric),
+            )?;
         }
         let ctx = DatapathContext {
             device: self.inner.device.clone(),

@@ -6,7 +6,7 @@ use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, Weak};
 
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
@@ -256,15 +256,25 @@ fn eventfd_from(file: Option<File>) -> Option<EventFd> {
 
 /// Starts the thread that applies hostd's policy notifications to `device`
 /// until hostd closes the channel (the device's registration ended).
+///
+/// The thread holds the device and the registration weakly: hostd closes
+/// the channel only after the registration's connection closes, which
+/// happens when the last `Fabric` goes — a strong reference here would keep
+/// it open, and hostd would refuse this device's next registration (the
+/// next frontend's) as still connected.
 pub fn listen_for_policy(
     channel: Channel,
-    device: std::sync::Arc<Mutex<crate::verbs::RdmaDevice>>,
-    fabric: std::sync::Arc<Fabric>,
+    device: Weak<Mutex<crate::verbs::RdmaDevice>>,
+    fabric: Weak<Fabric>,
 ) -> std::io::Result<()> {
     let name = "policy-listener".to_string();
     std::thread::Builder::new().name(name).spawn(move || loop {
         match channel.recv::<Notification>() {
             Ok((Notification::Policy(policy), _fds)) => {
+                let (Some(fabric), Some(device)) = (fabric.upgrade(), device.upgrade()) else {
+                    // The registration is being torn down.
+                    return;
+                };
                 fabric
                     .class
                     .store(policy.priority.class as u8, Ordering::Relaxed);

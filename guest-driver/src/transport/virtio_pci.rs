@@ -24,7 +24,11 @@
 //! **Interrupts.** uio_pci_generic delivers the function's INTx on
 //! `/dev/uioN`: a read returns the interrupt count (poll says readable
 //! when it moved), reading the virtio ISR register acknowledges the
-//! device's line, and writing 1 to the uio fd unmasks INTx again. `wait`
+//! device's line. uio_pci_generic's handler masks INTx (the command
+//! register's INTx-disable bit) at every interrupt and, having no
+//! `irqcontrol`, cannot unmask it through the uio fd (a write there fails
+//! with ENOSYS): the driver clears the bit in the config space itself, as
+//! DPDK does. `wait`
 //! sleeps on that. One INTx line serves every queue, so a wake-up only
 //! means "something happened": the core re-checks its queue and waits
 //! again, as it does for any spurious wake-up. Sleeping on the interrupt
@@ -36,7 +40,7 @@
 //! drop every object of this driver.
 
 use std::fs::{File, OpenOptions};
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
@@ -62,6 +66,7 @@ const PCI_CAPABILITY_LIST: usize = 0x34;
 const PCI_STATUS_CAP_LIST: u16 = 0x10;
 const PCI_COMMAND_MEMORY: u16 = 0x2;
 const PCI_COMMAND_MASTER: u16 = 0x4;
+const PCI_COMMAND_INTX_DISABLE: u16 = 0x400;
 /// Capabilities start after the standard header.
 const PCI_CAP_MIN: usize = 0x40;
 const PCI_CAP_ID_VNDR: u8 = 0x09;
@@ -469,6 +474,8 @@ pub struct VirtioPciTransport {
     device_cfg: Option<Window>,
     num_queues: u16,
     uio: File,
+    /// The function's config space (sysfs), to unmask INTx.
+    config: File,
     state: Mutex<State>,
 }
 
@@ -502,7 +509,14 @@ impl VirtioPciTransport {
         let config =
             std::fs::read(&config_path).map_err(sysfs("read the config space", &config_path))?;
         let caps = parse_capabilities(&config)?;
-        enable_bus_master(&config_path, &config)?;
+        let config_file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&config_path)
+            .map_err(sysfs("open the config space for writing", &config_path))?;
+        enable_bus_master(&config_file, &config)
+            .map_err(sysfs("enable bus mastering", &config_path))?;
 
         let mut bars: Vec<(u8, Bar)> = Vec::new();
         let mut window = |what: &'static str, loc: CapLocation| -> Result<Window, PciError> {
@@ -548,6 +562,7 @@ impl VirtioPciTransport {
             device_cfg,
             num_queues: 0,
             uio,
+            config: config_file,
             state: Mutex::new(State {
                 notify_off: Vec::new(),
             }),
@@ -590,9 +605,8 @@ impl VirtioPciTransport {
     }
 
     fn unmask(&self) {
-        // A 4-byte write of 1 re-enables the INTx that uio masked.
-        if let Err(e) = (&self.uio).write_all(&1u32.to_ne_bytes()) {
-            tracing::warn!(error = %e, "Cannot unmask the uio interrupt");
+        if let Err(e) = unmask_intx(&self.config) {
+            tracing::warn!(bdf = %self.device.bdf, error = %e, "Cannot unmask INTx");
         }
     }
 
@@ -823,21 +837,34 @@ fn open_uio(device: &PciDevice) -> Result<File, PciError> {
         .map_err(sysfs("open the uio device", &dev))
 }
 
-/// Sets memory-space and bus-master enable in the command register: the
+/// Sets memory-space and bus-master enable in the command register of
+/// `config` (the config-space file; `image` its bytes as read before): the
 /// device may then reach guest memory (QEMU checks bus mastering).
-fn enable_bus_master(config_path: &Path, config: &[u8]) -> Result<(), PciError> {
-    let cmd =
-        le16(config, PCI_COMMAND as usize).ok_or(PciError::ShortConfig { len: config.len() })?;
+fn enable_bus_master(config: &File, image: &[u8]) -> io::Result<()> {
+    let cmd = le16(image, PCI_COMMAND as usize)
+        .ok_or_else(|| io::Error::from(io::ErrorKind::UnexpectedEof))?;
     let wanted = cmd | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER;
     if wanted == cmd {
         return Ok(());
     }
-    let file = OpenOptions::new()
-        .write(true)
-        .open(config_path)
-        .map_err(sysfs("open the config space for writing", config_path))?;
-    file.write_all_at(&wanted.to_le_bytes(), PCI_COMMAND)
-        .map_err(sysfs("enable bus mastering", config_path))
+    config.write_all_at(&wanted.to_le_bytes(), PCI_COMMAND)
+}
+
+/// Clears the INTx-disable bit of the command register in `config` (the
+/// config-space file), leaving the other bits — bus mastering above all —
+/// as they are. Returns whether the bit was set.
+fn unmask_intx(config: &File) -> io::Result<bool> {
+    let mut raw = [0u8; 2];
+    config.read_exact_at(&mut raw, PCI_COMMAND)?;
+    let cmd = u16::from_le_bytes(raw);
+    if cmd & PCI_COMMAND_INTX_DISABLE == 0 {
+        return Ok(false);
+    }
+    config.write_all_at(
+        &(cmd & !PCI_COMMAND_INTX_DISABLE).to_le_bytes(),
+        PCI_COMMAND,
+    )?;
+    Ok(true)
 }
 
 /// Maps BAR `bar` of `device` through its sysfs resource file.
@@ -1101,5 +1128,58 @@ mod tests {
             Err(PciError::NotFound { device: 0x106a, .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A copy of the config-space fixture QEMU shows, as a file.
+    fn config_file(command: u16) -> (PathBuf, File) {
+        let fixture = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../tests/vm/fixtures/vrdma-pci-config.bin"
+        );
+        let mut image = std::fs::read(fixture).unwrap();
+        image[4..6].copy_from_slice(&command.to_le_bytes());
+        let path =
+            std::env::temp_dir().join(format!("vrdma-config-{}-{command:x}", std::process::id()));
+        std::fs::write(&path, &image).unwrap();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&path)
+            .unwrap();
+        (path, file)
+    }
+
+    fn command_of(path: &Path) -> u16 {
+        let image = std::fs::read(path).unwrap();
+        u16::from_le_bytes([image[4], image[5]])
+    }
+
+    #[test]
+    fn unmasking_clears_only_the_intx_disable_bit() {
+        // As uio_pci_generic's handler leaves it after an interrupt: memory,
+        // bus mastering and INTx disabled.
+        let masked = PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER | PCI_COMMAND_INTX_DISABLE;
+        let (path, file) = config_file(masked);
+        assert!(unmask_intx(&file).unwrap());
+        assert_eq!(command_of(&path), PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER);
+        // Unmasked already: nothing written.
+        assert!(!unmask_intx(&file).unwrap());
+        assert_eq!(command_of(&path), PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER);
+        // The rest of the config space is untouched.
+        let image = std::fs::read(&path).unwrap();
+        assert_eq!(parse_capabilities(&image).unwrap().notify_off_multiplier, 4);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    #[test]
+    fn bus_mastering_keeps_the_other_command_bits() {
+        let (path, file) = config_file(PCI_COMMAND_INTX_DISABLE);
+        let image = std::fs::read(&path).unwrap();
+        enable_bus_master(&file, &image).unwrap();
+        assert_eq!(
+            command_of(&path),
+            PCI_COMMAND_INTX_DISABLE | PCI_COMMAND_MEMORY | PCI_COMMAND_MASTER
+        );
+        std::fs::remove_file(&path).unwrap();
     }
 }

@@ -194,22 +194,56 @@ fn chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-fn wait_one(cq: &CompletionQueue, what: &str) -> Result<WorkCompletion, String> {
-    let deadline = Instant::now() + TIMEOUT;
-    let mut wc = [WorkCompletion::default(); 1];
-    loop {
-        if cq.poll(&mut wc).map_err(|e| format!("poll_cq: {e}"))? == 1 {
-            if wc[0].status != WcStatus::Success {
-                return Err(format!("{what} completed with {:?}", wc[0].status));
+/// The CQ's completions, taken by work-request id: the peer's SEND may land
+/// in our receive before our own WRITE completes (a slow guest sees that),
+/// so completions that are not awaited yet are kept for later.
+struct Completions<'a> {
+    cq: &'a CompletionQueue,
+    early: Vec<WorkCompletion>,
+}
+
+impl<'a> Completions<'a> {
+    fn new(cq: &'a CompletionQueue) -> Self {
+        Self {
+            cq,
+            early: Vec::new(),
+        }
+    }
+
+    /// The successful completion of work request `wr_id` (`what`, for errors).
+    fn take(&mut self, wr_id: u64, what: &str) -> Result<WorkCompletion, String> {
+        let deadline = Instant::now() + TIMEOUT;
+        let mut wc = [WorkCompletion::default(); 1];
+        loop {
+            if let Some(at) = self.early.iter().position(|c| c.wr_id == wr_id) {
+                return Ok(self.early.swap_remove(at));
             }
-            return Ok(wc[0]);
+            if self.cq.poll(&mut wc).map_err(|e| format!("poll_cq: {e}"))? == 1 {
+                if wc[0].status != WcStatus::Success {
+                    return Err(format!(
+                        "work request {} completed with {:?} (waiting for {what})",
+                        wc[0].wr_id, wc[0].status
+                    ));
+                }
+                if ![WR_WRITE, WR_SEND, WR_READ, WR_RECV].contains(&wc[0].wr_id) {
+                    return Err(format!("unexpected completion {}", wc[0].wr_id));
+                }
+                self.early.push(wc[0]);
+                continue;
+            }
+            if Instant::now() > deadline {
+                return Err(format!("no completion for {what} within {TIMEOUT:?}"));
+            }
+            std::thread::sleep(Duration::from_micros(50));
         }
-        if Instant::now() > deadline {
-            return Err(format!("no completion for {what} within {TIMEOUT:?}"));
-        }
-        std::thread::sleep(Duration::from_micros(50));
     }
 }
+
+/// Work-request ids.
+const WR_WRITE: u64 = 1;
+const WR_SEND: u64 = 2;
+const WR_READ: u64 = 3;
+const WR_RECV: u64 = 10;
 
 fn run(args: &Args) -> Result<String, String> {
     let size = args.size;
@@ -285,7 +319,7 @@ fn run(args: &Args) -> Result<String, String> {
     let landing = 3 * size as u64;
     let recv_sge = [mr.sge(landing, size as u32)];
     qp.post_recv(&[RecvWr {
-        wr_id: 10,
+        wr_id: WR_RECV,
         sg_list: &recv_sge,
     }])
     .map_err(|e| format!("post_recv: {e}"))?;
@@ -301,34 +335,29 @@ fn run(args: &Args) -> Result<String, String> {
     mr.write(2 * size, &pattern(size, seed))
         .map_err(|e| e.to_string())?;
     let sge = [mr.sge(source, size as u32)];
+    let mut completions = Completions::new(&cq);
     let mut wr = signaled(SendWr::new(
-        1,
+        WR_WRITE,
         SendOpcode::RdmaWrite,
         SendPayload::Sges(&sge),
     ));
     (wr.remote_addr, wr.rkey) = (peer.addr, peer.rkey);
     qp.post_send(&[wr])
         .map_err(|e| format!("post WRITE: {e}"))?;
-    wait_one(&cq, "RDMA WRITE")?;
+    completions.take(WR_WRITE, "RDMA WRITE")?;
     // SEND the same bytes; the peer receives them into its landing area.
-    let mut wr = signaled(SendWr::new(2, SendOpcode::Send, SendPayload::Sges(&sge)));
+    let mut wr = signaled(SendWr::new(
+        WR_SEND,
+        SendOpcode::Send,
+        SendPayload::Sges(&sge),
+    ));
     wr.imm_data = [0; 4];
     qp.post_send(&[wr]).map_err(|e| format!("post SEND: {e}"))?;
     // Two completions: our SEND and the peer's SEND into our receive.
-    let mut got_send = false;
-    let mut got_recv = false;
-    while !(got_send && got_recv) {
-        let wc = wait_one(&cq, "SEND/RECV")?;
-        match wc.wr_id {
-            2 => got_send = true,
-            10 => {
-                got_recv = true;
-                if wc.byte_len as usize != size {
-                    return Err(format!("received {} bytes, {size} sent", wc.byte_len));
-                }
-            }
-            id => return Err(format!("unexpected completion {id}")),
-        }
+    completions.take(WR_SEND, "SEND")?;
+    let wc = completions.take(WR_RECV, "RECV")?;
+    if wc.byte_len as usize != size {
+        return Err(format!("received {} bytes, {size} sent", wc.byte_len));
     }
     let mut received = vec![0u8; size];
     mr.read(3 * size, &mut received)
@@ -339,13 +368,13 @@ fn run(args: &Args) -> Result<String, String> {
     // READ the peer's [size, 2 size) into our landing area.
     let landing_sge = [mr.sge(landing, size as u32)];
     let mut wr = signaled(SendWr::new(
-        3,
+        WR_READ,
         SendOpcode::RdmaRead,
         SendPayload::Sges(&landing_sge),
     ));
     (wr.remote_addr, wr.rkey) = (peer.addr + size as u64, peer.rkey);
     qp.post_send(&[wr]).map_err(|e| format!("post READ: {e}"))?;
-    wait_one(&cq, "RDMA READ")?;
+    completions.take(WR_READ, "RDMA READ")?;
     let mut read = vec![0u8; size];
     mr.read(3 * size, &mut read).map_err(|e| e.to_string())?;
     if read != pattern(size, peer_seed + 100) {
