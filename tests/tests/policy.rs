@@ -301,10 +301,36 @@ fn measure_ops(
     wr: SendWr<'_>,
     window: Duration,
 ) -> f64 {
+    let start = Instant::now();
+    let done = flood_while(t, qp, wr, || start.elapsed() < window);
+    // The loop stops at its first look past the window.
+    done as f64 / window.as_secs_f64()
+}
+
+/// Keeps 32 copies of `wr` in flight on `qp` until `stop`, then drains.
+fn flood_until(
+    t: &Tenant,
+    qp: &vrdma_guest_driver::QueuePair,
+    wr: SendWr<'_>,
+    stop: &std::sync::atomic::AtomicBool,
+) {
+    flood_while(t, qp, wr, || {
+        !stop.load(std::sync::atomic::Ordering::Relaxed)
+    });
+}
+
+/// Keeps 32 copies of `wr` in flight while `go()` says so (every
+/// completion checked), then drains; returns the completions counted
+/// while `go()` held.
+fn flood_while(
+    t: &Tenant,
+    qp: &vrdma_guest_driver::QueuePair,
+    wr: SendWr<'_>,
+    go: impl Fn() -> bool,
+) -> usize {
     let mut wcs = [WorkCompletion::default(); 32];
     let (mut posted, mut done) = (0usize, 0usize);
-    let start = Instant::now();
-    while start.elapsed() < window {
+    while go() {
         while posted - done < 32 {
             qp.post_send(&[wr]).expect("post");
             posted += 1;
@@ -320,12 +346,12 @@ fn measure_ops(
             std::thread::yield_now();
         }
     }
-    let elapsed = start.elapsed();
+    let counted = done;
     // Drain what is still in flight so the QP is quiet for the next user.
     while done < posted {
         done += t.cq.poll(&mut wcs).expect("poll");
     }
-    done as f64 / elapsed.as_secs_f64()
+    counted
 }
 
 #[test]
@@ -405,7 +431,8 @@ network = "demo"
 #[test]
 fn weights_one_to_three_share_a_congested_port_within_ten_percent() {
     // A 500 Mbit/s port: slow enough that even debug builds on a loaded
-    // 2-core machine keep both tenants' queues full, so the port is the
+    // 2-core machine keep both tenants' queues full (32 writes of 64 KiB
+    // queued each are 34 ms of the port's time), so the port is the
     // bottleneck and hostd's scheduler decides the shares.
     let _turn = FLOODS.lock().unwrap_or_else(|p| p.into_inner());
     let policy = r#"
@@ -437,25 +464,30 @@ network = "bench"
             (t, q, qs, src, dst)
         })
         .collect();
+    // Both flood until told to stop; hostd's counters of completed writes,
+    // read twice while both are backlogged, give the shares over one and
+    // the same window.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let window = Duration::from_secs(2);
     let rates: Vec<f64> = std::thread::scope(|scope| {
-        let workers: Vec<_> = floods
-            .iter()
-            .map(|(t, q, _, src, dst)| {
-                scope.spawn(move || {
-                    let sge = [src.sge(0, 65536)];
-                    let mut wr = SendWr::new(0, SendOpcode::RdmaWrite, SendPayload::Sges(&sge));
-                    wr.flags = vrdma_spec::ring::send_flags::SIGNALED;
-                    wr.remote_addr = dst.iova();
-                    wr.rkey = dst.rkey();
-                    // Fill the queues first, then measure.
-                    measure_ops(t, q, wr, Duration::from_millis(300));
-                    measure_ops(t, q, wr, Duration::from_secs(2))
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| w.join().expect("flood"))
+        for (t, q, _, src, dst) in &floods {
+            let stop = &stop;
+            scope.spawn(move || {
+                let sge = [src.sge(0, 65536)];
+                let mut wr = SendWr::new(0, SendOpcode::RdmaWrite, SendPayload::Sges(&sge));
+                wr.flags = vrdma_spec::ring::send_flags::SIGNALED;
+                wr.remote_addr = dst.iova();
+                wr.rkey = dst.rkey();
+                flood_until(t, q, wr, stop);
+            });
+        }
+        std::thread::sleep(Duration::from_millis(500));
+        let before = ["light", "heavy"].map(|name| hostd.ops(name));
+        std::thread::sleep(window);
+        let after = ["light", "heavy"].map(|name| hostd.ops(name));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (0..2)
+            .map(|i| (after[i] - before[i]) as f64 / window.as_secs_f64())
             .collect()
     });
     let (light, heavy) = (rates[0], rates[1]);
