@@ -97,6 +97,27 @@ pub struct DmaRegion<'a> {
     pub device_addr: u64,
 }
 
+/// Maps `size` bytes of `fd` from offset 0, shared and read-write, at an
+/// address the kernel picks. The caller unmaps it.
+pub(crate) fn map_shared(fd: BorrowedFd<'_>, size: usize) -> io::Result<*mut u8> {
+    // SAFETY: a fresh mapping at a kernel-chosen address: no existing
+    // memory is affected; the kernel checks the descriptor and the size.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            size,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            fd.as_raw_fd(),
+            0,
+        )
+    };
+    if ptr == libc::MAP_FAILED {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(ptr.cast())
+}
+
 /// Creates a sealed-size memfd of `size` bytes.
 ///
 /// Sealing against shrinking matters: a memfd is shared with vdev, and a
@@ -145,23 +166,8 @@ impl DmaArena {
             return Err(DmaError::BadSize(size));
         }
         let file = sealed_memfd(c"vrdma-dma", size)?;
-        // SAFETY: a fresh shared mapping of a file we own, at an address the
-        // kernel picks; nothing else is affected.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            let source = io::Error::last_os_error();
-            return Err(DmaError::Map { size, source });
-        }
-        let base = ptr as usize;
+        let base = map_shared(file.as_fd(), size)
+            .map_err(|source| DmaError::Map { size, source })? as usize;
         tracing::debug!(base = format_args!("{base:#x}"), size, "Mapped DMA arena");
         Ok(Arc::new(Self {
             file: Some(file),

@@ -26,7 +26,7 @@ use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
 
-use crate::dma::{sealed_memfd, DmaRegion, PAGE_SIZE};
+use crate::dma::{map_shared, sealed_memfd, DmaRegion, PAGE_SIZE};
 use crate::error::{Error, Result};
 use crate::transport::Transport;
 
@@ -149,26 +149,13 @@ impl UserRegions {
         let file = sealed_memfd(c"vrdma-user-mr", size)?;
         let os = |what| move |source| Error::Os { what, source };
         // Copy the current contents through a temporary mapping of the memfd.
-        // SAFETY: a fresh shared mapping of our memfd at a kernel-chosen address.
-        let tmp = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if tmp == libc::MAP_FAILED {
-            return Err(os("map a memfd")(io::Error::last_os_error()));
-        }
+        let tmp = map_shared(file.as_fd(), size).map_err(os("map a memfd"))?;
         // SAFETY: the source range is readable (caller's contract), the
         // destination is the `size`-byte mapping just made; they are distinct
         // mappings, so they do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(start as *const u8, tmp.cast::<u8>(), size) };
+        unsafe { std::ptr::copy_nonoverlapping(start as *const u8, tmp, size) };
         // SAFETY: unmapping exactly the temporary mapping made above.
-        unsafe { libc::munmap(tmp, size) };
+        unsafe { libc::munmap(tmp.cast(), size) };
         // SAFETY: replaces the caller's pages (their contract allows it) with
         // the memfd now holding the same bytes.
         let fixed = unsafe {

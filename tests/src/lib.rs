@@ -8,6 +8,7 @@
 //! they boot real guests under QEMU with vdev attached ([`vm`]), recording
 //! what QEMU says to vdev on the way ([`vhost_tap`]).
 
+pub mod app_memory;
 pub mod daemon;
 pub mod rogue;
 pub mod tenant;

@@ -25,6 +25,7 @@ use vrdma_spec::control::QpAttr;
 use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcStatus};
+use vrdma_tests::app_memory::AppMemory;
 use vrdma_tests::daemon::Hostd;
 use vrdma_tests::rogue::{Answer, RogueVdev};
 use vrdma_tests::tenant::{
@@ -1592,18 +1593,18 @@ impl<'v> Attacker<'v> {
     /// returns, nothing writes that memory any more.
     fn user_memory_in_flight(&mut self) {
         let ctx = self.context();
-        let map = AnonMap::new(64 * KIB);
+        let map = AppMemory::new(64 * KIB).expect("application memory");
         // SAFETY: `map` is a private anonymous mapping of this thread's,
         // mapped until `map` drops after the MR is gone; no other thread
         // knows it, so none writes it while the driver remaps it.
-        let mr = unsafe { self.beta().t.pd.reg_mr(map.ptr, map.len, RW) }
+        let mr = unsafe { self.beta().t.pd.reg_mr(map.as_ptr(), map.len(), RW) }
             .unwrap_or_else(|e| panic!("{ctx}: reg_mr over user memory: {e}"));
         let src = self.beta().mr.sge(0, 4 * KIB as u32);
         let n = 8 + self.rng.below(24) as usize;
         let posted = self.burst(n, src, (mr.iova(), mr.rkey()));
         mr.dereg()
             .unwrap_or_else(|e| panic!("{ctx}: dereg_mr in flight: {e}"));
-        let pattern = self.rng.bytes(map.len);
+        let pattern = self.rng.bytes(map.len());
         map.write(&pattern);
         let ch = self
             .beta
@@ -2026,59 +2027,6 @@ impl Attacker<'_> {
             }
         }
         self.note("dropped for a corrupt ring");
-    }
-}
-
-/// A private anonymous mapping, unmapped on drop.
-struct AnonMap {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl AnonMap {
-    fn new(len: usize) -> Self {
-        // SAFETY: a fresh anonymous mapping; no existing memory is affected.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(
-            ptr,
-            libc::MAP_FAILED,
-            "mmap: {}",
-            std::io::Error::last_os_error()
-        );
-        AnonMap {
-            ptr: ptr.cast(),
-            len,
-        }
-    }
-
-    fn write(&self, data: &[u8]) {
-        assert!(data.len() <= self.len);
-        // SAFETY: inside the mapping; volatile because a device may write
-        // it concurrently (which is what the caller checks for).
-        unsafe { vm_memory::VolatileSlice::new(self.ptr, self.len) }.copy_from(data);
-    }
-
-    fn read(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.len];
-        // SAFETY: as in `write`.
-        unsafe { vm_memory::VolatileSlice::new(self.ptr, self.len) }.copy_to(&mut out);
-        out
-    }
-}
-
-impl Drop for AnonMap {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`, not used after this.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
 

@@ -41,7 +41,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read};
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -887,21 +887,8 @@ fn map_bar(device: &PciDevice, bar: u8) -> Result<Bar, PciError> {
     if size == 0 {
         return Err(err(io::Error::from(io::ErrorKind::InvalidData)));
     }
-    // SAFETY: a fresh shared mapping of the BAR's resource file at an
-    // address the kernel picks; it is only accessed with volatile MMIO.
-    let ptr = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            size,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_SHARED,
-            file.as_raw_fd(),
-            0,
-        )
-    };
-    if ptr == libc::MAP_FAILED {
-        return Err(err(io::Error::last_os_error()));
-    }
+    // Only ever accessed with volatile MMIO.
+    let ptr = crate::dma::map_shared(file.as_fd(), size).map_err(err)?;
     Ok(Bar {
         base: ptr as usize,
         size,

@@ -29,6 +29,7 @@ use vrdma_guest_driver::{
 };
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, QpType, SendOpcode, WcStatus};
+use vrdma_tests::app_memory::AppMemory;
 use vrdma_tests::tenant::{bring_up, Connection};
 
 #[derive(Debug, Parser)]
@@ -129,42 +130,6 @@ impl Channel {
             Ok(_) => Ok(line.trim_end().to_owned()),
             Err(e) => Err(format!("cannot read from the peer: {e}")),
         }
-    }
-}
-
-/// Page-aligned anonymous memory, as an application's buffer.
-struct AppBuffer {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl AppBuffer {
-    fn new(len: usize) -> Result<Self, String> {
-        // SAFETY: a fresh private anonymous mapping at a kernel-chosen address.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            return Err(format!(
-                "cannot map {len} bytes: {}",
-                std::io::Error::last_os_error()
-            ));
-        }
-        Ok(Self { ptr: p.cast(), len })
-    }
-}
-
-impl Drop for AppBuffer {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`; the MR over it is dropped first.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }
 
@@ -280,10 +245,11 @@ fn run(args: &Args) -> Result<String, String> {
     // [size, 2 size) is read by the peer, [2 size, 3 size) is the source of
     // our WRITE and SEND, [3 size, 4 size) receives the peer's SEND and then
     // our READ.
-    let buffer = AppBuffer::new(4 * size)?;
+    let buffer =
+        AppMemory::new(4 * size).map_err(|e| format!("cannot map {} bytes: {e}", 4 * size))?;
     // SAFETY: our own mapping, alive until after the MR (dropped first,
     // declared later); no other thread touches it.
-    let mr: MemoryRegion = unsafe { pd.reg_mr(buffer.ptr, buffer.len, RW) }
+    let mr: MemoryRegion = unsafe { pd.reg_mr(buffer.as_ptr(), buffer.len(), RW) }
         .map_err(|e| format!("reg_mr: {}", chain(&e)))?;
     // Then the peer: the listener's address is printed once it listens.
     let (stream, listening) = match (&args.listen, &args.connect) {
