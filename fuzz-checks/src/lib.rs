@@ -10,11 +10,14 @@
 //!   and commands through `RdmaDevice::execute`.
 //! - [`wqe`]: send/receive WQEs translated against random MR tables.
 //! - [`hostd`]: hostd's request decoder and shared-ring consumption.
+//! - [`hostd_session`]: hostd's handling of a compromised vdev's requests,
+//!   through a real `Server` over a socketpair.
 //! - [`policy`]: the tenant policy file parser.
 //! - [`memory`]: memory-table changes interleaved with MRs and WQEs.
 
 pub mod control;
 pub mod hostd;
+pub mod hostd_session;
 pub mod input;
 pub mod memory;
 pub mod policy;
@@ -28,6 +31,7 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("control", control::check),
     ("wqe", wqe::check),
     ("hostd_request", hostd::check),
+    ("hostd_session", hostd_session::check),
     ("policy", policy::check),
     ("memory", memory::check),
 ];

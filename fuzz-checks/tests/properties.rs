@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use proptest::prelude::*;
-use vrdma_fuzz_checks::{control, hostd, memory, policy, wqe, TARGETS};
+use vrdma_fuzz_checks::{control, hostd, hostd_session, memory, policy, wqe, TARGETS};
 
 fn config() -> ProptestConfig {
     ProptestConfig {
@@ -32,6 +32,11 @@ proptest! {
     #[test]
     fn hostd_requests(data in proptest::collection::vec(any::<u8>(), 0..1024)) {
         hostd::check(&data);
+    }
+
+    #[test]
+    fn hostd_sessions(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+        hostd_session::check(&data);
     }
 
     #[test]

@@ -199,11 +199,22 @@ impl Channel {
 
     /// Sends one message with `fds` attached.
     pub fn send<T: Serialize>(&self, msg: &T, fds: &[RawFd]) -> Result<(), ChannelError> {
-        let bytes = messages::encode(msg)?;
-        self.sock
-            .send_with_fds(&[bytes.as_slice()], fds)
-            .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
-        Ok(())
+        self.send_bytes(&messages::encode(msg)?, fds)
+    }
+
+    /// Sends `bytes` as one message, as they are, with `fds` attached: what
+    /// a peer that is not vrdma's code (a compromised vdev, a fuzzer playing
+    /// one) can send.
+    pub fn send_bytes(&self, bytes: &[u8], fds: &[RawFd]) -> Result<(), ChannelError> {
+        // A signal handled by this process interrupts a blocked sendmsg
+        // (EINTR) before anything was sent: try again, do not fail.
+        loop {
+            match self.sock.send_with_fds(&[bytes], fds) {
+                Err(e) if e.errno() == libc::EINTR => continue,
+                Err(e) => return Err(io::Error::from_raw_os_error(e.errno()).into()),
+                Ok(_) => return Ok(()),
+            }
+        }
     }
 
     /// Receives one message and the descriptors that came with it. A message
@@ -215,10 +226,19 @@ impl Channel {
             iov_base: buf.as_mut_ptr().cast(),
             iov_len: buf.len(),
         }];
-        // SAFETY: iov points at buf, which outlives the call; fds has MAX_FDS
-        // slots for the descriptors the kernel installs.
-        let (len, nfds) = unsafe { self.sock.recv_with_fds(&mut iov, &mut fds) }
-            .map_err(|e| io::Error::from_raw_os_error(e.errno()))?;
+        // A signal handled by this process interrupts a blocked recvmsg
+        // (EINTR) before anything was received: wait again. Giving up would
+        // end a healthy connection (hostd tears a vdev's device down when
+        // its recv fails).
+        let (len, nfds) = loop {
+            // SAFETY: iov points at buf, which outlives the call; fds has
+            // MAX_FDS slots for the descriptors the kernel installs.
+            match unsafe { self.sock.recv_with_fds(&mut iov, &mut fds) } {
+                Err(e) if e.errno() == libc::EINTR => continue,
+                Err(e) => return Err(io::Error::from_raw_os_error(e.errno()).into()),
+                Ok(received) => break received,
+            }
+        };
         let files: Vec<File> = fds[..nfds.min(MAX_FDS)]
             .iter()
             .filter(|&&fd| fd >= 0)
@@ -299,6 +319,43 @@ mod tests {
         assert!(matches!(b.recv::<Request>(), Err(ChannelError::Message(_))));
         drop(a);
         assert!(matches!(b.recv::<Request>(), Err(ChannelError::Closed)));
+    }
+
+    extern "C" fn ignore_signal(_: libc::c_int) {}
+
+    /// A signal with a handler (installed without SA_RESTART, as libFuzzer
+    /// and many runtimes do) delivered to a thread blocked in `recv` used to
+    /// end the channel with EINTR; hostd then dropped a healthy vdev.
+    #[test]
+    fn a_signal_does_not_break_a_blocked_recv() {
+        // SAFETY: sigaction is plain data; all-zero is a valid value.
+        let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+        action.sa_sigaction = ignore_signal as extern "C" fn(libc::c_int) as usize;
+        // SAFETY: installs a handler that does nothing for SIGUSR2, which
+        // no other test of this crate uses; no SA_RESTART.
+        let rc = unsafe { libc::sigaction(libc::SIGUSR2, &action, std::ptr::null_mut()) };
+        assert_eq!(rc, 0, "sigaction");
+        let (a, b) = Channel::pair().expect("pair");
+        let (tid_tx, tid_rx) = std::sync::mpsc::channel();
+        let receiver = std::thread::spawn(move || {
+            // SAFETY: pthread_self has no preconditions.
+            tid_tx.send(unsafe { libc::pthread_self() }).expect("tid");
+            b.recv::<Request>().map(|(req, _)| req)
+        });
+        let tid = tid_rx.recv().expect("tid");
+        // Interrupt the receiver a few times while it waits.
+        for _ in 0..5 {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            // SAFETY: the thread is alive (it waits for our message).
+            assert_eq!(unsafe { libc::pthread_kill(tid, libc::SIGUSR2) }, 0);
+        }
+        a.send(&Request::RemoveMemory { slot: 7 }, &[])
+            .expect("send");
+        let got = receiver.join().expect("receiver thread");
+        assert_eq!(
+            got.expect("recv survives signals"),
+            Request::RemoveMemory { slot: 7 }
+        );
     }
 
     fn tempfile_with(data: &[u8]) -> File {

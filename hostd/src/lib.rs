@@ -122,21 +122,7 @@ pub fn serve(config: &Config, opened: Opened) -> Result<(), Error> {
         admin_listener,
         listener,
     } = opened;
-    let datapath = Datapath::new(
-        Box::new(SoftNic::new()),
-        config.datapath_threads,
-        Duration::from_micros(config.spin_us),
-        // Back-pressure: hold at most one completion ring's worth per pQP.
-        config.cq_depth as usize,
-        Scheduler::new(
-            Credits {
-                per_device: config.device_credits as usize,
-                total: config.total_credits as usize,
-            },
-            Some(Link::new(config.line_rate_bytes())),
-        ),
-    )
-    .map_err(Error::Datapath)?;
+    let datapath = datapath(config).map_err(Error::Datapath)?;
     datapath.start().map_err(Error::Datapath)?;
     let server = Server::new(config.clone(), datapath);
     admin::spawn(Arc::clone(&server), admin_listener).map_err(Error::Admin)?;
@@ -151,6 +137,25 @@ pub fn serve(config: &Config, opened: Opened) -> Result<(), Error> {
     );
     server.serve(&listener);
     Ok(())
+}
+
+/// The datapath `config` asks for, over the software NIC model, not
+/// started yet ([`Datapath::start`]).
+pub fn datapath(config: &Config) -> std::io::Result<Arc<Datapath>> {
+    Datapath::new(
+        Box::new(SoftNic::new()),
+        config.datapath_threads,
+        Duration::from_micros(config.spin_us),
+        // Back-pressure: hold at most one completion ring's worth per pQP.
+        config.cq_depth as usize,
+        Scheduler::new(
+            Credits {
+                per_device: config.device_credits as usize,
+                total: config.total_credits as usize,
+            },
+            Some(Link::new(config.line_rate_bytes())),
+        ),
+    )
 }
 
 /// Renders an error and its sources as one line: `outer: inner: ...`.

@@ -221,6 +221,14 @@ impl Accounts {
         usage.qps = usage.qps.saturating_sub(dev.qps.len() as u64);
     }
 
+    /// What `tenant` holds now (nothing if hostd never accounted for it).
+    pub fn usage(&self, tenant: &str) -> Usage {
+        self.tenants
+            .get(tenant)
+            .map(|account| account.usage)
+            .unwrap_or_default()
+    }
+
     /// The tenant of a connected device.
     pub fn tenant_of(&self, device: DeviceId) -> Option<&str> {
         self.devices.get(&device).map(|d| d.tenant.as_str())
