@@ -58,6 +58,9 @@ struct Args {
     /// port, as on a real NIC, is the resource tenants contend for.
     #[arg(long, default_value_t = 10_000)]
     line_rate_mbps: u32,
+    /// Message size of the flooding tenant in the isolation test.
+    #[arg(long, default_value_t = 65536)]
+    flood_size: usize,
 }
 
 const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
@@ -90,7 +93,7 @@ fn main() {
     };
     // These two start hostds of their own, with a policy each.
     if tests.contains(&Test::Isolation) {
-        isolation_under_load(args.iters.min(5000), args.line_rate_mbps);
+        isolation_under_load(args.iters.min(5000), args.line_rate_mbps, args.flood_size);
     }
     if tests.contains(&Test::Weights) {
         weighted_shares(args.line_rate_mbps);
@@ -549,7 +552,7 @@ fn hostd_at_line_rate(policy: &str, mbps: u32) -> Hostd {
     Hostd::start_with(Some(policy), &["--line-rate-mbps", &mbps.to_string()])
 }
 
-fn isolation_under_load(iters: usize, mbps: u32) {
+fn isolation_under_load(iters: usize, mbps: u32, flood_size: usize) {
     let setups = [
         (
             "policy: probe realtime, flood normal",
@@ -579,14 +582,14 @@ fn isolation_under_load(iters: usize, mbps: u32) {
         let (alone50, alone99) = read_probe(&probe, &peer, iters);
         let stop = std::sync::atomic::AtomicBool::new(false);
         let ((load50, load99), flood_rate) = std::thread::scope(|scope| {
-            let f = scope.spawn(|| flood(&flooder, &peer, 65536, &stop));
+            let f = scope.spawn(|| flood(&flooder, &peer, flood_size, &stop));
             std::thread::sleep(Duration::from_millis(200));
             let probe_result = read_probe(&probe, &peer, iters);
             stop.store(true, std::sync::atomic::Ordering::Relaxed);
             (probe_result, f.join().expect("flood thread"))
         });
         println!(
-            "isolation  port {mbps} Mbit/s, {label}: probe read_lat 64 B alone p50 {} p99 {}; with a 64 KiB flood ({:.2} GB/s) p50 {} p99 {}; p99 ratio {:.2}",
+            "isolation  port {mbps} Mbit/s, {label}: probe read_lat 64 B alone p50 {} p99 {}; with a {flood_size}-byte flood ({:.2} GB/s) p50 {} p99 {}; p99 ratio {:.2}",
             us(alone50),
             us(alone99),
             flood_rate / 1e9,
