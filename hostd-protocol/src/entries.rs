@@ -56,22 +56,6 @@ pub struct PhysWqe {
 }
 
 impl PhysWqe {
-    /// Bytes the WQE moves: its inline length, or the sum of its SGE
-    /// lengths (as far as `num_sge` is in range: this is for accounting,
-    /// the NIC checks the WQE itself when it executes it).
-    pub fn data_len(&self) -> u64 {
-        if self.flags & vrdma_spec::ring::send_flags::INLINE != 0 {
-            return u64::from(self.inline_len.get()).min(self.payload.len() as u64);
-        }
-        let n = usize::from(self.num_sge).min(self.payload.len() / core::mem::size_of::<Sge>());
-        self.payload
-            .get(..n * core::mem::size_of::<Sge>())
-            .and_then(|b| <[Sge]>::ref_from_bytes(b).ok())
-            .map_or(0, |sges| {
-                sges.iter().map(|s| u64::from(s.length.get())).sum()
-            })
-    }
-
     /// The SGEs of this WQE, `None` if `num_sge` is out of range.
     pub fn sges(&self) -> Option<Vec<Sge>> {
         let n = usize::from(self.num_sge);

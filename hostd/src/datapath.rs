@@ -39,10 +39,12 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 use vmm_sys_util::timerfd::TimerFd;
 use vrdma_hostd_protocol::channel::Channel;
-use vrdma_hostd_protocol::entries::{kind, PhysCqe, PhysWqe};
+use vrdma_hostd_protocol::entries::{kind, PhysCqe, PhysWqe, Sge};
 use vrdma_hostd_protocol::shm::{QueueLayout, Ring, SharedMapping};
+use vrdma_spec::ring::send_flags;
 use vrdma_spec::verbs::SendOpcode;
 use vrdma_tenant_policy::TenantPolicy;
+use zerocopy::FromBytes;
 
 use crate::ids::IdMap;
 use crate::nic::{Completion, DeviceId, Nic};
@@ -158,9 +160,6 @@ impl CreditView for NicCredits<'_> {
     fn total(&self) -> usize {
         self.0.total_queued_sends()
     }
-    fn bytes(&self) -> u64 {
-        self.0.queued_bytes()
-    }
 }
 
 /// What the scheduler needs to know of a send-side WQE: its rate-limit
@@ -172,7 +171,17 @@ pub fn head_of(wqe: &PhysWqe) -> Head {
         }
         _ => OpKind::Send,
     };
-    let bytes = wqe.data_len();
+    let bytes = if wqe.flags & send_flags::INLINE != 0 {
+        u64::from(wqe.inline_len.get()).min(wqe.payload.len() as u64)
+    } else {
+        let n = usize::from(wqe.num_sge).min(wqe.payload.len() / std::mem::size_of::<Sge>());
+        wqe.payload
+            .get(..n * std::mem::size_of::<Sge>())
+            .and_then(|b| <[Sge]>::ref_from_bytes(b).ok())
+            .map_or(0, |sges| {
+                sges.iter().map(|s| u64::from(s.length.get())).sum()
+            })
+    };
     Head { kind, bytes }
 }
 
@@ -215,11 +224,6 @@ impl Core {
     pub fn configure_tenants(&mut self, tenants: &[TenantPolicy], now: Instant) {
         for t in tenants {
             self.sched.configure(t, now);
-        }
-        for (&id, dev) in &self.devices {
-            if let Some(rank) = self.sched.rank(&dev.tenant) {
-                self.nic.set_rank(id, rank);
-            }
         }
     }
 
@@ -444,9 +448,6 @@ impl Datapath {
                 core.sched.configure(policy, Instant::now());
             }
             core.sched.add_device(dev.id, &dev.tenant);
-            if let Some(rank) = core.sched.rank(&dev.tenant) {
-                core.nic.set_rank(dev.id, rank);
-            }
             core.accounts.attach(dev.id, &dev.tenant, dev.queues.len());
             core.devices.insert(dev.id, dev);
             core.generation += 1;

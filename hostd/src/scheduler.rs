@@ -104,25 +104,6 @@ pub trait CreditView {
     fn device(&self, device: DeviceId) -> usize;
     /// Send WQEs of every device inside the NIC.
     fn total(&self) -> usize;
-    /// Bytes of those WQEs.
-    fn bytes(&self) -> u64;
-}
-
-/// Bytes of send work a normal-class WQE may find inside the NIC and still
-/// enter it (priority: twice as much, realtime: four times). The NIC runs
-/// what it holds in the order it got it, so the scheduler's order holds
-/// only if the NIC holds little: about 1 MiB is 30 µs of copying here,
-/// enough to keep it busy between two datapath rounds.
-pub const NIC_BACKLOG: u64 = 1 << 20;
-
-/// Whether a WQE of `class` may enter a NIC holding `bytes` of send work.
-fn nic_room(class: PriorityClass, bytes: u64) -> bool {
-    let factor = match class {
-        PriorityClass::Realtime => 4,
-        PriorityClass::Priority => 2,
-        PriorityClass::Normal => 1,
-    };
-    bytes < NIC_BACKLOG * factor
 }
 
 /// The credit pool: per device, and for the whole NIC.
@@ -503,13 +484,6 @@ impl Scheduler {
         t.limiters[OpKind::Read as usize].configure(&policy.rate.read, now);
     }
 
-    /// The service rank of the tenant's class (0: realtime first), for the
-    /// NIC's segment arbitration.
-    pub fn rank(&self, tenant: &str) -> Option<u8> {
-        let t = self.tenants.get(*self.by_name.get(tenant)?)?;
-        Some(class_index(t.class) as u8)
-    }
-
     /// Whether the tenant is known.
     pub fn knows(&self, tenant: &str) -> bool {
         self.by_name.contains_key(tenant)
@@ -590,9 +564,7 @@ impl Scheduler {
                 continue;
             }
             view.ready[k] = true;
-            if !self.credits.grant(t.class, credits.device(queue.0), total)
-                || !nic_room(t.class, credits.bytes())
-            {
+            if !self.credits.grant(t.class, credits.device(queue.0), total) {
                 continue;
             }
             let entry = (queue, head.cost());
@@ -732,9 +704,6 @@ mod tests {
         }
         fn total(&self) -> usize {
             self.in_flight.values().sum()
-        }
-        fn bytes(&self) -> u64 {
-            0
         }
     }
 

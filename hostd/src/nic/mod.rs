@@ -126,11 +126,6 @@ pub trait Nic: Send {
     fn queued_sends(&self, device: DeviceId) -> usize;
     /// [`Nic::queued_sends`] of every device together.
     fn total_queued_sends(&self) -> usize;
-    /// Bytes of the send WQEs of every device inside the NIC.
-    fn queued_bytes(&self) -> u64;
-    /// The service rank of `device`'s work (0 first): a long message of a
-    /// lower rank lets higher-ranked work in between its segments.
-    fn set_rank(&mut self, device: DeviceId, rank: u8);
     /// Executes runnable work, at most about `budget` WQEs.
     fn progress(&mut self, now: Instant, budget: usize) -> Progress;
     /// Moves the completions produced so far into `out`, in order.
