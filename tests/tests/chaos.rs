@@ -2418,7 +2418,7 @@ fn a_vdev_on_hostd_serves_the_next_frontend() {
         vdev = Tenant::open(vdev).close();
     }
     // vdev registers again for the next frontend as this one goes: let it.
-    let deadline = Instant::now() + Duration::from_secs(2);
+    let deadline = Instant::now() + Duration::from_secs(10);
     while ProcUsage::of(&pid).fds != fds && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(5));
     }
