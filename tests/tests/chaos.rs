@@ -2204,6 +2204,41 @@ fn create_destroy_cycles_leak_nothing() {
     const PRIVATE_SLACK_KIB: u64 = 256;
     const WARM_UP: usize = 50;
 
+    /// Prints each process's usage before and after, and asserts that
+    /// neither descriptors, mappings nor private memory grew beyond slack.
+    fn compare(
+        pids: &[(&str, String)],
+        before: &[ProcUsage],
+        after: &[ProcUsage],
+        private_slack_kib: u64,
+    ) {
+        for (((who, _), b), a) in pids.iter().zip(before).zip(after) {
+            println!(
+                "leak check: {who}: fds {} → {}, maps {} → {}, VmRSS {} → {} KiB \
+                 (private {} → {}, shared {} → {})",
+                b.fds,
+                a.fds,
+                b.maps,
+                a.maps,
+                b.rss_kib,
+                a.rss_kib,
+                b.anon_kib,
+                a.anon_kib,
+                b.shmem_kib,
+                a.shmem_kib
+            );
+            assert!(a.fds <= b.fds + FD_SLACK, "{who} leaks fds: {b:?} → {a:?}");
+            assert!(
+                a.maps <= b.maps + MAPS_SLACK,
+                "{who} leaks mappings: {b:?} → {a:?}"
+            );
+            assert!(
+                a.anon_kib <= b.anon_kib + private_slack_kib,
+                "{who} leaks memory: {b:?} → {a:?}"
+            );
+        }
+    }
+
     let _serial = serial();
     let settings = Settings::from_env();
     let hostd = Hostd::start(None);
@@ -2224,31 +2259,7 @@ fn create_destroy_cycles_leak_nothing() {
     let elapsed = started.elapsed();
     let after: Vec<_> = pids.iter().map(|(_, pid)| ProcUsage::of(pid)).collect();
     println!("leak check: {} cycles in {elapsed:?}", settings.cycles);
-    for (((who, _), b), a) in pids.iter().zip(&before).zip(&after) {
-        println!(
-            "leak check: {who}: fds {} → {}, maps {} → {}, VmRSS {} → {} KiB \
-             (private {} → {}, shared {} → {})",
-            b.fds,
-            a.fds,
-            b.maps,
-            a.maps,
-            b.rss_kib,
-            a.rss_kib,
-            b.anon_kib,
-            a.anon_kib,
-            b.shmem_kib,
-            a.shmem_kib
-        );
-        assert!(a.fds <= b.fds + FD_SLACK, "{who} leaks fds: {b:?} → {a:?}");
-        assert!(
-            a.maps <= b.maps + MAPS_SLACK,
-            "{who} leaks mappings: {b:?} → {a:?}"
-        );
-        assert!(
-            a.anon_kib <= b.anon_kib + PRIVATE_SLACK_KIB,
-            "{who} leaks memory: {b:?} → {a:?}"
-        );
-    }
+    compare(&pids, &before, &after, PRIVATE_SLACK_KIB);
     assert_usage(
         &hostd,
         "alpha",
@@ -2285,21 +2296,7 @@ fn create_destroy_cycles_leak_nothing() {
     settle();
     let after: Vec<_> = pids.iter().map(|(_, pid)| ProcUsage::of(pid)).collect();
     println!("leak check: {reconnects} reconnections in {elapsed:?}");
-    for (((who, _), b), a) in pids.iter().zip(&before).zip(&after) {
-        println!(
-            "leak check: {who}: fds {} → {}, maps {} → {}, private {} → {} KiB",
-            b.fds, a.fds, b.maps, a.maps, b.anon_kib, a.anon_kib
-        );
-        assert!(a.fds <= b.fds + FD_SLACK, "{who} leaks fds: {b:?} → {a:?}");
-        assert!(
-            a.maps <= b.maps + MAPS_SLACK,
-            "{who} leaks mappings: {b:?} → {a:?}"
-        );
-        assert!(
-            a.anon_kib <= b.anon_kib + RECONNECT_PRIVATE_SLACK_KIB,
-            "{who} leaks memory: {b:?} → {a:?}"
-        );
-    }
+    compare(&pids, &before, &after, RECONNECT_PRIVATE_SLACK_KIB);
     assert_usage(
         &hostd,
         "alpha",
