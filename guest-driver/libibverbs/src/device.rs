@@ -11,6 +11,7 @@ use std::ffi::{c_char, c_int};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
+use vrdma_guest_driver::error::chain;
 use vrdma_guest_driver::Context;
 
 use crate::abi::{__be64, ibv_context, ibv_device, IBV_NODE_CA, IBV_TRANSPORT_IB};
@@ -182,18 +183,6 @@ pub unsafe extern "C" fn ibv_get_device_index(device: *mut ibv_device) -> c_int 
             .and_then(|d| c_int::try_from(d.index).ok())
             .unwrap_or(-1)
     })
-}
-
-/// Writes an error and its sources on one line.
-pub(crate) fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(src) = cur {
-        s.push_str(": ");
-        s.push_str(&src.to_string());
-        cur = src.source();
-    }
-    s
 }
 
 /// `ibv_open_device`: connects to the device's vdev socket (process mode)

@@ -127,7 +127,10 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("vrdma demo: FAILED: {}", error_chain(&e));
+            eprintln!(
+                "vrdma demo: FAILED: {}",
+                vrdma_guest_driver::error::chain(&e)
+            );
             if let Some(logs) = &e.daemon_logs {
                 eprintln!("{logs}");
             }
@@ -189,18 +192,6 @@ impl<T, E: StdError + Send + Sync + 'static> Doing<T> for Result<T, E> {
     fn doing(self, what: impl Into<String>) -> Result<T, Failure> {
         self.map_err(|e| Failure::caused_by(what, e))
     }
-}
-
-/// `error: cause: cause ...`
-fn error_chain(e: &dyn StdError) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
 }
 
 /// The symbolic name of the errnos vrdma answers with.

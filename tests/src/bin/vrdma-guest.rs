@@ -23,6 +23,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use vrdma_guest_driver::error::chain;
 use vrdma_guest_driver::{
     CompletionQueue, Context, MemoryRegion, QpCapabilities, QpInitAttr, RecvWr, SendPayload,
     SendWr, WorkCompletion,
@@ -146,17 +147,6 @@ fn open(args: &Args) -> Result<Context, String> {
         None => Context::open_vhost_user(&args.device),
     };
     opened.map_err(|e| format!("cannot open {}: {}", args.device, chain(&e)))
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }
 
 /// The CQ's completions, taken by work-request id: the peer's SEND may land
