@@ -110,10 +110,12 @@ pub fn run(ctx: DatapathContext) {
     let mut last_work = Instant::now();
     let mut class = None;
     while !ctx.stop.load(Ordering::Acquire) {
-        let now_class = ctx.fabric.priority_class();
-        if ctx.class_cpu_priority && class != Some(now_class) {
-            class = Some(now_class);
-            set_cpu_priority(&tenant, now_class);
+        if ctx.class_cpu_priority {
+            let now_class = ctx.fabric.priority_class();
+            if class != Some(now_class) {
+                class = Some(now_class);
+                set_cpu_priority(&tenant, now_class);
+            }
         }
         let work = pass(&ctx, false);
         if work > 0 {
