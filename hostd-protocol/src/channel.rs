@@ -70,10 +70,35 @@ pub struct Listener {
     fd: OwnedFd,
 }
 
+/// Binds and listens on a temporary sibling of `path`, then renames it to
+/// `path`, so that the socket file appears only once it accepts
+/// connections. Whoever waits for the file (a supervisor, a vdev, QEMU)
+/// would otherwise meet ECONNREFUSED in the window between `bind()` and
+/// `listen()`. The rename replaces a stale socket file left by a previous
+/// process.
+pub fn bind_published<T, E: From<io::Error>>(
+    path: &Path,
+    bind_and_listen: impl FnOnce(&Path) -> Result<T, E>,
+) -> Result<T, E> {
+    let name = path.file_name().unwrap_or_default().to_string_lossy();
+    let staging = path.with_file_name(format!(".{name}.{}", std::process::id()));
+    let _ = std::fs::remove_file(&staging);
+    let listener = bind_and_listen(&staging)?;
+    if let Err(e) = std::fs::rename(&staging, path) {
+        let _ = std::fs::remove_file(&staging);
+        return Err(e.into());
+    }
+    Ok(listener)
+}
+
 impl Listener {
-    /// Binds `path` (replacing a stale socket file) and listens.
+    /// Binds `path` (replacing a stale socket file) and listens; `path`
+    /// exists only once it is listening (see [`bind_published`]).
     pub fn bind(path: &Path) -> Result<Self, ChannelError> {
-        let _ = std::fs::remove_file(path);
+        bind_published(path, Self::bind_here)
+    }
+
+    fn bind_here(path: &Path) -> Result<Self, ChannelError> {
         let fd = seqpacket_socket()?;
         let (addr, len) = sockaddr(path)?;
         // SAFETY: addr is a valid sockaddr_un of length len; fd is open.
@@ -356,6 +381,45 @@ mod tests {
             got.expect("recv survives signals"),
             Request::RemoveMemory { slot: 7 }
         );
+    }
+
+    /// The socket file appears only once it listens; a stale file is
+    /// replaced; a failed bind leaves neither the staging file nor `path`.
+    #[test]
+    fn a_listener_is_published_only_once_it_listens() {
+        let dir = std::env::temp_dir().join(format!("vrdma-publish-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).expect("scratch dir");
+        let path = dir.join("hostd.sock");
+        std::fs::write(&path, b"stale").expect("stale file");
+        let listener = bind_published(&path, |staging| {
+            assert_ne!(staging, path.as_path());
+            assert_eq!(staging.parent(), path.parent());
+            let listener = Listener::bind_here(staging)?;
+            // Bound and listening, but not yet under its name: whoever
+            // waits for `path` still sees the stale file.
+            assert_eq!(std::fs::read(&path).expect("stale"), b"stale");
+            Ok::<_, ChannelError>(listener)
+        })
+        .expect("bind");
+        let client = Channel::connect(&path).expect("connect right after bind");
+        let server = listener.accept().expect("accept");
+        client
+            .send(&Request::RemoveMemory { slot: 1 }, &[])
+            .expect("send");
+        let (req, _): (Request, _) = server.recv().expect("recv");
+        assert_eq!(req, Request::RemoveMemory { slot: 1 });
+        let entries = std::fs::read_dir(&dir).expect("dir").count();
+        assert_eq!(entries, 1, "the staging file was renamed, not left behind");
+
+        let other = dir.join("other.sock");
+        let failed = bind_published(&other, |_| {
+            Err::<(), _>(ChannelError::Io(io::Error::from_raw_os_error(libc::EACCES)))
+        });
+        assert!(matches!(failed, Err(ChannelError::Io(_))));
+        assert!(!other.exists());
+        assert_eq!(std::fs::read_dir(&dir).expect("dir").count(), 1);
+        std::fs::remove_dir_all(&dir).expect("clean up");
     }
 
     fn tempfile_with(data: &[u8]) -> File {

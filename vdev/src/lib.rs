@@ -34,6 +34,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fabric::Fabric;
+use vrdma_hostd_protocol::channel::bind_published;
 
 use vhost::vhost_user::Listener;
 use vhost_user_backend::VhostUserDaemon;
@@ -70,6 +71,8 @@ pub struct DaemonError(vhost_user_backend::Error);
 pub struct Opened {
     /// The vhost-user listening socket, bound once for the daemon's life.
     listener: Listener,
+    /// Its path, removed when vdev stops.
+    socket_file: SocketFile,
     /// A registration with hostd made before the sandbox, used for the
     /// first frontend (see [`sandbox::Plan::register_early`]).
     early_fabric: Option<Fabric>,
@@ -83,13 +86,32 @@ impl std::fmt::Debug for Opened {
     }
 }
 
+/// A socket path removed on drop (vhost's `Listener` removes only the
+/// paths it bound itself).
+struct SocketFile(std::path::PathBuf);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// Binds the vhost-user socket and, with `register_early`, registers the
 /// device with hostd now (for the first frontend). Runs before the sandbox.
 pub fn open(config: &Config, register_early: bool) -> Result<Opened, Error> {
-    let listener = Listener::new(&config.socket, true).map_err(|e| Error::Serve {
+    // The socket file appears only once it listens, so a frontend that
+    // waits for it never meets ECONNREFUSED.
+    let listener = bind_published(&config.socket, |path| {
+        std::os::unix::net::UnixListener::bind(path)
+    })
+    .map(Listener::from)
+    .map_err(|e| Error::Serve {
         socket: config.socket.display().to_string(),
-        source: DaemonError(vhost_user_backend::Error::CreateVhostUserListener(e)),
+        source: DaemonError(vhost_user_backend::Error::CreateVhostUserListener(
+            vhost::vhost_user::Error::SocketError(e),
+        )),
     })?;
+    let socket_file = SocketFile(config.socket.clone());
     let early_fabric = match (&config.hostd, register_early) {
         (Some(path), true) => Some(
             Fabric::connect(path, &config.tenant, &device_name(&config.socket))
@@ -99,6 +121,7 @@ pub fn open(config: &Config, register_early: bool) -> Result<Opened, Error> {
     };
     Ok(Opened {
         listener,
+        socket_file,
         early_fabric,
     })
 }
@@ -111,6 +134,7 @@ pub fn open(config: &Config, register_early: bool) -> Result<Opened, Error> {
 pub fn run(config: &Config, opened: Opened) -> Result<(), Error> {
     let Opened {
         mut listener,
+        socket_file: _socket_file,
         mut early_fabric,
     } = opened;
     let identity = DeviceIdentity {
