@@ -63,6 +63,7 @@ fn policy_text() -> impl Strategy<Value = String> {
         Just("reachable"),
         Just("uid"),
         Just("physical_queues"),
+        Just("max_devices"),
         Just("quotas.max_pd"),
         Just("quotas.max_mr_bytes"),
         Just("quotas.max_total_mr_bytes"),

@@ -12,7 +12,10 @@ pub use vrdma_tenant_policy::TenantPolicy;
 /// Largest message in bytes.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Version of this protocol; hostd refuses a vdev that speaks another.
-pub const PROTOCOL_VERSION: u32 = 1;
+/// Raised whenever a message changes shape, the tenant policy in the
+/// Welcome included (2: `max_devices`), so that a vdev and a hostd of
+/// different builds meet a clear EPROTO instead of a decoding error.
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// A request from vdev to hostd.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -97,24 +97,45 @@ struct Registry {
 }
 
 impl Registry {
-    /// Physical QPs kept free for the first device of every other tenant
-    /// of the policy that has none connected: however many devices one
-    /// tenant (or a compromised vdev of it) registers, every other tenant
-    /// can still connect one. Only a policy whose tenants' first devices
-    /// all fit in the NIC's `physical_qps` can promise that; an
-    /// over-committed one keeps nothing (first come, first served).
+    /// Devices of `tenant` connected now.
+    fn devices_of(&self, tenant: &str) -> usize {
+        self.connected
+            .values()
+            .filter(|c| c.tenant == tenant)
+            .count()
+    }
+
+    /// Physical QPs kept free for the devices other tenants of the policy
+    /// may still connect, so that whatever one tenant (or a compromised
+    /// vdev of it) registers, the others get what the policy promises:
+    /// - when every tenant's `max_devices` × `physical_queues` fit in the
+    ///   NIC's `physical_qps`, all the devices each other tenant may still
+    ///   connect;
+    /// - else, when every tenant's first device fits, the first device of
+    ///   each other tenant that has none connected;
+    /// - else (an over-committed policy) nothing: first come, first served.
     fn reserved_for_others(&self, tenant: &str, physical_qps: u32) -> usize {
         let queues = |t: &TenantPolicy| t.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
-        let all: usize = self.policy.tenants.iter().map(queues).sum();
-        if all > physical_qps as usize {
-            return 0;
+        let physical_qps = physical_qps as usize;
+        let others = || self.policy.tenants.iter().filter(|t| t.name != tenant);
+        let all_devices: usize = (self.policy.tenants.iter())
+            .map(|t| t.max_devices as usize * queues(t))
+            .sum();
+        if all_devices <= physical_qps {
+            return others()
+                .map(|t| {
+                    (t.max_devices as usize).saturating_sub(self.devices_of(&t.name)) * queues(t)
+                })
+                .sum();
         }
-        self.policy
-            .tenants
-            .iter()
-            .filter(|t| t.name != tenant && !self.connected.values().any(|c| c.tenant == t.name))
-            .map(queues)
-            .sum()
+        let first_devices: usize = self.policy.tenants.iter().map(queues).sum();
+        if first_devices <= physical_qps {
+            return others()
+                .filter(|t| self.devices_of(&t.name) == 0)
+                .map(queues)
+                .sum();
+        }
+        0
     }
 }
 
@@ -559,6 +580,22 @@ impl Server {
                     format!("Device {device} of tenant {tenant} is already connected"),
                 ));
             }
+            let devices = reg.devices_of(tenant);
+            if devices >= policy.max_devices as usize {
+                drop(reg);
+                self.datapath
+                    .lock()
+                    .accounts_mut()
+                    .quota_rejected(tenant, "max_devices");
+                return Err(refuse(
+                    libc::EDQUOT,
+                    format!(
+                        "Tenant {tenant} has {devices} devices connected, its quota \
+                         max_devices is {}",
+                        policy.max_devices
+                    ),
+                ));
+            }
             let wanted = policy.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
             let reserved = reg.reserved_for_others(tenant, self.config.physical_qps);
             if reg.free_pqps.len() < wanted + reserved {
@@ -566,7 +603,7 @@ impl Server {
                     libc::ENOSPC,
                     format!(
                         "{} physical QPs are free, {wanted} needed, {reserved} kept for \
-                         other tenants' first devices",
+                         other tenants' devices",
                         reg.free_pqps.len()
                     ),
                 ));

@@ -376,9 +376,9 @@ pub struct TenantStats {
     pub throttled_seconds: BTreeMap<String, f64>,
     /// What it holds now over all its devices ([`USAGE`]).
     pub usage: BTreeMap<String, u64>,
-    /// Its quotas: `max_total_mr_bytes` (over all its devices, enforced by
-    /// hostd), `max_mr_bytes` (one MR), and per device `max_mr`, `max_qp`
-    /// and `physical_queues`.
+    /// Its quotas: `max_devices` and `max_total_mr_bytes` (over all its
+    /// devices, enforced by hostd), `max_mr_bytes` (one MR), and per device
+    /// `max_mr`, `max_qp` and `physical_queues`.
     pub quota: BTreeMap<String, u64>,
 }
 
@@ -428,6 +428,7 @@ impl TenantStats {
                 ("max_mr", q.max_mr.into()),
                 ("max_qp", q.max_qp.into()),
                 ("physical_queues", policy.physical_queues.into()),
+                ("max_devices", policy.max_devices.into()),
             ]
             .into_iter()
             .map(|(k, v)| (k.to_owned(), v))
@@ -537,7 +538,7 @@ pub fn render_prometheus(stats: &Stats) -> String {
         &mut out,
         "vrdma_tenant_quota",
         "gauge",
-        "The tenant's quotas (max_total_mr_bytes over all its devices; max_mr, max_qp, physical_queues per device; max_mr_bytes per MR).",
+        "The tenant's quotas (max_devices and max_total_mr_bytes over all its devices; max_mr, max_qp, physical_queues per device; max_mr_bytes per MR).",
         "resource",
         each(|t| &t.quota),
     );

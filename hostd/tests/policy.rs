@@ -276,6 +276,67 @@ fn sighup_pushes_the_new_policy() {
     reload_pushes_policy("sighup", Hostd::hangup);
 }
 
+/// `max_devices`: the (N+1)th device connected at once is refused with
+/// EDQUOT and counted; a reload that lowers it keeps the devices that are
+/// connected (they keep working) and refuses new ones until the tenant is
+/// under the new quota.
+#[test]
+fn max_devices_refuses_the_next_device_and_a_lower_quota_keeps_the_connected() {
+    let policy = |max: u32| format!("{}max_devices = {max}\n", quota_policy(MIB));
+    let hostd = Hostd::start_with("devices", &config(64), &policy(2));
+    let vm0 = Client::hello(&hostd.socket, "beta", "vm0").expect("first");
+    let vm1 = Client::hello(&hostd.socket, "beta", "vm1").expect("second");
+    let third = Client::hello(&hostd.socket, "beta", "vm2").map(|_| ());
+    assert_eq!(third.map_err(|e| e.0), Err(libc::EDQUOT));
+    assert!(
+        Client::hello(&hostd.socket, "alpha", "vm0").is_ok(),
+        "alpha has its own"
+    );
+    let beta = tenant_stats(&hostd, "beta");
+    assert_eq!(beta.quota_rejections["max_devices"], 1);
+    assert_eq!((beta.usage["devices"], beta.quota["max_devices"]), (2, 2));
+
+    rewrite(&hostd, &policy(1));
+    assert!(hostd.vrdmactl_ok(&["reload"]).contains("beta"));
+    // Both devices stay and work.
+    for (dev, vm) in [&vm0, &vm1].into_iter().enumerate() {
+        // Keys are unique on the host: 0x10/0x11 for vm0, 0x20/0x21 for vm1.
+        let (lkey, rkey) = (0x10 * (dev as u32 + 1), 0x10 * (dev as u32 + 1) + 1);
+        let mem = vm.add_memory(0, MIB);
+        vm.register(lkey, rkey, ALL_ACCESS, IOVA, 0, 0, MIB)
+            .expect("mr");
+        vm.create_qp(1, 0);
+        vm.create_qp(2, 0);
+        vm.connect_qp(1, vm.lid, 2).expect("connect");
+        vm.connect_qp(2, vm.lid, 1).expect("connect");
+        assert!(mem.write(0, &[dev as u8; 4]));
+        vm.post(0, &write_wqe(1, 1, sge(IOVA, 4, lkey), IOVA + 64, rkey));
+        assert_eq!(vm.poll(0, 1)[0].status, u8::from(WcStatus::Success));
+        let mut landed = [0u8; 4];
+        assert!(mem.read(64, &mut landed));
+        assert_eq!(landed, [dev as u8; 4]);
+    }
+    // One leaving does not bring beta under 1.
+    drop(vm1);
+    eventually("vm1 is gone", || {
+        tenant_stats(&hostd, "beta").usage["devices"] == 1
+    });
+    let again = Client::hello(&hostd.socket, "beta", "vm2").map(|_| ());
+    assert_eq!(again.map_err(|e| e.0), Err(libc::EDQUOT));
+    drop(vm0);
+    eventually("vm0 is gone", || {
+        tenant_stats(&hostd, "beta").usage["devices"] == 0
+    });
+    assert!(
+        Client::hello(&hostd.socket, "beta", "vm2").is_ok(),
+        "under the quota again"
+    );
+    assert_eq!(
+        tenant_stats(&hostd, "beta").quota_rejections["max_devices"],
+        2
+    );
+}
+
 #[test]
 fn a_removed_tenant_keeps_its_devices_but_gets_no_new_ones() {
     let text = quota_policy(MIB);

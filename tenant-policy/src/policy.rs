@@ -7,6 +7,7 @@
 //! reachable = ["net-2"]        # networks besides its own its QPs may reach
 //! uid = 1001                   # optional: the uid its vdevs run as
 //! physical_queues = 2          # physical QPs each of its devices may hold
+//! max_devices = 4              # devices (vdevs) it may have on hostd at once
 //! priority = { class = "realtime", weight = 1 }
 //! quotas = { max_qp = 64, max_total_mr_bytes = 1073741824 }
 //! rate.send = { ops_per_sec = 100000, ops_burst = 1000 }
@@ -139,6 +140,10 @@ pub struct TenantPolicy {
     /// Physical QPs each of its devices may hold on hostd.
     #[serde(default = "default_physical_queues")]
     pub physical_queues: u32,
+    /// Devices (vdev registrations) it may have on hostd at once: with
+    /// `physical_queues`, the most of the NIC's physical QPs it can take.
+    #[serde(default = "default_max_devices")]
+    pub max_devices: u32,
     #[serde(default)]
     pub priority: Priority,
     /// Object and memory quotas of each of its devices.
@@ -152,10 +157,16 @@ fn default_physical_queues() -> u32 {
     2
 }
 
+fn default_max_devices() -> u32 {
+    4
+}
+
 /// Largest `priority.weight`.
 pub const MAX_WEIGHT: u32 = 1000;
 /// Largest `physical_queues`.
 pub const MAX_PHYSICAL_QUEUES: u32 = 64;
+/// Largest `max_devices`.
+pub const MAX_DEVICES: u32 = 64;
 /// Largest `ops_per_sec` and `ops_burst` (10^12).
 pub const MAX_OPS_PER_SEC: u64 = 1_000_000_000_000;
 /// Largest `bytes_per_sec` and `bytes_burst` (10^13, 80 Tbit/s).
@@ -305,6 +316,12 @@ impl TenantPolicy {
             self.physical_queues.into(),
             1,
             MAX_PHYSICAL_QUEUES.into(),
+        )?;
+        check_range(
+            at.key("max_devices"),
+            self.max_devices.into(),
+            1,
+            MAX_DEVICES.into(),
         )?;
         check_range(
             at.key("priority.weight"),
@@ -508,6 +525,7 @@ network = "net-1"
 reachable = ["net-2"]
 uid = 1001
 physical_queues = 4
+max_devices = 2
 priority = { class = "realtime", weight = 10 }
 quotas = { max_qp = 64, max_total_mr_bytes = 1073741824, max_mr_bytes = 1048576, max_srq = 0 }
 rate.send = { ops_per_sec = 100000, ops_burst = 1000 }
@@ -539,6 +557,7 @@ name = "gray"
                     reachable: vec!["net-2".into()],
                     uid: Some(1001),
                     physical_queues: 4,
+                    max_devices: 2,
                     priority: Priority {
                         class: PriorityClass::Realtime,
                         weight: 10,
@@ -569,6 +588,7 @@ name = "gray"
                     reachable: vec![],
                     uid: None,
                     physical_queues: 2,
+                    max_devices: 4,
                     priority: Priority {
                         class: PriorityClass::Priority,
                         weight: 1000,
@@ -592,6 +612,7 @@ name = "gray"
                     reachable: vec![],
                     uid: None,
                     physical_queues: 2,
+                    max_devices: 4,
                     priority: Priority::default(),
                     quotas: Limits::default(),
                     rate: Rates::default(),
@@ -673,6 +694,7 @@ name = "gray"
                     reachable: vec![],
                     uid: None,
                     physical_queues: 2,
+                    max_devices: 4,
                     priority: Priority::default(),
                     quotas: Limits::default(),
                     rate: Rates::default(),
@@ -946,8 +968,22 @@ name = "gray"
             11,
             "65 is outside 1..=64",
         );
-        parse(&third("physical_queues = 64\npriority.weight = 1000\n"))
-            .expect("limits are inclusive");
+        refused(
+            &third("max_devices = 0\n"),
+            "tenant[2].max_devices",
+            11,
+            "0 is outside 1..=64",
+        );
+        refused(
+            &third("max_devices = -3\n"),
+            "tenant[2].max_devices",
+            11,
+            "-3",
+        );
+        parse(&third(
+            "physical_queues = 64\nmax_devices = 64\npriority.weight = 1000\n",
+        ))
+        .expect("limits are inclusive");
     }
 
     #[test]

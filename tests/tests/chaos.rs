@@ -1661,14 +1661,15 @@ fn phys_wqe(token: u64, op: SendOpcode, vqpn: u32, local: Sge, remote: (u64, u32
 
 impl Attacker<'_> {
     /// Registers a compromised vdev of beta, retrying while hostd still
-    /// tears down the previous device of the same name.
+    /// tears down the previous device of the same name (EBUSY) or earlier
+    /// ones that still count against beta's `max_devices` (EDQUOT).
     fn rogue_hello(&mut self) -> RogueVdev {
         let name = format!("rogue-{}", self.rng.below(4));
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
             match RogueVdev::hello(&self.hostd_socket, "beta", &name) {
                 Ok(rogue) => return rogue,
-                Err(libc::EBUSY) if Instant::now() < deadline => {
+                Err(libc::EBUSY | libc::EDQUOT) if Instant::now() < deadline => {
                     std::thread::sleep(Duration::from_millis(2));
                 }
                 Err(errno) => panic!("{}: Hello refused with errno {errno}", self.context()),
@@ -2320,8 +2321,7 @@ fn a_tenant_cycling_device_names_cannot_use_up_the_hosts_lids() {
     drop(alpha);
     let mut lids = std::collections::BTreeSet::new();
     for i in 0..NAMES {
-        let beta = RogueVdev::hello(&hostd.socket, "beta", &format!("cycling-{i}"))
-            .unwrap_or_else(|errno| panic!("name {i} refused with errno {errno}"));
+        let beta = hello_within_quota(&hostd, "beta", &format!("cycling-{i}"));
         lids.insert(beta.lid());
     }
     assert!(
@@ -2337,27 +2337,81 @@ fn a_tenant_cycling_device_names_cannot_use_up_the_hosts_lids() {
     assert_eq!(alpha.lid(), alpha_lid, "alpha's device keeps its LID");
 }
 
+/// Registers a device, waiting while devices this test dropped still
+/// count against the tenant's `max_devices` (hostd sees a close
+/// asynchronously).
+fn hello_within_quota(hostd: &Hostd, tenant: &str, device: &str) -> RogueVdev {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match RogueVdev::hello(&hostd.socket, tenant, device) {
+            Ok(rogue) => return rogue,
+            Err(libc::EDQUOT) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(errno) => panic!("{tenant}'s device {device} refused with errno {errno}"),
+        }
+    }
+}
+
+/// Registers devices of `tenant` until hostd refuses one; returns those
+/// it accepted and the refusal's errno.
+fn register_until_refused(hostd: &Hostd, tenant: &str) -> (Vec<RogueVdev>, i32) {
+    let mut held = Vec::new();
+    loop {
+        match RogueVdev::hello(&hostd.socket, tenant, &format!("hog-{}", held.len())) {
+            Ok(rogue) if held.len() < 1000 => held.push(rogue),
+            Ok(_) => panic!("no limit on {tenant}'s devices"),
+            Err(errno) => return (held, errno),
+        }
+    }
+}
+
 /// Found with the chaos test's compromised vdev: one tenant could register
 /// devices until every physical queue of the NIC was taken, and then no
-/// other tenant's device could register at all. hostd now keeps enough
-/// physical queues free for the first device of every other tenant.
+/// other tenant's device could register at all. A tenant now has at most
+/// `max_devices` devices (EDQUOT beyond), and hostd keeps free the
+/// physical queues of every device the other tenants may still connect.
 #[test]
-fn one_tenant_cannot_take_every_physical_queue() {
+fn one_tenant_cannot_take_the_physical_queues_of_another() {
     let _serial = serial();
+    // The default policy fits: 2 tenants x 4 devices x 2 queues <= 64.
     let hostd = Hostd::start(None);
-    let mut held = Vec::new();
-    let errno = loop {
-        match RogueVdev::hello(&hostd.socket, "beta", &format!("hog-{}", held.len())) {
-            Ok(rogue) if held.len() < 1000 => held.push(rogue),
-            Ok(_) => panic!("no limit on beta's devices"),
-            Err(errno) => break errno,
-        }
-    };
+    let (held, errno) = register_until_refused(&hostd, "beta");
+    assert_eq!((held.len(), errno), (4, libc::EDQUOT), "beta's max_devices");
+    let alpha: Vec<RogueVdev> = (0..4)
+        .map(|i| {
+            RogueVdev::hello(&hostd.socket, "alpha", &format!("vm{i}"))
+                .unwrap_or_else(|errno| panic!("alpha's device {i} refused with errno {errno}"))
+        })
+        .collect();
+    assert!(alpha.iter().all(|a| a.welcome.queues.len() == 2));
+    let beta = hostd.tenant_stats("beta");
+    assert_eq!(beta["quota_rejections"]["max_devices"], 1);
+    assert_eq!(beta["usage"]["devices"], 4);
+    assert_eq!(beta["quota"]["max_devices"], 4);
+    // Freeing one of beta's devices lets a new one in.
+    let mut held = held;
+    drop(held.pop());
+    held.push(hello_within_quota(&hostd, "beta", "hog-next"));
+    drop((held, alpha));
+
+    // An over-committed policy (40 x 2 queues for beta alone): beta runs
+    // the NIC out of physical queues, but alpha's first device still fits.
+    let hostd = Hostd::start(Some(
+        "[[tenant]]\nname = \"alpha\"\n\
+         [[tenant]]\nname = \"beta\"\nmax_devices = 40\n",
+    ));
+    let (mut held, errno) = register_until_refused(&hostd, "beta");
     assert_eq!(
         errno,
         libc::ENOSPC,
         "beta's device {} is refused",
         held.len()
+    );
+    assert_eq!(
+        held.len(),
+        31,
+        "64 physical QPs, 2 kept for alpha's first device"
     );
     let alpha = RogueVdev::hello(&hostd.socket, "alpha", "vm")
         .unwrap_or_else(|errno| panic!("alpha's first device refused with errno {errno}"));
