@@ -512,6 +512,14 @@ impl Device {
             .then(|| self.transport.interrupt_fd(FIRST_EVENT_QUEUE + vector))
             .flatten()
     }
+
+    /// Clears the interrupt [`Device::event_fd`] of `vector` reported.
+    pub(crate) fn acknowledge_event(&self, vector: u16) -> Result<(), Error> {
+        if usize::from(vector) >= self.events.len() {
+            return Err(Error::Protocol("no such completion vector"));
+        }
+        Ok(self.transport.acknowledge(FIRST_EVENT_QUEUE + vector)?)
+    }
 }
 
 #[cfg(test)]

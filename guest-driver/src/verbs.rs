@@ -159,9 +159,15 @@ impl Context {
     }
 
     /// A file descriptor that becomes readable when completion vector
-    /// `comp_vector` may have an event (for poll/epoll loops).
+    /// `comp_vector` may have an event (for poll/epoll loops); once it was,
+    /// [`Context::acknowledge_event`] clears it before the events are read.
     pub fn event_fd(&self, comp_vector: u16) -> Option<BorrowedFd<'_>> {
         self.dev.event_fd(comp_vector)
+    }
+
+    /// Clears what made [`Context::event_fd`] of `comp_vector` readable.
+    pub fn acknowledge_event(&self, comp_vector: u16) -> Result<()> {
+        self.dev.acknowledge_event(comp_vector)
     }
 }
 

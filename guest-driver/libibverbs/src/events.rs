@@ -161,11 +161,14 @@ pub(crate) fn dispatch(shared: &Shared) {
                 }
             }
         }
+        let interrupts: Vec<(u16, c_int)> = (0..vectors)
+            .filter_map(|v| shared.dev.event_fd(v).map(|fd| (v, fd.as_raw_fd())))
+            .collect();
         let mut fds = vec![shared.stop.as_raw_fd()];
-        fds.extend((0..vectors).filter_map(|v| shared.dev.event_fd(v).map(|fd| fd.as_raw_fd())));
-        // A transport without per-queue interrupt fds (virtio-pci: one INTx
-        // line for all) is drained every few milliseconds instead.
-        let timeout_ms = if fds.len() == usize::from(vectors) + 1 {
+        fds.extend(interrupts.iter().map(|&(_, fd)| fd));
+        // A transport without an interrupt fd for some vector (none in
+        // vrdma's two transports) is drained every few milliseconds.
+        let timeout_ms = if interrupts.len() == usize::from(vectors) {
             -1
         } else {
             EVENT_POLL_MS
@@ -174,9 +177,11 @@ pub(crate) fn dispatch(shared: &Shared) {
         if ready.first() == Some(&true) {
             return;
         }
-        for (fd, _) in fds.iter().zip(&ready).skip(1).filter(|(_, &r)| r) {
+        for (&(vector, _), _) in interrupts.iter().zip(&ready[1..]).filter(|(_, &r)| r) {
             // Reset the interrupt; the drain above reads the events.
-            let _ = take(*fd);
+            if let Err(e) = shared.dev.acknowledge_event(vector) {
+                tracing::warn!(error = %e, vector, "Cannot acknowledge an interrupt");
+            }
         }
     }
 }

@@ -143,10 +143,18 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     fn wait(&self, queue: u16, timeout: Option<Duration>) -> Result<bool, TransportError>;
 
     /// A file descriptor that becomes readable on an interrupt of `queue`,
-    /// for applications that multiplex with poll/epoll.
+    /// for applications that multiplex with poll/epoll. After it was
+    /// readable, [`Transport::acknowledge`] clears it.
     fn interrupt_fd(&self, queue: u16) -> Option<BorrowedFd<'_>> {
         let _ = queue;
         None
+    }
+
+    /// Clears the interrupt [`Transport::interrupt_fd`] of `queue` reported
+    /// (without blocking), so that the next one makes it readable again.
+    fn acknowledge(&self, queue: u16) -> Result<(), TransportError> {
+        let _ = queue;
+        Ok(())
     }
 }
 
@@ -184,5 +192,8 @@ impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
     }
     fn interrupt_fd(&self, queue: u16) -> Option<BorrowedFd<'_>> {
         (**self).interrupt_fd(queue)
+    }
+    fn acknowledge(&self, queue: u16) -> Result<(), TransportError> {
+        (**self).acknowledge(queue)
     }
 }

@@ -291,11 +291,17 @@ impl Transport for VhostUserTransport {
         if n == 0 {
             return Ok(false);
         }
+        self.acknowledge(queue)?;
+        Ok(true)
+    }
+
+    fn acknowledge(&self, queue: u16) -> Result<(), TransportError> {
+        let (_, call) = self.queue_fds(queue)?;
         // Reset the counter. Another waiter may have taken it already
         // (EAGAIN on a non-blocking eventfd): the interrupt still happened.
         match call.read() {
-            Ok(_) => Ok(true),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(true),
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(()),
             Err(source) => Err(TransportError::Wait { queue, source }),
         }
     }

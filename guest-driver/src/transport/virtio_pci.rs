@@ -28,12 +28,16 @@
 //! register's INTx-disable bit) at every interrupt and, having no
 //! `irqcontrol`, cannot unmask it through the uio fd (a write there fails
 //! with ENOSYS): the driver clears the bit in the config space itself, as
-//! DPDK does. `wait`
-//! sleeps on that. One INTx line serves every queue, so a wake-up only
+//! DPDK does. `wait` sleeps on that, and `interrupt_fd` hands it to an
+//! event thread. One INTx line serves every queue, so a wake-up only
 //! means "something happened": the core re-checks its queue and waits
-//! again, as it does for any spurious wake-up. Sleeping on the interrupt
-//! rather than polling with backoff matters on a TCG guest, where a
-//! polling thread would take the vCPU from the application.
+//! again, as it does for any spurious wake-up. Each queue has its own open
+//! file of `/dev/uioN`: uio keeps the count per open file, so every
+//! queue's waiter sees every interrupt, and one waiter reading the count
+//! cannot swallow the wake-up of another that was not yet asleep.
+//! Sleeping on the interrupt rather than polling with backoff matters on a
+//! TCG guest, where a polling thread would take the vCPU from the
+//! application.
 //!
 //! All register accesses are volatile loads and stores on the BAR mapping.
 //! Dropping the transport resets the device (status 0), which makes vdev
@@ -41,10 +45,10 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read};
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use super::{MemoryModel, QueueSetup, Transport, TransportError, VIRTIO_F_VERSION_1};
@@ -473,7 +477,11 @@ pub struct VirtioPciTransport {
     isr: Window,
     device_cfg: Option<Window>,
     num_queues: u16,
-    uio: File,
+    /// `/dev/uioN` of the function.
+    uio_path: PathBuf,
+    /// An open file of `/dev/uioN` per queue, opened when the queue is
+    /// first waited on (see the module comment).
+    listeners: Vec<OnceLock<File>>,
     /// The function's config space (sysfs), to unmask INTx.
     config: File,
     state: Mutex<State>,
@@ -504,7 +512,7 @@ impl VirtioPciTransport {
             });
         }
         bind_uio(device)?;
-        let uio = open_uio(device)?;
+        let (uio_path, uio) = open_uio(device)?;
         let config_path = path.join("config");
         let config =
             std::fs::read(&config_path).map_err(sysfs("read the config space", &config_path))?;
@@ -561,7 +569,8 @@ impl VirtioPciTransport {
             isr,
             device_cfg,
             num_queues: 0,
-            uio,
+            uio_path,
+            listeners: Vec::new(),
             config: config_file,
             state: Mutex::new(State {
                 notify_off: Vec::new(),
@@ -573,6 +582,10 @@ impl VirtioPciTransport {
         transport.state = Mutex::new(State {
             notify_off: vec![None; usize::from(num_queues)],
         });
+        transport.listeners = (0..num_queues).map(|_| OnceLock::new()).collect();
+        if let Some(first) = transport.listeners.first() {
+            let _ = first.set(uio);
+        }
         transport.set_status(status::ACKNOWLEDGE);
         transport.set_status(status::ACKNOWLEDGE | status::DRIVER);
         // Unmask INTx once: from here on `wait` unmasks after each interrupt.
@@ -608,6 +621,27 @@ impl VirtioPciTransport {
         if let Err(e) = unmask_intx(&self.config) {
             tracing::warn!(bdf = %self.device.bdf, error = %e, "Cannot unmask INTx");
         }
+    }
+
+    /// `queue`'s open file of `/dev/uioN`, opened on first use.
+    fn listener(&self, queue: u16) -> Result<&File, TransportError> {
+        let slot = self
+            .listeners
+            .get(usize::from(queue))
+            .ok_or(TransportError::NoQueue(queue))?;
+        if let Some(file) = slot.get() {
+            return Ok(file);
+        }
+        let file = open_listener(&self.uio_path)
+            .map_err(|source| TransportError::Wait { queue, source })?;
+        // A racing thread may have set it first; its file is as good.
+        let _ = slot.set(file);
+        // A new file counts from now: an interrupt that came before, and
+        // that nobody acknowledged yet, left INTx masked with the line
+        // still up. Unmasking makes the level-triggered line fire again,
+        // so this queue's waiter sees it too.
+        self.unmask();
+        slot.get().ok_or(TransportError::NoQueue(queue))
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -761,7 +795,7 @@ impl Transport for VirtioPciTransport {
     fn wait(&self, queue: u16, timeout: Option<Duration>) -> Result<bool, TransportError> {
         let timeout_ms = timeout.map_or(-1, |t| i32::try_from(t.as_millis()).unwrap_or(i32::MAX));
         let mut pfd = libc::pollfd {
-            fd: self.uio.as_raw_fd(),
+            fd: self.listener(queue)?.as_raw_fd(),
             events: libc::POLLIN,
             revents: 0,
         };
@@ -778,18 +812,30 @@ impl Transport for VirtioPciTransport {
         if n == 0 {
             return Ok(false);
         }
+        self.acknowledge(queue)?;
+        Ok(true)
+    }
+
+    fn interrupt_fd(&self, queue: u16) -> Option<BorrowedFd<'_>> {
+        self.listener(queue).ok().map(|f| f.as_fd())
+    }
+
+    fn acknowledge(&self, queue: u16) -> Result<(), TransportError> {
         let mut count = [0u8; 4];
-        match (&self.uio).read_exact(&mut count) {
+        match self.listener(queue)?.read_exact(&mut count) {
             Ok(_) => {}
-            // Another waiter took the count: the interrupt still happened.
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(true),
+            // Another thread read this queue's count: the interrupt
+            // still happened, and that thread acknowledges it.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
             Err(source) => return Err(TransportError::Wait { queue, source }),
         }
         // Reading the ISR acknowledges the device's line; only then may INTx
         // be unmasked, or the level-triggered line fires again at once.
+        // Waiters of other queues may do the same for the same interrupt:
+        // the ISR then reads 0 and INTx is unmasked already.
         let _ = self.isr.read8(0);
         self.unmask();
-        Ok(true)
+        Ok(())
     }
 }
 
@@ -820,8 +866,8 @@ fn bind_uio(device: &PciDevice) -> Result<(), PciError> {
     Ok(())
 }
 
-/// Opens the function's `/dev/uioN` (non-blocking: several threads may wait).
-fn open_uio(device: &PciDevice) -> Result<File, PciError> {
+/// Opens the function's `/dev/uioN`; returns its path and the open file.
+fn open_uio(device: &PciDevice) -> Result<(PathBuf, File), PciError> {
     let dir = device.path().join("uio");
     let name = std::fs::read_dir(&dir)
         .ok()
@@ -829,12 +875,18 @@ fn open_uio(device: &PciDevice) -> Result<File, PciError> {
         .map(|e| e.file_name())
         .ok_or_else(|| PciError::NoUioDevice(device.bdf.clone()))?;
     let dev = Path::new("/dev").join(name);
+    let file = open_listener(&dev).map_err(sysfs("open the uio device", &dev))?;
+    Ok((dev, file))
+}
+
+/// One open file of a uio device: its own interrupt count (non-blocking:
+/// a count another thread read is not waited for).
+fn open_listener(dev: &Path) -> io::Result<File> {
     OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(&dev)
-        .map_err(sysfs("open the uio device", &dev))
+        .open(dev)
 }
 
 /// Sets memory-space and bus-master enable in the command register of
