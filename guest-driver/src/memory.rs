@@ -154,6 +154,11 @@ impl DeviceMemory {
 
 /// Reference counts of locked application pages: `mlock` does not nest, so
 /// a page is unlocked only when the last MR over it goes.
+///
+/// A pinned page is also kept out of children (`MADV_DONTFORK`, as
+/// rdma-core's fork support does): after a `fork`, the first write to a
+/// shared copy-on-write page would give the writing parent a new physical
+/// page, while the device kept writing to the old one, now the child's.
 #[derive(Debug, Default)]
 pub(crate) struct PinnedPages {
     refs: BTreeMap<u64, u32>,
@@ -166,25 +171,12 @@ impl PinnedPages {
             .filter(|p| !self.refs.contains_key(p))
             .collect();
         for (run_start, run_end) in runs(&fresh) {
-            // SAFETY: mlock only changes residency of our own mapped pages
-            // (it faults them in for writing); unmapped ranges give ENOMEM.
-            let rc = unsafe {
-                libc::mlock(
-                    run_start as *const libc::c_void,
-                    (run_end - run_start) as usize,
-                )
-            };
-            if rc != 0 {
-                let source = io::Error::last_os_error();
-                // Undo the runs locked so far.
+            if let Err(e) = pin_run(run_start, run_end) {
+                // Undo the runs pinned so far.
                 for (s, e) in runs(&fresh).take_while(|&(s, _)| s < run_start) {
-                    // SAFETY: unlocking pages locked just above.
-                    unsafe { libc::munlock(s as *const libc::c_void, (e - s) as usize) };
+                    unpin_run(s, e);
                 }
-                return Err(Error::Os {
-                    what: "lock application memory (mlock; raise RLIMIT_MEMLOCK)",
-                    source,
-                });
+                return Err(e);
             }
         }
         for p in pages(start, end) {
@@ -208,8 +200,7 @@ impl PinnedPages {
             }
         }
         for (s, e) in runs(&gone) {
-            // SAFETY: unlocking pages this tracker locked.
-            unsafe { libc::munlock(s as *const libc::c_void, (e - s) as usize) };
+            unpin_run(s, e);
         }
     }
 
@@ -217,6 +208,42 @@ impl PinnedPages {
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.refs.len()
+    }
+}
+
+/// Locks `[start, end)` and keeps it out of children; all or nothing.
+fn pin_run(start: u64, end: u64) -> Result<()> {
+    let (addr, len) = (start as *mut libc::c_void, (end - start) as usize);
+    // SAFETY: mlock only changes residency of our own mapped pages (it
+    // faults them in for writing); unmapped ranges give ENOMEM.
+    if unsafe { libc::mlock(addr, len) } != 0 {
+        return Err(Error::Os {
+            what: "lock application memory (mlock; raise RLIMIT_MEMLOCK)",
+            source: io::Error::last_os_error(),
+        });
+    }
+    // SAFETY: MADV_DONTFORK only changes what a future fork copies of
+    // these pages of ours, which the line above found mapped.
+    if unsafe { libc::madvise(addr, len, libc::MADV_DONTFORK) } != 0 {
+        let source = io::Error::last_os_error();
+        // SAFETY: unlocking the pages locked above.
+        unsafe { libc::munlock(addr, len) };
+        return Err(Error::Os {
+            what: "keep registered memory out of forked children (madvise MADV_DONTFORK)",
+            source,
+        });
+    }
+    Ok(())
+}
+
+/// Undoes [`pin_run`].
+fn unpin_run(start: u64, end: u64) {
+    let (addr, len) = (start as *mut libc::c_void, (end - start) as usize);
+    // SAFETY: these pages were pinned by `pin_run`: forks copy them again,
+    // and they are unlocked; neither touches their contents.
+    unsafe {
+        libc::madvise(addr, len, libc::MADV_DOFORK);
+        libc::munlock(addr, len);
     }
 }
 
@@ -252,6 +279,28 @@ mod tests {
         assert_eq!(runs(&[]).count(), 0);
     }
 
+    /// Whether each of the 4 pages from `base` is marked "do not copy on
+    /// fork" (`dc` among its mapping's VmFlags in /proc/self/smaps).
+    fn not_forked(base: u64) -> [bool; 4] {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let mut vmas = Vec::new();
+        let mut range = None;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if let Some((s, e)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
+                range = u64::from_str_radix(s, 16).ok().zip(u64::from_str_radix(e, 16).ok());
+            } else if let (Some(flags), Some(r)) = (line.strip_prefix("VmFlags:"), range) {
+                vmas.push((r, flags.split_whitespace().any(|f| f == "dc")));
+            }
+        }
+        std::array::from_fn(|i| {
+            let page = base + i as u64 * P;
+            vmas.iter()
+                .find(|((s, e), _)| (*s..*e).contains(&page))
+                .is_some_and(|(_, dc)| *dc)
+        })
+    }
+
     #[test]
     fn overlapping_pins_keep_pages_locked_until_the_last() {
         let len = 4 * PAGE_SIZE;
@@ -272,10 +321,13 @@ mod tests {
         pinned.pin(base, base + 3 * P).expect("pin a");
         pinned.pin(base + 2 * P, base + 4 * P).expect("pin b");
         assert_eq!(pinned.len(), 4);
+        assert_eq!(not_forked(base), [true; 4]);
         pinned.unpin(base, base + 3 * P);
         assert_eq!(pinned.len(), 2, "pages of b stay");
+        assert_eq!(not_forked(base), [false, false, true, true]);
         pinned.unpin(base + 2 * P, base + 4 * P);
         assert_eq!(pinned.len(), 0);
+        assert_eq!(not_forked(base), [false; 4]);
         // Locking unmapped memory fails and leaves nothing behind.
         // SAFETY: unmapping the test's own mapping.
         unsafe { libc::munmap(p, len) };
