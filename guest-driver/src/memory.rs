@@ -288,7 +288,9 @@ mod tests {
         for line in smaps.lines() {
             let first = line.split_whitespace().next().unwrap_or("");
             if let Some((s, e)) = first.split_once('-').filter(|_| !first.ends_with(':')) {
-                range = u64::from_str_radix(s, 16).ok().zip(u64::from_str_radix(e, 16).ok());
+                range = u64::from_str_radix(s, 16)
+                    .ok()
+                    .zip(u64::from_str_radix(e, 16).ok());
             } else if let (Some(flags), Some(r)) = (line.strip_prefix("VmFlags:"), range) {
                 vmas.push((r, flags.split_whitespace().any(|f| f == "dc")));
             }

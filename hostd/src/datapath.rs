@@ -19,6 +19,10 @@
 //! each vQP's work stays in posting order. When the scheduler waits for
 //! tokens it says until when, and a sleeping thread arms its timer for it.
 //!
+//! The NIC learns each device's rank (its tenant's class) and stops a long
+//! message of a lower rank between segments while a higher rank is busy;
+//! the thread then yields its core at once (see the run loop).
+//!
 //! Polling is adaptive for a 2-core host: after the last work a thread spins
 //! for `spin_us` (with `spin_loop` and an occasional `yield_now`), then
 //! announces sleep on every submission ring it serves (`prepare_sleep`),
@@ -190,6 +194,8 @@ pub fn head_of(wqe: &PhysWqe) -> Head {
 struct Round {
     worked: bool,
     busy: bool,
+    /// The NIC stopped a long message for work of a higher rank.
+    preempted: bool,
     held: bool,
     next_due: Option<Instant>,
 }
@@ -224,6 +230,17 @@ impl Core {
     pub fn configure_tenants(&mut self, tenants: &[TenantPolicy], now: Instant) {
         for t in tenants {
             self.sched.configure(t, now);
+        }
+        let ids: Vec<DeviceId> = self.devices.keys().copied().collect();
+        for id in ids {
+            self.rank_device(id);
+        }
+    }
+
+    /// Tells the NIC the device's rank, from its tenant's class.
+    fn rank_device(&mut self, id: DeviceId) {
+        if let Some(rank) = self.sched.rank(id) {
+            self.nic.set_rank(id, rank);
         }
     }
 
@@ -324,6 +341,7 @@ impl Core {
         let progress = self.nic.progress(now, PROGRESS_BUDGET);
         round.worked |= progress.worked;
         round.busy |= progress.busy;
+        round.preempted = progress.preempted;
         round.next_due = match (progress.next_due, wait) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -448,6 +466,7 @@ impl Datapath {
                 core.sched.configure(policy, Instant::now());
             }
             core.sched.add_device(dev.id, &dev.tenant);
+            core.rank_device(dev.id);
             core.accounts.attach(dev.id, &dev.tenant, dev.queues.len());
             core.devices.insert(dev.id, dev);
             core.generation += 1;
@@ -552,8 +571,13 @@ impl Datapath {
             if round.worked || round.busy {
                 last_work = now;
                 spins = spins.wrapping_add(1);
-                if spins.is_multiple_of(64) {
-                    // Share the core with vdevs on a 2-core host.
+                // Share the core with vdevs on a 2-core host; between the
+                // segments of a long message that higher-rank work is
+                // waiting for, at once: the threads that produce that work
+                // (its application, its vdev) may be waiting for this core,
+                // which the copying would otherwise hold for the whole
+                // message (a real NIC copies without the host's cores).
+                if round.preempted || spins.is_multiple_of(64) {
                     std::thread::yield_now();
                 }
                 continue;

@@ -500,6 +500,14 @@ impl Scheduler {
         }
     }
 
+    /// The service rank of a device's work: its tenant's class, 0 for
+    /// realtime (what the NIC's arbiter orders by, [`crate::nic::Nic::set_rank`]).
+    pub fn rank(&self, device: DeviceId) -> Option<u8> {
+        let &tenant = self.devices.get(&device)?;
+        let class = self.tenants.get(tenant)?.class;
+        Some(class_index(class) as u8)
+    }
+
     /// Forgets a device and its staged WQEs.
     pub fn remove_device(&mut self, device: DeviceId) {
         self.devices.remove(&device);

@@ -82,6 +82,9 @@ pub struct Progress {
     pub busy: bool,
     /// Earliest time a waiting WQE (RNR or transport retry) is due.
     pub next_due: Option<Instant>,
+    /// A long message stopped between segments because a device of a
+    /// higher rank is busy ([`Nic::set_rank`]).
+    pub preempted: bool,
 }
 
 /// The NIC as hostd drives it.
@@ -126,6 +129,14 @@ pub trait Nic: Send {
     fn queued_sends(&self, device: DeviceId) -> usize;
     /// [`Nic::queued_sends`] of every device together.
     fn total_queued_sends(&self) -> usize;
+    /// The service rank of `device`'s work (0 first; hostd's priority
+    /// classes). A NIC's arbiter lets work of a higher rank in between the
+    /// packets of a lower rank's long message; a NIC that cannot may
+    /// ignore it.
+    fn set_rank(&mut self, device: DeviceId, rank: u8) {
+        let _ = (device, rank);
+    }
+
     /// Executes runnable work, at most about `budget` WQEs.
     fn progress(&mut self, now: Instant, budget: usize) -> Progress;
     /// Moves the completions produced so far into `out`, in order.

@@ -1,7 +1,10 @@
 //! `SoftNic`: a software model of a BlueField-3-style RDMA NIC.
 //!
 //! It has what the hardware has — a key table, virtual QPs bound to physical
-//! QPs, and a DMA engine — and executes RC work one WQE at a time:
+//! QPs, and a DMA engine — and executes RC work one WQE at a time (an RDMA
+//! WRITE or READ of a lower service rank in [`SEGMENT`]s while a device of a
+//! higher rank is busy, so that the higher rank's work gets in between, as
+//! a NIC's arbiter lets it in between packets):
 //! every SGE and every remote access is checked against the NIC's own
 //! tables *at execution time* (owner device, PD, access, bounds), so a
 //! deregistration, memory removal or QP destruction that has returned can
@@ -57,6 +60,26 @@ const MAX_QPS: usize = 1 << 16;
 const QP_BATCH: usize = 16;
 /// Bounce-buffer size of the DMA engine.
 const COPY_CHUNK: usize = 64 * 1024;
+/// Bytes of a long RDMA WRITE or READ the NIC moves before it looks
+/// whether work of a higher service rank is waiting. A NIC cuts messages
+/// into packets and its arbiter lets a higher class in between them: so
+/// here a 1 MiB write of a normal tenant (~85 µs of copying on this
+/// machine) delays a realtime READ by one segment, not by the message.
+pub const SEGMENT: u64 = 16 * 1024;
+/// How long after its last posted send a device counts as busy: long
+/// messages of lower ranks yield between segments only while a device of a
+/// higher rank is busy, so an idle realtime tenant costs the others
+/// nothing.
+pub const BUSY_FOR: Duration = Duration::from_millis(10);
+/// The rank of a device nobody ranked: served after every ranked one.
+pub const UNRANKED: u8 = u8::MAX;
+
+/// The part of a `len`-byte message from byte `offset` that moves now (at
+/// most `chunk` bytes), and whether it is the last.
+fn segment(len: u64, offset: u64, chunk: u64) -> (u64, bool) {
+    let n = len.saturating_sub(offset).min(chunk);
+    (n, offset.saturating_add(n) >= len)
+}
 
 /// The IBA RNR NAK timer table, in units of 10 µs (code 0 = 655.36 ms).
 const RNR_TIMER_10US: [u32; 32] = [
@@ -88,6 +111,10 @@ struct Device {
     outstanding: IdMap<u32, usize>,
     /// Send WQEs queued or executing (the datapath's credits).
     sends: usize,
+    /// Service rank of its work (0 first), see [`SEGMENT`].
+    rank: u8,
+    /// NIC time ([`SoftNic::clock`]) of its last posted send WQE.
+    last_send: Option<Instant>,
 }
 
 struct Mr {
@@ -138,6 +165,9 @@ struct Qp {
     wait: Option<Wait>,
     /// In `SoftNic::active`.
     active: bool,
+    /// Bytes of the head of `sq` already moved (a long RDMA WRITE or READ
+    /// moves a [`SEGMENT`] at a time).
+    sent: u64,
 }
 
 type QpKey = (DeviceId, u32);
@@ -152,6 +182,8 @@ enum Outcome {
     },
     Rnr(Duration),
     Dropped,
+    /// One segment moved; the message goes on from this byte.
+    Segment(u64),
 }
 
 fn done(status: WcStatus) -> Outcome {
@@ -184,6 +216,10 @@ pub struct SoftNic {
     outbox: Vec<Completion>,
     /// Send WQEs of every device queued or executing.
     sends: usize,
+    /// The `now` of the last progress call: the NIC's time.
+    clock: Option<Instant>,
+    /// A long message stopped between segments for work of a higher rank.
+    preempted: bool,
 }
 
 impl std::fmt::Debug for SoftNic {
@@ -243,12 +279,26 @@ fn total_len(pieces: &[Piece]) -> u64 {
     pieces.iter().map(|p| p.len as u64).sum()
 }
 
-/// Copies `len` bytes from `src` pieces to `dst` pieces, mapping to
-/// mapping in chunks of at most [`COPY_CHUNK`]. False if either side runs
-/// out (callers size them first).
-fn copy_pieces(src: &[Piece], dst: &[Piece], len: u64) -> bool {
+/// Where byte `offset` of a list of pieces is: (piece index, offset in it).
+fn seek(pieces: &[Piece], offset: u64) -> (usize, usize) {
+    let mut left = offset;
+    for (i, piece) in pieces.iter().enumerate() {
+        let len = piece.len as u64;
+        if left < len {
+            return (i, left as usize);
+        }
+        left -= len;
+    }
+    (pieces.len(), 0)
+}
+
+/// Copies `len` bytes from byte `start` of `src` pieces to byte `start` of
+/// `dst` pieces, mapping to mapping in chunks of at most [`COPY_CHUNK`].
+/// False if either side runs out (callers size them first).
+fn copy_pieces(src: &[Piece], dst: &[Piece], start: u64, len: u64) -> bool {
     let mut left = len;
-    let (mut si, mut so, mut di, mut doff) = (0, 0, 0, 0);
+    let (mut si, mut so) = seek(src, start);
+    let (mut di, mut doff) = seek(dst, start);
     while left > 0 {
         while si < src.len() && so == src[si].len {
             si += 1;
@@ -429,6 +479,7 @@ impl SoftNic {
         };
         qp.state = QpState::Error;
         qp.wait = None;
+        qp.sent = 0;
         let pqp = qp.pqp;
         let sq: Vec<_> = qp.sq.drain(..).collect();
         let rq: Vec<_> = qp.rq.drain(..).collect();
@@ -453,6 +504,7 @@ impl SoftNic {
         qp.sq.clear();
         qp.rq.clear();
         qp.wait = None;
+        qp.sent = 0;
         qp.active = false;
         let pqp = qp.pqp;
         self.count(key.0, pqp, -n);
@@ -466,8 +518,12 @@ impl SoftNic {
             .ok_or(NicError::UnknownQp(vqpn))
     }
 
-    /// Executes the send WQE `wqe` of QP `key` (already taken off its queue).
-    fn execute(&mut self, key: QpKey, wqe: &PhysWqe) -> Outcome {
+    /// Executes the send WQE `wqe` of QP `key` (already taken off its
+    /// queue), or, for an RDMA WRITE or READ, at most `chunk` bytes of it
+    /// from byte `offset`. Every segment runs every check again, so a
+    /// deregistration, memory removal or destruction between two segments
+    /// stops the message.
+    fn execute(&mut self, key: QpKey, wqe: &PhysWqe, offset: u64, chunk: u64) -> Outcome {
         let (device, vqpn) = key;
         let Some(qp) = self.qps.get(&key) else {
             return done(WcStatus::LocQpOpErr);
@@ -587,7 +643,7 @@ impl SoftNic {
                 }
                 let copied = match &local {
                     Local::Inline(data) => write_bytes(data, &dst),
-                    Local::Pieces(src) => copy_pieces(src, &dst, len),
+                    Local::Pieces(src) => copy_pieces(src, &dst, 0, len),
                 };
                 if !copied {
                     self.emit(rdev, rpqp, recv_cqe(&recv, WcStatus::LocProtErr));
@@ -616,15 +672,22 @@ impl SoftNic {
                     return done(WcStatus::RemAccessErr);
                 };
                 let with_imm = opcode == Op::RdmaWriteWithImm;
-                if with_imm && !has_recv {
+                let (n, last) = segment(len, offset, chunk);
+                // The receive is consumed with the last segment; without
+                // one the responder NAKs the first (and, if another sender
+                // took it meanwhile, the last) segment.
+                if with_imm && !has_recv && (offset == 0 || last) {
                     return Outcome::Rnr(rnr);
                 }
                 let copied = match &local {
                     Local::Inline(data) => write_bytes(data, &dst),
-                    Local::Pieces(src) => copy_pieces(src, &dst, len),
+                    Local::Pieces(src) => copy_pieces(src, &dst, offset, n),
                 };
                 if !copied {
                     return done(WcStatus::RemAccessErr);
+                }
+                if !last {
+                    return Outcome::Segment(offset + n);
                 }
                 if with_imm {
                     if let Some(recv) = self.take_recv(rkey_qp) {
@@ -647,8 +710,12 @@ impl SoftNic {
                 let Local::Pieces(dst) = &local else {
                     return done(WcStatus::LocQpOpErr);
                 };
-                if !copy_pieces(&src, dst, len) {
+                let (n, last) = segment(len, offset, chunk);
+                if !copy_pieces(&src, dst, offset, n) {
                     return done(WcStatus::LocProtErr);
+                }
+                if !last {
+                    return Outcome::Segment(offset + n);
                 }
                 ok
             }
@@ -709,9 +776,28 @@ impl SoftNic {
             let Some(wqe) = qp.sq.pop_front() else {
                 break;
             };
-            let pqp = qp.pqp;
-            ran += 1;
-            let (status, byte_len, fail_responder) = match self.execute(key, &wqe) {
+            let (pqp, offset) = (qp.pqp, qp.sent);
+            // Segments only while a higher rank is busy: otherwise the
+            // message moves in one go, as before there were ranks.
+            let chunk = if self.outranked(key.0) {
+                SEGMENT
+            } else {
+                u64::MAX
+            };
+            let outcome = self.execute(key, &wqe, offset, chunk);
+            if !matches!(outcome, Outcome::Segment(_)) {
+                ran += 1;
+            }
+            let (status, byte_len, fail_responder) = match outcome {
+                Outcome::Segment(next) => {
+                    if let Some(qp) = self.qps.get_mut(&key) {
+                        qp.sq.push_front(wqe);
+                        qp.sent = next;
+                        qp.wait = None;
+                    }
+                    self.preempted = true;
+                    break;
+                }
                 Outcome::Complete {
                     status,
                     byte_len,
@@ -732,6 +818,7 @@ impl SoftNic {
             };
             if let Some(qp) = self.qps.get_mut(&key) {
                 qp.wait = None;
+                qp.sent = 0;
             }
             self.count(key.0, pqp, -1);
             self.count_sends(key.0, -1);
@@ -744,6 +831,25 @@ impl SoftNic {
             }
         }
         ran
+    }
+
+    /// The rank of `device`'s work ([`UNRANKED`] if unknown).
+    fn rank(&self, device: DeviceId) -> u8 {
+        self.devices.get(&device).map_or(UNRANKED, |d| d.rank)
+    }
+
+    /// Whether a device of a higher rank than `device`'s posted send work
+    /// within [`BUSY_FOR`]: then `device`'s long messages yield between
+    /// segments.
+    fn outranked(&self, device: DeviceId) -> bool {
+        let (rank, Some(now)) = (self.rank(device), self.clock) else {
+            return false;
+        };
+        self.devices.values().any(|d| {
+            d.rank < rank
+                && d.last_send
+                    .is_some_and(|t| now.saturating_duration_since(t) < BUSY_FOR)
+        })
     }
 
     /// Puts `wqe` back at the head to retry at `due`, if retries are left.
@@ -790,6 +896,8 @@ impl Nic for SoftNic {
                 qps: 0,
                 outstanding: IdMap::default(),
                 sends: 0,
+                rank: UNRANKED,
+                last_send: None,
             },
         );
         Ok(())
@@ -954,6 +1062,7 @@ impl Nic for SoftNic {
                 rq: VecDeque::new(),
                 wait: None,
                 active: false,
+                sent: 0,
             },
         );
         Ok(())
@@ -1046,6 +1155,10 @@ impl Nic for SoftNic {
                     qp.active = true;
                     self.active.push_back(key);
                 }
+                let clock = self.clock;
+                if let Some(dev) = self.devices.get_mut(&device) {
+                    dev.last_send = clock;
+                }
                 self.count(device, pqp, 1);
                 self.count_sends(device, 1);
             }
@@ -1068,9 +1181,35 @@ impl Nic for SoftNic {
         self.sends
     }
 
+    fn set_rank(&mut self, device: DeviceId, rank: u8) {
+        if let Some(dev) = self.devices.get_mut(&device) {
+            dev.rank = rank;
+        }
+    }
+
     fn progress(&mut self, now: Instant, budget: usize) -> Progress {
+        self.clock = Some(now);
         let mut progress = Progress::default();
         let mut spent = 0;
+        // A long message that stopped between segments heads the queue:
+        // the work of higher ranks it stopped for goes first.
+        if let Some(&front) = self.active.front() {
+            if self.qps.get(&front).is_some_and(|qp| qp.sent > 0) {
+                let rank = self.rank(front.0);
+                let higher: Vec<QpKey> = (self.active.iter())
+                    .filter(|k| self.rank(k.0) < rank)
+                    .copied()
+                    .collect();
+                for key in higher {
+                    let ran = self.run_qp(key, now, QP_BATCH);
+                    spent += ran;
+                    progress.worked |= ran > 0;
+                }
+                // One of them may have stopped for a still higher rank; it
+                // goes on at its turn.
+                self.preempted = false;
+            }
+        }
         for _ in 0..self.active.len() {
             let Some(key) = self.active.pop_front() else {
                 break;
@@ -1086,6 +1225,15 @@ impl Nic for SoftNic {
                 let ran = self.run_qp(key, now, QP_BATCH.min(budget - spent));
                 spent += ran;
                 progress.worked |= ran > 0;
+                if std::mem::take(&mut self.preempted) {
+                    // Stopped between segments: it keeps the head, and the
+                    // caller comes back at once with new work admitted.
+                    self.active.push_front(key);
+                    progress.worked = true;
+                    progress.busy = true;
+                    progress.preempted = true;
+                    return progress;
+                }
             }
             let Some(qp) = self.qps.get_mut(&key) else {
                 continue;
@@ -2061,6 +2209,144 @@ mod tests {
                 (A, PQP_A, 2, WcStatus::Success)
             ]
         );
+    }
+
+    /// A: normal (rank 2) with a 48 KiB RDMA WRITE of a pattern into B's
+    /// memory; B: realtime (rank 0) and busy (it just posted a READ).
+    fn long_write_beside_a_busy_realtime_device() -> (Env, Vec<u8>) {
+        let mut env = Env::new();
+        env.nic.set_rank(A, 2);
+        env.nic.set_rank(B, 0);
+        let len = 3 * SEGMENT as usize;
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        fill(&env.mem_a, 0, &data);
+        env.nic.progress(env.now, 64);
+        let read = send(
+            9,
+            QP_B,
+            SendOpcode::RdmaRead,
+            &[sge(IOVA + 0xf000, 8, 0xb1)],
+        );
+        env.nic.post(B, PQP_B, &remote(read, IOVA + 0xf000, 0xa2));
+        assert_eq!(summary(&env.run()), vec![(B, PQP_B, 9, WcStatus::Success)]);
+        let write = send(
+            1,
+            QP_A,
+            SendOpcode::RdmaWrite,
+            &[sge(IOVA, len as u32, 0xa1)],
+        );
+        env.nic.post(A, PQP_A, &remote(write, IOVA, 0xb2));
+        (env, data)
+    }
+
+    #[test]
+    fn a_long_write_lets_a_busy_higher_rank_in_between_its_segments() {
+        let (mut env, data) = long_write_beside_a_busy_realtime_device();
+        let seg = SEGMENT as usize;
+        // One call moves one segment and stops.
+        let p = env.nic.progress(env.now, 64);
+        assert!(p.preempted && p.busy);
+        assert_eq!(bytes(&env.mem_b, 0, seg), data[..seg]);
+        assert_eq!(bytes(&env.mem_b, SEGMENT, 2 * seg), vec![0; 2 * seg]);
+        // B's next READ overtakes the rest of the write.
+        let read = send(
+            10,
+            QP_B,
+            SendOpcode::RdmaRead,
+            &[sge(IOVA + 0xf000, 8, 0xb1)],
+        );
+        env.nic.post(B, PQP_B, &remote(read, IOVA + 0xf000, 0xa2));
+        let cs = env.run();
+        assert_eq!(
+            summary(&cs),
+            vec![
+                (B, PQP_B, 10, WcStatus::Success),
+                (A, PQP_A, 1, WcStatus::Success)
+            ]
+        );
+        assert_eq!(
+            cs[1].cqe.byte_len.get() as usize,
+            data.len(),
+            "one completion, whole length"
+        );
+        assert_eq!(bytes(&env.mem_b, 0, data.len()), data);
+        // Once B has been quiet for BUSY_FOR, a long write runs in one go.
+        env.now += BUSY_FOR;
+        fill(&env.mem_b, 0, &vec![0; data.len()]);
+        let write = send(
+            2,
+            QP_A,
+            SendOpcode::RdmaWrite,
+            &[sge(IOVA, data.len() as u32, 0xa1)],
+        );
+        env.nic.post(A, PQP_A, &remote(write, IOVA, 0xb2));
+        let p = env.nic.progress(env.now, 64);
+        assert!(!p.preempted);
+        let mut cs = Vec::new();
+        env.nic.take_completions(&mut cs);
+        assert_eq!(summary(&cs), vec![(A, PQP_A, 2, WcStatus::Success)]);
+        assert_eq!(bytes(&env.mem_b, 0, data.len()), data);
+    }
+
+    #[test]
+    fn a_deregistration_between_segments_stops_the_message() {
+        let (mut env, data) = long_write_beside_a_busy_realtime_device();
+        let seg = SEGMENT as usize;
+        assert!(env.nic.progress(env.now, 64).preempted);
+        env.nic.deregister_mr(B, 0xb1).expect("dereg");
+        let cs = env.run();
+        assert_eq!(summary(&cs), vec![(A, PQP_A, 1, WcStatus::RemAccessErr)]);
+        assert_eq!(
+            bytes(&env.mem_b, 0, seg),
+            data[..seg],
+            "the first segment landed"
+        );
+        assert_eq!(
+            bytes(&env.mem_b, SEGMENT, data.len() - seg),
+            vec![0; data.len() - seg],
+            "nothing after the deregistration"
+        );
+    }
+
+    #[test]
+    fn a_long_read_moves_in_segments_and_completes_once() {
+        let mut env = Env::new();
+        env.nic.set_rank(A, 2);
+        env.nic.set_rank(B, 0);
+        let len = 2 * SEGMENT as usize + 100;
+        let data: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
+        fill(&env.mem_b, 0, &data);
+        env.nic.progress(env.now, 64);
+        let busy = send(
+            9,
+            QP_B,
+            SendOpcode::RdmaRead,
+            &[sge(IOVA + 0xf000, 8, 0xb1)],
+        );
+        env.nic.post(B, PQP_B, &remote(busy, IOVA + 0xf000, 0xa2));
+        let read = send(
+            1,
+            QP_A,
+            SendOpcode::RdmaRead,
+            &[sge(IOVA, len as u32, 0xa1)],
+        );
+        env.nic.post(A, PQP_A, &remote(read, IOVA, 0xb2));
+        let mut calls = 1;
+        while env.nic.progress(env.now, 64).busy {
+            calls += 1;
+        }
+        assert_eq!(calls, 3, "three segments, a call each");
+        let mut cs = Vec::new();
+        env.nic.take_completions(&mut cs);
+        assert_eq!(
+            summary(&cs),
+            vec![
+                (B, PQP_B, 9, WcStatus::Success),
+                (A, PQP_A, 1, WcStatus::Success)
+            ]
+        );
+        assert_eq!(cs[1].cqe.byte_len.get() as usize, len);
+        assert_eq!(bytes(&env.mem_a, 0, len), data);
     }
 
     #[test]
