@@ -2211,32 +2211,48 @@ mod tests {
         );
     }
 
-    /// A: normal (rank 2) with a 48 KiB RDMA WRITE of a pattern into B's
-    /// memory; B: realtime (rank 0) and busy (it just posted a READ).
-    fn long_write_beside_a_busy_realtime_device() -> (Env, Vec<u8>) {
-        let mut env = Env::new();
-        env.nic.set_rank(A, 2);
-        env.nic.set_rank(B, 0);
-        let len = 3 * SEGMENT as usize;
-        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
-        fill(&env.mem_a, 0, &data);
-        env.nic.progress(env.now, 64);
+    /// B's 8-byte RDMA READ of A's memory, at 0xf000 on both sides.
+    fn b_reads(env: &mut Env, token: u64) {
         let read = send(
-            9,
+            token,
             QP_B,
             SendOpcode::RdmaRead,
             &[sge(IOVA + 0xf000, 8, 0xb1)],
         );
         env.nic.post(B, PQP_B, &remote(read, IOVA + 0xf000, 0xa2));
+    }
+
+    /// A normal (rank 2), B realtime (rank 0) and busy: it just read.
+    fn busy_realtime_b() -> Env {
+        let mut env = Env::new();
+        env.nic.set_rank(A, 2);
+        env.nic.set_rank(B, 0);
+        // The first progress call starts the NIC's clock.
+        env.nic.progress(env.now, 64);
+        b_reads(&mut env, 9);
         assert_eq!(summary(&env.run()), vec![(B, PQP_B, 9, WcStatus::Success)]);
-        let write = send(
-            1,
-            QP_A,
-            SendOpcode::RdmaWrite,
-            &[sge(IOVA, len as u32, 0xa1)],
-        );
-        env.nic.post(A, PQP_A, &remote(write, IOVA, 0xb2));
+        env
+    }
+
+    /// [`busy_realtime_b`] with A's RDMA WRITE or READ (token 1) of `len`
+    /// bytes between the starts of A's and B's memory posted; the source
+    /// side holds the returned pattern.
+    fn long_op_beside_a_busy_realtime_device(op: SendOpcode, len: usize) -> (Env, Vec<u8>) {
+        let mut env = busy_realtime_b();
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        let source = if op == SendOpcode::RdmaRead {
+            &env.mem_b
+        } else {
+            &env.mem_a
+        };
+        fill(source, 0, &data);
+        let wqe = send(1, QP_A, op, &[sge(IOVA, len as u32, 0xa1)]);
+        env.nic.post(A, PQP_A, &remote(wqe, IOVA, 0xb2));
         (env, data)
+    }
+
+    fn long_write_beside_a_busy_realtime_device() -> (Env, Vec<u8>) {
+        long_op_beside_a_busy_realtime_device(SendOpcode::RdmaWrite, 3 * SEGMENT as usize)
     }
 
     #[test]
@@ -2249,13 +2265,7 @@ mod tests {
         assert_eq!(bytes(&env.mem_b, 0, seg), data[..seg]);
         assert_eq!(bytes(&env.mem_b, SEGMENT, 2 * seg), vec![0; 2 * seg]);
         // B's next READ overtakes the rest of the write.
-        let read = send(
-            10,
-            QP_B,
-            SendOpcode::RdmaRead,
-            &[sge(IOVA + 0xf000, 8, 0xb1)],
-        );
-        env.nic.post(B, PQP_B, &remote(read, IOVA + 0xf000, 0xa2));
+        b_reads(&mut env, 10);
         let cs = env.run();
         assert_eq!(
             summary(&cs),
@@ -2310,27 +2320,8 @@ mod tests {
 
     #[test]
     fn a_long_read_moves_in_segments_and_completes_once() {
-        let mut env = Env::new();
-        env.nic.set_rank(A, 2);
-        env.nic.set_rank(B, 0);
         let len = 2 * SEGMENT as usize + 100;
-        let data: Vec<u8> = (0..len).map(|i| (i % 241) as u8).collect();
-        fill(&env.mem_b, 0, &data);
-        env.nic.progress(env.now, 64);
-        let busy = send(
-            9,
-            QP_B,
-            SendOpcode::RdmaRead,
-            &[sge(IOVA + 0xf000, 8, 0xb1)],
-        );
-        env.nic.post(B, PQP_B, &remote(busy, IOVA + 0xf000, 0xa2));
-        let read = send(
-            1,
-            QP_A,
-            SendOpcode::RdmaRead,
-            &[sge(IOVA, len as u32, 0xa1)],
-        );
-        env.nic.post(A, PQP_A, &remote(read, IOVA, 0xb2));
+        let (mut env, data) = long_op_beside_a_busy_realtime_device(SendOpcode::RdmaRead, len);
         let mut calls = 1;
         while env.nic.progress(env.now, 64).busy {
             calls += 1;
@@ -2338,14 +2329,8 @@ mod tests {
         assert_eq!(calls, 3, "three segments, a call each");
         let mut cs = Vec::new();
         env.nic.take_completions(&mut cs);
-        assert_eq!(
-            summary(&cs),
-            vec![
-                (B, PQP_B, 9, WcStatus::Success),
-                (A, PQP_A, 1, WcStatus::Success)
-            ]
-        );
-        assert_eq!(cs[1].cqe.byte_len.get() as usize, len);
+        assert_eq!(summary(&cs), vec![(A, PQP_A, 1, WcStatus::Success)]);
+        assert_eq!(cs[0].cqe.byte_len.get() as usize, len);
         assert_eq!(bytes(&env.mem_a, 0, len), data);
     }
 
