@@ -882,9 +882,11 @@ impl<'v> Attacker<'v> {
     // -- data-path moves -----------------------------------------------
 
     fn own_write(&mut self) {
-        let len = 1 + self.rng.below(16 * KIB as u64) as usize;
+        // Up to 32 KiB: longer than hostd's segments, which it uses while
+        // the realtime victim is busy.
+        let len = 1 + self.rng.below(32 * KIB as u64) as usize;
         let data = self.rng.bytes(len);
-        let dst_off = 32 * KIB + self.rng.below(16 * KIB as u64) as usize;
+        let dst_off = 32 * KIB + self.rng.below((32 * KIB - len + 1) as u64) as usize;
         let id = self.wr_id();
         let beta = self.beta();
         beta.mr.write(0, &data).expect("fill");
@@ -1314,12 +1316,14 @@ impl<'v> Attacker<'v> {
         );
     }
 
-    /// Posts up to `n` signaled 4 KiB WRITEs of `src` over the pair, into
-    /// eight 4 KiB slots from `dst` (iova, rkey); returns how many were
-    /// posted.
+    /// Posts up to `n` signaled WRITEs of `src` (4 KiB, or up to 32 KiB)
+    /// over the pair, round robin into the 32 KiB from `dst` (iova, rkey)
+    /// in slots of the source's length; returns how many were posted.
     fn burst(&mut self, n: usize, src: Sge, dst: (u64, u32)) -> usize {
         let first = self.next_wr + 1;
         self.next_wr += n as u64;
+        let slot = (src.length as usize).max(4 * KIB);
+        let slots = (32 * KIB / slot).max(1);
         let ch = self.pair();
         let sge = [src];
         (0..n)
@@ -1328,7 +1332,7 @@ impl<'v> Attacker<'v> {
                     first + i as u64,
                     SendOpcode::RdmaWrite,
                     &sge,
-                    dst.0 + ((i % 8) * 4 * KIB) as u64,
+                    dst.0 + ((i % slots) * slot) as u64,
                     dst.1,
                 );
                 ch.requester().post_send(&[wr]).is_ok()
@@ -1406,10 +1410,18 @@ impl<'v> Attacker<'v> {
 
     fn dereg_in_flight(&mut self) {
         let ctx = self.context();
-        let x = self.beta().t.pd.alloc_mr(16 * KIB, RW).expect("MR");
-        x.write(0, &self.rng.bytes(16 * KIB)).expect("fill");
+        let x = self.beta().t.pd.alloc_mr(32 * KIB, RW).expect("MR");
+        x.write(0, &self.rng.bytes(32 * KIB)).expect("fill");
         let n = 8 + self.rng.below(24) as usize;
-        let posted = self.burst(n, x.sge(0, 4 * KIB as u32), self.scratch());
+        // Half the time 32 KiB WRITEs: hostd moves them in segments while
+        // the realtime victim is busy, so the deregistration can land
+        // between two segments of one message.
+        let len = if self.rng.chance(2) {
+            32 * KIB
+        } else {
+            4 * KIB
+        };
+        let posted = self.burst(n, x.sge(0, len as u32), self.scratch());
         x.dereg()
             .unwrap_or_else(|e| panic!("{ctx}: dereg_mr in flight: {e}"));
         let ch = self
@@ -2034,6 +2046,20 @@ impl Attacker<'_> {
 // ---------------------------------------------------------------------------
 // The tests.
 
+/// The victim (alpha) is realtime and the attacker (beta) normal, so the
+/// attacker's long messages also run in the NIC's segments, between which
+/// the victim's work goes first (and the attacker deregisters).
+const CHAOS_POLICY: &str = r#"
+[[tenant]]
+name = "alpha"
+network = "demo"
+priority = { class = "realtime" }
+
+[[tenant]]
+name = "beta"
+network = "demo"
+"#;
+
 #[test]
 fn an_attacker_never_reaches_the_victim_and_hostd_stays_up() {
     let _serial = serial();
@@ -2043,7 +2069,7 @@ fn an_attacker_never_reaches_the_victim_and_hostd_stays_up() {
         settings.seed, settings.duration, settings.seed
     );
     let client_before = ProcUsage::of("self");
-    let mut hostd = Hostd::start(None);
+    let mut hostd = Hostd::start(Some(CHAOS_POLICY));
     let hostd_pid = hostd.pid().to_string();
     // hostd's baseline once it served a device: its first one starts
     // threads (and their cached stacks) that stay.
