@@ -64,6 +64,7 @@ impl Error {
             Error::Protocol(_) => libc::EPROTO,
             Error::BadDevice(_) => libc::ENODEV,
             Error::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
+            Error::Transport(TransportError::Busy { .. }) => libc::EBUSY,
             Error::Transport(_) | Error::Dma(_) | Error::Queue(_) | Error::ControlBroken => {
                 libc::EIO
             }

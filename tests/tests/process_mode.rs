@@ -1775,11 +1775,27 @@ fn applications_one_after_another_each_get_a_fresh_device() {
     assert!(vdev.is_running(), "vdev serves again:\n{}", vdev.log());
 }
 
+/// vdev serves one application at a time: the next one waits (up to
+/// `DEFAULT_BUSY_TIMEOUT`) until the one before has closed the device, and
+/// one that waits no longer gets EBUSY.
 #[test]
 fn a_second_application_waits_until_the_first_closes_the_device() {
     let vdev = Vdev::start_with_config("pm-queued", ONE_OF_EACH, &[]);
     let first = Context::open_vhost_user(&vdev.socket).expect("first application");
     let objects = one_of_each(&first);
+    let started = std::time::Instant::now();
+    let impatient = VhostUserTransport::connect_within(&vdev.socket, Duration::from_millis(300))
+        .map(|_| ())
+        .map_err(Error::from);
+    let waited = started.elapsed();
+    match impatient {
+        Err(e) => assert_eq!(e.errno(), libc::EBUSY, "{e}"),
+        Ok(()) => panic!("a second application got the device while the first holds it"),
+    }
+    assert!(
+        (Duration::from_millis(300)..Duration::from_secs(5)).contains(&waited),
+        "gave up after {waited:?}"
+    );
     let (tx, rx) = std::sync::mpsc::channel();
     let socket = vdev.socket.clone();
     let second = std::thread::spawn(move || {

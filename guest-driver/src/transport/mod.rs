@@ -58,6 +58,16 @@ pub enum TransportError {
     },
     #[error("The device went away (its vhost-user socket closed)")]
     Disconnected,
+    #[error(
+        "vdev at {path} did not take this connection within {waited:?}: it serves \
+         another application (one application per device at a time)"
+    )]
+    Busy {
+        path: std::path::PathBuf,
+        waited: Duration,
+    },
+    #[error("Cannot watch the vhost-user socket")]
+    Watch(#[source] io::Error),
     #[error("Device does not offer {0}")]
     MissingFeature(&'static str),
     #[error("Device has {0} queues, more than vhost-user allows")]

@@ -12,7 +12,7 @@
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use vhost::vhost_user::message::{
     VhostUserConfigFlags, VhostUserHeaderFlag, VhostUserProtocolFeatures, VhostUserVirtioFeatures,
@@ -81,11 +81,65 @@ fn region_info(region: &DmaRegion<'_>) -> VhostUserMemoryRegionInfo {
     }
 }
 
+/// How long [`VhostUserTransport::connect`] waits for vdev to take the
+/// connection. vdev serves one frontend at a time; the next waits in its
+/// backlog until the one before has gone (an application that follows
+/// another), but not for ever (two applications sharing one device).
+pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Waits until the peer has read everything sent on the stream socket `fd`
+/// (the kernel's count of unread bytes, `SIOCOUTQ`, is 0): Ok(true); or
+/// `timeout` passed first: Ok(false). A peer that closes is an error.
+fn wait_until_read(fd: RawFd, timeout: Duration) -> Result<bool, TransportError> {
+    let deadline = Instant::now() + timeout;
+    let mut nap_ms = 1;
+    loop {
+        let mut unread: libc::c_int = 0;
+        // SAFETY: TIOCOUTQ (SIOCOUTQ) writes one c_int through the pointer,
+        // which points at `unread`; `fd` is the frontend's open socket.
+        if unsafe { libc::ioctl(fd, libc::TIOCOUTQ, &mut unread) } != 0 {
+            return Err(TransportError::Watch(std::io::Error::last_os_error()));
+        }
+        if unread == 0 {
+            return Ok(true);
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(false);
+        }
+        // The nap doubles as a hang-up check: poll reports POLLHUP and
+        // POLLERR without being asked.
+        let mut pfd = libc::pollfd {
+            fd,
+            events: 0,
+            revents: 0,
+        };
+        let nap = (deadline - now).as_millis().min(nap_ms) as libc::c_int;
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut pfd, 1, nap) };
+        if pfd.revents & (libc::POLLHUP | libc::POLLERR) != 0 {
+            return Err(TransportError::Disconnected);
+        }
+        nap_ms = (nap_ms * 2).min(50);
+    }
+}
+
 impl VhostUserTransport {
     /// Connects to vdev's socket and negotiates the vhost-user protocol
-    /// (owner, protocol features, queue count). Virtio features are
-    /// negotiated later by [`Transport::negotiate_features`].
+    /// (owner, protocol features, queue count), waiting up to
+    /// [`DEFAULT_BUSY_TIMEOUT`] while vdev serves another application.
+    /// Virtio features are negotiated later by
+    /// [`Transport::negotiate_features`].
     pub fn connect(path: impl AsRef<Path>) -> Result<Self, TransportError> {
+        Self::connect_within(path, DEFAULT_BUSY_TIMEOUT)
+    }
+
+    /// [`VhostUserTransport::connect`], waiting up to `busy_timeout` for
+    /// vdev to take the connection; then [`TransportError::Busy`].
+    pub fn connect_within(
+        path: impl AsRef<Path>,
+        busy_timeout: Duration,
+    ) -> Result<Self, TransportError> {
         let path = path.as_ref();
         let mut frontend =
             Frontend::connect(path, 1).map_err(|source| TransportError::Connect {
@@ -93,6 +147,15 @@ impl VhostUserTransport {
                 source,
             })?;
         frontend.set_owner().map_err(request("SET_OWNER"))?;
+        // SET_OWNER has no reply: the connection is served once vdev has
+        // read it. Until then it waits in vdev's backlog, where a request
+        // with a reply would wait for ever.
+        if !wait_until_read(frontend.as_raw_fd(), busy_timeout)? {
+            return Err(TransportError::Busy {
+                path: path.to_owned(),
+                waited: busy_timeout,
+            });
+        }
         let features = frontend.get_features().map_err(request("GET_FEATURES"))?;
         if features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0 {
             return Err(TransportError::MissingFeature(
