@@ -702,6 +702,23 @@ impl Rig {
         child
     }
 
+    /// A long `ibv_rc_pingpong` between the guest (in the background,
+    /// followed by the shell `then`, and verdict `verdict`) and the host
+    /// tenant, running once hostd counted 200 of tenant vm's work requests.
+    /// Returns the host's side.
+    fn long_pingpong(&mut self, verdict: &str, then: &str) -> Child {
+        let port = free_port();
+        let server = self.host_pingpong(port, 1_000_000);
+        let ops = self.hostd.ops("vm");
+        self.guest_do(&format!(
+            "ibv_rc_pingpong -p {port} -n 1000000 10.0.2.2 & {then}pass {verdict}"
+        ));
+        let started = self.guest.verdict(verdict, STEP);
+        self.ok(started);
+        self.wait_vm_traffic(ops, 200);
+        server
+    }
+
     /// Waits until tenant "vm" has done `more` work requests past `from`
     /// in hostd: traffic flows.
     fn wait_vm_traffic(&self, from: u64, more: u64) -> u64 {
@@ -847,15 +864,7 @@ fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
 
     // 3a. The guest's driver killed mid-traffic (SIGKILL: no reset, no
     // cleanup), then the guest program again in the same VM.
-    let port = free_port();
-    let mut server = rig.host_pingpong(port, 1_000_000);
-    let ops = rig.hostd.ops("vm");
-    rig.guest_do(&format!(
-        "ibv_rc_pingpong -p {port} -n 1000000 10.0.2.2 & echo $! > /tmp/pingpong.pid; pass pingpong-started"
-    ));
-    let started_verdict = rig.guest.verdict("pingpong-started", STEP);
-    rig.ok(started_verdict);
-    rig.wait_vm_traffic(ops, 200);
+    let mut server = rig.long_pingpong("pingpong-started", "echo $! > /tmp/pingpong.pid; ");
     let resets = rig.device_resets();
     rig.guest_run("killed", "kill -9 $(cat /tmp/pingpong.pid)");
     let _ = server.kill();
@@ -873,15 +882,7 @@ fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
     println!("{:?}: kill -9 survived", started.elapsed());
 
     // 3b. The machine reset while QPs exist and traffic flows.
-    let port = free_port();
-    let mut server = rig.host_pingpong(port, 1_000_000);
-    let ops = rig.hostd.ops("vm");
-    rig.guest_do(&format!(
-        "ibv_rc_pingpong -p {port} -n 1000000 10.0.2.2 & pass pingpong-before-reset"
-    ));
-    let started_verdict = rig.guest.verdict("pingpong-before-reset", STEP);
-    rig.ok(started_verdict);
-    rig.wait_vm_traffic(ops, 200);
+    let mut server = rig.long_pingpong("pingpong-before-reset", "");
     let usage = rig.hostd.usage("vm");
     if usage["qps"] == 0 {
         rig.fail(&format!("no QP of tenant vm before the reset: {usage}"));
