@@ -38,6 +38,26 @@ pub enum Answer {
 }
 
 impl RogueVdev {
+    /// [`RogueVdev::hello`], tried again every 2 ms for up to 5 s while
+    /// hostd refuses with one of `transient` (errnos that go away once it
+    /// has seen devices close, which it does asynchronously).
+    pub fn hello_retrying(
+        socket: &Path,
+        tenant: &str,
+        device: &str,
+        transient: &[i32],
+    ) -> Result<Self, i32> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            match Self::hello(socket, tenant, device) {
+                Err(errno) if transient.contains(&errno) && Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                result => return result,
+            }
+        }
+    }
+
     /// Connects to hostd at `socket` and says Hello as `device` of
     /// `tenant`; `Err(errno)` when hostd refuses.
     pub fn hello(socket: &Path, tenant: &str, device: &str) -> Result<Self, i32> {

@@ -1677,16 +1677,9 @@ impl Attacker<'_> {
     /// ones that still count against beta's `max_devices` (EDQUOT).
     fn rogue_hello(&mut self) -> RogueVdev {
         let name = format!("rogue-{}", self.rng.below(4));
-        let deadline = Instant::now() + Duration::from_secs(5);
-        loop {
-            match RogueVdev::hello(&self.hostd_socket, "beta", &name) {
-                Ok(rogue) => return rogue,
-                Err(libc::EBUSY | libc::EDQUOT) if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                Err(errno) => panic!("{}: Hello refused with errno {errno}", self.context()),
-            }
-        }
+        let transient = [libc::EBUSY, libc::EDQUOT];
+        RogueVdev::hello_retrying(&self.hostd_socket, "beta", &name, &transient)
+            .unwrap_or_else(|errno| panic!("{}: Hello refused with errno {errno}", self.context()))
     }
 
     fn expect_answer(&mut self, what: &str, got: Answer, expected: Answer) {
@@ -2367,16 +2360,8 @@ fn a_tenant_cycling_device_names_cannot_use_up_the_hosts_lids() {
 /// count against the tenant's `max_devices` (hostd sees a close
 /// asynchronously).
 fn hello_within_quota(hostd: &Hostd, tenant: &str, device: &str) -> RogueVdev {
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        match RogueVdev::hello(&hostd.socket, tenant, device) {
-            Ok(rogue) => return rogue,
-            Err(libc::EDQUOT) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(errno) => panic!("{tenant}'s device {device} refused with errno {errno}"),
-        }
-    }
+    RogueVdev::hello_retrying(&hostd.socket, tenant, device, &[libc::EDQUOT])
+        .unwrap_or_else(|errno| panic!("{tenant}'s device {device} refused with errno {errno}"))
 }
 
 /// Registers devices of `tenant` until hostd refuses one; returns those
@@ -2445,16 +2430,8 @@ fn one_tenant_cannot_take_the_physical_queues_of_another() {
     // Once beta lets one go, it may take that one again (no reservation
     // for itself), and alpha's second device competes with it.
     drop(held.pop());
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let again = loop {
-        match RogueVdev::hello(&hostd.socket, "beta", "hog-again") {
-            Ok(rogue) => break rogue,
-            Err(libc::ENOSPC) if Instant::now() < deadline => {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(errno) => panic!("beta's device refused with errno {errno}"),
-        }
-    };
+    let again = RogueVdev::hello_retrying(&hostd.socket, "beta", "hog-again", &[libc::ENOSPC])
+        .unwrap_or_else(|errno| panic!("beta's device refused with errno {errno}"));
     assert!(again.lid() > 0);
 }
 
