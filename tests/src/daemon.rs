@@ -278,6 +278,23 @@ impl Vdev {
     pub fn log(&self) -> String {
         self.daemon.log()
     }
+
+    /// Waits (up to 10 s) until vdev has built its device for its
+    /// `frontend`-th frontend (1 for the first) and waits for it to
+    /// connect: registered with hostd, workers and datapath started, as
+    /// its log says. Between frontends vdev tears one device down and
+    /// builds the next, so this is the moment its resources are steady.
+    pub fn wait_for_frontend(&self, frontend: usize) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.log().matches("Waiting for a frontend").count() < frontend {
+            assert!(
+                Instant::now() < deadline,
+                "vdev does not wait for frontend {frontend}:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
 }
 
 /// A running hostd; killed on drop.
