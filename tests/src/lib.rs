@@ -10,6 +10,7 @@
 
 pub mod app_memory;
 pub mod daemon;
+pub mod rng;
 pub mod rogue;
 pub mod tenant;
 pub mod vhost_tap;

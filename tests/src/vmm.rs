@@ -15,7 +15,10 @@ use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_spec::config::{DeviceConfig, CONFIG_SIZE};
-use vrdma_spec::control::{Opcode, RequestHeader, ResponseHeader};
+use vrdma_spec::control::{
+    CreateCqReq, CreateQpReq, Opcode, PdHandle, QpCap, RegMrReq, RequestHeader, ResponseHeader,
+    NO_SRQ,
+};
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
 
 /// `VIRTIO_F_VERSION_1`.
@@ -341,5 +344,62 @@ impl Vmm {
     /// Sends a command and returns its errno (0 on success).
     pub fn errno(&mut self, opcode: Opcode, payload: &[u8]) -> u32 {
         self.command(opcode, payload).0
+    }
+}
+
+// Command builders for the tests' own objects.
+
+/// ALLOC_PD, which must succeed: the new PD's number.
+pub fn alloc_pd(vmm: &mut Vmm) -> u32 {
+    vmm.ok::<PdHandle>(Opcode::AllocPd, &[]).pdn.get()
+}
+
+/// A PD handle (DEALLOC_PD).
+pub fn pd(pdn: u32) -> PdHandle {
+    PdHandle {
+        pdn: pdn.into(),
+        reserved: 0.into(),
+    }
+}
+
+/// REG_MR of `len` bytes at guest address `addr`, iova = addr.
+pub fn reg(pdn: u32, addr: u64, len: u64, flags: u32) -> RegMrReq {
+    RegMrReq {
+        pdn: pdn.into(),
+        access: flags.into(),
+        addr: addr.into(),
+        length: len.into(),
+        iova: addr.into(),
+    }
+}
+
+/// CREATE_CQ with its ring at `addr`, vector 0.
+pub fn cq_req(addr: u64, depth: u32) -> CreateCqReq {
+    CreateCqReq {
+        depth: depth.into(),
+        comp_vector: 0.into(),
+        ring_addr: addr.into(),
+    }
+}
+
+/// CREATE_QP (RC, 16 WRs and 1 SGE each way, 32 inline bytes) with its
+/// rings at `sq` and `rq`.
+pub fn qp_req(pdn: u32, cqn: u32, sq: u64, rq: u64) -> CreateQpReq {
+    CreateQpReq {
+        pdn: pdn.into(),
+        send_cqn: cqn.into(),
+        recv_cqn: cqn.into(),
+        srqn: NO_SRQ.into(),
+        qp_type: 2,
+        cap: QpCap {
+            max_send_wr: 16.into(),
+            max_recv_wr: 16.into(),
+            max_send_sge: 1.into(),
+            max_recv_sge: 1.into(),
+            max_inline_data: 32.into(),
+        },
+        sq_ring_addr: sq.into(),
+        rq_ring_addr: rq.into(),
+        ..CreateQpReq::default()
     }
 }

@@ -27,6 +27,7 @@ use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcStatus};
 use vrdma_tests::app_memory::AppMemory;
 use vrdma_tests::daemon::Hostd;
+use vrdma_tests::rng::{env_number, seed_from_env, Rng};
 use vrdma_tests::rogue::{Answer, RogueVdev};
 use vrdma_tests::tenant::{
     bring_up, connect, default_caps, wait_completions, Connection, Tenant, INIT_MASK, RTR_MASK,
@@ -56,62 +57,10 @@ struct Settings {
 
 impl Settings {
     fn from_env() -> Self {
-        let number = |name: &str| {
-            let text = std::env::var(name).ok()?;
-            let parsed = match text.strip_prefix("0x") {
-                Some(hex) => u64::from_str_radix(hex, 16),
-                None => text.parse(),
-            };
-            Some(parsed.unwrap_or_else(|e| panic!("{name}={text}: {e}")))
-        };
-        let seed = number("VRDMA_CHAOS_SEED").unwrap_or_else(|| {
-            let now = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap_or_default();
-            now.as_nanos() as u64 ^ u64::from(std::process::id()) << 32
-        });
         Settings {
-            seed,
-            duration: Duration::from_secs(number("VRDMA_CHAOS_SECS").unwrap_or(20)),
-            cycles: number("VRDMA_CHAOS_CYCLES").unwrap_or(1000) as usize,
-        }
-    }
-}
-
-/// SplitMix64: small, seedable, and the same on every platform.
-#[derive(Debug, Clone)]
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`; the modulo bias is irrelevant here).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn chance(&mut self, one_in: u64) -> bool {
-        self.below(one_in) == 0
-    }
-
-    fn bytes(&mut self, len: usize) -> Vec<u8> {
-        let mut out = Vec::with_capacity(len + 8);
-        while out.len() < len {
-            out.extend_from_slice(&self.next().to_le_bytes());
-        }
-        out.truncate(len);
-        out
-    }
-
-    fn shuffle<T>(&mut self, items: &mut [T]) {
-        for i in (1..items.len()).rev() {
-            items.swap(i, self.below(i as u64 + 1) as usize);
+            seed: seed_from_env(),
+            duration: Duration::from_secs(env_number("VRDMA_CHAOS_SECS").unwrap_or(20)),
+            cycles: env_number("VRDMA_CHAOS_CYCLES").unwrap_or(1000) as usize,
         }
     }
 }
@@ -740,7 +689,7 @@ impl<'v> Attacker<'v> {
             Move::GuessedRkey => {
                 let own = self.beta().own_keys();
                 let rkey = loop {
-                    let guess = self.rng.next() as u32;
+                    let guess = self.rng.next_u64() as u32;
                     if !own.contains(&guess) {
                         break guess;
                     }
@@ -766,7 +715,7 @@ impl<'v> Attacker<'v> {
             Move::GuessedLkey => {
                 let own = self.beta().own_keys();
                 let lkey = loop {
-                    let guess = self.rng.next() as u32;
+                    let guess = self.rng.next_u64() as u32;
                     if !own.contains(&guess) {
                         break guess;
                     }
@@ -922,7 +871,7 @@ impl<'v> Attacker<'v> {
         let rkey = if self.rng.chance(2) {
             rkey
         } else {
-            self.rng.next() as u32
+            self.rng.next_u64() as u32
         };
         let wr = rdma(id, SendOpcode::RdmaWrite, &[], iova, rkey);
         let wc = self.run_one(true, wr);
@@ -935,8 +884,8 @@ impl<'v> Attacker<'v> {
         let id = self.wr_id();
         let sge = [self.beta().mr.sge(0, len)];
         let mut wr = rdma(id, op, &sge, addr, rkey);
-        wr.compare_add = self.rng.next();
-        wr.swap = self.rng.next();
+        wr.compare_add = self.rng.next_u64();
+        wr.swap = self.rng.next_u64();
         let wc = self.run_one(over_link, wr);
         let misaligned = matches!(
             op,
@@ -1111,13 +1060,13 @@ impl<'v> Attacker<'v> {
             };
             let mut attr = QpAttr {
                 qp_state: target.into(),
-                qp_access_flags: (self.rng.next() as u32 & 0x1f).into(),
+                qp_access_flags: (self.rng.next_u64() as u32 & 0x1f).into(),
                 port_num: self.rng.below(3) as u8,
                 path_mtu: self.rng.below(7) as u8,
                 dest_qp_num: [
                     self.secrets.qpns[self.rng.below(3) as usize],
                     qp.qp_num(),
-                    self.rng.next() as u32 & 0xff_ffff,
+                    self.rng.next_u64() as u32 & 0xff_ffff,
                 ][self.rng.below(3) as usize]
                     .into(),
                 max_dest_rd_atomic: self.rng.below(32) as u8,
@@ -1128,7 +1077,7 @@ impl<'v> Attacker<'v> {
                 rnr_retry: self.rng.below(10) as u8,
                 ..QpAttr::default()
             };
-            attr.ah_attr.dlid = [self.secrets.lid, beta_lid, self.rng.next() as u16]
+            attr.ah_attr.dlid = [self.secrets.lid, beta_lid, self.rng.next_u64() as u16]
                 [self.rng.below(3) as usize]
                 .into();
             attr.ah_attr.port_num = 1;
@@ -1769,7 +1718,10 @@ impl Attacker<'_> {
         };
         let victim_keys = secrets.keys();
         let stolen = victim_keys[self.rng.below(victim_keys.len() as u64) as usize];
-        let fresh = (self.rng.next() as u32 | 1, self.rng.next() as u32 | 2);
+        let fresh = (
+            self.rng.next_u64() as u32 | 1,
+            self.rng.next_u64() as u32 | 2,
+        );
         self.expect_refused(
             "registering the victim's key as an lkey",
             rogue.call(&registration(stolen, fresh.1, 0), &[]),
@@ -1821,7 +1773,10 @@ impl Attacker<'_> {
 
         // Its own MR and a QP the victim accepts a connection from.
         let (lkey, rkey) = loop {
-            let keys = (self.rng.next() as u32 | 1, self.rng.next() as u32 | 2);
+            let keys = (
+                self.rng.next_u64() as u32 | 1,
+                self.rng.next_u64() as u32 | 2,
+            );
             if keys.0 != keys.1 && rogue.call(&registration(keys.0, keys.1, 0), &[]) == Answer::Ok {
                 break keys;
             }

@@ -13,61 +13,14 @@ use vrdma_spec::ring::{self, RING_ALIGN};
 use vrdma_spec::verbs::{access, Mtu, QpState};
 use vrdma_spec::zerocopy::IntoBytes;
 use vrdma_tests::daemon::{Hostd, Vdev};
-use vrdma_tests::vmm::{self, Desc, Vmm, FREE, GUEST_BASE, GUEST_SIZE, SCRATCH};
+use vrdma_tests::vmm::{
+    self, alloc_pd, cq_req, pd, qp_req, reg, Desc, Vmm, FREE, GUEST_BASE, GUEST_SIZE, SCRATCH,
+};
 
 const EINVAL: u32 = libc::EINVAL as u32;
 const EBUSY: u32 = libc::EBUSY as u32;
 const EFAULT: u32 = libc::EFAULT as u32;
 const ENOMEM: u32 = libc::ENOMEM as u32;
-
-fn alloc_pd(vmm: &mut Vmm) -> u32 {
-    vmm.ok::<PdHandle>(Opcode::AllocPd, &[]).pdn.get()
-}
-
-fn pd(pdn: u32) -> PdHandle {
-    PdHandle {
-        pdn: pdn.into(),
-        reserved: 0.into(),
-    }
-}
-
-fn reg(pdn: u32, addr: u64, len: u64, flags: u32) -> RegMrReq {
-    RegMrReq {
-        pdn: pdn.into(),
-        access: flags.into(),
-        addr: addr.into(),
-        length: len.into(),
-        iova: addr.into(),
-    }
-}
-
-fn cq_req(addr: u64, depth: u32) -> CreateCqReq {
-    CreateCqReq {
-        depth: depth.into(),
-        comp_vector: 0.into(),
-        ring_addr: addr.into(),
-    }
-}
-
-fn qp_req(pdn: u32, cqn: u32, sq: u64, rq: u64) -> CreateQpReq {
-    CreateQpReq {
-        pdn: pdn.into(),
-        send_cqn: cqn.into(),
-        recv_cqn: cqn.into(),
-        srqn: NO_SRQ.into(),
-        qp_type: 2,
-        cap: QpCap {
-            max_send_wr: 16.into(),
-            max_recv_wr: 16.into(),
-            max_send_sge: 1.into(),
-            max_recv_sge: 1.into(),
-            max_inline_data: 32.into(),
-        },
-        sq_ring_addr: sq.into(),
-        rq_ring_addr: rq.into(),
-        ..CreateQpReq::default()
-    }
-}
 
 /// A valid command still works: the device survived what came before.
 fn assert_still_serving(vmm: &mut Vmm) {
