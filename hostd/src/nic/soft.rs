@@ -2,9 +2,9 @@
 //!
 //! It has what the hardware has — a key table, virtual QPs bound to physical
 //! QPs, and a DMA engine — and executes RC work one WQE at a time (an RDMA
-//! WRITE or READ of a lower service rank in [`SEGMENT`]s while a device of a
-//! higher rank is busy, so that the higher rank's work gets in between, as
-//! a NIC's arbiter lets it in between packets):
+//! WRITE, READ or SEND of a lower service rank in [`SEGMENT`]s while a
+//! device of a higher rank is busy, so that the higher rank's work gets in
+//! between, as a NIC's arbiter lets it in between packets):
 //! every SGE and every remote access is checked against the NIC's own
 //! tables *at execution time* (owner device, PD, access, bounds), so a
 //! deregistration, memory removal or QP destruction that has returned can
@@ -31,6 +31,10 @@
 //!   (LOC_LEN_ERR) or whose buffers fail their checks (LOC_PROT_ERR) moves
 //!   the responder to ERR, and the requester gets REM_INV_REQ_ERR or
 //!   REM_OP_ERR respectively.
+//! - A segmented SEND fills the receive at the head of the responder's
+//!   queue and takes it with the last segment; if the responder is reset
+//!   and reconnected in between (its receives discarded), the SEND starts
+//!   again from its first byte in the new head, as a retransmission would.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
@@ -60,7 +64,7 @@ const MAX_QPS: usize = 1 << 16;
 const QP_BATCH: usize = 16;
 /// Bounce-buffer size of the DMA engine.
 const COPY_CHUNK: usize = 64 * 1024;
-/// Bytes of a long RDMA WRITE or READ the NIC moves before it looks
+/// Bytes of a long RDMA WRITE, READ or SEND the NIC moves before it looks
 /// whether work of a higher service rank is waiting. A NIC cuts messages
 /// into packets and its arbiter lets a higher class in between them: so
 /// here a 1 MiB write of a normal tenant (~85 µs of copying on this
@@ -165,9 +169,15 @@ struct Qp {
     wait: Option<Wait>,
     /// In `SoftNic::active`.
     active: bool,
-    /// Bytes of the head of `sq` already moved (a long RDMA WRITE or READ
-    /// moves a [`SEGMENT`] at a time).
+    /// Bytes of the head of `sq` already moved (a long message moves a
+    /// [`SEGMENT`] at a time).
     sent: u64,
+    /// Receive WQEs ever taken off the head of `rq` (completed, flushed or
+    /// discarded): the sequence number of the head.
+    rq_taken: u64,
+    /// For a SEND of `sent` > 0 bytes: the sequence number of the
+    /// responder's receive it is filling.
+    recv_seq: u64,
 }
 
 type QpKey = (DeviceId, u32);
@@ -483,6 +493,7 @@ impl SoftNic {
         let pqp = qp.pqp;
         let sq: Vec<_> = qp.sq.drain(..).collect();
         let rq: Vec<_> = qp.rq.drain(..).collect();
+        qp.rq_taken += rq.len() as u64;
         let n = (sq.len() + rq.len()) as isize;
         self.count_sends(key.0, -(sq.len() as isize));
         for wqe in &sq {
@@ -502,6 +513,7 @@ impl SoftNic {
         let n = (qp.sq.len() + qp.rq.len()) as isize;
         let sends = qp.sq.len() as isize;
         qp.sq.clear();
+        qp.rq_taken += qp.rq.len() as u64;
         qp.rq.clear();
         qp.wait = None;
         qp.sent = 0;
@@ -519,8 +531,8 @@ impl SoftNic {
     }
 
     /// Executes the send WQE `wqe` of QP `key` (already taken off its
-    /// queue), or, for an RDMA WRITE or READ, at most `chunk` bytes of it
-    /// from byte `offset`. Every segment runs every check again, so a
+    /// queue), or, for an RDMA WRITE, READ or SEND, at most `chunk` bytes
+    /// of it from byte `offset`. Every segment runs every check again, so a
     /// deregistration, memory removal or destruction between two segments
     /// stops the message.
     fn execute(&mut self, key: QpKey, wqe: &PhysWqe, offset: u64, chunk: u64) -> Outcome {
@@ -616,43 +628,50 @@ impl SoftNic {
         };
         match opcode {
             Op::Send | Op::SendWithImm => {
-                if !has_recv {
-                    return Outcome::Rnr(rnr);
-                }
-                let Some(recv) = self.take_recv(rkey_qp) else {
+                // The receive stays at the head of the responder's queue
+                // until the last segment. Only this requester can take it
+                // (the responder is connected back to it alone), but a
+                // reset and reconnection of the responder between two
+                // segments replaces it: then the message starts again from
+                // its first byte, as a retransmission would.
+                let Some(recv) = rqp.rq.front().copied() else {
                     return Outcome::Rnr(rnr);
                 };
+                let seq = rqp.rq_taken;
+                if offset > 0 && self.qps.get(&key).map(|q| q.recv_seq) != Some(seq) {
+                    return Outcome::Segment(0);
+                }
                 let dst = recv
                     .sges()
                     .and_then(|sges| self.resolve_sges(rdev, rpd, &sges, access::LOCAL_WRITE));
                 let Some(dst) = dst else {
-                    self.emit(rdev, rpqp, recv_cqe(&recv, WcStatus::LocProtErr));
-                    return Outcome::Complete {
-                        status: WcStatus::RemOpErr,
-                        byte_len: 0,
-                        fail_responder: Some(rkey_qp),
-                    };
+                    return self.refuse_recv(rkey_qp, rpqp, WcStatus::LocProtErr);
                 };
                 if total_len(&dst) < len {
-                    self.emit(rdev, rpqp, recv_cqe(&recv, WcStatus::LocLenErr));
-                    return Outcome::Complete {
-                        status: WcStatus::RemInvReqErr,
-                        byte_len: 0,
-                        fail_responder: Some(rkey_qp),
-                    };
+                    return self.refuse_recv(rkey_qp, rpqp, WcStatus::LocLenErr);
                 }
-                let copied = match &local {
-                    Local::Inline(data) => write_bytes(data, &dst),
-                    Local::Pieces(src) => copy_pieces(src, &dst, 0, len),
+                let (copied, last) = match &local {
+                    // Inline data is far shorter than a segment.
+                    Local::Inline(data) => (write_bytes(data, &dst), true),
+                    Local::Pieces(src) => {
+                        let (n, last) = segment(len, offset, chunk);
+                        if !copy_pieces(src, &dst, offset, n) {
+                            (false, last)
+                        } else if !last {
+                            if let Some(qp) = self.qps.get_mut(&key) {
+                                qp.recv_seq = seq;
+                            }
+                            return Outcome::Segment(offset + n);
+                        } else {
+                            (true, last)
+                        }
+                    }
                 };
                 if !copied {
-                    self.emit(rdev, rpqp, recv_cqe(&recv, WcStatus::LocProtErr));
-                    return Outcome::Complete {
-                        status: WcStatus::RemOpErr,
-                        byte_len: 0,
-                        fail_responder: Some(rkey_qp),
-                    };
+                    return self.refuse_recv(rkey_qp, rpqp, WcStatus::LocProtErr);
                 }
+                debug_assert!(last);
+                let _ = self.take_recv(rkey_qp);
                 let mut cqe = recv_cqe(&recv, WcStatus::Success);
                 cqe.byte_len = byte_len.into();
                 cqe.src_qp = vqpn.into();
@@ -754,10 +773,30 @@ impl SoftNic {
         }
     }
 
+    /// Takes the head of responder `key`'s receive queue, which failed
+    /// with `status` there (its buffers failed their checks or are too
+    /// short); the responder goes to ERR after the requester's completion,
+    /// which is REM_OP_ERR or REM_INV_REQ_ERR.
+    fn refuse_recv(&mut self, key: QpKey, pqp: u32, status: WcStatus) -> Outcome {
+        if let Some(recv) = self.take_recv(key) {
+            self.emit(key.0, pqp, recv_cqe(&recv, status));
+        }
+        Outcome::Complete {
+            status: if status == WcStatus::LocLenErr {
+                WcStatus::RemInvReqErr
+            } else {
+                WcStatus::RemOpErr
+            },
+            byte_len: 0,
+            fail_responder: Some(key),
+        }
+    }
+
     /// Takes the responder's next receive WQE.
     fn take_recv(&mut self, key: QpKey) -> Option<PhysWqe> {
         let qp = self.qps.get_mut(&key)?;
         let wqe = qp.rq.pop_front()?;
+        qp.rq_taken += 1;
         let pqp = qp.pqp;
         self.count(key.0, pqp, -1);
         Some(wqe)
@@ -1063,6 +1102,8 @@ impl Nic for SoftNic {
                 wait: None,
                 active: false,
                 sent: 0,
+                rq_taken: 0,
+                recv_seq: 0,
             },
         );
         Ok(())
@@ -2332,6 +2373,101 @@ mod tests {
         assert_eq!(summary(&cs), vec![(A, PQP_A, 1, WcStatus::Success)]);
         assert_eq!(cs[0].cqe.byte_len.get() as usize, len);
         assert_eq!(bytes(&env.mem_a, 0, len), data);
+    }
+
+    /// [`busy_realtime_b`] with B's receive (token 5) of `len` bytes at
+    /// `at` in its memory and A's SEND (token 1) of `len` bytes from the
+    /// start of its memory posted; A's memory holds the returned pattern.
+    fn long_send_beside_a_busy_realtime_device(len: usize, at: u64) -> (Env, Vec<u8>) {
+        let mut env = busy_realtime_b();
+        let data: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        fill(&env.mem_a, 0, &data);
+        env.nic.post(
+            B,
+            PQP_B,
+            &recv(5, QP_B, &[sge(IOVA + at, len as u32, 0xb1)]),
+        );
+        let wqe = send(1, QP_A, SendOpcode::Send, &[sge(IOVA, len as u32, 0xa1)]);
+        env.nic.post(A, PQP_A, &wqe);
+        (env, data)
+    }
+
+    #[test]
+    fn a_long_send_lets_a_busy_higher_rank_in_between_its_segments() {
+        let (mut env, data) = long_send_beside_a_busy_realtime_device(3 * SEGMENT as usize, 0);
+        let seg = SEGMENT as usize;
+        let p = env.nic.progress(env.now, 64);
+        assert!(p.preempted && p.busy);
+        assert_eq!(bytes(&env.mem_b, 0, seg), data[..seg]);
+        assert_eq!(bytes(&env.mem_b, SEGMENT, 2 * seg), vec![0; 2 * seg]);
+        // B's next READ overtakes the rest of the SEND; the receive
+        // completes once, with the whole message.
+        b_reads(&mut env, 10);
+        let cs = env.run();
+        assert_eq!(
+            summary(&cs),
+            vec![
+                (B, PQP_B, 10, WcStatus::Success),
+                (B, PQP_B, 5, WcStatus::Success),
+                (A, PQP_A, 1, WcStatus::Success)
+            ]
+        );
+        assert_eq!(cs[1].cqe.byte_len.get() as usize, data.len());
+        assert_eq!(bytes(&env.mem_b, 0, data.len()), data);
+    }
+
+    #[test]
+    fn a_responder_reset_between_segments_starts_the_send_again() {
+        let len = SEGMENT as usize + 4096;
+        let (mut env, data) = long_send_beside_a_busy_realtime_device(len, 0);
+        assert!(env.nic.progress(env.now, 64).preempted);
+        // B resets and reconnects its QP (its receive is discarded) and
+        // posts another receive elsewhere.
+        env.nic.reset_qp(B, QP_B).expect("reset");
+        env.nic
+            .connect_qp(B, &conn(QP_B, LID_A, QP_A))
+            .expect("conn");
+        env.nic.post(
+            B,
+            PQP_B,
+            &recv(6, QP_B, &[sge(IOVA + 0x6000, len as u32, 0xb1)]),
+        );
+        let cs = env.run();
+        assert_eq!(
+            summary(&cs),
+            vec![
+                (B, PQP_B, 6, WcStatus::Success),
+                (A, PQP_A, 1, WcStatus::Success)
+            ]
+        );
+        assert_eq!(
+            bytes(&env.mem_b, 0x6000, len),
+            data,
+            "the new receive holds the whole message, from its first byte"
+        );
+    }
+
+    #[test]
+    fn a_receive_buffer_deregistered_between_segments_stops_the_send() {
+        let len = 3 * SEGMENT as usize;
+        let (mut env, data) = long_send_beside_a_busy_realtime_device(len, 0);
+        let seg = SEGMENT as usize;
+        assert!(env.nic.progress(env.now, 64).preempted);
+        env.nic.deregister_mr(B, 0xb1).expect("dereg");
+        let cs = env.run();
+        assert_eq!(
+            summary(&cs),
+            vec![
+                (B, PQP_B, 5, WcStatus::LocProtErr),
+                (A, PQP_A, 1, WcStatus::RemOpErr)
+            ]
+        );
+        assert_eq!(bytes(&env.mem_b, 0, seg), data[..seg], "the first segment");
+        assert_eq!(
+            bytes(&env.mem_b, SEGMENT, len - seg),
+            vec![0; len - seg],
+            "nothing after the deregistration"
+        );
     }
 
     #[test]

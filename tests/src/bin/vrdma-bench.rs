@@ -10,6 +10,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
@@ -61,6 +62,18 @@ struct Args {
     /// Message size of the flooding tenant in the isolation test.
     #[arg(long, default_value_t = 65536)]
     flood_size: usize,
+    /// What the flooding tenant sends in the isolation test.
+    #[arg(long, value_enum, default_value_t = FloodOp::Write)]
+    flood_op: FloodOp,
+}
+
+/// The flooding tenant's operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FloodOp {
+    /// RDMA WRITEs into the peer's memory region.
+    Write,
+    /// SENDs into receives the peer keeps posted.
+    Send,
 }
 
 const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
@@ -93,7 +106,12 @@ fn main() {
     };
     // These two start hostds of their own, with a policy each.
     if tests.contains(&Test::Isolation) {
-        isolation_under_load(args.iters.min(5000), args.line_rate_mbps, args.flood_size);
+        isolation_under_load(
+            args.iters.min(5000),
+            args.line_rate_mbps,
+            args.flood_size,
+            args.flood_op,
+        );
     }
     if tests.contains(&Test::Weights) {
         weighted_shares(args.line_rate_mbps);
@@ -504,33 +522,64 @@ fn policy(tenants: &[(&str, &str, u32)]) -> String {
 
 /// Floods `size`-byte RDMA WRITEs from `from` into `to` until `stop`;
 /// returns bytes per second.
-fn flood(from: &Tenant, to: &Tenant, size: usize, stop: &std::sync::atomic::AtomicBool) -> f64 {
+/// Floods from `from` to `to` with `size`-byte WRITEs or SENDs (a window
+/// of them in flight) until `stop`; returns the bytes/s completed.
+fn flood(from: &Tenant, to: &Tenant, size: usize, op: FloodOp, stop: &AtomicBool) -> f64 {
     let l = link(from, to, size);
     let sge = [l.ma.sge(0, size as u32)];
-    let mut wr = SendWr::new(0, SendOpcode::RdmaWrite, SendPayload::Sges(&sge));
+    let opcode = match op {
+        FloodOp::Write => SendOpcode::RdmaWrite,
+        FloodOp::Send => SendOpcode::Send,
+    };
+    let mut wr = SendWr::new(0, opcode, SendPayload::Sges(&sge));
     wr.remote_addr = l.mb.iova();
     wr.rkey = l.mb.rkey();
     wr.flags = SIGNALED;
     let batch = [wr; POST_BATCH];
-    let (mut posted, mut done) = (0usize, 0usize);
-    let mut wcs = [WorkCompletion::default(); 32];
-    let start = Instant::now();
-    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-        if posted - done + POST_BATCH <= WINDOW {
-            l.qa.post_send(&batch).expect("post");
-            posted += POST_BATCH;
+    let sender_done = AtomicBool::new(false);
+    let recv_sge = [l.mb.sge(0, size as u32)];
+    std::thread::scope(|scope| {
+        if op == FloodOp::Send {
+            // The peer keeps a receive posted for every SEND in flight.
+            let (l, sender_done) = (&l, &sender_done);
+            let recv = RecvWr {
+                wr_id: 0,
+                sg_list: &recv_sge,
+            };
+            l.qb.post_recv(&vec![recv; WINDOW]).expect("recv");
+            scope.spawn(move || {
+                let mut wcs = [WorkCompletion::default(); 32];
+                while !sender_done.load(Ordering::Relaxed) {
+                    let n = to.cq.poll(&mut wcs).expect("poll");
+                    if n == 0 {
+                        std::thread::yield_now();
+                        continue;
+                    }
+                    l.qb.post_recv(&vec![recv; n]).expect("recv");
+                }
+            });
         }
-        let n = from.cq.poll(&mut wcs).expect("poll");
-        done += n;
-        if n == 0 {
-            std::thread::yield_now();
+        let (mut posted, mut done) = (0usize, 0usize);
+        let mut wcs = [WorkCompletion::default(); 32];
+        let start = Instant::now();
+        while !stop.load(Ordering::Relaxed) {
+            if posted - done + POST_BATCH <= WINDOW {
+                l.qa.post_send(&batch).expect("post");
+                posted += POST_BATCH;
+            }
+            let n = from.cq.poll(&mut wcs).expect("poll");
+            done += n;
+            if n == 0 {
+                std::thread::yield_now();
+            }
         }
-    }
-    let rate = (done * size) as f64 / start.elapsed().as_secs_f64();
-    while done < posted {
-        done += from.cq.poll(&mut wcs).expect("poll");
-    }
-    rate
+        let rate = (done * size) as f64 / start.elapsed().as_secs_f64();
+        while done < posted {
+            done += from.cq.poll(&mut wcs).expect("poll");
+        }
+        sender_done.store(true, Ordering::Relaxed);
+        rate
+    })
 }
 
 /// p50/p99 of `iters` 64-byte RDMA READs from `probe` to `peer`.
@@ -552,7 +601,7 @@ fn hostd_at_line_rate(policy: &str, mbps: u32) -> Hostd {
     Hostd::start_with(Some(policy), &["--line-rate-mbps", &mbps.to_string()])
 }
 
-fn isolation_under_load(iters: usize, mbps: u32, flood_size: usize) {
+fn isolation_under_load(iters: usize, mbps: u32, flood_size: usize, flood_op: FloodOp) {
     let setups = [
         (
             "policy: probe realtime, flood normal",
@@ -580,16 +629,16 @@ fn isolation_under_load(iters: usize, mbps: u32, flood_size: usize) {
         let flooder = Tenant::start_with(&hostd, "flood", &vdev_args);
         let peer = Tenant::start_with(&hostd, "peer", &vdev_args);
         let (alone50, alone99) = read_probe(&probe, &peer, iters);
-        let stop = std::sync::atomic::AtomicBool::new(false);
+        let stop = AtomicBool::new(false);
         let ((load50, load99), flood_rate) = std::thread::scope(|scope| {
-            let f = scope.spawn(|| flood(&flooder, &peer, flood_size, &stop));
+            let f = scope.spawn(|| flood(&flooder, &peer, flood_size, flood_op, &stop));
             std::thread::sleep(Duration::from_millis(200));
             let probe_result = read_probe(&probe, &peer, iters);
-            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            stop.store(true, Ordering::Relaxed);
             (probe_result, f.join().expect("flood thread"))
         });
         println!(
-            "isolation  port {mbps} Mbit/s, {label}: probe read_lat 64 B alone p50 {} p99 {}; with a {flood_size}-byte flood ({:.2} GB/s) p50 {} p99 {}; p99 ratio {:.2}",
+            "isolation  port {mbps} Mbit/s, {label}: probe read_lat 64 B alone p50 {} p99 {}; with a {flood_size}-byte {flood_op:?} flood ({:.2} GB/s) p50 {} p99 {}; p99 ratio {:.2}",
             us(alone50),
             us(alone99),
             flood_rate / 1e9,
@@ -612,12 +661,12 @@ fn weighted_shares(mbps: u32) {
     let light = Tenant::start(&hostd, "light");
     let heavy = Tenant::start(&hostd, "heavy");
     let sink = Tenant::start(&hostd, "sink");
-    let stop = std::sync::atomic::AtomicBool::new(false);
+    let stop = AtomicBool::new(false);
     let (l, h) = std::thread::scope(|scope| {
-        let l = scope.spawn(|| flood(&light, &sink, 65536, &stop));
-        let h = scope.spawn(|| flood(&heavy, &sink, 65536, &stop));
+        let l = scope.spawn(|| flood(&light, &sink, 65536, FloodOp::Write, &stop));
+        let h = scope.spawn(|| flood(&heavy, &sink, 65536, FloodOp::Write, &stop));
         std::thread::sleep(Duration::from_secs(3));
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        stop.store(true, Ordering::Relaxed);
         (l.join().expect("light"), h.join().expect("heavy"))
     });
     println!(
