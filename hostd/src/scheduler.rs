@@ -42,6 +42,7 @@ use std::time::{Duration, Instant};
 use vrdma_tenant_policy::{PriorityClass, RateLimit, TenantPolicy};
 
 use crate::ids::IdMap;
+use crate::nic::soft::BUSY_FOR;
 use crate::nic::DeviceId;
 
 /// Bytes a tenant of weight 1 may send per deficit-round-robin turn.
@@ -164,19 +165,50 @@ pub struct Link {
     rate: u64,
     /// Per class index (realtime first).
     busy_until: [Option<Instant>; 3],
+    /// When each class index last booked the port.
+    last_booked: [Option<Instant>; 3],
 }
 
 impl Link {
-    /// Work admitted ahead of the wire: enough to keep the port busy across
-    /// a datapath thread that comes back a little late, small enough that a
-    /// lower class cannot book the port far ahead of a higher one.
+    /// Work a class may admit ahead of the wire while a higher class is
+    /// busy: enough to keep the port busy across a datapath thread that
+    /// comes back a little late, small enough that the lower class cannot
+    /// book the port far ahead of the higher one.
     pub const BACKLOG: Duration = Duration::from_micros(20);
+    /// Work a class may admit ahead of the wire while no higher class has
+    /// booked the port within [`BUSY_FOR`]: two quanta. On a slow port
+    /// that is milliseconds, which keeps the port busy across a datapath
+    /// thread that a loaded host wakes late (at 500 Mbit/s and 20 µs, two
+    /// busy loops beside it left the port 54 % idle); a higher class that
+    /// shows up finds at most this much work ahead of it in the NIC, and
+    /// from then on the short backlog holds.
+    pub const IDLE_BACKLOG_BYTES: u64 = 2 * QUANTUM;
 
     /// A port sending `rate` bytes per second.
     pub fn new(rate: u64) -> Self {
         Link {
             rate: rate.max(1),
             busy_until: [None; 3],
+            last_booked: [None; 3],
+        }
+    }
+
+    /// The wire time of `bytes`.
+    fn wire(&self, bytes: u64) -> Duration {
+        let ns = u128::from(bytes) * 1_000_000_000 / u128::from(self.rate);
+        Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+    }
+
+    /// How far ahead of the wire class index `class` may book at `now`.
+    fn backlog(&self, class: usize, now: Instant) -> Duration {
+        let higher_busy = self.last_booked[..class.min(3)]
+            .iter()
+            .flatten()
+            .any(|&at| now.saturating_duration_since(at) < BUSY_FOR);
+        if higher_busy {
+            Self::BACKLOG
+        } else {
+            Self::BACKLOG.max(self.wire(Self::IDLE_BACKLOG_BYTES))
         }
     }
 
@@ -186,24 +218,26 @@ impl Link {
             .get(class)
             .copied()
             .flatten()
-            .is_none_or(|busy| busy <= now + Self::BACKLOG)
+            .is_none_or(|busy| busy <= now + self.backlog(class, now))
     }
 
     /// When work of class index `class` may enter next.
     fn opens_at(&self, class: usize, now: Instant) -> Instant {
         match self.busy_until.get(class).copied().flatten() {
-            Some(busy) => busy.checked_sub(Self::BACKLOG).unwrap_or(busy),
+            Some(busy) => busy.checked_sub(self.backlog(class, now)).unwrap_or(busy),
             None => now,
         }
     }
 
     /// Books the wire time of `bytes` of class index `class`.
     fn book(&mut self, class: usize, bytes: u64, now: Instant) {
-        let ns = u128::from(bytes) * 1_000_000_000 / u128::from(self.rate);
-        let wire = Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX));
+        let wire = self.wire(bytes);
         for busy in self.busy_until.iter_mut().skip(class) {
             let from = busy.map_or(now, |b| b.max(now));
             *busy = Some(from.checked_add(wire).unwrap_or(from));
+        }
+        if let Some(at) = self.last_booked.get_mut(class) {
+            *at = Some(now);
         }
     }
 }
@@ -1069,6 +1103,36 @@ mod tests {
     }
 
     #[test]
+    fn a_class_books_far_ahead_only_while_no_higher_class_is_busy() {
+        let start = Instant::now();
+        let (realtime, normal) = (
+            class_index(PriorityClass::Realtime),
+            class_index(PriorityClass::Normal),
+        );
+        // 1 MB/s: a quantum is 65.5 ms on the wire.
+        let mut link = Link::new(1_000_000);
+        let quantum = link.wire(QUANTUM);
+        // Alone, the normal class books two quanta ahead, not three.
+        for _ in 0..2 {
+            assert!(link.open(normal, start));
+            link.book(normal, QUANTUM, start);
+        }
+        assert!(link.open(normal, start), "exactly two quanta booked");
+        link.book(normal, QUANTUM, start);
+        assert!(!link.open(normal, start));
+        assert_eq!(link.opens_at(normal, start), start + quantum);
+        // Realtime books: it goes at once, and from then on the normal
+        // class may book only the short backlog ahead.
+        assert!(link.open(realtime, start));
+        link.book(realtime, 1000, start);
+        let busy = start + 3 * quantum + Duration::from_millis(1);
+        assert_eq!(link.opens_at(normal, start), busy - Link::BACKLOG);
+        // Once realtime has been quiet for BUSY_FOR, the long one again.
+        let later = start + BUSY_FOR;
+        assert_eq!(link.opens_at(normal, later), busy - 2 * quantum);
+    }
+
+    #[test]
     fn the_port_is_shared_by_weight_and_realtime_overtakes_booked_work() {
         let start = Instant::now();
         let mut s = setup(
@@ -1102,9 +1166,9 @@ mod tests {
             }
         }
         // The port, not the caller's speed, sets the total: 100 ms at
-        // 1 GB/s plus the booked backlog.
+        // 1 GB/s plus the booked backlog (nobody of a higher class busy).
         let total = served.values().sum::<u64>();
-        let wire = 100_000_000 + Link::BACKLOG.as_nanos() as u64 + 2 * big.bytes;
+        let wire = 100_000_000 + Link::IDLE_BACKLOG_BYTES + big.bytes;
         assert!(total <= wire && total >= 99_000_000, "{total} bytes");
         let ratio = served[&2] as f64 / served[&1] as f64;
         assert!(

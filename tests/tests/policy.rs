@@ -430,9 +430,9 @@ network = "demo"
 
 #[test]
 fn weights_one_to_three_share_a_congested_port_within_ten_percent() {
-    // A 500 Mbit/s port: slow enough that even debug builds on a loaded
+    // A 250 Mbit/s port: slow enough that even debug builds on a loaded
     // 2-core machine keep both tenants' queues full (32 writes of 64 KiB
-    // queued each are 34 ms of the port's time), so the port is the
+    // queued each are 67 ms of the port's time), so the port is the
     // bottleneck and hostd's scheduler decides the shares.
     let _turn = FLOODS.lock().unwrap_or_else(|p| p.into_inner());
     let policy = r#"
@@ -450,7 +450,7 @@ priority = { class = "normal", weight = 3 }
 name = "sink"
 network = "bench"
 "#;
-    let hostd = Hostd::start_with(Some(policy), &["--line-rate-mbps", "500"]);
+    let hostd = Hostd::start_with(Some(policy), &["--line-rate-mbps", "250"]);
     let sink = Tenant::start(&hostd, "sink");
     // Per flooding tenant: its QP, the sink's QP, source and destination.
     let floods: Vec<_> = ["light", "heavy"]
@@ -470,8 +470,8 @@ network = "bench"
     // a congested port: a window in which other load on the machine kept
     // the flooders from filling the port (below 80 %) is measured again,
     // up to 4 windows.
-    // Together they fill the port (62.5 MB/s = 954 writes of 64 KiB per s).
-    let port = 500e6 / 8.0 / 65536.0;
+    // Together they fill the port (31.25 MB/s = 477 writes of 64 KiB per s).
+    let port = 250e6 / 8.0 / 65536.0;
     let congested = |rates: &[f64]| rates.iter().sum::<f64>() >= port * 0.8;
     let stop = std::sync::atomic::AtomicBool::new(false);
     let window = Duration::from_secs(2);
