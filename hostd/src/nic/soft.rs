@@ -2296,15 +2296,29 @@ mod tests {
         long_op_beside_a_busy_realtime_device(SendOpcode::RdmaWrite, 3 * SEGMENT as usize)
     }
 
+    /// Of A's message of `data` to the start of B's memory, the first
+    /// segment has landed there and nothing after it.
+    fn only_the_first_segment_landed(env: &Env, data: &[u8]) {
+        let seg = SEGMENT as usize;
+        assert_eq!(bytes(&env.mem_b, 0, seg), data[..seg], "the first segment");
+        assert_eq!(
+            bytes(&env.mem_b, SEGMENT, data.len() - seg),
+            vec![0; data.len() - seg],
+            "nothing after the first segment"
+        );
+    }
+
+    /// One call of the NIC moves one segment of A's message and stops.
+    fn one_segment_moves(env: &mut Env, data: &[u8]) {
+        let p = env.nic.progress(env.now, 64);
+        assert!(p.preempted && p.busy);
+        only_the_first_segment_landed(env, data);
+    }
+
     #[test]
     fn a_long_write_lets_a_busy_higher_rank_in_between_its_segments() {
         let (mut env, data) = long_write_beside_a_busy_realtime_device();
-        let seg = SEGMENT as usize;
-        // One call moves one segment and stops.
-        let p = env.nic.progress(env.now, 64);
-        assert!(p.preempted && p.busy);
-        assert_eq!(bytes(&env.mem_b, 0, seg), data[..seg]);
-        assert_eq!(bytes(&env.mem_b, SEGMENT, 2 * seg), vec![0; 2 * seg]);
+        one_segment_moves(&mut env, &data);
         // B's next READ overtakes the rest of the write.
         b_reads(&mut env, 10);
         let cs = env.run();
@@ -2342,21 +2356,11 @@ mod tests {
     #[test]
     fn a_deregistration_between_segments_stops_the_message() {
         let (mut env, data) = long_write_beside_a_busy_realtime_device();
-        let seg = SEGMENT as usize;
-        assert!(env.nic.progress(env.now, 64).preempted);
+        one_segment_moves(&mut env, &data);
         env.nic.deregister_mr(B, 0xb1).expect("dereg");
         let cs = env.run();
         assert_eq!(summary(&cs), vec![(A, PQP_A, 1, WcStatus::RemAccessErr)]);
-        assert_eq!(
-            bytes(&env.mem_b, 0, seg),
-            data[..seg],
-            "the first segment landed"
-        );
-        assert_eq!(
-            bytes(&env.mem_b, SEGMENT, data.len() - seg),
-            vec![0; data.len() - seg],
-            "nothing after the deregistration"
-        );
+        only_the_first_segment_landed(&env, &data);
     }
 
     #[test]
@@ -2395,11 +2399,7 @@ mod tests {
     #[test]
     fn a_long_send_lets_a_busy_higher_rank_in_between_its_segments() {
         let (mut env, data) = long_send_beside_a_busy_realtime_device(3 * SEGMENT as usize, 0);
-        let seg = SEGMENT as usize;
-        let p = env.nic.progress(env.now, 64);
-        assert!(p.preempted && p.busy);
-        assert_eq!(bytes(&env.mem_b, 0, seg), data[..seg]);
-        assert_eq!(bytes(&env.mem_b, SEGMENT, 2 * seg), vec![0; 2 * seg]);
+        one_segment_moves(&mut env, &data);
         // B's next READ overtakes the rest of the SEND; the receive
         // completes once, with the whole message.
         b_reads(&mut env, 10);
@@ -2449,10 +2449,8 @@ mod tests {
 
     #[test]
     fn a_receive_buffer_deregistered_between_segments_stops_the_send() {
-        let len = 3 * SEGMENT as usize;
-        let (mut env, data) = long_send_beside_a_busy_realtime_device(len, 0);
-        let seg = SEGMENT as usize;
-        assert!(env.nic.progress(env.now, 64).preempted);
+        let (mut env, data) = long_send_beside_a_busy_realtime_device(3 * SEGMENT as usize, 0);
+        one_segment_moves(&mut env, &data);
         env.nic.deregister_mr(B, 0xb1).expect("dereg");
         let cs = env.run();
         assert_eq!(
@@ -2462,12 +2460,7 @@ mod tests {
                 (A, PQP_A, 1, WcStatus::RemOpErr)
             ]
         );
-        assert_eq!(bytes(&env.mem_b, 0, seg), data[..seg], "the first segment");
-        assert_eq!(
-            bytes(&env.mem_b, SEGMENT, len - seg),
-            vec![0; len - seg],
-            "nothing after the deregistration"
-        );
+        only_the_first_segment_landed(&env, &data);
     }
 
     #[test]
