@@ -8,6 +8,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use common::*;
+use vrdma_hostd::scheduler::DEFAULT_DEVICE_CREDITS;
 use vrdma_hostd_protocol::channel::Channel;
 use vrdma_hostd_protocol::entries::kind;
 use vrdma_hostd_protocol::messages::{MrRegistration, MrSegment, Request, Response};
@@ -432,11 +433,14 @@ fn full_completion_rings_apply_back_pressure_without_loss() {
         }
         assert!(posted < 10_000, "hostd never pushed back");
     }
-    // Ring (128) + held (128) + submission ring (64), give or take a batch.
-    assert!(
-        (256..=128 + 128 + 64 + 32).contains(&posted),
-        "posted {posted}"
-    );
+    // At least the completion ring (128) and the held completions (128);
+    // at most those, the submission ring (64) and what the NIC had taken
+    // but not completed when the hold filled up: back-pressure counts held
+    // completions, and the sends inside the NIC are bounded by the
+    // device's credits (256 by default). Usually 321-323; 353 beside two
+    // busy loops, when the NIC ran behind the datapath's refills.
+    let bound = 128 + 128 + 64 + DEFAULT_DEVICE_CREDITS as u64;
+    assert!((256..=bound).contains(&posted), "posted {posted}");
     // hostd does not spin while it waits for room.
     let before = hostd.cpu_ticks();
     std::thread::sleep(Duration::from_millis(500));
