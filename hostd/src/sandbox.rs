@@ -10,7 +10,7 @@
 //! 4. [`install_seccomp`] — one allow-list, the union of hostd's thread
 //!    roles, on every thread, before any thread of hostd starts.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use vrdma_isolation::landlock::{self, FsAccess, FsPolicy, LandlockError};
 use vrdma_isolation::privileges::{self, Identity, PrivilegeError, ResourceLimits};
@@ -111,8 +111,8 @@ impl Plan {
 
 /// Step 1: checks that hostd is still single-threaded (landlock and the
 /// credential changes apply to the calling thread only), then landlock:
-/// read access to the policy file, nothing else. Refuses a kernel without
-/// landlock unless the operator allowed it.
+/// reading the files in the policy file's directory, nothing else. Refuses
+/// a kernel without landlock unless the operator allowed it.
 pub fn restrict_filesystem(plan: &Plan) -> Result<(), SandboxError> {
     let threads = vrdma_isolation::thread_count().map_err(SandboxError::ThreadCount)?;
     if threads != 1 {
@@ -124,20 +124,31 @@ pub fn restrict_filesystem(plan: &Plan) -> Result<(), SandboxError> {
         );
         return Ok(());
     }
+    let readable = plan.policy_file.as_deref().map(policy_directory);
     let policy = FsPolicy {
-        paths: plan
-            .policy_file
+        paths: readable
             .iter()
-            .map(|p| (p.clone(), FsAccess::ReadFile))
+            .map(|dir| (dir.clone(), FsAccess::ReadFile))
             .collect(),
     };
-    let readable = plan
-        .policy_file
-        .as_ref()
-        .map_or_else(|| "nothing".to_owned(), |p| p.display().to_string());
-    let full = format!("no file-system access but reading the policy file (readable: {readable})");
+    let shown = readable.map_or_else(
+        || "nothing".to_owned(),
+        |dir| format!("files in {}", dir.display()),
+    );
+    let full = format!("no file-system access but reading the policy file (readable: {shown})");
     landlock::enter(&policy, plan.args.allow_no_landlock, "hostd", &full)
         .map_err(SandboxError::Landlock)
+}
+
+/// What landlock lets hostd read for reloads: the files of the policy
+/// file's directory, not the file's inode, so that a policy replaced by a
+/// rename (editors that save so, configuration managers) reloads too. Keep
+/// the policy in a directory of its own (docs/security.md).
+fn policy_directory(file: &Path) -> PathBuf {
+    match file.parent() {
+        Some(dir) if !dir.as_os_str().is_empty() => dir.to_path_buf(),
+        _ => PathBuf::from("."),
+    }
 }
 
 /// Step 2: resource limits, the uid/gid switch (when started as root) and

@@ -75,10 +75,16 @@ impl Sandboxed {
 
     /// Waits until the log contains `needle` (or hostd exits, or 10 s).
     fn wait_for_log(&mut self, needle: &str) -> String {
+        self.wait_for_logged(needle, 1)
+    }
+
+    /// Waits until the log contains `needle` `times` times (or hostd
+    /// exits, or 10 s).
+    fn wait_for_logged(&mut self, needle: &str, times: usize) -> String {
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
             let log = self.log();
-            if log.contains(needle) {
+            if log.matches(needle).count() >= times {
                 return log;
             }
             if let Ok(Some(status)) = self.child.try_wait() {
@@ -90,6 +96,12 @@ impl Sandboxed {
             );
             std::thread::sleep(Duration::from_millis(10));
         }
+    }
+
+    fn sighup(&self) {
+        // SAFETY: kill with the pid of our child and a valid signal.
+        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGHUP) };
+        assert_eq!(rc, 0);
     }
 
     /// Waits for hostd to exit (at most 10 s).
@@ -279,11 +291,17 @@ fn a_sandboxed_hostd_serves_rdma_and_reloads_its_policy() {
         }
     }
 
-    // Reload on SIGHUP reads the policy file through landlock's one rule.
+    // Reload on SIGHUP reads the policy file through landlock's one rule:
+    // rewritten in place, and replaced by a rename (a new inode), as
+    // editors and configuration managers do.
     std::fs::write(&hostd.policy, policy()).expect("rewrite policy");
-    // SAFETY: kill with the pid of our child and a valid signal.
-    let rc = unsafe { libc::kill(hostd.child.id() as libc::pid_t, libc::SIGHUP) };
-    assert_eq!(rc, 0);
-    let log = hostd.wait_for_log("Policy reloaded");
+    hostd.sighup();
+    let log = hostd.wait_for_logged("Policy reloaded", 1);
+    assert!(!log.contains("Policy reload failed"), "{log}");
+    let staged = hostd.dir.join(".policy.toml.new");
+    std::fs::write(&staged, policy()).expect("stage policy");
+    std::fs::rename(&staged, &hostd.policy).expect("replace policy");
+    hostd.sighup();
+    let log = hostd.wait_for_logged("Policy reloaded", 2);
     assert!(!log.contains("Policy reload failed"), "{log}");
 }

@@ -34,7 +34,8 @@ pub const TARGET_ABI: ABI = ABI::V7;
 pub enum FsAccess {
     /// Read files and list directories.
     Read,
-    /// Read one regular file (the path names the file itself).
+    /// Read regular files: the one the path names, or, for a directory,
+    /// every file beneath it (no listing, no writing).
     ReadFile,
     /// Everything: read, write, create, remove.
     ReadWrite,
@@ -283,5 +284,52 @@ mod tests {
         assert_eq!(other, Err(Some(libc::EACCES)));
         assert_eq!(write, Err(Some(libc::EACCES)));
         assert_eq!(list, Err(Some(libc::EACCES)));
+    }
+
+    #[test]
+    fn a_read_file_rule_on_a_directory_allows_its_files_even_replaced() {
+        let base = std::env::temp_dir().join(format!("isolation-readdir-{}", std::process::id()));
+        let dir = base.join("policy");
+        std::fs::create_dir_all(&dir).expect("dir");
+        let policy_file = dir.join("policy.toml");
+        let outside = base.join("outside.toml");
+        std::fs::write(&policy_file, b"first").expect("write");
+        std::fs::write(&outside, b"outside").expect("write");
+        let policy = FsPolicy {
+            paths: vec![(dir.clone(), FsAccess::ReadFile)],
+        };
+        // The restricted thread reads, then this (unrestricted) one
+        // replaces the file by a rename (a new inode), then it reads again.
+        let (read_once, replace) = std::sync::mpsc::channel();
+        let (replaced_tx, replaced_rx) = std::sync::mpsc::channel();
+        let (file, staged) = (policy_file.clone(), dir.join(".new"));
+        let restricted = std::thread::spawn(move || {
+            let (enforcement, _) = restrict(&policy).expect("restrict");
+            let first = std::fs::read(&policy_file).map_err(|e| e.raw_os_error());
+            read_once.send(()).expect("signal");
+            replaced_rx.recv().expect("replaced");
+            let replaced = std::fs::read(&policy_file).map_err(|e| e.raw_os_error());
+            let write = std::fs::write(&policy_file, b"x").map_err(|e| e.raw_os_error());
+            let list = std::fs::read_dir(&dir)
+                .map(drop)
+                .map_err(|e| e.raw_os_error());
+            let other = std::fs::read(&outside).map_err(|e| e.raw_os_error());
+            (enforcement, first, replaced, write, list, other)
+        });
+        replace.recv().expect("first read");
+        std::fs::write(&staged, b"second").expect("stage");
+        std::fs::rename(&staged, &file).expect("rename");
+        replaced_tx.send(()).expect("signal");
+        let (enforcement, first, replaced, write, list, other) = restricted.join().expect("thread");
+        std::fs::remove_dir_all(&base).ok();
+        if enforcement == Enforcement::Absent {
+            return;
+        }
+        assert_eq!(enforcement, Enforcement::Full);
+        assert_eq!(first, Ok(b"first".to_vec()));
+        assert_eq!(replaced, Ok(b"second".to_vec()));
+        assert_eq!(write, Err(Some(libc::EACCES)));
+        assert_eq!(list, Err(Some(libc::EACCES)));
+        assert_eq!(other, Err(Some(libc::EACCES)));
     }
 }
