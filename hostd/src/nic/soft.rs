@@ -650,27 +650,21 @@ impl SoftNic {
                 if total_len(&dst) < len {
                     return self.refuse_recv(rkey_qp, rpqp, WcStatus::LocLenErr);
                 }
-                let (copied, last) = match &local {
+                let (n, last) = segment(len, offset, chunk);
+                let copied = match &local {
                     // Inline data is far shorter than a segment.
-                    Local::Inline(data) => (write_bytes(data, &dst), true),
-                    Local::Pieces(src) => {
-                        let (n, last) = segment(len, offset, chunk);
-                        if !copy_pieces(src, &dst, offset, n) {
-                            (false, last)
-                        } else if !last {
-                            if let Some(qp) = self.qps.get_mut(&key) {
-                                qp.recv_seq = seq;
-                            }
-                            return Outcome::Segment(offset + n);
-                        } else {
-                            (true, last)
-                        }
-                    }
+                    Local::Inline(data) => write_bytes(data, &dst),
+                    Local::Pieces(src) => copy_pieces(src, &dst, offset, n),
                 };
                 if !copied {
                     return self.refuse_recv(rkey_qp, rpqp, WcStatus::LocProtErr);
                 }
-                debug_assert!(last);
+                if !last {
+                    if let Some(qp) = self.qps.get_mut(&key) {
+                        qp.recv_seq = seq;
+                    }
+                    return Outcome::Segment(offset + n);
+                }
                 let _ = self.take_recv(rkey_qp);
                 let mut cqe = recv_cqe(&recv, WcStatus::Success);
                 cqe.byte_len = byte_len.into();
