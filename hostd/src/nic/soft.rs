@@ -230,6 +230,8 @@ pub struct SoftNic {
     clock: Option<Instant>,
     /// A long message stopped between segments for work of a higher rank.
     preempted: bool,
+    /// [`SoftNic::busy_rank`] at the start of the current progress call.
+    busy_rank: Option<u8>,
 }
 
 impl std::fmt::Debug for SoftNic {
@@ -871,18 +873,23 @@ impl SoftNic {
         self.devices.get(&device).map_or(UNRANKED, |d| d.rank)
     }
 
-    /// Whether a device of a higher rank than `device`'s posted send work
-    /// within [`BUSY_FOR`]: then `device`'s long messages yield between
-    /// segments.
-    fn outranked(&self, device: DeviceId) -> bool {
-        let (rank, Some(now)) = (self.rank(device), self.clock) else {
-            return false;
-        };
-        self.devices.values().any(|d| {
-            d.rank < rank
-                && d.last_send
+    /// The highest rank (lowest number) of the devices that posted send
+    /// work within [`BUSY_FOR`] of `now`, if any did.
+    fn busy_rank(&self, now: Instant) -> Option<u8> {
+        (self.devices.values())
+            .filter(|d| {
+                d.last_send
                     .is_some_and(|t| now.saturating_duration_since(t) < BUSY_FOR)
-        })
+            })
+            .map(|d| d.rank)
+            .min()
+    }
+
+    /// Whether a device of a higher rank than `device`'s is busy
+    /// ([`SoftNic::busy_rank`], taken once per progress call): then
+    /// `device`'s long messages yield between segments.
+    fn outranked(&self, device: DeviceId) -> bool {
+        self.busy_rank.is_some_and(|busy| busy < self.rank(device))
     }
 
     /// Puts `wqe` back at the head to retry at `due`, if retries are left.
@@ -1224,6 +1231,9 @@ impl Nic for SoftNic {
 
     fn progress(&mut self, now: Instant, budget: usize) -> Progress {
         self.clock = Some(now);
+        // Nothing posts during a progress call: one look at the devices
+        // serves every QP it runs.
+        self.busy_rank = self.busy_rank(now);
         let mut progress = Progress::default();
         let mut spent = 0;
         // A long message that stopped between segments heads the queue:
