@@ -13,9 +13,10 @@ pub use vrdma_tenant_policy::TenantPolicy;
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Version of this protocol; hostd refuses a vdev that speaks another.
 /// Raised whenever a message changes shape, the tenant policy in the
-/// Welcome included (2: `max_devices`), so that a vdev and a hostd of
-/// different builds meet a clear EPROTO instead of a decoding error.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// Welcome included, so that a vdev and a hostd of different builds meet a
+/// clear EPROTO instead of a decoding error. 3: hostd reads the guest's
+/// rings itself (doorbell page, event rings, CQs and QPs by their rings).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// A request from vdev to hostd.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -23,10 +24,9 @@ pub const PROTOCOL_VERSION: u32 = 2;
 pub enum Request {
     /// First message: who this vdev serves. hostd checks the tenant against
     /// its policy and the peer's credentials, assigns the device's LID and
-    /// grants physical queues. The response carries, as fds, per granted
-    /// queue: its shared memory; then hostd's doorbell eventfd, the
-    /// completion eventfd hostd signals, and the notification channel (a
-    /// seqpacket socket on which hostd sends [`Notification`]s).
+    /// grants physical queues. The response carries one fd: the
+    /// notification channel (a seqpacket socket on which hostd sends
+    /// [`Notification`]s).
     Hello {
         version: u32,
         tenant: String,
@@ -39,33 +39,54 @@ pub enum Request {
         len: u64,
         file_offset: u64,
     },
-    /// The slot is gone; keys over it are revoked.
+    /// The slot is gone; keys over it are revoked, and rings in it are no
+    /// longer touched (their QPs and CQs are lost).
     RemoveMemory { slot: u32 },
     /// Registers a memory region under its keys.
     RegisterMr(MrRegistration),
     /// Revokes a memory region. When the response arrives no WQE touches
     /// the region any more.
     DeregisterMr { lkey: u32 },
-    /// A virtual QP exists on physical QP `pqp` in protection domain `pd`.
-    CreateQp { vqpn: u32, pd: u32, pqp: u32 },
-    /// Connect a virtual QP to its peer (at RTR). hostd checks the peer is
-    /// reachable for this tenant.
-    ConnectQp(QpConnection),
-    /// The QP's remote access flags changed (INIT→INIT, RTS→RTS, ...).
-    SetQpAccess { vqpn: u32, access: u32 },
-    /// The virtual QP entered the error state: flush its work.
-    ErrorQp { vqpn: u32 },
-    /// The virtual QP went back to RESET: forget its connection and work.
-    ResetQp { vqpn: u32 },
+    /// One fd: the eventfd the driver's doorbell notifications arrive on
+    /// (the doorbell virtqueue's kick). `gpa` is the device's doorbell page
+    /// ([`vrdma_spec::ring::doorbell`]), once per device.
+    SetDoorbell { gpa: u64 },
+    /// One fd: the eventfd that interrupts the driver for completion vector
+    /// `vector` (its event virtqueue's call). `gpa` is the vector's event
+    /// ring of `depth` events.
+    CreateEq { vector: u32, gpa: u64, depth: u32 },
+    /// A completion queue: its ring of `depth` CQEs at `gpa`, its events on
+    /// `vector`.
+    CreateCq {
+        cqn: u32,
+        gpa: u64,
+        depth: u32,
+        vector: u32,
+    },
+    /// The CQ is destroyed (no QP uses it: vdev checked).
+    DestroyCq { cqn: u32 },
+    /// A virtual QP in RESET, with its rings.
+    CreateQp(QpSetup),
+    /// A state transition of a virtual QP (vdev checked it against the RC
+    /// state table); hostd applies it and answers `Ok`, or refuses it when
+    /// the QP has meanwhile gone to ERR on its own (`EINVAL`).
+    ModifyQp(QpModify),
+    /// The QP's state as the datapath sees it (it may have entered ERR on
+    /// its own); answered with [`Response::QpState`].
+    QueryQp { vqpn: u32 },
     /// The virtual QP is destroyed. When the response arrives no WQE of it
-    /// is executed any more.
+    /// is executed any more and its rings are not touched.
     DestroyQp { vqpn: u32 },
+    /// The driver reset the device: every QP, CQ, event ring, MR and the
+    /// doorbell go (memory slots stay). When the response arrives, nothing
+    /// of the old driver's is touched any more.
+    ResetDevice,
     /// vdev refused a verb because of the tenant's quota `quota` (a key of
     /// [`vrdma_tenant_policy::Limits`]); hostd counts it for the tenant.
     QuotaRejected { quota: String },
 }
 
-/// A message hostd sends on its own, on the notification channel (the last
+/// A message hostd sends on its own, on the notification channel (the
 /// descriptor of `Welcome`); vdev does not answer it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
@@ -75,11 +96,57 @@ pub enum Notification {
     Policy(TenantPolicy),
 }
 
+/// A work ring (send or receive) in guest memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WorkRing {
+    pub gpa: u64,
+    /// Slots (a power of two).
+    pub depth: u32,
+    /// Bytes of one slot (a power of two).
+    pub stride: u32,
+}
+
+/// A virtual QP as hostd's datapath needs it: its rings, its CQs and what
+/// its WQEs may carry (the capacities vdev granted,
+/// [`vrdma_spec::limits::QpGrant`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QpSetup {
+    pub vqpn: u32,
+    pub pd: u32,
+    /// Its bit in the doorbell page.
+    pub db_index: u32,
+    pub send_cqn: u32,
+    pub recv_cqn: u32,
+    /// Every send WQE completes with a CQE.
+    pub sq_sig_all: bool,
+    pub sq: WorkRing,
+    pub rq: WorkRing,
+    pub max_send_sge: u32,
+    pub max_recv_sge: u32,
+    pub max_inline_data: u32,
+}
+
+/// A state transition of a virtual QP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QpModify {
+    pub vqpn: u32,
+    /// The new state, a [`vrdma_spec::verbs::QpState`].
+    pub state: u8,
+    /// At RTR: the peer and how the QP behaves as requester and responder.
+    /// hostd checks the peer is reachable for this tenant.
+    pub connection: Option<QpConnection>,
+    /// The QP's remote access flags, when they changed
+    /// ([`vrdma_spec::verbs::access`]).
+    pub access: Option<u32>,
+}
+
 /// Where a virtual QP sends, and how it behaves as RC requester/responder.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QpConnection {
-    pub vqpn: u32,
     /// The peer's LID and QP number.
     pub dest_lid: u16,
     pub dest_qpn: u32,
@@ -124,6 +191,8 @@ pub enum Response {
     Welcome(Box<Welcome>),
     /// The request was carried out.
     Ok,
+    /// Answer to `QueryQp`: a [`vrdma_spec::verbs::QpState`].
+    QpState { state: u8 },
     /// The request was refused: a positive errno and why.
     Refused { errno: i32, reason: String },
 }
@@ -134,24 +203,11 @@ pub enum Response {
 pub struct Welcome {
     /// The device's LID on hostd's fabric.
     pub lid: u16,
-    /// Physical QPs granted; each arrives as one shared-memory fd, in order.
-    pub queues: Vec<QueueGrant>,
+    /// Physical QPs of hostd's NIC the device's virtual QPs are
+    /// multiplexed onto.
+    pub physical_queues: u32,
     /// The tenant's policy in force: vdev enforces its quotas.
     pub policy: TenantPolicy,
-}
-
-/// Shape of one granted physical QP's shared memory: a submission ring of
-/// [`crate::entries::PhysWqe`] then a completion ring of
-/// [`crate::entries::PhysCqe`], laid out by [`crate::shm::QueueLayout`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QueueGrant {
-    /// Physical QP number on hostd.
-    pub pqp: u32,
-    /// Entries of the submission ring (power of two).
-    pub sq_depth: u32,
-    /// Entries of the completion ring (power of two).
-    pub cq_depth: u32,
 }
 
 /// Why a message cannot be decoded or encoded.
@@ -221,6 +277,50 @@ mod tests {
         });
         let bytes = encode(&req).expect("within MAX_MESSAGE");
         assert!(bytes.len() <= MAX_MESSAGE);
+    }
+
+    #[test]
+    fn qp_messages_round_trip() {
+        let ring = |gpa| WorkRing {
+            gpa,
+            depth: 64,
+            stride: 128,
+        };
+        let req = Request::CreateQp(QpSetup {
+            vqpn: 0xabcdef,
+            pd: 1,
+            db_index: 3,
+            send_cqn: 4,
+            recv_cqn: 5,
+            sq_sig_all: true,
+            sq: ring(0x10000),
+            rq: ring(0x20000),
+            max_send_sge: 4,
+            max_recv_sge: 4,
+            max_inline_data: 64,
+        });
+        let bytes = encode(&req).expect("encode");
+        assert_eq!(decode::<Request>(&bytes).expect("decode"), req);
+        let modify = Request::ModifyQp(QpModify {
+            vqpn: 1,
+            state: 2,
+            connection: Some(QpConnection {
+                dest_lid: 2,
+                dest_qpn: 9,
+                access: 7,
+                rnr_retry: 7,
+                retry_cnt: 3,
+                min_rnr_timer: 12,
+            }),
+            access: None,
+        });
+        let bytes = encode(&modify).expect("encode");
+        assert_eq!(decode::<Request>(&bytes).expect("decode"), modify);
+        let bytes = encode(&Response::QpState { state: 6 }).expect("encode");
+        assert_eq!(
+            decode::<Response>(&bytes).expect("decode"),
+            Response::QpState { state: 6 }
+        );
     }
 
     #[test]

@@ -1,20 +1,17 @@
-//! Shared memory between vdev and hostd: sealed memfds, their mappings, and
-//! single-producer single-consumer rings of fixed-size entries.
+//! Shared memory: sealed memfds and their mappings. hostd maps every
+//! guest memory slot a vdev passes it this way, and reads and writes the
+//! guest's rings through these mappings.
 //!
-//! Each side trusts nothing the other writes: indices are bounded before
-//! use (a producer index more than `depth` ahead of the consumer is
-//! corruption, not work), and entries are copied out once with volatile
-//! reads before they are decoded.
+//! Nothing in shared memory is trusted: the peer may change it at any
+//! moment. So everything hostd interprets is read once, with volatile
+//! accesses or atomics, into its own copy, and only the copy is decoded;
+//! and a mapping is only made of a file sealed against shrinking, so no
+//! access through it can fault whatever the peer does later.
 
 use std::fs::File;
 use std::io;
-use std::marker::PhantomData;
 use std::os::fd::{AsRawFd, FromRawFd};
-use std::sync::atomic::{fence, AtomicU32, Ordering};
-
-use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
-
-use crate::entries::{PhysCqe, PhysWqe};
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 /// Why shared memory cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -27,12 +24,6 @@ pub enum ShmError {
     TooSmall { needed: u64, actual: u64 },
     #[error("Shared memory is not sealed against shrinking (F_SEAL_SHRINK), so the peer could make accesses fault")]
     NotSealed,
-    #[error("Ring indices are corrupt (producer {producer}, consumer {consumer}, depth {depth})")]
-    Corrupt {
-        producer: u32,
-        consumer: u32,
-        depth: u32,
-    },
 }
 
 /// A `MAP_SHARED` read-write mapping of a file, unmapped on drop.
@@ -168,16 +159,28 @@ impl SharedMapping {
         true
     }
 
-    /// The `u32` at `offset` as an atomic.
-    fn atomic_u32(&self, offset: usize) -> &AtomicU32 {
-        assert!(
-            offset.is_multiple_of(4) && offset + 4 <= self.len,
-            "ring header inside the mapping"
-        );
+    /// The `u32` at `offset` as an atomic; `None` if it is not 4-aligned
+    /// or not inside the mapping.
+    pub fn atomic_u32(&self, offset: usize) -> Option<&AtomicU32> {
+        let end = offset.checked_add(4)?;
+        if !offset.is_multiple_of(4) || end > self.len {
+            return None;
+        }
         // SAFETY: in bounds and 4-aligned (mappings are page-aligned),
         // checked above; shared memory is valid for atomics for as long as
         // `self` keeps it mapped, which bounds the returned lifetime.
-        unsafe { &*self.ptr.add(offset).cast::<AtomicU32>() }
+        Some(unsafe { &*self.ptr.add(offset).cast::<AtomicU32>() })
+    }
+
+    /// The `u64` at `offset` as an atomic; `None` if it is not 8-aligned
+    /// or not inside the mapping.
+    pub fn atomic_u64(&self, offset: usize) -> Option<&AtomicU64> {
+        let end = offset.checked_add(8)?;
+        if !offset.is_multiple_of(8) || end > self.len {
+            return None;
+        }
+        // SAFETY: as in `atomic_u32`, with 8-byte alignment checked.
+        Some(unsafe { &*self.ptr.add(offset).cast::<AtomicU64>() })
     }
 }
 
@@ -257,211 +260,44 @@ pub fn seal(file: &File) -> Result<(), ShmError> {
     Ok(())
 }
 
-/// Bytes of a ring header: producer line, consumer line, sleeping line.
-pub const RING_HEADER: usize = 192;
-const PRODUCER: usize = 0;
-const CONSUMER: usize = 64;
-const SLEEPING: usize = 128;
-
-/// Where a ring lives in a mapping.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RingPlace {
-    pub offset: usize,
-    pub depth: u32,
-}
-
-impl RingPlace {
-    /// Bytes of the ring with entries of type `T`.
-    pub fn bytes<T>(&self) -> usize {
-        RING_HEADER + self.depth as usize * core::mem::size_of::<T>()
-    }
-}
-
-/// Layout of one physical QP's shared memory: its submission ring then its
-/// completion ring.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct QueueLayout {
-    pub sq: RingPlace,
-    pub cq: RingPlace,
-}
-
-impl QueueLayout {
-    /// The layout for these depths (powers of two).
-    pub fn new(sq_depth: u32, cq_depth: u32) -> Self {
-        let sq = RingPlace {
-            offset: 0,
-            depth: sq_depth,
-        };
-        let cq_offset = (sq.bytes::<PhysWqe>() + 4095) & !4095;
-        QueueLayout {
-            sq,
-            cq: RingPlace {
-                offset: cq_offset,
-                depth: cq_depth,
-            },
-        }
-    }
-
-    /// Total bytes.
-    pub fn bytes(&self) -> usize {
-        self.cq.offset + self.cq.bytes::<PhysCqe>()
-    }
-}
-
-/// One side of a ring of `T` in a shared mapping.
-#[derive(Debug)]
-pub struct Ring<'m, T> {
-    mem: &'m SharedMapping,
-    place: RingPlace,
-    _entry: PhantomData<T>,
-}
-
-impl<'m, T: FromBytes + IntoBytes + KnownLayout + Immutable> Ring<'m, T> {
-    /// The ring at `place` in `mem`; `None` if it does not fit or its depth
-    /// is not a power of two.
-    pub fn new(mem: &'m SharedMapping, place: RingPlace) -> Option<Self> {
-        let fits = place.offset.is_multiple_of(64)
-            && place.depth.is_power_of_two()
-            && place
-                .offset
-                .checked_add(place.bytes::<T>())
-                .is_some_and(|end| end <= mem.len());
-        fits.then_some(Ring {
-            mem,
-            place,
-            _entry: PhantomData,
-        })
-    }
-
-    fn index(&self, line: usize) -> &AtomicU32 {
-        self.mem.atomic_u32(self.place.offset + line)
-    }
-
-    fn slot_offset(&self, index: u32) -> usize {
-        let slot = (index & (self.place.depth - 1)) as usize;
-        self.place.offset + RING_HEADER + slot * core::mem::size_of::<T>()
-    }
-
-    fn check(&self, producer: u32, consumer: u32) -> Result<u32, ShmError> {
-        let used = producer.wrapping_sub(consumer);
-        if used > self.place.depth {
-            return Err(ShmError::Corrupt {
-                producer,
-                consumer,
-                depth: self.place.depth,
-            });
-        }
-        Ok(used)
-    }
-
-    /// Producer: appends `entry`; `Ok(false)` when the ring is full.
-    pub fn push(&self, entry: &T) -> Result<bool, ShmError> {
-        let producer = self.index(PRODUCER).load(Ordering::Relaxed);
-        let consumer = self.index(CONSUMER).load(Ordering::Acquire);
-        if self.check(producer, consumer)? == self.place.depth {
-            return Ok(false);
-        }
-        self.mem.write(self.slot_offset(producer), entry.as_bytes());
-        self.index(PRODUCER)
-            .store(producer.wrapping_add(1), Ordering::Release);
-        Ok(true)
-    }
-
-    /// Producer: whether the consumer asked to be woken (it is about to
-    /// sleep). Call after `push`; the fence orders the producer-index store
-    /// before the flag load, pairing with [`Ring::prepare_sleep`].
-    pub fn consumer_sleeping(&self) -> bool {
-        fence(Ordering::SeqCst);
-        self.index(SLEEPING).load(Ordering::Relaxed) != 0
-    }
-
-    /// Consumer: takes the next entry, if any.
-    pub fn pop(&self) -> Result<Option<T>, ShmError> {
-        let consumer = self.index(CONSUMER).load(Ordering::Relaxed);
-        let producer = self.index(PRODUCER).load(Ordering::Acquire);
-        if self.check(producer, consumer)? == 0 {
-            return Ok(None);
-        }
-        let mut entry = T::new_zeroed();
-        self.mem
-            .read(self.slot_offset(consumer), entry.as_mut_bytes());
-        self.index(CONSUMER)
-            .store(consumer.wrapping_add(1), Ordering::Release);
-        Ok(Some(entry))
-    }
-
-    /// Consumer: number of entries waiting.
-    pub fn pending(&self) -> Result<u32, ShmError> {
-        let consumer = self.index(CONSUMER).load(Ordering::Relaxed);
-        let producer = self.index(PRODUCER).load(Ordering::Acquire);
-        self.check(producer, consumer)
-    }
-
-    /// Consumer: announces it is about to sleep (or is awake again). After
-    /// announcing sleep, check [`Ring::pending`] once more before sleeping.
-    pub fn prepare_sleep(&self, sleeping: bool) {
-        self.index(SLEEPING)
-            .store(u32::from(sleeping), Ordering::Relaxed);
-        fence(Ordering::SeqCst);
-    }
-
-    /// Producer: free slots.
-    pub fn free(&self) -> Result<u32, ShmError> {
-        let producer = self.index(PRODUCER).load(Ordering::Relaxed);
-        let consumer = self.index(CONSUMER).load(Ordering::Acquire);
-        Ok(self.place.depth - self.check(producer, consumer)?)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::Ordering;
 
     fn mapping(bytes: usize) -> SharedMapping {
-        let file = sealed_memfd("ring-test", bytes as u64).expect("memfd");
+        let file = sealed_memfd("shm-test", bytes as u64).expect("memfd");
         SharedMapping::map(file, 0, bytes as u64).expect("map")
     }
 
     #[test]
-    fn entries_flow_in_order_and_wrap() {
-        let layout = QueueLayout::new(4, 8);
-        let mem = mapping(layout.bytes());
-        let producer: Ring<'_, PhysCqe> = Ring::new(&mem, layout.cq).expect("fits");
-        let consumer: Ring<'_, PhysCqe> = Ring::new(&mem, layout.cq).expect("fits");
-        for round in 0..5u64 {
-            for i in 0..8u64 {
-                let cqe = PhysCqe {
-                    token: (round * 100 + i).into(),
-                    ..PhysCqe::default()
-                };
-                assert!(producer.push(&cqe).expect("push"));
-            }
-            assert!(
-                !producer.push(&PhysCqe::default()).expect("full"),
-                "ring full"
-            );
-            for i in 0..8u64 {
-                assert_eq!(
-                    consumer.pop().expect("pop").expect("entry").token.get(),
-                    round * 100 + i
-                );
-            }
-            assert_eq!(consumer.pop().expect("pop"), None);
-        }
+    fn reads_writes_and_copies_stay_inside_the_mapping() {
+        let mem = mapping(4096);
+        assert!(mem.write(4090, b"abcdef"));
+        assert!(!mem.write(4091, b"abcdef"), "one byte past the end");
+        assert!(!mem.write(usize::MAX, b"a"), "offset overflow");
+        let mut out = [0u8; 6];
+        assert!(mem.read(4090, &mut out));
+        assert_eq!(&out, b"abcdef");
+        assert!(!mem.read(4091, &mut out));
+        let other = mapping(8192);
+        assert!(mem.copy_to(4090, &other, 8186, 6));
+        assert!(!mem.copy_to(4090, &other, 8187, 6));
+        assert!(other.read(8186, &mut out));
+        assert_eq!(&out, b"abcdef");
     }
 
     #[test]
-    fn corrupt_indices_are_detected() {
-        let layout = QueueLayout::new(4, 8);
-        let mem = mapping(layout.bytes());
-        let ring: Ring<'_, PhysWqe> = Ring::new(&mem, layout.sq).expect("fits");
-        // A hostile producer claims 1000 entries in a ring of 4.
-        mem.write(layout.sq.offset + PRODUCER, &1000u32.to_ne_bytes());
-        assert!(matches!(ring.pop(), Err(ShmError::Corrupt { .. })));
-        assert!(matches!(
-            ring.push(&PhysWqe::default()),
-            Err(ShmError::Corrupt { .. })
-        ));
+    fn atomics_must_be_aligned_and_inside() {
+        let mem = mapping(4096);
+        let word = mem.atomic_u32(4092).expect("last word");
+        word.store(7, Ordering::Release);
+        assert_eq!(mem.atomic_u32(4092).map(|w| w.load(Ordering::Acquire)), Some(7));
+        assert!(mem.atomic_u32(4094).is_none(), "misaligned");
+        assert!(mem.atomic_u32(4096).is_none(), "outside");
+        assert!(mem.atomic_u64(4088).is_some());
+        assert!(mem.atomic_u64(4092).is_none(), "misaligned");
+        assert!(mem.atomic_u64(usize::MAX - 3).is_none());
     }
 
     #[test]
@@ -487,42 +323,5 @@ mod tests {
             SharedMapping::map(sealed, u64::MAX, 2),
             Err(ShmError::TooSmall { .. })
         ));
-    }
-
-    #[test]
-    fn rings_must_fit_their_mapping() {
-        let mem = mapping(4096);
-        assert!(Ring::<PhysWqe>::new(
-            &mem,
-            RingPlace {
-                offset: 0,
-                depth: 64
-            }
-        )
-        .is_none());
-        assert!(Ring::<PhysCqe>::new(
-            &mem,
-            RingPlace {
-                offset: 0,
-                depth: 3
-            }
-        )
-        .is_none());
-        assert!(Ring::<PhysCqe>::new(
-            &mem,
-            RingPlace {
-                offset: 8,
-                depth: 2
-            }
-        )
-        .is_none());
-        assert!(Ring::<PhysCqe>::new(
-            &mem,
-            RingPlace {
-                offset: 0,
-                depth: 16
-            }
-        )
-        .is_some());
     }
 }

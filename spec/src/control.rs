@@ -32,6 +32,8 @@ wire_enum! {
         QueryQp = 12,
         DestroyQp = 13,
         RegMrSg = 14,
+        SetDoorbell = 15,
+        CreateEq = 16,
     }
 }
 
@@ -64,6 +66,8 @@ impl Opcode {
             Opcode::ModifyQp => size_of::<ModifyQpReq>(),
             Opcode::QueryQp => size_of::<QueryQpReq>(),
             Opcode::DestroyQp => size_of::<QpHandle>(),
+            Opcode::SetDoorbell => size_of::<SetDoorbellReq>(),
+            Opcode::CreateEq => size_of::<CreateEqReq>(),
         }
     }
 
@@ -85,7 +89,9 @@ impl Opcode {
             | Opcode::DeregMr
             | Opcode::DestroyCq
             | Opcode::ModifyQp
-            | Opcode::DestroyQp => 0,
+            | Opcode::DestroyQp
+            | Opcode::SetDoorbell
+            | Opcode::CreateEq => 0,
         }
     }
 }
@@ -252,6 +258,31 @@ wire_struct! {
 }
 
 wire_struct! {
+    /// Request of `SET_DOORBELL`: the device's doorbell page
+    /// ([`crate::ring::doorbell`]). Given once, after `DRIVER_OK` and before
+    /// the first `CREATE_QP`; a second one is refused with `EEXIST`.
+    pub struct SetDoorbellReq {
+        /// Guest-physical address of the page, [`crate::ring::RING_ALIGN`]-aligned.
+        pub addr: U64,
+    }
+}
+
+wire_struct! {
+    /// Request of `CREATE_EQ`: the event ring of one completion vector,
+    /// [`crate::ring::event_ring_bytes`]`(depth)` bytes at `ring_addr`. One
+    /// per vector (`EEXIST` for a second); events of a vector without one
+    /// are dropped.
+    pub struct CreateEqReq {
+        /// The completion vector, below `num_comp_vectors`.
+        pub vector: U32,
+        /// Number of events, a power of two.
+        pub depth: U32,
+        /// Guest-physical address of the ring, [`crate::ring::RING_ALIGN`]-aligned.
+        pub ring_addr: U64,
+    }
+}
+
+wire_struct! {
     /// Queue-pair capacities (`struct ibv_qp_cap`).
     pub struct QpCap {
         pub max_send_wr: U32,
@@ -267,8 +298,9 @@ pub const NO_SRQ: u32 = u32::MAX;
 
 wire_struct! {
     /// Request of `CREATE_QP`. The driver sizes its rings with
-    /// [`crate::ring::SqGeometry`]/[`crate::ring::RqGeometry`] from `cap`; the
-    /// device computes the same geometry and checks the rings lie in guest memory.
+    /// [`crate::ring::sq_geometry`]/[`crate::ring::rq_geometry`] from `cap`;
+    /// the device computes the same geometry ([`crate::limits::QpGrant`])
+    /// and checks the rings lie in guest memory.
     pub struct CreateQpReq {
         pub pdn: U32,
         pub send_cqn: U32,
@@ -291,7 +323,8 @@ wire_struct! {
     /// Response of `CREATE_QP`.
     pub struct CreateQpResp {
         pub qpn: U32,
-        pub reserved: U32,
+        /// The QP's bit in the doorbell page ([`crate::ring::doorbell::bit`]).
+        pub db_index: U32,
         /// The capacities granted (at least those asked for).
         pub cap: QpCap,
         pub reserved2: U32,
@@ -402,6 +435,8 @@ mod tests {
         assert_eq!(size_of::<MrSgSegment>(), 16);
         assert_eq!(core::mem::offset_of!(RegMrSgReq, list_addr), 32);
         assert_eq!(size_of::<CreateCqReq>(), 16);
+        assert_eq!(size_of::<SetDoorbellReq>(), 8);
+        assert_eq!(size_of::<CreateEqReq>(), 16);
         assert_eq!(size_of::<QpCap>(), 20);
         assert_eq!(size_of::<CreateQpReq>(), 64);
         assert_eq!(size_of::<AhAttr>(), 40);
@@ -412,11 +447,11 @@ mod tests {
 
     #[test]
     fn opcodes_round_trip() {
-        for code in 1..=14u16 {
+        for code in 1..=16u16 {
             let op = Opcode::try_from(code).expect("defined opcode");
             assert_eq!(u16::from(op), code);
         }
         assert!(Opcode::try_from(0).is_err());
-        assert!(Opcode::try_from(15).is_err());
+        assert!(Opcode::try_from(17).is_err());
     }
 }

@@ -8,13 +8,17 @@
 //!
 //! - [`config`]: the virtio config space (device capabilities and limits).
 //! - [`control`]: control-queue commands and their payloads.
-//! - [`ring`]: send/receive/completion ring layouts, WQE and CQE formats.
+//! - [`limits`]: what the format carries (SGEs, inline bytes, depths, QPs)
+//!   and the arithmetic of what a QP is granted: one source for every side.
+//! - [`ring`]: send/receive/completion/event ring layouts, WQE, CQE and
+//!   event formats, the doorbell page.
 //! - [`verbs`]: the verbs enumerations (states, opcodes, access flags, MTUs,
 //!   work-completion status) with the numeric values libibverbs uses.
 //! - [`qp_state`]: the RC queue-pair state machine and its attribute-mask rules.
 
 pub mod config;
 pub mod control;
+pub mod limits;
 pub mod qp_state;
 pub mod ring;
 pub mod verbs;
@@ -26,16 +30,22 @@ pub const VIRTIO_ID_RDMA: u32 = 42;
 
 /// Version of this contract. The major number changes when a layout changes
 /// incompatibly; a driver refuses a device whose major number it does not know.
-pub const SPEC_VERSION_MAJOR: u16 = 1;
+/// 2: hostd reads the rings itself — one doorbell page per device
+/// (`SET_DOORBELL`), events in event rings (`CREATE_EQ`), send and receive
+/// slots freed at completion.
+pub const SPEC_VERSION_MAJOR: u16 = 2;
 /// Minor version: additions that an older driver may ignore.
 pub const SPEC_VERSION_MINOR: u16 = 0;
 
 /// Index of the control virtqueue (verbs control path).
 pub const CONTROL_QUEUE: u16 = 0;
 /// Index of the doorbell virtqueue: a notification on it wakes the device's
-/// ring poller. It carries no descriptors.
+/// ring poller ([`ring::doorbell`]). It carries no descriptors.
 pub const DOORBELL_QUEUE: u16 = 1;
 /// Index of the first event virtqueue; there is one per completion vector.
+/// They carry no descriptors either: events are written into the vector's
+/// event ring in guest memory (`CREATE_EQ`), and the queue's interrupt
+/// (its used-buffer notification) says one arrived.
 pub const FIRST_EVENT_QUEUE: u16 = 2;
 
 /// Number of virtqueues a device with `num_comp_vectors` completion vectors has.

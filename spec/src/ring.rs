@@ -1,4 +1,5 @@
-//! Send, receive and completion rings in guest memory, like a hardware NIC's.
+//! Send, receive, completion and event rings in guest memory, like a
+//! hardware NIC's, and the device's doorbell page.
 //!
 //! Each ring is one guest-physical range: a [`RingHeader`] (two cache lines,
 //! one written only by the driver, one only by the device, so they never
@@ -7,21 +8,35 @@
 //!
 //! - Send / receive rings: the driver writes entries, then publishes them by
 //!   storing `driver.index` (the producer) with release ordering. The device
-//!   consumes them and stores `device.index` (the consumer).
+//!   reads each entry once and stores `device.index` when the entry's work
+//!   is *complete* (or flushed): `device.index` counts the slots the driver
+//!   may reuse, so a ring of `depth` slots bounds the work in flight, and a
+//!   post beyond it fails (`ENOMEM`) until completions free slots, as on
+//!   rdma-core devices.
 //! - Completion rings: the device writes CQEs, then stores `device.index`
 //!   (producer); the driver consumes and stores `driver.index`.
+//! - Event rings (one per completion vector, [`Event`] entries): like a
+//!   completion ring. The device writes an event and then signals the
+//!   vector's interrupt.
 //!
-//! Doorbells: while the device is polling it leaves
-//! [`DEVICE_FLAG_NEED_KICK`] clear and the driver just publishes. Before it
-//! sleeps, the device sets the flag on every ring it serves, issues a full
-//! fence and checks the producers once more. After publishing, the driver
-//! issues a full fence and, if the flag is set, notifies the doorbell queue.
-//! This is virtio's notification-suppression handshake applied per ring.
+//! **Doorbells.** Every device has one [`doorbell`] page. After publishing
+//! work on a QP's send or receive ring, the driver sets the QP's bit in the
+//! page's bitmap and its word's bit in the summary (atomic ORs, in that
+//! order), so the device finds which QPs have work by reading a few summary
+//! words instead of every ring. While the device polls, that is all. Before
+//! it sleeps, the device sets [`doorbell::NEED_KICK`] in the page's device
+//! line, issues a full fence and reads the summary once more; after its
+//! ORs the driver reads the flag (the OR is a full fence) and, if it is
+//! set, notifies the doorbell virtqueue. This is virtio's
+//! notification-suppression handshake for the whole device.
 //!
 //! CQ arming (`ibv_req_notify_cq`) is a driver-line write, no exit: the driver
 //! stores `arm = (sn << 8) | kind`. When the device produces a CQE that
-//! matches an arm whose `sn` differs from the device's `notified_sn`, it sends
-//! one completion event on the CQ's event queue and stores `notified_sn = sn`.
+//! matches an arm whose `sn` differs from the device's `notified_sn`, it writes
+//! one completion event into the event ring of the CQ's completion vector,
+//! stores `notified_sn = sn` and interrupts. Asynchronous events of a QP
+//! (it failed on its own) go to event ring 0, those of a CQ (it overran) to
+//! the CQ's own.
 
 use zerocopy::little_endian::{U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
@@ -54,7 +69,7 @@ pub struct DriverLine {
 pub struct DeviceLine {
     /// Consumer index of a send/receive ring; producer index of a CQ.
     pub index: U32,
-    /// [`DEVICE_FLAG_NEED_KICK`], [`DEVICE_FLAG_ERROR`].
+    /// [`DEVICE_FLAG_ERROR`].
     pub flags: U32,
     /// CQ only: the arm sequence number last answered with an event.
     pub notified_sn: U32,
@@ -84,9 +99,9 @@ pub const DEVICE_FLAGS_OFFSET: u64 = DEVICE_INDEX_OFFSET + 4;
 /// Offset of the device-written `notified_sn` in a ring.
 pub const DEVICE_NOTIFIED_SN_OFFSET: u64 = DEVICE_INDEX_OFFSET + 8;
 
-/// Device is about to sleep: notify the doorbell queue after publishing.
-pub const DEVICE_FLAG_NEED_KICK: u32 = 1;
-/// The ring's object is in error; nothing more will be consumed.
+/// The ring's object is in error: a QP's send and receive rings once it
+/// entered ERR (what is posted is flushed), an event ring that overflowed
+/// (events were lost).
 pub const DEVICE_FLAG_ERROR: u32 = 2;
 
 /// CQ not armed.
@@ -261,10 +276,7 @@ pub struct Event {
     pub reserved2: U64,
 }
 
-/// Largest number of entries any ring may have.
-pub const MAX_RING_DEPTH: u32 = 1 << 16;
-/// Largest stride of a work-queue entry.
-pub const MAX_WQE_STRIDE: u32 = 4096;
+pub use crate::limits::{MAX_RING_DEPTH, MAX_WQE_STRIDE};
 
 /// Depth of a CQ that must hold `cqe` entries: the next power of two.
 pub fn cq_depth(cqe: u32) -> Option<u32> {
@@ -274,6 +286,20 @@ pub fn cq_depth(cqe: u32) -> Option<u32> {
 /// Bytes of a CQ ring of `depth` entries, header included.
 pub fn cq_ring_bytes(depth: u32) -> u64 {
     RING_HEADER_SIZE as u64 + u64::from(depth) * CQE_SIZE as u64
+}
+
+/// Size of an [`Event`], which is also an event ring's stride.
+pub const EVENT_SIZE: usize = core::mem::size_of::<Event>();
+
+/// Bytes of an event ring of `depth` entries, header included.
+pub fn event_ring_bytes(depth: u32) -> u64 {
+    RING_HEADER_SIZE as u64 + u64::from(depth) * EVENT_SIZE as u64
+}
+
+/// Whether `depth` is a valid depth of a completion or event ring: a power
+/// of two up to [`MAX_RING_DEPTH`].
+pub fn valid_depth(depth: u32) -> bool {
+    depth.is_power_of_two() && depth <= MAX_RING_DEPTH
 }
 
 fn ring_depth(entries: u32) -> Option<u32> {
@@ -323,6 +349,68 @@ fn work_geometry(entries: u32, slot_bytes: u64) -> Option<WorkRingGeometry> {
     })
 }
 
+/// The device's doorbell page: which QPs have new work.
+///
+/// One [`RING_ALIGN`]-aligned page of guest memory per device, given to it
+/// with `SET_DOORBELL`. Its first cache line is written only by the device;
+/// the summary and the bitmap are set by the driver (atomic OR) and cleared
+/// by the device (atomic swap with 0, summary first, then the words it
+/// named). A QP's bit is bit `db_index % 64` of bitmap word `db_index / 64`
+/// (its `db_index` comes from `CREATE_QP`); that word's bit in the summary
+/// is bit `(db_index / 64) % 64` of summary word `db_index / 4096`.
+/// Bits only say where to look: the device reads the rings themselves, so a
+/// driver that sets too many bits costs itself time, and one that sets too
+/// few delays its own work.
+pub mod doorbell {
+    use crate::limits::MAX_QPS;
+
+    /// Bytes of the page.
+    pub const PAGE_SIZE: u64 = super::RING_ALIGN;
+    /// Offset of the device's flags (`u32`, [`NEED_KICK`]).
+    pub const FLAGS_OFFSET: u64 = 0;
+    /// The device is about to sleep: after setting bits, notify the
+    /// doorbell virtqueue.
+    pub const NEED_KICK: u32 = 1;
+    /// Offset of the summary: [`SUMMARY_WORDS`] little-endian `u64`s.
+    pub const SUMMARY_OFFSET: u64 = super::CACHE_LINE as u64;
+    /// Words of the bitmap, one bit per QP.
+    pub const BITMAP_WORDS: usize = MAX_QPS as usize / 64;
+    /// Words of the summary, one bit per bitmap word.
+    pub const SUMMARY_WORDS: usize = BITMAP_WORDS.div_ceil(64);
+    /// Offset of the bitmap: [`BITMAP_WORDS`] little-endian `u64`s.
+    pub const BITMAP_OFFSET: u64 = 2 * super::CACHE_LINE as u64;
+
+    const _: () = assert!(SUMMARY_WORDS * 8 <= super::CACHE_LINE);
+    const _: () = assert!(BITMAP_OFFSET + BITMAP_WORDS as u64 * 8 <= PAGE_SIZE);
+
+    /// Where the bit of the QP with doorbell index `db_index` is.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub struct Bit {
+        /// Offset of its bitmap word in the page.
+        pub word_offset: u64,
+        /// Its mask in that word.
+        pub mask: u64,
+        /// Offset of the summary word naming that word.
+        pub summary_offset: u64,
+        /// The bitmap word's mask in the summary word.
+        pub summary_mask: u64,
+    }
+
+    /// The bit of `db_index`, or `None` beyond [`MAX_QPS`].
+    pub fn bit(db_index: u32) -> Option<Bit> {
+        if db_index >= MAX_QPS {
+            return None;
+        }
+        let word = u64::from(db_index / 64);
+        Some(Bit {
+            word_offset: BITMAP_OFFSET + word * 8,
+            mask: 1 << (db_index % 64),
+            summary_offset: SUMMARY_OFFSET + word / 64 * 8,
+            summary_mask: 1 << (word % 64),
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -338,6 +426,23 @@ mod tests {
         assert_eq!(SGE_SIZE, 16);
         assert_eq!(CQE_SIZE, 32);
         assert_eq!(size_of::<Event>(), 16);
+        assert_eq!(event_ring_bytes(4), 128 + 64);
+    }
+
+    #[test]
+    fn doorbell_bits_cover_every_qp_inside_the_page() {
+        let first = doorbell::bit(0).expect("first");
+        assert_eq!(first.word_offset, doorbell::BITMAP_OFFSET);
+        assert_eq!((first.mask, first.summary_mask), (1, 1));
+        let b = doorbell::bit(64 * 65 + 3).expect("in range");
+        assert_eq!(b.word_offset, doorbell::BITMAP_OFFSET + 65 * 8);
+        assert_eq!(b.mask, 1 << 3);
+        assert_eq!(b.summary_offset, doorbell::SUMMARY_OFFSET + 8);
+        assert_eq!(b.summary_mask, 1 << 1);
+        let last = doorbell::bit(crate::limits::MAX_QPS - 1).expect("last");
+        assert!(last.word_offset + 8 <= doorbell::PAGE_SIZE);
+        assert!(last.summary_offset < doorbell::BITMAP_OFFSET);
+        assert_eq!(doorbell::bit(crate::limits::MAX_QPS), None);
     }
 
     #[test]

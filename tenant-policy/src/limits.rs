@@ -4,6 +4,7 @@
 //! each control verb.
 
 use serde::{Deserialize, Serialize};
+use vrdma_spec::limits as spec;
 
 /// Why a set of limits is refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -72,18 +73,18 @@ impl Default for Limits {
     }
 }
 
-/// Hard ceilings no configuration may exceed: what the device format and the
-/// host can represent (ring depths are `u32` indices into `2^16` slots, SGE
-/// counts fit a byte, object numbers must stay below the 24-bit QPN space).
+/// Hard ceilings no configuration may exceed: what the device format carries
+/// ([`vrdma_spec::limits`]: ring depths, SGEs and inline bytes per WQE, QPs
+/// per doorbell page), and object numbers below the 24-bit QPN space.
 pub const CEILING: Limits = Limits {
     max_pd: 1 << 20,
-    max_qp: 1 << 20,
+    max_qp: spec::MAX_QPS,
     max_cq: 1 << 20,
     max_mr: 1 << 20,
-    max_cq_depth: 1 << 16,
-    max_qp_depth: 1 << 16,
-    max_sge: 64,
-    max_inline_data: 1024,
+    max_cq_depth: spec::MAX_RING_DEPTH,
+    max_qp_depth: spec::MAX_RING_DEPTH,
+    max_sge: spec::MAX_SGE,
+    max_inline_data: spec::MAX_INLINE_DATA,
     max_rd_atomic: 128,
     max_mr_bytes: 1 << 46,
     max_total_mr_bytes: 1 << 46,
