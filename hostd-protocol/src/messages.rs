@@ -42,7 +42,9 @@ pub enum Request {
     /// The slot is gone; keys over it are revoked, and rings in it are no
     /// longer touched (their QPs and CQs are lost).
     RemoveMemory { slot: u32 },
-    /// Registers a memory region under its keys.
+    /// Registers a memory region; hostd assigns its keys (like a NIC its
+    /// memory keys: unique on the host by construction, and found by index
+    /// on the datapath) and answers [`Response::MrKeys`].
     RegisterMr(MrRegistration),
     /// Revokes a memory region. When the response arrives no WQE touches
     /// the region any more.
@@ -173,8 +175,6 @@ pub struct MrSegment {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MrRegistration {
-    pub lkey: u32,
-    pub rkey: u32,
     pub pd: u32,
     /// [`vrdma_spec::verbs::access`] flags.
     pub access: u32,
@@ -193,6 +193,8 @@ pub enum Response {
     Ok,
     /// Answer to `QueryQp`: a [`vrdma_spec::verbs::QpState`].
     QpState { state: u8 },
+    /// Answer to `RegisterMr`: the region's keys (distinct, never 0).
+    MrKeys { lkey: u32, rkey: u32 },
     /// The request was refused: a positive errno and why.
     Refused { errno: i32, reason: String },
 }
@@ -243,8 +245,6 @@ mod tests {
     #[test]
     fn requests_round_trip() {
         let req = Request::RegisterMr(MrRegistration {
-            lkey: 1,
-            rkey: 2,
             pd: 3,
             access: 7,
             iova: 0x1000,
@@ -267,8 +267,6 @@ mod tests {
             len: u64::MAX,
         };
         let req = Request::RegisterMr(MrRegistration {
-            lkey: u32::MAX,
-            rkey: u32::MAX,
             pd: u32::MAX,
             access: u32::MAX,
             iova: u64::MAX,
