@@ -14,13 +14,9 @@ use clap::Parser;
 use serde::Deserialize;
 use vrdma_tenant_policy::{Policy, PolicyError};
 
-use crate::scheduler::{DEFAULT_DEVICE_CREDITS, DEFAULT_TOTAL_CREDITS};
-
 /// The configuration used when no `--config` is given.
 pub const DEFAULT_CONFIG: &str = include_str!("default.toml");
 
-/// Largest ring depth (entries) of a physical queue.
-pub const MAX_DEPTH: u32 = 1 << 16;
 /// Largest number of physical QPs the modelled NIC has.
 pub const MAX_PHYSICAL_QPS: u32 = 1 << 16;
 pub use crate::policy::MAX_QUEUES_PER_DEVICE;
@@ -28,8 +24,6 @@ pub use crate::policy::MAX_QUEUES_PER_DEVICE;
 pub const MAX_DATAPATH_THREADS: u32 = 64;
 /// Busy-poll time above one second is a misconfiguration.
 pub const MAX_SPIN_US: u64 = 1_000_000;
-/// Largest credit pool (send WQEs inside the NIC).
-pub const MAX_CREDITS: u32 = 1 << 20;
 
 /// Why a configuration is refused.
 #[derive(Debug, thiserror::Error)]
@@ -80,24 +74,12 @@ pub struct Args {
     /// Physical QPs of the NIC (shared by all vdevs).
     #[arg(long)]
     pub physical_qps: Option<u32>,
-    /// Entries of each submission ring (power of two).
-    #[arg(long)]
-    pub sq_depth: Option<u32>,
-    /// Entries of each completion ring (power of two).
-    #[arg(long)]
-    pub cq_depth: Option<u32>,
     /// Polling threads of the datapath.
     #[arg(long)]
     pub datapath_threads: Option<u32>,
     /// Microseconds of busy polling after the last work before sleeping.
     #[arg(long)]
     pub spin_us: Option<u64>,
-    /// Send WQEs one device may have inside the NIC at once.
-    #[arg(long)]
-    pub device_credits: Option<u32>,
-    /// Send WQEs all devices together may have inside the NIC at once.
-    #[arg(long)]
-    pub total_credits: Option<u32>,
     /// Line rate of the NIC's port in Mbit/s (the modelled link).
     #[arg(long)]
     pub line_rate_mbps: Option<u32>,
@@ -111,12 +93,8 @@ struct FileConfig {
     admin_socket: Option<PathBuf>,
     policy: Option<PathBuf>,
     physical_qps: Option<u32>,
-    sq_depth: Option<u32>,
-    cq_depth: Option<u32>,
     datapath_threads: Option<u32>,
     spin_us: Option<u64>,
-    device_credits: Option<u32>,
-    total_credits: Option<u32>,
     line_rate_mbps: Option<u32>,
 }
 
@@ -132,19 +110,13 @@ pub struct Config {
     /// The policy in force at start.
     pub policy: Policy,
     pub physical_qps: u32,
-    pub sq_depth: u32,
-    pub cq_depth: u32,
     pub datapath_threads: u32,
     pub spin_us: u64,
-    pub device_credits: u32,
-    pub total_credits: u32,
     /// Line rate of the NIC's port, Mbit/s.
     pub line_rate_mbps: u32,
 }
 
 pub const DEFAULT_PHYSICAL_QPS: u32 = 64;
-pub const DEFAULT_SQ_DEPTH: u32 = 1024;
-pub const DEFAULT_CQ_DEPTH: u32 = 4096;
 pub const DEFAULT_DATAPATH_THREADS: u32 = 1;
 pub const DEFAULT_SPIN_US: u64 = 200;
 /// A BlueField-3 port: 400 Gbit/s.
@@ -189,21 +161,11 @@ impl TryFrom<Args> for Config {
             policy_file,
             policy: Policy::default(),
             physical_qps,
-            sq_depth: args.sq_depth.or(file.sq_depth).unwrap_or(DEFAULT_SQ_DEPTH),
-            cq_depth: args.cq_depth.or(file.cq_depth).unwrap_or(DEFAULT_CQ_DEPTH),
             datapath_threads: args
                 .datapath_threads
                 .or(file.datapath_threads)
                 .unwrap_or(DEFAULT_DATAPATH_THREADS),
             spin_us: args.spin_us.or(file.spin_us).unwrap_or(DEFAULT_SPIN_US),
-            device_credits: args
-                .device_credits
-                .or(file.device_credits)
-                .unwrap_or(DEFAULT_DEVICE_CREDITS),
-            total_credits: args
-                .total_credits
-                .or(file.total_credits)
-                .unwrap_or(DEFAULT_TOTAL_CREDITS),
             line_rate_mbps: args
                 .line_rate_mbps
                 .or(file.line_rate_mbps)
@@ -256,15 +218,6 @@ impl Config {
                 "must be between 1 and 65536",
             ));
         }
-        for (key, depth) in [("sq_depth", self.sq_depth), ("cq_depth", self.cq_depth)] {
-            if !depth.is_power_of_two() || !(2..=MAX_DEPTH).contains(&depth) {
-                return Err(invalid(
-                    key,
-                    depth,
-                    "must be a power of two between 2 and 65536",
-                ));
-            }
-        }
         if !(1..=MAX_DATAPATH_THREADS).contains(&self.datapath_threads) {
             return Err(invalid(
                 "datapath_threads",
@@ -274,20 +227,6 @@ impl Config {
         }
         if self.spin_us > MAX_SPIN_US {
             return Err(invalid("spin_us", self.spin_us, "must be at most 1000000"));
-        }
-        if !(1..=MAX_CREDITS).contains(&self.total_credits) {
-            return Err(invalid(
-                "total_credits",
-                self.total_credits,
-                "must be between 1 and 1048576",
-            ));
-        }
-        if !(1..=self.total_credits).contains(&self.device_credits) {
-            return Err(invalid(
-                "device_credits",
-                self.device_credits,
-                "must be between 1 and total_credits",
-            ));
         }
         if !(1..=MAX_LINE_RATE_MBPS).contains(&self.line_rate_mbps) {
             return Err(invalid(
@@ -348,12 +287,8 @@ mod tests {
                 policy_file: None,
                 policy: Policy::default_policy(),
                 physical_qps: 64,
-                sq_depth: 1024,
-                cq_depth: 4096,
                 datapath_threads: 1,
                 spin_us: DEFAULT_SPIN_US,
-                device_credits: 256,
-                total_credits: 4096,
                 line_rate_mbps: 400_000,
             }
         );
@@ -376,8 +311,8 @@ mod tests {
              [[tenant]]\nname = \"blue\"\nphysical_queues = 4\n",
         );
         let text = format!(
-            "socket = \"/tmp/file.sock\"\nphysical_qps = 8\nsq_depth = 64\npolicy = {policy:?}\n\
-             admin_socket = \"/tmp/admin\"\ndevice_credits = 16\n"
+            "socket = \"/tmp/file.sock\"\nphysical_qps = 8\ndatapath_threads = 2\n\
+             policy = {policy:?}\nadmin_socket = \"/tmp/admin\"\n"
         );
         let config = with_file(
             "override.toml",
@@ -387,8 +322,6 @@ mod tests {
                 "16",
                 "--spin-us",
                 "0",
-                "--total-credits",
-                "32",
                 "--line-rate-mbps",
                 "25",
             ],
@@ -398,10 +331,9 @@ mod tests {
         assert_eq!(config.admin_socket, PathBuf::from("/tmp/admin"));
         assert_eq!(config.policy_file, Some(PathBuf::from(&policy)));
         assert_eq!(
-            (config.physical_qps, config.sq_depth, config.spin_us),
-            (16, 64, 0)
+            (config.physical_qps, config.datapath_threads, config.spin_us),
+            (16, 2, 0)
         );
-        assert_eq!((config.device_credits, config.total_credits), (16, 32));
         assert_eq!(config.line_rate_mbps, 25);
         assert_eq!(config.line_rate_bytes(), 3_125_000);
         let red = config.policy.tenant("red").expect("red");
@@ -428,21 +360,18 @@ mod tests {
     #[test]
     fn errors_name_the_key() {
         let cases: &[(&str, &str)] = &[
-            ("sq_depth = 1000", "sq_depth"),
-            ("cq_depth = 0", "cq_depth"),
+            ("sq_depth = 1024", "sq_depth"),
             ("physical_qps = 0", "physical_qps"),
             ("datapath_threads = 0", "datapath_threads"),
             ("spin_us = 5000000", "spin_us"),
-            ("device_credits = 0", "device_credits"),
-            ("total_credits = 8\ndevice_credits = 9", "device_credits"),
-            ("total_credits = 0", "total_credits"),
+            ("device_credits = 256", "device_credits"),
             ("line_rate_mbps = 0", "line_rate_mbps"),
             ("line_rate_mbps = 2000000", "line_rate_mbps"),
             ("admin_socket = \"/tmp/s\"", "admin_socket"),
             ("bogus = 1", "bogus"),
             ("queues_per_device = 2", "queues_per_device"),
             ("[[tenant]]\nname = \"a\"", "tenant"),
-            ("sq_depth = \"big\"", "sq_depth"),
+            ("spin_us = \"big\"", "spin_us"),
         ];
         for (i, (text, key)) in cases.iter().enumerate() {
             let err =

@@ -1,8 +1,12 @@
-//! Hash maps keyed by identifiers hostd assigns itself (device ids, pQP
-//! numbers, LIDs): hashed with a multiply-rotate hash instead of SipHash,
-//! which costs a large share of the datapath's time per WQE. Only for keys
-//! a vdev cannot choose: a map whose keys a peer picks (QP numbers, memory
-//! keys) keeps the default, collision-resistant hasher.
+//! Identifiers hostd assigns itself, and their tables.
+//!
+//! - [`IdMap`]: hash maps keyed by such identifiers (device ids, pQP
+//!   numbers, LIDs), hashed with a multiply-rotate hash instead of SipHash,
+//!   which costs a large share of the datapath's time per WQE. Only for
+//!   keys a vdev cannot choose: a map whose keys a peer picks (QP or CQ
+//!   numbers) keeps the default, collision-resistant hasher.
+//! - [`Slab`]: objects by a dense index hostd hands out, for the datapath's
+//!   references between objects (no hashing at all).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -56,9 +60,90 @@ impl Hasher for IdHasher {
     }
 }
 
+/// Objects by dense index; freed indices are reused.
+#[derive(Debug)]
+pub struct Slab<T> {
+    items: Vec<Option<T>>,
+    free: Vec<usize>,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Slab {
+            items: Vec::new(),
+            free: Vec::new(),
+        }
+    }
+}
+
+impl<T> Slab<T> {
+    /// Stores `item` and returns its index.
+    pub fn insert(&mut self, item: T) -> usize {
+        match self.free.pop() {
+            Some(i) => {
+                self.items[i] = Some(item);
+                i
+            }
+            None => {
+                self.items.push(Some(item));
+                self.items.len() - 1
+            }
+        }
+    }
+
+    /// Takes the item at `i` out.
+    pub fn remove(&mut self, i: usize) -> Option<T> {
+        let item = self.items.get_mut(i)?.take()?;
+        self.free.push(i);
+        Some(item)
+    }
+
+    pub fn get(&self, i: usize) -> Option<&T> {
+        self.items.get(i)?.as_ref()
+    }
+
+    pub fn get_mut(&mut self, i: usize) -> Option<&mut T> {
+        self.items.get_mut(i)?.as_mut()
+    }
+
+    /// Every item with its index.
+    pub fn iter(&self) -> impl Iterator<Item = (usize, &T)> {
+        (self.items.iter().enumerate()).filter_map(|(i, item)| Some((i, item.as_ref()?)))
+    }
+
+    /// Every item, mutably, with its index.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (usize, &mut T)> {
+        (self.items.iter_mut().enumerate()).filter_map(|(i, item)| Some((i, item.as_mut()?)))
+    }
+
+    /// Number of items.
+    pub fn len(&self) -> usize {
+        self.items.len() - self.free.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn slab_reuses_freed_indices() {
+        let mut slab = Slab::default();
+        let a = slab.insert("a");
+        let b = slab.insert("b");
+        assert_eq!(slab.remove(a), Some("a"));
+        assert_eq!(slab.remove(a), None);
+        assert_eq!(slab.get(a), None);
+        assert_eq!(slab.insert("c"), a);
+        assert_eq!(slab.get(b), Some(&"b"));
+        assert_eq!(slab.len(), 2);
+        let all: Vec<_> = slab.iter().map(|(_, v)| *v).collect();
+        assert_eq!(all, vec!["c", "b"]);
+    }
 
     #[test]
     fn maps_work_and_spread_small_keys() {

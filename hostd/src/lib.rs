@@ -1,6 +1,8 @@
 //! hostd: the per-host datapath of vrdma. It plays the RDMA NIC for every
-//! tenant's vdev: it owns the physical QPs, the memory-key table and the DMA
-//! engine, and executes RDMA between tenants. vdevs are not trusted.
+//! tenant: it reads each tenant's send and receive rings in guest memory
+//! itself, owns the physical QPs, the memory-key table and the DMA engine,
+//! executes RDMA between tenants and writes completions into the guests'
+//! rings. vdevs (the control plane) and guests are not trusted.
 //!
 //! - [`config`]: command line and TOML file, validated into [`Config`].
 //! - [`policy`]: the tenant policy file as hostd loads it (checked against
@@ -8,25 +10,24 @@
 //! - [`server`]: the control socket: one thread per vdev, one response per
 //!   request, tenant policy (credentials, networks, physical queues, memory
 //!   quotas), teardown on disconnect, policy reload.
-//! - [`datapath`]: polling threads that stage submission rings, let the
-//!   scheduler post work into the NIC and push completions, spinning
-//!   briefly before sleeping in epoll.
+//! - [`datapath`]: the polling threads that run the engine, spinning
+//!   briefly after work before sleeping in epoll on the drivers' doorbells.
+//! - [`engine`]: the NIC in software — guest rings, the WQE reader, the key
+//!   table and DMA engine, RC execution, completions and events.
 //! - [`scheduler`]: strict priority between classes, weighted fair sharing
-//!   inside one, token-bucket rate limits and credits.
+//!   inside one, token-bucket rate limits, the port's line rate.
 //! - [`stats`]: per-tenant counters and usage, Prometheus rendering.
 //! - [`admin`]: the admin socket (`vrdmactl`: stats, metrics, reload) and
 //!   reload on SIGHUP.
-//! - [`ids`]: fast hash maps keyed by identifiers hostd assigns.
+//! - [`ids`]: fast hash maps and slabs for identifiers hostd assigns.
 //! - [`lids`]: device LIDs, stable per device name and bounded per tenant.
-//! - [`nic`]: the [`nic::Nic`] trait hostd drives, and [`nic::soft::SoftNic`],
-//!   the software model of a BlueField-3-style NIC.
 
 pub mod admin;
 pub mod config;
 pub mod datapath;
+pub mod engine;
 pub mod ids;
 pub mod lids;
-pub mod nic;
 pub mod policy;
 pub mod sandbox;
 pub mod scheduler;
@@ -41,8 +42,8 @@ use vrdma_hostd_protocol::channel::{ChannelError, Listener};
 
 pub use config::Config;
 use datapath::Datapath;
-use nic::soft::SoftNic;
-use scheduler::{Credits, Link, Scheduler};
+use engine::Engine;
+use scheduler::{Link, Scheduler};
 use server::Server;
 
 /// Why hostd could not serve.
@@ -139,22 +140,13 @@ pub fn serve(config: &Config, opened: Opened) -> Result<(), Error> {
     Ok(())
 }
 
-/// The datapath `config` asks for, over the software NIC model, not
-/// started yet ([`Datapath::start`]).
+/// The datapath `config` asks for, not started yet ([`Datapath::start`]).
 pub fn datapath(config: &Config) -> std::io::Result<Arc<Datapath>> {
+    let sched = Scheduler::new(Some(Link::new(config.line_rate_bytes())));
     Datapath::new(
-        Box::new(SoftNic::new()),
+        Engine::new(sched),
         config.datapath_threads,
         Duration::from_micros(config.spin_us),
-        // Back-pressure: hold at most one completion ring's worth per pQP.
-        config.cq_depth as usize,
-        Scheduler::new(
-            Credits {
-                per_device: config.device_credits as usize,
-                total: config.total_credits as usize,
-            },
-            Some(Link::new(config.line_rate_bytes())),
-        ),
     )
 }
 

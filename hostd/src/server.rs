@@ -1,6 +1,6 @@
 //! The control socket: vdevs connect, say `Hello`, and then ask for memory,
-//! memory regions and QPs, one request at a time, each answered with exactly
-//! one response.
+//! memory regions, their doorbell and event rings, CQs and QPs, one request
+//! at a time, each answered with exactly one response.
 //!
 //! This is where tenant policy is enforced on the control path: the tenant
 //! must be in the policy, the peer's kernel-reported uid must match the
@@ -9,9 +9,8 @@
 //! a QP may only be connected to a device whose tenant's network this
 //! tenant reaches. Every request is validated before the NIC sees it and
 //! refused with a real errno. A vdev that breaks the protocol (undecodable
-//! message) or corrupts a ring is disconnected; on any disconnect
-//! everything it had — QPs, keys, memory, pQPs — is torn down while other
-//! vdevs keep running.
+//! message) is disconnected; on any disconnect everything it had — QPs,
+//! keys, memory, pQPs — is torn down while other vdevs keep running.
 //!
 //! The policy can be replaced while hostd runs ([`Server::reload`]): the
 //! new one applies to new devices and objects at once, to the scheduler at
@@ -26,17 +25,18 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
+use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::channel::{Channel, ChannelError, Listener};
 use vrdma_hostd_protocol::messages::{
-    Notification, QueueGrant, Request, Response, Welcome, PROTOCOL_VERSION,
+    Notification, QpConnection, Request, Response, Welcome, PROTOCOL_VERSION,
 };
-use vrdma_hostd_protocol::shm::{sealed_memfd, QueueLayout, SharedMapping, ShmError};
+use vrdma_hostd_protocol::shm::{SharedMapping, ShmError};
 use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
 
 use crate::config::{Config, MAX_QUEUES_PER_DEVICE};
-use crate::datapath::{Datapath, DeviceQueues, QueueMem};
+use crate::datapath::Datapath;
+use crate::engine::{DeviceId, EngineError};
 use crate::lids::LidTable;
-use crate::nic::{DeviceId, NicError};
 use crate::stats::{Stats, TenantStats};
 
 /// Concurrent vdev connections (each costs a thread).
@@ -56,8 +56,8 @@ fn refuse(errno: i32, reason: impl Into<String>) -> Refusal {
     }
 }
 
-impl From<NicError> for Refusal {
-    fn from(e: NicError) -> Self {
+impl From<EngineError> for Refusal {
+    fn from(e: EngineError) -> Self {
         refuse(e.errno(), e.to_string())
     }
 }
@@ -66,9 +66,51 @@ fn shm_refusal(e: ShmError) -> Refusal {
     let errno = match &e {
         ShmError::NotSealed | ShmError::TooSmall { .. } => libc::EINVAL,
         ShmError::Map(io) | ShmError::Create(io) => io.raw_os_error().unwrap_or(libc::ENOMEM),
-        ShmError::Corrupt { .. } => libc::EPROTO,
     };
     refuse(errno, crate::error_chain(&e))
+}
+
+/// The one eventfd a request carries.
+fn one_eventfd(mut files: Vec<File>, what: &str) -> Result<EventFd, Refusal> {
+    use std::os::fd::{FromRawFd, IntoRawFd};
+    if files.len() != 1 {
+        return Err(refuse(
+            libc::EINVAL,
+            format!("{what} needs exactly one fd, got {}", files.len()),
+        ));
+    }
+    let file = files.remove(0);
+    // Anything else would make the datapath read or write a file it was
+    // not meant to.
+    if !is_eventfd(&file) {
+        return Err(refuse(libc::EINVAL, format!("{what} needs an eventfd")));
+    }
+    // SAFETY: the descriptor is an eventfd (checked above) that we own;
+    // EventFd takes ownership of it.
+    Ok(unsafe { EventFd::from_raw_fd(file.into_raw_fd()) })
+}
+
+/// Whether `file` is an eventfd, by its behaviour (hostd's sandbox reads
+/// no /proc): of the files without a type (anonymous inodes), an eventfd
+/// is the one that takes an 8-byte write of 0 — which adds nothing to its
+/// counter.
+fn is_eventfd(file: &File) -> bool {
+    use std::io::Write;
+    let Ok(meta) = file.metadata() else {
+        return false;
+    };
+    if meta.len() != 0 || meta.is_file() || meta.is_dir() {
+        return false;
+    }
+    // Writing 0 adds nothing to an eventfd's counter; a pipe or socket
+    // would take the bytes (and its peer read garbage), so refuse those by
+    // their file type first.
+    use std::os::unix::fs::FileTypeExt;
+    let ft = meta.file_type();
+    if ft.is_fifo() || ft.is_socket() || ft.is_block_device() || ft.is_char_device() {
+        return false;
+    }
+    (&*file).write(&0u64.to_ne_bytes()).is_ok_and(|n| n == 8)
 }
 
 /// A connected device as the registry knows it.
@@ -284,15 +326,8 @@ impl Server {
                 }
                 Err(_) => break,
             };
-            let mut keep: Vec<File> = Vec::new();
-            let response = match self.handle(
-                &channel,
-                &mut session,
-                request,
-                files,
-                &mut keep,
-                &mut notify_peer,
-            ) {
+            let response = match self.handle(&channel, &mut session, request, files, &mut notify_peer)
+            {
                 Ok(response) => response,
                 Err(refusal) => {
                     tracing::debug!(
@@ -307,25 +342,15 @@ impl Server {
                     }
                 }
             };
-            let mut fds: Vec<RawFd> = keep.iter().map(|f| f.as_raw_fd()).collect();
-            if let (Response::Welcome(_), Some(s)) = (&response, &session) {
-                // Take the device out of the core first: the send below may
-                // block on a vdev that does not read, and must not do so
-                // while holding the datapath's lock.
-                let dev = self.datapath.lock().device(s.id);
-                if let (Some(dev), Some(peer)) = (dev, notify_peer.take()) {
-                    fds.push(dev.doorbell.as_raw_fd());
-                    fds.push(dev.completion.as_raw_fd());
-                    fds.push(peer.as_raw_fd());
-                    if channel.send(&response, &fds).is_err() {
-                        break;
-                    }
-                    // The vdev has its end now; ours lives in the registry.
-                    drop(peer);
-                    continue;
-                }
+            let mut fds: Vec<RawFd> = Vec::new();
+            let peer = notify_peer.take();
+            if let (Response::Welcome(_), Some(peer)) = (&response, &peer) {
+                fds.push(peer.as_raw_fd());
             }
-            if channel.send(&response, &fds).is_err() {
+            // The vdev has its end now; ours lives in the registry.
+            let sent = channel.send(&response, &fds);
+            drop(peer);
+            if sent.is_err() {
                 break;
             }
         }
@@ -337,7 +362,8 @@ impl Server {
     fn teardown(&self, s: &Session) {
         // The datapath lets go of the rings first; only then are the pQPs
         // free for another vdev.
-        self.datapath.remove_device(s.id);
+        self.datapath.lock().detach_device(s.id);
+        self.datapath.wake();
         let mut reg = self.registry();
         reg.connected.remove(&s.lid);
         reg.free_pqps.extend(s.pqps.iter().copied());
@@ -355,10 +381,12 @@ impl Server {
         session: &mut Option<Session>,
         request: Request,
         mut files: Vec<File>,
-        keep: &mut Vec<File>,
         notify_peer: &mut Option<Channel>,
     ) -> Result<Response, Refusal> {
-        let takes_fd = matches!(request, Request::AddMemory { .. });
+        let takes_fd = matches!(
+            request,
+            Request::AddMemory { .. } | Request::SetDoorbell { .. } | Request::CreateEq { .. }
+        );
         if !takes_fd && !files.is_empty() {
             return Err(refuse(
                 libc::EINVAL,
@@ -374,9 +402,8 @@ impl Server {
             if session.is_some() {
                 return Err(refuse(libc::EPROTO, "Hello was already received"));
             }
-            let (new, welcome, memfds, peer) = self.hello(channel, version, &tenant, &device)?;
+            let (new, welcome, peer) = self.hello(channel, version, &tenant, &device)?;
             *session = Some(new);
-            keep.extend(memfds);
             *notify_peer = Some(peer);
             return Ok(Response::Welcome(Box::new(welcome)));
         }
@@ -400,20 +427,22 @@ impl Server {
                 }
                 let file = files.remove(0);
                 let mem = SharedMapping::map(file, file_offset, len).map_err(shm_refusal)?;
-                self.datapath.lock().nic().add_memory(id, slot, mem)?;
-                tracing::debug!(device = id, slot, gpa, len, "Memory slot added");
+                self.datapath.lock().add_memory(id, slot, gpa, mem)?;
+                tracing::debug!(tenant = %s.tenant, device = id, slot, gpa, len, "Memory slot added");
                 Ok(Response::Ok)
             }
             Request::RemoveMemory { slot } => {
-                self.datapath.lock().nic().remove_memory(id, slot)?;
+                self.datapath.lock().remove_memory(id, slot)?;
+                // QPs whose rings were there failed: let the datapath see.
+                self.datapath.wake();
                 Ok(Response::Ok)
             }
             Request::RegisterMr(mr) => {
                 let policy = self.tenant_policy(&s.tenant)?;
-                let mut core = self.datapath.lock();
-                if let Err(q) = core.accounts().check_mr(id, mr.len, &policy) {
-                    core.accounts_mut().quota_rejected(&s.tenant, q.quota);
-                    drop(core);
+                let mut engine = self.datapath.lock();
+                if let Err(q) = engine.accounts().check_mr(id, mr.len, &policy) {
+                    engine.accounts_mut().quota_rejected(&s.tenant, q.quota);
+                    drop(engine);
                     tracing::warn!(
                         tenant = %s.tenant,
                         device = %s.device,
@@ -431,73 +460,65 @@ impl Server {
                         ),
                     ));
                 }
-                core.nic().register_mr(id, &mr)?;
-                core.accounts_mut().mr_registered(id, mr.lkey, mr.len);
-                Ok(Response::Ok)
+                let (lkey, rkey) = engine.register_mr(id, &mr)?;
+                Ok(Response::MrKeys { lkey, rkey })
             }
             Request::DeregisterMr { lkey } => {
-                let mut core = self.datapath.lock();
-                core.nic().deregister_mr(id, lkey)?;
-                core.accounts_mut().mr_deregistered(id, lkey);
+                self.datapath.lock().deregister_mr(id, lkey)?;
                 Ok(Response::Ok)
             }
-            Request::CreateQp { vqpn, pd, pqp } => {
-                if !s.pqps.contains(&pqp) {
-                    return Err(NicError::ForeignPqp(pqp).into());
-                }
-                let mut core = self.datapath.lock();
-                core.nic().create_qp(id, vqpn, pd, pqp)?;
-                core.accounts_mut().qp(id, vqpn, true);
-                Ok(Response::Ok)
-            }
-            Request::ConnectQp(conn) => {
-                let (mine, theirs) = {
-                    let reg = self.registry();
-                    let dest = reg.connected.get(&conn.dest_lid).ok_or_else(|| {
-                        refuse(
-                            libc::ENOENT,
-                            format!("No device with LID {:#x} is connected", conn.dest_lid),
-                        )
-                    })?;
-                    (
-                        reg.known.get(&s.tenant).cloned(),
-                        reg.known.get(&dest.tenant).cloned(),
-                    )
-                };
-                let reaches = match (&mine, &theirs) {
-                    (Some(mine), Some(theirs)) => mine.may_reach(theirs.network()),
-                    _ => false,
-                };
-                if !reaches {
-                    return Err(refuse(
-                        libc::EACCES,
-                        format!(
-                            "LID {:#x} is outside the networks tenant {} may reach",
-                            conn.dest_lid, s.tenant
-                        ),
-                    ));
-                }
-                self.datapath.lock().nic().connect_qp(id, &conn)?;
-                Ok(Response::Ok)
-            }
-            Request::SetQpAccess { vqpn, access } => {
-                self.datapath.lock().nic().set_qp_access(id, vqpn, access)?;
-                Ok(Response::Ok)
-            }
-            Request::ErrorQp { vqpn } => {
-                self.datapath.lock().nic().error_qp(id, vqpn)?;
-                // Flush completions wait in the NIC: let the datapath move them.
+            Request::SetDoorbell { gpa } => {
+                let kick = one_eventfd(files, "SetDoorbell")?;
+                self.datapath.lock().set_doorbell(id, gpa, kick)?;
                 self.datapath.wake();
                 Ok(Response::Ok)
             }
-            Request::ResetQp { vqpn } => {
-                self.datapath.lock().nic().reset_qp(id, vqpn)?;
+            Request::CreateEq { vector, gpa, depth } => {
+                let irq = one_eventfd(files, "CreateEq")?;
+                self.datapath.lock().create_eq(id, vector, gpa, depth, irq)?;
                 Ok(Response::Ok)
             }
+            Request::CreateCq {
+                cqn,
+                gpa,
+                depth,
+                vector,
+            } => {
+                self.datapath.lock().create_cq(id, cqn, gpa, depth, vector)?;
+                Ok(Response::Ok)
+            }
+            Request::DestroyCq { cqn } => {
+                self.datapath.lock().destroy_cq(id, cqn)?;
+                Ok(Response::Ok)
+            }
+            Request::CreateQp(setup) => {
+                self.datapath.lock().create_qp(id, &setup)?;
+                Ok(Response::Ok)
+            }
+            Request::ModifyQp(modify) => {
+                if let Some(conn) = &modify.connection {
+                    self.check_reachable(s, conn)?;
+                }
+                self.datapath.lock().modify_qp(id, &modify)?;
+                // Work posted before RTS, or to flush at ERR: let the
+                // datapath see it now.
+                self.datapath.wake();
+                Ok(Response::Ok)
+            }
+            Request::QueryQp { vqpn } => {
+                let state = self.datapath.lock().query_qp(id, vqpn)?;
+                Ok(Response::QpState {
+                    state: state.into(),
+                })
+            }
             Request::DestroyQp { vqpn } => {
-                let mut core = self.datapath.lock();
-                core.nic().destroy_qp(id, vqpn)?;
-                core.accounts_mut().qp(id, vqpn, false);
+                self.datapath.lock().destroy_qp(id, vqpn)?;
+                Ok(Response::Ok)
+            }
+            Request::ResetDevice => {
+                self.datapath.lock().reset_device(id);
+                self.datapath.wake();
+                tracing::info!(tenant = %s.tenant, device = %s.device, "Device reset by its driver");
                 Ok(Response::Ok)
             }
             Request::QuotaRejected { quota } => {
@@ -517,6 +538,38 @@ impl Server {
         }
     }
 
+    /// Refuses a connection towards a device outside the networks the
+    /// session's tenant may reach (`EACCES`), or to no device (`ENOENT`).
+    fn check_reachable(&self, s: &Session, conn: &QpConnection) -> Result<(), Refusal> {
+        let (mine, theirs) = {
+            let reg = self.registry();
+            let dest = reg.connected.get(&conn.dest_lid).ok_or_else(|| {
+                refuse(
+                    libc::ENOENT,
+                    format!("No device with LID {:#x} is connected", conn.dest_lid),
+                )
+            })?;
+            (
+                reg.known.get(&s.tenant).cloned(),
+                reg.known.get(&dest.tenant).cloned(),
+            )
+        };
+        let reaches = match (&mine, &theirs) {
+            (Some(mine), Some(theirs)) => mine.may_reach(theirs.network()),
+            _ => false,
+        };
+        if !reaches {
+            return Err(refuse(
+                libc::EACCES,
+                format!(
+                    "LID {:#x} is outside the networks tenant {} may reach",
+                    conn.dest_lid, s.tenant
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Checks a Hello, assigns the LID, grants pQPs and starts serving
     /// the device's rings. Returns the session, the Welcome, the queue
     /// memfds and the vdev's end of the notification channel to send.
@@ -526,7 +579,7 @@ impl Server {
         version: u32,
         tenant: &str,
         device: &str,
-    ) -> Result<(Session, Welcome, Vec<File>, Channel), Refusal> {
+    ) -> Result<(Session, Welcome, Channel), Refusal> {
         if version != PROTOCOL_VERSION {
             return Err(refuse(
                 libc::EPROTO,
@@ -632,8 +685,8 @@ impl Server {
             device: device.to_owned(),
             pqps,
         };
-        match self.start_device(channel, &session, policy) {
-            Ok((welcome, memfds)) => {
+        match self.start_device(&session, policy) {
+            Ok(welcome) => {
                 tracing::info!(
                     tenant,
                     device,
@@ -641,7 +694,7 @@ impl Server {
                     pqps = ?session.pqps,
                     "vdev connected"
                 );
-                Ok((session, welcome, memfds, theirs))
+                Ok((session, welcome, theirs))
             }
             Err(refusal) => {
                 self.teardown(&session);
@@ -650,46 +703,16 @@ impl Server {
         }
     }
 
-    fn start_device(
-        &self,
-        channel: &Arc<Channel>,
-        s: &Session,
-        policy: TenantPolicy,
-    ) -> Result<(Welcome, Vec<File>), Refusal> {
-        let layout = QueueLayout::new(self.config.sq_depth, self.config.cq_depth);
-        let mut queues = Vec::new();
-        let mut memfds = Vec::new();
-        for &pqp in &s.pqps {
-            let file = sealed_memfd(&format!("vrdma-pqp-{pqp}"), layout.bytes() as u64)
-                .map_err(shm_refusal)?;
-            let dup = file
-                .try_clone()
-                .map_err(|e| refuse(e.raw_os_error().unwrap_or(libc::ENOMEM), e.to_string()))?;
-            let mem = SharedMapping::map(dup, 0, layout.bytes() as u64).map_err(shm_refusal)?;
-            queues.push(QueueMem { pqp, mem });
-            memfds.push(file);
-        }
-        let dev = DeviceQueues::new(s.id, &s.tenant, layout, queues, Arc::clone(channel))
-            .map_err(|e| refuse(e.raw_os_error().unwrap_or(libc::ENOMEM), e.to_string()))?;
+    fn start_device(&self, s: &Session, policy: TenantPolicy) -> Result<Welcome, Refusal> {
         self.datapath
             .lock()
-            .nic()
-            .attach_device(s.id, s.lid, &s.pqps)?;
-        self.datapath.add_device(Arc::new(dev), &policy);
-        let welcome = Welcome {
+            .attach_device(s.id, &s.tenant, s.lid, &s.pqps, &policy)?;
+        self.datapath.wake();
+        Ok(Welcome {
             lid: s.lid,
-            queues: s
-                .pqps
-                .iter()
-                .map(|&pqp| QueueGrant {
-                    pqp,
-                    sq_depth: self.config.sq_depth,
-                    cq_depth: self.config.cq_depth,
-                })
-                .collect(),
+            physical_queues: s.pqps.len() as u32,
             policy,
-        };
-        Ok((welcome, memfds))
+        })
     }
 
     /// Re-reads and validates the policy file and, if it is valid, puts it
@@ -785,11 +808,11 @@ impl Server {
         };
         let now = Instant::now();
         let (accounts, throttled) = {
-            let core = self.datapath.lock();
-            let accounts = core.accounts().snapshot();
+            let engine = self.datapath.lock();
+            let accounts = engine.accounts().snapshot();
             let throttled: HashMap<String, [std::time::Duration; 2]> = known
                 .keys()
-                .map(|name| (name.clone(), core.scheduler().throttled(name, now)))
+                .map(|name| (name.clone(), engine.scheduler().throttled(name, now)))
                 .collect();
             (accounts, throttled)
         };

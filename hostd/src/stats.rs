@@ -14,12 +14,12 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
-use vrdma_hostd_protocol::entries::PhysCqe;
+use vrdma_spec::ring::Cqe;
 use vrdma_spec::verbs::{WcOpcode, WcStatus};
 use vrdma_tenant_policy::{PriorityClass, TenantPolicy};
 
 use crate::ids::IdMap;
-use crate::nic::DeviceId;
+use crate::engine::DeviceId;
 
 /// Kinds of work counted, in the order of [`Counters::ops`].
 pub const KINDS: [&str; 5] = ["send", "write", "read", "atomic", "recv"];
@@ -85,7 +85,7 @@ pub struct Counters {
 
 impl Counters {
     /// Counts one completion.
-    pub fn completion(&mut self, cqe: &PhysCqe) {
+    pub fn completion(&mut self, cqe: &Cqe) {
         if cqe.status != u8::from(WcStatus::Success) {
             *self.errors.entry(status_name(cqe.status)).or_insert(0) += 1;
             return;
@@ -328,8 +328,9 @@ impl Accounts {
         }
     }
 
-    /// A completion the NIC produced for `device`.
-    pub fn completion(&mut self, device: DeviceId, cqe: &PhysCqe) {
+    /// A completion the datapath produced for `device` (written to the
+    /// guest or not: unsignaled work counts too).
+    pub fn completion(&mut self, device: DeviceId, cqe: &Cqe) {
         if let Some(dev) = self.devices.get_mut(&device) {
             dev.counters.completion(cqe);
         }
@@ -551,12 +552,12 @@ mod tests {
     use std::time::Duration;
     use vrdma_tenant_policy::Policy;
 
-    fn cqe(status: WcStatus, opcode: WcOpcode, byte_len: u32) -> PhysCqe {
-        PhysCqe {
+    fn cqe(status: WcStatus, opcode: WcOpcode, byte_len: u32) -> Cqe {
+        Cqe {
             status: status.into(),
             opcode: opcode.into(),
             byte_len: byte_len.into(),
-            ..PhysCqe::default()
+            ..Cqe::default()
         }
     }
 

@@ -20,6 +20,9 @@ pub const MAX_INLINE_DATA: u32 = 1024;
 pub const MAX_WQE_STRIDE: u32 = 4096;
 /// Largest number of entries of any ring (work, completion or event ring).
 pub const MAX_RING_DEPTH: u32 = 1 << 16;
+/// Largest message of one work request in bytes: the port's
+/// `max_msg_sz` (2 GiB, as on InfiniBand).
+pub const MAX_MSG_SIZE: u32 = 1 << 31;
 /// Most queue pairs one device may have: one doorbell bit each
 /// ([`crate::ring::doorbell`]).
 pub const MAX_QPS: u32 = 1 << 14;

@@ -1,0 +1,490 @@
+//! The engine's control operations: what vdevs ask of the NIC through
+//! hostd's control socket, each checked here against the engine's own
+//! tables (a vdev is not trusted: it is a hostile guest with more reach).
+//! The caller holds the datapath lock, so each one is atomic with respect
+//! to the datapath: when it returns, the datapath sees all of it.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use vmm_sys_util::eventfd::EventFd;
+use vrdma_hostd_protocol::messages::{MrRegistration, QpModify, QpSetup};
+use vrdma_hostd_protocol::shm::SharedMapping;
+use vrdma_spec::limits::{MAX_QPS, MAX_RING_DEPTH, MAX_WQE_STRIDE};
+use vrdma_spec::ring::{CQE_SIZE, EVENT_SIZE};
+use vrdma_spec::verbs::{access, QpState};
+use vrdma_tenant_policy::TenantPolicy;
+
+use super::completion::{Cq, EventRing};
+use super::guest::{DoorbellPage, GuestRing};
+use super::qp::{Qp, QpRef};
+use super::wqe::{RecvLimits, SendLimits};
+use super::{Device, DeviceId, Doorbell, Engine, EngineError, Pqp, MAX_VECTORS};
+use crate::ids::Slab;
+
+/// Smallest stride of a work ring (a cache line holds the fixed part).
+const MIN_WQE_STRIDE: u32 = 64;
+
+impl Engine {
+    /// A vdev connected: device `id` of `tenant` with `lid`, its virtual
+    /// QPs multiplexed onto physical QPs `pqps` (at least one).
+    pub fn attach_device(
+        &mut self,
+        id: DeviceId,
+        tenant: &str,
+        lid: u16,
+        pqps: &[u32],
+        policy: &TenantPolicy,
+    ) -> Result<(), EngineError> {
+        if self.devices.contains_key(&id) || self.lids.contains_key(&lid) {
+            return Err(EngineError::Invalid("device or LID already attached"));
+        }
+        if pqps.is_empty() {
+            return Err(EngineError::Invalid("a device needs a physical QP"));
+        }
+        if !self.sched.knows(tenant) {
+            self.sched.configure(policy, Instant::now());
+        }
+        self.sched.add_device(id, tenant);
+        let rank = self.sched.rank(id).unwrap_or(u8::MAX);
+        self.lids.insert(lid, id);
+        self.devices.insert(
+            id,
+            Device {
+                id,
+                tenant: Arc::from(tenant),
+                lid,
+                mem: Default::default(),
+                doorbell: None,
+                eqs: Vec::new(),
+                cqs: Slab::default(),
+                cq_by_num: HashMap::new(),
+                qps: HashMap::new(),
+                qp_by_db: Vec::new(),
+                pqps: (pqps.iter())
+                    .map(|&number| Pqp {
+                        number,
+                        ..Pqp::default()
+                    })
+                    .collect(),
+                rank,
+            },
+        );
+        self.accounts.attach(id, tenant, pqps.len());
+        self.generation += 1;
+        Ok(())
+    }
+
+    /// The vdev is gone: its QPs, CQs, keys and memory go, and nothing of
+    /// it is touched any more. Nothing is completed.
+    pub fn detach_device(&mut self, id: DeviceId) {
+        self.reset_device(id);
+        if let Some(dev) = self.devices.remove(&id) {
+            self.lids.remove(&dev.lid);
+        }
+        self.sched.remove_device(id);
+        self.accounts.detach(id);
+        self.dirty.retain(|d| d.0 != id);
+        self.generation += 1;
+    }
+
+    /// The driver reset the device: its QPs, CQs, event rings, doorbell and
+    /// memory regions go; its memory slots stay.
+    pub fn reset_device(&mut self, id: DeviceId) {
+        let qpns: Vec<u32> = (self.devices.get(&id))
+            .map(|d| d.qps.keys().copied().collect())
+            .unwrap_or_default();
+        for vqpn in qpns {
+            let _ = self.destroy_qp(id, vqpn);
+        }
+        for lkey in self.keys.remove_device(id) {
+            self.accounts.mr_deregistered(id, lkey);
+        }
+        if let Some(dev) = self.devices.get_mut(&id) {
+            dev.cqs = Slab::default();
+            dev.cq_by_num.clear();
+            dev.eqs.clear();
+            if dev.doorbell.take().is_some() {
+                self.generation += 1;
+            }
+        }
+    }
+
+    fn device_mut(&mut self, id: DeviceId) -> Result<&mut Device, EngineError> {
+        self.devices.get_mut(&id).ok_or(EngineError::UnknownDevice)
+    }
+
+    /// Memory slot `slot` of device `id` is guest-physical `gpa..` in `map`.
+    pub fn add_memory(
+        &mut self,
+        id: DeviceId,
+        slot: u32,
+        gpa: u64,
+        map: SharedMapping,
+    ) -> Result<(), EngineError> {
+        self.device_mut(id)?.mem.add(slot, gpa, map)
+    }
+
+    /// Slot `slot` is gone: keys over it are revoked, and every ring in it
+    /// is lost — its QP goes to ERR without a completion (there is nowhere
+    /// to write one), its CQ or event ring takes no more entries, and a
+    /// doorbell page in it is no longer read.
+    pub fn remove_memory(&mut self, id: DeviceId, slot: u32) -> Result<(), EngineError> {
+        let dev = self.device_mut(id)?;
+        dev.mem.remove(slot)?;
+        for (_, cq) in dev.cqs.iter_mut() {
+            cq.lost |= cq.slot() == slot;
+        }
+        for eq in dev.eqs.iter_mut().flatten() {
+            eq.lost |= eq.slot() == slot;
+        }
+        if let Some(bell) = dev.doorbell.as_mut() {
+            bell.lost |= bell.page.slot() == slot;
+        }
+        let qps: Vec<QpRef> = dev.qps.values().copied().collect();
+        self.keys.revoke_slot(id, slot);
+        for qref in qps {
+            let Some(qp) = self.qps.get_mut(qref) else {
+                continue;
+            };
+            if qp.sq.slot() == slot || qp.rq.slot() == slot {
+                qp.lost = true;
+                self.fail_qp(qref, false, "its ring's memory was removed");
+            }
+        }
+        Ok(())
+    }
+
+    /// Registers a memory region of device `id`; returns its (lkey, rkey).
+    pub fn register_mr(
+        &mut self,
+        id: DeviceId,
+        reg: &MrRegistration,
+    ) -> Result<(u32, u32), EngineError> {
+        let dev = self.devices.get(&id).ok_or(EngineError::UnknownDevice)?;
+        let keys = self.keys.register(id, reg, &dev.mem)?;
+        self.accounts.mr_registered(id, keys.0, reg.len);
+        Ok(keys)
+    }
+
+    /// Revokes the region `lkey` of device `id`.
+    pub fn deregister_mr(&mut self, id: DeviceId, lkey: u32) -> Result<(), EngineError> {
+        self.keys.deregister(id, lkey)?;
+        self.accounts.mr_deregistered(id, lkey);
+        Ok(())
+    }
+
+    /// The device's doorbell page at `gpa`, and the eventfd its driver
+    /// kicks when the datapath asked to be woken.
+    pub fn set_doorbell(&mut self, id: DeviceId, gpa: u64, kick: EventFd) -> Result<(), EngineError> {
+        let dev = self.device_mut(id)?;
+        if dev.doorbell.is_some() {
+            return Err(EngineError::Exists("doorbell page"));
+        }
+        let page = DoorbellPage::new(&dev.mem, gpa)?;
+        dev.doorbell = Some(Doorbell {
+            page,
+            kick,
+            lost: false,
+        });
+        self.generation += 1;
+        Ok(())
+    }
+
+    /// The event ring of completion vector `vector`, interrupting through
+    /// `irq`.
+    pub fn create_eq(
+        &mut self,
+        id: DeviceId,
+        vector: u32,
+        gpa: u64,
+        depth: u32,
+        irq: EventFd,
+    ) -> Result<(), EngineError> {
+        if vector >= MAX_VECTORS {
+            return Err(EngineError::Invalid("completion vector"));
+        }
+        let dev = self.device_mut(id)?;
+        let index = vector as usize;
+        if dev.eqs.get(index).is_some_and(Option::is_some) {
+            return Err(EngineError::Exists("event ring of that vector"));
+        }
+        let ring = GuestRing::new(&dev.mem, gpa, depth, EVENT_SIZE as u32, MAX_RING_DEPTH)?;
+        if dev.eqs.len() <= index {
+            dev.eqs.resize_with(index + 1, || None);
+        }
+        dev.eqs[index] = Some(EventRing::new(ring, irq));
+        Ok(())
+    }
+
+    /// A completion queue numbered `cqn`: `depth` CQEs at `gpa`.
+    pub fn create_cq(
+        &mut self,
+        id: DeviceId,
+        cqn: u32,
+        gpa: u64,
+        depth: u32,
+        vector: u32,
+    ) -> Result<(), EngineError> {
+        if vector >= MAX_VECTORS {
+            return Err(EngineError::Invalid("completion vector"));
+        }
+        let dev = self.device_mut(id)?;
+        if dev.cq_by_num.contains_key(&cqn) {
+            return Err(EngineError::Exists("CQ"));
+        }
+        let ring = GuestRing::new(&dev.mem, gpa, depth, CQE_SIZE as u32, MAX_RING_DEPTH)?;
+        let index = dev.cqs.insert(Cq::new(cqn, ring, vector));
+        dev.cq_by_num.insert(cqn, index);
+        Ok(())
+    }
+
+    /// Destroys CQ `cqn` (refused while a QP completes to it).
+    pub fn destroy_cq(&mut self, id: DeviceId, cqn: u32) -> Result<(), EngineError> {
+        let dev = self.device_mut(id)?;
+        let &index = dev.cq_by_num.get(&cqn).ok_or(EngineError::UnknownCq(cqn))?;
+        let users = dev.cqs.get(index).map_or(0, |cq| cq.users);
+        if users > 0 {
+            return Err(EngineError::CqBusy { cqn, users });
+        }
+        dev.cq_by_num.remove(&cqn);
+        dev.cqs.remove(index);
+        Ok(())
+    }
+
+    /// A virtual QP in RESET with its rings.
+    pub fn create_qp(&mut self, id: DeviceId, s: &QpSetup) -> Result<(), EngineError> {
+        let serial = self.next_serial;
+        let dev = self.device_mut(id)?;
+        if s.vqpn > 0x00ff_ffff {
+            return Err(EngineError::Invalid("QP number exceeds 24 bits"));
+        }
+        if dev.qps.contains_key(&s.vqpn) {
+            return Err(EngineError::QpExists(s.vqpn));
+        }
+        let db = s.db_index as usize;
+        if s.db_index >= MAX_QPS || dev.qp_by_db.get(db).is_some_and(Option::is_some) {
+            return Err(EngineError::Invalid("doorbell index taken or out of range"));
+        }
+        let cq = |num: u32| dev.cq_by_num.get(&num).copied().ok_or(EngineError::UnknownCq(num));
+        let (send_cq, recv_cq) = (cq(s.send_cqn)?, cq(s.recv_cqn)?);
+        let ring = |r: &vrdma_hostd_protocol::messages::WorkRing| {
+            if !(MIN_WQE_STRIDE..=MAX_WQE_STRIDE).contains(&r.stride) {
+                return Err(EngineError::Invalid("work ring stride"));
+            }
+            GuestRing::new(&dev.mem, r.gpa, r.depth, r.stride, MAX_RING_DEPTH)
+        };
+        let (sq, rq) = (ring(&s.sq)?, ring(&s.rq)?);
+        sq.reset_device_line();
+        rq.reset_device_line();
+        let pqp = s.vqpn as usize % dev.pqps.len().max(1);
+        let qp = Qp {
+            device: id,
+            vqpn: s.vqpn,
+            serial,
+            pd: s.pd,
+            pqp,
+            state: QpState::Reset,
+            lost: false,
+            sq,
+            rq,
+            send_limits: SendLimits {
+                max_sge: s.max_send_sge,
+                max_inline: s.max_inline_data,
+                sig_all: s.sq_sig_all,
+            },
+            recv_limits: RecvLimits {
+                max_sge: s.max_recv_sge,
+            },
+            send_cq,
+            recv_cq,
+            conn: None,
+            access: 0,
+            sq_done: 0,
+            head: Box::default(),
+            has_head: false,
+            sent: 0,
+            recv_seq: 0,
+            wait: None,
+            waiting: false,
+            queued: false,
+            turn_left: 0,
+            rq_done: 0,
+            rq_head: Box::default(),
+            has_rq_head: false,
+            rq_taken: 0,
+            peer: None,
+        };
+        for index in [send_cq, recv_cq] {
+            if let Some(cq) = dev.cqs.get_mut(index) {
+                cq.users += 1;
+            }
+        }
+        let qref = self.qps.insert(qp);
+        let dev = self.device_mut(id)?;
+        dev.qps.insert(s.vqpn, qref);
+        if dev.qp_by_db.len() <= db {
+            dev.qp_by_db.resize(db + 1, None);
+        }
+        dev.qp_by_db[db] = Some(qref);
+        self.next_serial += 1;
+        self.accounts.qp(id, s.vqpn, true);
+        Ok(())
+    }
+
+    fn qp_ref(&self, id: DeviceId, vqpn: u32) -> Result<QpRef, EngineError> {
+        self.qp_of(id, vqpn).ok_or(EngineError::UnknownQp(vqpn))
+    }
+
+    /// Applies a state transition vdev checked against the RC state table.
+    /// Refused when the QP entered ERR on its own meanwhile (only RESET and
+    /// ERR lead out of it).
+    pub fn modify_qp(&mut self, id: DeviceId, m: &QpModify) -> Result<(), EngineError> {
+        let qref = self.qp_ref(id, m.vqpn)?;
+        let to = QpState::try_from(m.state).map_err(|_| EngineError::Invalid("QP state"))?;
+        if let Some(c) = &m.connection {
+            if !(1..=0xbfff).contains(&c.dest_lid) {
+                return Err(EngineError::Invalid("destination LID is not unicast"));
+            }
+            if c.dest_qpn > 0x00ff_ffff {
+                return Err(EngineError::Invalid("destination QP number exceeds 24 bits"));
+            }
+            if c.access & !access::QP_SUPPORTED != 0 {
+                return Err(EngineError::Invalid("unknown QP access flags"));
+            }
+            if c.rnr_retry > 7 || c.retry_cnt > 7 || c.min_rnr_timer > 31 {
+                return Err(EngineError::Invalid("retry counts or RNR timer out of range"));
+            }
+        }
+        if m.access.is_some_and(|a| a & !access::QP_SUPPORTED != 0) {
+            return Err(EngineError::Invalid("unknown QP access flags"));
+        }
+        let qp = self.qps.get_mut(qref).ok_or(EngineError::UnknownQp(m.vqpn))?;
+        if qp.state == QpState::Err && !matches!(to, QpState::Reset | QpState::Err) {
+            return Err(EngineError::Invalid("the QP is in the error state"));
+        }
+        if let Some(c) = m.connection {
+            qp.conn = Some(c);
+            qp.access = c.access;
+            qp.peer = None;
+        }
+        if let Some(a) = m.access {
+            qp.access = a;
+        }
+        match to {
+            QpState::Reset => self.reset_qp(qref),
+            QpState::Err => self.fail_qp(qref, false, "moved to ERR by its driver"),
+            _ => {
+                if let Some(qp) = self.qps.get_mut(qref) {
+                    qp.state = to;
+                }
+                // Work may have been posted before the QP could send.
+                self.activate(qref, Instant::now());
+            }
+        }
+        Ok(())
+    }
+
+    /// Back to RESET: whatever was posted is discarded (no completions),
+    /// and the rings start over at the driver's producer indices.
+    fn reset_qp(&mut self, qref: QpRef) {
+        self.unqueue(qref);
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return;
+        };
+        qp.state = QpState::Reset;
+        qp.conn = None;
+        qp.access = 0;
+        qp.peer = None;
+        qp.wait = None;
+        qp.waiting = false;
+        qp.has_head = false;
+        qp.sent = 0;
+        if qp.has_rq_head {
+            qp.has_rq_head = false;
+        }
+        // The receive a segmented SEND was filling is gone.
+        qp.rq_taken += 1;
+        if !qp.lost {
+            qp.sq_done = qp.sq.driver_index().unwrap_or(qp.sq_done);
+            qp.rq_done = qp.rq.driver_index().unwrap_or(qp.rq_done);
+            qp.sq.restart_device_line(qp.sq_done);
+            qp.rq.restart_device_line(qp.rq_done);
+        }
+        self.flushing.retain(|&q| q != qref);
+    }
+
+    /// Takes QP `qref` off its pQP (ring and staged slot).
+    fn unqueue(&mut self, qref: QpRef) {
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return;
+        };
+        qp.queued = false;
+        let (device, pos) = (qp.device, qp.pqp);
+        let Some(p) = self.pqp_mut(device, pos) else {
+            return;
+        };
+        p.ring.retain(|&q| q != qref);
+        if p.staged == Some(qref) {
+            p.staged = None;
+            let number = p.number;
+            self.sched.unstage((device, number));
+            self.dirty.push((device, pos));
+        }
+    }
+
+    /// The state of QP `vqpn` as the datapath sees it.
+    pub fn query_qp(&self, id: DeviceId, vqpn: u32) -> Result<QpState, EngineError> {
+        let qref = self.qp_ref(id, vqpn)?;
+        self.qps
+            .get(qref)
+            .map(|qp| qp.state)
+            .ok_or(EngineError::UnknownQp(vqpn))
+    }
+
+    /// Destroys QP `vqpn`: nothing of it runs or is touched afterwards.
+    pub fn destroy_qp(&mut self, id: DeviceId, vqpn: u32) -> Result<(), EngineError> {
+        let qref = self.qp_ref(id, vqpn)?;
+        self.unqueue(qref);
+        self.flushing.retain(|&q| q != qref);
+        let Some(qp) = self.qps.remove(qref) else {
+            return Err(EngineError::UnknownQp(vqpn));
+        };
+        if let Some(dev) = self.devices.get_mut(&id) {
+            dev.qps.remove(&vqpn);
+            for slot in dev.qp_by_db.iter_mut() {
+                if *slot == Some(qref) {
+                    *slot = None;
+                }
+            }
+            for index in [qp.send_cq, qp.recv_cq] {
+                if let Some(cq) = dev.cqs.get_mut(index) {
+                    cq.users = cq.users.saturating_sub(1);
+                }
+            }
+        }
+        self.accounts.qp(id, vqpn, false);
+        Ok(())
+    }
+
+    /// Applies tenants' classes, weights and rates at once (policy reload).
+    pub fn configure_tenants(&mut self, tenants: &[TenantPolicy], now: Instant) {
+        for t in tenants {
+            self.sched.configure(t, now);
+        }
+        for dev in self.devices.values_mut() {
+            dev.rank = self.sched.rank(dev.id).unwrap_or(u8::MAX);
+        }
+    }
+
+    /// The tenant a device serves.
+    pub fn tenant_of(&self, id: DeviceId) -> Option<&str> {
+        self.devices.get(&id).map(|d| &*d.tenant)
+    }
+
+    /// Whether a device is connected.
+    pub fn has_device(&self, id: DeviceId) -> bool {
+        self.devices.contains_key(&id)
+    }
+}

@@ -1,0 +1,814 @@
+//! The engine: hostd's RDMA NIC in software. It reads every tenant's send
+//! and receive rings in guest memory itself, as a NIC reads a VM's rings by
+//! DMA, and executes RC work between QPs: keys checked in its key table,
+//! bytes moved mapping to mapping, completions and events written into the
+//! guest's rings.
+//!
+//! The path of one WQE through the engine (docs/architecture.md walks it
+//! with the driver's side):
+//!
+//! 1. [`Engine::round`] takes the doorbells of the devices a datapath
+//!    thread serves ([`guest::DoorbellPage::take`]); a QP whose bit was set
+//!    joins the ring of its physical QP (pQP) — its device's virtual QPs
+//!    are multiplexed onto a few pQPs (vQP `n` on pQP `n mod k`).
+//! 2. Each pQP with work stages one head WQE: the next WQE of the first QP
+//!    in its ring, read once from guest memory by [`wqe::read_send`] into
+//!    the QP's own copy, and known to the [`Scheduler`] by its kind and
+//!    length.
+//! 3. The scheduler picks which pQP runs (class, weight, rate, port), and
+//!    [`rc`] executes its head: keys through [`keys::KeyTable`], the copy
+//!    by [`keys::copy`], the receive of a SEND read from the responder's
+//!    ring, then the completions written by [`completion`].
+//!
+//! Everything here runs under one lock (the datapath's), held by a datapath
+//! thread for one round and by the control path for one request, which is
+//! what makes "once the response is sent, no WQE touches it" hold for
+//! deregistration, memory removal and QP destruction.
+//!
+//! The hot path allocates nothing: WQE copies live in buffers each QP owns,
+//! and the engine's work lists keep their capacity.
+
+pub mod completion;
+mod control;
+pub mod guest;
+pub mod keys;
+pub mod qp;
+mod rc;
+#[cfg(any(test, feature = "test-hooks"))]
+pub mod testing;
+pub mod wqe;
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vmm_sys_util::eventfd::EventFd;
+use vrdma_spec::ring::{event_kind, Cqe, DEVICE_FLAG_ERROR};
+use vrdma_spec::verbs::{QpState, WcOpcode, WcStatus};
+
+use crate::ids::{IdMap, Slab};
+use crate::scheduler::{Head, OpKind, Pick, QueueId, Scheduler, BURST};
+use crate::stats::Accounts;
+use completion::{Cq, EventRing};
+use guest::{DoorbellPage, GuestMemory};
+use qp::{Qp, QpRef, WaitKind};
+use wqe::{Malformed, SendWork};
+
+/// hostd's handle of one connected vdev. Never reused while hostd runs, so a
+/// stale handle can only miss.
+pub type DeviceId = u64;
+
+/// Most completion vectors (event rings) of one device.
+pub const MAX_VECTORS: u32 = 256;
+/// WQEs one round runs at most (then the thread looks at doorbells again).
+pub const ROUND_OPS: usize = 256;
+/// Bytes one round moves at most: at ~20 GB/s a round is ~25 µs of
+/// copying, which bounds how long new work of a higher class waits for the
+/// scheduler to see it.
+pub const ROUND_BYTES: u64 = 512 * 1024;
+/// Bytes of a long message moved per step while a higher class is busy
+/// (a NIC's arbiter lets a higher class in between packets).
+pub const SEGMENT: u64 = 16 * 1024;
+/// Bytes of a long message moved per step otherwise: long enough that the
+/// steps cost nothing, short enough that the thread looks at its doorbells
+/// every few tens of microseconds.
+pub const STEP: u64 = 256 * 1024;
+/// WQEs a QP runs before the next QP of its pQP gets a turn.
+pub const QP_TURN: u32 = 16;
+/// WQEs of an errored QP flushed per round (the rest in the next rounds).
+pub const FLUSH_BATCH: u32 = 256;
+
+/// Why the engine refused a control request; each maps to an errno.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    #[error("Unknown device")]
+    UnknownDevice,
+    #[error("Memory slot {0} already exists")]
+    SlotExists(u32),
+    #[error("Unknown memory slot {0}")]
+    UnknownSlot(u32),
+    #[error("Unknown key {0:#x}")]
+    UnknownKey(u32),
+    #[error("Unknown QP {0}")]
+    UnknownQp(u32),
+    #[error("QP {0} already exists")]
+    QpExists(u32),
+    #[error("Unknown CQ {0}")]
+    UnknownCq(u32),
+    #[error("The {0} already exists")]
+    Exists(&'static str),
+    #[error("CQ {cqn} is used by {users} QPs")]
+    CqBusy { cqn: u32, users: u32 },
+    #[error("Invalid argument: {0}")]
+    Invalid(&'static str),
+    #[error("Too many {0}")]
+    Limit(&'static str),
+}
+
+impl EngineError {
+    /// The Linux errno vdev gets for this refusal.
+    pub fn errno(&self) -> i32 {
+        match self {
+            EngineError::UnknownDevice
+            | EngineError::UnknownSlot(_)
+            | EngineError::UnknownKey(_)
+            | EngineError::UnknownQp(_)
+            | EngineError::UnknownCq(_) => libc::ENOENT,
+            EngineError::SlotExists(_) | EngineError::QpExists(_) | EngineError::Exists(_) => {
+                libc::EEXIST
+            }
+            EngineError::CqBusy { .. } => libc::EBUSY,
+            EngineError::Invalid(_) => libc::EINVAL,
+            EngineError::Limit(_) => libc::ENOSPC,
+        }
+    }
+}
+
+/// A device's doorbell page and the eventfd its driver kicks.
+#[derive(Debug)]
+pub struct Doorbell {
+    page: DoorbellPage,
+    kick: EventFd,
+    /// Its memory was removed.
+    lost: bool,
+}
+
+/// A physical QP of a device: the virtual QPs on it that have work, and
+/// the one whose head WQE is staged.
+#[derive(Debug, Default)]
+struct Pqp {
+    number: u32,
+    ring: VecDeque<QpRef>,
+    staged: Option<QpRef>,
+}
+
+/// A connected device (one vdev, one tenant VM).
+#[derive(Debug)]
+pub struct Device {
+    pub id: DeviceId,
+    pub tenant: Arc<str>,
+    pub lid: u16,
+    mem: GuestMemory,
+    doorbell: Option<Doorbell>,
+    eqs: Vec<Option<EventRing>>,
+    cqs: Slab<Cq>,
+    /// CQs by number (the vdev picks numbers: collision-resistant hashing).
+    cq_by_num: HashMap<u32, usize>,
+    /// QPs by number (likewise).
+    qps: HashMap<u32, QpRef>,
+    /// QPs by doorbell index.
+    qp_by_db: Vec<Option<QpRef>>,
+    pqps: Vec<Pqp>,
+    /// Its tenant's class (0 = realtime), for segmenting its long messages.
+    rank: u8,
+}
+
+/// What one round did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Round {
+    /// Something ran, completed, failed or was flushed.
+    pub worked: bool,
+    /// Work is runnable right now (the round stopped at its budget).
+    pub busy: bool,
+    /// A long message stopped between segments for work of a higher class.
+    pub preempted: bool,
+    /// Earliest time waiting work (RNR, retry, rate limit, port) is due.
+    pub next_due: Option<Instant>,
+}
+
+/// The engine. See the module documentation.
+pub struct Engine {
+    devices: IdMap<DeviceId, Device>,
+    lids: IdMap<u16, DeviceId>,
+    keys: keys::KeyTable,
+    qps: Slab<Qp>,
+    sched: Scheduler,
+    accounts: Accounts,
+    /// QPs waiting for an RNR or retry timer: (due, QP, its serial).
+    timers: Vec<(Instant, QpRef, u64)>,
+    /// pQPs that may have work to stage: (device, pQP index).
+    dirty: Vec<(DeviceId, usize)>,
+    /// Errored QPs with WQEs still to flush.
+    flushing: Vec<QpRef>,
+    next_serial: u64,
+    /// Bumped when a device or its doorbell comes or goes (the datapath
+    /// threads then re-read which eventfds to sleep on).
+    generation: u64,
+    /// A spare WQE buffer, swapped with a QP's while its head executes
+    /// (always there between steps).
+    spare: Option<Box<SendWork>>,
+    /// Doorbell indices taken in one round.
+    rung: Vec<u32>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("devices", &self.devices.len())
+            .field("qps", &self.qps.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Engine {
+    /// An engine with no devices, scheduling with `sched`.
+    pub fn new(sched: Scheduler) -> Self {
+        Engine {
+            devices: IdMap::default(),
+            lids: IdMap::default(),
+            keys: keys::KeyTable::new(),
+            qps: Slab::default(),
+            sched,
+            accounts: Accounts::default(),
+            timers: Vec::new(),
+            dirty: Vec::new(),
+            flushing: Vec::new(),
+            next_serial: 1,
+            generation: 0,
+            spare: Some(Box::default()),
+            rung: Vec::new(),
+        }
+    }
+
+    /// The tenants' counters and usage.
+    pub fn accounts(&self) -> &Accounts {
+        &self.accounts
+    }
+
+    /// The tenants' counters and usage, for control requests.
+    pub fn accounts_mut(&mut self) -> &mut Accounts {
+        &mut self.accounts
+    }
+
+    /// The scheduler (classes, rates, throttled time).
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.sched
+    }
+
+    /// Bumped whenever a device or its doorbell comes or goes.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The devices whose id falls to datapath thread `index` of `threads`,
+    /// with the eventfd each one's driver kicks (if it set its doorbell).
+    pub fn devices_of_thread(&self, index: u64, threads: u64) -> Vec<(DeviceId, Option<i32>)> {
+        use std::os::fd::AsRawFd;
+        let mut out: Vec<_> = (self.devices.values())
+            .filter(|d| d.id % threads.max(1) == index)
+            .map(|d| (d.id, d.doorbell.as_ref().map(|b| b.kick.as_raw_fd())))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Takes the kick a sleeping thread woke for.
+    pub fn clear_kick(&self, device: DeviceId) {
+        if let Some(b) = self.devices.get(&device).and_then(|d| d.doorbell.as_ref()) {
+            let _ = b.kick.read();
+        }
+    }
+
+    /// Asks the drivers of `mine` to kick when they ring (the thread is
+    /// about to sleep), or stops asking.
+    pub fn set_need_kick(&self, mine: &[DeviceId], need: bool) {
+        for id in mine {
+            if let Some(b) = self.devices.get(id).and_then(|d| d.doorbell.as_ref()) {
+                if !b.lost {
+                    b.page.set_need_kick(need);
+                }
+            }
+        }
+    }
+
+    /// Whether a round would find work: a doorbell of `mine` rang, or work
+    /// waits to be staged or flushed. Staged work held back by a rate limit
+    /// or the port does not count: its timer wakes the thread.
+    pub fn has_pending(&self, mine: &[DeviceId]) -> bool {
+        // Staged work the last round left is held back by a rate or the
+        // port (a round stopped at its budget says `busy` instead).
+        !self.dirty.is_empty()
+            || !self.flushing.is_empty()
+            || mine.iter().any(|id| {
+                (self.devices.get(id))
+                    .and_then(|d| d.doorbell.as_ref())
+                    .is_some_and(|b| !b.lost && b.page.pending())
+            })
+    }
+
+    /// One round of the datapath for the devices `mine`: takes their
+    /// doorbells, wakes QPs whose timers are due, flushes errored QPs,
+    /// stages the pQPs with work, and runs what the scheduler picks, up to
+    /// [`ROUND_OPS`] WQEs and [`ROUND_BYTES`] bytes.
+    pub fn round(&mut self, mine: &[DeviceId], now: Instant) -> Round {
+        let mut round = Round::default();
+        for &id in mine {
+            round.worked |= self.take_doorbells(id, now);
+        }
+        round.worked |= self.fire_timers(now);
+        round.worked |= self.flush_pending();
+        self.stage_dirty(now);
+        let (mut ops, mut bytes) = (0usize, 0u64);
+        while ops < ROUND_OPS && bytes < ROUND_BYTES {
+            match self.sched.pick(now) {
+                Pick::Run(queue) => {
+                    let (n, moved, preempted) = self.run_queue(queue, now);
+                    ops += n.max(1);
+                    bytes += moved;
+                    round.worked = true;
+                    if preempted {
+                        round.preempted = true;
+                        break;
+                    }
+                }
+                Pick::Wait(at) => {
+                    round.next_due = at;
+                    break;
+                }
+                Pick::Idle => break,
+            }
+        }
+        round.busy = round.preempted
+            || ((ops >= ROUND_OPS || bytes >= ROUND_BYTES) && self.sched.has_work())
+            || !self.flushing.is_empty();
+        if let Some(due) = self.timers.iter().map(|t| t.0).min() {
+            round.next_due = Some(round.next_due.map_or(due, |d| d.min(due)));
+        }
+        round
+    }
+
+    /// Takes device `id`'s doorbells and puts the QPs they name to work.
+    fn take_doorbells(&mut self, id: DeviceId, now: Instant) -> bool {
+        let Some(dev) = self.devices.get(&id) else {
+            return false;
+        };
+        let Some(bell) = dev.doorbell.as_ref().filter(|b| !b.lost) else {
+            return false;
+        };
+        let mut rung = std::mem::take(&mut self.rung);
+        rung.clear();
+        bell.page.take(|db| rung.push(db));
+        let worked = !rung.is_empty();
+        for &db in &rung {
+            let qref = self
+                .devices
+                .get(&id)
+                .and_then(|d| d.qp_by_db.get(db as usize).copied().flatten());
+            if let Some(qref) = qref {
+                self.activate(qref, now);
+            }
+        }
+        self.rung = rung;
+        worked
+    }
+
+    /// A QP's rings may have new work: queue it on its pQP, flush it if it
+    /// is in error, or cut short the RNR wait of the requester that waits
+    /// for one of its receives.
+    fn activate(&mut self, qref: QpRef, now: Instant) {
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return;
+        };
+        if qp.lost {
+            return;
+        }
+        if qp.failed() {
+            if !self.flushing.contains(&qref) {
+                self.flushing.push(qref);
+            }
+            return;
+        }
+        // A receive posted: its requester (the QP it is connected to: RC
+        // peers are each other's) need not sit out its RNR timer.
+        if qp.conn.is_some() {
+            if let Some(peer) = self.peer_of(qref) {
+                if let Some(p) = self.qps.get_mut(peer).filter(|p| p.waiting) {
+                    if let Some(w) = p.wait.as_mut().filter(|w| w.kind == WaitKind::Rnr) {
+                        w.due = w.due.min(now);
+                    }
+                }
+            }
+        }
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return;
+        };
+        let has_work = qp.has_head || qp.sq_pending().is_none_or(|n| n > 0);
+        if qp.sends() && has_work && !qp.waiting && !qp.queued {
+            qp.queued = true;
+            qp.turn_left = QP_TURN;
+            let (device, pqp) = (qp.device, qp.pqp);
+            if let Some(p) = self.devices.get_mut(&device).and_then(|d| d.pqps.get_mut(pqp)) {
+                p.ring.push_back(qref);
+                self.dirty.push((device, pqp));
+            }
+        }
+    }
+
+    /// Puts QPs whose RNR or retry timer is due back to work.
+    fn fire_timers(&mut self, now: Instant) -> bool {
+        let mut fired = false;
+        let mut i = 0;
+        while i < self.timers.len() {
+            let (due, qref, serial) = self.timers[i];
+            let live = self.qps.get(qref).filter(|q| q.serial == serial && q.waiting);
+            let Some(due) = live.map(|q| q.wait.map_or(due, |w| w.due)) else {
+                self.timers.swap_remove(i);
+                continue;
+            };
+            if due > now {
+                self.timers[i].0 = due;
+                i += 1;
+                continue;
+            }
+            self.timers.swap_remove(i);
+            if let Some(qp) = self.qps.get_mut(qref) {
+                // Its head is still its copy: it runs again first. Its
+                // `wait` stays: the retries left count down across tries.
+                qp.waiting = false;
+                qp.queued = false;
+                fired = true;
+            }
+            self.activate(qref, now);
+        }
+        fired
+    }
+
+    /// Flushes errored QPs, [`FLUSH_BATCH`] WQEs each per round.
+    fn flush_pending(&mut self) -> bool {
+        if self.flushing.is_empty() {
+            return false;
+        }
+        let mut list = std::mem::take(&mut self.flushing);
+        list.retain(|&qref| !self.flush_qp(qref, FLUSH_BATCH));
+        let worked = true;
+        // Any added meanwhile stay too.
+        list.append(&mut self.flushing);
+        self.flushing = list;
+        worked
+    }
+
+    /// Stages the pQPs marked dirty.
+    fn stage_dirty(&mut self, now: Instant) {
+        while let Some((device, pqp)) = self.dirty.pop() {
+            self.stage(device, pqp, now);
+        }
+    }
+
+    /// Stages the next WQE of pQP `pos` of `device` unless one is staged:
+    /// the head of the first QP in its ring that has one.
+    fn stage(&mut self, device: DeviceId, pos: usize, now: Instant) {
+        loop {
+            let Some(p) = self.devices.get_mut(&device).and_then(|d| d.pqps.get_mut(pos)) else {
+                return;
+            };
+            if p.staged.is_some() {
+                return;
+            }
+            let number = p.number;
+            let Some(&qref) = p.ring.front() else {
+                return;
+            };
+            match self.load_head(qref) {
+                Some(head) => {
+                    if let Some(p) = self.pqp_mut(device, pos) {
+                        p.staged = Some(qref);
+                    }
+                    self.sched.stage((device, number), head, now);
+                    return;
+                }
+                None => {
+                    if let Some(p) = self.pqp_mut(device, pos) {
+                        p.ring.pop_front();
+                    }
+                    if let Some(qp) = self.qps.get_mut(qref) {
+                        qp.queued = false;
+                    }
+                }
+            }
+        }
+    }
+
+    fn pqp_mut(&mut self, device: DeviceId, pos: usize) -> Option<&mut Pqp> {
+        self.devices.get_mut(&device)?.pqps.get_mut(pos)
+    }
+
+    /// Makes sure QP `qref` holds its next send WQE and returns what the
+    /// scheduler needs of it; `None` if it has nothing to run (or failed:
+    /// a malformed WQE completes in error and the QP goes to ERR).
+    fn load_head(&mut self, qref: QpRef) -> Option<Head> {
+        let qp = self.qps.get_mut(qref)?;
+        if !qp.sends() || qp.waiting {
+            return None;
+        }
+        if !qp.has_head {
+            let Some(pending) = qp.sq_pending() else {
+                self.fail_qp(qref, true, "send ring producer index beyond the ring");
+                return None;
+            };
+            if pending == 0 {
+                return None;
+            }
+            match wqe::read_send(&qp.sq, qp.sq_done, &qp.send_limits, &mut qp.head) {
+                Ok(()) => {
+                    qp.has_head = true;
+                    qp.sent = 0;
+                }
+                Err(Malformed::Entry {
+                    wr_id,
+                    opcode,
+                    status,
+                }) => {
+                    let opcode = WcOpcode::try_from(opcode).unwrap_or(WcOpcode::Send);
+                    self.complete_send(qref, wr_id, opcode, status, 0, true);
+                    self.fail_qp(qref, false, "malformed send WQE");
+                    return None;
+                }
+                Err(Malformed::Unreadable) => {
+                    self.fail_qp(qref, true, "send ring unreadable");
+                    return None;
+                }
+            }
+        }
+        let qp = self.qps.get(qref)?;
+        let kind = match qp.head.opcode {
+            vrdma_spec::verbs::SendOpcode::RdmaRead
+            | vrdma_spec::verbs::SendOpcode::AtomicCmpAndSwp
+            | vrdma_spec::verbs::SendOpcode::AtomicFetchAndAdd => OpKind::Read,
+            _ => OpKind::Send,
+        };
+        Some(Head {
+            kind,
+            bytes: qp.head.length.saturating_sub(qp.sent),
+        })
+    }
+
+    /// Runs the staged head of `queue`, then as long as the scheduler lets
+    /// the same tenant go on ([`Scheduler::burst`]). Returns WQEs
+    /// completed, bytes moved and whether a long message was preempted.
+    fn run_queue(&mut self, queue: QueueId, now: Instant) -> (usize, u64, bool) {
+        let (device, number) = queue;
+        let Some(pos) = self
+            .devices
+            .get(&device)
+            .and_then(|d| d.pqps.iter().position(|p| p.number == number))
+        else {
+            return (0, 0, false);
+        };
+        let (mut ops, mut bytes) = (0usize, 0u64);
+        let mut steps = 0;
+        loop {
+            let Some(qref) = self.pqp_mut(device, pos).and_then(|p| p.staged.take()) else {
+                return (ops, bytes, false);
+            };
+            let outcome = self.execute(qref, now);
+            bytes += outcome.moved;
+            ops += usize::from(outcome.completed);
+            self.after_step(device, pos, qref, &outcome, now);
+            self.stage(device, pos, now);
+            steps += 1;
+            // `burst` takes the next WQE out of the scheduler's hands: ask
+            // only when it will run.
+            if outcome.preempted || steps >= BURST || !self.sched.burst(queue, now) {
+                return (ops, bytes, outcome.preempted);
+            }
+        }
+    }
+
+    /// After a step of `qref`'s head: a QP that is done, waits or failed
+    /// leaves its pQP's ring; one that used its turn goes to the back.
+    fn after_step(
+        &mut self,
+        device: DeviceId,
+        pos: usize,
+        qref: QpRef,
+        outcome: &rc::Outcome,
+        now: Instant,
+    ) {
+        let Some(qp) = self.qps.get_mut(qref) else {
+            if let Some(p) = self.pqp_mut(device, pos) {
+                p.ring.retain(|&q| q != qref);
+            }
+            return;
+        };
+        if let (true, Some(w)) = (qp.waiting, qp.wait) {
+            self.timers.push((w.due, qref, qp.serial));
+        }
+        let leaves = qp.waiting || !qp.sends();
+        let rotate = outcome.completed && {
+            qp.turn_left = qp.turn_left.saturating_sub(1);
+            qp.turn_left == 0
+        };
+        if leaves {
+            qp.queued = false;
+        }
+        if rotate {
+            qp.turn_left = QP_TURN;
+        }
+        let Some(p) = self.pqp_mut(device, pos) else {
+            return;
+        };
+        if leaves {
+            p.ring.retain(|&q| q != qref);
+        } else if rotate && p.ring.front() == Some(&qref) {
+            p.ring.rotate_left(1);
+        }
+        let _ = now;
+    }
+
+    /// Writes the completion of a send WQE of `qref` (errors always, a
+    /// success only if `signaled`) and counts it.
+    fn complete_send(
+        &mut self,
+        qref: QpRef,
+        wr_id: u64,
+        opcode: WcOpcode,
+        status: WcStatus,
+        byte_len: u32,
+        signaled: bool,
+    ) {
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return;
+        };
+        let cqe = Cqe {
+            wr_id: wr_id.into(),
+            status: status.into(),
+            opcode: opcode.into(),
+            byte_len: byte_len.into(),
+            qp_num: qp.vqpn.into(),
+            ..Cqe::default()
+        };
+        qp.sq_done = qp.sq_done.wrapping_add(1);
+        if !qp.lost {
+            qp.sq.set_device_index(qp.sq_done);
+        }
+        let (device, cq, lost) = (qp.device, qp.send_cq, qp.lost);
+        self.accounts.completion(device, &cqe);
+        if lost || (status == WcStatus::Success && !signaled) {
+            return;
+        }
+        self.post_cqe(device, cq, &cqe, completion::solicits(status));
+    }
+
+    /// Writes a receive completion of `qref` and counts it.
+    fn complete_recv(&mut self, qref: QpRef, cqe: &Cqe, solicited: bool) {
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return;
+        };
+        qp.rq_done = qp.rq_done.wrapping_add(1);
+        qp.rq_taken += 1;
+        qp.has_rq_head = false;
+        if !qp.lost {
+            qp.rq.set_device_index(qp.rq_done);
+        }
+        let (device, cq, lost) = (qp.device, qp.recv_cq, qp.lost);
+        self.accounts.completion(device, cqe);
+        if !lost {
+            let solicited = solicited || completion::solicits(WcStatus::try_from(cqe.status).unwrap_or(WcStatus::GeneralErr));
+            self.post_cqe(device, cq, cqe, solicited);
+        }
+    }
+
+    fn post_cqe(&mut self, device: DeviceId, cq: usize, cqe: &Cqe, solicited: bool) {
+        let Some(dev) = self.devices.get_mut(&device) else {
+            return;
+        };
+        let Device { cqs, eqs, tenant, .. } = dev;
+        if let Some(cq) = cqs.get_mut(cq) {
+            if !completion::complete(cq, eqs, cqe, solicited) && !cq.lost {
+                tracing::debug!(tenant = %tenant, cqn = cq.cqn, "CQ overrun: completion lost");
+            }
+        }
+    }
+
+    /// Moves QP `qref` to ERR: flags its rings, takes it off its pQP and
+    /// flushes what it holds and what is posted. `fatal`: no completion
+    /// reports why (its ring broke), so the driver gets a QP_FATAL event.
+    fn fail_qp(&mut self, qref: QpRef, fatal: bool, why: &str) {
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return;
+        };
+        let first = qp.state != QpState::Err;
+        qp.state = QpState::Err;
+        qp.wait = None;
+        qp.waiting = false;
+        qp.queued = false;
+        let (device, pos, vqpn, lost) = (qp.device, qp.pqp, qp.vqpn, qp.lost);
+        if !lost {
+            qp.sq.set_device_flag(DEVICE_FLAG_ERROR);
+            qp.rq.set_device_flag(DEVICE_FLAG_ERROR);
+        }
+        let mut unstage = None;
+        if let Some(dev) = self.devices.get_mut(&device) {
+            if first {
+                tracing::info!(tenant = %dev.tenant, qpn = vqpn, fatal, "QP moved to ERR: {why}");
+            }
+            if let Some(p) = dev.pqps.get_mut(pos) {
+                p.ring.retain(|&q| q != qref);
+                if p.staged == Some(qref) {
+                    p.staged = None;
+                    unstage = Some((device, p.number));
+                    self.dirty.push((device, pos));
+                }
+            }
+            if fatal && first && !lost {
+                completion::post_event(&mut dev.eqs, 0, event_kind::QP_FATAL, vqpn);
+            }
+        }
+        if let Some(queue) = unstage {
+            self.sched.unstage(queue);
+        }
+        if !lost && !self.flushing.contains(&qref) {
+            self.flushing.push(qref);
+        }
+    }
+
+    /// Flushes up to `budget` WQEs of errored QP `qref` with WR_FLUSH_ERR;
+    /// true when nothing is left.
+    fn flush_qp(&mut self, qref: QpRef, mut budget: u32) -> bool {
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return true;
+        };
+        if qp.lost || !qp.failed() {
+            return true;
+        }
+        if qp.has_head {
+            qp.has_head = false;
+            let (wr_id, opcode) = (qp.head.wr_id, qp.head.wc_opcode());
+            self.complete_send(qref, wr_id, opcode, WcStatus::WrFlushErr, 0, true);
+            budget -= 1;
+        }
+        while budget > 0 {
+            let Some(qp) = self.qps.get(qref) else {
+                return true;
+            };
+            // A producer more than a ring ahead: nothing sane to flush.
+            let (sq, rq) = (qp.sq_pending().unwrap_or(0), qp.rq_pending().unwrap_or(0));
+            if qp.has_rq_head || rq > 0 {
+                let wr_id = if qp.has_rq_head {
+                    qp.rq_head.wr_id
+                } else {
+                    wqe::read_wr_id(&qp.rq, qp.rq_done).unwrap_or(0)
+                };
+                let cqe = Cqe {
+                    wr_id: wr_id.into(),
+                    status: WcStatus::WrFlushErr.into(),
+                    opcode: WcOpcode::Recv.into(),
+                    qp_num: qp.vqpn.into(),
+                    ..Cqe::default()
+                };
+                self.complete_recv(qref, &cqe, false);
+            } else if sq > 0 {
+                let wr_id = wqe::read_wr_id(&qp.sq, qp.sq_done).unwrap_or(0);
+                let opcode = wqe::read_opcode(&qp.sq, qp.sq_done);
+                self.complete_send(qref, wr_id, opcode, WcStatus::WrFlushErr, 0, true);
+            } else {
+                return true;
+            }
+            budget -= 1;
+        }
+        false
+    }
+
+    /// The QP of `device` numbered `vqpn`.
+    fn qp_of(&self, device: DeviceId, vqpn: u32) -> Option<QpRef> {
+        self.devices.get(&device)?.qps.get(&vqpn).copied()
+    }
+
+    /// Allocation-free lookup of the responder of `qref`: its cached peer if
+    /// that is still the same QP, else through the LID and QP number.
+    fn peer_of(&mut self, qref: QpRef) -> Option<QpRef> {
+        let qp = self.qps.get(qref)?;
+        if let Some((peer, serial)) = qp.peer {
+            if self.qps.get(peer).is_some_and(|p| p.serial == serial) {
+                return Some(peer);
+            }
+        }
+        let conn = qp.conn?;
+        let device = *self.lids.get(&conn.dest_lid)?;
+        let peer = self.qp_of(device, conn.dest_qpn)?;
+        let serial = self.qps.get(peer)?.serial;
+        if let Some(qp) = self.qps.get_mut(qref) {
+            qp.peer = Some((peer, serial));
+        }
+        Some(peer)
+    }
+}
+
+/// How long an RNR NAK makes the requester wait: the IBA's RNR timer
+/// table (`min_rnr_timer` codes 0..=31), in units of 10 µs.
+const RNR_TIMER_10US: [u32; 32] = [
+    65536, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
+    2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152,
+];
+
+/// The RNR timer of code `code` (the IBA table; codes above 31 as 31).
+pub fn rnr_timer(code: u8) -> Duration {
+    let units = RNR_TIMER_10US[usize::from(code.min(31))];
+    Duration::from_micros(u64::from(units) * 10)
+}
+
+/// Interval between retries of a packet the fabric dropped.
+pub const RETRY_STEP: Duration = Duration::from_micros(500);
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,554 @@
+//! Reliable connected service between two QPs of this host: the requester
+//! executes its head WQE against its responder, as a NIC's requester,
+//! responder and completer together would (rxe splits them into
+//! `rxe_req.c`, `rxe_resp.c`, `rxe_comp.c`; here the responder is local,
+//! so one step does all three).
+//!
+//! Semantics this fixes where verbs leave room (docs/architecture.md has
+//! the table):
+//! - every key, range and access is checked when the step runs, so a
+//!   deregistration or removal that returned is never followed by an
+//!   access through what it removed;
+//! - a responder that does not exist, is not ready or is not connected back
+//!   to exactly this requester is a lost packet: retried every
+//!   [`RETRY_STEP`], `retry_cnt` times, then RETRY_EXC_ERR;
+//! - no receive posted is an RNR NAK: retried after the responder's
+//!   `min_rnr_timer`, `rnr_retry` times (7: for ever), then
+//!   RNR_RETRY_EXC_ERR — cut short when the responder posts a receive;
+//! - remote access errors leave the responder alone (a peer's bad rkey
+//!   cannot knock a victim's QP into ERR); a receive that is too short or
+//!   whose buffers fail their checks moves the responder to ERR, and the
+//!   requester gets REM_INV_REQ_ERR or REM_OP_ERR;
+//! - a long WRITE, READ or SEND moves [`SEGMENT`] bytes per step while a
+//!   higher class is busy, [`STEP`] otherwise; a SEND keeps its receive at
+//!   the head of the responder's queue until its last segment and starts
+//!   again from its first byte if the responder was reset in between.
+
+use std::time::{Duration, Instant};
+
+use vrdma_spec::ring::{wc_flags, Cqe};
+use vrdma_spec::verbs::{access, SendOpcode, WcOpcode, WcStatus};
+
+use super::keys::{self, SgeList};
+use super::qp::{QpRef, Wait, WaitKind};
+use super::wqe::{self, Local, Malformed, SendWork};
+use super::{rnr_timer, Engine, RETRY_STEP, SEGMENT, STEP};
+
+/// What one step of a QP's head came to, for the datapath's accounting.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome {
+    /// The WQE completed (successfully or not).
+    pub completed: bool,
+    /// Bytes moved by this step.
+    pub moved: u64,
+    /// It stopped between segments because a higher class is busy.
+    pub preempted: bool,
+}
+
+/// What executing (one segment of) a send WQE came to.
+enum Step {
+    Complete {
+        status: WcStatus,
+        /// The responder QP to move to ERR after the requester completion.
+        fail_responder: Option<QpRef>,
+    },
+    Rnr(Duration),
+    Dropped,
+    /// The message goes on from byte `next`; this step moved `moved`.
+    Segment { next: u64, moved: u64 },
+}
+
+fn done(status: WcStatus) -> Step {
+    Step::Complete {
+        status,
+        fail_responder: None,
+    }
+}
+
+/// The part of a `len`-byte message from byte `offset` that moves now (at
+/// most `chunk` bytes), and whether it is the last.
+fn segment(len: u64, offset: u64, chunk: u64) -> (u64, bool) {
+    let n = len.saturating_sub(offset).min(chunk);
+    (n, offset.saturating_add(n) >= len)
+}
+
+/// What the requester side of a step needs to know about its responder.
+#[derive(Clone, Copy)]
+struct Responder {
+    qp: QpRef,
+    device: super::DeviceId,
+    pd: u32,
+    access: u32,
+    rnr: Duration,
+}
+
+impl Engine {
+    /// Executes (a step of) the head WQE of QP `qref` and completes it,
+    /// fails it, or lets it wait.
+    pub(super) fn execute(&mut self, qref: QpRef, now: Instant) -> Outcome {
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return Outcome::default();
+        };
+        if !qp.has_head || !qp.sends() {
+            return Outcome::default();
+        }
+        // The head is swapped out (not copied: no allocation) so that the
+        // step may borrow the engine freely.
+        let Some(mut work) = self.spare.take() else {
+            return Outcome::default();
+        };
+        std::mem::swap(&mut work, &mut qp.head);
+        let offset = qp.sent;
+        let rank = self.devices.get(&qp.device).map_or(u8::MAX, |d| d.rank);
+        let segmented = self.sched.outranked(rank, now);
+        let chunk = if segmented { SEGMENT } else { STEP };
+        let step = self.transfer(qref, &work, offset, chunk);
+        let outcome = self.finish(qref, &work, step, now, segmented);
+        if let Some(qp) = self.qps.get_mut(qref) {
+            std::mem::swap(&mut work, &mut qp.head);
+        }
+        self.spare = Some(work);
+        outcome
+    }
+
+    /// Applies what a step came to.
+    fn finish(
+        &mut self,
+        qref: QpRef,
+        work: &SendWork,
+        step: Step,
+        now: Instant,
+        segmented: bool,
+    ) -> Outcome {
+        let (status, fail_responder) = match step {
+            Step::Segment { next, moved } => {
+                if let Some(qp) = self.qps.get_mut(qref) {
+                    qp.sent = next;
+                }
+                return Outcome {
+                    completed: false,
+                    moved,
+                    preempted: segmented,
+                };
+            }
+            Step::Complete {
+                status,
+                fail_responder,
+            } => (status, fail_responder),
+            Step::Rnr(delay) => {
+                if self.wait_again(qref, WaitKind::Rnr, now + delay) {
+                    return Outcome::default();
+                }
+                (WcStatus::RnrRetryExcErr, None)
+            }
+            Step::Dropped => {
+                if self.wait_again(qref, WaitKind::Retry, now + RETRY_STEP) {
+                    return Outcome::default();
+                }
+                (WcStatus::RetryExcErr, None)
+            }
+        };
+        let moved = if status == WcStatus::Success {
+            work.length
+        } else {
+            0
+        };
+        if let Some(qp) = self.qps.get_mut(qref) {
+            qp.has_head = false;
+            qp.sent = 0;
+            qp.wait = None;
+            qp.waiting = false;
+        }
+        let byte_len = u32::try_from(work.length).unwrap_or(u32::MAX);
+        self.complete_send(
+            qref,
+            work.wr_id,
+            work.wc_opcode(),
+            status,
+            byte_len,
+            work.signaled(),
+        );
+        if status != WcStatus::Success {
+            self.fail_qp(qref, false, "work completed in error");
+        }
+        if let Some(responder) = fail_responder {
+            self.fail_qp(responder, false, "a message it received failed");
+        }
+        Outcome {
+            completed: true,
+            moved,
+            preempted: false,
+        }
+    }
+
+    /// Keeps the head to retry at `due` if retries of `kind` are left.
+    fn wait_again(&mut self, qref: QpRef, kind: WaitKind, due: Instant) -> bool {
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return false;
+        };
+        let limit = match (kind, qp.conn) {
+            (WaitKind::Rnr, Some(c)) => c.rnr_retry,
+            (WaitKind::Retry, Some(c)) => c.retry_cnt,
+            (_, None) => 0,
+        };
+        let left = match qp.wait {
+            Some(w) if w.kind == kind => w.left,
+            _ => limit,
+        };
+        if left == 0 {
+            return false;
+        }
+        let infinite = kind == WaitKind::Rnr && limit == 7;
+        qp.wait = Some(Wait {
+            kind,
+            due,
+            left: if infinite { left } else { left - 1 },
+        });
+        qp.waiting = true;
+        true
+    }
+
+    /// The responder of `qref`, if it is there, ready and connected back.
+    fn responder(&mut self, qref: QpRef) -> Option<Responder> {
+        let (device, vqpn) = {
+            let qp = self.qps.get(qref)?;
+            (qp.device, qp.vqpn)
+        };
+        let my_lid = self.devices.get(&device)?.lid;
+        let peer = self.peer_of(qref)?;
+        let p = self.qps.get(peer)?;
+        if !p.receives() || !p.connected_to(my_lid, vqpn) {
+            return None;
+        }
+        Some(Responder {
+            qp: peer,
+            device: p.device,
+            pd: p.pd,
+            access: p.access,
+            rnr: rnr_timer(p.conn.map_or(0, |c| c.min_rnr_timer)),
+        })
+    }
+
+    /// Moves (a segment of) `work` from QP `qref` to its responder.
+    fn transfer(&mut self, qref: QpRef, work: &SendWork, offset: u64, chunk: u64) -> Step {
+        let Some((device, pd)) = self.qps.get(qref).map(|q| (q.device, q.pd)) else {
+            return done(WcStatus::LocQpOpErr);
+        };
+        let Some(r) = self.responder(qref) else {
+            return Step::Dropped;
+        };
+        use SendOpcode as Op;
+        let writes_local = matches!(
+            work.opcode,
+            Op::RdmaRead | Op::AtomicCmpAndSwp | Op::AtomicFetchAndAdd
+        );
+        let need = if writes_local { access::LOCAL_WRITE } else { 0 };
+        if !self.keys.check_sges(device, pd, work.sges(), need) {
+            return done(WcStatus::LocProtErr);
+        }
+        let len = work.length;
+        let (n, last) = segment(len, offset, chunk);
+        match work.opcode {
+            Op::Send | Op::SendWithImm => self.send(qref, work, r, offset, chunk),
+            Op::RdmaWrite | Op::RdmaWriteWithImm => {
+                if r.access & access::REMOTE_WRITE == 0 {
+                    return done(WcStatus::RemAccessErr);
+                }
+                let with_imm = work.opcode == Op::RdmaWriteWithImm;
+                // The receive is consumed with the last segment; without
+                // one the responder NAKs the first (and, should another
+                // sender take it meanwhile, the last) segment.
+                if with_imm && (offset == 0 || last) && !self.has_receive(r.qp) {
+                    return Step::Rnr(r.rnr);
+                }
+                let dst = if len == 0 {
+                    None
+                } else {
+                    match self.keys.remote(
+                        r.device,
+                        r.pd,
+                        work.rkey,
+                        work.remote_addr,
+                        len,
+                        access::REMOTE_WRITE,
+                    ) {
+                        Some(dst) => Some(dst),
+                        None => return done(WcStatus::RemAccessErr),
+                    }
+                };
+                let local = self.sge_list(device, pd, work, need);
+                let copied = match (&dst, work.local) {
+                    (None, _) => true,
+                    (Some(dst), Local::Inline(_)) => keys::write_bytes(work.inline(), dst),
+                    (Some(dst), _) => keys::copy(&local, dst, offset, n),
+                };
+                if !copied {
+                    return done(WcStatus::RemAccessErr);
+                }
+                if !last {
+                    return Step::Segment {
+                        next: offset + n,
+                        moved: n,
+                    };
+                }
+                if with_imm {
+                    return self.write_imm_received(qref, work, r);
+                }
+                done(WcStatus::Success)
+            }
+            Op::RdmaRead => {
+                if r.access & access::REMOTE_READ == 0 {
+                    return done(WcStatus::RemAccessErr);
+                }
+                if len > 0 {
+                    let Some(src) = self.keys.remote(
+                        r.device,
+                        r.pd,
+                        work.rkey,
+                        work.remote_addr,
+                        len,
+                        access::REMOTE_READ,
+                    ) else {
+                        return done(WcStatus::RemAccessErr);
+                    };
+                    let local = self.sge_list(device, pd, work, need);
+                    if !keys::copy(&src, &local, offset, n) {
+                        return done(WcStatus::LocProtErr);
+                    }
+                }
+                if !last {
+                    return Step::Segment {
+                        next: offset + n,
+                        moved: n,
+                    };
+                }
+                done(WcStatus::Success)
+            }
+            Op::AtomicCmpAndSwp | Op::AtomicFetchAndAdd => {
+                if !work.remote_addr.is_multiple_of(8) {
+                    return done(WcStatus::RemInvReqErr);
+                }
+                if r.access & access::REMOTE_ATOMIC == 0 {
+                    return done(WcStatus::RemAccessErr);
+                }
+                let Some(target) = self.keys.remote(
+                    r.device,
+                    r.pd,
+                    work.rkey,
+                    work.remote_addr,
+                    8,
+                    access::REMOTE_ATOMIC,
+                ) else {
+                    return done(WcStatus::RemAccessErr);
+                };
+                // All RDMA atomics run under the engine's lock: serialized
+                // with each other, and real atomics on guest memory where
+                // the target is aligned in its mapping.
+                let swap = (work.opcode == Op::AtomicCmpAndSwp).then_some(work.swap);
+                let Some(old) = keys::atomic(&target, work.compare_add, swap) else {
+                    return done(WcStatus::RemAccessErr);
+                };
+                if !keys::write_bytes(&old.to_le_bytes(), &self.sge_list(device, pd, work, need)) {
+                    return done(WcStatus::LocProtErr);
+                }
+                done(WcStatus::Success)
+            }
+            // The WQE reader refuses these; a NIC would too.
+            Op::LocalInv | Op::BindMw | Op::SendWithInv => done(WcStatus::LocQpOpErr),
+        }
+    }
+
+    /// The local SGEs of `work`, resolved as the copy walks them.
+    fn sge_list<'a>(
+        &'a self,
+        device: super::DeviceId,
+        pd: u32,
+        work: &'a SendWork,
+        need: u32,
+    ) -> SgeList<'a> {
+        SgeList {
+            keys: &self.keys,
+            device,
+            pd,
+            sges: work.sges(),
+            need,
+        }
+    }
+
+    /// Whether responder `peer` has a receive for the next message (reading
+    /// its ring's producer index; a broken ring fails it).
+    fn has_receive(&mut self, peer: QpRef) -> bool {
+        let Some(p) = self.qps.get(peer) else {
+            return false;
+        };
+        if p.has_rq_head {
+            return true;
+        }
+        match p.rq_pending() {
+            Some(n) => n > 0,
+            None => {
+                self.fail_qp(peer, true, "receive ring producer index beyond the ring");
+                false
+            }
+        }
+    }
+
+    /// Makes sure responder `peer` holds the receive at the head of its
+    /// ring, read once. `Err` carries the step the requester gets when it
+    /// cannot: RNR without one, the receive's own failure otherwise.
+    fn head_receive(&mut self, peer: QpRef, rnr: Duration) -> Result<(), Step> {
+        if !self.has_receive(peer) {
+            return Err(Step::Rnr(rnr));
+        }
+        let Some(p) = self.qps.get_mut(peer) else {
+            return Err(Step::Dropped);
+        };
+        if p.has_rq_head {
+            return Ok(());
+        }
+        match wqe::read_recv(&p.rq, p.rq_done, &p.recv_limits, &mut p.rq_head) {
+            Ok(()) => {
+                p.has_rq_head = true;
+                Ok(())
+            }
+            Err(Malformed::Entry { wr_id, status, .. }) => {
+                Err(self.refuse_receive(peer, wr_id, status))
+            }
+            Err(Malformed::Unreadable) => {
+                self.fail_qp(peer, true, "receive ring unreadable");
+                Err(Step::Dropped)
+            }
+        }
+    }
+
+    /// The responder's head receive failed with `status` (its buffers are
+    /// too short, fail their checks, or it is malformed): it completes so
+    /// there, the responder goes to ERR after the requester completes, and
+    /// the requester gets REM_INV_REQ_ERR (length) or REM_OP_ERR.
+    fn refuse_receive(&mut self, peer: QpRef, wr_id: u64, status: WcStatus) -> Step {
+        let Some(vqpn) = self.qps.get(peer).map(|p| p.vqpn) else {
+            return Step::Dropped;
+        };
+        let cqe = Cqe {
+            wr_id: wr_id.into(),
+            status: status.into(),
+            opcode: WcOpcode::Recv.into(),
+            qp_num: vqpn.into(),
+            ..Cqe::default()
+        };
+        self.complete_recv(peer, &cqe, false);
+        Step::Complete {
+            status: if status == WcStatus::LocLenErr {
+                WcStatus::RemInvReqErr
+            } else {
+                WcStatus::RemOpErr
+            },
+            fail_responder: Some(peer),
+        }
+    }
+
+    /// A SEND: fills the responder's head receive, segment by segment.
+    fn send(
+        &mut self,
+        qref: QpRef,
+        work: &SendWork,
+        r: Responder,
+        offset: u64,
+        chunk: u64,
+    ) -> Step {
+        if let Err(step) = self.head_receive(r.qp, r.rnr) {
+            return step;
+        }
+        let (Some(qp), Some(p)) = (self.qps.get(qref), self.qps.get(r.qp)) else {
+            return Step::Dropped;
+        };
+        // A reset and reconnection of the responder between two segments
+        // replaced the receive: start again from the first byte, as a
+        // retransmission would.
+        if offset > 0 && qp.recv_seq != p.rq_taken {
+            return Step::Segment { next: 0, moved: 0 };
+        }
+        let (device, pd, vqpn) = (qp.device, qp.pd, qp.vqpn);
+        let recv_id = p.rq_head.wr_id;
+        let fits = p.rq_head.length >= work.length;
+        let recv_ok = self
+            .keys
+            .check_sges(r.device, r.pd, p.rq_head.sges(), access::LOCAL_WRITE);
+        if !recv_ok {
+            return self.refuse_receive(r.qp, recv_id, WcStatus::LocProtErr);
+        }
+        if !fits {
+            return self.refuse_receive(r.qp, recv_id, WcStatus::LocLenErr);
+        }
+        let dst = SgeList {
+            keys: &self.keys,
+            device: r.device,
+            pd: r.pd,
+            sges: p.rq_head.sges(),
+            need: access::LOCAL_WRITE,
+        };
+        let (n, last) = segment(work.length, offset, chunk);
+        let copied = match work.local {
+            // Inline data is far shorter than a segment.
+            Local::Inline(_) => keys::write_bytes(work.inline(), &dst),
+            _ => {
+                keys::copy(&self.sge_list(device, pd, work, 0), &dst, offset, n)
+            }
+        };
+        if !copied {
+            return self.refuse_receive(r.qp, recv_id, WcStatus::LocProtErr);
+        }
+        if !last {
+            let seq = p.rq_taken;
+            if let Some(qp) = self.qps.get_mut(qref) {
+                qp.recv_seq = seq;
+            }
+            return Step::Segment {
+                next: offset + n,
+                moved: n,
+            };
+        }
+        let with_imm = work.opcode == SendOpcode::SendWithImm;
+        let mut cqe = Cqe {
+            wr_id: recv_id.into(),
+            status: WcStatus::Success.into(),
+            opcode: WcOpcode::Recv.into(),
+            byte_len: u32::try_from(work.length).unwrap_or(u32::MAX).into(),
+            qp_num: p.vqpn.into(),
+            src_qp: vqpn.into(),
+            ..Cqe::default()
+        };
+        if with_imm {
+            cqe.imm_data = work.imm_data;
+            cqe.wc_flags = wc_flags::WITH_IMM;
+        }
+        let solicited = work.flags & vrdma_spec::ring::send_flags::SOLICITED != 0;
+        self.complete_recv(r.qp, &cqe, solicited);
+        done(WcStatus::Success)
+    }
+
+    /// The last segment of a WRITE_WITH_IMM landed: the responder's receive
+    /// completes with the immediate data (its buffers are not used).
+    fn write_imm_received(&mut self, qref: QpRef, work: &SendWork, r: Responder) -> Step {
+        if let Err(step) = self.head_receive(r.qp, r.rnr) {
+            return step;
+        }
+        let (Some(qp), Some(p)) = (self.qps.get(qref), self.qps.get(r.qp)) else {
+            return Step::Dropped;
+        };
+        let cqe = Cqe {
+            wr_id: p.rq_head.wr_id.into(),
+            status: WcStatus::Success.into(),
+            opcode: WcOpcode::RecvRdmaWithImm.into(),
+            wc_flags: wc_flags::WITH_IMM,
+            byte_len: u32::try_from(work.length).unwrap_or(u32::MAX).into(),
+            imm_data: work.imm_data,
+            qp_num: p.vqpn.into(),
+            src_qp: qp.vqpn.into(),
+            ..Cqe::default()
+        };
+        let solicited = work.flags & vrdma_spec::ring::send_flags::SOLICITED != 0;
+        self.complete_recv(r.qp, &cqe, solicited);
+        done(WcStatus::Success)
+    }
+}

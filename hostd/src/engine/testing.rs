@@ -1,0 +1,417 @@
+//! A driver's side of two devices, for testing the engine in-process: the
+//! guest memory is a memfd per device, and the "driver" writes WQEs into
+//! its rings, rings its doorbell and reads its CQ exactly as the spec says
+//! (no hostd code on that side). Used by the engine's unit tests, hostd's
+//! allocation test and the fuzz checks; compiled only for them.
+
+use std::time::{Duration, Instant};
+
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_hostd_protocol::messages::{
+    MrRegistration, MrSegment, QpConnection, QpModify, QpSetup, WorkRing,
+};
+use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
+use vrdma_spec::ring::{
+    doorbell, Cqe, Event, RecvWqe, SendWqe, Sge, CQE_SIZE, DEVICE_INDEX_OFFSET,
+    DRIVER_ARM_OFFSET, DRIVER_INDEX_OFFSET, EVENT_SIZE, RING_HEADER_SIZE,
+};
+use vrdma_spec::verbs::{access, QpState, SendOpcode};
+use vrdma_tenant_policy::{Policy, PriorityClass, TenantPolicy};
+use zerocopy::{FromBytes, IntoBytes};
+
+use super::{DeviceId, Engine};
+use crate::scheduler::Scheduler;
+
+/// Bytes of each device's guest memory (one slot at guest address 0).
+pub const MEM: u64 = 1 << 20;
+/// The doorbell page.
+pub const DOORBELL: u64 = 0;
+/// The event ring of vector 0 (64 events).
+pub const EQ: u64 = 0x1000;
+pub const EQ_DEPTH: u32 = 64;
+/// The CQ ring (send and receive CQ of the QP).
+pub const CQ: u64 = 0x2000;
+pub const CQ_DEPTH: u32 = 256;
+pub const CQN: u32 = 7;
+/// The first QP's send and receive rings; more QPs follow at [`QP_STEP`].
+pub const SQ: u64 = 0x1_0000;
+pub const RQ: u64 = 0x1_8000;
+pub const QP_STEP: u64 = 0x1_0000;
+pub const DEPTH: u32 = 64;
+pub const STRIDE: u32 = 256;
+/// The registered data region: IOVA [`IOVA`].. is guest address [`DATA`]..
+pub const DATA: u64 = 0x8_0000;
+pub const DATA_LEN: u64 = MEM - DATA;
+pub const IOVA: u64 = 0x10_0000;
+/// Every access flag a region can have.
+pub const ALL: u32 =
+    access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+
+/// One QP of a test device, as its driver tracks it.
+#[derive(Debug, Clone, Copy)]
+pub struct TestQp {
+    pub vqpn: u32,
+    pub db_index: u32,
+    pub sq: u64,
+    pub rq: u64,
+    pub depth: u32,
+    pub stride: u32,
+    pub sq_producer: u32,
+    pub rq_producer: u32,
+}
+
+/// One device and its driver.
+#[derive(Debug)]
+pub struct Side {
+    pub id: DeviceId,
+    pub lid: u16,
+    /// The driver's view of its guest memory.
+    pub mem: SharedMapping,
+    pub lkey: u32,
+    pub rkey: u32,
+    pub qps: Vec<TestQp>,
+    cq_consumer: u32,
+    eq_consumer: u32,
+    /// The eventfd the driver would kick; the event ring's interrupt.
+    pub kick: EventFd,
+    pub irq: EventFd,
+}
+
+/// Two devices on one engine, A (id 1, LID 10) and B (id 2, LID 20), each
+/// with its doorbell page, event ring, CQ, a registered data region and
+/// one QP connected to the other's.
+pub struct Env {
+    pub engine: Engine,
+    pub a: Side,
+    pub b: Side,
+    pub now: Instant,
+}
+
+/// A tenant policy for the tests: class `class`, unlimited.
+pub fn tenant(name: &str, class: PriorityClass) -> TenantPolicy {
+    let mut t = Policy::default_policy().tenants[0].clone();
+    t.name = name.into();
+    t.priority.class = class;
+    t
+}
+
+/// An SGE.
+pub fn sge(addr: u64, length: u32, lkey: u32) -> Sge {
+    Sge {
+        addr: addr.into(),
+        length: length.into(),
+        lkey: lkey.into(),
+    }
+}
+
+/// A signaled send WQE.
+pub fn send(wr_id: u64, opcode: SendOpcode) -> SendWqe {
+    SendWqe {
+        wr_id: wr_id.into(),
+        opcode: opcode.into(),
+        flags: vrdma_spec::ring::send_flags::SIGNALED,
+        ..SendWqe::default()
+    }
+}
+
+/// `wqe` aimed at `addr` with `rkey`.
+pub fn remote(mut wqe: SendWqe, addr: u64, rkey: u32) -> SendWqe {
+    wqe.remote_addr = addr.into();
+    wqe.rkey = rkey.into();
+    wqe
+}
+
+fn word(mem: &SharedMapping, at: u64) -> u32 {
+    mem.atomic_u32(at as usize)
+        .map_or(0, |w| u32::from_le(w.load(std::sync::atomic::Ordering::Acquire)))
+}
+
+fn set_word(mem: &SharedMapping, at: u64, v: u32) {
+    if let Some(w) = mem.atomic_u32(at as usize) {
+        w.store(v.to_le(), std::sync::atomic::Ordering::Release);
+    }
+}
+
+impl Side {
+    fn new(engine: &mut Engine, id: DeviceId, lid: u16, policy: &TenantPolicy) -> Self {
+        let file = sealed_memfd("engine-test", MEM).expect("memfd");
+        let mem = SharedMapping::map(file.try_clone().expect("dup"), 0, MEM).expect("map");
+        engine
+            .attach_device(id, &policy.name, lid, &[id as u32 - 1], policy)
+            .expect("attach");
+        engine
+            .add_memory(id, 0, 0, SharedMapping::map(file, 0, MEM).expect("map"))
+            .expect("memory");
+        let kick = EventFd::new(EFD_NONBLOCK).expect("eventfd");
+        let irq = EventFd::new(EFD_NONBLOCK).expect("eventfd");
+        engine
+            .set_doorbell(id, DOORBELL, kick.try_clone().expect("dup"))
+            .expect("doorbell");
+        engine
+            .create_eq(id, 0, EQ, EQ_DEPTH, irq.try_clone().expect("dup"))
+            .expect("eq");
+        engine.create_cq(id, CQN, CQ, CQ_DEPTH, 0).expect("cq");
+        let reg = MrRegistration {
+            pd: 1,
+            access: ALL,
+            iova: IOVA,
+            len: DATA_LEN,
+            segments: vec![MrSegment {
+                slot: 0,
+                offset: DATA,
+                len: DATA_LEN,
+            }],
+        };
+        let (lkey, rkey) = engine.register_mr(id, &reg).expect("mr");
+        Side {
+            id,
+            lid,
+            mem,
+            lkey,
+            rkey,
+            qps: Vec::new(),
+            cq_consumer: 0,
+            eq_consumer: 0,
+            kick,
+            irq,
+        }
+    }
+
+    /// Creates QP number `vqpn` (the `n`th of this side) in RESET.
+    pub fn add_qp(&mut self, engine: &mut Engine, vqpn: u32, caps: (u32, u32, u32)) -> usize {
+        self.add_qp_shaped(engine, vqpn, caps, DEPTH, STRIDE)
+    }
+
+    /// The same with rings of `depth` slots of `stride` bytes (each ring
+    /// at most 32 KiB).
+    pub fn add_qp_shaped(
+        &mut self,
+        engine: &mut Engine,
+        vqpn: u32,
+        caps: (u32, u32, u32),
+        depth: u32,
+        stride: u32,
+    ) -> usize {
+        let n = self.qps.len() as u64;
+        let (sq, rq) = (SQ + n * QP_STEP, RQ + n * QP_STEP);
+        let ring = |gpa| WorkRing { gpa, depth, stride };
+        let (max_sge, max_inline, max_recv_sge) = caps;
+        engine
+            .create_qp(
+                self.id,
+                &QpSetup {
+                    vqpn,
+                    pd: 1,
+                    db_index: n as u32,
+                    send_cqn: CQN,
+                    recv_cqn: CQN,
+                    sq_sig_all: false,
+                    sq: ring(sq),
+                    rq: ring(rq),
+                    max_send_sge: max_sge,
+                    max_recv_sge,
+                    max_inline_data: max_inline,
+                },
+            )
+            .expect("qp");
+        self.qps.push(TestQp {
+            vqpn,
+            db_index: n as u32,
+            sq,
+            rq,
+            depth,
+            stride,
+            sq_producer: 0,
+            rq_producer: 0,
+        });
+        self.qps.len() - 1
+    }
+
+    /// Writes `data` at byte `offset` of the data region.
+    pub fn fill(&self, offset: u64, data: &[u8]) {
+        assert!(self.mem.write((DATA + offset) as usize, data));
+    }
+
+    /// `len` bytes at byte `offset` of the data region.
+    pub fn bytes(&self, offset: u64, len: usize) -> Vec<u8> {
+        let mut out = vec![0; len];
+        assert!(self.mem.read((DATA + offset) as usize, &mut out));
+        out
+    }
+
+    /// Sets QP `qp`'s bit in the doorbell page, as a driver after posting.
+    pub fn ring(&self, qp: usize) {
+        let bit = doorbell::bit(self.qps[qp].db_index).expect("db index");
+        let word = self.mem.atomic_u64(bit.word_offset as usize).expect("word");
+        word.fetch_or(bit.mask.to_le(), std::sync::atomic::Ordering::SeqCst);
+        let summary = (self.mem.atomic_u64(bit.summary_offset as usize)).expect("summary");
+        summary.fetch_or(bit.summary_mask.to_le(), std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Writes raw `bytes` into send slot `index` of QP `qp` (no publish).
+    pub fn write_send_slot(&self, qp: usize, index: u32, bytes: &[u8]) {
+        let q = &self.qps[qp];
+        let at = q.sq + RING_HEADER_SIZE as u64 + u64::from(index % q.depth) * u64::from(q.stride);
+        assert!(self.mem.write(at as usize, &bytes[..bytes.len().min(q.stride as usize)]));
+    }
+
+    /// Publishes send producer index `producer` of QP `qp` and rings.
+    pub fn publish_send(&mut self, qp: usize, producer: u32) {
+        self.qps[qp].sq_producer = producer;
+        set_word(&self.mem, self.qps[qp].sq + DRIVER_INDEX_OFFSET, producer);
+        self.ring(qp);
+    }
+
+    /// Posts a send WQE with `payload` (SGEs or inline bytes) on QP `qp`.
+    pub fn post_send(&mut self, qp: usize, wqe: &SendWqe, payload: &[u8]) {
+        let index = self.qps[qp].sq_producer;
+        let slot = super::wqe::encode_send(wqe, payload, self.qps[qp].stride as usize);
+        self.write_send_slot(qp, index, &slot);
+        self.publish_send(qp, index.wrapping_add(1));
+    }
+
+    /// Posts a send WQE gathering from `sges` on QP `qp`.
+    pub fn post_sges(&mut self, qp: usize, wqe: &SendWqe, sges: &[Sge]) {
+        let mut wqe = *wqe;
+        wqe.num_sge = u8::try_from(sges.len()).unwrap_or(u8::MAX);
+        self.post_send(qp, &wqe, sges.as_bytes());
+    }
+
+    /// Posts a receive of `sges` on QP `qp`.
+    pub fn post_recv(&mut self, qp: usize, wr_id: u64, sges: &[Sge]) {
+        let q = self.qps[qp];
+        let wqe = RecvWqe {
+            wr_id: wr_id.into(),
+            num_sge: sges.len() as u8,
+            reserved: [0; 7],
+        };
+        let at = q.rq + RING_HEADER_SIZE as u64 + u64::from(q.rq_producer % q.depth) * u64::from(q.stride);
+        assert!(self.mem.write(at as usize, wqe.as_bytes()));
+        assert!(self.mem.write(at as usize + 16, sges.as_bytes()));
+        self.qps[qp].rq_producer = q.rq_producer.wrapping_add(1);
+        set_word(&self.mem, q.rq + DRIVER_INDEX_OFFSET, self.qps[qp].rq_producer);
+        self.ring(qp);
+    }
+
+    /// The send ring's device index of QP `qp` (WQEs completed).
+    pub fn sq_done(&self, qp: usize) -> u32 {
+        word(&self.mem, self.qps[qp].sq + DEVICE_INDEX_OFFSET)
+    }
+
+    /// Takes every CQE the device wrote.
+    pub fn poll(&mut self) -> Vec<Cqe> {
+        let producer = word(&self.mem, CQ + DEVICE_INDEX_OFFSET);
+        let mut out = Vec::new();
+        while self.cq_consumer != producer {
+            let at = CQ + RING_HEADER_SIZE as u64 + u64::from(self.cq_consumer % CQ_DEPTH) * CQE_SIZE as u64;
+            let mut raw = [0u8; CQE_SIZE];
+            assert!(self.mem.read(at as usize, &mut raw));
+            out.push(Cqe::read_from_bytes(&raw).expect("cqe"));
+            self.cq_consumer = self.cq_consumer.wrapping_add(1);
+        }
+        set_word(&self.mem, CQ + DRIVER_INDEX_OFFSET, self.cq_consumer);
+        out
+    }
+
+    /// Arms the CQ: `(sn << 8) | kind`.
+    pub fn arm(&self, sn: u32, kind: u32) {
+        set_word(&self.mem, CQ + DRIVER_ARM_OFFSET, (sn << 8) | kind);
+    }
+
+    /// Takes every event of ring 0: (kind, object).
+    pub fn events(&mut self) -> Vec<(u16, u32)> {
+        let producer = word(&self.mem, EQ + DEVICE_INDEX_OFFSET);
+        let mut out = Vec::new();
+        while self.eq_consumer != producer {
+            let at = EQ + RING_HEADER_SIZE as u64 + u64::from(self.eq_consumer % EQ_DEPTH) * EVENT_SIZE as u64;
+            let mut raw = [0u8; EVENT_SIZE];
+            assert!(self.mem.read(at as usize, &mut raw));
+            let e = Event::read_from_bytes(&raw).expect("event");
+            out.push((e.kind.get(), e.object.get()));
+            self.eq_consumer = self.eq_consumer.wrapping_add(1);
+        }
+        set_word(&self.mem, EQ + DRIVER_INDEX_OFFSET, self.eq_consumer);
+        out
+    }
+}
+
+/// The caps of the default test QPs: (max_send_sge, max_inline, max_recv_sge).
+pub const CAPS: (u32, u32, u32) = (8, 128, 8);
+
+impl Env {
+    /// Both tenants in the normal class.
+    pub fn new() -> Self {
+        Self::with_classes(PriorityClass::Normal, PriorityClass::Normal)
+    }
+
+    /// A in class `a`, B in class `b`.
+    pub fn with_classes(a: PriorityClass, b: PriorityClass) -> Self {
+        let mut engine = Engine::new(Scheduler::new(None));
+        let now = Instant::now();
+        let mut side_a = Side::new(&mut engine, 1, 10, &tenant("ta", a));
+        let mut side_b = Side::new(&mut engine, 2, 20, &tenant("tb", b));
+        side_a.add_qp(&mut engine, 100, CAPS);
+        side_b.add_qp(&mut engine, 200, CAPS);
+        let mut env = Env {
+            engine,
+            a: side_a,
+            b: side_b,
+            now,
+        };
+        env.connect(0, 0);
+        env
+    }
+
+    /// Connects A's QP `qa` and B's QP `qb` to each other and moves both
+    /// to RTS.
+    pub fn connect(&mut self, qa: usize, qb: usize) {
+        let (a, b) = (self.a.qps[qa].vqpn, self.b.qps[qb].vqpn);
+        for (id, vqpn, lid, dest) in [(1, a, 20, b), (2, b, 10, a)] {
+            for state in [QpState::Init, QpState::Rtr, QpState::Rts] {
+                let connection = (state != QpState::Init).then_some(QpConnection {
+                    dest_lid: lid,
+                    dest_qpn: dest,
+                    access: access::QP_SUPPORTED,
+                    rnr_retry: 7,
+                    retry_cnt: 3,
+                    min_rnr_timer: 1,
+                });
+                self.engine
+                    .modify_qp(
+                        id,
+                        &QpModify {
+                            vqpn,
+                            state: state.into(),
+                            connection,
+                            access: None,
+                        },
+                    )
+                    .expect("modify");
+            }
+        }
+    }
+
+    /// Runs rounds over both devices until one does nothing; returns the
+    /// CQEs of A and of B.
+    pub fn run(&mut self) -> (Vec<Cqe>, Vec<Cqe>) {
+        for _ in 0..10_000 {
+            let round = self.engine.round(&[1, 2], self.now);
+            if !round.worked && !round.busy {
+                break;
+            }
+        }
+        (self.a.poll(), self.b.poll())
+    }
+
+    /// Advances the clock, then runs.
+    pub fn advance(&mut self, by: Duration) -> (Vec<Cqe>, Vec<Cqe>) {
+        self.now += by;
+        self.run()
+    }
+}
+
+impl Default for Env {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,530 @@
+//! Which physical QP's next WQE the datapath runs next.
+//!
+//! The datapath stages the head WQE of every physical QP (pQP) that has
+//! work (one per pQP: the next WQE of one of the virtual QPs multiplexed
+//! onto it) and tells the scheduler its [`Head`]: kind and bytes.
+//! [`Scheduler::pick`] then chooses which staged WQE runs next:
+//!
+//! 1. **Eligibility.** A staged WQE is admissible when its tenant's token
+//!    buckets for its kind hold enough tokens (`rate.send` for SEND / RDMA
+//!    WRITE / WRITE_WITH_IMM, `rate.read` for RDMA READ and atomics: one
+//!    operation, and `min(bytes, burst)` bytes).
+//! 2. **Strict priority.** The highest class with an eligible tenant is
+//!    served (realtime, then priority, then normal).
+//! 3. **Weighted fair sharing** inside the class: deficit round robin over
+//!    bytes. A tenant at the head of its class's ring earns `weight ×
+//!    QUANTUM` once per turn and is served while its deficit covers the
+//!    cost of its next WQE (byte length, at least [`MIN_COST`]); then the
+//!    ring moves on. A tenant without eligible work loses its deficit (it
+//!    cannot hoard a share while idle or throttled). Inside a tenant, its
+//!    pQPs take turns.
+//! 4. **The port.** With a line rate configured ([`Link`]), a class may only
+//!    run work while the port is not booked too far ahead by work of that
+//!    class or a higher one: the link, not the host's CPU, is then the
+//!    resource the classes and weights divide.
+//!
+//! Only tenants with staged work are in the class rings, so a pick costs
+//! what the tenants with work cost, not what the host has; and
+//! [`Scheduler::burst`] lets the tenant just served go on without a new
+//! pick while nothing would have chosen otherwise.
+//!
+//! When nothing is admissible, [`Pick::Wait`] says when the earliest token
+//! bucket (or the port) will allow some, so the datapath sleeps until then
+//! instead of spinning. The time a tenant had work of a kind that no bucket
+//! allowed is counted as throttled time. Every decision takes `now` from
+//! the caller, so tests drive the scheduler with a simulated clock.
+
+mod bucket;
+mod link;
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use vrdma_tenant_policy::{PriorityClass, TenantPolicy};
+
+use crate::engine::DeviceId;
+use crate::ids::IdMap;
+use bucket::Limiter;
+pub use link::Link;
+
+/// Bytes a tenant of weight 1 may send per deficit-round-robin turn.
+pub const QUANTUM: u64 = 64 * 1024;
+/// Smallest cost of one WQE in the fair-share accounting: per-operation
+/// work of the NIC (descriptor fetch, headers, completion) that a
+/// zero-byte message costs too.
+pub const MIN_COST: u64 = 256;
+/// How long after it last had work a class counts as busy: a lower class
+/// then books the port only a short way ahead, and moves its long
+/// messages in segments so the busy class gets in between.
+pub const BUSY_FOR: Duration = Duration::from_millis(10);
+/// Most WQEs one [`Scheduler::burst`] lets a tenant run after a pick.
+pub const BURST: u32 = 32;
+
+/// The rate-limit kinds of send-side work.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OpKind {
+    /// SEND, SEND_WITH_IMM, RDMA WRITE, WRITE_WITH_IMM (`rate.send`).
+    Send = 0,
+    /// RDMA READ and atomics (`rate.read`).
+    Read = 1,
+}
+
+impl OpKind {
+    /// Both kinds, in index order.
+    pub const ALL: [OpKind; 2] = [OpKind::Send, OpKind::Read];
+
+    /// The label of this kind in stats and metrics.
+    pub fn name(self) -> &'static str {
+        match self {
+            OpKind::Send => "send",
+            OpKind::Read => "read",
+        }
+    }
+}
+
+/// What the scheduler needs to know about a staged WQE.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Head {
+    pub kind: OpKind,
+    /// Bytes the WQE moves (its SGEs, or its inline data; 8 for atomics).
+    pub bytes: u64,
+}
+
+impl Head {
+    /// Its cost in the fair-share accounting.
+    pub fn cost(&self) -> u64 {
+        self.bytes.max(MIN_COST)
+    }
+}
+
+/// A physical QP of a device.
+pub type QueueId = (DeviceId, u32);
+
+/// The scheduler's decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pick {
+    /// Run the staged WQE of this pQP (it is no longer staged).
+    Run(QueueId),
+    /// Staged work exists but none may go now; the earliest time a token
+    /// bucket or the port allows some.
+    Wait(Option<Instant>),
+    /// Nothing is staged.
+    Idle,
+}
+
+/// Class indices, highest priority first.
+const CLASSES: usize = 3;
+
+fn class_index(class: PriorityClass) -> usize {
+    match class {
+        PriorityClass::Realtime => 0,
+        PriorityClass::Priority => 1,
+        PriorityClass::Normal => 2,
+    }
+}
+
+/// The scheduler's view of one tenant.
+#[derive(Debug, Clone)]
+struct TenantState {
+    class: usize,
+    weight: u32,
+    limiters: [Limiter; 2],
+    /// Deficit round robin: bytes it may still send this turn.
+    deficit: u64,
+    /// It earned its quantum for the current turn.
+    visited: bool,
+    /// Its staged pQPs, in turn order.
+    staged: VecDeque<QueueId>,
+    /// In its class's ring (it has staged work).
+    in_ring: bool,
+    throttled_since: [Option<Instant>; 2],
+    throttled: [Duration; 2],
+}
+
+impl TenantState {
+    fn quantum(&self) -> u64 {
+        u64::from(self.weight.max(1)) * QUANTUM
+    }
+
+    fn end_throttling(&mut self, kind: usize, now: Instant) {
+        if let Some(since) = self.throttled_since[kind].take() {
+            self.throttled[kind] += now.saturating_duration_since(since);
+        }
+    }
+}
+
+/// The scheduler: tenants, their devices, and the staged WQEs.
+#[derive(Debug)]
+pub struct Scheduler {
+    tenants: Vec<TenantState>,
+    by_name: HashMap<String, usize>,
+    devices: IdMap<DeviceId, usize>,
+    /// Staged heads and their tenant.
+    heads: IdMap<QueueId, (usize, Head)>,
+    /// Tenants with staged work, per class, in deficit-round-robin order.
+    rings: [VecDeque<usize>; CLASSES],
+    /// When each class last had work staged or served.
+    last_busy: [Option<Instant>; CLASSES],
+    /// The tenant the last pick or burst served.
+    last_served: Option<usize>,
+    /// The latest `now` seen.
+    clock: Option<Instant>,
+    /// The port, when a line rate is configured.
+    link: Option<Link>,
+}
+
+impl Scheduler {
+    /// A scheduler with a port of `link` (`None`: unlimited).
+    pub fn new(link: Option<Link>) -> Self {
+        Scheduler {
+            tenants: Vec::new(),
+            by_name: HashMap::new(),
+            devices: IdMap::default(),
+            heads: IdMap::default(),
+            rings: Default::default(),
+            last_busy: [None; CLASSES],
+            last_served: None,
+            clock: None,
+            link,
+        }
+    }
+
+    /// Creates or updates a tenant's class, weight and rates. Takes effect
+    /// at the next pick; tokens held are kept (capped at new burst sizes).
+    pub fn configure(&mut self, policy: &TenantPolicy, now: Instant) {
+        let class = class_index(policy.priority.class);
+        let index = match self.by_name.get(&policy.name) {
+            Some(&i) => i,
+            None => {
+                self.tenants.push(TenantState {
+                    class,
+                    weight: 1,
+                    limiters: [Limiter::default(); 2],
+                    deficit: 0,
+                    visited: false,
+                    staged: VecDeque::new(),
+                    in_ring: false,
+                    throttled_since: [None; 2],
+                    throttled: [Duration::ZERO; 2],
+                });
+                self.by_name
+                    .insert(policy.name.clone(), self.tenants.len() - 1);
+                self.tenants.len() - 1
+            }
+        };
+        let Some(t) = self.tenants.get_mut(index) else {
+            return;
+        };
+        if t.class != class {
+            if t.in_ring {
+                self.rings[t.class].retain(|&i| i != index);
+                self.rings[class].push_back(index);
+            }
+            t.class = class;
+            t.deficit = 0;
+            t.visited = false;
+        }
+        t.weight = policy.priority.weight.max(1);
+        t.limiters[OpKind::Send as usize].configure(&policy.rate.send, now);
+        t.limiters[OpKind::Read as usize].configure(&policy.rate.read, now);
+    }
+
+    /// Whether the tenant is known.
+    pub fn knows(&self, tenant: &str) -> bool {
+        self.by_name.contains_key(tenant)
+    }
+
+    /// A device of a known tenant; false if the tenant is unknown.
+    pub fn add_device(&mut self, device: DeviceId, tenant: &str) -> bool {
+        match self.by_name.get(tenant) {
+            Some(&i) => {
+                self.devices.insert(device, i);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// The service rank of a device's work: its tenant's class, 0 for
+    /// realtime.
+    pub fn rank(&self, device: DeviceId) -> Option<u8> {
+        let &tenant = self.devices.get(&device)?;
+        Some(self.tenants.get(tenant)?.class as u8)
+    }
+
+    /// Whether a class above `rank` was busy within [`BUSY_FOR`] of `now`:
+    /// then a long message of `rank` moves in segments.
+    pub fn outranked(&self, rank: u8, now: Instant) -> bool {
+        (self.last_busy.iter().take(usize::from(rank)))
+            .flatten()
+            .any(|&at| now.saturating_duration_since(at) < BUSY_FOR)
+    }
+
+    /// Forgets a device and its staged WQEs.
+    pub fn remove_device(&mut self, device: DeviceId) {
+        let queues: Vec<QueueId> = self.heads.keys().filter(|q| q.0 == device).copied().collect();
+        for q in queues {
+            self.unstage(q);
+        }
+        self.devices.remove(&device);
+    }
+
+    /// The next WQE of `queue` is staged (replacing what was staged).
+    pub fn stage(&mut self, queue: QueueId, head: Head, now: Instant) {
+        let Some(&ti) = self.devices.get(&queue.0) else {
+            return;
+        };
+        self.clock = Some(self.clock.map_or(now, |c| c.max(now)));
+        if self.heads.insert(queue, (ti, head)).is_some() {
+            return;
+        }
+        let Some(t) = self.tenants.get_mut(ti) else {
+            return;
+        };
+        t.staged.push_back(queue);
+        self.last_busy[t.class] = Some(now);
+        if !t.in_ring {
+            t.in_ring = true;
+            self.rings[t.class].push_back(ti);
+        }
+    }
+
+    /// Whether `queue` has a staged WQE.
+    pub fn is_staged(&self, queue: QueueId) -> bool {
+        self.heads.contains_key(&queue)
+    }
+
+    /// Forgets the staged WQE of `queue`. Its tenant keeps its place in
+    /// its class's ring (and its deficit) until the ring comes round to it
+    /// with nothing staged: the datapath usually stages the queue's next
+    /// WQE right away, and a tenant must not lose its turn in between.
+    pub fn unstage(&mut self, queue: QueueId) {
+        let Some((ti, _)) = self.heads.remove(&queue) else {
+            return;
+        };
+        if let Some(t) = self.tenants.get_mut(ti) {
+            t.staged.retain(|&q| q != queue);
+        }
+    }
+
+    /// Takes tenant `ti`, which has nothing staged, out of its ring.
+    fn leave_ring(&mut self, ti: usize, now: Instant) {
+        let Some(t) = self.tenants.get_mut(ti) else {
+            return;
+        };
+        t.in_ring = false;
+        t.deficit = 0;
+        t.visited = false;
+        for k in 0..2 {
+            t.end_throttling(k, now);
+        }
+        let class = t.class;
+        self.rings[class].retain(|&i| i != ti);
+    }
+
+    /// Time the tenant spent throttled so far, per [`OpKind`].
+    pub fn throttled(&self, tenant: &str, now: Instant) -> [Duration; 2] {
+        let Some(t) = self.by_name.get(tenant).and_then(|&i| self.tenants.get(i)) else {
+            return [Duration::ZERO; 2];
+        };
+        let mut out = t.throttled;
+        for (k, since) in t.throttled_since.iter().enumerate() {
+            if let Some(since) = since {
+                out[k] += now.saturating_duration_since(*since);
+            }
+        }
+        out
+    }
+
+    /// Whether any work is staged.
+    pub fn has_work(&self) -> bool {
+        !self.heads.is_empty()
+    }
+
+    /// Chooses the staged WQE to run next and charges its tenant's token
+    /// buckets, deficit and the port; the WQE is no longer staged.
+    pub fn pick(&mut self, now: Instant) -> Pick {
+        self.clock = Some(self.clock.map_or(now, |c| c.max(now)));
+        if self.heads.is_empty() {
+            // Idle: whoever is still in a ring has nothing staged.
+            let idle: Vec<usize> = self.rings.iter().flatten().copied().collect();
+            for ti in idle {
+                self.leave_ring(ti, now);
+            }
+            return Pick::Idle;
+        }
+        let mut wait: Option<Instant> = None;
+        let mut earliest = |at: Instant| wait = Some(wait.map_or(at, |w: Instant| w.min(at)));
+        for class in 0..CLASSES {
+            if self.rings[class].is_empty() {
+                continue;
+            }
+            if let Some(link) = &self.link {
+                if !link.open(class, now) {
+                    earliest(link.opens_at(class, now));
+                    continue;
+                }
+            }
+            if let Some(queue) = self.serve_class(class, now, &mut earliest) {
+                return Pick::Run(queue);
+            }
+        }
+        Pick::Wait(wait)
+    }
+
+    /// Lets the tenant served last run `queue`'s staged WQE right away, if
+    /// a pick would have: it is still its turn (its deficit covers the
+    /// WQE), its bucket allows it, the port is open for its class and no
+    /// higher class has work. Charges and unstages it like a pick.
+    pub fn burst(&mut self, queue: QueueId, now: Instant) -> bool {
+        let Some(&(ti, head)) = self.heads.get(&queue) else {
+            return false;
+        };
+        if self.last_served != Some(ti) {
+            return false;
+        }
+        let Some(t) = self.tenants.get(ti) else {
+            return false;
+        };
+        let class = t.class;
+        if self.heads_above(class)
+            || self.link.as_ref().is_some_and(|l| !l.open(class, now))
+            || head.cost() > t.deficit
+        {
+            return false;
+        }
+        let k = head.kind as usize;
+        let Some(t) = self.tenants.get_mut(ti) else {
+            return false;
+        };
+        t.limiters[k].refill(now);
+        if !t.limiters[k].ready(head.bytes) {
+            return false;
+        }
+        self.charge(ti, queue, head, now);
+        true
+    }
+
+    /// Whether a tenant of a class above `class` has work staged.
+    fn heads_above(&self, class: usize) -> bool {
+        (self.rings[..class].iter().flatten())
+            .any(|&i| self.tenants.get(i).is_some_and(|t| !t.staged.is_empty()))
+    }
+
+    /// Charges tenant `ti` for running `queue`'s staged `head`.
+    fn charge(&mut self, ti: usize, queue: QueueId, head: Head, now: Instant) {
+        let Some(t) = self.tenants.get_mut(ti) else {
+            return;
+        };
+        t.deficit -= head.cost().min(t.deficit);
+        t.limiters[head.kind as usize].take(head.bytes);
+        t.end_throttling(head.kind as usize, now);
+        // Its pQPs take turns: the one served goes to the back.
+        if t.staged.front() == Some(&queue) {
+            t.staged.rotate_left(1);
+        }
+        let class = t.class;
+        self.last_busy[class] = Some(now);
+        self.last_served = Some(ti);
+        if let Some(link) = &mut self.link {
+            link.book(class, head.cost(), now);
+        }
+        self.unstage(queue);
+    }
+
+    /// Deficit round robin among the eligible tenants of one class.
+    fn serve_class(
+        &mut self,
+        class: usize,
+        now: Instant,
+        earliest: &mut impl FnMut(Instant),
+    ) -> Option<QueueId> {
+        for pass in 0..2 {
+            let mut eligible = false;
+            let mut visits = self.rings[class].len();
+            while visits > 0 {
+                visits -= 1;
+                let &ti = self.rings[class].front()?;
+                let Some(t) = self.tenants.get_mut(ti) else {
+                    self.rings[class].rotate_left(1);
+                    continue;
+                };
+                if t.staged.is_empty() {
+                    // Nothing staged any more: out of the ring, no share
+                    // saved up.
+                    self.leave_ring(ti, now);
+                    continue;
+                }
+                // Its first staged queue whose bucket allows its head (a
+                // throttled READ does not hold its SENDs back).
+                let mut ready = None;
+                for (i, &queue) in t.staged.iter().enumerate() {
+                    let Some(&(_, head)) = self.heads.get(&queue) else {
+                        continue;
+                    };
+                    let k = head.kind as usize;
+                    let limiter = &mut t.limiters[k];
+                    limiter.refill(now);
+                    if limiter.ready(head.bytes) {
+                        ready = Some((i, queue, head));
+                        break;
+                    }
+                    if let Some(at) = limiter.ready_at(head.bytes, now) {
+                        earliest(at);
+                    }
+                    t.throttled_since[k].get_or_insert(now);
+                }
+                let Some((i, queue, head)) = ready else {
+                    // Throttled: no share saved up meanwhile.
+                    t.deficit = 0;
+                    t.visited = false;
+                    self.rings[class].rotate_left(1);
+                    continue;
+                };
+                t.staged.rotate_left(i);
+                eligible = true;
+                if !t.visited {
+                    t.deficit = t.deficit.saturating_add(t.quantum());
+                    t.visited = true;
+                }
+                if head.cost() <= t.deficit {
+                    self.charge(ti, queue, head, now);
+                    return Some(queue);
+                }
+                t.visited = false;
+                self.rings[class].rotate_left(1);
+            }
+            if !eligible {
+                return None;
+            }
+            if pass == 0 {
+                self.skip_empty_turns(class);
+            }
+        }
+        None
+    }
+
+    /// Nobody's deficit covers its next WQE (a message of many quanta):
+    /// credits every tenant of the class the turns in which nothing would
+    /// be sent, instead of spinning through them.
+    fn skip_empty_turns(&mut self, class: usize) {
+        let cost_left = |t: &TenantState, heads: &IdMap<QueueId, (usize, Head)>| {
+            let queue = t.staged.front()?;
+            let (_, head) = heads.get(queue)?;
+            Some(head.cost().saturating_sub(t.deficit).div_ceil(t.quantum()))
+        };
+        let turns = (self.rings[class].iter())
+            .filter_map(|&i| cost_left(self.tenants.get(i)?, &self.heads))
+            .min()
+            .unwrap_or(1)
+            .max(1);
+        for &i in &self.rings[class] {
+            if let Some(t) = self.tenants.get_mut(i) {
+                t.deficit = t.deficit.saturating_add((turns - 1) * t.quantum());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;
