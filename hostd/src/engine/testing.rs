@@ -1,8 +1,11 @@
-//! A driver's side of two devices, for testing the engine in-process: the
-//! guest memory is a memfd per device, and the "driver" writes WQEs into
-//! its rings, rings its doorbell and reads its CQ exactly as the spec says
-//! (no hostd code on that side). Used by the engine's unit tests, hostd's
-//! allocation test and the fuzz checks; compiled only for them.
+//! A driver's side of a device, for testing hostd: [`Driver`] is the
+//! guest memory of one device (a memfd, at guest address 0, with a fixed
+//! layout) and writes WQEs into its rings, rings its doorbell and reads its
+//! CQ and event ring exactly as the spec says — no hostd code on that
+//! side. [`Env`] wires two of them to an engine in-process; hostd's
+//! integration tests drive one through the control socket. Used by the
+//! engine's unit tests, hostd's tests and the fuzz checks; compiled only
+//! for them.
 
 use std::time::{Duration, Instant};
 
@@ -60,21 +63,78 @@ pub struct TestQp {
     pub rq_producer: u32,
 }
 
-/// One device and its driver.
+/// A device's guest memory as its driver uses it.
+#[derive(Debug)]
+pub struct Driver {
+    /// The driver's view of its guest memory.
+    pub mem: SharedMapping,
+    pub qps: Vec<TestQp>,
+    cq_consumer: u32,
+    eq_consumer: u32,
+}
+
+/// One device on an in-process engine, and its driver.
 #[derive(Debug)]
 pub struct Side {
     pub id: DeviceId,
     pub lid: u16,
-    /// The driver's view of its guest memory.
-    pub mem: SharedMapping,
+    pub driver: Driver,
     pub lkey: u32,
     pub rkey: u32,
-    pub qps: Vec<TestQp>,
-    cq_consumer: u32,
-    eq_consumer: u32,
     /// The eventfd the driver would kick; the event ring's interrupt.
     pub kick: EventFd,
     pub irq: EventFd,
+}
+
+impl std::ops::Deref for Side {
+    type Target = Driver;
+    fn deref(&self) -> &Driver {
+        &self.driver
+    }
+}
+
+impl std::ops::DerefMut for Side {
+    fn deref_mut(&mut self) -> &mut Driver {
+        &mut self.driver
+    }
+}
+
+/// The registration of the data region ([`DATA`] at [`IOVA`], every
+/// access) in slot 0.
+pub fn data_region() -> MrRegistration {
+    MrRegistration {
+        pd: 1,
+        access: ALL,
+        iova: IOVA,
+        len: DATA_LEN,
+        segments: vec![MrSegment {
+            slot: 0,
+            offset: DATA,
+            len: DATA_LEN,
+        }],
+    }
+}
+
+/// The setup of the `n`th QP numbered `vqpn`, with rings of `depth` slots
+/// of `stride` bytes (each at most 32 KiB) and `caps` (max_send_sge,
+/// max_inline, max_recv_sge).
+pub fn qp_setup(n: usize, vqpn: u32, caps: (u32, u32, u32), depth: u32, stride: u32) -> QpSetup {
+    let n = n as u64;
+    let ring = |gpa| WorkRing { gpa, depth, stride };
+    let (max_sge, max_inline, max_recv_sge) = caps;
+    QpSetup {
+        vqpn,
+        pd: 1,
+        db_index: n as u32,
+        send_cqn: CQN,
+        recv_cqn: CQN,
+        sq_sig_all: false,
+        sq: ring(SQ + n * QP_STEP),
+        rq: ring(RQ + n * QP_STEP),
+        max_send_sge: max_sge,
+        max_recv_sge,
+        max_inline_data: max_inline,
+    }
 }
 
 /// Two devices on one engine, A (id 1, LID 10) and B (id 2, LID 20), each
@@ -151,27 +211,13 @@ impl Side {
             .create_eq(id, 0, EQ, EQ_DEPTH, irq.try_clone().expect("dup"))
             .expect("eq");
         engine.create_cq(id, CQN, CQ, CQ_DEPTH, 0).expect("cq");
-        let reg = MrRegistration {
-            pd: 1,
-            access: ALL,
-            iova: IOVA,
-            len: DATA_LEN,
-            segments: vec![MrSegment {
-                slot: 0,
-                offset: DATA,
-                len: DATA_LEN,
-            }],
-        };
-        let (lkey, rkey) = engine.register_mr(id, &reg).expect("mr");
+        let (lkey, rkey) = engine.register_mr(id, &data_region()).expect("mr");
         Side {
             id,
             lid,
-            mem,
+            driver: Driver::new(mem),
             lkey,
             rkey,
-            qps: Vec::new(),
-            cq_consumer: 0,
-            eq_consumer: 0,
             kick,
             irq,
         }
@@ -182,8 +228,7 @@ impl Side {
         self.add_qp_shaped(engine, vqpn, caps, DEPTH, STRIDE)
     }
 
-    /// The same with rings of `depth` slots of `stride` bytes (each ring
-    /// at most 32 KiB).
+    /// The same with rings of `depth` slots of `stride` bytes.
     pub fn add_qp_shaped(
         &mut self,
         engine: &mut Engine,
@@ -192,35 +237,33 @@ impl Side {
         depth: u32,
         stride: u32,
     ) -> usize {
-        let n = self.qps.len() as u64;
-        let (sq, rq) = (SQ + n * QP_STEP, RQ + n * QP_STEP);
-        let ring = |gpa| WorkRing { gpa, depth, stride };
-        let (max_sge, max_inline, max_recv_sge) = caps;
-        engine
-            .create_qp(
-                self.id,
-                &QpSetup {
-                    vqpn,
-                    pd: 1,
-                    db_index: n as u32,
-                    send_cqn: CQN,
-                    recv_cqn: CQN,
-                    sq_sig_all: false,
-                    sq: ring(sq),
-                    rq: ring(rq),
-                    max_send_sge: max_sge,
-                    max_recv_sge,
-                    max_inline_data: max_inline,
-                },
-            )
-            .expect("qp");
+        let setup = qp_setup(self.qps.len(), vqpn, caps, depth, stride);
+        engine.create_qp(self.id, &setup).expect("qp");
+        self.driver.add_qp(&setup)
+    }
+}
+
+impl Driver {
+    /// The driver of the guest memory `mem` maps (laid out as this module
+    /// says; the device's rings are created by the caller).
+    pub fn new(mem: SharedMapping) -> Self {
+        Driver {
+            mem,
+            qps: Vec::new(),
+            cq_consumer: 0,
+            eq_consumer: 0,
+        }
+    }
+
+    /// Tracks the QP `setup` created; returns its index.
+    pub fn add_qp(&mut self, setup: &QpSetup) -> usize {
         self.qps.push(TestQp {
-            vqpn,
-            db_index: n as u32,
-            sq,
-            rq,
-            depth,
-            stride,
+            vqpn: setup.vqpn,
+            db_index: setup.db_index,
+            sq: setup.sq.gpa,
+            rq: setup.rq.gpa,
+            depth: setup.sq.depth,
+            stride: setup.sq.stride,
             sq_producer: 0,
             rq_producer: 0,
         });
@@ -248,11 +291,18 @@ impl Side {
         summary.fetch_or(bit.summary_mask.to_le(), std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// Writes raw `bytes` at byte `offset` of send slot `index` of QP `qp`
+    /// (no publish).
+    pub fn write_send_slot_at(&self, qp: usize, index: u32, offset: usize, bytes: &[u8]) {
+        let q = &self.qps[qp];
+        let room = (q.stride as usize).saturating_sub(offset);
+        let at = q.sq + RING_HEADER_SIZE as u64 + u64::from(index % q.depth) * u64::from(q.stride);
+        assert!(self.mem.write(at as usize + offset, &bytes[..bytes.len().min(room)]));
+    }
+
     /// Writes raw `bytes` into send slot `index` of QP `qp` (no publish).
     pub fn write_send_slot(&self, qp: usize, index: u32, bytes: &[u8]) {
-        let q = &self.qps[qp];
-        let at = q.sq + RING_HEADER_SIZE as u64 + u64::from(index % q.depth) * u64::from(q.stride);
-        assert!(self.mem.write(at as usize, &bytes[..bytes.len().min(q.stride as usize)]));
+        self.write_send_slot_at(qp, index, 0, bytes);
     }
 
     /// Publishes send producer index `producer` of QP `qp` and rings.
@@ -265,8 +315,8 @@ impl Side {
     /// Posts a send WQE with `payload` (SGEs or inline bytes) on QP `qp`.
     pub fn post_send(&mut self, qp: usize, wqe: &SendWqe, payload: &[u8]) {
         let index = self.qps[qp].sq_producer;
-        let slot = super::wqe::encode_send(wqe, payload, self.qps[qp].stride as usize);
-        self.write_send_slot(qp, index, &slot);
+        self.write_send_slot_at(qp, index, 0, wqe.as_bytes());
+        self.write_send_slot_at(qp, index, core::mem::size_of::<SendWqe>(), payload);
         self.publish_send(qp, index.wrapping_add(1));
     }
 
@@ -300,17 +350,22 @@ impl Side {
 
     /// Takes every CQE the device wrote.
     pub fn poll(&mut self) -> Vec<Cqe> {
-        let producer = word(&self.mem, CQ + DEVICE_INDEX_OFFSET);
         let mut out = Vec::new();
+        self.poll_each(|cqe| out.push(cqe));
+        out
+    }
+
+    /// Hands every CQE the device wrote to `f` (allocating nothing).
+    pub fn poll_each(&mut self, mut f: impl FnMut(Cqe)) {
+        let producer = word(&self.mem, CQ + DEVICE_INDEX_OFFSET);
         while self.cq_consumer != producer {
             let at = CQ + RING_HEADER_SIZE as u64 + u64::from(self.cq_consumer % CQ_DEPTH) * CQE_SIZE as u64;
             let mut raw = [0u8; CQE_SIZE];
             assert!(self.mem.read(at as usize, &mut raw));
-            out.push(Cqe::read_from_bytes(&raw).expect("cqe"));
+            f(Cqe::read_from_bytes(&raw).expect("cqe"));
             self.cq_consumer = self.cq_consumer.wrapping_add(1);
         }
         set_word(&self.mem, CQ + DRIVER_INDEX_OFFSET, self.cq_consumer);
-        out
     }
 
     /// Arms the CQ: `(sn << 8) | kind`.
@@ -320,18 +375,23 @@ impl Side {
 
     /// Takes every event of ring 0: (kind, object).
     pub fn events(&mut self) -> Vec<(u16, u32)> {
-        let producer = word(&self.mem, EQ + DEVICE_INDEX_OFFSET);
         let mut out = Vec::new();
+        self.events_each(|kind, object| out.push((kind, object)));
+        out
+    }
+
+    /// Hands every event of ring 0 to `f` (allocating nothing).
+    pub fn events_each(&mut self, mut f: impl FnMut(u16, u32)) {
+        let producer = word(&self.mem, EQ + DEVICE_INDEX_OFFSET);
         while self.eq_consumer != producer {
             let at = EQ + RING_HEADER_SIZE as u64 + u64::from(self.eq_consumer % EQ_DEPTH) * EVENT_SIZE as u64;
             let mut raw = [0u8; EVENT_SIZE];
             assert!(self.mem.read(at as usize, &mut raw));
             let e = Event::read_from_bytes(&raw).expect("event");
-            out.push((e.kind.get(), e.object.get()));
+            f(e.kind.get(), e.object.get());
             self.eq_consumer = self.eq_consumer.wrapping_add(1);
         }
         set_word(&self.mem, EQ + DRIVER_INDEX_OFFSET, self.eq_consumer);
-        out
     }
 }
 

@@ -309,17 +309,22 @@ impl Scheduler {
 
     /// Takes tenant `ti`, which has nothing staged, out of its ring.
     fn leave_ring(&mut self, ti: usize, now: Instant) {
-        let Some(t) = self.tenants.get_mut(ti) else {
-            return;
-        };
+        if let Some(class) = self.out_of_ring(ti, now) {
+            self.rings[class].retain(|&i| i != ti);
+        }
+    }
+
+    /// Tenant `ti` left its ring: no share saved up, no throttling going
+    /// on. Returns its class.
+    fn out_of_ring(&mut self, ti: usize, now: Instant) -> Option<usize> {
+        let t = self.tenants.get_mut(ti)?;
         t.in_ring = false;
         t.deficit = 0;
         t.visited = false;
         for k in 0..2 {
             t.end_throttling(k, now);
         }
-        let class = t.class;
-        self.rings[class].retain(|&i| i != ti);
+        Some(t.class)
     }
 
     /// Time the tenant spent throttled so far, per [`OpKind`].
@@ -347,9 +352,10 @@ impl Scheduler {
         self.clock = Some(self.clock.map_or(now, |c| c.max(now)));
         if self.heads.is_empty() {
             // Idle: whoever is still in a ring has nothing staged.
-            let idle: Vec<usize> = self.rings.iter().flatten().copied().collect();
-            for ti in idle {
-                self.leave_ring(ti, now);
+            for class in 0..CLASSES {
+                while let Some(ti) = self.rings[class].pop_front() {
+                    self.out_of_ring(ti, now);
+                }
             }
             return Pick::Idle;
         }
