@@ -34,7 +34,7 @@ pub mod guest;
 pub mod keys;
 pub mod qp;
 mod rc;
-#[cfg(any(test, feature = "test-hooks"))]
+#[cfg(any(test, feature = "test-support"))]
 pub mod testing;
 pub mod wqe;
 

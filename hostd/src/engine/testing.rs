@@ -422,6 +422,14 @@ impl Env {
         env
     }
 
+    /// One more device (id `id`, LID `lid`) on the engine, with its own
+    /// data region and a QP `vqpn` in RESET.
+    pub fn add_side(&mut self, id: DeviceId, lid: u16, policy: &TenantPolicy, vqpn: u32) -> Side {
+        let mut side = Side::new(&mut self.engine, id, lid, policy);
+        side.add_qp(&mut self.engine, vqpn, CAPS);
+        side
+    }
+
     /// Connects A's QP `qa` and B's QP `qb` to each other and moves both
     /// to RTS.
     pub fn connect(&mut self, qa: usize, qb: usize) {
