@@ -17,13 +17,12 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vrdma_spec::config::{DeviceConfig, CONFIG_MAGIC, CONFIG_SIZE};
-use vrdma_spec::control::{CreateEqReq, Opcode, RequestHeader, ResponseHeader, SetDoorbellReq};
+use vrdma_spec::control::{CreateEqReq, Opcode, SetDoorbellReq};
 use vrdma_spec::ring::{doorbell, event_kind, Event};
-use vrdma_spec::{
-    CONTROL_QUEUE, DOORBELL_QUEUE, FIRST_EVENT_QUEUE, MAX_CONTROL_MSG, SPEC_VERSION_MAJOR,
-};
+use vrdma_spec::{CONTROL_QUEUE, DOORBELL_QUEUE, FIRST_EVENT_QUEUE, SPEC_VERSION_MAJOR};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
+use crate::control::ControlQueue;
 use crate::dma::{DmaArena, DmaBuf, DEFAULT_ARENA_SIZE, PAGE_SIZE};
 use crate::doorbell::DoorbellPage;
 use crate::error::{Error, Result};
@@ -93,16 +92,6 @@ impl From<&Event> for DeviceEvent {
     }
 }
 
-/// The control queue with its request and response buffers.
-#[derive(Debug)]
-struct Control {
-    vq: SplitQueue,
-    request: DmaBuf,
-    response: DmaBuf,
-    /// Set when a command's buffers may still be in the device's hands.
-    broken: bool,
-}
-
 /// The device's DMA arenas, grown on demand.
 #[derive(Debug)]
 struct Arenas {
@@ -151,7 +140,7 @@ pub struct Device {
     features: u64,
     options: DeviceOptions,
     arenas: Arenas,
-    control: Mutex<Control>,
+    control: Mutex<ControlQueue>,
     /// The doorbell page, given to the device with `SET_DOORBELL`.
     doorbell: DoorbellPage,
     /// One event ring per completion vector. The lock also makes one
@@ -252,12 +241,7 @@ impl Device {
         // Commands are serialized: 2 descriptors are in use at a time.
         let control_vq = SplitQueue::new(&arena, queue_size(8), event_idx)?;
         setup(CONTROL_QUEUE, &control_vq)?;
-        let control = Control {
-            vq: control_vq,
-            request: arena.alloc_zeroed(MAX_CONTROL_MSG, 64)?,
-            response: arena.alloc_zeroed(MAX_CONTROL_MSG, 64)?,
-            broken: false,
-        };
+        let control = ControlQueue::new(control_vq, &arena)?;
         let mut lines = Vec::with_capacity(usize::from(vectors) + 1);
         for index in DOORBELL_QUEUE..FIRST_EVENT_QUEUE + vectors {
             let vq = SplitQueue::new(&arena, queue_size(LINE_QUEUE_SIZE), event_idx)?;
@@ -401,102 +385,13 @@ impl Device {
     }
 
     fn command_raw(&self, opcode: Opcode, request: &[u8], response: &mut [u8]) -> Result<()> {
-        let req_len = core::mem::size_of::<RequestHeader>() + request.len();
-        let resp_len = core::mem::size_of::<ResponseHeader>() + response.len();
-        if req_len > MAX_CONTROL_MSG || resp_len > MAX_CONTROL_MSG {
-            return Err(Error::InvalidArgument("control message too large"));
-        }
-        let mut control = lock(&self.control);
-        if control.broken {
-            return Err(Error::ControlBroken);
-        }
-        let header = RequestHeader {
-            opcode: u16::from(opcode).into(),
-            flags: 0.into(),
-            // Bounded by MAX_CONTROL_MSG above.
-            payload_len: (request.len() as u32).into(),
-        };
-        control.request.write_at(0, header.as_bytes());
-        control.request.write_at(header.as_bytes().len(), request);
-        // A stale header must not pass for this command's answer.
-        control
-            .response
-            .write_at(0, ResponseHeader::default().as_bytes());
-        let chain = (
-            (control.request.device_addr(), req_len as u32),
-            (control.response.device_addr(), resp_len as u32),
-        );
-        let head = control.vq.add_chain(&[chain.0], &[chain.1])?;
-        let notify = control.vq.should_notify();
-        let result = if notify {
-            self.transport.notify(CONTROL_QUEUE).map_err(Error::from)
-        } else {
-            Ok(())
-        }
-        .and_then(|()| self.wait_used(&mut control.vq, CONTROL_QUEUE));
-        let (used_head, used_len) = match result {
-            Ok(used) => used,
-            Err(e) => {
-                // The device may still write the buffers: never reuse them.
-                control.broken = true;
-                return Err(e);
-            }
-        };
-        if used_head != head {
-            control.broken = true;
-            return Err(Error::Protocol("control queue returned another chain"));
-        }
-        let header_len = core::mem::size_of::<ResponseHeader>();
-        if (used_len as usize) < header_len {
-            return Err(Error::Protocol("control response shorter than its header"));
-        }
-        let mut raw = [0u8; core::mem::size_of::<ResponseHeader>()];
-        control.response.read_at(0, &mut raw);
-        let header = ResponseHeader::read_from_bytes(&raw)
-            .map_err(|_| Error::Protocol("control response header"))?;
-        let status = header.status.get();
-        if status != 0 {
-            tracing::debug!(?opcode, status, "Device refused a control command");
-            return Err(match i32::try_from(status) {
-                Ok(errno) if errno < 4096 => Error::Device(errno),
-                _ => Error::Protocol("control status is not an errno"),
-            });
-        }
-        if (header.payload_len.get() as usize) < response.len()
-            || (used_len as usize) < header_len + response.len()
-        {
-            return Err(Error::Protocol("control response payload too short"));
-        }
-        control.response.read_at(header_len, response);
-        Ok(())
-    }
-
-    /// Waits for the next used entry of `vq`: spin briefly, then sleep on the
-    /// queue's interrupt (up to the control timeout).
-    fn wait_used(&self, vq: &mut SplitQueue, queue: u16) -> Result<(u16, u32)> {
-        let start = Instant::now();
-        loop {
-            if let Some(used) = vq.pop_used()? {
-                return Ok(used);
-            }
-            if start.elapsed() >= self.options.spin {
-                break;
-            }
-            std::hint::spin_loop();
-        }
-        let deadline = start + self.options.control_timeout;
-        loop {
-            if !vq.enable_interrupts() {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(Error::Timeout(self.options.control_timeout));
-                }
-                self.transport.wait(queue, Some(left))?;
-            }
-            if let Some(used) = vq.pop_used()? {
-                return Ok(used);
-            }
-        }
+        lock(&self.control).run(
+            self.transport.as_ref(),
+            &self.options,
+            opcode,
+            request,
+            response,
+        )
     }
 
     /// Number of event rings (completion vectors).
@@ -564,7 +459,6 @@ mod tests {
         DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR, DEVICE_INDEX_OFFSET, DRIVER_INDEX_OFFSET,
         EVENT_SIZE, RING_HEADER_SIZE,
     };
-    use zerocopy::FromZeros;
 
     const FEATURES: u64 = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX;
 
@@ -729,19 +623,6 @@ mod tests {
     }
 
     #[test]
-    fn unanswered_command_times_out_and_breaks_the_control_queue() {
-        let stub = Arc::new(StubTransport::with_config(&config(1, 64), FEATURES));
-        let dev = Device::open(Box::new(Arc::clone(&stub)), options()).unwrap();
-        let err = dev.command_no_reply(Opcode::AllocPd, &[]).unwrap_err();
-        assert!(matches!(err, Error::Timeout(_)), "{err}");
-        assert_eq!(err.errno(), libc::ETIMEDOUT);
-        assert!(stub.notified.lock().unwrap().contains(&CONTROL_QUEUE));
-        // The buffers may still be the device's: no further command is sent.
-        let err = dev.command_no_reply(Opcode::AllocPd, &[]).unwrap_err();
-        assert!(matches!(err, Error::ControlBroken));
-    }
-
-    #[test]
     fn allocations_grow_the_device_memory() {
         let stub = Arc::new(StubTransport::with_config(&config(1, 64), FEATURES));
         let dev = Device::open(Box::new(Arc::clone(&stub)), options()).unwrap();
@@ -753,51 +634,6 @@ mod tests {
         assert_eq!(dev.device_addr_of(big.as_ptr() as u64), big.device_addr());
         let (inside, straddles) = dev.arena_of(big.as_ptr() as u64, 3 << 20);
         assert!(inside && !straddles);
-    }
-
-    #[test]
-    fn command_chain_carries_header_request_and_response_room() {
-        use vrdma_spec::config::PortAttr;
-        use vrdma_spec::control::QueryPortReq;
-
-        let mut port = PortAttr::new_zeroed();
-        port.lid = 0x1234.into();
-        let stub = Arc::new(
-            StubTransport::with_config(&config(1, 64), FEATURES).answering(move |op, _| match op {
-                Opcode::QueryPort => Reply::of(&port),
-                _ => Reply::Silent,
-            }),
-        );
-        let dev = Device::open(Box::new(Arc::clone(&stub)), options()).unwrap();
-        let req = QueryPortReq {
-            port_num: 1,
-            ..Default::default()
-        };
-        let got: PortAttr = dev.command(Opcode::QueryPort, req.as_bytes()).unwrap();
-        assert_eq!(got.lid.get(), 0x1234);
-        // The device read the header and the request, and had room for
-        // the header and the response.
-        let (opcode, payload) = stub.commands.lock().unwrap().last().unwrap().clone();
-        assert_eq!(
-            (opcode, payload.as_slice()),
-            (Opcode::QueryPort, req.as_bytes())
-        );
-        assert_eq!(
-            *stub.chains.lock().unwrap().last().unwrap(),
-            (8 + 8, 8 + core::mem::size_of::<PortAttr>())
-        );
-        // A refusal is the device's errno, and the queue stays usable.
-        let stub = Arc::new(
-            StubTransport::with_config(&config(1, 64), FEATURES)
-                .answering(|_, _| Reply::Errno(libc::EBUSY as u32)),
-        );
-        let dev = Device::open(Box::new(Arc::clone(&stub)), options()).unwrap();
-        for _ in 0..3 {
-            let err = dev
-                .command_no_reply(Opcode::DeallocPd, &[0; 8])
-                .unwrap_err();
-            assert_eq!(err.errno(), libc::EBUSY);
-        }
     }
 
     /// Writes `events` into the event ring at `ring` (of `depth`) as the

@@ -22,11 +22,13 @@
 //! - `doorbell`: the doorbell page (which QPs have new work).
 //! - `event_ring`: the event rings, one per completion vector.
 //! - `user_mem`: moving application memory onto shared memory for `reg_mr`.
-//! - [`device`]: device bring-up, control commands, events.
+//! - `control`: the control queue (verbs commands).
+//! - [`device`]: device bring-up, commands, doorbells, events.
 //! - [`verbs`]: the verbs-shaped API ([`Context`] and the objects it makes).
 //!
 //! Wire formats all come from [`vrdma_spec`].
 
+mod control;
 pub mod device;
 pub mod dma;
 mod doorbell;
