@@ -156,26 +156,14 @@ impl ControlQueue {
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
-    use std::time::Duration;
 
     use vrdma_spec::control::Opcode;
     use vrdma_spec::CONTROL_QUEUE;
     use zerocopy::{FromZeros, IntoBytes};
 
-    use crate::device::{Device, DeviceOptions};
+    use crate::device::Device;
     use crate::error::Error;
-    use crate::testing::{config, Reply, StubTransport};
-    use crate::transport::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
-
-    const FEATURES: u64 = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX;
-
-    fn options() -> DeviceOptions {
-        DeviceOptions {
-            arena_size: 1 << 20,
-            control_timeout: Duration::from_millis(30),
-            ..Default::default()
-        }
-    }
+    use crate::testing::{config, options, Reply, StubTransport, FEATURES};
 
     #[test]
     fn unanswered_command_times_out_and_breaks_the_control_queue() {

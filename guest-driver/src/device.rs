@@ -454,21 +454,11 @@ impl Device {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{config, Reply, StubTransport};
+    use crate::testing::{config, event, options, readable, Reply, StubTransport, FEATURES};
     use vrdma_spec::ring::{
         DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR, DEVICE_INDEX_OFFSET, DRIVER_INDEX_OFFSET,
         EVENT_SIZE, RING_HEADER_SIZE,
     };
-
-    const FEATURES: u64 = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX;
-
-    fn options() -> DeviceOptions {
-        DeviceOptions {
-            arena_size: 1 << 20,
-            control_timeout: Duration::from_millis(30),
-            ..Default::default()
-        }
-    }
 
     fn open_err(config: &DeviceConfig, features: u64) -> Error {
         let stub = StubTransport::with_config(config, features);
@@ -654,25 +644,6 @@ mod tests {
             *producer = producer.wrapping_add(1);
         }
         stub.store_u32(ring + DEVICE_INDEX_OFFSET, *producer);
-    }
-
-    fn event(kind: u16, object: u32) -> Event {
-        Event {
-            kind: kind.into(),
-            object: object.into(),
-            ..Default::default()
-        }
-    }
-
-    fn readable(fd: std::os::fd::BorrowedFd<'_>) -> bool {
-        use std::os::fd::AsRawFd;
-        let mut pfd = libc::pollfd {
-            fd: fd.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call.
-        unsafe { libc::poll(&mut pfd, 1, 0) == 1 }
     }
 
     #[test]

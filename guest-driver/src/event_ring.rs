@@ -83,6 +83,7 @@ impl EventRing {
 mod tests {
     use super::*;
     use crate::dma::DmaArena;
+    use crate::testing::event;
     use std::sync::atomic::Ordering;
     use vrdma_spec::ring::{
         event_kind, DEVICE_FLAGS_OFFSET, DEVICE_INDEX_OFFSET, DRIVER_INDEX_OFFSET, RING_HEADER_SIZE,
@@ -99,14 +100,6 @@ mod tests {
         }
         mem.atomic_u32(DEVICE_INDEX_OFFSET as usize)
             .store(producer.to_le(), Ordering::Release);
-    }
-
-    fn event(kind: u16, object: u32) -> Event {
-        Event {
-            kind: kind.into(),
-            object: object.into(),
-            ..Default::default()
-        }
     }
 
     fn ring(depth: u32) -> EventRing {

@@ -15,11 +15,15 @@ use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_spec::config::{DeviceConfig, CONFIG_MAGIC, CONFIG_SIZE};
 use vrdma_spec::control::{Opcode, RequestHeader, ResponseHeader};
+use vrdma_spec::ring::Event;
 use vrdma_spec::CONTROL_QUEUE;
 use zerocopy::{FromBytes, FromZeros, IntoBytes};
 
+use crate::device::DeviceOptions;
 use crate::dma::DmaRegion;
-use crate::transport::{QueueSetup, Transport, TransportError, VIRTIO_RING_F_EVENT_IDX};
+use crate::transport::{
+    QueueSetup, Transport, TransportError, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
+};
 
 /// What the stub device answers to a command.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -76,6 +80,39 @@ impl std::fmt::Debug for StubTransport {
             .field("queues", &self.queues)
             .finish_non_exhaustive()
     }
+}
+
+/// The features the test device offers.
+pub(crate) const FEATURES: u64 = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX;
+
+/// Options for opening a test device: a small arena, and a short control
+/// timeout for tests of unanswered commands.
+pub(crate) fn options() -> DeviceOptions {
+    DeviceOptions {
+        arena_size: 1 << 20,
+        control_timeout: Duration::from_millis(30),
+        ..Default::default()
+    }
+}
+
+/// An event of `kind` naming `object`.
+pub(crate) fn event(kind: u16, object: u32) -> Event {
+    Event {
+        kind: kind.into(),
+        object: object.into(),
+        ..Default::default()
+    }
+}
+
+/// Whether `fd` is readable right now.
+pub(crate) fn readable(fd: BorrowedFd<'_>) -> bool {
+    let mut pfd = libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd for the duration of the call.
+    unsafe { libc::poll(&mut pfd, 1, 0) == 1 }
 }
 
 /// A valid config space with `vectors` completion vectors.

@@ -672,21 +672,12 @@ impl CompletionQueue {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{config, StubTransport};
-    use crate::transport::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
+    use crate::testing::{config, options, StubTransport, FEATURES};
 
     #[test]
     fn context_checks_arguments_before_asking_the_device() {
-        let stub = StubTransport::with_config(
-            &config(2, 64),
-            VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX,
-        );
-        let options = DeviceOptions {
-            arena_size: 1 << 20,
-            control_timeout: Duration::from_millis(10),
-            ..Default::default()
-        };
-        let ctx = Context::open(Box::new(stub), options).unwrap();
+        let stub = StubTransport::with_config(&config(2, 64), FEATURES);
+        let ctx = Context::open(Box::new(stub), options()).unwrap();
         assert_eq!(ctx.num_comp_vectors(), 2);
         assert_eq!(ctx.config().name(), Some("vrdma"));
         let err = ctx.create_cq(u32::MAX, 0).unwrap_err();

@@ -333,8 +333,7 @@ mod tests {
     use super::*;
     use crate::device::DeviceOptions;
     use crate::ring::{SendPayload, Sge};
-    use crate::testing::{config, Reply, StubTransport};
-    use crate::transport::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
+    use crate::testing::{config, options, Reply, StubTransport, FEATURES};
     use crate::verbs::Context;
     use std::time::Duration;
     use vrdma_spec::control::{CqHandle, CreateCqReq, PdHandle, SetDoorbellReq};
@@ -352,8 +351,7 @@ mod tests {
     /// A device that creates PDs, CQs and QPs the way vdev does (the grant
     /// from `QpGrant`), giving its QPs doorbell index `db_index`.
     fn device(db_index: u32) -> (Arc<StubTransport>, Context) {
-        let features = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX;
-        let stub = StubTransport::with_config(&config(1, 64), features).answering(
+        let stub = StubTransport::with_config(&config(1, 64), FEATURES).answering(
             move |op, req| match op {
                 Opcode::AllocPd => Reply::of(&PdHandle {
                     pdn: 1.into(),
@@ -396,10 +394,10 @@ mod tests {
             },
         );
         let stub = Arc::new(stub);
+        // Every command is answered: a slow test host must not time out.
         let options = DeviceOptions {
-            arena_size: 1 << 20,
             control_timeout: Duration::from_secs(5),
-            ..Default::default()
+            ..options()
         };
         let ctx = Context::open(Box::new(Arc::clone(&stub)), options).unwrap();
         (stub, ctx)

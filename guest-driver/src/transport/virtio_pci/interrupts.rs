@@ -313,13 +313,7 @@ mod tests {
         }
 
         fn readable(&self, queue: u16) -> bool {
-            let mut pfd = libc::pollfd {
-                fd: self.interrupts.fd(queue).unwrap().as_raw_fd(),
-                events: libc::POLLIN,
-                revents: 0,
-            };
-            // SAFETY: one valid pollfd.
-            unsafe { libc::poll(&mut pfd, 1, 0) == 1 }
+            crate::testing::readable(self.interrupts.fd(queue).unwrap())
         }
     }
 
