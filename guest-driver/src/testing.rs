@@ -25,6 +25,44 @@ use crate::transport::{
     QueueSetup, Transport, TransportError, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX,
 };
 
+/// The test binary's allocator: the system's, counting the allocations of
+/// each thread, so a test can show a path allocates nothing.
+struct CountingAlloc;
+
+thread_local! {
+    static ALLOCATIONS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+// SAFETY: every call is forwarded to the system allocator unchanged; the
+// count is a const-initialized thread-local without a destructor, which
+// neither allocates nor can be gone while this thread allocates.
+unsafe impl std::alloc::GlobalAlloc for CountingAlloc {
+    unsafe fn alloc(&self, layout: std::alloc::Layout) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+        // SAFETY: forwarded with the caller's layout.
+        unsafe { std::alloc::System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: std::alloc::Layout) {
+        // SAFETY: `ptr` came from `alloc` above, i.e. from System.
+        unsafe { std::alloc::System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: std::alloc::Layout, new: usize) -> *mut u8 {
+        let _ = ALLOCATIONS.try_with(|n| n.set(n.get() + 1));
+        // SAFETY: forwarded; `ptr` came from System.
+        unsafe { std::alloc::System.realloc(ptr, layout, new) }
+    }
+}
+
+#[global_allocator]
+static ALLOCATOR: CountingAlloc = CountingAlloc;
+
+/// How many heap allocations this thread made while running `f`.
+pub(crate) fn allocations_in(f: impl FnOnce()) -> u64 {
+    let before = ALLOCATIONS.with(std::cell::Cell::get);
+    f();
+    ALLOCATIONS.with(std::cell::Cell::get) - before
+}
+
 /// What the stub device answers to a command.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Reply {

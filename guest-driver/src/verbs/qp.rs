@@ -559,6 +559,45 @@ mod tests {
     }
 
     #[test]
+    fn posting_and_polling_allocate_nothing() {
+        let (stub, ctx) = device(5);
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(64, 0).unwrap();
+        let qp = pd.create_qp(&init(&cq, 16)).unwrap();
+        let cq_ring = stub.requests::<CreateCqReq>(Opcode::CreateCq)[0]
+            .ring_addr
+            .get();
+        let cqe = Cqe {
+            wr_id: 7.into(),
+            ..Default::default()
+        };
+        stub.write(cq_ring + RING_HEADER_SIZE as u64, cqe.as_bytes());
+        stub.store_u32(cq_ring + DEVICE_INDEX_OFFSET, 1);
+        let wrs = sends(16);
+        let recv = [RecvWr {
+            wr_id: 1,
+            sg_list: &SGE,
+        }; 8];
+        let mut wc = [Default::default(); 8];
+        let mut polled = 0;
+        let n = crate::testing::allocations_in(|| {
+            qp.post_send(&wrs).unwrap();
+            qp.post_recv(&recv).unwrap();
+            // The error path too: the queue is full now.
+            let mut batch = qp.send_batch();
+            assert_eq!(batch.push(&wrs[0]).unwrap_err().errno(), libc::ENOMEM);
+            drop(batch);
+            polled = cq.poll(&mut wc).unwrap();
+            polled += cq.poll(&mut wc).unwrap();
+        });
+        assert_eq!(polled, 1);
+        assert_eq!(wc[0].wr_id, 7);
+        assert_eq!(n, 0, "heap allocations on the data path");
+        // The counter does count: the same thread allocating is seen.
+        assert_eq!(crate::testing::allocations_in(|| drop(vec![1u8])), 1);
+    }
+
+    #[test]
     fn a_doorbell_index_beyond_the_page_destroys_the_qp() {
         let (stub, ctx) = device(MAX_QPS);
         let pd = ctx.alloc_pd().unwrap();
