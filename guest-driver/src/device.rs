@@ -1,33 +1,40 @@
 //! The driver core: bringing a vrdma device up and talking to it.
 //!
 //! [`Device::open`] negotiates features, checks the config space, gives the
-//! device its first DMA arena and sets up the virtqueues: the control queue,
-//! the doorbell queue (notifications only) and one event queue per
-//! completion vector, pre-filled with 16-byte buffers for
-//! [`vrdma_spec::ring::Event`]s. It then serves the verbs layer: control
-//! commands ([`Device::command`]), DMA allocations that grow the device's
-//! memory on demand, doorbells, events, and application memory sharing.
+//! device its first DMA arena and sets up the virtqueues: the control
+//! queue, the doorbell queue and one event queue per completion vector.
+//! Only the control queue carries descriptors; the others are notification
+//! lines (a kick on the doorbell queue wakes the device, an interrupt of an
+//! event queue says its vector's event ring has news). After `DRIVER_OK` it
+//! gives the device its doorbell page (`SET_DOORBELL`) and one event ring
+//! per completion vector (`CREATE_EQ`). It then serves the verbs layer:
+//! control commands ([`Device::command`]), DMA allocations that grow the
+//! device's memory on demand, doorbells, events, and application memory
+//! sharing.
 
 use std::any::Any;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vrdma_spec::config::{DeviceConfig, CONFIG_MAGIC, CONFIG_SIZE};
-use vrdma_spec::control::{Opcode, RequestHeader, ResponseHeader};
-use vrdma_spec::ring::{event_kind, Event};
-use vrdma_spec::{
-    CONTROL_QUEUE, DOORBELL_QUEUE, FIRST_EVENT_QUEUE, MAX_CONTROL_MSG, SPEC_VERSION_MAJOR,
-};
+use vrdma_spec::control::{CreateEqReq, Opcode, SetDoorbellReq};
+use vrdma_spec::ring::{doorbell, event_kind, Event};
+use vrdma_spec::{CONTROL_QUEUE, DOORBELL_QUEUE, FIRST_EVENT_QUEUE, SPEC_VERSION_MAJOR};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
+use crate::control::ControlQueue;
 use crate::dma::{DmaArena, DmaBuf, DEFAULT_ARENA_SIZE, PAGE_SIZE};
+use crate::doorbell::DoorbellPage;
 use crate::error::{Error, Result};
+use crate::event_ring::EventRing;
 use crate::memory::DeviceMemory;
 use crate::transport::{QueueSetup, Transport, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use crate::virtqueue::SplitQueue;
 
-/// Size of one event buffer: one [`Event`].
-const EVENT_SIZE: usize = core::mem::size_of::<Event>();
+/// Size of the virtqueues that carry no descriptors (the doorbell and
+/// event queues): only their interrupts and notifications are used, but a
+/// device only watches a queue that is fully set up.
+const LINE_QUEUE_SIZE: u16 = 2;
 
 /// Tunables of [`Device::open`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,8 +48,9 @@ pub struct DeviceOptions {
     /// How long to spin on a queue before sleeping on its interrupt: on a
     /// 2-core host a long spin steals the device's core.
     pub spin: Duration,
-    /// Entries of each event queue.
-    pub event_queue_size: u16,
+    /// Events each completion vector's event ring holds (a power of two up
+    /// to `MAX_RING_DEPTH`). The device drops events that find it full.
+    pub event_ring_depth: u32,
 }
 
 impl Default for DeviceOptions {
@@ -51,12 +59,12 @@ impl Default for DeviceOptions {
             arena_size: DEFAULT_ARENA_SIZE,
             control_timeout: Duration::from_secs(10),
             spin: Duration::from_micros(20),
-            event_queue_size: 64,
+            event_ring_depth: 1024,
         }
     }
 }
 
-/// An asynchronous event the device reported on an event queue.
+/// An asynchronous event the device reported on an event ring.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DeviceEvent {
     /// An armed CQ got a completion.
@@ -84,32 +92,43 @@ impl From<&Event> for DeviceEvent {
     }
 }
 
-/// The control queue with its request and response buffers.
+/// The device's DMA arenas, grown on demand.
 #[derive(Debug)]
-struct Control {
-    vq: SplitQueue,
-    request: DmaBuf,
-    response: DmaBuf,
-    /// Set when a command's buffers may still be in the device's hands.
-    broken: bool,
+struct Arenas {
+    list: Mutex<Vec<Arc<DmaArena>>>,
+    /// Bytes of an arena added when the others are full (at least).
+    size: usize,
 }
 
-/// One event queue and the buffers posted on it.
-#[derive(Debug)]
-struct EventQueue {
-    index: u16,
-    vq: SplitQueue,
-    buffers: DmaBuf,
-    /// Buffer (event slot) each outstanding head refers to.
-    slot_of_head: Vec<Option<usize>>,
-}
-
-impl EventQueue {
-    fn post(&mut self, slot: usize) -> Result<()> {
-        let addr = self.buffers.device_addr() + (slot * EVENT_SIZE) as u64;
-        let head = self.vq.add_chain(&[], &[(addr, EVENT_SIZE as u32)])?;
-        self.slot_of_head[usize::from(head)] = Some(slot);
-        Ok(())
+impl Arenas {
+    /// Allocates DMA memory, adding an arena (and telling the device about
+    /// it) when the existing ones are full.
+    fn alloc(
+        &self,
+        memory: &DeviceMemory,
+        transport: &dyn Transport,
+        (len, align): (usize, usize),
+        zeroed: bool,
+    ) -> Result<DmaBuf> {
+        let mut arenas = lock(&self.list);
+        let try_alloc = |arena: &Arc<DmaArena>| {
+            if zeroed {
+                arena.alloc_zeroed(len, align)
+            } else {
+                arena.alloc(len, align)
+            }
+        };
+        if let Some(buf) = arenas.iter().find_map(|a| try_alloc(a).ok()) {
+            return Ok(buf);
+        }
+        let needed = len
+            .checked_add(align.max(PAGE_SIZE))
+            .and_then(|n| n.checked_next_multiple_of(PAGE_SIZE))
+            .ok_or(Error::InvalidArgument("allocation too large"))?;
+        let arena = memory.new_arena(transport, memory.arena_size(needed, self.size))?;
+        let buf = try_alloc(&arena)?;
+        arenas.push(arena);
+        Ok(buf)
     }
 }
 
@@ -120,11 +139,17 @@ pub struct Device {
     config: DeviceConfig,
     features: u64,
     options: DeviceOptions,
-    arenas: Mutex<Vec<Arc<DmaArena>>>,
-    control: Mutex<Control>,
-    events: Vec<Mutex<EventQueue>>,
-    /// The doorbell queue: only its memory matters, it is never used.
-    _doorbell: SplitQueue,
+    arenas: Arenas,
+    control: Mutex<ControlQueue>,
+    /// The doorbell page, given to the device with `SET_DOORBELL`.
+    doorbell: DoorbellPage,
+    /// One event ring per completion vector. The lock also makes one
+    /// waiter at a time sleep on the vector's interrupt, so two waiters
+    /// never split one wake-up between them.
+    events: Vec<Mutex<EventRing>>,
+    /// The doorbell and event virtqueues: only their memory matters, they
+    /// never carry descriptors.
+    _lines: Vec<SplitQueue>,
     /// Arenas and application memory, in the transport's memory model.
     pub(crate) memory: DeviceMemory,
     /// Memory the device may still use because destroying its object
@@ -142,9 +167,49 @@ fn pow2_floor(n: u16) -> u16 {
     1 << (15 - n.leading_zeros())
 }
 
+/// The config space of the device behind `transport`, checked.
+fn read_device_config(transport: &dyn Transport) -> Result<DeviceConfig> {
+    let mut raw = [0u8; CONFIG_SIZE];
+    transport.read_config(0, &mut raw)?;
+    let config =
+        DeviceConfig::read_from_bytes(&raw).map_err(|_| Error::Protocol("config space size"))?;
+    if config.magic.get() != CONFIG_MAGIC {
+        return Err(Error::BadDevice(format!(
+            "config magic {:#x}",
+            config.magic.get()
+        )));
+    }
+    if config.version_major.get() != SPEC_VERSION_MAJOR {
+        return Err(Error::BadDevice(format!(
+            "spec version {}.{}, this driver speaks {SPEC_VERSION_MAJOR}.x",
+            config.version_major.get(),
+            config.version_minor.get()
+        )));
+    }
+    if (config.config_size.get() as usize) < CONFIG_SIZE {
+        return Err(Error::BadDevice(format!(
+            "config size {} is below {CONFIG_SIZE}",
+            config.config_size.get()
+        )));
+    }
+    let vectors = config.num_comp_vectors.get();
+    if transport.num_queues() < vrdma_spec::num_queues(vectors) {
+        return Err(Error::BadDevice(format!(
+            "{} queues for {vectors} completion vectors",
+            transport.num_queues()
+        )));
+    }
+    if config.max_queue_size.get() == 0 {
+        return Err(Error::BadDevice("maximum queue size 0".into()));
+    }
+    Ok(config)
+}
+
 impl Device {
     /// Brings the device behind `transport` up.
     pub fn open(transport: Box<dyn Transport>, options: DeviceOptions) -> Result<Arc<Self>> {
+        // Checked before the device is touched: a bad option is EINVAL.
+        let event_ring_args = EventRing::alloc_args(options.event_ring_depth)?;
         let features =
             transport.negotiate_features(VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX)?;
         if features & VIRTIO_F_VERSION_1 == 0 {
@@ -153,42 +218,9 @@ impl Device {
             ));
         }
         let event_idx = features & VIRTIO_RING_F_EVENT_IDX != 0;
-
-        let mut raw = [0u8; CONFIG_SIZE];
-        transport.read_config(0, &mut raw)?;
-        let config = DeviceConfig::read_from_bytes(&raw)
-            .map_err(|_| Error::Protocol("config space size"))?;
-        if config.magic.get() != CONFIG_MAGIC {
-            return Err(Error::BadDevice(format!(
-                "config magic {:#x}",
-                config.magic.get()
-            )));
-        }
-        if config.version_major.get() != SPEC_VERSION_MAJOR {
-            return Err(Error::BadDevice(format!(
-                "spec version {}.{}, this driver speaks {SPEC_VERSION_MAJOR}.x",
-                config.version_major.get(),
-                config.version_minor.get()
-            )));
-        }
-        if (config.config_size.get() as usize) < CONFIG_SIZE {
-            return Err(Error::BadDevice(format!(
-                "config size {} is below {CONFIG_SIZE}",
-                config.config_size.get()
-            )));
-        }
+        let config = read_device_config(transport.as_ref())?;
         let vectors = config.num_comp_vectors.get();
-        let needed = vrdma_spec::num_queues(vectors);
-        if transport.num_queues() < needed {
-            return Err(Error::BadDevice(format!(
-                "{} queues for {vectors} completion vectors",
-                transport.num_queues()
-            )));
-        }
         let max_queue = config.max_queue_size.get();
-        if max_queue == 0 {
-            return Err(Error::BadDevice("maximum queue size 0".into()));
-        }
         let queue_size = |wanted: u16| pow2_floor(wanted.min(max_queue).max(1));
 
         let memory = DeviceMemory::new(transport.memory_model())?;
@@ -209,59 +241,69 @@ impl Device {
         // Commands are serialized: 2 descriptors are in use at a time.
         let control_vq = SplitQueue::new(&arena, queue_size(8), event_idx)?;
         setup(CONTROL_QUEUE, &control_vq)?;
-        let control = Control {
-            vq: control_vq,
-            request: arena.alloc_zeroed(MAX_CONTROL_MSG, 64)?,
-            response: arena.alloc_zeroed(MAX_CONTROL_MSG, 64)?,
-            broken: false,
-        };
-        // The doorbell queue never carries descriptors, but a backend only
-        // starts watching a queue's kicks once it is fully set up.
-        let doorbell = SplitQueue::new(&arena, queue_size(2), event_idx)?;
-        setup(DOORBELL_QUEUE, &doorbell)?;
-
-        let mut events = Vec::with_capacity(usize::from(vectors));
-        for vector in 0..vectors {
-            let index = FIRST_EVENT_QUEUE + vector;
-            let vq = SplitQueue::new(&arena, queue_size(options.event_queue_size), event_idx)?;
+        let control = ControlQueue::new(control_vq, &arena)?;
+        let mut lines = Vec::with_capacity(usize::from(vectors) + 1);
+        for index in DOORBELL_QUEUE..FIRST_EVENT_QUEUE + vectors {
+            let vq = SplitQueue::new(&arena, queue_size(LINE_QUEUE_SIZE), event_idx)?;
             setup(index, &vq)?;
-            let n = usize::from(vq.size());
-            let mut eq = EventQueue {
-                index,
-                buffers: arena.alloc_zeroed(n * EVENT_SIZE, 64)?,
-                slot_of_head: vec![None; n],
-                vq,
-            };
-            for slot in 0..n {
-                eq.post(slot)?;
-            }
-            events.push(Mutex::new(eq));
+            lines.push(vq);
         }
+
+        let arenas = Arenas {
+            list: Mutex::new(vec![arena]),
+            size: options.arena_size,
+        };
+        let alloc = |args| arenas.alloc(&memory, transport.as_ref(), args, true);
+        let doorbell = DoorbellPage::new(alloc(DoorbellPage::ALLOC_ARGS)?);
+        let events = (0..vectors)
+            .map(|v| {
+                let mem = alloc(event_ring_args)?;
+                Ok(Mutex::new(EventRing::new(mem, options.event_ring_depth, v)))
+            })
+            .collect::<Result<Vec<_>>>()?;
         transport.activate()?;
-        for eq in &mut events {
-            let eq = eq.get_mut().unwrap_or_else(|e| e.into_inner());
-            if eq.vq.should_notify() {
-                transport.notify(eq.index)?;
-            }
-        }
-        tracing::info!(
-            name = config.name().unwrap_or("?"),
-            vectors,
-            event_idx,
-            "vrdma device is up"
-        );
-        Ok(Arc::new(Self {
+
+        let dev = Self {
             transport,
             config,
             features,
             options,
-            arenas: Mutex::new(vec![arena]),
+            arenas,
             control: Mutex::new(control),
+            doorbell,
             events,
-            _doorbell: doorbell,
+            _lines: lines,
             memory,
             quarantine: Mutex::new(Vec::new()),
-        }))
+        };
+        dev.give_rings()?;
+        tracing::info!(
+            name = dev.config.name().unwrap_or("?"),
+            vectors,
+            event_idx,
+            event_ring_depth = dev.options.event_ring_depth,
+            "vrdma device is up"
+        );
+        Ok(Arc::new(dev))
+    }
+
+    /// Gives the device its doorbell page and its event rings (after
+    /// `DRIVER_OK`, before any QP).
+    fn give_rings(&self) -> Result<()> {
+        let req = SetDoorbellReq {
+            addr: self.doorbell.device_addr().into(),
+        };
+        self.command_no_reply(Opcode::SetDoorbell, req.as_bytes())?;
+        for (vector, ring) in self.events.iter().enumerate() {
+            let req = CreateEqReq {
+                // Below num_comp_vectors, a u16.
+                vector: (vector as u32).into(),
+                depth: self.options.event_ring_depth.into(),
+                ring_addr: lock(ring).device_addr().into(),
+            };
+            self.command_no_reply(Opcode::CreateEq, req.as_bytes())?;
+        }
+        Ok(())
     }
 
     /// The config space read at open.
@@ -281,32 +323,14 @@ impl Device {
     /// Allocates DMA memory, adding an arena (and telling the device about
     /// it) when the existing ones are full.
     pub(crate) fn alloc(&self, len: usize, align: usize, zeroed: bool) -> Result<DmaBuf> {
-        let mut arenas = lock(&self.arenas);
-        let try_alloc = |arena: &Arc<DmaArena>| {
-            if zeroed {
-                arena.alloc_zeroed(len, align)
-            } else {
-                arena.alloc(len, align)
-            }
-        };
-        if let Some(buf) = arenas.iter().find_map(|a| try_alloc(a).ok()) {
-            return Ok(buf);
-        }
-        let needed = len
-            .checked_add(align.max(PAGE_SIZE))
-            .and_then(|n| n.checked_next_multiple_of(PAGE_SIZE))
-            .ok_or(Error::InvalidArgument("allocation too large"))?;
-        let size = self.memory.arena_size(needed, self.options.arena_size);
-        let arena = self.memory.new_arena(self.transport.as_ref(), size)?;
-        let buf = try_alloc(&arena)?;
-        arenas.push(arena);
-        Ok(buf)
+        self.arenas
+            .alloc(&self.memory, self.transport.as_ref(), (len, align), zeroed)
     }
 
     /// Whether `[addr, addr + len)` lies inside a driver arena, and whether
     /// it touches one without lying inside it.
     pub(crate) fn arena_of(&self, addr: u64, len: u64) -> (bool, bool) {
-        let arenas = lock(&self.arenas);
+        let arenas = lock(&self.arenas.list);
         let inside = arenas.iter().any(|a| a.contains(addr, len));
         let end = addr.saturating_add(len);
         let touches = arenas
@@ -318,7 +342,7 @@ impl Device {
     /// Device address of the driver-memory virtual address `va` (equal in
     /// process mode; translated through the arena so VM mode can differ).
     pub(crate) fn device_addr_of(&self, va: u64) -> u64 {
-        lock(&self.arenas)
+        lock(&self.arenas.list)
             .iter()
             .find(|a| a.contains(va, 1))
             .map_or(va, |a| a.device_addr() + (va - a.host_addr()))
@@ -329,10 +353,17 @@ impl Device {
         lock(&self.quarantine).push(Box::new(object));
     }
 
-    /// Rings the doorbell queue.
-    pub(crate) fn ring_doorbell(&self) {
+    /// Rings the doorbell of the QP whose bit is `bit`, after it published
+    /// new work: sets the bit, and kicks the doorbell queue if the device
+    /// is about to sleep.
+    pub(crate) fn ring_doorbell(&self, bit: &doorbell::Bit) {
+        if !self.doorbell.ring(bit) {
+            return;
+        }
+        // The work is published either way: a failed kick only delays it
+        // until the device polls again, so the post still succeeded.
         if let Err(e) = self.transport.notify(DOORBELL_QUEUE) {
-            tracing::error!(error = %e, "Cannot ring the doorbell");
+            tracing::error!(error = %e, "Cannot kick the doorbell queue");
         }
     }
 
@@ -354,105 +385,16 @@ impl Device {
     }
 
     fn command_raw(&self, opcode: Opcode, request: &[u8], response: &mut [u8]) -> Result<()> {
-        let req_len = core::mem::size_of::<RequestHeader>() + request.len();
-        let resp_len = core::mem::size_of::<ResponseHeader>() + response.len();
-        if req_len > MAX_CONTROL_MSG || resp_len > MAX_CONTROL_MSG {
-            return Err(Error::InvalidArgument("control message too large"));
-        }
-        let mut control = lock(&self.control);
-        if control.broken {
-            return Err(Error::ControlBroken);
-        }
-        let header = RequestHeader {
-            opcode: u16::from(opcode).into(),
-            flags: 0.into(),
-            // Bounded by MAX_CONTROL_MSG above.
-            payload_len: (request.len() as u32).into(),
-        };
-        control.request.write_at(0, header.as_bytes());
-        control.request.write_at(header.as_bytes().len(), request);
-        // A stale header must not pass for this command's answer.
-        control
-            .response
-            .write_at(0, ResponseHeader::default().as_bytes());
-        let chain = (
-            (control.request.device_addr(), req_len as u32),
-            (control.response.device_addr(), resp_len as u32),
-        );
-        let head = control.vq.add_chain(&[chain.0], &[chain.1])?;
-        let notify = control.vq.should_notify();
-        let result = if notify {
-            self.transport.notify(CONTROL_QUEUE).map_err(Error::from)
-        } else {
-            Ok(())
-        }
-        .and_then(|()| self.wait_used(&mut control.vq, CONTROL_QUEUE));
-        let (used_head, used_len) = match result {
-            Ok(used) => used,
-            Err(e) => {
-                // The device may still write the buffers: never reuse them.
-                control.broken = true;
-                return Err(e);
-            }
-        };
-        if used_head != head {
-            control.broken = true;
-            return Err(Error::Protocol("control queue returned another chain"));
-        }
-        let header_len = core::mem::size_of::<ResponseHeader>();
-        if (used_len as usize) < header_len {
-            return Err(Error::Protocol("control response shorter than its header"));
-        }
-        let mut raw = [0u8; core::mem::size_of::<ResponseHeader>()];
-        control.response.read_at(0, &mut raw);
-        let header = ResponseHeader::read_from_bytes(&raw)
-            .map_err(|_| Error::Protocol("control response header"))?;
-        let status = header.status.get();
-        if status != 0 {
-            tracing::debug!(?opcode, status, "Device refused a control command");
-            return Err(match i32::try_from(status) {
-                Ok(errno) if errno < 4096 => Error::Device(errno),
-                _ => Error::Protocol("control status is not an errno"),
-            });
-        }
-        if (header.payload_len.get() as usize) < response.len()
-            || (used_len as usize) < header_len + response.len()
-        {
-            return Err(Error::Protocol("control response payload too short"));
-        }
-        control.response.read_at(header_len, response);
-        Ok(())
+        lock(&self.control).run(
+            self.transport.as_ref(),
+            &self.options,
+            opcode,
+            request,
+            response,
+        )
     }
 
-    /// Waits for the next used entry of `vq`: spin briefly, then sleep on the
-    /// queue's interrupt (up to the control timeout).
-    fn wait_used(&self, vq: &mut SplitQueue, queue: u16) -> Result<(u16, u32)> {
-        let start = Instant::now();
-        loop {
-            if let Some(used) = vq.pop_used()? {
-                return Ok(used);
-            }
-            if start.elapsed() >= self.options.spin {
-                break;
-            }
-            std::hint::spin_loop();
-        }
-        let deadline = start + self.options.control_timeout;
-        loop {
-            if !vq.enable_interrupts() {
-                let left = deadline.saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(Error::Timeout(self.options.control_timeout));
-                }
-                self.transport.wait(queue, Some(left))?;
-            }
-            if let Some(used) = vq.pop_used()? {
-                return Ok(used);
-            }
-        }
-    }
-
-    /// Number of event queues (completion vectors).
+    /// Number of event rings (completion vectors).
     pub(crate) fn num_event_queues(&self) -> usize {
         self.events.len()
     }
@@ -464,33 +406,15 @@ impl Device {
         vector: u16,
         timeout: Option<Duration>,
     ) -> Result<Option<DeviceEvent>> {
-        let eq = self
+        let ring = self
             .events
             .get(usize::from(vector))
             .ok_or(Error::InvalidArgument("no such completion vector"))?;
-        let mut eq = lock(eq);
+        let mut ring = lock(ring);
         let deadline = timeout.map(|t| Instant::now() + t);
         loop {
-            if let Some((head, len)) = eq.vq.pop_used()? {
-                let slot = eq.slot_of_head[usize::from(head)]
-                    .take()
-                    .ok_or(Error::Protocol("event queue returned an unknown buffer"))?;
-                let mut raw = [0u8; EVENT_SIZE];
-                eq.buffers.read_at(slot * EVENT_SIZE, &mut raw);
-                eq.post(slot)?;
-                if eq.vq.should_notify() {
-                    self.transport.notify(eq.index)?;
-                }
-                if len as usize != EVENT_SIZE {
-                    tracing::warn!(len, "Event of unexpected length dropped");
-                    continue;
-                }
-                let event =
-                    Event::read_from_bytes(&raw).map_err(|_| Error::Protocol("event size"))?;
+            if let Some(event) = ring.pop()? {
                 return Ok(Some(DeviceEvent::from(&event)));
-            }
-            if eq.vq.enable_interrupts() {
-                continue;
             }
             let left = match deadline {
                 Some(d) => {
@@ -502,21 +426,26 @@ impl Device {
                 }
                 None => None,
             };
-            self.transport.wait(eq.index, left)?;
+            // `wait` clears the interrupt before it returns and the ring is
+            // read again after it: an event written after that read raises
+            // a new interrupt, which the next wait sees. A wake-up with
+            // nothing new (one INTx line serves every queue) only loops.
+            self.transport.wait(FIRST_EVENT_QUEUE + vector, left)?;
         }
     }
 
-    /// The interrupt fd of completion vector `vector`'s event queue.
+    /// The interrupt fd of completion vector `vector`.
     pub(crate) fn event_fd(&self, vector: u16) -> Option<std::os::fd::BorrowedFd<'_>> {
         (usize::from(vector) < self.events.len())
             .then(|| self.transport.interrupt_fd(FIRST_EVENT_QUEUE + vector))
             .flatten()
     }
 
-    /// Clears the interrupt [`Device::event_fd`] of `vector` reported.
+    /// Clears the interrupt [`Device::event_fd`] of `vector` reported; read
+    /// the events after this, so that none written before is missed.
     pub(crate) fn acknowledge_event(&self, vector: u16) -> Result<(), Error> {
         if usize::from(vector) >= self.events.len() {
-            return Err(Error::Protocol("no such completion vector"));
+            return Err(Error::InvalidArgument("no such completion vector"));
         }
         Ok(self.transport.acknowledge(FIRST_EVENT_QUEUE + vector)?)
     }
@@ -525,17 +454,11 @@ impl Device {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{config, StubTransport};
-
-    const FEATURES: u64 = VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX;
-
-    fn options() -> DeviceOptions {
-        DeviceOptions {
-            arena_size: 1 << 20,
-            control_timeout: Duration::from_millis(30),
-            ..Default::default()
-        }
-    }
+    use crate::testing::{config, event, options, readable, Reply, StubTransport, FEATURES};
+    use vrdma_spec::ring::{
+        DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR, DEVICE_INDEX_OFFSET, DRIVER_INDEX_OFFSET,
+        EVENT_SIZE, RING_HEADER_SIZE,
+    };
 
     fn open_err(config: &DeviceConfig, features: u64) -> Error {
         let stub = StubTransport::with_config(config, features);
@@ -589,7 +512,8 @@ mod tests {
         assert_eq!(size, 1 << 20);
         let setups = stub.setups.lock().unwrap().clone();
         let shape: Vec<(u16, u16)> = setups.iter().map(|q| (q.index, q.size)).collect();
-        assert_eq!(shape, vec![(0, 8), (1, 2), (2, 32), (3, 32)]);
+        // Only the control queue carries descriptors.
+        assert_eq!(shape, vec![(0, 8), (1, 2), (2, 2), (3, 2)]);
         for q in &setups {
             for addr in [q.desc_addr, q.avail_addr, q.used_addr] {
                 assert!(
@@ -600,25 +524,92 @@ mod tests {
             assert_eq!(q.desc_addr % 16, 0);
             assert_eq!(q.used_addr % 4, 0);
         }
-        // Event queues were filled and kicked.
-        assert_eq!(*stub.notified.lock().unwrap(), vec![2, 3]);
+        // Only commands were notified: no buffers on the event queues.
+        assert!(stub
+            .notified
+            .lock()
+            .unwrap()
+            .iter()
+            .all(|&q| q == CONTROL_QUEUE));
         assert_eq!(dev.num_event_queues(), 2);
-        // Nothing arrives from a device that does not answer.
+        // Nothing arrives from a device that wrote nothing.
         assert_eq!(dev.next_event(1, Some(Duration::ZERO)).unwrap(), None);
         assert!(dev.next_event(2, Some(Duration::ZERO)).is_err());
     }
 
     #[test]
-    fn unanswered_command_times_out_and_breaks_the_control_queue() {
-        let stub = Arc::new(StubTransport::with_config(&config(1, 64), FEATURES));
-        let dev = Device::open(Box::new(Arc::clone(&stub)), options()).unwrap();
-        let err = dev.command_no_reply(Opcode::AllocPd, &[]).unwrap_err();
-        assert!(matches!(err, Error::Timeout(_)), "{err}");
-        assert_eq!(err.errno(), libc::ETIMEDOUT);
-        assert!(stub.notified.lock().unwrap().contains(&CONTROL_QUEUE));
-        // The buffers may still be the device's: no further command is sent.
-        let err = dev.command_no_reply(Opcode::AllocPd, &[]).unwrap_err();
-        assert!(matches!(err, Error::ControlBroken));
+    fn open_gives_the_device_its_doorbell_page_and_one_event_ring_per_vector() {
+        let stub = Arc::new(StubTransport::with_config(&config(3, 32), FEATURES));
+        let mut opts = options();
+        opts.event_ring_depth = 64;
+        let _dev = Device::open(Box::new(Arc::clone(&stub)), opts).unwrap();
+        let commands: Vec<Opcode> = stub.commands.lock().unwrap().iter().map(|c| c.0).collect();
+        assert_eq!(
+            commands,
+            [
+                Opcode::SetDoorbell,
+                Opcode::CreateEq,
+                Opcode::CreateEq,
+                Opcode::CreateEq
+            ]
+        );
+        let (base, size) = stub.added.lock().unwrap()[0];
+        let page = stub.requests::<SetDoorbellReq>(Opcode::SetDoorbell)[0]
+            .addr
+            .get();
+        assert_eq!(page % 4096, 0);
+        assert!(page >= base && page + 4096 <= base + size);
+        let mut zeroes = vec![1u8; 4096];
+        stub.read(page, &mut zeroes);
+        assert!(zeroes.iter().all(|&b| b == 0), "a zeroed page");
+        let eqs = stub.requests::<CreateEqReq>(Opcode::CreateEq);
+        let bytes = vrdma_spec::ring::event_ring_bytes(64);
+        let mut ranges = vec![(page, page + 4096)];
+        for (v, eq) in eqs.iter().enumerate() {
+            assert_eq!(eq.vector.get(), v as u32);
+            assert_eq!(eq.depth.get(), 64);
+            let addr = eq.ring_addr.get();
+            assert_eq!(addr % 4096, 0);
+            assert!(addr >= base && addr + bytes <= base + size);
+            ranges.push((addr, addr + bytes));
+        }
+        ranges.sort();
+        assert!(
+            ranges.windows(2).all(|w| w[0].1 <= w[1].0),
+            "disjoint: {ranges:?}"
+        );
+    }
+
+    #[test]
+    fn open_fails_with_the_device_errno_or_on_a_bad_depth() {
+        let refusing =
+            StubTransport::with_config(&config(1, 32), FEATURES).answering_all(|op, _| match op {
+                Opcode::SetDoorbell => Reply::Errno(libc::EEXIST as u32),
+                _ => Reply::Ok(Vec::new()),
+            });
+        let err = Device::open(Box::new(refusing), options()).unwrap_err();
+        assert_eq!(err.errno(), libc::EEXIST);
+        let refusing = StubTransport::with_config(&config(2, 32), FEATURES).answering_all(
+            |op, req| match op {
+                Opcode::CreateEq
+                    if CreateEqReq::read_from_bytes(req).unwrap().vector.get() == 1 =>
+                {
+                    Reply::Errno(libc::ENOMEM as u32)
+                }
+                _ => Reply::Ok(Vec::new()),
+            },
+        );
+        let err = Device::open(Box::new(refusing), options()).unwrap_err();
+        assert_eq!(err.errno(), libc::ENOMEM);
+        let mut opts = options();
+        opts.event_ring_depth = 1000;
+        let stub = Arc::new(StubTransport::with_config(&config(1, 32), FEATURES));
+        let err = Device::open(Box::new(Arc::clone(&stub)), opts).unwrap_err();
+        assert_eq!(err.errno(), libc::EINVAL);
+        assert!(
+            stub.setups.lock().unwrap().is_empty(),
+            "refused before touching the device"
+        );
     }
 
     #[test]
@@ -635,69 +626,132 @@ mod tests {
         assert!(inside && !straddles);
     }
 
+    /// Writes `events` into the event ring at `ring` (of `depth`) as the
+    /// device does, through its own mapping of guest memory.
+    fn device_writes(
+        stub: &StubTransport,
+        ring: u64,
+        depth: u32,
+        producer: &mut u32,
+        events: &[Event],
+    ) {
+        for e in events {
+            let slot = u64::from(*producer & (depth - 1));
+            stub.write(
+                ring + RING_HEADER_SIZE as u64 + slot * EVENT_SIZE as u64,
+                e.as_bytes(),
+            );
+            *producer = producer.wrapping_add(1);
+        }
+        stub.store_u32(ring + DEVICE_INDEX_OFFSET, *producer);
+    }
+
     #[test]
-    fn command_chain_carries_header_request_and_response_room() {
-        use virtio_queue::{Queue, QueueT};
-        use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryMmap};
-        use vrdma_spec::config::PortAttr;
-        use vrdma_spec::control::QueryPortReq;
+    fn events_come_from_the_vector_ring_and_its_interrupt() {
+        let stub = Arc::new(StubTransport::with_config(&config(2, 32), FEATURES));
+        let depth = 4;
+        let mut opts = options();
+        opts.event_ring_depth = depth;
+        let dev = Device::open(Box::new(Arc::clone(&stub)), opts).unwrap();
+        let ring = stub.requests::<CreateEqReq>(Opcode::CreateEq)[1]
+            .ring_addr
+            .get();
+        let mut producer = 0;
 
-        let stub = Arc::new(StubTransport::with_config(&config(1, 64), FEATURES));
-        let dev = Device::open(Box::new(Arc::clone(&stub)), options()).unwrap();
-        let req = QueryPortReq {
-            port_num: 1,
-            ..Default::default()
+        // Read in order, and only from their own vector; across wraps.
+        for round in 0..3 {
+            let batch = [
+                event(event_kind::COMPLETION, 7 + round),
+                event(event_kind::QP_FATAL, 9),
+                event(event_kind::CQ_ERROR, 7),
+            ];
+            device_writes(&stub, ring, depth, &mut producer, &batch);
+            assert_eq!(dev.next_event(0, Some(Duration::ZERO)).unwrap(), None);
+            let got: Vec<_> = (0..3)
+                .map(|_| dev.next_event(1, Some(Duration::ZERO)).unwrap())
+                .collect();
+            assert_eq!(
+                got,
+                [
+                    Some(DeviceEvent::Completion { cqn: 7 + round }),
+                    Some(DeviceEvent::QpFatal { qpn: 9 }),
+                    Some(DeviceEvent::CqError { cqn: 7 })
+                ]
+            );
+            assert_eq!(dev.next_event(1, Some(Duration::ZERO)).unwrap(), None);
+        }
+        let mut index = [0u8; 4];
+        stub.read(ring + DRIVER_INDEX_OFFSET, &mut index);
+        assert_eq!(u32::from_le_bytes(index), 9, "every slot handed back");
+
+        // A waiter sleeps on the interrupt and wakes for an event written
+        // while it slept.
+        let writer = {
+            let stub = Arc::clone(&stub);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                device_writes(
+                    &stub,
+                    ring,
+                    depth,
+                    &mut producer,
+                    &[event(event_kind::PORT_ACTIVE, 0)],
+                );
+                stub.interrupt(FIRST_EVENT_QUEUE + 1);
+                producer
+            })
         };
-        let err = dev
-            .command::<PortAttr>(Opcode::QueryPort, req.as_bytes())
-            .unwrap_err();
-        assert!(matches!(err, Error::Timeout(_)));
+        let start = Instant::now();
+        let got = dev.next_event(1, Some(Duration::from_secs(10))).unwrap();
+        assert_eq!(got, Some(DeviceEvent::PortActive));
+        assert!(start.elapsed() < Duration::from_secs(5));
+        producer = writer.join().unwrap();
 
-        // Inspect (not answer) the chain the way the device will read it.
-        let arena = Arc::clone(&lock(&dev.arenas)[0]);
-        let mem = GuestMemoryMmap::<()>::from_ranges_with_files(&[(
-            GuestAddress(arena.device_addr()),
-            arena.size(),
-            Some(FileOffset::new(
-                arena.file().expect("memfd arena").try_clone().unwrap(),
-                0,
-            )),
-        )])
-        .unwrap();
-        let setup = stub.setups.lock().unwrap()[0];
-        let mut q = Queue::new(setup.size).unwrap();
-        q.set_size(setup.size);
-        q.set_desc_table_address(
-            Some(setup.desc_addr as u32),
-            Some((setup.desc_addr >> 32) as u32),
-        );
-        q.set_avail_ring_address(
-            Some(setup.avail_addr as u32),
-            Some((setup.avail_addr >> 32) as u32),
-        );
-        q.set_used_ring_address(
-            Some(setup.used_addr as u32),
-            Some((setup.used_addr >> 32) as u32),
-        );
-        q.set_event_idx(true);
-        q.set_ready(true);
-        let chain = q.pop_descriptor_chain(&mem).expect("the command");
-        let descs: Vec<_> = chain.collect();
-        assert_eq!(descs.len(), 2);
-        assert!(!descs[0].is_write_only());
-        assert_eq!(descs[0].len(), 8 + 8);
-        let mut bytes = [0u8; 16];
-        mem.read_slice(&mut bytes, descs[0].addr()).unwrap();
-        let header = RequestHeader::read_from_bytes(&bytes[..8]).unwrap();
-        assert_eq!(header.opcode.get(), u16::from(Opcode::QueryPort));
-        assert_eq!(header.flags.get(), 0);
-        assert_eq!(header.payload_len.get(), 8);
-        assert_eq!(&bytes[8..], req.as_bytes());
-        assert!(descs[1].is_write_only());
+        // An interrupt without an event (another queue's, on a shared
+        // line) only makes the waiter look again.
+        stub.interrupt(FIRST_EVENT_QUEUE + 1);
+        let start = Instant::now();
         assert_eq!(
-            descs[1].len() as usize,
-            8 + core::mem::size_of::<PortAttr>()
+            dev.next_event(1, Some(Duration::from_millis(40))).unwrap(),
+            None
         );
+        assert!(start.elapsed() >= Duration::from_millis(40));
+
+        // The interrupt fd for poll loops: readable after an interrupt,
+        // cleared by acknowledge_event.
+        let fd = dev.event_fd(1).unwrap();
+        assert!(!readable(fd));
+        device_writes(
+            &stub,
+            ring,
+            depth,
+            &mut producer,
+            &[event(event_kind::COMPLETION, 1)],
+        );
+        stub.interrupt(FIRST_EVENT_QUEUE + 1);
+        assert!(readable(fd));
+        dev.acknowledge_event(1).unwrap();
+        assert!(!readable(fd));
+        assert_eq!(
+            dev.next_event(1, Some(Duration::ZERO)).unwrap(),
+            Some(DeviceEvent::Completion { cqn: 1 })
+        );
+
+        // An overflowed ring is reported (a warning) and still read.
+        stub.store_u32(ring + DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR);
+        device_writes(
+            &stub,
+            ring,
+            depth,
+            &mut producer,
+            &[event(event_kind::COMPLETION, 2)],
+        );
+        assert_eq!(
+            dev.next_event(1, Some(Duration::ZERO)).unwrap(),
+            Some(DeviceEvent::Completion { cqn: 2 })
+        );
+        assert!(lock(&dev.events[1]).overflowed());
+        assert!(!lock(&dev.events[0]).overflowed());
     }
 
     #[test]

@@ -23,7 +23,7 @@ use std::ffi::CStr;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd};
-use std::sync::atomic::{AtomicU16, AtomicU32};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use vm_memory::VolatileSlice;
@@ -494,6 +494,17 @@ impl DmaBuf {
         // layout of u32 and atomics are the right way to share it with the
         // device.
         unsafe { &*(self.as_ptr().add(offset) as *const AtomicU32) }
+    }
+
+    /// The `u64` at `offset` (8-byte aligned) as an atomic shared with the device.
+    pub(crate) fn atomic_u64(&self, offset: usize) -> &AtomicU64 {
+        assert!(
+            offset & 7 == 0 && offset + 8 <= self.len,
+            "bad atomic offset"
+        );
+        // SAFETY: as in `atomic_u32`, for an 8-byte aligned u64 (allocations
+        // are at least 64-byte aligned).
+        unsafe { &*(self.as_ptr().add(offset) as *const AtomicU64) }
     }
 
     /// The `u16` at `offset` (2-byte aligned) as an atomic shared with the device.

@@ -19,15 +19,21 @@
 //! - [`virtqueue`]: the driver side of a split virtqueue.
 //! - [`transport`]: the transport trait, vhost-user and virtio-pci.
 //! - [`ring`]: the send/receive/completion rings of the data path.
+//! - `doorbell`: the doorbell page (which QPs have new work).
+//! - `event_ring`: the event rings, one per completion vector.
 //! - `user_mem`: moving application memory onto shared memory for `reg_mr`.
-//! - [`device`]: device bring-up, control commands, events.
+//! - `control`: the control queue (verbs commands).
+//! - [`device`]: device bring-up, commands, doorbells, events.
 //! - [`verbs`]: the verbs-shaped API ([`Context`] and the objects it makes).
 //!
 //! Wire formats all come from [`vrdma_spec`].
 
+mod control;
 pub mod device;
 pub mod dma;
+mod doorbell;
 pub mod error;
+mod event_ring;
 mod memory;
 pub mod pagemap;
 pub mod ring;
@@ -43,6 +49,7 @@ pub use error::{DestroyError, Error, PostError, Result};
 pub use ring::{RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
 pub use transport::{MemoryModel, PciDevice, Transport, VhostUserTransport, VirtioPciTransport};
 pub use verbs::{
-    CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities, QpInitAttr, QueuePair,
+    CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities, QpInitAttr,
+    QueuePair, RecvBatch, SendBatch,
 };
 pub use vrdma_spec;

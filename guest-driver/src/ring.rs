@@ -8,16 +8,18 @@
 
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 
+use vrdma_spec::limits::{MAX_INLINE_DATA, MAX_SGE};
+use vrdma_spec::ring::doorbell::Bit;
 use vrdma_spec::ring::{
     self as spec, send_flags, wc_flags, Cqe, RecvWqe, SendWqe, WorkRingGeometry, CQE_SIZE,
-    DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR, DEVICE_FLAG_NEED_KICK, DEVICE_INDEX_OFFSET,
-    DRIVER_ARM_OFFSET, DRIVER_INDEX_OFFSET, RING_ALIGN, RING_HEADER_SIZE, SGE_SIZE,
+    DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR, DEVICE_INDEX_OFFSET, DRIVER_ARM_OFFSET,
+    DRIVER_INDEX_OFFSET, RING_ALIGN, RING_HEADER_SIZE, SGE_SIZE,
 };
 use vrdma_spec::verbs::{SendOpcode, WcOpcode, WcStatus};
-use zerocopy::{FromBytes, IntoBytes};
+use zerocopy::IntoBytes;
 
 use crate::dma::DmaBuf;
-use crate::error::{Error, PostError};
+use crate::error::Error;
 
 /// A scatter/gather element: `length` bytes at `addr` (in the IOVA space of
 /// the memory region whose local key is `lkey`).
@@ -147,8 +149,8 @@ pub(crate) struct WorkRing {
     geometry: WorkRingGeometry,
     /// Next index to write (the shadow of `driver.index`).
     producer: u32,
-    /// Whether the producer moved since the last `take_published`.
-    published: bool,
+    /// The producer index last stored in `driver.index`.
+    published: u32,
     /// Most entries outstanding at once: the work requests the device
     /// granted, which may be fewer than the ring's power-of-two depth.
     limit: u32,
@@ -164,7 +166,7 @@ impl WorkRing {
             mem,
             geometry,
             producer: 0,
-            published: false,
+            published: 0,
             limit: geometry.depth,
         }
     }
@@ -185,15 +187,21 @@ impl WorkRing {
         self.mem.device_addr()
     }
 
-    /// Slots the device has not consumed yet, and so cannot be reused.
+    /// Slots whose work the device has not completed (or flushed) yet, and
+    /// so cannot be reused: `device.index` moves at completion.
     fn outstanding(&self) -> u32 {
-        let consumer = self
+        let completed = self
             .mem
             .atomic_u32(DEVICE_INDEX_OFFSET as usize)
             .load(Ordering::Acquire);
-        let used = self.producer.wrapping_sub(u32::from_le(consumer));
-        // A consumer ahead of the producer is a device bug: treat the ring as full.
-        used.min(self.geometry.depth)
+        let used = self.producer.wrapping_sub(u32::from_le(completed));
+        // A device index ahead of the producer is a device bug: treat the
+        // ring as full rather than overwrite work in flight.
+        if used > self.geometry.depth {
+            self.geometry.depth
+        } else {
+            used
+        }
     }
 
     fn slot_offset(&self, index: u32) -> usize {
@@ -201,7 +209,8 @@ impl WorkRing {
         RING_HEADER_SIZE + slot as usize * self.geometry.stride as usize
     }
 
-    /// Writes one entry (via `write`) into the next slot, if there is room.
+    /// Writes one entry (via `write`) into the next slot, if there is room;
+    /// the device sees it after [`WorkRing::publish`].
     fn push(&mut self, write: impl FnOnce(&DmaBuf, usize)) -> Result<(), Error> {
         if self.outstanding() >= self.limit {
             return Err(Error::QueueFull);
@@ -211,38 +220,27 @@ impl WorkRing {
         Ok(())
     }
 
-    /// Makes every written entry visible to the device.
-    fn publish(&mut self) {
+    /// Makes every written entry visible to the device; returns whether
+    /// there were new ones (and so the doorbell must be rung).
+    pub(crate) fn publish(&mut self) -> bool {
+        if self.published == self.producer {
+            return false;
+        }
         // Release: the slot contents are visible before the new producer.
         self.mem
             .atomic_u32(DRIVER_INDEX_OFFSET as usize)
             .store(self.producer.to_le(), Ordering::Release);
-        self.published = true;
-    }
-
-    /// Whether entries were published since the previous call, and the
-    /// device asked to be kicked (the spec's NEED_KICK handshake).
-    pub(crate) fn take_kick(&mut self) -> bool {
-        if !std::mem::take(&mut self.published) {
-            return false;
-        }
-        // Full fence: the producer store is ordered before reading the
-        // flags; the device sets the flag, fences, and re-reads the producer.
-        fence(Ordering::SeqCst);
-        self.device_flags() & DEVICE_FLAG_NEED_KICK != 0
-    }
-
-    fn device_flags(&self) -> u32 {
-        u32::from_le(
-            self.mem
-                .atomic_u32(DEVICE_FLAGS_OFFSET as usize)
-                .load(Ordering::Acquire),
-        )
+        self.published = self.producer;
+        true
     }
 
     /// Whether the device put the ring's object in error.
     pub(crate) fn in_error(&self) -> bool {
-        self.device_flags() & DEVICE_FLAG_ERROR != 0
+        let flags = self
+            .mem
+            .atomic_u32(DEVICE_FLAGS_OFFSET as usize)
+            .load(Ordering::Acquire);
+        u32::from_le(flags) & DEVICE_FLAG_ERROR != 0
     }
 }
 
@@ -262,35 +260,27 @@ fn write_sges(mem: &DmaBuf, mut offset: usize, sges: &[Sge]) {
 #[derive(Debug)]
 pub(crate) struct SendRing {
     pub(crate) ring: WorkRing,
+    /// The QP's bit in the doorbell page.
+    pub(crate) doorbell: Bit,
     max_sge: u32,
     max_inline: u32,
 }
 
 impl SendRing {
-    pub(crate) fn new(ring: WorkRing, max_sge: u32, max_inline: u32) -> Self {
+    /// A send ring on which at most `max_sge` SGEs or `max_inline` inline
+    /// bytes may be posted (the grant, and never more than the format
+    /// carries, whatever the device granted).
+    pub(crate) fn new(ring: WorkRing, doorbell: Bit, max_sge: u32, max_inline: u32) -> Self {
         Self {
             ring,
-            max_sge,
-            max_inline,
+            doorbell,
+            max_sge: max_sge.min(MAX_SGE),
+            max_inline: max_inline.min(MAX_INLINE_DATA),
         }
     }
 
-    /// Writes and publishes `wrs` in order, stopping at the first that fails.
-    pub(crate) fn post(&mut self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
-        let result = wrs.iter().enumerate().try_for_each(|(i, wr)| {
-            self.post_one(wr)
-                .map_err(|error| PostError { bad_wr: i, error })
-        });
-        if result
-            .as_ref()
-            .map_or_else(|e| e.bad_wr > 0, |()| !wrs.is_empty())
-        {
-            self.ring.publish();
-        }
-        result
-    }
-
-    fn post_one(&mut self, wr: &SendWr<'_>) -> Result<(), Error> {
+    /// Writes one WQE into the next slot (unpublished).
+    pub(crate) fn push(&mut self, wr: &SendWr<'_>) -> Result<(), Error> {
         let stride = self.ring.geometry.stride as usize;
         let fixed = core::mem::size_of::<SendWqe>();
         let mut wqe = SendWqe {
@@ -309,7 +299,7 @@ impl SendRing {
                 if to_u32(sges.len()) > self.max_sge || fixed + sges.len() * SGE_SIZE > stride {
                     return Err(Error::InvalidArgument("too many SGEs"));
                 }
-                // max_sge fits the stride, and MAX_WQE_STRIDE bounds it below 256.
+                // At most MAX_SGE (64), checked above.
                 wqe.num_sge = u8::try_from(sges.len())
                     .map_err(|_| Error::InvalidArgument("too many SGEs"))?;
                 self.ring.push(|mem, offset| {
@@ -348,30 +338,24 @@ impl SendRing {
 #[derive(Debug)]
 pub(crate) struct RecvRing {
     pub(crate) ring: WorkRing,
+    /// The QP's bit in the doorbell page.
+    pub(crate) doorbell: Bit,
     max_sge: u32,
 }
 
 impl RecvRing {
-    pub(crate) fn new(ring: WorkRing, max_sge: u32) -> Self {
-        Self { ring, max_sge }
-    }
-
-    /// Writes and publishes `wrs` in order, stopping at the first that fails.
-    pub(crate) fn post(&mut self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
-        let result = wrs.iter().enumerate().try_for_each(|(i, wr)| {
-            self.post_one(wr)
-                .map_err(|error| PostError { bad_wr: i, error })
-        });
-        if result
-            .as_ref()
-            .map_or_else(|e| e.bad_wr > 0, |()| !wrs.is_empty())
-        {
-            self.ring.publish();
+    /// A receive ring on which at most `max_sge` SGEs may be posted (never
+    /// more than the format carries).
+    pub(crate) fn new(ring: WorkRing, doorbell: Bit, max_sge: u32) -> Self {
+        Self {
+            ring,
+            doorbell,
+            max_sge: max_sge.min(MAX_SGE),
         }
-        result
     }
 
-    fn post_one(&mut self, wr: &RecvWr<'_>) -> Result<(), Error> {
+    /// Writes one WQE into the next slot (unpublished).
+    pub(crate) fn push(&mut self, wr: &RecvWr<'_>) -> Result<(), Error> {
         let fixed = core::mem::size_of::<RecvWqe>();
         let stride = self.ring.geometry.stride as usize;
         if to_u32(wr.sg_list.len()) > self.max_sge || fixed + wr.sg_list.len() * SGE_SIZE > stride {
@@ -390,13 +374,114 @@ impl RecvRing {
     }
 }
 
+/// A ring the device produces into and the driver consumes: a completion
+/// ring or an event ring. Each entry is read once, into the driver's own
+/// copy, before its slot is handed back.
+#[derive(Debug)]
+pub(crate) struct ConsumerRing {
+    mem: DmaBuf,
+    depth: u32,
+    stride: usize,
+    /// Next entry to read (the shadow of `driver.index`).
+    consumer: u32,
+}
+
+impl ConsumerRing {
+    /// A ring of `depth` entries of `stride` bytes in `mem`: zeroed,
+    /// [`RING_ALIGN`]-aligned and large enough (see
+    /// [`ConsumerRing::alloc_args`]).
+    pub(crate) fn new(mem: DmaBuf, depth: u32, stride: usize) -> Self {
+        debug_assert!(depth.is_power_of_two());
+        debug_assert!(mem.len() >= RING_HEADER_SIZE + depth as usize * stride);
+        debug_assert!(mem.device_addr() & (RING_ALIGN - 1) == 0);
+        Self {
+            mem,
+            depth,
+            stride,
+            consumer: 0,
+        }
+    }
+
+    /// Length and alignment of the memory of a ring of `bytes`.
+    pub(crate) fn alloc_args(bytes: u64) -> Result<(usize, usize), Error> {
+        let bytes = usize::try_from(bytes).map_err(|_| Error::InvalidArgument("ring too large"))?;
+        Ok((bytes, RING_ALIGN as usize))
+    }
+
+    pub(crate) fn device_addr(&self) -> u64 {
+        self.mem.device_addr()
+    }
+
+    /// Entries the device produced that were not read yet.
+    fn ready(&self) -> Result<u32, Error> {
+        let producer = u32::from_le(
+            self.mem
+                .atomic_u32(DEVICE_INDEX_OFFSET as usize)
+                .load(Ordering::Acquire),
+        );
+        let ready = producer.wrapping_sub(self.consumer);
+        if ready > self.depth {
+            return Err(Error::Protocol("producer index is more than a ring ahead"));
+        }
+        Ok(ready)
+    }
+
+    /// Copies the next unread entry into `out` (`stride` bytes) and moves
+    /// past it, without handing the slot back yet.
+    fn read_next(&mut self, out: &mut [u8]) {
+        let slot = (self.consumer & (self.depth - 1)) as usize;
+        self.mem.read_at(RING_HEADER_SIZE + slot * self.stride, out);
+        self.consumer = self.consumer.wrapping_add(1);
+    }
+
+    /// Hands every slot read so far back to the device.
+    fn release(&self) {
+        // Release: our reads of the slots happen before the device may
+        // reuse them.
+        self.mem
+            .atomic_u32(DRIVER_INDEX_OFFSET as usize)
+            .store(self.consumer.to_le(), Ordering::Release);
+    }
+
+    /// The device's flags in the ring header.
+    pub(crate) fn device_flags(&self) -> u32 {
+        u32::from_le(
+            self.mem
+                .atomic_u32(DEVICE_FLAGS_OFFSET as usize)
+                .load(Ordering::Acquire),
+        )
+    }
+
+    /// Reads up to `out.len()` entries, each decoded by `decode` from its
+    /// raw bytes, and hands their slots back; returns how many.
+    pub(crate) fn consume<T, const STRIDE: usize>(
+        &mut self,
+        out: &mut [T],
+        decode: impl Fn(&[u8; STRIDE]) -> T,
+    ) -> Result<usize, Error> {
+        debug_assert_eq!(STRIDE, self.stride);
+        let n = out.len().min(self.ready()? as usize);
+        let mut raw = [0u8; STRIDE];
+        for item in &mut out[..n] {
+            self.read_next(&mut raw);
+            *item = decode(&raw);
+        }
+        if n > 0 {
+            self.release();
+        }
+        Ok(n)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn mem(&self) -> &DmaBuf {
+        &self.mem
+    }
+}
+
 /// A completion ring the driver consumes.
 #[derive(Debug)]
 pub(crate) struct CqRing {
-    mem: DmaBuf,
-    depth: u32,
-    /// Next CQE to read (the shadow of `driver.index`).
-    consumer: u32,
+    ring: ConsumerRing,
     /// Last arm sequence number used (24 bits).
     arm_sn: u32,
 }
@@ -405,59 +490,27 @@ impl CqRing {
     /// A ring of `depth` CQEs in `mem`: zeroed, [`RING_ALIGN`]-aligned and
     /// at least `cq_ring_bytes(depth)` long (see [`CqRing::alloc_args`]).
     pub(crate) fn new(mem: DmaBuf, depth: u32) -> Self {
-        debug_assert!(mem.len() as u64 >= spec::cq_ring_bytes(depth));
-        debug_assert!(mem.device_addr() & (RING_ALIGN - 1) == 0);
         Self {
-            mem,
-            depth,
-            consumer: 0,
+            ring: ConsumerRing::new(mem, depth, CQE_SIZE),
             arm_sn: 0,
         }
     }
 
     /// Length and alignment of the memory a ring of `depth` CQEs needs.
     pub(crate) fn alloc_args(depth: u32) -> Result<(usize, usize), Error> {
-        let bytes = usize::try_from(spec::cq_ring_bytes(depth))
-            .map_err(|_| Error::InvalidArgument("CQ too large"))?;
-        Ok((bytes, RING_ALIGN as usize))
+        ConsumerRing::alloc_args(spec::cq_ring_bytes(depth))
     }
 
     pub(crate) fn device_addr(&self) -> u64 {
-        self.mem.device_addr()
+        self.ring.device_addr()
     }
 
     /// Moves up to `out.len()` completions into `out`; returns how many.
     pub(crate) fn poll(&mut self, out: &mut [WorkCompletion]) -> Result<usize, Error> {
-        let producer = u32::from_le(
-            self.mem
-                .atomic_u32(DEVICE_INDEX_OFFSET as usize)
-                .load(Ordering::Acquire),
-        );
-        let ready = producer.wrapping_sub(self.consumer);
-        if ready > self.depth {
-            return Err(Error::Protocol(
-                "CQ producer index is more than a ring ahead",
-            ));
-        }
-        let n = out.len().min(ready as usize);
-        let mut raw = [0u8; CQE_SIZE];
-        for wc in &mut out[..n] {
-            let slot = (self.consumer & (self.depth - 1)) as usize;
-            self.mem
-                .read_at(RING_HEADER_SIZE + slot * CQE_SIZE, &mut raw);
-            let cqe =
-                Cqe::read_from_bytes(&raw).map_err(|_| Error::Protocol("CQE size mismatch"))?;
-            *wc = WorkCompletion::from(&cqe);
-            self.consumer = self.consumer.wrapping_add(1);
-        }
-        if n > 0 {
-            // Release: our reads of the slots happen before the device may
-            // reuse them.
-            self.mem
-                .atomic_u32(DRIVER_INDEX_OFFSET as usize)
-                .store(self.consumer.to_le(), Ordering::Release);
-        }
-        Ok(n)
+        self.ring.consume(out, |raw: &[u8; CQE_SIZE]| {
+            let cqe: Cqe = zerocopy::transmute!(*raw);
+            WorkCompletion::from(&cqe)
+        })
     }
 
     /// Arms the CQ for one event on the next (solicited) completion.
@@ -481,14 +534,15 @@ impl CqRing {
     }
 
     fn arm_word(&self) -> &AtomicU32 {
-        self.mem.atomic_u32(DRIVER_ARM_OFFSET as usize)
+        self.ring.mem.atomic_u32(DRIVER_ARM_OFFSET as usize)
     }
 
     /// The arm sequence number the device last answered with an event.
     #[cfg(test)]
     fn notified_sn(&self) -> u32 {
         u32::from_le(
-            self.mem
+            self.ring
+                .mem
                 .atomic_u32(spec::DEVICE_NOTIFIED_SN_OFFSET as usize)
                 .load(Ordering::Acquire),
         )
@@ -501,6 +555,7 @@ mod tests {
     use crate::dma::DmaArena;
     use std::sync::Arc;
     use vrdma_spec::ring::{rq_geometry, sq_geometry};
+    use zerocopy::FromBytes;
 
     fn arena() -> Arc<DmaArena> {
         DmaArena::new(1 << 20).unwrap()
@@ -509,6 +564,10 @@ mod tests {
     fn work_ring(geo: WorkRingGeometry) -> WorkRing {
         let (len, align) = WorkRing::alloc_args(geo).unwrap();
         WorkRing::new(arena().alloc_zeroed(len, align).unwrap(), geo)
+    }
+
+    fn bit() -> Bit {
+        spec::doorbell::bit(0).unwrap()
     }
 
     fn cq_ring(depth: u32) -> CqRing {
@@ -522,16 +581,28 @@ mod tests {
         v
     }
 
-    fn device_consumes(ring: &WorkRing, index: u32) {
+    /// The device completed (or flushed) the work up to `index`.
+    fn device_completes_work(ring: &WorkRing, index: u32) {
         ring.mem
             .atomic_u32(DEVICE_INDEX_OFFSET as usize)
             .store(index.to_le(), Ordering::Release);
     }
 
+    /// Posts `wrs` the way a post batch does: in order up to the first
+    /// failure (its index and error), then one publish.
+    fn post(sq: &mut SendRing, wrs: &[SendWr<'_>]) -> Result<(), (usize, Error)> {
+        let result = wrs
+            .iter()
+            .enumerate()
+            .try_for_each(|(i, wr)| sq.push(wr).map_err(|e| (i, e)));
+        sq.ring.publish();
+        result
+    }
+
     #[test]
     fn send_wqe_bytes_match_the_spec() {
         let geo = sq_geometry(4, 2, 32).unwrap();
-        let mut sq = SendRing::new(work_ring(geo), 2, 32);
+        let mut sq = SendRing::new(work_ring(geo), bit(), 2, 32);
         let sges = [
             Sge {
                 addr: 0x1111_2222_3333_4444,
@@ -554,7 +625,7 @@ mod tests {
         wr.remote_addr = 0xdead_beef_0000;
         wr.rkey = 0x77;
         let inline = SendWr::new(5, SendOpcode::Send, SendPayload::Inline(b"inline payload"));
-        sq.post(&[wr, inline]).unwrap();
+        post(&mut sq, &[wr, inline]).unwrap();
 
         let mem = &sq.ring.mem;
         assert_eq!(
@@ -595,38 +666,76 @@ mod tests {
     #[test]
     fn send_limits_are_checked() {
         let geo = sq_geometry(4, 1, 16).unwrap();
-        let mut sq = SendRing::new(work_ring(geo), 1, 16);
+        let mut sq = SendRing::new(work_ring(geo), bit(), 1, 16);
         let sges = [Sge::default(); 2];
-        let err = sq
-            .post(&[
+        let (bad, err) = post(
+            &mut sq,
+            &[
                 SendWr::new(1, SendOpcode::Send, SendPayload::Sges(&sges[..1])),
                 SendWr::new(2, SendOpcode::Send, SendPayload::Sges(&sges)),
-            ])
-            .unwrap_err();
-        assert_eq!((err.bad_wr, err.errno()), (1, libc::EINVAL));
+            ],
+        )
+        .unwrap_err();
+        assert_eq!((bad, err.errno()), (1, libc::EINVAL));
         // The first one was still published.
         assert_eq!(read(&sq.ring.mem, 0, 4), 1u32.to_le_bytes());
         let long = [0u8; 17];
         let err = sq
-            .post(&[SendWr::new(3, SendOpcode::Send, SendPayload::Inline(&long))])
+            .push(&SendWr::new(
+                3,
+                SendOpcode::Send,
+                SendPayload::Inline(&long),
+            ))
             .unwrap_err();
-        assert_eq!((err.bad_wr, err.errno()), (0, libc::EINVAL));
+        assert_eq!(err.errno(), libc::EINVAL);
         let err = sq
-            .post(&[SendWr::new(
+            .push(&SendWr::new(
                 3,
                 SendOpcode::RdmaRead,
                 SendPayload::Inline(b"x"),
-            )])
+            ))
             .unwrap_err();
         assert_eq!(err.errno(), libc::EINVAL);
+        assert!(!sq.ring.publish(), "nothing new to publish");
         assert_eq!(read(&sq.ring.mem, 0, 4), 1u32.to_le_bytes());
     }
 
     #[test]
-    fn full_ring_is_enomem_until_the_device_consumes() {
+    fn a_device_granting_beyond_the_format_is_held_to_it() {
+        let geo = sq_geometry(1, MAX_SGE, MAX_INLINE_DATA).unwrap();
+        let mut sq = SendRing::new(work_ring(geo), bit(), 1000, 100_000);
+        let sges = [Sge::default(); MAX_SGE as usize + 1];
+        let err = sq
+            .push(&SendWr::new(1, SendOpcode::Send, SendPayload::Sges(&sges)))
+            .unwrap_err();
+        assert_eq!(err.errno(), libc::EINVAL);
+        let fits = &sges[..MAX_SGE as usize];
+        sq.push(&SendWr::new(1, SendOpcode::Send, SendPayload::Sges(fits)))
+            .unwrap();
+        let data = [0u8; MAX_INLINE_DATA as usize + 1];
+        let err = sq
+            .push(&SendWr::new(
+                2,
+                SendOpcode::Send,
+                SendPayload::Inline(&data),
+            ))
+            .unwrap_err();
+        assert_eq!(err.errno(), libc::EINVAL);
+        let mut rq = RecvRing::new(work_ring(rq_geometry(1, MAX_SGE).unwrap()), bit(), 1000);
+        let err = rq
+            .push(&RecvWr {
+                wr_id: 1,
+                sg_list: &sges,
+            })
+            .unwrap_err();
+        assert_eq!(err.errno(), libc::EINVAL);
+    }
+
+    #[test]
+    fn full_ring_is_enomem_until_the_device_completes() {
         let geo = sq_geometry(4, 1, 0).unwrap();
         assert_eq!(geo.depth, 4);
-        let mut sq = SendRing::new(work_ring(geo), 1, 0);
+        let mut sq = SendRing::new(work_ring(geo), bit(), 1, 0);
         let sge = [Sge {
             addr: 1,
             length: 1,
@@ -635,48 +744,55 @@ mod tests {
         let wrs: Vec<_> = (0..5)
             .map(|i| SendWr::new(i, SendOpcode::Send, SendPayload::Sges(&sge)))
             .collect();
-        let err = sq.post(&wrs).unwrap_err();
-        assert_eq!(err.bad_wr, 4);
+        let (bad, err) = post(&mut sq, &wrs).unwrap_err();
+        assert_eq!(bad, 4);
         assert_eq!(err.errno(), libc::ENOMEM);
-        assert!(matches!(err.error, Error::QueueFull));
-        assert!(!sq.ring.take_kick(), "device is polling: no kick");
-        // The device consumes two; two more fit, wrapping to slots 0 and 1.
-        device_consumes(&sq.ring, 2);
-        sq.post(&wrs[..2]).unwrap();
-        assert_eq!(sq.post(&wrs[..1]).unwrap_err().errno(), libc::ENOMEM);
+        assert!(matches!(err, Error::QueueFull));
+        // The device completes two; two more fit, wrapping to slots 0 and 1.
+        device_completes_work(&sq.ring, 2);
+        post(&mut sq, &wrs[..2]).unwrap();
+        assert_eq!(
+            post(&mut sq, &wrs[..1]).unwrap_err().1.errno(),
+            libc::ENOMEM
+        );
         let slot0 = read(&sq.ring.mem, RING_HEADER_SIZE, 64);
         assert_eq!(SendWqe::read_from_bytes(&slot0).unwrap().wr_id.get(), 0);
         // Many wraps of the u32-free-running index modulo depth.
         for round in 0..100u32 {
-            device_consumes(&sq.ring, sq.ring.producer);
-            sq.post(&wrs[..4]).unwrap();
+            device_completes_work(&sq.ring, sq.ring.producer);
+            post(&mut sq, &wrs[..4]).unwrap();
             assert_eq!(sq.ring.producer, 10 + 4 * round);
         }
+        // A device index ahead of the producer: treated as full.
+        device_completes_work(&sq.ring, sq.ring.producer.wrapping_add(3));
+        assert_eq!(sq.push(&wrs[0]).unwrap_err().errno(), libc::ENOMEM);
     }
 
     #[test]
-    fn kick_only_when_the_device_sleeps() {
+    fn publish_reports_new_entries_once() {
         let geo = sq_geometry(4, 1, 0).unwrap();
-        let mut sq = SendRing::new(work_ring(geo), 1, 0);
+        let mut sq = SendRing::new(work_ring(geo), bit(), 1, 0);
         let sge = [Sge::default()];
         let wr = SendWr::new(1, SendOpcode::Send, SendPayload::Sges(&sge));
-        assert!(!sq.ring.take_kick(), "nothing published");
-        sq.post(&[wr]).unwrap();
-        assert!(!sq.ring.take_kick(), "device is polling");
+        assert!(!sq.ring.publish(), "nothing written");
+        sq.push(&wr).unwrap();
+        sq.push(&wr).unwrap();
+        assert_eq!(read(&sq.ring.mem, 0, 4), 0u32.to_le_bytes(), "unpublished");
+        assert!(sq.ring.publish());
+        assert_eq!(read(&sq.ring.mem, 0, 4), 2u32.to_le_bytes());
+        assert!(!sq.ring.publish(), "already published");
+        assert!(!sq.ring.in_error());
         sq.ring
             .mem
             .atomic_u32(DEVICE_FLAGS_OFFSET as usize)
-            .store(DEVICE_FLAG_NEED_KICK.to_le(), Ordering::Release);
-        sq.post(&[wr]).unwrap();
-        assert!(sq.ring.take_kick());
-        assert!(!sq.ring.take_kick(), "already kicked for this batch");
-        assert!(!sq.ring.in_error());
+            .store(DEVICE_FLAG_ERROR.to_le(), Ordering::Release);
+        assert!(sq.ring.in_error());
     }
 
     #[test]
     fn recv_wqe_bytes() {
         let geo = rq_geometry(2, 3).unwrap();
-        let mut rq = RecvRing::new(work_ring(geo), 3);
+        let mut rq = RecvRing::new(work_ring(geo), bit(), 3);
         let sges = [
             Sge {
                 addr: 0x10,
@@ -689,10 +805,10 @@ mod tests {
                 lkey: 60,
             },
         ];
-        rq.post(&[RecvWr {
+        rq.push(&RecvWr {
             wr_id: 99,
             sg_list: &sges,
-        }])
+        })
         .unwrap();
         let slot = read(&rq.ring.mem, RING_HEADER_SIZE, 48);
         let wqe = RecvWqe::read_from_bytes(&slot[..16]).unwrap();
@@ -704,10 +820,10 @@ mod tests {
         );
         let too_many = [Sge::default(); 4];
         let err = rq
-            .post(&[RecvWr {
+            .push(&RecvWr {
                 wr_id: 1,
                 sg_list: &too_many,
-            }])
+            })
             .unwrap_err();
         assert_eq!(err.errno(), libc::EINVAL);
     }
@@ -715,14 +831,13 @@ mod tests {
     /// Writes CQEs the way the device does: slots first, then the producer
     /// index with release ordering.
     fn device_completes(cq: &CqRing, producer: &mut u32, cqes: &[Cqe]) {
+        let (mem, depth) = (&cq.ring.mem, cq.ring.depth);
         for cqe in cqes {
-            let slot = (*producer & (cq.depth - 1)) as usize;
-            cq.mem
-                .write_at(RING_HEADER_SIZE + slot * CQE_SIZE, cqe.as_bytes());
+            let slot = (*producer & (depth - 1)) as usize;
+            mem.write_at(RING_HEADER_SIZE + slot * CQE_SIZE, cqe.as_bytes());
             *producer = producer.wrapping_add(1);
         }
-        cq.mem
-            .atomic_u32(DEVICE_INDEX_OFFSET as usize)
+        mem.atomic_u32(DEVICE_INDEX_OFFSET as usize)
             .store(producer.to_le(), Ordering::Release);
     }
 
@@ -770,7 +885,7 @@ mod tests {
         assert_eq!(wc[1].imm_data, Some([9, 8, 7, 6]));
         // The consumer index tells the device two slots are free.
         assert_eq!(
-            read(&cq.mem, DRIVER_INDEX_OFFSET as usize, 4),
+            read(&cq.ring.mem, DRIVER_INDEX_OFFSET as usize, 4),
             2u32.to_le_bytes()
         );
         assert_eq!(cq.poll(&mut wc).unwrap(), 1);
@@ -802,7 +917,7 @@ mod tests {
         let word = u32::from_le(cq.arm_word().load(Ordering::Acquire));
         assert_eq!(word, (2 << 8) | spec::CQ_ARM_SOLICITED);
         assert_eq!(
-            read(&cq.mem, DRIVER_ARM_OFFSET as usize, 4),
+            read(&cq.ring.mem, DRIVER_ARM_OFFSET as usize, 4),
             word.to_le_bytes()
         );
         cq.arm_sn = 0x00ff_ffff;

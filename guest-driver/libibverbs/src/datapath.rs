@@ -6,8 +6,14 @@
 //! - `ibv_send_wr`/`ibv_recv_wr` lists are posted in order; at the first
 //!   work request that fails, `*bad_wr` names it and its errno is returned
 //!   (those before it are posted, as with a hardware provider).
+//! - A list is posted as one batch: its WQEs are published and the
+//!   doorbell rung once, however many it holds.
 //! - `IBV_SEND_INLINE`: the SGEs name the application's own buffers (no
 //!   lkey); their bytes are gathered and copied into the WQE.
+//! - Nothing is allocated: SGE lists and inline data are translated in
+//!   buffers on the stack, sized by the format's limits (`MAX_SGE`,
+//!   `MAX_INLINE_DATA`); a longer list is `EINVAL`, as the device could
+//!   not carry it.
 //! - `wr.rdma` / `wr.atomic` are read according to the opcode; immediate
 //!   data is already big-endian and passes through byte for byte.
 //! - Completions fill every field of `ibv_wc`; `slid`/`sl` of a receive
@@ -20,6 +26,7 @@
 use std::ffi::c_int;
 use std::sync::atomic::Ordering;
 
+use vrdma_guest_driver::vrdma_spec::limits::{MAX_INLINE_DATA, MAX_SGE};
 use vrdma_guest_driver::vrdma_spec::ring::send_flags;
 use vrdma_guest_driver::vrdma_spec::verbs::{SendOpcode, WcOpcode};
 use vrdma_guest_driver::{RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
@@ -32,11 +39,10 @@ use crate::context::Ctx;
 use crate::ffi::{errno_of, guard, VResult};
 use crate::objects::{Cq, Qp, Wrapper};
 
-/// SGEs translated on the stack; longer lists go to the heap.
-const STACK_SGES: usize = 16;
-/// Largest inline payload a WQE can hold (a 4096-byte slot minus the
-/// 64-byte fixed part).
-const MAX_INLINE: usize = 4096 - 64;
+/// Most SGEs of one work request: what the WQE format carries.
+const MAX_SGES: usize = MAX_SGE as usize;
+/// Most inline bytes of one send: what the WQE format carries.
+const MAX_INLINE: usize = MAX_INLINE_DATA as usize;
 /// Completions translated per guest-driver poll.
 const POLL_BATCH: usize = 32;
 /// The variable that sets how many empty polls in a row yield the core.
@@ -69,23 +75,6 @@ fn empty_poll(cq: &Cq) {
     }
 }
 
-/// A work request's SGEs in the guest driver's form.
-// Stack storage on purpose: no allocation on the data path.
-#[allow(clippy::large_enum_variant)]
-enum Sges {
-    Stack([Sge; STACK_SGES], usize),
-    Heap(Vec<Sge>),
-}
-
-impl Sges {
-    fn as_slice(&self) -> &[Sge] {
-        match self {
-            Sges::Stack(a, n) => &a[..*n],
-            Sges::Heap(v) => v,
-        }
-    }
-}
-
 fn to_sge(s: &ibv_sge) -> Sge {
     Sge {
         addr: s.addr,
@@ -111,16 +100,13 @@ unsafe fn sge_slice<'a>(sg_list: *const ibv_sge, num_sge: c_int) -> VResult<&'a 
     Ok(unsafe { std::slice::from_raw_parts(sg_list, n) })
 }
 
-fn convert_sges(list: &[ibv_sge]) -> Sges {
-    if list.len() <= STACK_SGES {
-        let mut a = [Sge::default(); STACK_SGES];
-        for (d, s) in a.iter_mut().zip(list) {
-            *d = to_sge(s);
-        }
-        Sges::Stack(a, list.len())
-    } else {
-        Sges::Heap(list.iter().map(to_sge).collect())
+/// Translates `list` into `out`; `EINVAL` beyond [`MAX_SGES`].
+fn convert_sges<'a>(list: &[ibv_sge], out: &'a mut [Sge; MAX_SGES]) -> VResult<&'a [Sge]> {
+    let sges = out.get_mut(..list.len()).ok_or(libc::EINVAL)?;
+    for (d, s) in sges.iter_mut().zip(list) {
+        *d = to_sge(s);
     }
+    Ok(sges)
 }
 
 /// Gathers the bytes an inline send's SGEs point to.
@@ -156,27 +142,20 @@ unsafe fn gather_inline<'a>(list: &[ibv_sge], buf: &'a mut [u8; MAX_INLINE]) -> 
     Ok(&buf[..n])
 }
 
-/// Where the payload of one translated send work request lives.
+/// Where the payload of one translated send work request lives: on the
+/// stack of the posting call, reused for each request of its list.
 struct SendStorage {
-    sges: Sges,
-    /// Allocated on the first inline send of a thread, then reused.
-    inline: Option<Box<[u8; MAX_INLINE]>>,
+    sges: [Sge; MAX_SGES],
+    inline: [u8; MAX_INLINE],
 }
 
-thread_local! {
-    /// Each thread's inline buffer, lent to [`with_storage`].
-    static INLINE: std::cell::Cell<Option<Box<[u8; MAX_INLINE]>>> = const { std::cell::Cell::new(None) };
-}
-
-/// Runs `f` with translation storage (the thread's inline buffer, if any).
-fn with_storage<R>(f: impl FnOnce(&mut SendStorage) -> R) -> R {
-    let mut st = SendStorage {
-        sges: Sges::Stack([Sge::default(); STACK_SGES], 0),
-        inline: INLINE.with(std::cell::Cell::take),
-    };
-    let r = f(&mut st);
-    INLINE.with(|c| c.set(st.inline.take()));
-    r
+impl SendStorage {
+    fn new() -> Self {
+        Self {
+            sges: [Sge::default(); MAX_SGES],
+            inline: [0; MAX_INLINE],
+        }
+    }
 }
 
 /// Translates one `ibv_send_wr` (its `next` is not followed).
@@ -193,15 +172,11 @@ unsafe fn translate_send<'a>(w: &ibv_send_wr, storage: &'a mut SendStorage) -> V
     // SAFETY: the caller's promise about sg_list.
     let list = unsafe { sge_slice(w.sg_list, w.num_sge)? };
     let payload = if w.send_flags & IBV_SEND_INLINE != 0 {
-        let buf = storage
-            .inline
-            .get_or_insert_with(|| Box::new([0; MAX_INLINE]));
         // SAFETY: the caller's promise about inline buffers.
-        let data = unsafe { gather_inline(list, buf)? };
+        let data = unsafe { gather_inline(list, &mut storage.inline)? };
         SendPayload::Inline(data)
     } else {
-        storage.sges = convert_sges(list);
-        SendPayload::Sges(storage.sges.as_slice())
+        SendPayload::Sges(convert_sges(list, &mut storage.sges)?)
     };
     let mut wr = SendWr::new(w.wr_id, opcode, payload);
     // FENCE, SIGNALED and SOLICITED have the same bits on the wire;
@@ -241,28 +216,28 @@ pub(crate) unsafe extern "C" fn post_send(
     bad_wr: *mut *mut ibv_send_wr,
 ) -> c_int {
     guard("ibv_post_send", libc::EIO, || {
-        with_storage(|storage| {
-            let mut cur = wr;
-            // SAFETY: the caller passes a live QP.
-            let qp = match unsafe { Qp::from_raw(qp) }
-                .and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL))
-            {
+        let mut cur = wr;
+        // SAFETY: the caller passes a live QP.
+        let qp =
+            match unsafe { Qp::from_raw(qp) }.and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL)) {
                 Ok(q) => q,
                 Err(errno) => return fail_at(bad_wr, cur, errno),
             };
-            while !cur.is_null() {
-                // SAFETY: a non-null element of the application's list.
-                let w = unsafe { &*cur };
-                // SAFETY: the verbs contract for the work request's buffers.
-                let posted = unsafe { translate_send(w, storage) }
-                    .and_then(|t| qp.post_send(&[t]).map_err(|e| e.errno()));
-                if let Err(errno) = posted {
-                    return fail_at(bad_wr, cur, errno);
-                }
-                cur = w.next;
+        let mut storage = SendStorage::new();
+        // Published and rung once, when it goes out of scope.
+        let mut batch = qp.send_batch();
+        while !cur.is_null() {
+            // SAFETY: a non-null element of the application's list.
+            let w = unsafe { &*cur };
+            // SAFETY: the verbs contract for the work request's buffers.
+            let posted = unsafe { translate_send(w, &mut storage) }
+                .and_then(|t| batch.push(&t).map_err(|e| e.errno()));
+            if let Err(errno) = posted {
+                return fail_at(bad_wr, cur, errno);
             }
-            0
-        })
+            cur = w.next;
+        }
+        0
     })
 }
 
@@ -293,17 +268,19 @@ pub(crate) unsafe extern "C" fn post_recv(
                 Ok(q) => q,
                 Err(errno) => return fail_at(bad_wr, cur, errno),
             };
+        let mut sges = [Sge::default(); MAX_SGES];
+        // Published and rung once, when it goes out of scope.
+        let mut batch = qp.recv_batch();
         while !cur.is_null() {
             // SAFETY: a non-null element of the application's list.
             let w = unsafe { &*cur };
             // SAFETY: the verbs contract for sg_list.
             let posted = unsafe { sge_slice(w.sg_list, w.num_sge) }.and_then(|list| {
-                let sges = convert_sges(list);
                 let r = RecvWr {
                     wr_id: w.wr_id,
-                    sg_list: sges.as_slice(),
+                    sg_list: convert_sges(list, &mut sges)?,
                 };
-                qp.post_recv(&[r]).map_err(|e| e.errno())
+                batch.push(&r).map_err(|e| e.errno())
             });
             if let Err(errno) = posted {
                 return fail_at(bad_wr, cur, errno);
@@ -457,10 +434,7 @@ mod tests {
     use vrdma_guest_driver::vrdma_spec::verbs::WcStatus;
 
     fn storage() -> SendStorage {
-        SendStorage {
-            sges: Sges::Stack([Sge::default(); STACK_SGES], 0),
-            inline: None,
-        }
+        SendStorage::new()
     }
 
     #[test]
@@ -588,19 +562,28 @@ mod tests {
     }
 
     #[test]
-    fn long_sge_lists_use_the_heap() {
-        let list = vec![
-            ibv_sge {
-                addr: 1,
+    fn sge_lists_up_to_the_format_limit_are_translated() {
+        let list: Vec<_> = (0..MAX_SGES as u64 + 1)
+            .map(|i| ibv_sge {
+                addr: i,
+                length: 2,
+                lkey: 3,
+            })
+            .collect();
+        let mut out = [Sge::default(); MAX_SGES];
+        let s = convert_sges(&list[..MAX_SGES], &mut out).unwrap();
+        assert_eq!(s.len(), 64);
+        assert_eq!(
+            s[63],
+            Sge {
+                addr: 63,
                 length: 2,
                 lkey: 3
-            };
-            STACK_SGES + 3
-        ];
-        let s = convert_sges(&list);
-        assert!(matches!(s, Sges::Heap(_)));
-        assert_eq!(s.as_slice().len(), STACK_SGES + 3);
-        assert!(matches!(convert_sges(&list[..2]), Sges::Stack(_, 2)));
+            }
+        );
+        assert_eq!(convert_sges(&list, &mut out).err(), Some(libc::EINVAL));
+        assert_eq!(convert_sges(&[], &mut out).unwrap(), &[]);
+        assert_eq!(MAX_INLINE, 1024, "the format's inline limit");
     }
 
     #[test]

@@ -1,11 +1,11 @@
 //! Completion channels and asynchronous events.
 //!
-//! The device reports events on its event queues (one per completion
-//! vector): a COMPLETION names an armed CQ, the others are asynchronous
-//! (CQ overrun, QP fatal, port active). Each open context runs one event
-//! thread that sleeps on the event queues' interrupt eventfds (and a stop
-//! eventfd) and routes every event: a completion to the channel of its CQ,
-//! the rest to the context's asynchronous queue.
+//! The device writes events into its event rings (one per completion
+//! vector) and raises the vector's interrupt: a COMPLETION names an armed
+//! CQ, the others are asynchronous (CQ overrun, QP fatal, port active).
+//! Each open context runs one event thread that sleeps on the vectors'
+//! interrupt fds (and a stop eventfd) and routes every event: a completion
+//! to the channel of its CQ, the rest to the context's asynchronous queue.
 //!
 //! A channel's `fd` (and the context's `async_fd`) is an eventfd in
 //! semaphore mode whose count is at least the number of queued events, so
@@ -145,15 +145,16 @@ impl AsyncQueue {
 pub(crate) fn dispatch(shared: &Shared) {
     let vectors = shared.dev.num_comp_vectors();
     loop {
-        // Drain first: this also re-enables the queues' interrupts, so an
-        // event arriving after the drain raises an eventfd.
+        // Drain first: an event written after the drain raises its
+        // vector's interrupt, which the poll below sees. Interrupts are
+        // acknowledged before the next drain, so none is lost.
         for v in 0..vectors {
             loop {
                 match shared.dev.get_event(v, Some(Duration::ZERO)) {
                     Ok(Some(event)) => route(shared, event),
                     Ok(None) => break,
                     Err(e) => {
-                        tracing::error!(error = %e, vector = v, "Cannot read the event queue");
+                        tracing::error!(error = %e, vector = v, "Cannot read the event ring");
                         // The device is unusable: wait for the stop only.
                         wait_readable(&[shared.stop.as_raw_fd()], -1);
                         return;
@@ -186,7 +187,7 @@ pub(crate) fn dispatch(shared: &Shared) {
     }
 }
 
-/// How often event queues without an interrupt fd are drained.
+/// How often event rings without an interrupt fd are drained.
 const EVENT_POLL_MS: c_int = 5;
 
 /// Waits until one of `fds` is readable, or `timeout_ms` passed (-1:

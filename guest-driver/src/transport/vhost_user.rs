@@ -8,6 +8,13 @@
 //!
 //! Every request is sent with NEED_REPLY (REPLY_ACK is required), so a
 //! request the backend rejects fails here rather than later.
+//!
+//! Each queue has a kick and a call eventfd, whether or not it carries
+//! descriptors: the doorbell queue's kick is what wakes the device's ring
+//! poller (`notify`), and an event queue's call is its vector's interrupt
+//! (`wait`, `interrupt_fd`), which the device signals after writing the
+//! vector's event ring. Reading a call eventfd clears it, so `acknowledge`
+//! comes before the waiter looks at its queue again.
 
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::path::Path;

@@ -18,22 +18,24 @@ use std::time::Duration;
 use vm_memory::VolatileSlice;
 use vrdma_spec::config::{DeviceAttr, DeviceConfig, PortAttr};
 use vrdma_spec::control::{
-    CqHandle, CreateCqReq, CreateQpReq, CreateQpResp, ModifyQpReq, MrHandle, MrSgSegment, Opcode,
-    PdHandle, QpAttr, QpCap, QpHandle, QueryGidReq, QueryGidResp, QueryPortReq, QueryQpReq,
-    QueryQpResp, RegMrReq, RegMrResp, RegMrSgReq, MAX_MR_SEGMENTS, NO_SRQ,
+    CqHandle, CreateCqReq, MrHandle, MrSgSegment, Opcode, PdHandle, QueryGidReq, QueryGidResp,
+    QueryPortReq, RegMrReq, RegMrResp, RegMrSgReq, MAX_MR_SEGMENTS,
 };
-use vrdma_spec::ring::{cq_depth, rq_geometry, sq_geometry};
-use vrdma_spec::verbs::QpType;
+use vrdma_spec::ring::cq_depth;
 use zerocopy::IntoBytes;
 
 use crate::device::{Device, DeviceEvent, DeviceOptions};
 use crate::dma::{DmaBuf, PAGE_SIZE};
-use crate::error::{DestroyError, Error, PostError, Result};
+use crate::error::{DestroyError, Error, Result};
 use crate::memory::{Hold, Placement};
-use crate::ring::{CqRing, RecvRing, RecvWr, SendRing, SendWr, Sge, WorkCompletion, WorkRing};
+use crate::ring::{CqRing, Sge, WorkCompletion};
 use crate::transport::{
     PciDevice, Transport, TransportError, VhostUserTransport, VirtioPciTransport,
 };
+
+mod qp;
+
+pub use qp::{QpCapabilities, QpInitAttr, QueuePair, RecvBatch, SendBatch};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Ring state is consistent between operations: recover from poisoning.
@@ -407,62 +409,6 @@ impl ProtectionDomain {
         Ok(mr)
     }
 
-    /// `ibv_create_qp`: rings sized from `init.cap` exactly as the device
-    /// computes them ([`vrdma_spec::ring::sq_geometry`]/`rq_geometry`).
-    pub fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<QueuePair> {
-        let cap = init.cap;
-        // CQ numbers are per device: a CQ of another device would silently
-        // name an unrelated CQ of this one.
-        for cq in [init.send_cq, init.recv_cq] {
-            if !Arc::ptr_eq(&cq.inner.dev, &self.inner.dev) {
-                return Err(Error::InvalidArgument(
-                    "completion queue belongs to another device",
-                ));
-            }
-        }
-        let sq_geo = sq_geometry(cap.max_send_wr, cap.max_send_sge, cap.max_inline_data)
-            .ok_or(Error::InvalidArgument("send queue capacities too large"))?;
-        let rq_geo = rq_geometry(cap.max_recv_wr, cap.max_recv_sge)
-            .ok_or(Error::InvalidArgument("receive queue capacities too large"))?;
-        let dev = &self.inner.dev;
-        let (len, align) = WorkRing::alloc_args(sq_geo)?;
-        let mut sq = WorkRing::new(dev.alloc(len, align, true)?, sq_geo);
-        let (len, align) = WorkRing::alloc_args(rq_geo)?;
-        let mut rq = WorkRing::new(dev.alloc(len, align, true)?, rq_geo);
-        let req = CreateQpReq {
-            pdn: self.inner.pdn.into(),
-            send_cqn: init.send_cq.inner.cqn.into(),
-            recv_cqn: init.recv_cq.inner.cqn.into(),
-            srqn: NO_SRQ.into(),
-            qp_type: init.qp_type.into(),
-            sq_sig_all: init.sq_sig_all.into(),
-            cap: cap.into(),
-            sq_ring_addr: sq.device_addr().into(),
-            rq_ring_addr: rq.device_addr().into(),
-            ..Default::default()
-        };
-        let resp: CreateQpResp = dev.command(Opcode::CreateQp, req.as_bytes())?;
-        // The device may grant more than asked (what the slot stride holds):
-        // post within the grant; the rings still check the stride.
-        let granted = QpCapabilities::from(resp.cap);
-        sq.limit_to(granted.max_send_wr);
-        rq.limit_to(granted.max_recv_wr);
-        Ok(QueuePair {
-            pd: Arc::clone(&self.inner),
-            send_cq: Arc::clone(&init.send_cq.inner),
-            recv_cq: Arc::clone(&init.recv_cq.inner),
-            qpn: resp.qpn.get(),
-            cap: granted,
-            sq: Arc::new(Mutex::new(SendRing::new(
-                sq,
-                granted.max_send_sge,
-                granted.max_inline_data,
-            ))),
-            rq: Arc::new(Mutex::new(RecvRing::new(rq, granted.max_recv_sge))),
-            live: true,
-        })
-    }
-
     /// `ibv_dealloc_pd`, returning the device's errno (`EBUSY` while MRs or
     /// QPs use the PD). On failure the PD is handed back.
     pub fn destroy(self) -> Result<(), DestroyError<Self>> {
@@ -723,183 +669,15 @@ impl CompletionQueue {
     }
 }
 
-/// Queue-pair capacities (`struct ibv_qp_cap`).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct QpCapabilities {
-    pub max_send_wr: u32,
-    pub max_recv_wr: u32,
-    pub max_send_sge: u32,
-    pub max_recv_sge: u32,
-    pub max_inline_data: u32,
-}
-
-impl From<QpCapabilities> for QpCap {
-    fn from(c: QpCapabilities) -> Self {
-        QpCap {
-            max_send_wr: c.max_send_wr.into(),
-            max_recv_wr: c.max_recv_wr.into(),
-            max_send_sge: c.max_send_sge.into(),
-            max_recv_sge: c.max_recv_sge.into(),
-            max_inline_data: c.max_inline_data.into(),
-        }
-    }
-}
-
-impl From<QpCap> for QpCapabilities {
-    fn from(c: QpCap) -> Self {
-        QpCapabilities {
-            max_send_wr: c.max_send_wr.get(),
-            max_recv_wr: c.max_recv_wr.get(),
-            max_send_sge: c.max_send_sge.get(),
-            max_recv_sge: c.max_recv_sge.get(),
-            max_inline_data: c.max_inline_data.get(),
-        }
-    }
-}
-
-/// What `create_qp` needs (`struct ibv_qp_init_attr`).
-#[derive(Debug, Clone, Copy)]
-pub struct QpInitAttr<'a> {
-    pub send_cq: &'a CompletionQueue,
-    pub recv_cq: &'a CompletionQueue,
-    pub cap: QpCapabilities,
-    pub qp_type: QpType,
-    /// Every send WQE completes with a CQE, signaled or not.
-    pub sq_sig_all: bool,
-}
-
-/// A queue pair (`struct ibv_qp`).
-#[derive(Debug)]
-pub struct QueuePair {
-    pd: Arc<PdInner>,
-    send_cq: Arc<CqInner>,
-    recv_cq: Arc<CqInner>,
-    qpn: u32,
-    cap: QpCapabilities,
-    sq: Arc<Mutex<SendRing>>,
-    rq: Arc<Mutex<RecvRing>>,
-    live: bool,
-}
-
-impl QueuePair {
-    /// The QP number.
-    pub fn qp_num(&self) -> u32 {
-        self.qpn
-    }
-
-    /// The capacities the device granted.
-    pub fn cap(&self) -> QpCapabilities {
-        self.cap
-    }
-
-    /// The send and receive CQs' numbers.
-    pub fn cq_nums(&self) -> (u32, u32) {
-        (self.send_cq.cqn, self.recv_cq.cqn)
-    }
-
-    /// `ibv_post_send`: writes the WQEs into the send ring, publishes them
-    /// and rings the doorbell if the device sleeps. A full ring is `ENOMEM`.
-    pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
-        let mut sq = lock(&self.sq);
-        let result = sq.post(wrs);
-        if sq.ring.take_kick() {
-            self.pd.dev.ring_doorbell();
-        }
-        result
-    }
-
-    /// `ibv_post_recv`: like [`QueuePair::post_send`] for the receive ring.
-    pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
-        let mut rq = lock(&self.rq);
-        let result = rq.post(wrs);
-        if rq.ring.take_kick() {
-            self.pd.dev.ring_doorbell();
-        }
-        result
-    }
-
-    /// Whether the device flagged the send or receive ring as in error.
-    pub fn rings_in_error(&self) -> bool {
-        lock(&self.sq).ring.in_error() || lock(&self.rq).ring.in_error()
-    }
-
-    /// `ibv_modify_qp`: applies the attributes of `attr` that `attr_mask`
-    /// ([`vrdma_spec::qp_state::mask`] bits) selects.
-    pub fn modify(&self, attr: &QpAttr, attr_mask: u32) -> Result<()> {
-        let req = ModifyQpReq {
-            qpn: self.qpn.into(),
-            attr_mask: attr_mask.into(),
-            attr: *attr,
-        };
-        self.pd
-            .dev
-            .command_no_reply(Opcode::ModifyQp, req.as_bytes())
-    }
-
-    /// `ibv_query_qp`: every attribute plus the creation attributes.
-    pub fn query(&self, attr_mask: u32) -> Result<QueryQpResp> {
-        let req = QueryQpReq {
-            qpn: self.qpn.into(),
-            attr_mask: attr_mask.into(),
-        };
-        self.pd.dev.command(Opcode::QueryQp, req.as_bytes())
-    }
-
-    fn destroy_now(&mut self) -> Result<()> {
-        let req = QpHandle {
-            qpn: self.qpn.into(),
-            ..Default::default()
-        };
-        self.pd
-            .dev
-            .command_no_reply(Opcode::DestroyQp, req.as_bytes())?;
-        self.live = false;
-        Ok(())
-    }
-
-    /// `ibv_destroy_qp`, returning the device's errno; on failure the QP is
-    /// handed back.
-    pub fn destroy(mut self) -> Result<(), DestroyError<Self>> {
-        match self.destroy_now() {
-            Ok(()) => Ok(()),
-            Err(error) => Err(DestroyError {
-                object: self,
-                error,
-            }),
-        }
-    }
-}
-
-impl Drop for QueuePair {
-    fn drop(&mut self) {
-        if self.live {
-            if let Err(e) = self.destroy_now() {
-                tracing::warn!(error = %e, qpn = self.qpn, "Cannot destroy a QP");
-                self.pd.dev.quarantine(Arc::clone(&self.sq));
-                self.pd.dev.quarantine(Arc::clone(&self.rq));
-            }
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::testing::{config, StubTransport};
-    use crate::transport::{VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
+    use crate::testing::{config, options, StubTransport, FEATURES};
 
     #[test]
     fn context_checks_arguments_before_asking_the_device() {
-        let stub = StubTransport::with_config(
-            &config(2, 64),
-            VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX,
-        );
-        let options = DeviceOptions {
-            arena_size: 1 << 20,
-            control_timeout: Duration::from_millis(10),
-            ..Default::default()
-        };
-        let ctx = Context::open(Box::new(stub), options).unwrap();
+        let stub = StubTransport::with_config(&config(2, 64), FEATURES);
+        let ctx = Context::open(Box::new(stub), options()).unwrap();
         assert_eq!(ctx.num_comp_vectors(), 2);
         assert_eq!(ctx.config().name(), Some("vrdma"));
         let err = ctx.create_cq(u32::MAX, 0).unwrap_err();
@@ -909,23 +687,8 @@ mod tests {
             ctx.get_event(5, Some(Duration::ZERO)).unwrap_err().errno(),
             libc::EINVAL
         );
-        assert!(ctx.event_fd(0).is_none(), "the stub has no interrupt fds");
-    }
-
-    #[test]
-    fn capabilities_convert_both_ways() {
-        let caps = QpCapabilities {
-            max_send_wr: 1,
-            max_recv_wr: 2,
-            max_send_sge: 3,
-            max_recv_sge: 4,
-            max_inline_data: 5,
-        };
-        let wire = QpCap::from(caps);
-        assert_eq!(
-            wire.as_bytes(),
-            [1, 0, 0, 0, 2, 0, 0, 0, 3, 0, 0, 0, 4, 0, 0, 0, 5, 0, 0, 0]
-        );
-        assert_eq!(QpCapabilities::from(wire), caps);
+        assert!(ctx.event_fd(1).is_some());
+        assert!(ctx.event_fd(2).is_none(), "no such vector");
+        assert_eq!(ctx.acknowledge_event(2).unwrap_err().errno(), libc::EINVAL);
     }
 }

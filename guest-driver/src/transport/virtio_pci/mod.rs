@@ -24,20 +24,19 @@
 //! **Interrupts.** uio_pci_generic delivers the function's INTx on
 //! `/dev/uioN`: a read returns the interrupt count (poll says readable
 //! when it moved), reading the virtio ISR register acknowledges the
-//! device's line. uio_pci_generic's handler masks INTx (the command
-//! register's INTx-disable bit) at every interrupt and, having no
-//! `irqcontrol`, cannot unmask it through the uio fd (a write there fails
-//! with ENOSYS): the driver clears the bit in the config space itself, as
-//! DPDK does. `wait` sleeps on that, and `interrupt_fd` hands it to an
-//! event thread. One INTx line serves every queue, so a wake-up only
-//! means "something happened": the core re-checks its queue and waits
-//! again, as it does for any spurious wake-up. Each queue has its own open
-//! file of `/dev/uioN`: uio keeps the count per open file, so every
-//! queue's waiter sees every interrupt, and one waiter reading the count
-//! cannot swallow the wake-up of another that was not yet asleep.
-//! Sleeping on the interrupt rather than polling with backoff matters on a
-//! TCG guest, where a polling thread would take the vCPU from the
-//! application.
+//! device's line — for every queue at once. uio_pci_generic's handler
+//! masks INTx (the command register's INTx-disable bit) at every interrupt
+//! and, having no `irqcontrol`, cannot unmask it through the uio fd (a
+//! write there fails with ENOSYS): the driver clears the bit in the config
+//! space itself, as DPDK does. One line serves every queue, so it is
+//! handled as a kernel handles a shared line ([`interrupts`]): one thread
+//! owns `/dev/uioN`, takes each interrupt (count, ISR, unmask) and wakes
+//! the waiter of every queue through the queue's own eventfd, which is
+//! what `wait`, `interrupt_fd` and `acknowledge` work on. A waiter re-checks
+//! its queue after each wake-up, so one meant for another queue only costs
+//! a look. Sleeping on the interrupt rather than polling with backoff
+//! matters on a TCG guest, where a polling thread would take the vCPU from
+//! the application.
 //!
 //! All register accesses are volatile loads and stores on the BAR mapping.
 //! Dropping the transport resets the device (status 0), which makes vdev
@@ -45,13 +44,21 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, OnceLock};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use super::{MemoryModel, QueueSetup, Transport, TransportError, VIRTIO_F_VERSION_1};
+
+mod caps;
+mod interrupts;
+
+use interrupts::{Interrupts, Line};
+
+use caps::{le16, MAX_CAPS};
+pub use caps::{parse_capabilities, CapLocation, VirtioCaps};
 
 /// PCI vendor of virtio devices.
 pub const VIRTIO_PCI_VENDOR: u16 = 0x1af4;
@@ -65,23 +72,9 @@ const SYSFS_PCI: &str = "/sys/bus/pci";
 
 /// PCI config-space offsets.
 const PCI_COMMAND: u64 = 0x04;
-const PCI_STATUS: usize = 0x06;
-const PCI_CAPABILITY_LIST: usize = 0x34;
-const PCI_STATUS_CAP_LIST: u16 = 0x10;
 const PCI_COMMAND_MEMORY: u16 = 0x2;
 const PCI_COMMAND_MASTER: u16 = 0x4;
 const PCI_COMMAND_INTX_DISABLE: u16 = 0x400;
-/// Capabilities start after the standard header.
-const PCI_CAP_MIN: usize = 0x40;
-const PCI_CAP_ID_VNDR: u8 = 0x09;
-
-/// `cfg_type` of the virtio vendor capabilities.
-mod cfg_type {
-    pub const COMMON: u8 = 1;
-    pub const NOTIFY: u8 = 2;
-    pub const ISR: u8 = 3;
-    pub const DEVICE: u8 = 4;
-}
 
 /// Offsets in the common configuration structure (virtio 1.2, 4.1.4.3).
 mod common {
@@ -116,11 +109,6 @@ mod status {
 
 /// "No MSI-X vector": interrupts go to INTx.
 const NO_VECTOR: u16 = 0xffff;
-/// A BAR index must be 0–5.
-const MAX_BAR: u8 = 5;
-/// Longest capability walk: the config space holds fewer capabilities.
-const MAX_CAPS: usize = 48;
-
 /// Errors of the virtio-pci transport.
 #[derive(Debug, thiserror::Error)]
 pub enum PciError {
@@ -185,6 +173,8 @@ pub enum PciError {
         #[source]
         source: io::Error,
     },
+    #[error("Cannot start the interrupt thread")]
+    Interrupts(#[source] io::Error),
     #[error("Device did not finish its reset within {0:?}")]
     ResetTimeout(Duration),
     #[error("Device refused the features {0:#x} (FEATURES_OK not kept)")]
@@ -202,118 +192,6 @@ pub enum PciError {
 fn sysfs(what: &'static str, path: &Path) -> impl FnOnce(io::Error) -> PciError {
     let path = path.display().to_string();
     move |source| PciError::Sysfs { what, path, source }
-}
-
-/// Where one virtio structure is: `length` bytes at `offset` in BAR `bar`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CapLocation {
-    pub bar: u8,
-    pub offset: u32,
-    pub length: u32,
-}
-
-/// The virtio structures a function's capabilities point at.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct VirtioCaps {
-    pub common: CapLocation,
-    pub notify: CapLocation,
-    pub notify_off_multiplier: u32,
-    pub isr: CapLocation,
-    pub device: Option<CapLocation>,
-}
-
-fn le16(b: &[u8], at: usize) -> Option<u16> {
-    Some(u16::from_le_bytes(b.get(at..at + 2)?.try_into().ok()?))
-}
-
-fn le32(b: &[u8], at: usize) -> Option<u32> {
-    Some(u32::from_le_bytes(b.get(at..at + 4)?.try_into().ok()?))
-}
-
-/// Parses the virtio vendor capabilities from a function's config space.
-///
-/// Follows the virtio 1.2 rules (4.1.4): the first capability of each type
-/// wins, capabilities naming a reserved BAR (above 5) are ignored, as are
-/// types this driver does not use. Everything is bounds-checked against
-/// `config`; the walk stops on a loop.
-pub fn parse_capabilities(config: &[u8]) -> Result<VirtioCaps, PciError> {
-    let len = config.len();
-    let short = PciError::ShortConfig { len };
-    let status = le16(config, PCI_STATUS).ok_or(short)?;
-    if status & PCI_STATUS_CAP_LIST == 0 {
-        return Err(PciError::NoCapabilities);
-    }
-    let mut at = usize::from(
-        *config
-            .get(PCI_CAPABILITY_LIST)
-            .ok_or(PciError::ShortConfig { len })?
-            & 0xfc,
-    );
-    let (mut common, mut notify, mut isr, mut device) = (None, None, None, None);
-    let mut seen = 0;
-    while at != 0 {
-        seen += 1;
-        if seen > MAX_CAPS {
-            return Err(PciError::CapLoop);
-        }
-        if at < PCI_CAP_MIN || at + 2 > len {
-            return Err(PciError::CapOutside { at, len });
-        }
-        let (id, next) = (config[at], usize::from(config[at + 1] & 0xfc));
-        if id == PCI_CAP_ID_VNDR {
-            if at + 16 > len {
-                return Err(PciError::CapOutside { at, len });
-            }
-            let cap_len = config[at + 2];
-            let (kind, bar) = (config[at + 3], config[at + 4]);
-            let offset = le32(config, at + 8).ok_or(PciError::CapOutside { at, len })?;
-            let length = le32(config, at + 12).ok_or(PciError::CapOutside { at, len })?;
-            let needed = if kind == cfg_type::NOTIFY { 20 } else { 16 };
-            if usize::from(cap_len) < needed {
-                return Err(PciError::CapTooShort { at, cap_len });
-            }
-            if at + usize::from(cap_len) > len {
-                return Err(PciError::CapOutside { at, len });
-            }
-            if offset.checked_add(length).is_none() {
-                return Err(PciError::CapOverflow { at, offset, length });
-            }
-            let loc = CapLocation {
-                bar,
-                offset,
-                length,
-            };
-            if bar <= MAX_BAR {
-                match kind {
-                    cfg_type::COMMON if common.is_none() => common = Some(loc),
-                    cfg_type::NOTIFY if notify.is_none() => {
-                        let mult = le32(config, at + 16).ok_or(PciError::CapOutside { at, len })?;
-                        notify = Some((loc, mult));
-                    }
-                    cfg_type::ISR if isr.is_none() => isr = Some(loc),
-                    cfg_type::DEVICE if device.is_none() => device = Some(loc),
-                    _ => {}
-                }
-            }
-        }
-        at = next;
-    }
-    let common = common.ok_or(PciError::MissingCap("common configuration"))?;
-    if common.length < common::MIN_LEN {
-        return Err(PciError::MissingCap("common configuration (too short)"));
-    }
-    let (notify, notify_off_multiplier) = notify.ok_or(PciError::MissingCap("notification"))?;
-    let isr = isr.ok_or(PciError::MissingCap("ISR status"))?;
-    if isr.length == 0 {
-        return Err(PciError::MissingCap("ISR status (empty)"));
-    }
-    Ok(VirtioCaps {
-        common,
-        notify,
-        notify_off_multiplier,
-        isr,
-        device,
-    })
 }
 
 /// A PCI function by its address, e.g. `0000:00:04.0`.
@@ -432,7 +310,9 @@ impl Window {
     }
     fn read8(&self, off: u32) -> u8 {
         // SAFETY: inside the BAR mapping, which lives as long as the
-        // transport; MMIO is accessed with volatile loads only.
+        // transport (its interrupt thread, the only other user of a
+        // window, ends before the mapping); MMIO is accessed with
+        // volatile loads only.
         unsafe { (self.ptr(off, 1) as *const u8).read_volatile() }
     }
     fn read16(&self, off: u32) -> u16 {
@@ -470,20 +350,15 @@ struct State {
 /// A vrdma device reached through virtio-pci from userspace.
 pub struct VirtioPciTransport {
     device: PciDevice,
+    /// Declared before the BARs: its thread reads the ISR in them, so it
+    /// stops first (`Drop` stops it explicitly, too).
+    interrupts: Interrupts,
     _bars: Vec<Bar>,
     common: Window,
     notify: Window,
     notify_off_multiplier: u32,
-    isr: Window,
     device_cfg: Option<Window>,
     num_queues: u16,
-    /// `/dev/uioN` of the function.
-    uio_path: PathBuf,
-    /// An open file of `/dev/uioN` per queue, opened when the queue is
-    /// first waited on (see the module comment).
-    listeners: Vec<OnceLock<File>>,
-    /// The function's config space (sysfs), to unmask INTx.
-    config: File,
     state: Mutex<State>,
 }
 
@@ -512,7 +387,7 @@ impl VirtioPciTransport {
             });
         }
         bind_uio(device)?;
-        let (uio_path, uio) = open_uio(device)?;
+        let uio = open_uio(device)?;
         let config_path = path.join("config");
         let config =
             std::fs::read(&config_path).map_err(sysfs("read the config space", &config_path))?;
@@ -560,36 +435,34 @@ impl VirtioPciTransport {
             .transpose()?;
         let bars = bars.into_iter().map(|(_, b)| b).collect();
 
-        let mut transport = Self {
+        reset(&common)?;
+        let num_queues = common.read16(common::NUM_QUEUES);
+        // Unmask INTx once: from here on the interrupt thread unmasks it
+        // after each interrupt.
+        if let Err(e) = unmask_intx(&config_file) {
+            tracing::warn!(bdf = %device.bdf, error = %e, "Cannot unmask INTx");
+        }
+        let line = UioLine {
+            uio,
+            isr,
+            config: config_file,
+        };
+        let interrupts = Interrupts::start(line, num_queues).map_err(PciError::Interrupts)?;
+        let transport = Self {
             device: device.clone(),
+            interrupts,
             _bars: bars,
             common,
             notify,
             notify_off_multiplier: caps.notify_off_multiplier,
-            isr,
             device_cfg,
-            num_queues: 0,
-            uio_path,
-            listeners: Vec::new(),
-            config: config_file,
+            num_queues,
             state: Mutex::new(State {
-                notify_off: Vec::new(),
+                notify_off: vec![None; usize::from(num_queues)],
             }),
         };
-        transport.reset()?;
-        let num_queues = transport.common.read16(common::NUM_QUEUES);
-        transport.num_queues = num_queues;
-        transport.state = Mutex::new(State {
-            notify_off: vec![None; usize::from(num_queues)],
-        });
-        transport.listeners = (0..num_queues).map(|_| OnceLock::new()).collect();
-        if let Some(first) = transport.listeners.first() {
-            let _ = first.set(uio);
-        }
         transport.set_status(status::ACKNOWLEDGE);
         transport.set_status(status::ACKNOWLEDGE | status::DRIVER);
-        // Unmask INTx once: from here on `wait` unmasks after each interrupt.
-        transport.unmask();
         tracing::info!(bdf = %device.bdf, num_queues, "Took the vrdma PCI function");
         Ok(transport)
     }
@@ -602,46 +475,12 @@ impl VirtioPciTransport {
         self.common.read8(common::DEVICE_STATUS)
     }
 
-    /// Writes 0 to the status and waits until the device reads back 0
-    /// (4.1.4.3.2: the reset is complete then).
-    fn reset(&self) -> Result<(), PciError> {
-        const TIMEOUT: Duration = Duration::from_secs(5);
-        self.set_status(0);
-        let start = Instant::now();
-        while self.status() != 0 {
-            if start.elapsed() > TIMEOUT {
-                return Err(PciError::ResetTimeout(TIMEOUT));
-            }
-            std::thread::sleep(Duration::from_millis(1));
+    fn check_queue(&self, queue: u16) -> Result<(), TransportError> {
+        if queue < self.num_queues {
+            Ok(())
+        } else {
+            Err(TransportError::NoQueue(queue))
         }
-        Ok(())
-    }
-
-    fn unmask(&self) {
-        if let Err(e) = unmask_intx(&self.config) {
-            tracing::warn!(bdf = %self.device.bdf, error = %e, "Cannot unmask INTx");
-        }
-    }
-
-    /// `queue`'s open file of `/dev/uioN`, opened on first use.
-    fn listener(&self, queue: u16) -> Result<&File, TransportError> {
-        let slot = self
-            .listeners
-            .get(usize::from(queue))
-            .ok_or(TransportError::NoQueue(queue))?;
-        if let Some(file) = slot.get() {
-            return Ok(file);
-        }
-        let file = open_listener(&self.uio_path)
-            .map_err(|source| TransportError::Wait { queue, source })?;
-        // A racing thread may have set it first; its file is as good.
-        let _ = slot.set(file);
-        // A new file counts from now: an interrupt that came before, and
-        // that nobody acknowledged yet, left INTx masked with the line
-        // still up. Unmasking makes the level-triggered line fire again,
-        // so this queue's waiter sees it too.
-        self.unmask();
-        slot.get().ok_or(TransportError::NoQueue(queue))
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -666,6 +505,9 @@ impl VirtioPciTransport {
 
 impl Drop for VirtioPciTransport {
     fn drop(&mut self) {
+        // The interrupt thread reads the ISR in a BAR: it ends before the
+        // BARs are unmapped (and a reset's interrupt needs no one).
+        self.interrupts.stop();
         // The device forgets this driver: vdev drops every object of it.
         self.set_status(0);
         tracing::debug!(bdf = %self.device.bdf, "Reset the vrdma PCI function");
@@ -793,48 +635,68 @@ impl Transport for VirtioPciTransport {
     }
 
     fn wait(&self, queue: u16, timeout: Option<Duration>) -> Result<bool, TransportError> {
-        let timeout_ms = timeout.map_or(-1, |t| i32::try_from(t.as_millis()).unwrap_or(i32::MAX));
-        let mut pfd = libc::pollfd {
-            fd: self.listener(queue)?.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one valid pollfd for the duration of the call; the uio fd
-        // stays open while `self` lives.
-        let n = unsafe { libc::poll(&mut pfd, 1, timeout_ms) };
-        if n < 0 {
-            let source = io::Error::last_os_error();
-            if source.kind() == io::ErrorKind::Interrupted {
-                return Ok(false);
-            }
-            return Err(TransportError::Wait { queue, source });
-        }
-        if n == 0 {
-            return Ok(false);
-        }
-        self.acknowledge(queue)?;
-        Ok(true)
+        self.check_queue(queue)?;
+        self.interrupts
+            .wait(queue, timeout)
+            .map_err(|source| TransportError::Wait { queue, source })
     }
 
     fn interrupt_fd(&self, queue: u16) -> Option<BorrowedFd<'_>> {
-        self.listener(queue).ok().map(|f| f.as_fd())
+        self.interrupts.fd(queue)
     }
 
     fn acknowledge(&self, queue: u16) -> Result<(), TransportError> {
-        let mut count = [0u8; 4];
-        match self.listener(queue)?.read_exact(&mut count) {
-            Ok(_) => {}
-            // Another thread read this queue's count: the interrupt
-            // still happened, and that thread acknowledges it.
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
-            Err(source) => return Err(TransportError::Wait { queue, source }),
+        self.check_queue(queue)?;
+        self.interrupts
+            .acknowledge(queue)
+            .map_err(|source| TransportError::Wait { queue, source })
+    }
+}
+
+/// Writes 0 to the status in `common` and waits until the device reads
+/// back 0 (4.1.4.3.2: the reset is complete then).
+fn reset(common: &Window) -> Result<(), PciError> {
+    const TIMEOUT: Duration = Duration::from_secs(5);
+    common.write8(common::DEVICE_STATUS, 0);
+    let start = Instant::now();
+    while common.read8(common::DEVICE_STATUS) != 0 {
+        if start.elapsed() > TIMEOUT {
+            return Err(PciError::ResetTimeout(TIMEOUT));
         }
-        // Reading the ISR acknowledges the device's line; only then may INTx
-        // be unmasked, or the level-triggered line fires again at once.
-        // Waiters of other queues may do the same for the same interrupt:
-        // the ISR then reads 0 and INTx is unmasked already.
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
+}
+
+/// The function's INTx line through uio_pci_generic (see the module
+/// comment).
+struct UioLine {
+    /// `/dev/uioN`, non-blocking.
+    uio: File,
+    /// The ISR status register, in a BAR the transport keeps mapped until
+    /// the interrupt thread has ended.
+    isr: Window,
+    /// The function's config space (sysfs), to unmask INTx.
+    config: File,
+}
+
+impl Line for UioLine {
+    fn fd(&self) -> BorrowedFd<'_> {
+        self.uio.as_fd()
+    }
+
+    fn service(&mut self) -> io::Result<()> {
+        let mut count = [0u8; 4];
+        match self.uio.read_exact(&mut count) {
+            // Readable but no new count: nothing to take this time.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(()),
+            other => other?,
+        }
+        // Reading the ISR acknowledges the device's line (for every queue);
+        // only then may INTx be unmasked, or the level-triggered line
+        // fires again at once.
         let _ = self.isr.read8(0);
-        self.unmask();
+        unmask_intx(&self.config)?;
         Ok(())
     }
 }
@@ -866,8 +728,9 @@ fn bind_uio(device: &PciDevice) -> Result<(), PciError> {
     Ok(())
 }
 
-/// Opens the function's `/dev/uioN`; returns its path and the open file.
-fn open_uio(device: &PciDevice) -> Result<(PathBuf, File), PciError> {
+/// Opens the function's `/dev/uioN` (non-blocking: the interrupt thread
+/// polls it).
+fn open_uio(device: &PciDevice) -> Result<File, PciError> {
     let dir = device.path().join("uio");
     let name = std::fs::read_dir(&dir)
         .ok()
@@ -875,18 +738,12 @@ fn open_uio(device: &PciDevice) -> Result<(PathBuf, File), PciError> {
         .map(|e| e.file_name())
         .ok_or_else(|| PciError::NoUioDevice(device.bdf.clone()))?;
     let dev = Path::new("/dev").join(name);
-    let file = open_listener(&dev).map_err(sysfs("open the uio device", &dev))?;
-    Ok((dev, file))
-}
-
-/// One open file of a uio device: its own interrupt count (non-blocking:
-/// a count another thread read is not waited for).
-fn open_listener(dev: &Path) -> io::Result<File> {
     OpenOptions::new()
         .read(true)
         .write(true)
         .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
-        .open(dev)
+        .open(&dev)
+        .map_err(sysfs("open the uio device", &dev))
 }
 
 /// Sets memory-space and bus-master enable in the command register of
@@ -950,177 +807,6 @@ fn map_bar(device: &PciDevice, bar: u8) -> Result<Bar, PciError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// Config space of a modern virtio PCI function laid out the way QEMU
-    /// lays out its virtio-pci devices (built by hand from the virtio 1.2
-    /// capability layout and QEMU's `virtio-pci` modern BAR: BAR 4 with
-    /// common config at 0, ISR at 0x1000, device config at 0x2000, notify
-    /// at 0x3000 with multiplier 4), behind an MSI-X capability and the
-    /// PCI-config-access capability, for virtio id 38.
-    fn qemu_like_config() -> Vec<u8> {
-        let mut c = vec![0u8; 256];
-        c[0..2].copy_from_slice(&VIRTIO_PCI_VENDOR.to_le_bytes());
-        c[2..4].copy_from_slice(&0x1066u16.to_le_bytes());
-        c[PCI_STATUS..PCI_STATUS + 2].copy_from_slice(&PCI_STATUS_CAP_LIST.to_le_bytes());
-        c[PCI_CAPABILITY_LIST] = 0x98;
-        // MSI-X (id 0x11), 12 bytes.
-        c[0x98] = 0x11;
-        c[0x99] = 0x84;
-        let mut vndr = |at: usize, next: u8, len: u8, kind: u8, bar: u8, off: u32, length: u32| {
-            c[at] = PCI_CAP_ID_VNDR;
-            c[at + 1] = next;
-            c[at + 2] = len;
-            c[at + 3] = kind;
-            c[at + 4] = bar;
-            c[at + 8..at + 12].copy_from_slice(&off.to_le_bytes());
-            c[at + 12..at + 16].copy_from_slice(&length.to_le_bytes());
-        };
-        vndr(0x84, 0x70, 20, 5, 0, 0, 0); // VIRTIO_PCI_CAP_PCI_CFG
-        vndr(0x70, 0x60, 20, cfg_type::NOTIFY, 4, 0x3000, 0x1000);
-        vndr(0x60, 0x50, 16, cfg_type::DEVICE, 4, 0x2000, 0x1000);
-        vndr(0x50, 0x40, 16, cfg_type::ISR, 4, 0x1000, 0x1000);
-        vndr(0x40, 0x00, 16, cfg_type::COMMON, 4, 0, 0x1000);
-        c[0x70 + 16..0x70 + 20].copy_from_slice(&4u32.to_le_bytes());
-        c
-    }
-
-    fn expected() -> VirtioCaps {
-        let at = |offset| CapLocation {
-            bar: 4,
-            offset,
-            length: 0x1000,
-        };
-        VirtioCaps {
-            common: at(0),
-            notify: at(0x3000),
-            notify_off_multiplier: 4,
-            isr: at(0x1000),
-            device: Some(at(0x2000)),
-        }
-    }
-
-    #[test]
-    fn qemu_layout_parses() {
-        assert_eq!(parse_capabilities(&qemu_like_config()).unwrap(), expected());
-        // A 4 KiB (PCIe) config space with the same capabilities parses too.
-        let mut big = qemu_like_config();
-        big.resize(4096, 0);
-        assert_eq!(parse_capabilities(&big).unwrap(), expected());
-    }
-
-    /// The real device's config space saved from QEMU by the VM test
-    /// harness, when it is there.
-    #[test]
-    fn saved_qemu_config_spaces_parse() {
-        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/vm/fixtures");
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            eprintln!("no fixtures in {}", dir.display());
-            return;
-        };
-        for e in entries.filter_map(|e| e.ok()) {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if !name.contains("config") || name.ends_with(".md") {
-                continue;
-            }
-            let bytes = std::fs::read(e.path()).expect("fixture");
-            let caps = parse_capabilities(&bytes).unwrap_or_else(|err| panic!("{name}: {err}"));
-            assert!(caps.device.is_some(), "{name}: no device config");
-        }
-    }
-
-    #[test]
-    fn first_capability_of_a_type_wins_and_reserved_bars_are_ignored() {
-        let mut c = qemu_like_config();
-        // A second common cap in front, naming BAR 6: ignored, the real one wins.
-        c[PCI_CAPABILITY_LIST] = 0xb0;
-        c[0xb0] = PCI_CAP_ID_VNDR;
-        c[0xb1] = 0x98;
-        c[0xb2] = 16;
-        c[0xb3] = cfg_type::COMMON;
-        c[0xb4] = 6;
-        assert_eq!(parse_capabilities(&c).unwrap(), expected());
-        // If the BAR-6 one is the only common cap, there is none.
-        c[0x43] = 0x7f;
-        assert!(matches!(
-            parse_capabilities(&c),
-            Err(PciError::MissingCap("common configuration"))
-        ));
-    }
-
-    #[test]
-    fn hostile_capability_lists_are_errors() {
-        let base = qemu_like_config();
-        let with = |f: &dyn Fn(&mut Vec<u8>)| {
-            let mut c = base.clone();
-            f(&mut c);
-            parse_capabilities(&c)
-        };
-        // A loop: the last capability points back at the first.
-        assert!(matches!(with(&|c| c[0x41] = 0x98), Err(PciError::CapLoop)));
-        // A self-loop.
-        assert!(matches!(with(&|c| c[0x51] = 0x50), Err(PciError::CapLoop)));
-        // The list pointer past the config space (a 64-byte header only).
-        assert!(matches!(
-            with(&|c| c.truncate(0x90)),
-            Err(PciError::CapOutside { at: 0x98, .. })
-        ));
-        // A capability in the standard header.
-        assert!(matches!(
-            with(&|c| c[PCI_CAPABILITY_LIST] = 0x20),
-            Err(PciError::CapOutside { at: 0x20, .. })
-        ));
-        // A capability whose body runs past the end.
-        assert!(matches!(
-            with(&|c| {
-                c[0x41] = 0xf8;
-                c[0xf8] = PCI_CAP_ID_VNDR;
-            }),
-            Err(PciError::CapOutside { at: 0xf8, .. })
-        ));
-        // cap_len running past the end of the config space.
-        assert!(matches!(
-            with(&|c| {
-                c[0x41] = 0xe8;
-                c[0xe8] = PCI_CAP_ID_VNDR;
-                c[0xea] = 0xff;
-            }),
-            Err(PciError::CapOutside { at: 0xe8, .. })
-        ));
-        // offset + length overflows.
-        assert!(matches!(
-            with(&|c| {
-                c[0x40 + 8] = 0x10;
-                c[0x40 + 12..0x40 + 16].copy_from_slice(&u32::MAX.to_le_bytes());
-            }),
-            Err(PciError::CapOverflow { at: 0x40, .. })
-        ));
-        // A notify capability without room for its multiplier.
-        assert!(matches!(
-            with(&|c| c[0x72] = 16),
-            Err(PciError::CapTooShort {
-                at: 0x70,
-                cap_len: 16
-            })
-        ));
-        // A common configuration too short for the registers.
-        assert!(matches!(
-            with(&|c| c[0x40 + 12..0x40 + 16].copy_from_slice(&0x10u32.to_le_bytes())),
-            Err(PciError::MissingCap(_))
-        ));
-        // No capability list at all, or a config space with no header.
-        assert!(matches!(
-            with(&|c| c[PCI_STATUS] = 0),
-            Err(PciError::NoCapabilities)
-        ));
-        assert!(matches!(
-            parse_capabilities(&base[..4]),
-            Err(PciError::ShortConfig { len: 4 })
-        ));
-        // Every prefix of the config space gives an answer, never a panic.
-        for len in 0..base.len() {
-            let _ = parse_capabilities(&base[..len]);
-        }
-    }
 
     #[test]
     fn addresses_and_ids() {
