@@ -18,16 +18,16 @@ use std::time::{Duration, Instant};
 
 use vrdma_spec::config::{DeviceConfig, CONFIG_MAGIC, CONFIG_SIZE};
 use vrdma_spec::control::{CreateEqReq, Opcode, SetDoorbellReq};
-use vrdma_spec::ring::{doorbell, event_kind, Event};
+use vrdma_spec::ring::{event_kind, Event};
 use vrdma_spec::{CONTROL_QUEUE, DOORBELL_QUEUE, FIRST_EVENT_QUEUE, SPEC_VERSION_MAJOR};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
 use crate::control::ControlQueue;
 use crate::dma::{DmaArena, DmaBuf, DEFAULT_ARENA_SIZE, PAGE_SIZE};
-use crate::doorbell::DoorbellPage;
 use crate::error::{Error, Result};
 use crate::event_ring::EventRing;
 use crate::memory::DeviceMemory;
+use crate::ring::DoorbellPage;
 use crate::transport::{QueueSetup, Transport, VIRTIO_F_VERSION_1, VIRTIO_RING_F_EVENT_IDX};
 use crate::virtqueue::SplitQueue;
 
@@ -141,8 +141,9 @@ pub struct Device {
     options: DeviceOptions,
     arenas: Arenas,
     control: Mutex<ControlQueue>,
-    /// The doorbell page, given to the device with `SET_DOORBELL`.
-    doorbell: DoorbellPage,
+    /// The doorbell page, given to the device with `SET_DOORBELL`; each QP
+    /// rings its bit in it.
+    doorbell: Arc<DoorbellPage>,
     /// One event ring per completion vector. The lock also makes one
     /// waiter at a time sleep on the vector's interrupt, so two waiters
     /// never split one wake-up between them.
@@ -254,7 +255,7 @@ impl Device {
             size: options.arena_size,
         };
         let alloc = |args| arenas.alloc(&memory, transport.as_ref(), args, true);
-        let doorbell = DoorbellPage::new(alloc(DoorbellPage::ALLOC_ARGS)?);
+        let doorbell = Arc::new(DoorbellPage::new(alloc(DoorbellPage::ALLOC_ARGS)?));
         let events = (0..vectors)
             .map(|v| {
                 let mem = alloc(event_ring_args)?;
@@ -353,13 +354,14 @@ impl Device {
         lock(&self.quarantine).push(Box::new(object));
     }
 
-    /// Rings the doorbell of the QP whose bit is `bit`, after it published
-    /// new work: sets the bit, and kicks the doorbell queue if the device
-    /// is about to sleep.
-    pub(crate) fn ring_doorbell(&self, bit: &doorbell::Bit) {
-        if !self.doorbell.ring(bit) {
-            return;
-        }
+    /// The doorbell page (a new QP rings its bit there).
+    pub(crate) fn doorbell_page(&self) -> Arc<DoorbellPage> {
+        Arc::clone(&self.doorbell)
+    }
+
+    /// Kicks the doorbell queue: a QP rang and the device asked to be
+    /// woken (it was about to sleep).
+    pub(crate) fn kick_doorbell(&self) {
         // The work is published either way: a failed kick only delays it
         // until the device polls again, so the post still succeeded.
         if let Err(e) = self.transport.notify(DOORBELL_QUEUE) {

@@ -31,7 +31,6 @@
 mod control;
 pub mod device;
 pub mod dma;
-mod doorbell;
 pub mod error;
 mod event_ring;
 mod memory;

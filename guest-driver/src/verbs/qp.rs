@@ -11,7 +11,7 @@ use vrdma_spec::control::{
     CreateQpReq, CreateQpResp, ModifyQpReq, Opcode, QpAttr, QpCap, QpHandle, QueryQpReq,
     QueryQpResp, NO_SRQ,
 };
-use vrdma_spec::ring::doorbell::{self, Bit};
+use vrdma_spec::ring::doorbell;
 use vrdma_spec::ring::{rq_geometry, sq_geometry};
 use vrdma_spec::verbs::QpType;
 use zerocopy::IntoBytes;
@@ -19,7 +19,7 @@ use zerocopy::IntoBytes;
 use super::{lock, CompletionQueue, CqInner, PdInner, ProtectionDomain};
 use crate::device::Device;
 use crate::error::{DestroyError, Error, PostError, Result};
-use crate::ring::{RecvRing, RecvWr, SendRing, SendWr, WorkRing};
+use crate::ring::{Doorbell, RecvRing, RecvWr, SendRing, SendWr, WorkRing};
 
 impl ProtectionDomain {
     /// `ibv_create_qp`: rings sized from `init.cap` exactly as the device
@@ -74,8 +74,14 @@ impl ProtectionDomain {
             destroy_or_keep(dev, qpn, (sq, rq));
             return Err(Error::Protocol("doorbell index beyond MAX_QPS"));
         };
-        let sq = SendRing::new(sq, bit, granted.max_send_sge, granted.max_inline_data);
-        let rq = RecvRing::new(rq, bit, granted.max_recv_sge);
+        let doorbell = Doorbell::new(dev.doorbell_page(), bit);
+        let sq = SendRing::new(
+            sq,
+            doorbell.clone(),
+            granted.max_send_sge,
+            granted.max_inline_data,
+        );
+        let rq = RecvRing::new(rq, doorbell, granted.max_recv_sge);
         Ok(QueuePair {
             pd: Arc::clone(&self.inner),
             send_cq: Arc::clone(&init.send_cq.inner),
@@ -165,10 +171,10 @@ fn destroy(dev: &Device, qpn: u32) -> Result<()> {
 }
 
 /// Publishes what a batch wrote on `ring` and rings the QP's doorbell
-/// `bit` once.
-fn finish(ring: &mut WorkRing, bit: &Bit, dev: &Device) {
-    if ring.publish() {
-        dev.ring_doorbell(bit);
+/// once; the doorbell queue is kicked only if the device sleeps.
+fn finish(ring: &mut WorkRing, doorbell: &Doorbell, dev: &Device) {
+    if ring.publish() && doorbell.ring() {
+        dev.kick_doorbell();
     }
 }
 

@@ -7,9 +7,10 @@
 //! or an atomic on the ring header.
 
 use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::Arc;
 
 use vrdma_spec::limits::{MAX_INLINE_DATA, MAX_SGE};
-use vrdma_spec::ring::doorbell::Bit;
+use vrdma_spec::ring::doorbell::{self, Bit};
 use vrdma_spec::ring::{
     self as spec, send_flags, wc_flags, Cqe, RecvWqe, SendWqe, WorkRingGeometry, CQE_SIZE,
     DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR, DEVICE_INDEX_OFFSET, DRIVER_ARM_OFFSET,
@@ -260,8 +261,8 @@ fn write_sges(mem: &DmaBuf, mut offset: usize, sges: &[Sge]) {
 #[derive(Debug)]
 pub(crate) struct SendRing {
     pub(crate) ring: WorkRing,
-    /// The QP's bit in the doorbell page.
-    pub(crate) doorbell: Bit,
+    /// The QP's doorbell.
+    pub(crate) doorbell: Doorbell,
     max_sge: u32,
     max_inline: u32,
 }
@@ -270,7 +271,7 @@ impl SendRing {
     /// A send ring on which at most `max_sge` SGEs or `max_inline` inline
     /// bytes may be posted (the grant, and never more than the format
     /// carries, whatever the device granted).
-    pub(crate) fn new(ring: WorkRing, doorbell: Bit, max_sge: u32, max_inline: u32) -> Self {
+    pub(crate) fn new(ring: WorkRing, doorbell: Doorbell, max_sge: u32, max_inline: u32) -> Self {
         Self {
             ring,
             doorbell,
@@ -338,15 +339,15 @@ impl SendRing {
 #[derive(Debug)]
 pub(crate) struct RecvRing {
     pub(crate) ring: WorkRing,
-    /// The QP's bit in the doorbell page.
-    pub(crate) doorbell: Bit,
+    /// The QP's doorbell.
+    pub(crate) doorbell: Doorbell,
     max_sge: u32,
 }
 
 impl RecvRing {
     /// A receive ring on which at most `max_sge` SGEs may be posted (never
     /// more than the format carries).
-    pub(crate) fn new(ring: WorkRing, doorbell: Bit, max_sge: u32) -> Self {
+    pub(crate) fn new(ring: WorkRing, doorbell: Doorbell, max_sge: u32) -> Self {
         Self {
             ring,
             doorbell,
@@ -549,383 +550,90 @@ impl CqRing {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::dma::DmaArena;
-    use std::sync::Arc;
-    use vrdma_spec::ring::{rq_geometry, sq_geometry};
-    use zerocopy::FromBytes;
+// The device's doorbell page ([`vrdma_spec::ring::doorbell`]): how the
+// driver tells the device which QPs have new work.
+//
+// One page per device, given to it with `SET_DOORBELL`. After publishing a
+// ring's producer index the driver sets the QP's bit in the bitmap, then
+// the bitmap word's bit in the summary, then reads the device's flags: a
+// polling device finds the bits by reading the summary; a device about to
+// sleep has set NEED_KICK first and is woken through the doorbell
+// virtqueue. Ringing is lock-free (two atomic ORs and a load), so QPs
+// posting on several threads never serialize on the page.
 
-    fn arena() -> Arc<DmaArena> {
-        DmaArena::new(1 << 20).unwrap()
+/// The doorbell page in DMA memory.
+#[derive(Debug)]
+pub(crate) struct DoorbellPage {
+    mem: DmaBuf,
+}
+
+impl DoorbellPage {
+    /// Length and alignment of the memory the page needs.
+    pub(crate) const ALLOC_ARGS: (usize, usize) =
+        (doorbell::PAGE_SIZE as usize, RING_ALIGN as usize);
+
+    /// The page in `mem`: zeroed, allocated with [`DoorbellPage::ALLOC_ARGS`].
+    pub(crate) fn new(mem: DmaBuf) -> Self {
+        debug_assert!(mem.len() as u64 >= doorbell::PAGE_SIZE);
+        debug_assert!(mem.device_addr() & (RING_ALIGN - 1) == 0);
+        Self { mem }
     }
 
-    fn work_ring(geo: WorkRingGeometry) -> WorkRing {
-        let (len, align) = WorkRing::alloc_args(geo).unwrap();
-        WorkRing::new(arena().alloc_zeroed(len, align).unwrap(), geo)
+    pub(crate) fn device_addr(&self) -> u64 {
+        self.mem.device_addr()
     }
 
-    fn bit() -> Bit {
-        spec::doorbell::bit(0).unwrap()
-    }
-
-    fn cq_ring(depth: u32) -> CqRing {
-        let (len, align) = CqRing::alloc_args(depth).unwrap();
-        CqRing::new(arena().alloc_zeroed(len, align).unwrap(), depth)
-    }
-
-    fn read(mem: &DmaBuf, offset: usize, len: usize) -> Vec<u8> {
-        let mut v = vec![0; len];
-        mem.read_at(offset, &mut v);
-        v
-    }
-
-    /// The device completed (or flushed) the work up to `index`.
-    fn device_completes_work(ring: &WorkRing, index: u32) {
-        ring.mem
-            .atomic_u32(DEVICE_INDEX_OFFSET as usize)
-            .store(index.to_le(), Ordering::Release);
-    }
-
-    /// Posts `wrs` the way a post batch does: in order up to the first
-    /// failure (its index and error), then one publish.
-    fn post(sq: &mut SendRing, wrs: &[SendWr<'_>]) -> Result<(), (usize, Error)> {
-        let result = wrs
-            .iter()
-            .enumerate()
-            .try_for_each(|(i, wr)| sq.push(wr).map_err(|e| (i, e)));
-        sq.ring.publish();
-        result
-    }
-
-    #[test]
-    fn send_wqe_bytes_match_the_spec() {
-        let geo = sq_geometry(4, 2, 32).unwrap();
-        let mut sq = SendRing::new(work_ring(geo), bit(), 2, 32);
-        let sges = [
-            Sge {
-                addr: 0x1111_2222_3333_4444,
-                length: 100,
-                lkey: 7,
-            },
-            Sge {
-                addr: 0x5000,
-                length: 8,
-                lkey: 9,
-            },
-        ];
-        let mut wr = SendWr::new(
-            0xabcd,
-            SendOpcode::RdmaWriteWithImm,
-            SendPayload::Sges(&sges),
-        );
-        wr.flags = send_flags::SIGNALED | send_flags::SOLICITED;
-        wr.imm_data = [1, 2, 3, 4];
-        wr.remote_addr = 0xdead_beef_0000;
-        wr.rkey = 0x77;
-        let inline = SendWr::new(5, SendOpcode::Send, SendPayload::Inline(b"inline payload"));
-        post(&mut sq, &[wr, inline]).unwrap();
-
-        let mem = &sq.ring.mem;
-        assert_eq!(
-            read(mem, DRIVER_INDEX_OFFSET as usize, 4),
-            2u32.to_le_bytes()
-        );
-        let stride = geo.stride as usize;
-        let slot0 = read(mem, RING_HEADER_SIZE, stride);
-        let wqe = SendWqe::read_from_bytes(&slot0[..64]).unwrap();
-        assert_eq!(wqe.wr_id.get(), 0xabcd);
-        assert_eq!(wqe.opcode, u8::from(SendOpcode::RdmaWriteWithImm));
-        assert_eq!(wqe.flags, send_flags::SIGNALED | send_flags::SOLICITED);
-        assert_eq!(wqe.num_sge, 2);
-        assert_eq!(wqe.imm_data, [1, 2, 3, 4]);
-        assert_eq!(wqe.rkey.get(), 0x77);
-        assert_eq!(wqe.remote_addr.get(), 0xdead_beef_0000);
-        // Raw little-endian bytes of the first SGE right after the fixed part.
-        let mut sge0 = Vec::new();
-        sge0.extend_from_slice(&0x1111_2222_3333_4444u64.to_le_bytes());
-        sge0.extend_from_slice(&100u32.to_le_bytes());
-        sge0.extend_from_slice(&7u32.to_le_bytes());
-        assert_eq!(&slot0[64..80], &sge0[..]);
-        let sge1 = spec::Sge::read_from_bytes(&slot0[80..96]).unwrap();
-        assert_eq!(
-            (sge1.addr.get(), sge1.length.get(), sge1.lkey.get()),
-            (0x5000, 8, 9)
-        );
-
-        let slot1 = read(mem, RING_HEADER_SIZE + stride, stride);
-        let wqe = SendWqe::read_from_bytes(&slot1[..64]).unwrap();
-        assert_eq!(wqe.wr_id.get(), 5);
-        assert_eq!(wqe.flags, send_flags::INLINE);
-        assert_eq!(wqe.num_sge, 0);
-        assert_eq!(wqe.inline_len.get(), 14);
-        assert_eq!(&slot1[64..78], b"inline payload");
-    }
-
-    #[test]
-    fn send_limits_are_checked() {
-        let geo = sq_geometry(4, 1, 16).unwrap();
-        let mut sq = SendRing::new(work_ring(geo), bit(), 1, 16);
-        let sges = [Sge::default(); 2];
-        let (bad, err) = post(
-            &mut sq,
-            &[
-                SendWr::new(1, SendOpcode::Send, SendPayload::Sges(&sges[..1])),
-                SendWr::new(2, SendOpcode::Send, SendPayload::Sges(&sges)),
-            ],
-        )
-        .unwrap_err();
-        assert_eq!((bad, err.errno()), (1, libc::EINVAL));
-        // The first one was still published.
-        assert_eq!(read(&sq.ring.mem, 0, 4), 1u32.to_le_bytes());
-        let long = [0u8; 17];
-        let err = sq
-            .push(&SendWr::new(
-                3,
-                SendOpcode::Send,
-                SendPayload::Inline(&long),
-            ))
-            .unwrap_err();
-        assert_eq!(err.errno(), libc::EINVAL);
-        let err = sq
-            .push(&SendWr::new(
-                3,
-                SendOpcode::RdmaRead,
-                SendPayload::Inline(b"x"),
-            ))
-            .unwrap_err();
-        assert_eq!(err.errno(), libc::EINVAL);
-        assert!(!sq.ring.publish(), "nothing new to publish");
-        assert_eq!(read(&sq.ring.mem, 0, 4), 1u32.to_le_bytes());
-    }
-
-    #[test]
-    fn a_device_granting_beyond_the_format_is_held_to_it() {
-        let geo = sq_geometry(1, MAX_SGE, MAX_INLINE_DATA).unwrap();
-        let mut sq = SendRing::new(work_ring(geo), bit(), 1000, 100_000);
-        let sges = [Sge::default(); MAX_SGE as usize + 1];
-        let err = sq
-            .push(&SendWr::new(1, SendOpcode::Send, SendPayload::Sges(&sges)))
-            .unwrap_err();
-        assert_eq!(err.errno(), libc::EINVAL);
-        let fits = &sges[..MAX_SGE as usize];
-        sq.push(&SendWr::new(1, SendOpcode::Send, SendPayload::Sges(fits)))
-            .unwrap();
-        let data = [0u8; MAX_INLINE_DATA as usize + 1];
-        let err = sq
-            .push(&SendWr::new(
-                2,
-                SendOpcode::Send,
-                SendPayload::Inline(&data),
-            ))
-            .unwrap_err();
-        assert_eq!(err.errno(), libc::EINVAL);
-        let mut rq = RecvRing::new(work_ring(rq_geometry(1, MAX_SGE).unwrap()), bit(), 1000);
-        let err = rq
-            .push(&RecvWr {
-                wr_id: 1,
-                sg_list: &sges,
-            })
-            .unwrap_err();
-        assert_eq!(err.errno(), libc::EINVAL);
-    }
-
-    #[test]
-    fn full_ring_is_enomem_until_the_device_completes() {
-        let geo = sq_geometry(4, 1, 0).unwrap();
-        assert_eq!(geo.depth, 4);
-        let mut sq = SendRing::new(work_ring(geo), bit(), 1, 0);
-        let sge = [Sge {
-            addr: 1,
-            length: 1,
-            lkey: 1,
-        }];
-        let wrs: Vec<_> = (0..5)
-            .map(|i| SendWr::new(i, SendOpcode::Send, SendPayload::Sges(&sge)))
-            .collect();
-        let (bad, err) = post(&mut sq, &wrs).unwrap_err();
-        assert_eq!(bad, 4);
-        assert_eq!(err.errno(), libc::ENOMEM);
-        assert!(matches!(err, Error::QueueFull));
-        // The device completes two; two more fit, wrapping to slots 0 and 1.
-        device_completes_work(&sq.ring, 2);
-        post(&mut sq, &wrs[..2]).unwrap();
-        assert_eq!(
-            post(&mut sq, &wrs[..1]).unwrap_err().1.errno(),
-            libc::ENOMEM
-        );
-        let slot0 = read(&sq.ring.mem, RING_HEADER_SIZE, 64);
-        assert_eq!(SendWqe::read_from_bytes(&slot0).unwrap().wr_id.get(), 0);
-        // Many wraps of the u32-free-running index modulo depth.
-        for round in 0..100u32 {
-            device_completes_work(&sq.ring, sq.ring.producer);
-            post(&mut sq, &wrs[..4]).unwrap();
-            assert_eq!(sq.ring.producer, 10 + 4 * round);
-        }
-        // A device index ahead of the producer: treated as full.
-        device_completes_work(&sq.ring, sq.ring.producer.wrapping_add(3));
-        assert_eq!(sq.push(&wrs[0]).unwrap_err().errno(), libc::ENOMEM);
-    }
-
-    #[test]
-    fn publish_reports_new_entries_once() {
-        let geo = sq_geometry(4, 1, 0).unwrap();
-        let mut sq = SendRing::new(work_ring(geo), bit(), 1, 0);
-        let sge = [Sge::default()];
-        let wr = SendWr::new(1, SendOpcode::Send, SendPayload::Sges(&sge));
-        assert!(!sq.ring.publish(), "nothing written");
-        sq.push(&wr).unwrap();
-        sq.push(&wr).unwrap();
-        assert_eq!(read(&sq.ring.mem, 0, 4), 0u32.to_le_bytes(), "unpublished");
-        assert!(sq.ring.publish());
-        assert_eq!(read(&sq.ring.mem, 0, 4), 2u32.to_le_bytes());
-        assert!(!sq.ring.publish(), "already published");
-        assert!(!sq.ring.in_error());
-        sq.ring
+    /// Marks the QP of `bit` as having new work; returns whether the device
+    /// asked to be kicked. Call after the producer index is published.
+    pub(crate) fn ring(&self, bit: &Bit) -> bool {
+        // The words are little-endian; OR-ing a byte-swapped mask is the
+        // same as byte-swapping the OR, so `to_le` suffices on any host.
+        //
+        // Bitmap word first: a device that saw the summary bit and cleared
+        // it must then find the QP's bit. SeqCst RMWs also order the
+        // producer store before them (release) for the device that takes
+        // the bits with its swap (acquire).
+        self.mem
+            .atomic_u64(to_offset(bit.word_offset))
+            .fetch_or(bit.mask.to_le(), Ordering::SeqCst);
+        self.mem
+            .atomic_u64(to_offset(bit.summary_offset))
+            .fetch_or(bit.summary_mask.to_le(), Ordering::SeqCst);
+        // The device sets NEED_KICK, fences and re-reads the summary before
+        // it sleeps; we OR (a full fence) and then read the flag: either it
+        // sees our bits or we see its flag.
+        let flags = self
             .mem
-            .atomic_u32(DEVICE_FLAGS_OFFSET as usize)
-            .store(DEVICE_FLAG_ERROR.to_le(), Ordering::Release);
-        assert!(sq.ring.in_error());
-    }
-
-    #[test]
-    fn recv_wqe_bytes() {
-        let geo = rq_geometry(2, 3).unwrap();
-        let mut rq = RecvRing::new(work_ring(geo), bit(), 3);
-        let sges = [
-            Sge {
-                addr: 0x10,
-                length: 20,
-                lkey: 30,
-            },
-            Sge {
-                addr: 0x40,
-                length: 50,
-                lkey: 60,
-            },
-        ];
-        rq.push(&RecvWr {
-            wr_id: 99,
-            sg_list: &sges,
-        })
-        .unwrap();
-        let slot = read(&rq.ring.mem, RING_HEADER_SIZE, 48);
-        let wqe = RecvWqe::read_from_bytes(&slot[..16]).unwrap();
-        assert_eq!((wqe.wr_id.get(), wqe.num_sge), (99, 2));
-        let sge = spec::Sge::read_from_bytes(&slot[32..48]).unwrap();
-        assert_eq!(
-            (sge.addr.get(), sge.length.get(), sge.lkey.get()),
-            (0x40, 50, 60)
-        );
-        let too_many = [Sge::default(); 4];
-        let err = rq
-            .push(&RecvWr {
-                wr_id: 1,
-                sg_list: &too_many,
-            })
-            .unwrap_err();
-        assert_eq!(err.errno(), libc::EINVAL);
-    }
-
-    /// Writes CQEs the way the device does: slots first, then the producer
-    /// index with release ordering.
-    fn device_completes(cq: &CqRing, producer: &mut u32, cqes: &[Cqe]) {
-        let (mem, depth) = (&cq.ring.mem, cq.ring.depth);
-        for cqe in cqes {
-            let slot = (*producer & (depth - 1)) as usize;
-            mem.write_at(RING_HEADER_SIZE + slot * CQE_SIZE, cqe.as_bytes());
-            *producer = producer.wrapping_add(1);
-        }
-        mem.atomic_u32(DEVICE_INDEX_OFFSET as usize)
-            .store(producer.to_le(), Ordering::Release);
-    }
-
-    fn cqe(wr_id: u64, status: u8, opcode: u8, flags: u8) -> Cqe {
-        Cqe {
-            wr_id: wr_id.into(),
-            status,
-            opcode,
-            wc_flags: flags,
-            byte_len: 64.into(),
-            imm_data: [9, 8, 7, 6],
-            qp_num: 17.into(),
-            src_qp: 18.into(),
-            ..Default::default()
-        }
-    }
-
-    #[test]
-    fn poll_reads_device_cqes_and_advances_the_consumer() {
-        let mut cq = cq_ring(4);
-        let mut producer = 0;
-        let mut wc = [WorkCompletion::default(); 8];
-        assert_eq!(cq.poll(&mut wc).unwrap(), 0);
-        device_completes(
-            &cq,
-            &mut producer,
-            &[
-                cqe(1, 0, u8::from(WcOpcode::Send), 0),
-                cqe(
-                    2,
-                    0,
-                    u8::from(WcOpcode::RecvRdmaWithImm),
-                    wc_flags::WITH_IMM,
-                ),
-                cqe(3, u8::from(WcStatus::RemAccessErr), 0xee, 0),
-            ],
-        );
-        assert_eq!(cq.poll(&mut wc[..2]).unwrap(), 2);
-        assert_eq!(wc[0].wr_id, 1);
-        assert_eq!(wc[0].status, WcStatus::Success);
-        assert_eq!(wc[0].opcode, Some(WcOpcode::Send));
-        assert_eq!(wc[0].imm_data, None);
-        assert_eq!((wc[0].byte_len, wc[0].qp_num, wc[0].src_qp), (64, 17, 18));
-        assert_eq!(wc[1].opcode, Some(WcOpcode::RecvRdmaWithImm));
-        assert_eq!(wc[1].imm_data, Some([9, 8, 7, 6]));
-        // The consumer index tells the device two slots are free.
-        assert_eq!(
-            read(&cq.ring.mem, DRIVER_INDEX_OFFSET as usize, 4),
-            2u32.to_le_bytes()
-        );
-        assert_eq!(cq.poll(&mut wc).unwrap(), 1);
-        assert_eq!(wc[0].wr_id, 3);
-        assert_eq!(wc[0].status, WcStatus::RemAccessErr);
-        assert_eq!(wc[0].opcode, None);
-        // Wrap around the 4-slot ring a few times.
-        for round in 0..10u64 {
-            let batch: Vec<_> = (0..4).map(|i| cqe(100 * round + i, 0, 0, 0)).collect();
-            device_completes(&cq, &mut producer, &batch);
-            assert_eq!(cq.poll(&mut wc).unwrap(), 4);
-            let ids: Vec<u64> = wc[..4].iter().map(|w| w.wr_id).collect();
-            assert_eq!(ids, (0..4).map(|i| 100 * round + i).collect::<Vec<_>>());
-        }
-        // A producer more than a ring ahead is refused.
-        producer = producer.wrapping_add(5);
-        device_completes(&cq, &mut producer, &[]);
-        assert_eq!(cq.poll(&mut wc).unwrap_err().errno(), libc::EPROTO);
-    }
-
-    #[test]
-    fn arming_writes_fresh_sequence_numbers() {
-        let mut cq = cq_ring(2);
-        assert_eq!(cq.notified_sn(), 0);
-        cq.arm(false);
-        let word = u32::from_le(cq.arm_word().load(Ordering::Acquire));
-        assert_eq!(word, (1 << 8) | spec::CQ_ARM_NEXT);
-        cq.arm(true);
-        let word = u32::from_le(cq.arm_word().load(Ordering::Acquire));
-        assert_eq!(word, (2 << 8) | spec::CQ_ARM_SOLICITED);
-        assert_eq!(
-            read(&cq.ring.mem, DRIVER_ARM_OFFSET as usize, 4),
-            word.to_le_bytes()
-        );
-        cq.arm_sn = 0x00ff_ffff;
-        cq.arm(false);
-        assert_eq!(
-            u32::from_le(cq.arm_word().load(Ordering::Acquire)) >> 8,
-            1,
-            "24-bit wrap skips 0"
-        );
+            .atomic_u32(to_offset(doorbell::FLAGS_OFFSET))
+            .load(Ordering::SeqCst);
+        u32::from_le(flags) & doorbell::NEED_KICK != 0
     }
 }
+
+/// A QP's doorbell: its bit in the device's page.
+#[derive(Debug, Clone)]
+pub(crate) struct Doorbell {
+    page: Arc<DoorbellPage>,
+    bit: Bit,
+}
+
+impl Doorbell {
+    pub(crate) fn new(page: Arc<DoorbellPage>, bit: Bit) -> Self {
+        Self { page, bit }
+    }
+
+    /// Rings it (after the ring's producer index is published); returns
+    /// whether the device asked to be kicked.
+    pub(crate) fn ring(&self) -> bool {
+        self.page.ring(&self.bit)
+    }
+}
+
+/// An offset inside the page (bounded by the spec's layout, checked by
+/// [`vrdma_spec::ring::doorbell::bit`]).
+fn to_offset(offset: u64) -> usize {
+    usize::try_from(offset).unwrap_or(usize::MAX)
+}
+
+#[cfg(test)]
+mod tests;
