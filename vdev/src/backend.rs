@@ -3,19 +3,17 @@
 //! [`VrdmaBackend`] implements [`VhostUserBackend`]: it offers the virtio
 //! features and vhost-user protocol features of the device, serves the config
 //! space, takes memory-table updates (revoking shadows whose memory went
-//! away), and drains the control queue into the [`RdmaDevice`].
+//! away), and drains the control queue into the [`RdmaDevice`]. It serves
+//! the control queue only: the doorbell and event queues are notification
+//! lines between the driver and hostd ([`crate::vrings`]).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::thread::JoinHandle;
-use std::time::Duration;
-
-use vmm_sys_util::eventfd::EventFd;
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
-use vhost_user_backend::{VhostUserBackend, VringRwLock, VringT};
+use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 use virtio_queue::QueueT;
@@ -25,18 +23,18 @@ use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
 use vrdma_spec::zerocopy::IntoBytes;
-use vrdma_spec::{CONTROL_QUEUE, DOORBELL_QUEUE, FIRST_EVENT_QUEUE};
+use vrdma_spec::CONTROL_QUEUE;
 use vrdma_tenant_policy::Limits;
 
 use crate::control;
-use crate::datapath::{self, DatapathContext, SharedVrings};
 use crate::fabric::Fabric;
 use crate::verbs::{DeviceIdentity, RdmaDevice};
+use crate::vrings::{self, DeviceVring, VringTable};
 
 /// Why handling a queue event failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
-    #[error("Event {0} does not belong to any queue of this device")]
+    #[error("Event {0} does not belong to any queue this backend serves")]
     UnknownEvent(u16),
     #[error("Event on queue {0} arrived before guest memory")]
     NoMemory(u16),
@@ -60,6 +58,15 @@ impl From<BackendError> for io::Error {
     }
 }
 
+/// Why the device's vhost-user daemon cannot be built.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonSetupError {
+    #[error("Cannot create the vhost-user daemon")]
+    Daemon(#[source] crate::DaemonError),
+    #[error("vhost-user-backend created {got} vrings for the {want} queues of the device")]
+    Vrings { got: usize, want: usize },
+}
+
 /// The vhost-user backend of one tenant's device. Cheap to clone (the
 /// daemon wants `Clone`); all clones share one device.
 #[derive(Debug, Clone)]
@@ -71,92 +78,78 @@ pub struct VrdmaBackend {
 struct Inner {
     identity: DeviceIdentity,
     device: Arc<Mutex<RdmaDevice>>,
-    mem: Arc<Mutex<Option<GuestMemoryAtomic<GuestMemoryMmap>>>>,
+    mem: Mutex<Option<GuestMemoryAtomic<GuestMemoryMmap>>>,
     event_idx: AtomicBool,
     /// Notifiers of the exit events handed to the daemon's worker threads.
     exit_notifiers: Mutex<Vec<EventNotifier>>,
     /// The exit events' consumer ends, owned here (see `exit_event`).
     exit_consumers: Mutex<Vec<OwnedFd>>,
-    /// The vrings, for the datapath's events.
-    vrings: Arc<SharedVrings>,
-    /// Wakes the datapath (doorbells, new event buffers, shutdown).
-    wake: Arc<EventFd>,
-    stop: Arc<AtomicBool>,
+    /// Every vring of the device, whose eventfds hostd is lent.
+    vrings: Arc<VringTable>,
 }
 
 impl VrdmaBackend {
     /// A backend serving a fresh device, attached to hostd's fabric if
     /// `fabric` is given.
-    pub fn new(
-        identity: DeviceIdentity,
-        limits: Limits,
-        fabric: Option<Arc<Fabric>>,
-    ) -> io::Result<Self> {
+    pub fn new(identity: DeviceIdentity, limits: Limits, fabric: Option<Arc<Fabric>>) -> Self {
+        let vrings = Arc::new(VringTable::default());
         let device = match fabric {
-            Some(fabric) => RdmaDevice::with_fabric(identity.clone(), limits, fabric),
+            Some(fabric) => {
+                RdmaDevice::with_fabric(identity.clone(), limits, fabric, vrings.clone())
+            }
             None => RdmaDevice::new(identity.clone(), limits),
         };
-        Ok(VrdmaBackend {
+        VrdmaBackend {
             inner: Arc::new(Inner {
                 identity,
                 device: Arc::new(Mutex::new(device)),
-                mem: Arc::new(Mutex::new(None)),
+                mem: Mutex::new(None),
                 event_idx: AtomicBool::new(false),
                 exit_notifiers: Mutex::new(Vec::new()),
                 exit_consumers: Mutex::new(Vec::new()),
-                vrings: Arc::new(SharedVrings::default()),
-                wake: Arc::new(EventFd::new(libc::EFD_NONBLOCK)?),
-                stop: Arc::new(AtomicBool::new(false)),
+                vrings,
             }),
-        })
+        }
     }
 
-    /// Starts the datapath thread if the device is on a fabric; it runs
-    /// until [`VrdmaBackend::stop_datapath`].
-    pub fn start_datapath(
-        &self,
-        spin: Duration,
-        class_cpu_priority: bool,
-    ) -> io::Result<Option<JoinHandle<()>>> {
+    /// The vhost-user daemon serving this backend. The device keeps every
+    /// vring the daemon creates ([`crate::vrings`]), so that it can lend
+    /// hostd the eventfds of the queues it does not serve.
+    pub fn daemon(&self, name: String) -> Result<VhostUserDaemon<Self>, DaemonSetupError> {
+        let (daemon, created) = vrings::collect(|| {
+            VhostUserDaemon::new(
+                name,
+                self.clone(),
+                GuestMemoryAtomic::new(GuestMemoryMmap::new()),
+            )
+        });
+        let daemon = daemon.map_err(|e| DaemonSetupError::Daemon(crate::DaemonError(e)))?;
+        let want = self.num_queues();
+        if created.len() != want {
+            return Err(DaemonSetupError::Vrings {
+                got: created.len(),
+                want,
+            });
+        }
+        self.inner.vrings.set(created);
+        Ok(daemon)
+    }
+
+    /// Starts the thread that applies hostd's policy reloads to the device,
+    /// if the device is on a fabric; it ends when the registration does.
+    pub fn listen_for_policy(&self) -> io::Result<()> {
         let Some(fabric) = self.device().fabric().cloned() else {
-            return Ok(None);
+            return Ok(());
         };
-        if let Some(channel) = fabric.take_notifications() {
-            crate::fabric::listen_for_policy(
+        match fabric.take_notifications() {
+            Some(channel) => crate::fabric::listen_for_policy(
+                self.inner.identity.tenant.clone(),
                 channel,
                 Arc::downgrade(&self.inner.device),
                 Arc::downgrade(&fabric),
-            )?;
+            ),
+            None => Ok(()),
         }
-        let ctx = DatapathContext {
-            device: self.inner.device.clone(),
-            mem: self.inner.mem.clone(),
-            vrings: self.inner.vrings.clone(),
-            fabric,
-            wake: self.inner.wake.clone(),
-            stop: self.inner.stop.clone(),
-            spin,
-            class_cpu_priority,
-        };
-        let name = format!("datapath-{}", self.tenant());
-        std::thread::Builder::new()
-            .name(name)
-            .spawn(move || datapath::run(ctx))
-            .map(Some)
-    }
-
-    /// Stops the datapath thread and releases every object (telling hostd).
-    pub fn stop_datapath(&self, thread: Option<JoinHandle<()>>) {
-        self.inner.stop.store(true, Ordering::Release);
-        let _ = self.inner.wake.write(1);
-        if let Some(thread) = thread {
-            let _ = thread.join();
-        }
-        self.device().release_all();
-    }
-
-    fn wake_datapath(&self) {
-        let _ = self.inner.wake.write(1);
     }
 
     /// The device, even if a thread panicked while holding it: the device's
@@ -190,7 +183,7 @@ impl VrdmaBackend {
     /// Drains the control queue, answering every chain, with the EVENT_IDX
     /// loop: disable notifications, drain, re-enable, drain again if the
     /// driver added chains meanwhile.
-    fn process_control_queue(&self, vring: &VringRwLock) -> Result<(), BackendError> {
+    fn process_control_queue(&self, vring: &DeviceVring) -> Result<(), BackendError> {
         let queue = CONTROL_QUEUE;
         let atomic = self
             .inner
@@ -227,7 +220,7 @@ impl VrdmaBackend {
 
 impl VhostUserBackend for VrdmaBackend {
     type Bitmap = ();
-    type Vring = VringRwLock;
+    type Vring = DeviceVring;
 
     fn num_queues(&self) -> usize {
         usize::from(vrdma_spec::num_queues(self.inner.identity.comp_vectors))
@@ -235,6 +228,14 @@ impl VhostUserBackend for VrdmaBackend {
 
     fn max_queue_size(&self) -> usize {
         usize::from(self.inner.identity.max_queue_size)
+    }
+
+    /// One worker thread, which serves the control queue alone: a queue in
+    /// no thread's mask never has its kick eventfd polled, so the doorbell
+    /// queue's kicks are left for hostd, which sleeps on them, and the
+    /// event queues' for nobody (the driver posts nothing there).
+    fn queues_per_thread(&self) -> Vec<u64> {
+        vec![1 << CONTROL_QUEUE]
     }
 
     fn features(&self) -> u64 {
@@ -354,26 +355,153 @@ impl VhostUserBackend for VrdmaBackend {
         &self,
         device_event: u16,
         _evset: EventSet,
-        vrings: &[VringRwLock],
+        vrings: &[DeviceVring],
         _thread_id: usize,
     ) -> io::Result<()> {
-        let vring = vrings
-            .get(usize::from(device_event))
-            .ok_or(BackendError::UnknownEvent(device_event))?;
-        self.inner.vrings.capture(vrings);
-        match device_event {
-            CONTROL_QUEUE => {
-                self.process_control_queue(vring)?;
-                // A new or newly connected QP has rings the sleeping
-                // datapath has not asked to be kicked for yet: let it look.
-                self.wake_datapath();
-            }
-            // The driver published work while the datapath slept.
-            DOORBELL_QUEUE => self.wake_datapath(),
-            // New event buffers: an event held for lack of one can go now.
-            q if q >= FIRST_EVENT_QUEUE => self.wake_datapath(),
-            _ => return Err(BackendError::UnknownEvent(device_event).into()),
+        // The worker serves only the control queue: its event is 0 and
+        // `vrings` holds only that vring.
+        match (device_event, vrings.first()) {
+            (CONTROL_QUEUE, Some(vring)) => Ok(self.process_control_queue(vring)?),
+            _ => Err(BackendError::UnknownEvent(device_event).into()),
         }
-        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use virtio_bindings::virtio_ring::{VRING_DESC_F_NEXT, VRING_DESC_F_WRITE};
+    use virtio_queue::desc::split::Descriptor as SplitDescriptor;
+    use virtio_queue::desc::RawDescriptor;
+    use virtio_queue::mock::MockSplitQueue;
+    use vm_memory::{Bytes, GuestAddress};
+    use vrdma_spec::control::{Opcode, PdHandle, RequestHeader, ResponseHeader};
+    use vrdma_spec::zerocopy::FromBytes;
+
+    const QUEUE_SIZE: u16 = 16;
+    const REQUEST: u64 = 0x1_0000;
+    const RESPONSE: u64 = 0x2_0000;
+
+    /// A backend with guest memory and its control vring, laid out by
+    /// virtio-queue's mock driver at address 0.
+    fn control_queue() -> (
+        VrdmaBackend,
+        GuestMemoryAtomic<GuestMemoryMmap>,
+        DeviceVring,
+    ) {
+        let identity = DeviceIdentity {
+            tenant: Arc::from("t1"),
+            lid: 1,
+            comp_vectors: 1,
+            max_queue_size: 256,
+        };
+        let backend = VrdmaBackend::new(identity, Limits::default(), None);
+        let mem = GuestMemoryAtomic::new(
+            GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).expect("memory"),
+        );
+        backend.update_memory(mem.clone()).expect("memory table");
+        let guard = mem.memory();
+        let mock = MockSplitQueue::new(&*guard, QUEUE_SIZE);
+        let vring = DeviceVring::new(mem.clone(), QUEUE_SIZE).expect("vring");
+        vring.set_queue_size(QUEUE_SIZE);
+        vring
+            .set_queue_info(
+                mock.desc_table_addr().0,
+                mock.avail_addr().0,
+                mock.used_addr().0,
+            )
+            .expect("queue addresses");
+        vring.set_queue_ready(true);
+        vring.set_enabled(true);
+        // Descriptors 0 and 1: an ALLOC_PD request and room for its answer.
+        let descs = [
+            SplitDescriptor::new(REQUEST, 8, VRING_DESC_F_NEXT as u16, 1),
+            SplitDescriptor::new(RESPONSE, 64, VRING_DESC_F_WRITE as u16, 0),
+        ];
+        for (i, desc) in descs.into_iter().enumerate() {
+            mock.desc_table()
+                .store(i as u16, RawDescriptor::from(desc))
+                .expect("descriptor");
+        }
+        let header = RequestHeader {
+            opcode: u16::from(Opcode::AllocPd).into(),
+            flags: 0.into(),
+            payload_len: 0.into(),
+        };
+        guard
+            .write_slice(header.as_bytes(), GuestAddress(REQUEST))
+            .expect("request");
+        drop(guard);
+        (backend, mem, vring)
+    }
+
+    /// Makes `heads` available after the entries already there.
+    fn offer(mem: &GuestMemoryAtomic<GuestMemoryMmap>, vring: &DeviceVring, heads: &[u16]) {
+        let guard = mem.memory();
+        let avail = vring.get_ref().get_queue().avail_ring();
+        let idx: u16 = guard.read_obj(GuestAddress(avail + 2)).expect("avail idx");
+        for (i, &head) in heads.iter().enumerate() {
+            let slot = (idx as usize + i) % usize::from(QUEUE_SIZE);
+            guard
+                .write_obj(head, GuestAddress(avail + 4 + 2 * slot as u64))
+                .expect("avail entry");
+        }
+        guard
+            .write_obj(
+                idx.wrapping_add(heads.len() as u16),
+                GuestAddress(avail + 2),
+            )
+            .expect("avail idx");
+    }
+
+    /// The used entries so far: (head, length).
+    fn used(mem: &GuestMemoryAtomic<GuestMemoryMmap>, vring: &DeviceVring) -> Vec<(u32, u32)> {
+        let guard = mem.memory();
+        let used = vring.get_ref().get_queue().used_ring();
+        let idx: u16 = guard.read_obj(GuestAddress(used + 2)).expect("used idx");
+        (0..u64::from(idx))
+            .map(|i| {
+                let elem = used + 4 + 8 * i;
+                let head = guard.read_obj(GuestAddress(elem)).expect("id");
+                let len = guard.read_obj(GuestAddress(elem + 4)).expect("len");
+                (head, len)
+            })
+            .collect()
+    }
+
+    fn answer(mem: &GuestMemoryAtomic<GuestMemoryMmap>) -> (u32, PdHandle) {
+        let mut bytes = [0u8; 16];
+        mem.memory()
+            .read_slice(&mut bytes, GuestAddress(RESPONSE))
+            .expect("response");
+        let (header, rest) = ResponseHeader::read_from_prefix(&bytes).expect("header");
+        (
+            header.status.get(),
+            PdHandle::read_from_bytes(rest).expect("payload"),
+        )
+    }
+
+    #[test]
+    fn control_commands_are_answered_in_place() {
+        let (backend, mem, vring) = control_queue();
+        offer(&mem, &vring, &[0]);
+        backend
+            .handle_event(CONTROL_QUEUE, EventSet::IN, std::slice::from_ref(&vring), 0)
+            .expect("served");
+        assert_eq!(used(&mem, &vring), [(0, 16)], "header and PdHandle");
+        let (status, pd) = answer(&mem);
+        assert_eq!(status, 0);
+        assert_eq!(backend.device().object_counts().0, 1);
+        assert_ne!(pd.pdn.get(), 0);
+    }
+
+    #[test]
+    fn only_the_control_queue_is_served() {
+        let (backend, _mem, vring) = control_queue();
+        assert_eq!(backend.queues_per_thread(), vec![1]);
+        let err = backend
+            .handle_event(vrdma_spec::DOORBELL_QUEUE, EventSet::IN, &[vring], 0)
+            .expect_err("the doorbell queue is hostd's");
+        assert!(err.to_string().contains("Event 1"), "{err}");
     }
 }

@@ -49,8 +49,6 @@ pub enum ConfigError {
     CompVectors(u16),
     #[error("Port LID {0:#x} must be a unicast LID (0x1-0xbfff)")]
     Lid(u16),
-    #[error("Datapath polling time {0} µs exceeds {MAX_SPIN_US}")]
-    SpinUs(u64),
     #[error("Invalid limits")]
     Limits(#[source] LimitsError),
     #[error("Invalid sandbox mode")]
@@ -102,11 +100,6 @@ pub struct Args {
     /// each disconnect, as a VM reboot or a restarted application needs).
     #[arg(long)]
     pub once: bool,
-    /// Give the datapath thread the CPU priority of the tenant's class
-    /// (niceness 0 realtime, 5 priority, 10 normal): for hosts where vdevs'
-    /// datapath threads share cores with one another.
-    #[arg(long)]
-    pub class_cpu_priority: bool,
     /// What a system call outside vdev's seccomp allow-list does: `kill`
     /// the process (default), `trap` (the call fails with EPERM and is
     /// reported), `log` (allowed, logged by the kernel's audit), or `off`
@@ -194,10 +187,6 @@ struct FileConfig {
     comp_vectors: Option<u16>,
     queue_size: Option<u16>,
     hostd: Option<PathBuf>,
-    /// Microseconds the datapath keeps polling after its last work.
-    spin_us: Option<u64>,
-    /// See [`Args::class_cpu_priority`].
-    class_cpu_priority: Option<bool>,
     #[serde(default)]
     limits: Limits,
     #[serde(default)]
@@ -214,8 +203,6 @@ pub struct Config {
     pub queue_size: u16,
     pub limits: Limits,
     pub hostd: Option<PathBuf>,
-    pub spin_us: u64,
-    pub class_cpu_priority: bool,
     pub once: bool,
     pub sandbox: SandboxConfig,
 }
@@ -250,8 +237,8 @@ impl Default for SandboxConfig {
     }
 }
 
-/// Open descriptors: enough for every queue's kick and call eventfds, the
-/// memory slots and hostd's queues of the largest device.
+/// Open descriptors: enough for every queue's kick and call eventfds (and
+/// their copies lent to hostd) and the memory slots of the largest device.
 pub const DEFAULT_NOFILE: u64 = 1024;
 const MIN_NOFILE: u64 = 64;
 const MAX_NOFILE: u64 = 1 << 20;
@@ -261,11 +248,6 @@ pub const DEFAULT_TENANT: &str = "default";
 pub const DEFAULT_LID: u16 = 1;
 pub const DEFAULT_COMP_VECTORS: u16 = 1;
 pub const DEFAULT_QUEUE_SIZE: u16 = 256;
-/// Long enough to catch the next request of a ping-pong, short enough not to
-/// burn a core of a 2-core host when idle.
-pub const DEFAULT_SPIN_US: u64 = 200;
-/// Longest polling time accepted (a spinning datapath costs a core).
-const MAX_SPIN_US: u64 = 1_000_000;
 
 impl TryFrom<Args> for Config {
     type Error = ConfigError;
@@ -297,8 +279,6 @@ impl TryFrom<Args> for Config {
                     std::path::absolute(&p).map_err(|source| ConfigError::Path { path: p, source })
                 })
                 .transpose()?,
-            spin_us: file.spin_us.unwrap_or(DEFAULT_SPIN_US),
-            class_cpu_priority: args.class_cpu_priority || file.class_cpu_priority.unwrap_or(false),
             once: args.once,
             sandbox,
         };
@@ -466,9 +446,6 @@ impl Config {
         if !(0x1..=0xbfff).contains(&self.lid) {
             return Err(ConfigError::Lid(self.lid));
         }
-        if self.spin_us > MAX_SPIN_US {
-            return Err(ConfigError::SpinUs(self.spin_us));
-        }
         self.limits.validate().map_err(ConfigError::Limits)
     }
 }
@@ -497,8 +474,6 @@ mod tests {
                 queue_size: DEFAULT_QUEUE_SIZE,
                 limits: Limits::default(),
                 hostd: None,
-                spin_us: DEFAULT_SPIN_US,
-                class_cpu_priority: false,
                 once: false,
                 sandbox: SandboxConfig::default(),
             }
@@ -628,5 +603,22 @@ mod tests {
             parse(&["--socket", "/s", "--comp-vectors", "0"]),
             Err(ConfigError::CompVectors(0))
         ));
+    }
+
+    /// vdev has no datapath thread any more (hostd reads the rings), so
+    /// its polling and CPU-priority settings are gone, and a file or
+    /// command line still naming them is refused rather than ignored.
+    #[test]
+    fn datapath_settings_are_refused() {
+        assert!(Args::try_parse_from(["vdev", "--socket", "/s", "--class-cpu-priority"]).is_err());
+        let dir = std::env::temp_dir().join(format!("vdev-datapath-keys-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("vdev.toml");
+        for key in ["spin_us = 200", "class_cpu_priority = true"] {
+            std::fs::write(&path, format!("socket = \"/s\"\n{key}\n")).expect("write");
+            let err = parse(&["--config", path.to_str().expect("utf8")]).expect_err(key);
+            assert!(matches!(err, ConfigError::Parse { .. }), "{key}: {err}");
+        }
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

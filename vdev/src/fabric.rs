@@ -1,21 +1,19 @@
-//! vdev's link to hostd, the host's NIC: registration, memory, keys and QP
-//! connections over the control channel, and the physical queues hostd
-//! granted (shared-memory rings with eventfd doorbells).
+//! vdev's link to hostd, the host's NIC: registration, then the device's
+//! memory, keys, doorbell, event rings, CQs and QPs over the control
+//! channel (hostd protocol 3). hostd reads the guest's rings itself; vdev
+//! only tells it where they are and hands it the eventfds the driver
+//! notifies and is interrupted through.
 
 use std::fs::File;
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, Weak};
 
-use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
 use vrdma_hostd_protocol::messages::{
-    MrRegistration, Notification, QpConnection, QueueGrant, Request, Response, TenantPolicy,
+    MrRegistration, Notification, QpModify, QpSetup, Request, Response, TenantPolicy,
     PROTOCOL_VERSION,
 };
-use vrdma_hostd_protocol::shm::{QueueLayout, SharedMapping, ShmError};
-use vrdma_tenant_policy::PriorityClass;
 
 /// Why talking to hostd failed.
 #[derive(Debug, thiserror::Error)]
@@ -34,8 +32,6 @@ pub enum FabricError {
     Unexpected(Box<Response>),
     #[error("hostd sent {got} descriptors, {want} expected")]
     Descriptors { got: usize, want: usize },
-    #[error("Cannot map a physical queue")]
-    Queue(#[source] ShmError),
 }
 
 impl FabricError {
@@ -48,32 +44,18 @@ impl FabricError {
     }
 }
 
-/// One physical QP granted by hostd.
-#[derive(Debug)]
-pub struct PhysQueue {
-    pub grant: QueueGrant,
-    pub layout: QueueLayout,
-    pub mem: SharedMapping,
-}
-
 /// A registered vdev on hostd.
 #[derive(Debug)]
 pub struct Fabric {
     channel: Mutex<Channel>,
     /// The LID hostd assigned this device.
     pub lid: u16,
-    pub queues: Vec<PhysQueue>,
-    /// Written after posting work while hostd's datapath sleeps.
-    pub doorbell: EventFd,
-    /// hostd writes it after completing work while vdev's datapath sleeps.
-    pub completions: EventFd,
+    /// Physical QPs of hostd's NIC the device's virtual QPs share.
+    pub physical_queues: u32,
     /// The tenant's policy as hostd sent it at registration.
     pub policy: TenantPolicy,
     /// hostd's notifications (policy reloads); taken by the listener thread.
     notifications: Mutex<Option<Channel>>,
-    /// The tenant's priority class as hostd last said (at registration,
-    /// then in policy reloads); the datapath thread's CPU priority follows.
-    class: AtomicU8,
 }
 
 impl Fabric {
@@ -96,60 +78,40 @@ impl Fabric {
             }
             other => return Err(FabricError::Unexpected(Box::new(other))),
         };
-        let want = welcome.queues.len() + 3;
-        if files.len() != want {
-            return Err(FabricError::Descriptors {
-                got: files.len(),
-                want,
-            });
-        }
-        let notifications = files
-            .pop()
-            .map(|f| Channel::from(std::os::fd::OwnedFd::from(f)));
-        let completions = eventfd_from(files.pop());
-        let doorbell = eventfd_from(files.pop());
-        let (Some(doorbell), Some(completions)) = (doorbell, completions) else {
-            return Err(FabricError::Descriptors { got: 0, want });
+        // The one descriptor is the notification channel.
+        let notifications = match (files.pop(), files.len()) {
+            (Some(file), 0) => Channel::from(std::os::fd::OwnedFd::from(file)),
+            (file, rest) => {
+                return Err(FabricError::Descriptors {
+                    got: rest + usize::from(file.is_some()),
+                    want: 1,
+                })
+            }
         };
-        let mut queues = Vec::new();
-        for (grant, file) in welcome.queues.iter().zip(files) {
-            let layout = QueueLayout::new(grant.sq_depth, grant.cq_depth);
-            let mem =
-                SharedMapping::map(file, 0, layout.bytes() as u64).map_err(FabricError::Queue)?;
-            queues.push(PhysQueue {
-                grant: *grant,
-                layout,
-                mem,
-            });
-        }
         Ok(Fabric {
             channel: Mutex::new(channel),
             lid: welcome.lid,
-            queues,
-            doorbell,
-            completions,
-            class: AtomicU8::new(welcome.policy.priority.class as u8),
+            physical_queues: welcome.physical_queues,
             policy: welcome.policy,
-            notifications: Mutex::new(notifications),
+            notifications: Mutex::new(Some(notifications)),
         })
     }
 
-    /// The tenant's priority class now.
-    pub fn priority_class(&self) -> PriorityClass {
-        match self.class.load(Ordering::Relaxed) {
-            c if c == PriorityClass::Realtime as u8 => PriorityClass::Realtime,
-            c if c == PriorityClass::Priority as u8 => PriorityClass::Priority,
-            _ => PriorityClass::Normal,
+    /// Sends a request (with `fds`) and returns hostd's answer; a refusal
+    /// is an error.
+    fn request(&self, request: &Request, fds: &[RawFd]) -> Result<Response, FabricError> {
+        let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        let (response, _files): (Response, Vec<File>) = channel.call(request, fds)?;
+        match response {
+            Response::Refused { errno, reason } => Err(FabricError::Refused { errno, reason }),
+            other => Ok(other),
         }
     }
 
     /// Sends a request (with `fds`) and expects `Ok`.
     fn call(&self, request: &Request, fds: &[RawFd]) -> Result<(), FabricError> {
-        let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
-        let (response, _files): (Response, Vec<File>) = channel.call(request, fds)?;
-        match response {
+        match self.request(request, fds)? {
             Response::Ok => Ok(()),
-            Response::Refused { errno, reason } => Err(FabricError::Refused { errno, reason }),
             other => Err(FabricError::Unexpected(Box::new(other))),
         }
     }
@@ -215,43 +177,75 @@ impl Fabric {
         self.call(&Request::DeregisterMr { lkey }, &[])
     }
 
-    pub fn create_qp(&self, vqpn: u32, pd: u32, pqp: u32) -> Result<(), FabricError> {
-        self.call(&Request::CreateQp { vqpn, pd, pqp }, &[])
+    /// The device's doorbell page at `gpa`, and `kick`, the eventfd the
+    /// driver notifies the doorbell virtqueue with.
+    pub fn set_doorbell(&self, gpa: u64, kick: BorrowedFd<'_>) -> Result<(), FabricError> {
+        self.call(&Request::SetDoorbell { gpa }, &[kick.as_raw_fd()])
     }
 
-    pub fn connect_qp(&self, connection: QpConnection) -> Result<(), FabricError> {
-        self.call(&Request::ConnectQp(connection), &[])
+    /// The event ring of completion vector `vector`, and `call`, the
+    /// eventfd that interrupts the driver for it.
+    pub fn create_eq(
+        &self,
+        vector: u32,
+        gpa: u64,
+        depth: u32,
+        call: BorrowedFd<'_>,
+    ) -> Result<(), FabricError> {
+        self.call(
+            &Request::CreateEq { vector, gpa, depth },
+            &[call.as_raw_fd()],
+        )
     }
 
-    pub fn set_qp_access(&self, vqpn: u32, access: u32) -> Result<(), FabricError> {
-        self.call(&Request::SetQpAccess { vqpn, access }, &[])
+    pub fn create_cq(
+        &self,
+        cqn: u32,
+        gpa: u64,
+        depth: u32,
+        vector: u32,
+    ) -> Result<(), FabricError> {
+        self.call(
+            &Request::CreateCq {
+                cqn,
+                gpa,
+                depth,
+                vector,
+            },
+            &[],
+        )
     }
 
-    pub fn error_qp(&self, vqpn: u32) -> Result<(), FabricError> {
-        self.call(&Request::ErrorQp { vqpn }, &[])
+    pub fn destroy_cq(&self, cqn: u32) -> Result<(), FabricError> {
+        self.call(&Request::DestroyCq { cqn }, &[])
     }
 
-    pub fn reset_qp(&self, vqpn: u32) -> Result<(), FabricError> {
-        self.call(&Request::ResetQp { vqpn }, &[])
+    pub fn create_qp(&self, setup: QpSetup) -> Result<(), FabricError> {
+        self.call(&Request::CreateQp(setup), &[])
+    }
+
+    pub fn modify_qp(&self, modify: QpModify) -> Result<(), FabricError> {
+        self.call(&Request::ModifyQp(modify), &[])
+    }
+
+    /// The QP's state as hostd's datapath sees it (a
+    /// [`vrdma_spec::verbs::QpState`] value).
+    pub fn query_qp(&self, vqpn: u32) -> Result<u8, FabricError> {
+        match self.request(&Request::QueryQp { vqpn }, &[])? {
+            Response::QpState { state } => Ok(state),
+            other => Err(FabricError::Unexpected(Box::new(other))),
+        }
     }
 
     pub fn destroy_qp(&self, vqpn: u32) -> Result<(), FabricError> {
         self.call(&Request::DestroyQp { vqpn }, &[])
     }
 
-    /// The physical QP a virtual QP is multiplexed onto: spread by QPN so
-    /// that each virtual QP always uses the same one (which keeps its work
-    /// in order).
-    pub fn pqp_index_for(&self, vqpn: u32) -> usize {
-        (vqpn as usize) % self.queues.len().max(1)
+    /// Everything of the device's driver goes: QPs, CQs, event rings, MRs
+    /// and the doorbell (memory slots stay).
+    pub fn reset_device(&self) -> Result<(), FabricError> {
+        self.call(&Request::ResetDevice, &[])
     }
-}
-
-fn eventfd_from(file: Option<File>) -> Option<EventFd> {
-    use std::os::fd::{FromRawFd, IntoRawFd};
-    // SAFETY: the descriptor came from hostd as an eventfd and is ours now;
-    // EventFd takes ownership of it.
-    file.map(|f| unsafe { EventFd::from_raw_fd(f.into_raw_fd()) })
 }
 
 /// Starts the thread that applies hostd's policy notifications to `device`
@@ -263,6 +257,7 @@ fn eventfd_from(file: Option<File>) -> Option<EventFd> {
 /// it open, and hostd would refuse this device's next registration (the
 /// next frontend's) as still connected.
 pub fn listen_for_policy(
+    tenant: std::sync::Arc<str>,
     channel: Channel,
     device: Weak<Mutex<crate::verbs::RdmaDevice>>,
     fabric: Weak<Fabric>,
@@ -271,19 +266,16 @@ pub fn listen_for_policy(
     std::thread::Builder::new().name(name).spawn(move || loop {
         match channel.recv::<Notification>() {
             Ok((Notification::Policy(policy), _fds)) => {
-                let (Some(fabric), Some(device)) = (fabric.upgrade(), device.upgrade()) else {
+                let (Some(_fabric), Some(device)) = (fabric.upgrade(), device.upgrade()) else {
                     // The registration is being torn down.
                     return;
                 };
-                fabric
-                    .class
-                    .store(policy.priority.class as u8, Ordering::Relaxed);
                 let mut device = device.lock().unwrap_or_else(|p| p.into_inner());
                 device.set_policy_quotas(policy.quotas);
             }
             Err(ChannelError::Closed) => return,
             Err(e) => {
-                tracing::warn!(error = %e, "Bad notification from hostd; no longer listening");
+                tracing::warn!(%tenant, error = %e, "Bad notification from hostd; no longer listening");
                 return;
             }
         }

@@ -5,11 +5,16 @@
 //!
 //! - [`config`]: command line and config file, validated into [`Config`].
 //! - [`backend`]: the `VhostUserBackend` implementation (features, config
-//!   space, memory table, queue events).
+//!   space, memory table, the control queue's events).
+//! - [`vrings`]: every virtqueue of the device, and the eventfds of the
+//!   doorbell and event queues lent to hostd.
 //! - [`control`]: control-queue chains in, responses out; hostile-input
 //!   framing checks.
-//! - [`verbs`]: the tenant's verbs objects (PD, MR, CQ, QP) and the control
-//!   verbs on them, with limits and the RC state machine.
+//! - [`verbs`]: the tenant's verbs objects (PD, MR, CQ, QP, doorbell page,
+//!   event rings) and the control verbs on them, with limits and the RC
+//!   state machine.
+//! - [`fabric`]: the registration with hostd, which runs the datapath: it
+//!   reads the rings vdev set up, and vdev never touches them again.
 //! - [`shadow`]: shadow memory regions — guest ranges resolved into guest
 //!   memory slots, with bounds, access and revocation.
 //! - [`sandbox`]: the walls vdev puts up around itself before it serves
@@ -24,11 +29,11 @@
 pub mod backend;
 pub mod config;
 pub mod control;
-pub mod datapath;
 pub mod fabric;
 pub mod sandbox;
 pub mod shadow;
 pub mod verbs;
+pub mod vrings;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,8 +42,6 @@ use fabric::Fabric;
 use vrdma_hostd_protocol::channel::bind_published;
 
 use vhost::vhost_user::Listener;
-use vhost_user_backend::VhostUserDaemon;
-use vm_memory::{GuestMemoryAtomic, GuestMemoryMmap};
 
 pub use backend::VrdmaBackend;
 pub use config::Config;
@@ -51,8 +54,8 @@ pub enum Error {
     Fabric(#[source] fabric::FabricError),
     #[error("Cannot set the device up")]
     Setup(#[source] std::io::Error),
-    #[error("Cannot create the vhost-user daemon")]
-    Daemon(#[source] DaemonError),
+    #[error("Cannot set the vhost-user daemon up")]
+    Daemon(#[source] backend::DaemonSetupError),
     #[error("Serving {socket} failed")]
     Serve {
         socket: String,
@@ -160,29 +163,21 @@ pub fn run(config: &Config, opened: Opened) -> Result<(), Error> {
             (None, None) => None,
         };
         if let Some(fabric) = &fabric {
-            tracing::info!(tenant = %config.tenant, lid = fabric.lid, queues = fabric.queues.len(),
-                "Registered with hostd");
+            tracing::info!(tenant = %config.tenant, lid = fabric.lid,
+                physical_queues = fabric.physical_queues, "Registered with hostd");
         }
-        let backend =
-            VrdmaBackend::new(identity.clone(), config.limits, fabric).map_err(Error::Setup)?;
-        let datapath = backend
-            .start_datapath(
-                Duration::from_micros(config.spin_us),
-                config.class_cpu_priority,
-            )
-            .map_err(Error::Setup)?;
-        let mut daemon = VhostUserDaemon::new(
-            format!("vdev-{}", config.tenant),
-            backend.clone(),
-            GuestMemoryAtomic::new(GuestMemoryMmap::new()),
-        )
-        .map_err(|e| Error::Daemon(DaemonError(e)))?;
+        let backend = VrdmaBackend::new(identity.clone(), config.limits, fabric);
+        backend.listen_for_policy().map_err(Error::Setup)?;
+        let mut daemon = backend
+            .daemon(format!("vdev-{}", config.tenant))
+            .map_err(Error::Daemon)?;
         tracing::info!(tenant = %config.tenant, socket, "Waiting for a frontend");
         daemon.start(&mut listener).map_err(serve_err)?;
         tracing::info!(tenant = %config.tenant, "Frontend connected");
         let result = daemon.wait();
         backend.stop_workers();
-        backend.stop_datapath(datapath);
+        // Whatever the driver left, hostd drops it (one ResetDevice).
+        backend.device().release_all();
         // The registration ends with the frontend, so that the next one
         // can register this device again.
         if let Some(fabric) = backend.device().fabric() {

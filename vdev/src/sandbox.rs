@@ -158,8 +158,11 @@ pub fn drop_privileges(plan: &Plan) -> Result<(), SandboxError> {
     privileges::apply(plan.limits, plan.identity).map_err(SandboxError::Privileges)
 }
 
-/// The thread roles vdev runs (all in one process, so one filter).
-pub const ROLES: [Role; 3] = Role::ALL;
+/// The thread roles vdev runs (all in one process, so one filter). vdev
+/// has no datapath thread (hostd reads the rings), so not the datapath
+/// role: its one other thread, the policy listener, only receives on its
+/// socket, which both roles allow.
+pub const ROLES: [Role; 2] = [Role::Control, Role::VhostUser];
 
 /// Step 4: the seccomp allow-list of [`ROLES`] on every thread, with the
 /// operator's violation action — or, only when explicitly asked, nothing.

@@ -3,6 +3,7 @@
 
 use vrdma_spec::qp_state::TransitionError;
 
+use super::FdError;
 use crate::fabric::FabricError;
 use crate::shadow::ShadowError;
 
@@ -35,8 +36,12 @@ pub enum VerbError {
     Transition(#[source] TransitionError),
     #[error("Malformed command: {0}")]
     Malformed(String),
+    #[error("Already set: {0}")]
+    Exists(String),
     #[error("The fabric (hostd) refused")]
     Fabric(#[source] FabricError),
+    #[error("No eventfd for hostd")]
+    Notify(#[source] FdError),
 }
 
 impl VerbError {
@@ -52,7 +57,9 @@ impl VerbError {
             VerbError::Limit { .. } => libc::ENOMEM,
             VerbError::Fault(_) => libc::EFAULT,
             VerbError::Unsupported(_) => libc::EOPNOTSUPP,
+            VerbError::Exists(_) => libc::EEXIST,
             VerbError::Fabric(e) => e.errno(),
+            VerbError::Notify(e) => e.errno(),
         }
     }
 }

@@ -1,16 +1,21 @@
 //! The verbs objects of one tenant's device and the control verbs on them.
 //!
 //! [`RdmaDevice`] owns the tenant's protection domains, memory regions
-//! (with their shadows), completion queues and queue pairs, enforces the
-//! tenant's [`Limits`] and the dependency rules between objects (a PD with
-//! MRs or QPs cannot go, nor a CQ a QP uses), and executes decoded control
-//! commands. It knows nothing of virtqueues: `control.rs` feeds it bytes.
+//! (with their shadows), completion queues, queue pairs, doorbell page and
+//! event rings, enforces the tenant's [`Limits`] and the dependency rules
+//! between objects (a PD with MRs or QPs cannot go, nor a CQ a QP uses),
+//! and executes decoded control commands, mirroring each object to hostd.
+//! It never touches a ring after creating it: hostd's datapath owns them.
+//! It knows nothing of virtqueues: `control.rs` feeds it bytes, and the
+//! eventfds hostd needs come through [`NotifyFds`].
 
+mod cq;
 mod error;
 mod mr;
+mod notify;
 mod qp;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use rand::Rng;
@@ -22,8 +27,10 @@ use vrdma_spec::verbs::{atomic_cap, device_cap, LinkLayer, Mtu, PortState};
 use vrdma_spec::zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 use vrdma_tenant_policy::Limits;
 
+pub use cq::CompletionQueue;
 pub use error::{VerbError, VerbResult};
 pub use mr::MemoryRegion;
+pub use notify::{EventRing, FdError, NotifyFds};
 pub use qp::QueuePair;
 
 use crate::fabric::Fabric;
@@ -56,23 +63,6 @@ struct ProtectionDomain {
     qps: u32,
 }
 
-/// A completion queue: its ring in guest memory.
-#[derive(Debug)]
-pub struct CompletionQueue {
-    pub depth: u32,
-    pub comp_vector: u32,
-    pub ring_addr: u64,
-    /// Device-side producer index (the datapath's copy; the guest sees it
-    /// in the ring's device line).
-    pub producer: u32,
-    /// Arm sequence number last answered with an event.
-    pub notified_sn: u32,
-    /// The CQ overflowed; its error event was sent.
-    pub overrun: bool,
-    /// Number of QPs whose send or receive queue completes here.
-    users: u32,
-}
-
 /// One tenant's RDMA device.
 #[derive(Debug)]
 pub struct RdmaDevice {
@@ -85,15 +75,23 @@ pub struct RdmaDevice {
     mem: Arc<GuestMemoryMmap>,
     pds: HashMap<u32, ProtectionDomain>,
     mrs: HashMap<u32, MemoryRegion>,
-    /// MR handle by lkey, for the lookups of the data path.
+    /// MR handle by lkey, for key lookups.
     lkeys: HashMap<u32, u32>,
     cqs: HashMap<u32, CompletionQueue>,
     qps: HashMap<u32, QueuePair>,
+    /// The doorbell page (`SET_DOORBELL`), once the driver gave it.
+    doorbell: Option<u64>,
+    /// Event rings by completion vector (`CREATE_EQ`).
+    eqs: BTreeMap<u32, EventRing>,
+    /// The live QPs' bits in the doorbell page.
+    db_indexes: notify::DbIndexes,
     /// Bytes registered across all MRs.
     mr_bytes: u64,
     next_handle: u32,
     /// hostd, when the device is attached to a fabric.
     fabric: Option<Arc<Fabric>>,
+    /// The eventfds hostd is given (set with `fabric`).
+    notify_fds: Option<Arc<dyn NotifyFds>>,
     /// hostd's numbers for the guest memory slots it was given.
     slot_numbers: HashMap<SlotId, u32>,
     next_slot_number: u32,
@@ -114,23 +112,34 @@ impl RdmaDevice {
             lkeys: HashMap::new(),
             cqs: HashMap::new(),
             qps: HashMap::new(),
+            doorbell: None,
+            eqs: BTreeMap::new(),
+            db_indexes: notify::DbIndexes::default(),
             mr_bytes: 0,
             next_handle: 1,
             fabric: None,
+            notify_fds: None,
             slot_numbers: HashMap::new(),
             next_slot_number: 0,
         }
     }
 
     /// A device attached to hostd's fabric: its LID is hostd's, and memory,
-    /// keys and QPs are mirrored to hostd.
+    /// keys, the doorbell, event rings, CQs and QPs are mirrored to hostd,
+    /// with the eventfds `fds` lends.
     /// Both vdev's configured limits and hostd's policy are the operator's
     /// word, so the stricter of the two applies, limit by limit.
-    pub fn with_fabric(mut identity: DeviceIdentity, local: Limits, fabric: Arc<Fabric>) -> Self {
+    pub fn with_fabric(
+        mut identity: DeviceIdentity,
+        local: Limits,
+        fabric: Arc<Fabric>,
+        fds: Arc<dyn NotifyFds>,
+    ) -> Self {
         identity.lid = fabric.lid;
         let mut device = RdmaDevice::new(identity, local.stricter(&fabric.policy.quotas));
         device.local_limits = local;
         device.fabric = Some(fabric);
+        device.notify_fds = Some(fds);
         device
     }
 
@@ -181,11 +190,6 @@ impl RdmaDevice {
         revoked
     }
 
-    /// The CQ numbered `cqn`.
-    pub fn cq(&self, cqn: u32) -> Option<&CompletionQueue> {
-        self.cqs.get(&cqn)
-    }
-
     /// Tells hostd about slots that appeared and slots that went away.
     fn mirror_slots(&mut self, mem: &GuestMemoryMmap, slots: &MemorySlots) {
         let Some(fabric) = self.fabric.clone() else {
@@ -227,23 +231,33 @@ impl RdmaDevice {
     }
 
     /// Releases every object, as a device reset or a departed frontend
-    /// requires: QPs first (hostd stops their work), then MRs (hostd revokes
-    /// their keys), then CQs and PDs. Memory slots stay known to hostd.
+    /// requires: hostd drops the device's QPs, CQs, event rings, MRs and
+    /// doorbell in one `ResetDevice` (when its answer arrives nothing of
+    /// the old driver's is touched any more), then vdev forgets them.
+    /// Memory slots stay known to hostd. Nothing to release, nothing sent.
     pub fn release_all(&mut self) {
         let (pds, mrs, cqs, qps) = self.object_counts();
-        let qpns: Vec<u32> = self.qps.keys().copied().collect();
-        for qpn in qpns {
-            let _ = self.destroy_qp(qpn);
+        let eqs = self.eqs.len();
+        let doorbell = self.doorbell.is_some();
+        if pds + mrs + cqs + qps + eqs == 0 && !doorbell {
+            return;
         }
-        let handles: Vec<u32> = self.mrs.keys().copied().collect();
-        for handle in handles {
-            let _ = self.dereg_mr(handle);
+        if let Some(fabric) = &self.fabric {
+            if let Err(e) = fabric.reset_device() {
+                tracing::warn!(tenant = %self.identity.tenant, error = %e, "hostd did not reset the device");
+            }
         }
+        self.qps.clear();
+        self.db_indexes.clear();
+        self.mrs.clear();
+        self.lkeys.clear();
+        self.mr_bytes = 0;
         self.cqs.clear();
         self.pds.clear();
-        if pds + mrs + cqs + qps > 0 {
-            tracing::info!(tenant = %self.identity.tenant, pds, mrs, cqs, qps, "Released all verbs objects");
-        }
+        self.eqs.clear();
+        self.doorbell = None;
+        tracing::info!(tenant = %self.identity.tenant, pds, mrs, cqs, qps, eqs, doorbell,
+            "Released all verbs objects");
     }
 
     /// hostd's number for a slot, if it has the slot.
@@ -254,16 +268,6 @@ impl RdmaDevice {
     /// The QPs.
     pub fn qps_iter(&self) -> impl Iterator<Item = &QueuePair> {
         self.qps.values()
-    }
-
-    /// The QP numbered `qpn`, mutably.
-    pub fn qp_mut(&mut self, qpn: u32) -> Option<&mut QueuePair> {
-        self.qps.get_mut(&qpn)
-    }
-
-    /// The CQ numbered `cqn`, mutably.
-    pub fn cq_mut(&mut self, cqn: u32) -> Option<&mut CompletionQueue> {
-        self.cqs.get_mut(&cqn)
     }
 
     /// Number of live objects: (PDs, MRs, CQs, QPs).
@@ -374,6 +378,14 @@ impl RdmaDevice {
                 let req: control::QpHandle = decode(payload)?;
                 self.destroy_qp(req.qpn.get()).map(|()| Vec::new())
             }
+            Opcode::SetDoorbell => {
+                let req: control::SetDoorbellReq = decode(payload)?;
+                self.set_doorbell(&req).map(|()| Vec::new())
+            }
+            Opcode::CreateEq => {
+                let req: control::CreateEqReq = decode(payload)?;
+                self.create_eq(&req).map(|()| Vec::new())
+            }
         }
     }
 
@@ -427,58 +439,6 @@ impl RdmaDevice {
         })
     }
 
-    fn create_cq(&mut self, req: &control::CreateCqReq) -> VerbResult<u32> {
-        Self::check_count("max_cq", self.cqs.len(), self.limits.max_cq)?;
-        let entries = req.depth.get();
-        if entries == 0 || entries > self.limits.max_cq_depth {
-            return Err(VerbError::Invalid(format!(
-                "CQ depth {entries} (must be 1..={})",
-                self.limits.max_cq_depth
-            )));
-        }
-        let depth = ring::cq_depth(entries)
-            .ok_or_else(|| VerbError::Invalid(format!("CQ depth {entries}")))?;
-        if req.comp_vector.get() >= u32::from(self.identity.comp_vectors) {
-            return Err(VerbError::Invalid(format!(
-                "completion vector {} (device has {})",
-                req.comp_vector, self.identity.comp_vectors
-            )));
-        }
-        let ring_addr = req.ring_addr.get();
-        self.check_ring(ring_addr, ring::cq_ring_bytes(depth))?;
-        self.reset_ring(ring_addr)?;
-        let cqn = self.new_handle();
-        self.cqs.insert(
-            cqn,
-            CompletionQueue {
-                depth,
-                comp_vector: req.comp_vector.get(),
-                ring_addr,
-                producer: 0,
-                notified_sn: 0,
-                overrun: false,
-                users: 0,
-            },
-        );
-        Ok(cqn)
-    }
-
-    fn destroy_cq(&mut self, cqn: u32) -> VerbResult<()> {
-        let cq = self.cqs.get(&cqn).ok_or(VerbError::NoObject {
-            kind: "CQ",
-            handle: cqn,
-        })?;
-        if cq.users > 0 {
-            return Err(VerbError::Busy {
-                kind: "CQ",
-                handle: cqn,
-                users: format!("{} QPs", cq.users),
-            });
-        }
-        self.cqs.remove(&cqn);
-        Ok(())
-    }
-
     /// Checks a ring of `bytes` at `addr` lies aligned in guest memory.
     fn check_ring(&self, addr: u64, bytes: u64) -> VerbResult<()> {
         let bad = || VerbError::Ring { addr, bytes };
@@ -494,12 +454,18 @@ impl RdmaDevice {
 
     /// Resets the device-owned header line (index, flags) of a checked ring.
     fn reset_ring(&self, addr: u64) -> VerbResult<()> {
-        let device_line = [0u8; ring::CACHE_LINE];
+        self.clear_device_line(addr + ring::DEVICE_INDEX_OFFSET)
+    }
+
+    /// Zeroes the device-written cache line at `line` of a checked ring or
+    /// page: the guest memory may hold a previous driver's bytes.
+    fn clear_device_line(&self, line: u64) -> VerbResult<()> {
+        let zeros = [0u8; ring::CACHE_LINE];
         self.mem
-            .write_slice(&device_line, GuestAddress(addr + ring::DEVICE_INDEX_OFFSET))
+            .write_slice(&zeros, GuestAddress(line))
             .map_err(|_| VerbError::Ring {
-                addr,
-                bytes: ring::RING_HEADER_SIZE as u64,
+                addr: line,
+                bytes: ring::CACHE_LINE as u64,
             })
     }
 }

@@ -1,11 +1,14 @@
-//! Queue pairs: creation with ring geometry, the RC state machine with
-//! attribute validation, query and destroy.
+//! Queue pairs: creation with ring geometry and a doorbell index, the RC
+//! state machine with attribute validation, query and destroy — each
+//! mirrored to hostd, whose datapath runs the QP.
 
+use vrdma_hostd_protocol::messages::{QpConnection, QpModify, QpSetup, WorkRing};
 use vrdma_spec::control::{
     CreateQpReq, CreateQpResp, ModifyQpReq, QpAttr, QpCap, QueryQpResp, NO_SRQ,
 };
+use vrdma_spec::limits::{CapLimits, Caps, QpGrant, MAX_QPS};
 use vrdma_spec::qp_state::{check_rc_mask, mask};
-use vrdma_spec::ring::{self, WorkRingGeometry};
+use vrdma_spec::ring::WorkRingGeometry;
 use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
 
 use super::{random_unique, RdmaDevice, VerbError, VerbResult, PORT_MTU};
@@ -18,6 +21,9 @@ const MAX_PSN: u32 = 0x00ff_ffff;
 const MAX_TIMER: u8 = 31;
 /// Largest retry count (3 bits).
 const MAX_RETRY: u8 = 7;
+/// Retry count meaning "retry for ever" (`rnr_retry` 7), what a QP that is
+/// not yet a requester (RTR) is described with.
+const RETRY_FOREVER: u8 = 7;
 /// `IBV_MIG_MIGRATED`: automatic path migration is not supported, so the
 /// only path-migration state is "migrated".
 const MIG_MIGRATED: u8 = 0;
@@ -33,16 +39,20 @@ pub struct QueuePair {
     pub cap: QpCap,
     pub sq: (u64, WorkRingGeometry),
     pub rq: (u64, WorkRingGeometry),
+    /// The QP's bit in the doorbell page.
+    pub db_index: u32,
     pub state: QpState,
     /// Attributes as last set by modify_qp (returned by query_qp).
     pub attr: QpAttr,
-    /// Next send/receive WQE the datapath takes from the guest rings.
-    pub sq_consumer: u32,
-    pub rq_consumer: u32,
 }
 
 impl RdmaDevice {
     pub(super) fn create_qp(&mut self, req: &CreateQpReq) -> VerbResult<CreateQpResp> {
+        if self.doorbell.is_none() {
+            return Err(VerbError::Invalid(
+                "no doorbell page yet (SET_DOORBELL comes before the first CREATE_QP)".into(),
+            ));
+        }
         let pdn = req.pdn.get();
         self.pd_mut(pdn)?;
         match QpType::try_from(req.qp_type) {
@@ -65,39 +75,8 @@ impl RdmaDevice {
             }
         }
         Self::check_count("max_qp", self.qps.len(), self.limits.max_qp)?;
-        let cap = req.cap;
-        let l = &self.limits;
-        let checks = [
-            ("max_send_wr", cap.max_send_wr.get(), l.max_qp_depth),
-            ("max_recv_wr", cap.max_recv_wr.get(), l.max_qp_depth),
-            ("max_send_sge", cap.max_send_sge.get(), l.max_sge),
-            ("max_recv_sge", cap.max_recv_sge.get(), l.max_sge),
-            (
-                "max_inline_data",
-                cap.max_inline_data.get(),
-                l.max_inline_data,
-            ),
-        ];
-        for (name, value, max) in checks {
-            if value > max {
-                return Err(VerbError::Invalid(format!(
-                    "cap.{name} = {value} exceeds {max}"
-                )));
-            }
-        }
-        if cap.max_send_wr.get() == 0 && cap.max_recv_wr.get() == 0 {
-            return Err(VerbError::Invalid(
-                "a QP needs a send or a receive queue".into(),
-            ));
-        }
-        let sq = ring::sq_geometry(
-            cap.max_send_wr.get(),
-            cap.max_send_sge.get(),
-            cap.max_inline_data.get(),
-        )
-        .ok_or_else(|| VerbError::Invalid("send queue geometry".into()))?;
-        let rq = ring::rq_geometry(cap.max_recv_wr.get(), cap.max_recv_sge.get())
-            .ok_or_else(|| VerbError::Invalid("receive queue geometry".into()))?;
+        let grant = self.grant(&req.cap)?;
+        let (sq, rq) = (grant.sq, grant.rq);
         let (sq_addr, rq_addr) = (req.sq_ring_addr.get(), req.rq_ring_addr.get());
         let overlap = sq_addr < rq_addr.saturating_add(rq.ring_bytes())
             && rq_addr < sq_addr.saturating_add(sq.ring_bytes());
@@ -108,30 +87,25 @@ impl RdmaDevice {
         // CREATE_QP leaves guest memory as it was.
         self.check_ring(sq_addr, sq.ring_bytes())?;
         self.check_ring(rq_addr, rq.ring_bytes())?;
-        self.reset_ring(sq_addr)?;
-        self.reset_ring(rq_addr)?;
-
-        // What the rings can hold, never more than the limits allow.
-        let sq_payload = sq.stride - core::mem::size_of::<ring::SendWqe>() as u32;
-        let rq_payload = rq.stride - core::mem::size_of::<ring::RecvWqe>() as u32;
-        let granted = QpCap {
-            max_send_wr: sq.depth.min(l.max_qp_depth).into(),
-            max_recv_wr: rq.depth.min(l.max_qp_depth).into(),
-            max_send_sge: (sq_payload / ring::SGE_SIZE as u32).min(l.max_sge).into(),
-            max_recv_sge: (rq_payload / ring::SGE_SIZE as u32).min(l.max_sge).into(),
-            max_inline_data: sq_payload.min(l.max_inline_data).into(),
-        };
+        // max_qp is at most MAX_QPS, so an index is free; a device built
+        // with larger limits still never hands out a bit beyond the page.
+        let db_index = self.db_indexes.alloc().ok_or(VerbError::Limit {
+            limit: "max_qp",
+            current: self.qps.len() as u64,
+            max: MAX_QPS.into(),
+        })?;
         let qpn = random_unique(QPN_MASK, &[0, 1], |n| self.qps.contains_key(&n));
-        if let Some(fabric) = &self.fabric {
-            let pqp = fabric.queues[fabric.pqp_index_for(qpn)].grant.pqp;
-            fabric.create_qp(qpn, pdn, pqp).map_err(VerbError::Fabric)?;
+        let created = self.mirror_new_qp(req, qpn, db_index, &grant);
+        if let Err(e) = created {
+            self.db_indexes.free(db_index);
+            return Err(e);
         }
-        let attr = QpAttr {
-            qp_state: QpState::Reset.into(),
-            cap: granted,
-            path_mtu: PORT_MTU.into(),
-            port_num: 1,
-            ..QpAttr::default()
+        let granted = QpCap {
+            max_send_wr: grant.caps.max_send_wr.into(),
+            max_recv_wr: grant.caps.max_recv_wr.into(),
+            max_send_sge: grant.caps.max_send_sge.into(),
+            max_recv_sge: grant.caps.max_recv_sge.into(),
+            max_inline_data: grant.caps.max_inline_data.into(),
         };
         self.qps.insert(
             qpn,
@@ -144,10 +118,9 @@ impl RdmaDevice {
                 cap: granted,
                 sq: (sq_addr, sq),
                 rq: (rq_addr, rq),
+                db_index,
                 state: QpState::Reset,
-                attr,
-                sq_consumer: 0,
-                rq_consumer: 0,
+                attr: reset_attr(granted),
             },
         );
         self.pd_mut(pdn)?.qps += 1;
@@ -158,15 +131,89 @@ impl RdmaDevice {
         }
         Ok(CreateQpResp {
             qpn: qpn.into(),
-            reserved: 0.into(),
+            db_index: db_index.into(),
             cap: granted,
             reserved2: 0.into(),
         })
     }
 
+    /// The rings and capacities of a QP asking for `cap`, within the
+    /// tenant's limits: [`QpGrant`] is the one place that computes them,
+    /// for the driver, vdev and hostd alike.
+    fn grant(&self, cap: &QpCap) -> VerbResult<QpGrant> {
+        let asked = Caps {
+            max_send_wr: cap.max_send_wr.get(),
+            max_recv_wr: cap.max_recv_wr.get(),
+            max_send_sge: cap.max_send_sge.get(),
+            max_recv_sge: cap.max_recv_sge.get(),
+            max_inline_data: cap.max_inline_data.get(),
+        };
+        let limits = CapLimits {
+            max_wr: self.limits.max_qp_depth,
+            max_sge: self.limits.max_sge,
+            max_inline_data: self.limits.max_inline_data,
+        };
+        QpGrant::compute(asked, limits).map_err(|e| VerbError::Invalid(e.to_string()))
+    }
+
+    /// Resets the checked rings of a new QP and tells hostd about it.
+    fn mirror_new_qp(
+        &self,
+        req: &CreateQpReq,
+        qpn: u32,
+        db_index: u32,
+        grant: &QpGrant,
+    ) -> VerbResult<()> {
+        let (sq_addr, rq_addr) = (req.sq_ring_addr.get(), req.rq_ring_addr.get());
+        self.reset_ring(sq_addr)?;
+        self.reset_ring(rq_addr)?;
+        let Some(fabric) = &self.fabric else {
+            return Ok(());
+        };
+        let ring = |gpa, g: WorkRingGeometry| WorkRing {
+            gpa,
+            depth: g.depth,
+            stride: g.stride,
+        };
+        fabric
+            .create_qp(QpSetup {
+                vqpn: qpn,
+                pd: req.pdn.get(),
+                db_index,
+                send_cqn: req.send_cqn.get(),
+                recv_cqn: req.recv_cqn.get(),
+                sq_sig_all: req.sq_sig_all != 0,
+                sq: ring(sq_addr, grant.sq),
+                rq: ring(rq_addr, grant.rq),
+                max_send_sge: grant.caps.max_send_sge,
+                max_recv_sge: grant.caps.max_recv_sge,
+                max_inline_data: grant.caps.max_inline_data,
+            })
+            .map_err(VerbError::Fabric)
+    }
+
+    /// A QP can enter ERR on its own in hostd's datapath (a WQE failed, a
+    /// ring was bad): before MODIFY_QP or QUERY_QP looks at the state, it
+    /// takes the datapath's ERR over.
+    fn adopt_datapath_state(&mut self, qpn: u32) -> VerbResult<()> {
+        let (Some(fabric), Some(qp)) = (&self.fabric, self.qps.get_mut(&qpn)) else {
+            return Ok(());
+        };
+        let state = fabric.query_qp(qpn).map_err(VerbError::Fabric)?;
+        if state == u8::from(QpState::Err) && qp.state != QpState::Err {
+            tracing::info!(tenant = %self.identity.tenant, qpn, was = ?qp.state,
+                "The QP entered ERR in the datapath");
+            qp.state = QpState::Err;
+            qp.attr.qp_state = QpState::Err.into();
+            qp.attr.cur_qp_state = QpState::Err.into();
+        }
+        Ok(())
+    }
+
     pub(super) fn modify_qp(&mut self, req: &ModifyQpReq) -> VerbResult<()> {
         let qpn = req.qpn.get();
         let attr_mask = req.attr_mask.get();
+        self.adopt_datapath_state(qpn)?;
         let port_mtu = self.config.port.active_mtu;
         let max_rd_atomic = self.limits.max_rd_atomic;
         let qp = self.qps.get_mut(&qpn).ok_or(VerbError::NoObject {
@@ -189,32 +236,26 @@ impl RdmaDevice {
         check_supported_mask(attr_mask)?;
         check_rc_mask(qp.state, next, attr_mask).map_err(VerbError::Transition)?;
         validate_attr(a, attr_mask, port_mtu, max_rd_atomic)?;
+        let mut merged = qp.attr;
+        apply_attr(&mut merged, a, attr_mask);
         if let Some(fabric) = &self.fabric {
-            let mut merged = qp.attr;
-            apply_attr(&mut merged, a, attr_mask);
-            mirror_transition(fabric, qpn, qp.state, next, &merged, attr_mask)
+            fabric
+                .modify_qp(transition(qpn, qp.state, next, &merged, attr_mask))
                 .map_err(VerbError::Fabric)?;
         }
-        apply_attr(&mut qp.attr, a, attr_mask);
+        qp.attr = merged;
         qp.state = next;
         qp.attr.qp_state = next.into();
         qp.attr.cur_qp_state = next.into();
         if next == QpState::Reset {
-            qp.sq_consumer = 0;
-            qp.rq_consumer = 0;
             // RESET returns the QP to its state after creation.
-            qp.attr = QpAttr {
-                cap: qp.cap,
-                qp_state: next.into(),
-                path_mtu: PORT_MTU.into(),
-                port_num: 1,
-                ..QpAttr::default()
-            };
+            qp.attr = reset_attr(qp.cap);
         }
         Ok(())
     }
 
-    pub(super) fn query_qp(&self, qpn: u32) -> VerbResult<QueryQpResp> {
+    pub(super) fn query_qp(&mut self, qpn: u32) -> VerbResult<QueryQpResp> {
+        self.adopt_datapath_state(qpn)?;
         let qp = self.qps.get(&qpn).ok_or(VerbError::NoObject {
             kind: "QP",
             handle: qpn,
@@ -247,6 +288,7 @@ impl RdmaDevice {
             kind: "QP",
             handle: qpn,
         })?;
+        self.db_indexes.free(qp.db_index);
         if let Some(pd) = self.pds.get_mut(&qp.pdn) {
             pd.qps -= 1;
         }
@@ -264,43 +306,49 @@ impl RdmaDevice {
     }
 }
 
-/// Tells hostd what a transition means for the fabric: connecting at RTR,
-/// requester parameters at RTS, access changes, flush at ERR, forget at RESET.
-fn mirror_transition(
-    fabric: &crate::fabric::Fabric,
-    qpn: u32,
-    from: QpState,
-    to: QpState,
-    attr: &QpAttr,
-    attr_mask: u32,
-) -> Result<(), crate::fabric::FabricError> {
-    let connection = vrdma_hostd_protocol::messages::QpConnection {
-        vqpn: qpn,
+/// A QP's stored attributes after creation and after RESET.
+fn reset_attr(cap: QpCap) -> QpAttr {
+    QpAttr {
+        qp_state: QpState::Reset.into(),
+        cap,
+        path_mtu: PORT_MTU.into(),
+        port_num: 1,
+        ..QpAttr::default()
+    }
+}
+
+/// What hostd is told of a transition `from` → `to` with the QP's
+/// attributes `attr` (the request applied): the new state; the peer and
+/// its behaviour when the QP connects (INIT → RTR) and again when it
+/// becomes a requester (RTR → RTS), the first time its retry counts are
+/// known; its access flags when the mask changes them.
+fn transition(qpn: u32, from: QpState, to: QpState, attr: &QpAttr, attr_mask: u32) -> QpModify {
+    let requester = to == QpState::Rts;
+    let connection = matches!(
+        (from, to),
+        (QpState::Init, QpState::Rtr) | (QpState::Rtr, QpState::Rts)
+    )
+    .then(|| QpConnection {
         dest_lid: attr.ah_attr.dlid.get(),
         dest_qpn: attr.dest_qp_num.get(),
         access: attr.qp_access_flags.get(),
-        rnr_retry: if from == QpState::Rtr {
+        rnr_retry: if requester {
             attr.rnr_retry
         } else {
-            7
+            RETRY_FOREVER
         },
-        retry_cnt: if from == QpState::Rtr {
+        retry_cnt: if requester {
             attr.retry_cnt
         } else {
-            7
+            RETRY_FOREVER
         },
         min_rnr_timer: attr.min_rnr_timer,
-    };
-    match (from, to) {
-        (_, QpState::Err) => fabric.error_qp(qpn),
-        (_, QpState::Reset) => fabric.reset_qp(qpn),
-        (QpState::Init, QpState::Rtr) | (QpState::Rtr, QpState::Rts) => {
-            fabric.connect_qp(connection)
-        }
-        _ if attr_mask & mask::ACCESS_FLAGS != 0 => {
-            fabric.set_qp_access(qpn, attr.qp_access_flags.get())
-        }
-        _ => Ok(()),
+    });
+    QpModify {
+        vqpn: qpn,
+        state: to.into(),
+        connection,
+        access: (attr_mask & mask::ACCESS_FLAGS != 0).then(|| attr.qp_access_flags.get()),
     }
 }
 

@@ -1,0 +1,430 @@
+//! What hostd is told: a device registered with a stand-in hostd (a real
+//! seqpacket peer speaking hostd-protocol) that records every request and
+//! the descriptors that came with it.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use vmm_sys_util::eventfd::EventFd;
+use vrdma_hostd_protocol::channel::{Channel, Listener};
+use vrdma_hostd_protocol::messages::{
+    QpConnection, QpModify, QpSetup, Request, Response, Welcome, WorkRing,
+};
+use vrdma_spec::limits::{CapLimits, Caps, QpGrant};
+use vrdma_tenant_policy::Policy;
+
+use super::*;
+use crate::fabric::Fabric;
+
+/// The test's own eventfds, lent as the device's: the test can then tell
+/// whether what hostd received is the same eventfd.
+#[derive(Debug)]
+struct TestFds {
+    kick: EventFd,
+    /// Vector 1 has a call eventfd; vector 0's was never set.
+    call1: EventFd,
+}
+
+fn dup(fd: &EventFd) -> Result<OwnedFd, FdError> {
+    let copy = fd.try_clone().expect("dup");
+    // SAFETY: `into_raw_fd` releases the fresh duplicate's only owner.
+    Ok(unsafe { OwnedFd::from_raw_fd(copy.into_raw_fd()) })
+}
+
+impl NotifyFds for TestFds {
+    fn doorbell_kick(&self) -> Result<OwnedFd, FdError> {
+        dup(&self.kick)
+    }
+
+    fn vector_call(&self, vector: u32) -> Result<OwnedFd, FdError> {
+        match vector {
+            1 => dup(&self.call1),
+            _ => Err(FdError::Missing {
+                kind: "call",
+                queue: 2 + vector,
+            }),
+        }
+    }
+}
+
+/// How the stand-in answers.
+#[derive(Debug, Default)]
+struct Script {
+    /// The QP state `QueryQp` reports.
+    qp_state: AtomicU8,
+    /// Refuse `CreateQp` with EAGAIN.
+    refuse_create_qp: AtomicBool,
+}
+
+/// A stand-in hostd: one registration, then every request recorded (with
+/// its descriptors) before it is answered.
+struct FakeHostd {
+    requests: mpsc::Receiver<(Request, Vec<File>)>,
+    script: Arc<Script>,
+    dir: PathBuf,
+}
+
+impl FakeHostd {
+    /// Starts the stand-in and registers a device with it.
+    fn start(tag: &str) -> (FakeHostd, Arc<Fabric>) {
+        let dir =
+            std::env::temp_dir().join(format!("vdev-fake-hostd-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("scratch dir");
+        let path = dir.join("hostd.sock");
+        let listener = Listener::bind(&path).expect("bind");
+        let script = Arc::new(Script::default());
+        let (tx, requests) = mpsc::channel();
+        let answers = script.clone();
+        std::thread::spawn(move || serve(listener, answers, tx));
+        let fabric = Fabric::connect(&path, "t1", "dev").expect("registered");
+        let hostd = FakeHostd {
+            requests,
+            script,
+            dir,
+        };
+        (hostd, Arc::new(fabric))
+    }
+
+    /// The next request vdev sent, with its descriptors.
+    fn next(&self) -> (Request, Vec<File>) {
+        self.requests
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a request within 10 s")
+    }
+
+    /// The next request, which must carry no descriptor.
+    fn next_plain(&self) -> Request {
+        let (request, files) = self.next();
+        assert!(files.is_empty(), "{request:?} carried descriptors");
+        request
+    }
+
+    /// Asserts vdev sent nothing more (every request is recorded before it
+    /// is answered, so a finished verb's requests are all here).
+    fn assert_quiet(&self, after: &str) {
+        if let Ok((request, _)) = self.requests.try_recv() {
+            panic!("after {after}, hostd was sent {request:?}");
+        }
+    }
+}
+
+impl Drop for FakeHostd {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn serve(listener: Listener, script: Arc<Script>, tx: mpsc::Sender<(Request, Vec<File>)>) {
+    let channel = listener.accept().expect("accept");
+    let (hello, _): (Request, _) = channel.recv().expect("hello");
+    assert!(matches!(hello, Request::Hello { .. }), "{hello:?}");
+    let (_notifications, theirs) = Channel::pair().expect("pair");
+    let welcome = Response::Welcome(Box::new(Welcome {
+        lid: 9,
+        physical_queues: 4,
+        policy: Policy::default_policy().tenants[0].clone(),
+    }));
+    channel
+        .send(&welcome, &[theirs.as_raw_fd()])
+        .expect("welcome");
+    while let Ok((request, files)) = channel.recv::<Request>() {
+        let answer = match &request {
+            Request::QueryQp { .. } => Response::QpState {
+                state: script.qp_state.load(Ordering::SeqCst),
+            },
+            Request::CreateQp(_) if script.refuse_create_qp.load(Ordering::SeqCst) => {
+                Response::Refused {
+                    errno: libc::EAGAIN,
+                    reason: "stand-in refuses".into(),
+                }
+            }
+            _ => Response::Ok,
+        };
+        if tx.send((request, files)).is_err() {
+            return;
+        }
+        if channel.send(&answer, &[]).is_err() {
+            return;
+        }
+    }
+}
+
+/// Eventfd bytes: what one side writes, the other reads.
+fn write_u64(file: &mut File, value: u64) {
+    file.write_all(&value.to_ne_bytes()).expect("write eventfd");
+}
+
+fn read_u64(file: &mut File) -> u64 {
+    let mut bytes = [0u8; 8];
+    file.read_exact(&mut bytes).expect("read eventfd");
+    u64::from_ne_bytes(bytes)
+}
+
+fn attached(tag: &str) -> (FakeHostd, RdmaDevice, Arc<TestFds>) {
+    let (hostd, fabric) = FakeHostd::start(tag);
+    let fds = Arc::new(TestFds {
+        kick: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
+        call1: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
+    });
+    let mut dev = RdmaDevice::with_fabric(identity(), Limits::default(), fabric, fds.clone());
+    // Anonymous memory has no file to give hostd: no AddMemory.
+    dev.update_memory(guest_memory());
+    hostd.assert_quiet("update_memory");
+    (hostd, dev, fds)
+}
+
+#[test]
+fn the_doorbell_and_event_rings_reach_hostd_with_their_eventfds() {
+    let (hostd, mut dev, fds) = attached("notify");
+    assert_eq!(dev.config().port.lid.get(), 9, "hostd's LID");
+
+    set_doorbell(&mut dev, DOORBELL).expect("doorbell");
+    let (request, mut files) = hostd.next();
+    assert_eq!(request, Request::SetDoorbell { gpa: DOORBELL });
+    assert_eq!(files.len(), 1, "the kick eventfd");
+    // The driver's notification reaches whoever holds hostd's copy.
+    fds.kick.write(3).expect("kick");
+    assert_eq!(read_u64(&mut files[0]), 3);
+    assert_eq!(set_doorbell(&mut dev, DOORBELL), Err(libc::EEXIST));
+    hostd.assert_quiet("a second SET_DOORBELL");
+
+    let eq = MEM_BASE + 0x31_0000;
+    assert_eq!(
+        create_eq(&mut dev, 0, 64, eq),
+        Err(libc::EINVAL),
+        "vector 0's event queue has no call eventfd"
+    );
+    hostd.assert_quiet("a CREATE_EQ without an eventfd");
+    assert_eq!(dev.event_ring(0), None);
+    create_eq(&mut dev, 1, 64, eq).expect("EQ of vector 1");
+    let (request, mut files) = hostd.next();
+    assert_eq!(
+        request,
+        Request::CreateEq {
+            vector: 1,
+            gpa: eq,
+            depth: 64
+        }
+    );
+    assert_eq!(files.len(), 1, "the call eventfd");
+    // hostd's interrupt reaches the driver.
+    write_u64(&mut files[0], 1);
+    assert_eq!(fds.call1.read().expect("interrupt"), 1);
+
+    dev.release_all();
+    assert_eq!(hostd.next_plain(), Request::ResetDevice);
+    dev.release_all();
+    hostd.assert_quiet("a second reset with nothing left");
+}
+
+#[test]
+fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
+    let (hostd, mut dev, _fds) = attached("qp");
+    set_doorbell(&mut dev, DOORBELL).expect("doorbell");
+    let _ = hostd.next();
+    let pdn = alloc_pd(&mut dev);
+    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    assert_eq!(
+        hostd.next_plain(),
+        Request::CreateCq {
+            cqn,
+            gpa: MEM_BASE,
+            depth: 16,
+            vector: 0
+        }
+    );
+
+    let (sq, rq) = (MEM_BASE + 0x10000, MEM_BASE + 0x20000);
+    let qp = create_qp(&mut dev, pdn, cqn, sq, rq).expect("qp");
+    let qpn = qp.qpn.get();
+    let limits = Limits::default();
+    let grant = QpGrant::compute(
+        Caps {
+            max_send_wr: 10,
+            max_recv_wr: 10,
+            max_send_sge: 2,
+            max_recv_sge: 2,
+            max_inline_data: 64,
+        },
+        CapLimits {
+            max_wr: limits.max_qp_depth,
+            max_sge: limits.max_sge,
+            max_inline_data: limits.max_inline_data,
+        },
+    )
+    .expect("grant");
+    assert_eq!(
+        hostd.next_plain(),
+        Request::CreateQp(QpSetup {
+            vqpn: qpn,
+            pd: pdn,
+            db_index: 0,
+            send_cqn: cqn,
+            recv_cqn: cqn,
+            sq_sig_all: false,
+            sq: WorkRing {
+                gpa: sq,
+                depth: grant.sq.depth,
+                stride: grant.sq.stride
+            },
+            rq: WorkRing {
+                gpa: rq,
+                depth: grant.rq.depth,
+                stride: grant.rq.stride
+            },
+            max_send_sge: grant.caps.max_send_sge,
+            max_recv_sge: grant.caps.max_recv_sge,
+            max_inline_data: grant.caps.max_inline_data,
+        })
+    );
+    assert_eq!(qp.cap.max_send_sge.get(), grant.caps.max_send_sge);
+
+    // Each transition: the datapath's state first, then the transition.
+    let init = QpAttr {
+        qp_state: QpState::Init.into(),
+        port_num: 1,
+        qp_access_flags: access::REMOTE_WRITE.into(),
+        ..QpAttr::default()
+    };
+    modify(&mut dev, qpn, INIT_MASK, init).expect("INIT");
+    assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: qpn });
+    assert_eq!(
+        hostd.next_plain(),
+        Request::ModifyQp(QpModify {
+            vqpn: qpn,
+            state: QpState::Init.into(),
+            connection: None,
+            access: Some(access::REMOTE_WRITE),
+        })
+    );
+    modify(&mut dev, qpn, RTR_MASK, rtr_attr()).expect("RTR");
+    assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: qpn });
+    let at_rtr = QpConnection {
+        dest_lid: 7,
+        dest_qpn: 0x1234,
+        access: access::REMOTE_WRITE,
+        rnr_retry: 7,
+        retry_cnt: 7,
+        min_rnr_timer: 12,
+    };
+    assert_eq!(
+        hostd.next_plain(),
+        Request::ModifyQp(QpModify {
+            vqpn: qpn,
+            state: QpState::Rtr.into(),
+            connection: Some(at_rtr),
+            access: None,
+        })
+    );
+    let rts = QpAttr {
+        qp_state: QpState::Rts.into(),
+        timeout: 14,
+        retry_cnt: 5,
+        rnr_retry: 3,
+        max_rd_atomic: 1,
+        ..QpAttr::default()
+    };
+    modify(&mut dev, qpn, RTS_MASK, rts).expect("RTS");
+    assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: qpn });
+    assert_eq!(
+        hostd.next_plain(),
+        Request::ModifyQp(QpModify {
+            vqpn: qpn,
+            state: QpState::Rts.into(),
+            connection: Some(QpConnection {
+                rnr_retry: 3,
+                retry_cnt: 5,
+                ..at_rtr
+            }),
+            access: None,
+        }),
+        "at RTS the requester's retry counts are known"
+    );
+
+    // The QP fails in the datapath: vdev takes the ERR over.
+    hostd
+        .script
+        .qp_state
+        .store(QpState::Err.into(), Ordering::SeqCst);
+    assert_eq!(query_state(&mut dev, qpn), QpState::Err);
+    assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: qpn });
+    let sqd = QpAttr {
+        qp_state: QpState::Sqd.into(),
+        ..QpAttr::default()
+    };
+    assert_eq!(
+        modify(&mut dev, qpn, mask::STATE, sqd),
+        Err(libc::EINVAL),
+        "ERR -> SQD is not a transition"
+    );
+    assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: qpn });
+    hostd.assert_quiet("a refused MODIFY_QP");
+    let reset = QpAttr {
+        qp_state: QpState::Reset.into(),
+        ..QpAttr::default()
+    };
+    modify(&mut dev, qpn, mask::STATE, reset).expect("ERR -> RESET");
+    assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: qpn });
+    assert!(matches!(
+        hostd.next_plain(),
+        Request::ModifyQp(QpModify {
+            state: 0,
+            connection: None,
+            access: None,
+            ..
+        })
+    ));
+
+    let handle = QpHandle {
+        qpn: qpn.into(),
+        reserved: 0.into(),
+    };
+    run_unit(&mut dev, Opcode::DestroyQp, handle.as_bytes()).expect("destroy qp");
+    assert_eq!(hostd.next_plain(), Request::DestroyQp { vqpn: qpn });
+
+    // hostd refuses a QP: its errno reaches the driver, the doorbell bit
+    // is given back.
+    hostd.script.refuse_create_qp.store(true, Ordering::SeqCst);
+    assert_eq!(
+        create_qp(&mut dev, pdn, cqn, sq, rq).map(|_| ()),
+        Err(libc::EAGAIN)
+    );
+    assert!(matches!(
+        hostd.next_plain(),
+        Request::CreateQp(QpSetup { db_index: 0, .. })
+    ));
+    hostd.script.refuse_create_qp.store(false, Ordering::SeqCst);
+    let again = create_qp(&mut dev, pdn, cqn, sq, rq).expect("qp");
+    assert_eq!(again.db_index.get(), 0, "the refused QP's bit came back");
+    let _ = hostd.next();
+
+    let unknown = CqHandle {
+        cqn: (cqn + 100).into(),
+        reserved: 0.into(),
+    };
+    assert_eq!(
+        run_unit(&mut dev, Opcode::DestroyCq, unknown.as_bytes()),
+        Err(libc::EINVAL)
+    );
+    hostd.assert_quiet("destroying an unknown CQ");
+    let spare = create_cq(&mut dev, MEM_BASE + 0x30000).expect("cq");
+    let _ = hostd.next_plain();
+    let handle = CqHandle {
+        cqn: spare.into(),
+        reserved: 0.into(),
+    };
+    run_unit(&mut dev, Opcode::DestroyCq, handle.as_bytes()).expect("destroy cq");
+    assert_eq!(hostd.next_plain(), Request::DestroyCq { cqn: spare });
+
+    // A reset is one message, whatever is left.
+    dev.release_all();
+    assert_eq!(hostd.next_plain(), Request::ResetDevice);
+    hostd.assert_quiet("the reset");
+    assert_eq!(dev.object_counts(), (0, 0, 0, 0));
+}

@@ -1,0 +1,453 @@
+//! Queue pairs: creation, grants, doorbell indices, the RC state machine.
+
+use vrdma_spec::limits::{CapLimits, Caps, QpGrant, MAX_INLINE_DATA, MAX_SGE};
+
+use super::*;
+
+fn qp_cap(wr: u32, sge: u32, inline: u32) -> QpCap {
+    QpCap {
+        max_send_wr: wr.into(),
+        max_recv_wr: wr.into(),
+        max_send_sge: sge.into(),
+        max_recv_sge: sge.into(),
+        max_inline_data: inline.into(),
+    }
+}
+
+/// CREATE_QP asking `cap`, its rings in the 64 KiB at `at`.
+fn qp_with(
+    dev: &mut RdmaDevice,
+    pdn: u32,
+    cqn: u32,
+    cap: QpCap,
+    at: u64,
+) -> Result<CreateQpResp, i32> {
+    let req = CreateQpReq {
+        pdn: pdn.into(),
+        send_cqn: cqn.into(),
+        recv_cqn: cqn.into(),
+        srqn: NO_SRQ.into(),
+        qp_type: 2,
+        cap,
+        sq_ring_addr: at.into(),
+        rq_ring_addr: (at + 0x8000).into(),
+        ..CreateQpReq::default()
+    };
+    run(dev, Opcode::CreateQp, req.as_bytes())
+}
+
+/// What [`QpGrant`] grants `cap` under `limits`, in wire form.
+fn grant_of(cap: QpCap, limits: &Limits) -> QpCap {
+    let asked = Caps {
+        max_send_wr: cap.max_send_wr.get(),
+        max_recv_wr: cap.max_recv_wr.get(),
+        max_send_sge: cap.max_send_sge.get(),
+        max_recv_sge: cap.max_recv_sge.get(),
+        max_inline_data: cap.max_inline_data.get(),
+    };
+    let limits = CapLimits {
+        max_wr: limits.max_qp_depth,
+        max_sge: limits.max_sge,
+        max_inline_data: limits.max_inline_data,
+    };
+    let caps = QpGrant::compute(asked, limits).expect("grantable").caps;
+    QpCap {
+        max_send_wr: caps.max_send_wr.into(),
+        max_recv_wr: caps.max_recv_wr.into(),
+        max_send_sge: caps.max_send_sge.into(),
+        max_recv_sge: caps.max_recv_sge.into(),
+        max_inline_data: caps.max_inline_data.into(),
+    }
+}
+
+#[test]
+fn create_qp_validates_and_grants_caps() {
+    let mut dev = device();
+    let pdn = alloc_pd(&mut dev);
+    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    assert_eq!(
+        create_qp(
+            &mut dev,
+            pdn,
+            cqn + 50,
+            MEM_BASE + 0x10000,
+            MEM_BASE + 0x20000
+        )
+        .map(|_| ()),
+        Err(libc::EINVAL),
+        "unknown CQ"
+    );
+    assert_eq!(
+        create_qp(
+            &mut dev,
+            pdn + 50,
+            cqn,
+            MEM_BASE + 0x10000,
+            MEM_BASE + 0x20000
+        )
+        .map(|_| ()),
+        Err(libc::EINVAL),
+        "unknown PD"
+    );
+    assert_eq!(
+        create_qp(&mut dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x10000).map(|_| ()),
+        Err(libc::EINVAL),
+        "overlapping rings"
+    );
+    assert_eq!(
+        create_qp(&mut dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x20040).map(|_| ()),
+        Err(libc::EINVAL),
+        "misaligned ring"
+    );
+    let qp = create_qp(&mut dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x20000).expect("qp");
+    assert_eq!(qp.cap, grant_of(qp_cap(10, 2, 64), &Limits::default()));
+    let sq = ring::sq_geometry(10, 2, 64).expect("geometry");
+    assert_eq!(qp.cap.max_send_wr.get(), sq.depth);
+    assert!(qp.qpn.get() > 1 && qp.qpn.get() <= 0xff_ffff);
+    assert_eq!(qp.db_index.get(), 0, "the first QP's doorbell bit");
+    let stored = dev.qp(qp.qpn.get()).expect("recorded");
+    assert_eq!((stored.cap, stored.db_index), (qp.cap, 0));
+    assert_eq!(stored.sq, (MEM_BASE + 0x10000, sq));
+
+    let mut ud = CreateQpReq {
+        pdn: pdn.into(),
+        send_cqn: cqn.into(),
+        recv_cqn: cqn.into(),
+        srqn: NO_SRQ.into(),
+        qp_type: 4,
+        ..CreateQpReq::default()
+    };
+    ud.cap.max_send_wr = 1.into();
+    ud.sq_ring_addr = (MEM_BASE + 0x30000).into();
+    ud.rq_ring_addr = (MEM_BASE + 0x40000).into();
+    assert_eq!(
+        run::<CreateQpResp>(&mut dev, Opcode::CreateQp, ud.as_bytes()).map(|_| ()),
+        Err(libc::EOPNOTSUPP),
+        "UD not supported"
+    );
+    ud.qp_type = 2;
+    ud.cap.max_send_sge = 1000.into();
+    assert_eq!(
+        run::<CreateQpResp>(&mut dev, Opcode::CreateQp, ud.as_bytes()).map(|_| ()),
+        Err(libc::EINVAL),
+        "too many SGEs"
+    );
+}
+
+#[test]
+fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
+    let mut dev = device();
+    let (_, _, qpn) = qp_fixture(&mut dev);
+    let init = QpAttr {
+        qp_state: QpState::Init.into(),
+        port_num: 1,
+        qp_access_flags: access::REMOTE_WRITE.into(),
+        ..QpAttr::default()
+    };
+    assert_eq!(
+        modify(&mut dev, qpn, RTR_MASK, rtr_attr()),
+        Err(libc::EINVAL),
+        "RESET->RTR skips INIT"
+    );
+    assert_eq!(
+        modify(&mut dev, qpn, INIT_MASK & !mask::PORT, init),
+        Err(libc::EINVAL),
+        "missing port"
+    );
+    assert_eq!(
+        modify(
+            &mut dev,
+            qpn,
+            INIT_MASK,
+            QpAttr {
+                port_num: 2,
+                ..init
+            }
+        ),
+        Err(libc::EINVAL),
+        "bad port"
+    );
+    assert_eq!(
+        query_state(&mut dev, qpn),
+        QpState::Reset,
+        "failed modify changes nothing"
+    );
+    modify(&mut dev, qpn, INIT_MASK, init).expect("INIT");
+
+    let mut too_big_mtu = rtr_attr();
+    too_big_mtu.path_mtu = 6;
+    assert_eq!(
+        modify(&mut dev, qpn, RTR_MASK, too_big_mtu),
+        Err(libc::EINVAL),
+        "MTU beyond the enum"
+    );
+    let mut no_dlid = rtr_attr();
+    no_dlid.ah_attr.dlid = 0.into();
+    assert_eq!(
+        modify(&mut dev, qpn, RTR_MASK, no_dlid),
+        Err(libc::EINVAL),
+        "dlid 0"
+    );
+    let mut greedy = rtr_attr();
+    greedy.max_dest_rd_atomic = 200;
+    assert_eq!(
+        modify(&mut dev, qpn, RTR_MASK, greedy),
+        Err(libc::EINVAL),
+        "rd_atomic above the limit"
+    );
+    assert_eq!(
+        modify(&mut dev, qpn, RTR_MASK | mask::ALT_PATH, rtr_attr()),
+        Err(libc::EOPNOTSUPP),
+        "APM"
+    );
+    modify(&mut dev, qpn, RTR_MASK, rtr_attr()).expect("RTR");
+
+    let rts = QpAttr {
+        qp_state: QpState::Rts.into(),
+        timeout: 14,
+        retry_cnt: 7,
+        rnr_retry: 7,
+        max_rd_atomic: 1,
+        sq_psn: 77.into(),
+        ..QpAttr::default()
+    };
+    assert_eq!(
+        modify(
+            &mut dev,
+            qpn,
+            RTS_MASK,
+            QpAttr {
+                retry_cnt: 8,
+                ..rts
+            }
+        ),
+        Err(libc::EINVAL),
+        "retry_cnt 8"
+    );
+    assert_eq!(
+        modify(
+            &mut dev,
+            qpn,
+            RTS_MASK,
+            QpAttr {
+                sq_psn: 0x100_0000.into(),
+                ..rts
+            }
+        ),
+        Err(libc::EINVAL),
+        "PSN above 24 bits"
+    );
+    modify(&mut dev, qpn, RTS_MASK, rts).expect("RTS");
+    let resp: QueryQpResp = run(
+        &mut dev,
+        Opcode::QueryQp,
+        QueryQpReq {
+            qpn: qpn.into(),
+            attr_mask: 0.into(),
+        }
+        .as_bytes(),
+    )
+    .expect("query");
+    assert_eq!(resp.attr.qp_state, u8::from(QpState::Rts));
+    assert_eq!(resp.attr.dest_qp_num.get(), 0x1234);
+    assert_eq!(resp.attr.sq_psn.get(), 77);
+    assert_eq!(resp.attr.path_mtu, u8::from(Mtu::Mtu1024));
+    assert_eq!(resp.attr.ah_attr.dlid.get(), 7);
+
+    let wrong_cur = QpAttr {
+        qp_state: QpState::Sqd.into(),
+        cur_qp_state: QpState::Init.into(),
+        ..QpAttr::default()
+    };
+    assert_eq!(
+        modify(&mut dev, qpn, mask::STATE | mask::CUR_STATE, wrong_cur),
+        Err(libc::EINVAL),
+        "cur_qp_state mismatch"
+    );
+    modify(
+        &mut dev,
+        qpn,
+        mask::STATE,
+        QpAttr {
+            qp_state: QpState::Sqd.into(),
+            ..QpAttr::default()
+        },
+    )
+    .expect("SQD");
+    modify(
+        &mut dev,
+        qpn,
+        mask::STATE,
+        QpAttr {
+            qp_state: QpState::Rts.into(),
+            ..QpAttr::default()
+        },
+    )
+    .expect("back to RTS");
+    modify(
+        &mut dev,
+        qpn,
+        mask::STATE,
+        QpAttr {
+            qp_state: QpState::Err.into(),
+            ..QpAttr::default()
+        },
+    )
+    .expect("ERR");
+    assert_eq!(
+        modify(&mut dev, qpn, RTS_MASK, rts),
+        Err(libc::EINVAL),
+        "ERR->RTS"
+    );
+    modify(
+        &mut dev,
+        qpn,
+        mask::STATE,
+        QpAttr {
+            qp_state: QpState::Reset.into(),
+            ..QpAttr::default()
+        },
+    )
+    .expect("RESET");
+    assert_eq!(query_state(&mut dev, qpn), QpState::Reset);
+    assert_eq!(
+        modify(&mut dev, qpn + 1, INIT_MASK, init),
+        Err(libc::EINVAL),
+        "unknown QP"
+    );
+}
+
+#[test]
+fn a_refused_create_qp_writes_no_guest_memory() {
+    let mut dev = device();
+    let pdn = alloc_pd(&mut dev);
+    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let sq = MEM_BASE + 0x10000;
+    dev.mem
+        .write_slice(&[0xabu8; 128], GuestAddress(sq))
+        .expect("dirty");
+    let beyond = MEM_BASE + MEM_SIZE as u64;
+    assert_eq!(
+        create_qp(&mut dev, pdn, cqn, sq, beyond).map(|_| ()),
+        Err(libc::EINVAL)
+    );
+    let mut header = [0u8; 128];
+    dev.mem
+        .read_slice(&mut header, GuestAddress(sq))
+        .expect("read");
+    assert!(header.iter().all(|&b| b == 0xab), "SQ ring untouched");
+}
+
+#[test]
+fn granted_depth_never_exceeds_the_limit() {
+    let mut dev = device_with(Limits {
+        max_qp_depth: 1000,
+        ..Limits::default()
+    });
+    let pdn = alloc_pd(&mut dev);
+    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let mut req = CreateQpReq {
+        pdn: pdn.into(),
+        send_cqn: cqn.into(),
+        recv_cqn: cqn.into(),
+        srqn: NO_SRQ.into(),
+        qp_type: 2,
+        ..CreateQpReq::default()
+    };
+    req.cap.max_send_wr = 1000.into();
+    req.cap.max_recv_wr = 1000.into();
+    req.sq_ring_addr = (MEM_BASE + 0x100000).into();
+    req.rq_ring_addr = (MEM_BASE + 0x200000).into();
+    let qp: CreateQpResp = run(&mut dev, Opcode::CreateQp, req.as_bytes()).expect("qp");
+    assert_eq!(qp.cap.max_send_wr.get(), 1000);
+    assert_eq!(qp.cap.max_recv_wr.get(), 1000);
+}
+
+/// Defect 1: a QP is granted exactly what [`QpGrant`] computes — what the
+/// rings hold within the tenant's limits — so never more than hostd's
+/// datapath carries, and a tenant allowed the format's ceilings gets them.
+#[test]
+fn granted_caps_are_the_grant_up_to_the_format_ceilings() {
+    let ceilings = Limits {
+        max_sge: MAX_SGE,
+        max_inline_data: MAX_INLINE_DATA,
+        ..Limits::default()
+    };
+    let mut dev = device_with(ceilings);
+    let pdn = alloc_pd(&mut dev);
+    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let widest = qp_with(
+        &mut dev,
+        pdn,
+        cqn,
+        qp_cap(1, MAX_SGE, MAX_INLINE_DATA),
+        MEM_BASE + 0x40000,
+    )
+    .expect("the widest QP the format carries");
+    assert_eq!(widest.cap.max_send_sge.get(), 64);
+    assert_eq!(widest.cap.max_recv_sge.get(), 64);
+    assert_eq!(widest.cap.max_inline_data.get(), 1024);
+    assert_eq!(
+        widest.cap,
+        grant_of(qp_cap(1, MAX_SGE, MAX_INLINE_DATA), &ceilings)
+    );
+    for (cap, what) in [
+        (qp_cap(1, MAX_SGE + 1, 0), "65 SGEs"),
+        (qp_cap(1, 1, MAX_INLINE_DATA + 1), "1025 inline bytes"),
+    ] {
+        assert_eq!(
+            qp_with(&mut dev, pdn, cqn, cap, MEM_BASE + 0x50000).map(|_| ()),
+            Err(libc::EINVAL),
+            "{what}"
+        );
+    }
+    // 16 SGEs take a 512-byte slot, which holds 28: a tenant limited to
+    // 16 is granted 16, one allowed 64 is granted what the slot holds.
+    let sixteen =
+        qp_with(&mut dev, pdn, cqn, qp_cap(4, 16, 0), MEM_BASE + 0x50000).expect("16 SGEs");
+    assert_eq!(sixteen.cap.max_send_sge.get(), 28);
+    let mut limited = device();
+    let pdn = alloc_pd(&mut limited);
+    let cqn = create_cq(&mut limited, MEM_BASE).expect("cq");
+    let qp =
+        qp_with(&mut limited, pdn, cqn, qp_cap(4, 16, 0), MEM_BASE + 0x50000).expect("16 SGEs");
+    assert_eq!(qp.cap.max_send_sge.get(), 16);
+    assert_eq!(qp.cap.max_inline_data.get(), 256, "the default limit");
+    assert_eq!(qp.cap, grant_of(qp_cap(4, 16, 0), &Limits::default()));
+}
+
+#[test]
+fn doorbell_indices_are_dense_and_come_back() {
+    let mut dev = device();
+    let pdn = alloc_pd(&mut dev);
+    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let at = |i: u64| MEM_BASE + 0x40000 + i * 0x10000;
+    let mut qps: Vec<CreateQpResp> = (0..3)
+        .map(|i| qp_with(&mut dev, pdn, cqn, qp_cap(8, 1, 0), at(i)).expect("qp"))
+        .collect();
+    let indexes: Vec<u32> = qps.iter().map(|q| q.db_index.get()).collect();
+    assert_eq!(indexes, [0, 1, 2]);
+    let middle = qps.remove(1);
+    let handle = QpHandle {
+        qpn: middle.qpn,
+        reserved: 0.into(),
+    };
+    run_unit(&mut dev, Opcode::DestroyQp, handle.as_bytes()).expect("destroy");
+    let reused = qp_with(&mut dev, pdn, cqn, qp_cap(8, 1, 0), at(1)).expect("qp");
+    assert_eq!(reused.db_index.get(), 1, "the freed bit is the lowest free");
+    let next = qp_with(&mut dev, pdn, cqn, qp_cap(8, 1, 0), at(3)).expect("qp");
+    assert_eq!(next.db_index.get(), 3);
+    assert_eq!(
+        dev.qp(next.qpn.get()).map(|qp| qp.db_index),
+        Some(3),
+        "recorded with the QP"
+    );
+
+    // A reset frees every bit: the next driver starts at 0 again.
+    dev.release_all();
+    set_doorbell(&mut dev, DOORBELL).expect("doorbell page");
+    let pdn = alloc_pd(&mut dev);
+    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let first = qp_with(&mut dev, pdn, cqn, qp_cap(8, 1, 0), at(0)).expect("qp");
+    assert_eq!(first.db_index.get(), 0);
+}
