@@ -9,7 +9,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
@@ -36,20 +36,6 @@ use crate::vrings::{self, DeviceVring, VringTable};
 pub enum BackendError {
     #[error("Event {0} does not belong to any queue this backend serves")]
     UnknownEvent(u16),
-    #[error("Event on queue {0} arrived before guest memory")]
-    NoMemory(u16),
-    #[error("Virtqueue {queue} failed")]
-    Queue {
-        queue: u16,
-        #[source]
-        source: virtio_queue::Error,
-    },
-    #[error("Cannot signal the driver on queue {queue}")]
-    Signal {
-        queue: u16,
-        #[source]
-        source: io::Error,
-    },
 }
 
 impl From<BackendError> for io::Error {
@@ -86,6 +72,8 @@ struct Inner {
     exit_consumers: Mutex<Vec<OwnedFd>>,
     /// Every vring of the device, whose eventfds hostd is lent.
     vrings: Arc<VringTable>,
+    /// Control-queue entries skipped because they named no descriptor.
+    bad_heads: AtomicU64,
 }
 
 impl VrdmaBackend {
@@ -108,6 +96,7 @@ impl VrdmaBackend {
                 exit_notifiers: Mutex::new(Vec::new()),
                 exit_consumers: Mutex::new(Vec::new()),
                 vrings,
+                bad_heads: AtomicU64::new(0),
             }),
         }
     }
@@ -176,6 +165,12 @@ impl VrdmaBackend {
         }
     }
 
+    /// Control-queue entries skipped so far because they named a
+    /// descriptor beyond the queue.
+    pub fn skipped_entries(&self) -> u64 {
+        self.inner.bad_heads.load(Ordering::Relaxed)
+    }
+
     fn tenant(&self) -> &str {
         &self.inner.identity.tenant
     }
@@ -183,36 +178,81 @@ impl VrdmaBackend {
     /// Drains the control queue, answering every chain, with the EVENT_IDX
     /// loop: disable notifications, drain, re-enable, drain again if the
     /// driver added chains meanwhile.
-    fn process_control_queue(&self, vring: &DeviceVring) -> Result<(), BackendError> {
-        let queue = CONTROL_QUEUE;
+    ///
+    /// Nothing the driver (or the frontend) puts in the queue stops it:
+    /// problems are logged and the queue goes on. An error returned from
+    /// here would end vhost-user-backend's worker thread, and with it the
+    /// control queue for good.
+    fn process_control_queue(&self, vring: &DeviceVring) {
+        let tenant = self.tenant();
         let atomic = self
             .inner
             .mem
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .clone();
-        let atomic = atomic.ok_or(BackendError::NoMemory(queue))?;
+        let Some(atomic) = atomic else {
+            tracing::warn!(
+                tenant,
+                "Control queue notified before the frontend sent guest memory; ignored"
+            );
+            return;
+        };
         let mem = atomic.memory();
         let event_idx = self.inner.event_idx.load(Ordering::Relaxed);
-        let qerr = |source| BackendError::Queue { queue, source };
+        let warn = |what: &str, e: &dyn std::error::Error| {
+            tracing::warn!(tenant, error = %control::error_chain(e), "Control queue: cannot {what}");
+        };
         loop {
             if event_idx {
-                vring.disable_notification().map_err(qerr)?;
+                if let Err(e) = vring.disable_notification() {
+                    warn("disable notifications", &e);
+                }
             }
             loop {
-                let chain = vring.get_mut().get_queue_mut().pop_descriptor_chain(&*mem);
+                let (chain, size) = {
+                    let mut state = vring.get_mut();
+                    let queue = state.get_queue_mut();
+                    (queue.pop_descriptor_chain(&*mem), queue.size())
+                };
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
+                if head >= size {
+                    // No used entry can name it: skip it, answer the rest.
+                    let skipped = self.inner.bad_heads.fetch_add(1, Ordering::Relaxed) + 1;
+                    tracing::warn!(
+                        tenant,
+                        head,
+                        queue_size = size,
+                        skipped,
+                        "Control queue entry names a descriptor beyond the queue; skipped"
+                    );
+                    continue;
+                }
                 let used = control::process_chain(&mut self.device(), &mem, chain);
-                vring.add_used(head, used).map_err(qerr)?;
+                if let Err(e) = vring.add_used(head, used) {
+                    warn("return a chain", &e);
+                }
             }
-            if vring.needs_notification().map_err(qerr)? {
-                vring
-                    .signal_used_queue()
-                    .map_err(|source| BackendError::Signal { queue, source })?;
+            match vring.needs_notification() {
+                Ok(true) => {
+                    if let Err(e) = vring.signal_used_queue() {
+                        warn("signal the driver", &e);
+                    }
+                }
+                Ok(false) => {}
+                Err(e) => warn("decide whether to signal", &e),
             }
-            if !event_idx || !vring.enable_notification().map_err(qerr)? {
-                return Ok(());
+            if !event_idx {
+                return;
+            }
+            match vring.enable_notification() {
+                Ok(true) => continue,
+                Ok(false) => return,
+                Err(e) => {
+                    warn("enable notifications", &e);
+                    return;
+                }
             }
         }
     }
@@ -361,7 +401,10 @@ impl VhostUserBackend for VrdmaBackend {
         // The worker serves only the control queue: its event is 0 and
         // `vrings` holds only that vring.
         match (device_event, vrings.first()) {
-            (CONTROL_QUEUE, Some(vring)) => Ok(self.process_control_queue(vring)?),
+            (CONTROL_QUEUE, Some(vring)) => {
+                self.process_control_queue(vring);
+                Ok(())
+            }
             _ => Err(BackendError::UnknownEvent(device_event).into()),
         }
     }
@@ -503,5 +546,49 @@ mod tests {
             .handle_event(vrdma_spec::DOORBELL_QUEUE, EventSet::IN, &[vring], 0)
             .expect_err("the doorbell queue is hostd's");
         assert!(err.to_string().contains("Event 1"), "{err}");
+    }
+
+    /// An avail entry naming a descriptor beyond the queue used to make
+    /// `add_used` fail and `handle_event` return the error, which ends
+    /// vhost-user-backend's worker: the control queue was never served
+    /// again. It is skipped; the commands around it are answered.
+    #[test]
+    fn a_head_beyond_the_queue_is_skipped_and_the_queue_goes_on() {
+        let (backend, mem, vring) = control_queue();
+        offer(&mem, &vring, &[QUEUE_SIZE, 0]);
+        backend
+            .handle_event(CONTROL_QUEUE, EventSet::IN, std::slice::from_ref(&vring), 0)
+            .expect("a bad entry is no error");
+        assert_eq!(used(&mem, &vring), [(0, 16)], "the valid command only");
+        let (status, first) = answer(&mem);
+        assert_eq!(status, 0);
+        assert_eq!(backend.skipped_entries(), 1);
+
+        offer(&mem, &vring, &[u16::MAX, 0]);
+        backend
+            .handle_event(CONTROL_QUEUE, EventSet::IN, std::slice::from_ref(&vring), 0)
+            .expect("still no error");
+        assert_eq!(used(&mem, &vring), [(0, 16), (0, 16)]);
+        let (status, second) = answer(&mem);
+        assert_eq!(status, 0);
+        assert_ne!(first.pdn, second.pdn, "a second PD: the command ran");
+        assert_eq!(backend.skipped_entries(), 2);
+        assert_eq!(backend.device().object_counts().0, 2);
+    }
+
+    #[test]
+    fn a_notification_before_guest_memory_is_no_error() {
+        let identity = DeviceIdentity {
+            tenant: Arc::from("t1"),
+            lid: 1,
+            comp_vectors: 1,
+            max_queue_size: 256,
+        };
+        let backend = VrdmaBackend::new(identity, Limits::default(), None);
+        let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
+        let vring = DeviceVring::new(mem, QUEUE_SIZE).expect("vring");
+        backend
+            .handle_event(CONTROL_QUEUE, EventSet::IN, &[vring], 0)
+            .expect("ignored, the worker lives on");
     }
 }
