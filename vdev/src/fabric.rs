@@ -32,6 +32,8 @@ pub enum FabricError {
     Unexpected(Box<Response>),
     #[error("hostd sent {got} descriptors, {want} expected")]
     Descriptors { got: usize, want: usize },
+    #[error("hostd assigned keys {lkey:#x}/{rkey:#x}, which are 0, equal or in use")]
+    Keys { lkey: u32, rkey: u32 },
 }
 
 impl FabricError {
@@ -169,8 +171,12 @@ impl Fabric {
         self.call(&Request::RemoveMemory { slot }, &[])
     }
 
-    pub fn register_mr(&self, reg: MrRegistration) -> Result<(), FabricError> {
-        self.call(&Request::RegisterMr(reg), &[])
+    /// Registers a memory region; hostd assigns its keys: (lkey, rkey).
+    pub fn register_mr(&self, reg: MrRegistration) -> Result<(u32, u32), FabricError> {
+        match self.request(&Request::RegisterMr(reg), &[])? {
+            Response::MrKeys { lkey, rkey } => Ok((lkey, rkey)),
+            other => Err(FabricError::Unexpected(Box::new(other))),
+        }
     }
 
     pub fn deregister_mr(&self, lkey: u32) -> Result<(), FabricError> {

@@ -42,8 +42,6 @@ pub const VENDOR_ID: u32 = 0x1af4;
 pub const VENDOR_PART_ID: u32 = 0x1040 + vrdma_spec::VIRTIO_ID_RDMA;
 /// The port's MTU.
 pub const PORT_MTU: Mtu = Mtu::Mtu4096;
-/// Largest message an RC QP carries (2 GiB, as on IB).
-pub const MAX_MSG_SIZE: u32 = 1 << 31;
 /// Subnet prefix of the GIDs hostd's fabric hands out (the IB default).
 pub const GID_PREFIX: [u8; 8] = [0xfe, 0x80, 0, 0, 0, 0, 0, 0];
 
@@ -560,7 +558,7 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
             link_layer: LinkLayer::Infiniband.into(),
             gid_tbl_len: 1.into(),
             port_cap_flags: 0.into(),
-            max_msg_sz: MAX_MSG_SIZE.into(),
+            max_msg_sz: vrdma_spec::limits::MAX_MSG_SIZE.into(),
             pkey_tbl_len: 1.into(),
             lid: identity.lid.into(),
             sm_lid: 1.into(),

@@ -9,6 +9,7 @@ use vrdma_spec::verbs::access;
 use vrdma_spec::zerocopy::FromBytes;
 
 use super::{random_unique, RdmaDevice, VerbError, VerbResult};
+use crate::fabric::FabricError;
 use crate::shadow::{access_flags_consistent, ShadowError, ShadowRegion, TranslateError};
 
 /// Bytes of one segment-list entry.
@@ -182,55 +183,50 @@ impl RdmaDevice {
         })
     }
 
-    /// Picks the region's keys and, on a fabric, registers the shadow with
-    /// hostd under them. Keys are random so that a peer cannot guess another
-    /// region's rkey; 0 is never a key, so a zeroed SGE never names a region.
-    /// hostd keeps keys unique across tenants: a collision there means new
-    /// keys.
+    /// The region's keys. On a fabric, hostd assigns them as it registers
+    /// the shadow (like a NIC its memory keys: unique on the host by
+    /// construction); without one they are drawn at random, so that a peer
+    /// cannot guess another region's rkey. 0 is never a key, so a zeroed
+    /// SGE never names a region.
     fn register_keys(&self, pdn: u32, shadow: &ShadowRegion) -> VerbResult<(u32, u32)> {
         let taken =
             |key: u32| self.lkeys.contains_key(&key) || self.mrs.values().any(|mr| mr.rkey == key);
-        const ATTEMPTS: usize = 8;
-        for _ in 0..ATTEMPTS {
+        let Some(fabric) = &self.fabric else {
             let lkey = random_unique(u32::MAX, &[0], taken);
             let rkey = random_unique(u32::MAX, &[0, lkey], taken);
-            let Some(fabric) = &self.fabric else {
-                return Ok((lkey, rkey));
-            };
-            let mut segments = Vec::new();
-            for seg in shadow.segments() {
-                let slot = self.slot_number(&seg.slot).ok_or_else(|| {
-                    VerbError::Invalid(format!(
-                        "guest memory at {:#x} is not known to hostd",
-                        seg.gpa
-                    ))
-                })?;
-                segments.push(MrSegment {
-                    slot,
-                    offset: seg.gpa - seg.slot.gpa,
-                    len: seg.len,
-                });
-            }
-            let registration = MrRegistration {
-                lkey,
-                rkey,
-                pd: pdn,
-                access: shadow.access,
-                iova: shadow.iova,
-                len: shadow.len,
-                segments,
-            };
-            match fabric.register_mr(registration) {
-                Ok(()) => return Ok((lkey, rkey)),
-                Err(e) if e.errno() == libc::EEXIST => continue,
-                Err(e) => return Err(VerbError::Fabric(e)),
-            }
+            return Ok((lkey, rkey));
+        };
+        let mut segments = Vec::new();
+        for seg in shadow.segments() {
+            let slot = self.slot_number(&seg.slot).ok_or_else(|| {
+                VerbError::Invalid(format!(
+                    "guest memory at {:#x} is not known to hostd",
+                    seg.gpa
+                ))
+            })?;
+            segments.push(MrSegment {
+                slot,
+                offset: seg.gpa - seg.slot.gpa,
+                len: seg.len,
+            });
         }
-        Err(VerbError::Limit {
-            limit: "key space",
-            current: ATTEMPTS as u64,
-            max: ATTEMPTS as u64,
-        })
+        let registration = MrRegistration {
+            pd: pdn,
+            access: shadow.access,
+            iova: shadow.iova,
+            len: shadow.len,
+            segments,
+        };
+        let (lkey, rkey) = fabric
+            .register_mr(registration)
+            .map_err(VerbError::Fabric)?;
+        // vdev finds regions by key: keys that are 0, equal or already in
+        // use would make two regions one. (Not deregistered here: the lkey
+        // may name another region.)
+        if lkey == 0 || rkey == 0 || lkey == rkey || taken(lkey) || taken(rkey) {
+            return Err(VerbError::Fabric(FabricError::Keys { lkey, rkey }));
+        }
+        Ok((lkey, rkey))
     }
 
     pub(super) fn dereg_mr(&mut self, handle: u32) -> VerbResult<()> {

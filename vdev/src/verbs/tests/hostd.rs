@@ -6,7 +6,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -28,6 +28,13 @@ struct TestFds {
     kick: EventFd,
     /// Vector 1 has a call eventfd; vector 0's was never set.
     call1: EventFd,
+}
+
+fn test_fds() -> Arc<TestFds> {
+    Arc::new(TestFds {
+        kick: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
+        call1: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
+    })
 }
 
 fn dup(fd: &EventFd) -> Result<OwnedFd, FdError> {
@@ -59,6 +66,11 @@ struct Script {
     qp_state: AtomicU8,
     /// Refuse `CreateQp` with EAGAIN.
     refuse_create_qp: AtomicBool,
+    /// Memory regions registered: `RegisterMr` answers keys
+    /// `(0x100 + n, 0x200 + n)` for the n-th, or the first region's
+    /// again when `repeat_keys` is set.
+    mrs: AtomicU32,
+    repeat_keys: AtomicBool,
 }
 
 /// A stand-in hostd: one registration, then every request recorded (with
@@ -138,6 +150,16 @@ fn serve(listener: Listener, script: Arc<Script>, tx: mpsc::Sender<(Request, Vec
             Request::QueryQp { .. } => Response::QpState {
                 state: script.qp_state.load(Ordering::SeqCst),
             },
+            Request::RegisterMr(_) => {
+                let n = match script.repeat_keys.load(Ordering::SeqCst) {
+                    true => 0,
+                    false => script.mrs.fetch_add(1, Ordering::SeqCst),
+                };
+                Response::MrKeys {
+                    lkey: 0x100 + n,
+                    rkey: 0x200 + n,
+                }
+            }
             Request::CreateQp(_) if script.refuse_create_qp.load(Ordering::SeqCst) => {
                 Response::Refused {
                     errno: libc::EAGAIN,
@@ -168,10 +190,7 @@ fn read_u64(file: &mut File) -> u64 {
 
 fn attached(tag: &str) -> (FakeHostd, RdmaDevice, Arc<TestFds>) {
     let (hostd, fabric) = FakeHostd::start(tag);
-    let fds = Arc::new(TestFds {
-        kick: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
-        call1: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
-    });
+    let fds = test_fds();
     let mut dev = RdmaDevice::with_fabric(identity(), Limits::default(), fabric, fds.clone());
     // Anonymous memory has no file to give hostd: no AddMemory.
     dev.update_memory(guest_memory());
@@ -427,4 +446,83 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
     assert_eq!(hostd.next_plain(), Request::ResetDevice);
     hostd.assert_quiet("the reset");
     assert_eq!(dev.object_counts(), (0, 0, 0, 0));
+}
+
+/// Guest memory backed by a memfd, as a VMM's is: hostd is given the slot.
+fn memfd_memory() -> Arc<GuestMemoryMmap> {
+    let name = std::ffi::CString::new("vdev-test-guest").expect("name");
+    // SAFETY: a valid NUL-terminated name and flags; the result is checked.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` is fresh and owned by nobody else.
+    let file = unsafe { File::from_raw_fd(fd) };
+    file.set_len(MEM_SIZE as u64).expect("size");
+    let mem = GuestMemoryMmap::from_ranges_with_files(&[(
+        GuestAddress(MEM_BASE),
+        MEM_SIZE,
+        Some(vm_memory::FileOffset::new(file, 0)),
+    )])
+    .expect("map");
+    Arc::new(mem)
+}
+
+#[test]
+fn memory_regions_take_the_keys_hostd_assigns() {
+    let (hostd, fabric) = FakeHostd::start("mr");
+    let mut dev = RdmaDevice::with_fabric(identity(), Limits::default(), fabric, test_fds());
+    dev.update_memory(memfd_memory());
+    let (request, files) = hostd.next();
+    assert_eq!(
+        request,
+        Request::AddMemory {
+            slot: 0,
+            gpa: MEM_BASE,
+            len: MEM_SIZE as u64,
+            file_offset: 0
+        }
+    );
+    assert_eq!(files.len(), 1, "the memfd");
+
+    let pdn = alloc_pd(&mut dev);
+    let flags = access::LOCAL_WRITE | access::REMOTE_WRITE;
+    let mr = reg_mr(&mut dev, pdn, MEM_BASE + 0x5000, 0x3000, flags).expect("mr");
+    assert_eq!(
+        (mr.lkey.get(), mr.rkey.get()),
+        (0x100, 0x200),
+        "hostd's keys"
+    );
+    assert_eq!(
+        hostd.next_plain(),
+        Request::RegisterMr(vrdma_hostd_protocol::messages::MrRegistration {
+            pd: pdn,
+            access: flags,
+            iova: MEM_BASE + 0x5000,
+            len: 0x3000,
+            segments: vec![vrdma_hostd_protocol::messages::MrSegment {
+                slot: 0,
+                offset: 0x5000,
+                len: 0x3000
+            }],
+        })
+    );
+    assert!(dev
+        .translate_local(pdn, 0x100, MEM_BASE + 0x5000, 0x3000, access::LOCAL_WRITE)
+        .is_ok());
+
+    // Keys already in use would make two regions one: refused.
+    hostd.script.repeat_keys.store(true, Ordering::SeqCst);
+    assert_eq!(
+        reg_mr(&mut dev, pdn, MEM_BASE, 0x1000, 0).map(|_| ()),
+        Err(libc::EIO)
+    );
+    let _ = hostd.next_plain();
+    assert_eq!(dev.object_counts().1, 1, "one MR");
+
+    let handle = MrHandle {
+        handle: mr.handle,
+        reserved: 0.into(),
+    };
+    run_unit(&mut dev, Opcode::DeregMr, handle.as_bytes()).expect("dereg");
+    assert_eq!(hostd.next_plain(), Request::DeregisterMr { lkey: 0x100 });
+    assert_eq!(dev.registered_bytes(), 0);
 }
