@@ -2,6 +2,7 @@
 //! driven through the `vhost` crate's frontend over memfd guest memory, with
 //! control commands in hand-written descriptor chains — well-formed ones and
 //! hostile ones. After every hostile chain the device must still answer.
+//! vdev attached to hostd is tested in `vdev_on_hostd.rs`.
 
 use vhost::vhost_user::VhostUserFrontend;
 use vhost::VhostBackend;
@@ -12,13 +13,14 @@ use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::{self, RING_ALIGN};
 use vrdma_spec::verbs::{access, Mtu, QpState};
 use vrdma_spec::zerocopy::IntoBytes;
-use vrdma_tests::daemon::{Hostd, Vdev};
+use vrdma_tests::daemon::{TempDir, Vdev};
 use vrdma_tests::vmm::{
     self, alloc_pd, cq_req, pd, qp_req, reg, Desc, Vmm, FREE, GUEST_BASE, GUEST_SIZE, SCRATCH,
 };
 
 const EINVAL: u32 = libc::EINVAL as u32;
 const EBUSY: u32 = libc::EBUSY as u32;
+const EEXIST: u32 = libc::EEXIST as u32;
 const EFAULT: u32 = libc::EFAULT as u32;
 const ENOMEM: u32 = libc::ENOMEM as u32;
 
@@ -26,6 +28,22 @@ const ENOMEM: u32 = libc::ENOMEM as u32;
 fn assert_still_serving(vmm: &mut Vmm) {
     let attr: DeviceAttr = vmm.ok(Opcode::QueryDevice, &[]);
     assert_eq!(attr.phys_port_cnt, 1);
+}
+
+/// Where the tests' drivers keep their doorbell page and event rings.
+const DOORBELL_PAGE: u64 = FREE + (4 << 20);
+const EVENT_RING: u64 = FREE + (5 << 20);
+
+fn doorbell_req(addr: u64) -> SetDoorbellReq {
+    SetDoorbellReq { addr: addr.into() }
+}
+
+fn eq_req(vector: u32, depth: u32, addr: u64) -> CreateEqReq {
+    CreateEqReq {
+        vector: vector.into(),
+        depth: depth.into(),
+        ring_addr: addr.into(),
+    }
 }
 
 #[test]
@@ -157,13 +175,68 @@ fn every_control_verb_and_its_failure_paths() {
         "zero depth"
     );
 
-    // QP
+    // QP: not before the doorbell page.
     let (sq, rq) = (FREE + (3 << 20), FREE + (3 << 20) + 0x10000);
+    assert_eq!(
+        vmm.errno(
+            Opcode::CreateQp,
+            qp_req(pdn, cq.cqn.get(), sq, rq).as_bytes()
+        ),
+        EINVAL,
+        "CREATE_QP before SET_DOORBELL"
+    );
+    for (addr, what) in [
+        (DOORBELL_PAGE + 64, "misaligned doorbell page"),
+        (end, "doorbell page outside guest memory"),
+    ] {
+        assert_eq!(
+            vmm.errno(Opcode::SetDoorbell, doorbell_req(addr).as_bytes()),
+            EINVAL,
+            "{what}"
+        );
+    }
+    assert_eq!(
+        vmm.errno(Opcode::SetDoorbell, doorbell_req(DOORBELL_PAGE).as_bytes()),
+        0
+    );
+    assert_eq!(
+        vmm.errno(Opcode::SetDoorbell, doorbell_req(DOORBELL_PAGE).as_bytes()),
+        EEXIST,
+        "a second doorbell page"
+    );
+
+    // Event rings: one per completion vector (this device has one).
+    for (req, what) in [
+        (eq_req(1, 64, EVENT_RING), "vector beyond num_comp_vectors"),
+        (eq_req(0, 48, EVENT_RING), "depth not a power of two"),
+        (eq_req(0, 64, EVENT_RING + 64), "misaligned event ring"),
+        (
+            eq_req(0, 4096, end - RING_ALIGN),
+            "event ring past guest memory",
+        ),
+    ] {
+        assert_eq!(
+            vmm.errno(Opcode::CreateEq, req.as_bytes()),
+            EINVAL,
+            "{what}"
+        );
+    }
+    assert_eq!(
+        vmm.errno(Opcode::CreateEq, eq_req(0, 64, EVENT_RING).as_bytes()),
+        0
+    );
+    assert_eq!(
+        vmm.errno(Opcode::CreateEq, eq_req(0, 64, EVENT_RING).as_bytes()),
+        EEXIST,
+        "a second event ring for vector 0"
+    );
+
     let qp: CreateQpResp = vmm.ok(
         Opcode::CreateQp,
         qp_req(pdn, cq.cqn.get(), sq, rq).as_bytes(),
     );
     let qpn = qp.qpn.get();
+    assert_eq!(qp.db_index.get(), 0, "the first QP's doorbell bit");
     assert!(qp.cap.max_send_wr.get() >= 16 && qp.cap.max_inline_data.get() >= 32);
     assert_eq!(
         vmm.errno(
@@ -359,7 +432,7 @@ fn every_control_verb_and_its_failure_paths() {
 
 #[test]
 fn limits_from_the_config_file_are_enforced() {
-    let dir = vrdma_tests::daemon::TempDir::new("limits");
+    let dir = TempDir::new("limits");
     let config = dir.path().join("vdev.toml");
     std::fs::write(
         &config,
@@ -787,104 +860,28 @@ fn hostile_segment_lists_are_refused_and_vdev_keeps_serving() {
     );
 }
 
-/// One of each object, registered with hostd: (pdn, MR lkey).
-fn make_objects(vmm: &mut Vmm) -> (u32, u32) {
-    let pdn = alloc_pd(vmm);
-    let rw = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
-    let mr: RegMrResp = vmm.ok(Opcode::RegMr, reg(pdn, FREE, 1 << 20, rw).as_bytes());
-    let cq: CqHandle = vmm.ok(Opcode::CreateCq, cq_req(FREE + (2 << 20), 64).as_bytes());
-    let (sq, rq) = (FREE + (3 << 20), FREE + (3 << 20) + 0x10000);
-    let _: CreateQpResp = vmm.ok(
-        Opcode::CreateQp,
-        qp_req(pdn, cq.cqn.get(), sq, rq).as_bytes(),
-    );
-    (pdn, mr.lkey.get())
-}
-
-/// What QEMU 11 sends when the guest resets the device (status 0) or the
-/// machine resets (QMP system_reset, a reboot), as recorded by
-/// tests/tests/vm.rs: every ring disabled, then GET_VRING_BASE for each
-/// started ring. No RESET_DEVICE.
-fn qemu_stops_the_device(vmm: &mut Vmm) {
-    let queues = vrdma_spec::num_queues(1);
-    for index in 0..usize::from(queues) {
-        vmm.frontend
-            .set_vring_enable(index, false)
-            .expect("SET_VRING_ENABLE 0");
-    }
-    let base = vmm
-        .frontend
-        .get_vring_base(usize::from(vrdma_spec::CONTROL_QUEUE))
-        .expect("GET_VRING_BASE");
-    assert!(base > 0, "the control queue had served commands");
-}
-
+/// Defect 4: an avail-ring entry naming a descriptor head beyond the queue
+/// made vdev's `add_used` fail and its `handle_event` return the error,
+/// which ended vhost-user-backend's worker: the control queue was never
+/// served again. The entry is skipped; the commands after it are answered.
 #[test]
-fn qemus_device_reset_sequence_releases_everything_in_vdev_and_hostd() {
-    let hostd = Hostd::start(None);
-    let alpha = Vdev::on_hostd(&hostd, "alpha", &[]);
-    let beta = Vdev::on_hostd(&hostd, "beta", &[]);
-    let mut vmm = Vmm::attach(&alpha.socket);
-    let mut other = Vmm::attach(&beta.socket);
-    let (pdn, _) = make_objects(&mut vmm);
-    let (other_pdn, _) = make_objects(&mut other);
-    let before = hostd.usage("alpha");
-    assert_eq!(before["mrs"], 1, "alpha's MR in hostd: {before}");
-    assert_eq!(before["mr_bytes"], 1 << 20);
-    let other_before = hostd.usage("beta");
-
-    for round in 0..2 {
-        qemu_stops_the_device(&mut vmm);
-        let after = hostd.usage("alpha");
-        assert_eq!(
-            after["mrs"], 0,
-            "round {round}: MRs freed in hostd: {after}"
-        );
-        assert_eq!(
-            after["mr_bytes"], 0,
-            "round {round}: quota given back: {after}"
-        );
-        assert_eq!(
-            after["qps"], 0,
-            "round {round}: QPs freed in hostd: {after}"
-        );
-        assert_eq!(
-            after["devices"], before["devices"],
-            "the device stays registered: {after}"
-        );
-        assert_eq!(hostd.usage("beta"), other_before, "beta is untouched");
-
-        // A fresh driver brings the device up again, as QEMU replays it:
-        // features, then the control queue from index 0.
-        vmm.frontend
-            .set_features(vmm::F_VERSION_1 | vmm::F_PROTOCOL_FEATURES)
-            .expect("SET_FEATURES");
-        vmm.control = vmm::RawQueue::setup(
-            &mut vmm.frontend,
-            &vmm.mem,
-            vrdma_spec::CONTROL_QUEUE,
-            vmm::CONTROL_RING,
-        );
-        assert_eq!(
-            vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()),
-            EINVAL,
-            "round {round}: the old PD went with the reset"
-        );
-        make_objects(&mut vmm);
-        assert_eq!(
-            hostd.usage("alpha")["mrs"],
-            1,
-            "round {round}: new MR in hostd"
-        );
+fn an_avail_entry_beyond_the_queue_does_not_stop_the_control_queue() {
+    let vdev = Vdev::start("bad-head", &[]);
+    let mut vmm = Vmm::attach(&vdev.socket);
+    assert_still_serving(&mut vmm);
+    for head in [vmm::QUEUE_SIZE, u16::MAX] {
+        // An entry naming descriptor `head`, which the queue does not have.
+        vmm.control.submit(&vmm.mem, head, &[]);
+        assert_still_serving(&mut vmm);
     }
-    assert!(alpha
-        .log()
-        .contains("Control queue stopped (device reset): all verbs objects released"));
-    // The other tenant's objects still work.
-    let rw = access::LOCAL_WRITE;
-    let _: RegMrResp = other.ok(
-        Opcode::RegMr,
-        reg(other_pdn, FREE + (8 << 20), 4096, rw).as_bytes(),
+    let pdn = alloc_pd(&mut vmm);
+    assert_eq!(vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
+    let log = vdev.log();
+    assert_eq!(
+        log.matches("names a descriptor beyond the queue").count(),
+        2,
+        "{log}"
     );
-    assert_eq!(hostd.usage("beta")["mrs"], 2);
+    let mut vdev = vdev;
+    assert!(vdev.is_running(), "vdev died:\n{}", vdev.log());
 }
