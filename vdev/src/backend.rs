@@ -425,6 +425,15 @@ mod tests {
     const REQUEST: u64 = 0x1_0000;
     const RESPONSE: u64 = 0x2_0000;
 
+    fn identity() -> DeviceIdentity {
+        DeviceIdentity {
+            tenant: Arc::from("t1"),
+            lid: 1,
+            comp_vectors: 1,
+            max_queue_size: 256,
+        }
+    }
+
     /// A backend with guest memory and its control vring, laid out by
     /// virtio-queue's mock driver at address 0.
     fn control_queue() -> (
@@ -432,13 +441,7 @@ mod tests {
         GuestMemoryAtomic<GuestMemoryMmap>,
         DeviceVring,
     ) {
-        let identity = DeviceIdentity {
-            tenant: Arc::from("t1"),
-            lid: 1,
-            comp_vectors: 1,
-            max_queue_size: 256,
-        };
-        let backend = VrdmaBackend::new(identity, Limits::default(), None);
+        let backend = VrdmaBackend::new(identity(), Limits::default(), None);
         let mem = GuestMemoryAtomic::new(
             GuestMemoryMmap::from_ranges(&[(GuestAddress(0), 0x10_0000)]).expect("memory"),
         );
@@ -578,13 +581,7 @@ mod tests {
 
     #[test]
     fn a_notification_before_guest_memory_is_no_error() {
-        let identity = DeviceIdentity {
-            tenant: Arc::from("t1"),
-            lid: 1,
-            comp_vectors: 1,
-            max_queue_size: 256,
-        };
-        let backend = VrdmaBackend::new(identity, Limits::default(), None);
+        let backend = VrdmaBackend::new(identity(), Limits::default(), None);
         let mem = GuestMemoryAtomic::new(GuestMemoryMmap::new());
         let vring = DeviceVring::new(mem, QUEUE_SIZE).expect("vring");
         backend

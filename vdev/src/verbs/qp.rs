@@ -11,6 +11,8 @@ use vrdma_spec::qp_state::{check_rc_mask, mask};
 use vrdma_spec::ring::WorkRingGeometry;
 use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
 
+use vrdma_tenant_policy::Limits;
+
 use super::{random_unique, RdmaDevice, VerbError, VerbResult, PORT_MTU};
 
 /// QP numbers are 24 bits; 0 and 1 are the IB special QPs (SMI, GSI).
@@ -100,13 +102,7 @@ impl RdmaDevice {
             self.db_indexes.free(db_index);
             return Err(e);
         }
-        let granted = QpCap {
-            max_send_wr: grant.caps.max_send_wr.into(),
-            max_recv_wr: grant.caps.max_recv_wr.into(),
-            max_send_sge: grant.caps.max_send_sge.into(),
-            max_recv_sge: grant.caps.max_recv_sge.into(),
-            max_inline_data: grant.caps.max_inline_data.into(),
-        };
+        let granted = wire_caps(grant.caps);
         self.qps.insert(
             qpn,
             QueuePair {
@@ -141,19 +137,8 @@ impl RdmaDevice {
     /// tenant's limits: [`QpGrant`] is the one place that computes them,
     /// for the driver, vdev and hostd alike.
     fn grant(&self, cap: &QpCap) -> VerbResult<QpGrant> {
-        let asked = Caps {
-            max_send_wr: cap.max_send_wr.get(),
-            max_recv_wr: cap.max_recv_wr.get(),
-            max_send_sge: cap.max_send_sge.get(),
-            max_recv_sge: cap.max_recv_sge.get(),
-            max_inline_data: cap.max_inline_data.get(),
-        };
-        let limits = CapLimits {
-            max_wr: self.limits.max_qp_depth,
-            max_sge: self.limits.max_sge,
-            max_inline_data: self.limits.max_inline_data,
-        };
-        QpGrant::compute(asked, limits).map_err(|e| VerbError::Invalid(e.to_string()))
+        QpGrant::compute(caps_of(cap), cap_limits(&self.limits))
+            .map_err(|e| VerbError::Invalid(e.to_string()))
     }
 
     /// Resets the checked rings of a new QP and tells hostd about it.
@@ -303,6 +288,37 @@ impl RdmaDevice {
     /// The QP numbered `qpn`.
     pub fn qp(&self, qpn: u32) -> Option<&QueuePair> {
         self.qps.get(&qpn)
+    }
+}
+
+/// Capacities in their wire form as numbers.
+pub(super) fn caps_of(cap: &QpCap) -> Caps {
+    Caps {
+        max_send_wr: cap.max_send_wr.get(),
+        max_recv_wr: cap.max_recv_wr.get(),
+        max_send_sge: cap.max_send_sge.get(),
+        max_recv_sge: cap.max_recv_sge.get(),
+        max_inline_data: cap.max_inline_data.get(),
+    }
+}
+
+/// Capacities as numbers in their wire form.
+pub(super) fn wire_caps(caps: Caps) -> QpCap {
+    QpCap {
+        max_send_wr: caps.max_send_wr.into(),
+        max_recv_wr: caps.max_recv_wr.into(),
+        max_send_sge: caps.max_send_sge.into(),
+        max_recv_sge: caps.max_recv_sge.into(),
+        max_inline_data: caps.max_inline_data.into(),
+    }
+}
+
+/// The ceilings a tenant's limits put on one QP.
+pub(super) fn cap_limits(limits: &Limits) -> CapLimits {
+    CapLimits {
+        max_wr: limits.max_qp_depth,
+        max_sge: limits.max_sge,
+        max_inline_data: limits.max_inline_data,
     }
 }
 

@@ -15,7 +15,7 @@ use vrdma_hostd_protocol::channel::{Channel, Listener};
 use vrdma_hostd_protocol::messages::{
     QpConnection, QpModify, QpSetup, Request, Response, Welcome, WorkRing,
 };
-use vrdma_spec::limits::{CapLimits, Caps, QpGrant};
+use vrdma_spec::limits::QpGrant;
 use vrdma_tenant_policy::Policy;
 
 use super::*;
@@ -262,20 +262,9 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
     let (sq, rq) = (MEM_BASE + 0x10000, MEM_BASE + 0x20000);
     let qp = create_qp(&mut dev, pdn, cqn, sq, rq).expect("qp");
     let qpn = qp.qpn.get();
-    let limits = Limits::default();
     let grant = QpGrant::compute(
-        Caps {
-            max_send_wr: 10,
-            max_recv_wr: 10,
-            max_send_sge: 2,
-            max_recv_sge: 2,
-            max_inline_data: 64,
-        },
-        CapLimits {
-            max_wr: limits.max_qp_depth,
-            max_sge: limits.max_sge,
-            max_inline_data: limits.max_inline_data,
-        },
+        crate::verbs::qp::caps_of(&qp_cap(10, 2, 64)),
+        crate::verbs::qp::cap_limits(&Limits::default()),
     )
     .expect("grant");
     assert_eq!(

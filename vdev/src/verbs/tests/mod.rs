@@ -112,10 +112,34 @@ fn create_cq(dev: &mut RdmaDevice, addr: u64) -> Result<u32, i32> {
     run::<CqHandle>(dev, Opcode::CreateCq, req.as_bytes()).map(|h| h.cqn.get())
 }
 
+/// CREATE_QP (RC, 10 WRs and 2 SGEs each way, 64 inline bytes) with its
+/// rings at `sq` and `rq`.
 fn create_qp(
     dev: &mut RdmaDevice,
     pdn: u32,
     cqn: u32,
+    sq: u64,
+    rq: u64,
+) -> Result<CreateQpResp, i32> {
+    create_qp_asking(dev, pdn, cqn, qp_cap(10, 2, 64), sq, rq)
+}
+
+/// Capacities of `wr` WRs and `sge` SGEs each way, `inline` inline bytes.
+fn qp_cap(wr: u32, sge: u32, inline: u32) -> QpCap {
+    QpCap {
+        max_send_wr: wr.into(),
+        max_recv_wr: wr.into(),
+        max_send_sge: sge.into(),
+        max_recv_sge: sge.into(),
+        max_inline_data: inline.into(),
+    }
+}
+
+fn create_qp_asking(
+    dev: &mut RdmaDevice,
+    pdn: u32,
+    cqn: u32,
+    cap: QpCap,
     sq: u64,
     rq: u64,
 ) -> Result<CreateQpResp, i32> {
@@ -125,13 +149,7 @@ fn create_qp(
         recv_cqn: cqn.into(),
         srqn: NO_SRQ.into(),
         qp_type: 2,
-        cap: QpCap {
-            max_send_wr: 10.into(),
-            max_recv_wr: 10.into(),
-            max_send_sge: 2.into(),
-            max_recv_sge: 2.into(),
-            max_inline_data: 64.into(),
-        },
+        cap,
         sq_ring_addr: sq.into(),
         rq_ring_addr: rq.into(),
         ..CreateQpReq::default()

@@ -1,18 +1,8 @@
 //! Queue pairs: creation, grants, doorbell indices, the RC state machine.
 
-use vrdma_spec::limits::{CapLimits, Caps, QpGrant, MAX_INLINE_DATA, MAX_SGE};
+use vrdma_spec::limits::{QpGrant, MAX_INLINE_DATA, MAX_SGE};
 
 use super::*;
-
-fn qp_cap(wr: u32, sge: u32, inline: u32) -> QpCap {
-    QpCap {
-        max_send_wr: wr.into(),
-        max_recv_wr: wr.into(),
-        max_send_sge: sge.into(),
-        max_recv_sge: sge.into(),
-        max_inline_data: inline.into(),
-    }
-}
 
 /// CREATE_QP asking `cap`, its rings in the 64 KiB at `at`.
 fn qp_with(
@@ -22,42 +12,17 @@ fn qp_with(
     cap: QpCap,
     at: u64,
 ) -> Result<CreateQpResp, i32> {
-    let req = CreateQpReq {
-        pdn: pdn.into(),
-        send_cqn: cqn.into(),
-        recv_cqn: cqn.into(),
-        srqn: NO_SRQ.into(),
-        qp_type: 2,
-        cap,
-        sq_ring_addr: at.into(),
-        rq_ring_addr: (at + 0x8000).into(),
-        ..CreateQpReq::default()
-    };
-    run(dev, Opcode::CreateQp, req.as_bytes())
+    create_qp_asking(dev, pdn, cqn, cap, at, at + 0x8000)
 }
 
 /// What [`QpGrant`] grants `cap` under `limits`, in wire form.
 fn grant_of(cap: QpCap, limits: &Limits) -> QpCap {
-    let asked = Caps {
-        max_send_wr: cap.max_send_wr.get(),
-        max_recv_wr: cap.max_recv_wr.get(),
-        max_send_sge: cap.max_send_sge.get(),
-        max_recv_sge: cap.max_recv_sge.get(),
-        max_inline_data: cap.max_inline_data.get(),
-    };
-    let limits = CapLimits {
-        max_wr: limits.max_qp_depth,
-        max_sge: limits.max_sge,
-        max_inline_data: limits.max_inline_data,
-    };
-    let caps = QpGrant::compute(asked, limits).expect("grantable").caps;
-    QpCap {
-        max_send_wr: caps.max_send_wr.into(),
-        max_recv_wr: caps.max_recv_wr.into(),
-        max_send_sge: caps.max_send_sge.into(),
-        max_recv_sge: caps.max_recv_sge.into(),
-        max_inline_data: caps.max_inline_data.into(),
-    }
+    let grant = QpGrant::compute(
+        crate::verbs::qp::caps_of(&cap),
+        crate::verbs::qp::cap_limits(limits),
+    )
+    .expect("grantable");
+    crate::verbs::qp::wire_caps(grant.caps)
 }
 
 #[test]
