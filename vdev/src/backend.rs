@@ -16,7 +16,7 @@ use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatu
 use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
-use virtio_queue::QueueT;
+use virtio_queue::{QueueOwnedT, QueueT};
 use vm_memory::{GuestAddressSpace, GuestMemoryAtomic, GuestMemoryBackend, GuestMemoryMmap};
 use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
@@ -210,10 +210,28 @@ impl VrdmaBackend {
                 }
             }
             loop {
-                let (chain, size) = {
+                let next = {
                     let mut state = vring.get_mut();
                     let queue = state.get_queue_mut();
-                    (queue.pop_descriptor_chain(&*mem), queue.size())
+                    let size = queue.size();
+                    queue.iter(&*mem).map(|mut chains| (chains.next(), size))
+                };
+                let (chain, size) = match next {
+                    Ok(next) => next,
+                    Err(e) => {
+                        // The avail index runs more than the queue ahead:
+                        // nothing can be popped, yet re-enabling
+                        // notifications would report work for ever. Wait
+                        // for the driver's next notification instead.
+                        warn(
+                            "take the driver's chains (waiting for its next notification)",
+                            &e,
+                        );
+                        if event_idx {
+                            let _ = vring.enable_notification();
+                        }
+                        return;
+                    }
                 };
                 let Some(chain) = chain else { break };
                 let head = chain.head_index();
@@ -577,6 +595,41 @@ mod tests {
         assert_ne!(first.pdn, second.pdn, "a second PD: the command ran");
         assert_eq!(backend.skipped_entries(), 2);
         assert_eq!(backend.device().object_counts().0, 2);
+    }
+
+    /// An avail index that runs more than the queue ahead names entries the
+    /// queue cannot hold: nothing can be popped, yet with EVENT_IDX
+    /// re-enabling notifications always reports more work. The drain loop
+    /// must give up until the next notification rather than spin.
+    #[test]
+    fn an_avail_index_beyond_the_queue_does_not_spin_the_worker() {
+        let (backend, mem, vring) = control_queue();
+        backend.set_event_idx(true);
+        vring.set_queue_event_idx(true);
+        let avail = vring.get_ref().get_queue().avail_ring();
+        mem.memory()
+            .write_obj(QUEUE_SIZE + 5, GuestAddress(avail + 2))
+            .expect("avail idx");
+        let (done, finished) = std::sync::mpsc::channel();
+        let worker = backend.clone();
+        let control = vring.clone();
+        std::thread::spawn(move || {
+            let result = worker.handle_event(CONTROL_QUEUE, EventSet::IN, &[control], 0);
+            let _ = done.send(result.is_ok());
+        });
+        let returned = finished.recv_timeout(std::time::Duration::from_secs(5));
+        assert_eq!(returned, Ok(true), "handle_event returned, without error");
+        assert!(used(&mem, &vring).is_empty());
+
+        // The driver repairs its index: the queue works again.
+        mem.memory()
+            .write_obj(0u16, GuestAddress(avail + 2))
+            .expect("avail idx");
+        offer(&mem, &vring, &[0]);
+        backend
+            .handle_event(CONTROL_QUEUE, EventSet::IN, std::slice::from_ref(&vring), 0)
+            .expect("served");
+        assert_eq!(used(&mem, &vring), [(0, 16)]);
     }
 
     #[test]
