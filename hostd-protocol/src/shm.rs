@@ -111,8 +111,9 @@ impl SharedMapping {
         if end > self.len {
             return false;
         }
-        // SAFETY: [offset, end) is inside the mapping, checked above.
-        unsafe { volatile_copy(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
+        // SAFETY: [offset, end) is inside the mapping, checked above; `out`
+        // is private memory of its length.
+        unsafe { read_shared(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
         true
     }
 
@@ -124,8 +125,9 @@ impl SharedMapping {
         if end > self.len {
             return false;
         }
-        // SAFETY: [offset, end) is inside the mapping, checked above.
-        unsafe { volatile_copy(data.as_ptr(), self.ptr.add(offset), data.len()) };
+        // SAFETY: [offset, end) is inside the mapping, checked above; `data`
+        // is private memory of its length.
+        unsafe { write_shared(data.as_ptr(), self.ptr.add(offset), data.len()) };
         true
     }
 
@@ -191,29 +193,54 @@ impl Drop for SharedMapping {
     }
 }
 
-/// Copies `len` bytes with volatile accesses, 8 at a time where aligned, so
-/// that the compiler reads shared memory exactly once and never assumes it
-/// stays unchanged.
+/// Copies `len` bytes out of shared memory at `src` into private memory at
+/// `dst`: volatile loads (the compiler reads shared memory exactly once and
+/// never assumes it stays unchanged), 8 bytes at a time where `src` is
+/// aligned — only the shared side's alignment matters for that, the
+/// private side is written unaligned.
 ///
 /// # Safety
 /// `src` must be valid for `len` bytes of reads and `dst` for `len` bytes of
 /// writes; the ranges must not overlap.
-unsafe fn volatile_copy(src: *const u8, dst: *mut u8, len: usize) {
+unsafe fn read_shared(src: *const u8, dst: *mut u8, len: usize) {
     let mut i = 0;
-    if (src as usize).is_multiple_of(8) && (dst as usize).is_multiple_of(8) {
+    if (src as usize).is_multiple_of(8) {
         while i + 8 <= len {
-            // SAFETY: i + 8 <= len and both pointers are 8-aligned here.
+            // SAFETY: i + 8 <= len; `src + i` is 8-aligned; `dst` may not be.
             unsafe {
-                dst.add(i)
-                    .cast::<u64>()
-                    .write_volatile(src.add(i).cast::<u64>().read_volatile())
-            };
+                let word = src.add(i).cast::<u64>().read_volatile();
+                dst.add(i).cast::<u64>().write_unaligned(word);
+            }
             i += 8;
         }
     }
     while i < len {
         // SAFETY: i < len.
-        unsafe { dst.add(i).write_volatile(src.add(i).read_volatile()) };
+        unsafe { dst.add(i).write(src.add(i).read_volatile()) };
+        i += 1;
+    }
+}
+
+/// Copies `len` bytes of private memory at `src` into shared memory at
+/// `dst` with volatile stores, 8 bytes at a time where `dst` is aligned.
+///
+/// # Safety
+/// As [`read_shared`], with the roles of the sides swapped.
+unsafe fn write_shared(src: *const u8, dst: *mut u8, len: usize) {
+    let mut i = 0;
+    if (dst as usize).is_multiple_of(8) {
+        while i + 8 <= len {
+            // SAFETY: i + 8 <= len; `dst + i` is 8-aligned; `src` may not be.
+            unsafe {
+                let word = src.add(i).cast::<u64>().read_unaligned();
+                dst.add(i).cast::<u64>().write_volatile(word);
+            }
+            i += 8;
+        }
+    }
+    while i < len {
+        // SAFETY: i < len.
+        unsafe { dst.add(i).write_volatile(src.add(i).read()) };
         i += 1;
     }
 }

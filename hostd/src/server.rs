@@ -809,7 +809,7 @@ impl Server {
         let now = Instant::now();
         let (accounts, throttled) = {
             let engine = self.datapath.lock();
-            let accounts = engine.accounts().snapshot();
+            let accounts = engine.accounts_snapshot();
             let throttled: HashMap<String, [std::time::Duration; 2]> = known
                 .keys()
                 .map(|name| (name.clone(), engine.scheduler().throttled(name, now)))

@@ -146,7 +146,7 @@ pub struct TenantAccount {
 struct DeviceAccount {
     tenant: String,
     /// Completions of this device not yet folded into its tenant's
-    /// counters (one map lookup per completion on the datapath).
+    /// counters.
     counters: Counters,
     pqps: u64,
     /// Registered MRs: lkey → bytes.
@@ -180,12 +180,30 @@ impl Accounts {
     /// Every tenant's account, by name, with its connected devices'
     /// counters folded in.
     pub fn snapshot(&self) -> BTreeMap<String, TenantAccount> {
+        self.snapshot_with(std::iter::empty())
+    }
+
+    /// The same, with also the counters the datapath keeps for `live`
+    /// devices (it counts in its own device records: no lookup per
+    /// completion).
+    pub fn snapshot_with<'a>(
+        &self,
+        live: impl IntoIterator<Item = (DeviceId, &'a Counters)>,
+    ) -> BTreeMap<String, TenantAccount> {
         let mut out = self.tenants.clone();
         for dev in self.devices.values() {
             out.entry(dev.tenant.clone())
                 .or_default()
                 .counters
                 .add(&dev.counters);
+        }
+        for (device, counters) in live {
+            if let Some(dev) = self.devices.get(&device) {
+                out.entry(dev.tenant.clone())
+                    .or_default()
+                    .counters
+                    .add(counters);
+            }
         }
         out
     }
@@ -333,6 +351,14 @@ impl Accounts {
     pub fn completion(&mut self, device: DeviceId, cqe: &Cqe) {
         if let Some(dev) = self.devices.get_mut(&device) {
             dev.counters.completion(cqe);
+        }
+    }
+
+    /// Folds the counters the datapath kept for `device` into its
+    /// account (when it goes).
+    pub fn add_device_counters(&mut self, device: DeviceId, counters: &Counters) {
+        if let Some(dev) = self.devices.get_mut(&device) {
+            dev.counters.add(counters);
         }
     }
 

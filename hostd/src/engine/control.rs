@@ -49,9 +49,7 @@ impl Engine {
         self.sched.add_device(id, tenant);
         let rank = self.sched.rank(id).unwrap_or(u8::MAX);
         self.lids.insert(lid, id);
-        self.devices.insert(
-            id,
-            Device {
+        self.devices.insert(Device {
                 id,
                 tenant: Arc::from(tenant),
                 lid,
@@ -69,8 +67,8 @@ impl Engine {
                     })
                     .collect(),
                 rank,
-            },
-        );
+                counters: Default::default(),
+            });
         self.accounts.attach(id, tenant, pqps.len());
         self.generation += 1;
         Ok(())
@@ -80,12 +78,14 @@ impl Engine {
     /// it is touched any more. Nothing is completed.
     pub fn detach_device(&mut self, id: DeviceId) {
         self.reset_device(id);
+        let di = self.devices.index(&id);
         if let Some(dev) = self.devices.remove(&id) {
             self.lids.remove(&dev.lid);
+            self.accounts.add_device_counters(id, &dev.counters);
         }
         self.sched.remove_device(id);
         self.accounts.detach(id);
-        self.dirty.retain(|d| d.0 != id);
+        self.dirty.retain(|d| Some(d.0) != di);
         self.generation += 1;
     }
 
@@ -256,7 +256,9 @@ impl Engine {
     /// A virtual QP in RESET with its rings.
     pub fn create_qp(&mut self, id: DeviceId, s: &QpSetup) -> Result<(), EngineError> {
         let serial = self.next_serial;
+        let di = self.devices.index(&id).ok_or(EngineError::UnknownDevice)?;
         let dev = self.device_mut(id)?;
+        let lid = dev.lid;
         if s.vqpn > 0x00ff_ffff {
             return Err(EngineError::Invalid("QP number exceeds 24 bits"));
         }
@@ -281,6 +283,8 @@ impl Engine {
         let pqp = s.vqpn as usize % dev.pqps.len().max(1);
         let qp = Qp {
             device: id,
+            dev: di,
+            lid,
             vqpn: s.vqpn,
             serial,
             pd: s.pd,
@@ -421,8 +425,8 @@ impl Engine {
             return;
         };
         qp.queued = false;
-        let (device, pos) = (qp.device, qp.pqp);
-        let Some(p) = self.pqp_mut(device, pos) else {
+        let (device, di, pos) = (qp.device, qp.dev, qp.pqp);
+        let Some(p) = self.pqp_mut(di, pos) else {
             return;
         };
         p.ring.retain(|&q| q != qref);
@@ -430,7 +434,7 @@ impl Engine {
             p.staged = None;
             let number = p.number;
             self.sched.unstage((device, number));
-            self.dirty.push((device, pos));
+            self.dirty.push((di, pos));
         }
     }
 

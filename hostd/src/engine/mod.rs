@@ -47,7 +47,7 @@ use vrdma_spec::ring::{event_kind, Cqe, DEVICE_FLAG_ERROR};
 use vrdma_spec::verbs::{QpState, WcOpcode, WcStatus};
 
 use crate::ids::{IdMap, Slab};
-use crate::scheduler::{Head, OpKind, Pick, QueueId, Scheduler, BURST};
+use crate::scheduler::{Head, OpKind, Pick, QueueId, Scheduler};
 use crate::stats::Accounts;
 use completion::{Cq, EventRing};
 use guest::{DoorbellPage, GuestMemory};
@@ -161,6 +161,70 @@ pub struct Device {
     pqps: Vec<Pqp>,
     /// Its tenant's class (0 = realtime), for segmenting its long messages.
     rank: u8,
+    /// What its work did (folded into its tenant's account when asked or
+    /// when it goes).
+    counters: crate::stats::Counters,
+}
+
+/// The connected devices: by slab index on the datapath (QPs know their
+/// device's index), by id on the control path.
+#[derive(Debug, Default)]
+pub struct Devices {
+    slab: Slab<Device>,
+    by_id: IdMap<DeviceId, usize>,
+}
+
+impl Devices {
+    /// The slab index of device `id`.
+    fn index(&self, id: &DeviceId) -> Option<usize> {
+        self.by_id.get(id).copied()
+    }
+
+    fn get(&self, id: &DeviceId) -> Option<&Device> {
+        self.slab.get(self.index(id)?)
+    }
+
+    fn get_mut(&mut self, id: &DeviceId) -> Option<&mut Device> {
+        let i = self.index(id)?;
+        self.slab.get_mut(i)
+    }
+
+    fn at(&self, i: usize) -> Option<&Device> {
+        self.slab.get(i)
+    }
+
+    fn at_mut(&mut self, i: usize) -> Option<&mut Device> {
+        self.slab.get_mut(i)
+    }
+
+    fn contains_key(&self, id: &DeviceId) -> bool {
+        self.by_id.contains_key(id)
+    }
+
+    /// Adds a device; returns its slab index.
+    fn insert(&mut self, dev: Device) -> usize {
+        let id = dev.id;
+        let i = self.slab.insert(dev);
+        self.by_id.insert(id, i);
+        i
+    }
+
+    fn remove(&mut self, id: &DeviceId) -> Option<Device> {
+        let i = self.by_id.remove(id)?;
+        self.slab.remove(i)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Device> {
+        self.slab.iter().map(|(_, d)| d)
+    }
+
+    fn values_mut(&mut self) -> impl Iterator<Item = &mut Device> {
+        self.slab.iter_mut().map(|(_, d)| d)
+    }
+
+    fn len(&self) -> usize {
+        self.slab.len()
+    }
 }
 
 /// What one round did.
@@ -178,7 +242,7 @@ pub struct Round {
 
 /// The engine. See the module documentation.
 pub struct Engine {
-    devices: IdMap<DeviceId, Device>,
+    devices: Devices,
     lids: IdMap<u16, DeviceId>,
     keys: keys::KeyTable,
     qps: Slab<Qp>,
@@ -186,8 +250,8 @@ pub struct Engine {
     accounts: Accounts,
     /// QPs waiting for an RNR or retry timer: (due, QP, its serial).
     timers: Vec<(Instant, QpRef, u64)>,
-    /// pQPs that may have work to stage: (device, pQP index).
-    dirty: Vec<(DeviceId, usize)>,
+    /// pQPs that may have work to stage: (device slab index, pQP index).
+    dirty: Vec<(usize, usize)>,
     /// Errored QPs with WQEs still to flush.
     flushing: Vec<QpRef>,
     next_serial: u64,
@@ -214,7 +278,7 @@ impl Engine {
     /// An engine with no devices, scheduling with `sched`.
     pub fn new(sched: Scheduler) -> Self {
         Engine {
-            devices: IdMap::default(),
+            devices: Devices::default(),
             lids: IdMap::default(),
             keys: keys::KeyTable::new(),
             qps: Slab::default(),
@@ -233,6 +297,12 @@ impl Engine {
     /// The tenants' counters and usage.
     pub fn accounts(&self) -> &Accounts {
         &self.accounts
+    }
+
+    /// Every tenant's counters and usage, the datapath's latest counts
+    /// included.
+    pub fn accounts_snapshot(&self) -> std::collections::BTreeMap<String, crate::stats::TenantAccount> {
+        (self.accounts).snapshot_with(self.devices.values().map(|d| (d.id, &d.counters)))
     }
 
     /// The tenants' counters and usage, for control requests.
@@ -396,10 +466,10 @@ impl Engine {
         if qp.sends() && has_work && !qp.waiting && !qp.queued {
             qp.queued = true;
             qp.turn_left = QP_TURN;
-            let (device, pqp) = (qp.device, qp.pqp);
-            if let Some(p) = self.devices.get_mut(&device).and_then(|d| d.pqps.get_mut(pqp)) {
+            let (di, pqp) = (qp.dev, qp.pqp);
+            if let Some(p) = self.pqp_mut(di, pqp) {
                 p.ring.push_back(qref);
-                self.dirty.push((device, pqp));
+                self.dirty.push((di, pqp));
             }
         }
     }
@@ -449,47 +519,47 @@ impl Engine {
 
     /// Stages the pQPs marked dirty.
     fn stage_dirty(&mut self, now: Instant) {
-        while let Some((device, pqp)) = self.dirty.pop() {
-            self.stage(device, pqp, now);
+        while let Some((di, pqp)) = self.dirty.pop() {
+            self.stage(di, pqp, now);
         }
     }
 
-    /// Stages the next WQE of pQP `pos` of `device` unless one is staged:
-    /// the head of the first QP in its ring that has one.
-    fn stage(&mut self, device: DeviceId, pos: usize, now: Instant) {
+    /// Stages the next WQE of pQP `pos` of device `di` unless one is staged.
+    fn stage(&mut self, di: usize, pos: usize, now: Instant) {
+        if self.pqp_mut(di, pos).is_some_and(|p| p.staged.is_some()) {
+            return;
+        }
+        if let Some((qref, head)) = self.next_head(di, pos) {
+            let Some(device) = self.devices.at(di).map(|d| d.id) else {
+                return;
+            };
+            if let Some(p) = self.pqp_mut(di, pos) {
+                p.staged = Some(qref);
+                let number = p.number;
+                self.sched.stage((device, number), head, now);
+            }
+        }
+    }
+
+    /// The head WQE of the first QP in pQP `pos`'s ring that has one (QPs
+    /// without work leave the ring).
+    fn next_head(&mut self, di: usize, pos: usize) -> Option<(QpRef, Head)> {
         loop {
-            let Some(p) = self.devices.get_mut(&device).and_then(|d| d.pqps.get_mut(pos)) else {
-                return;
-            };
-            if p.staged.is_some() {
-                return;
+            let &qref = self.pqp_mut(di, pos)?.ring.front()?;
+            if let Some(head) = self.load_head(qref) {
+                return Some((qref, head));
             }
-            let number = p.number;
-            let Some(&qref) = p.ring.front() else {
-                return;
-            };
-            match self.load_head(qref) {
-                Some(head) => {
-                    if let Some(p) = self.pqp_mut(device, pos) {
-                        p.staged = Some(qref);
-                    }
-                    self.sched.stage((device, number), head, now);
-                    return;
-                }
-                None => {
-                    if let Some(p) = self.pqp_mut(device, pos) {
-                        p.ring.pop_front();
-                    }
-                    if let Some(qp) = self.qps.get_mut(qref) {
-                        qp.queued = false;
-                    }
-                }
+            if let Some(p) = self.pqp_mut(di, pos) {
+                p.ring.pop_front();
+            }
+            if let Some(qp) = self.qps.get_mut(qref) {
+                qp.queued = false;
             }
         }
     }
 
-    fn pqp_mut(&mut self, device: DeviceId, pos: usize) -> Option<&mut Pqp> {
-        self.devices.get_mut(&device)?.pqps.get_mut(pos)
+    fn pqp_mut(&mut self, di: usize, pos: usize) -> Option<&mut Pqp> {
+        self.devices.at_mut(di)?.pqps.get_mut(pos)
     }
 
     /// Makes sure QP `qref` holds its next send WQE and returns what the
@@ -542,50 +612,51 @@ impl Engine {
         })
     }
 
-    /// Runs the staged head of `queue`, then as long as the scheduler lets
-    /// the same tenant go on ([`Scheduler::burst`]). Returns WQEs
-    /// completed, bytes moved and whether a long message was preempted.
+    /// Runs the staged head of `queue`, then its next ones as long as the
+    /// scheduler lets the same tenant go on ([`Scheduler::budget`]);
+    /// stages what is left. Returns WQEs completed, bytes moved and whether
+    /// a long message was preempted.
     fn run_queue(&mut self, queue: QueueId, now: Instant) -> (usize, u64, bool) {
         let (device, number) = queue;
-        let Some(pos) = self
-            .devices
-            .get(&device)
+        let Some(di) = self.devices.index(&device) else {
+            return (0, 0, false);
+        };
+        let Some(pos) = (self.devices.at(di))
             .and_then(|d| d.pqps.iter().position(|p| p.number == number))
         else {
             return (0, 0, false);
         };
         let (mut ops, mut bytes) = (0usize, 0u64);
-        let mut steps = 0;
-        loop {
-            let Some(qref) = self.pqp_mut(device, pos).and_then(|p| p.staged.take()) else {
-                return (ops, bytes, false);
-            };
+        let Some(mut qref) = self.pqp_mut(di, pos).and_then(|p| p.staged.take()) else {
+            return (0, 0, false);
+        };
+        let mut budget = self.sched.budget(queue, now);
+        let preempted = loop {
             let outcome = self.execute(qref, now);
             bytes += outcome.moved;
             ops += usize::from(outcome.completed);
-            self.after_step(device, pos, qref, &outcome, now);
-            self.stage(device, pos, now);
-            steps += 1;
-            // `burst` takes the next WQE out of the scheduler's hands: ask
-            // only when it will run.
-            if outcome.preempted || steps >= BURST || !self.sched.burst(queue, now) {
-                return (ops, bytes, outcome.preempted);
+            self.after_step(di, pos, qref, &outcome);
+            let Some((next, head)) = self.next_head(di, pos) else {
+                break outcome.preempted;
+            };
+            if outcome.preempted || !budget.admit(&head, now) {
+                if let Some(p) = self.pqp_mut(di, pos) {
+                    p.staged = Some(next);
+                }
+                self.sched.stage(queue, head, now);
+                break outcome.preempted;
             }
-        }
+            qref = next;
+        };
+        self.sched.spend(&budget, now);
+        (ops, bytes, preempted)
     }
 
     /// After a step of `qref`'s head: a QP that is done, waits or failed
     /// leaves its pQP's ring; one that used its turn goes to the back.
-    fn after_step(
-        &mut self,
-        device: DeviceId,
-        pos: usize,
-        qref: QpRef,
-        outcome: &rc::Outcome,
-        now: Instant,
-    ) {
+    fn after_step(&mut self, di: usize, pos: usize, qref: QpRef, outcome: &rc::Outcome) {
         let Some(qp) = self.qps.get_mut(qref) else {
-            if let Some(p) = self.pqp_mut(device, pos) {
+            if let Some(p) = self.pqp_mut(di, pos) {
                 p.ring.retain(|&q| q != qref);
             }
             return;
@@ -604,7 +675,7 @@ impl Engine {
         if rotate {
             qp.turn_left = QP_TURN;
         }
-        let Some(p) = self.pqp_mut(device, pos) else {
+        let Some(p) = self.pqp_mut(di, pos) else {
             return;
         };
         if leaves {
@@ -612,7 +683,6 @@ impl Engine {
         } else if rotate && p.ring.front() == Some(&qref) {
             p.ring.rotate_left(1);
         }
-        let _ = now;
     }
 
     /// Writes the completion of a send WQE of `qref` (errors always, a
@@ -641,12 +711,15 @@ impl Engine {
         if !qp.lost {
             qp.sq.set_device_index(qp.sq_done);
         }
-        let (device, cq, lost) = (qp.device, qp.send_cq, qp.lost);
-        self.accounts.completion(device, &cqe);
+        let (di, cq, lost) = (qp.dev, qp.send_cq, qp.lost);
+        let Some(dev) = self.devices.at_mut(di) else {
+            return;
+        };
+        dev.counters.completion(&cqe);
         if lost || (status == WcStatus::Success && !signaled) {
             return;
         }
-        self.post_cqe(device, cq, &cqe, completion::solicits(status));
+        post_cqe(dev, cq, &cqe, completion::solicits(status));
     }
 
     /// Writes a receive completion of `qref` and counts it.
@@ -660,23 +733,14 @@ impl Engine {
         if !qp.lost {
             qp.rq.set_device_index(qp.rq_done);
         }
-        let (device, cq, lost) = (qp.device, qp.recv_cq, qp.lost);
-        self.accounts.completion(device, cqe);
-        if !lost {
-            let solicited = solicited || completion::solicits(WcStatus::try_from(cqe.status).unwrap_or(WcStatus::GeneralErr));
-            self.post_cqe(device, cq, cqe, solicited);
-        }
-    }
-
-    fn post_cqe(&mut self, device: DeviceId, cq: usize, cqe: &Cqe, solicited: bool) {
-        let Some(dev) = self.devices.get_mut(&device) else {
+        let (di, cq, lost) = (qp.dev, qp.recv_cq, qp.lost);
+        let Some(dev) = self.devices.at_mut(di) else {
             return;
         };
-        let Device { cqs, eqs, tenant, .. } = dev;
-        if let Some(cq) = cqs.get_mut(cq) {
-            if !completion::complete(cq, eqs, cqe, solicited) && !cq.lost {
-                tracing::debug!(tenant = %tenant, cqn = cq.cqn, "CQ overrun: completion lost");
-            }
+        dev.counters.completion(cqe);
+        if !lost {
+            let status = WcStatus::try_from(cqe.status).unwrap_or(WcStatus::GeneralErr);
+            post_cqe(dev, cq, cqe, solicited || completion::solicits(status));
         }
     }
 
@@ -692,13 +756,14 @@ impl Engine {
         qp.wait = None;
         qp.waiting = false;
         qp.queued = false;
-        let (device, pos, vqpn, lost) = (qp.device, qp.pqp, qp.vqpn, qp.lost);
+        let (di, pos, vqpn, lost) = (qp.dev, qp.pqp, qp.vqpn, qp.lost);
         if !lost {
             qp.sq.set_device_flag(DEVICE_FLAG_ERROR);
             qp.rq.set_device_flag(DEVICE_FLAG_ERROR);
         }
         let mut unstage = None;
-        if let Some(dev) = self.devices.get_mut(&device) {
+        if let Some(dev) = self.devices.at_mut(di) {
+            let device = dev.id;
             if first {
                 tracing::info!(tenant = %dev.tenant, qpn = vqpn, fatal, "QP moved to ERR: {why}");
             }
@@ -707,7 +772,7 @@ impl Engine {
                 if p.staged == Some(qref) {
                     p.staged = None;
                     unstage = Some((device, p.number));
-                    self.dirty.push((device, pos));
+                    self.dirty.push((di, pos));
                 }
             }
             if fatal && first && !lost {
@@ -791,6 +856,16 @@ impl Engine {
             qp.peer = Some((peer, serial));
         }
         Some(peer)
+    }
+}
+
+/// Writes `cqe` into CQ `cq` of `dev` (and its event, if due).
+fn post_cqe(dev: &mut Device, cq: usize, cqe: &Cqe, solicited: bool) {
+    let Device { cqs, eqs, tenant, .. } = dev;
+    if let Some(cq) = cqs.get_mut(cq) {
+        if !completion::complete(cq, eqs, cqe, solicited) && !cq.lost {
+            tracing::debug!(tenant = %tenant, cqn = cq.cqn, "CQ overrun: completion lost");
+        }
     }
 }
 

@@ -43,6 +43,10 @@ pub struct Wait {
 #[derive(Debug)]
 pub struct Qp {
     pub device: DeviceId,
+    /// Its device's index in the engine's device slab.
+    pub dev: usize,
+    /// Its device's LID (the source of what it sends).
+    pub lid: u16,
     pub vqpn: u32,
     /// Unique over the engine's life: a reference cached elsewhere checks
     /// it to know the slab slot still holds this QP.

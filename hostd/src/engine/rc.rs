@@ -99,7 +99,7 @@ impl Engine {
         };
         std::mem::swap(&mut work, &mut qp.head);
         let offset = qp.sent;
-        let rank = self.devices.get(&qp.device).map_or(u8::MAX, |d| d.rank);
+        let rank = self.devices.at(qp.dev).map_or(u8::MAX, |d| d.rank);
         let segmented = self.sched.outranked(rank, now);
         let chunk = if segmented { SEGMENT } else { STEP };
         let step = self.transfer(qref, &work, offset, chunk);
@@ -210,11 +210,10 @@ impl Engine {
 
     /// The responder of `qref`, if it is there, ready and connected back.
     fn responder(&mut self, qref: QpRef) -> Option<Responder> {
-        let (device, vqpn) = {
+        let (my_lid, vqpn) = {
             let qp = self.qps.get(qref)?;
-            (qp.device, qp.vqpn)
+            (qp.lid, qp.vqpn)
         };
-        let my_lid = self.devices.get(&device)?.lid;
         let peer = self.peer_of(qref)?;
         let p = self.qps.get(peer)?;
         if !p.receives() || !p.connected_to(my_lid, vqpn) {

@@ -6,7 +6,6 @@ use std::time::Duration;
 use vrdma_spec::ring::{event_kind, send_flags, wc_flags, Cqe, SendWqe, CQ_ARM_NEXT};
 use vrdma_spec::verbs::{QpState, SendOpcode, WcOpcode, WcStatus};
 use vrdma_tenant_policy::PriorityClass;
-use zerocopy::IntoBytes;
 
 use super::testing::{remote, send, sge, Env, CAPS, IOVA};
 use super::SEGMENT;

@@ -85,6 +85,17 @@ impl Link {
         }
     }
 
+    /// Bytes of class index `class` the port takes at `now` before it
+    /// closes for the class (`u64::MAX` when nothing is booked).
+    pub(super) fn room(&self, class: usize, now: Instant) -> u64 {
+        let Some(busy) = self.busy_until.get(class).copied().flatten() else {
+            return u64::MAX;
+        };
+        let ahead = (now + self.backlog(class, now)).saturating_duration_since(busy);
+        let bytes = ahead.as_nanos() * u128::from(self.rate) / 1_000_000_000;
+        u64::try_from(bytes).unwrap_or(u64::MAX)
+    }
+
     /// Books the wire time of `bytes` of class index `class`.
     pub(super) fn book(&mut self, class: usize, bytes: u64, now: Instant) {
         let wire = self.wire(bytes);

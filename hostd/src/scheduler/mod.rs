@@ -25,8 +25,8 @@
 //!
 //! Only tenants with staged work are in the class rings, so a pick costs
 //! what the tenants with work cost, not what the host has; and
-//! [`Scheduler::burst`] lets the tenant just served go on without a new
-//! pick while nothing would have chosen otherwise.
+//! [`Scheduler::budget`] lets the tenant just served go on without a
+//! new pick while nothing would have chosen otherwise.
 //!
 //! When nothing is admissible, [`Pick::Wait`] says when the earliest token
 //! bucket (or the port) will allow some, so the datapath sleeps until then
@@ -57,7 +57,7 @@ pub const MIN_COST: u64 = 256;
 /// then books the port only a short way ahead, and moves its long
 /// messages in segments so the busy class gets in between.
 pub const BUSY_FOR: Duration = Duration::from_millis(10);
-/// Most WQEs one [`Scheduler::burst`] lets a tenant run after a pick.
+/// Most WQEs a tenant runs after a pick ([`Scheduler::budget`]).
 pub const BURST: u32 = 32;
 
 /// The rate-limit kinds of send-side work.
@@ -160,7 +160,7 @@ pub struct Scheduler {
     by_name: HashMap<String, usize>,
     devices: IdMap<DeviceId, usize>,
     /// Staged heads and their tenant.
-    heads: IdMap<QueueId, (usize, Head)>,
+    heads: Heads,
     /// Tenants with staged work, per class, in deficit-round-robin order.
     rings: [VecDeque<usize>; CLASSES],
     /// When each class last had work staged or served.
@@ -180,7 +180,7 @@ impl Scheduler {
             tenants: Vec::new(),
             by_name: HashMap::new(),
             devices: IdMap::default(),
-            heads: IdMap::default(),
+            heads: Heads::default(),
             rings: Default::default(),
             last_busy: [None; CLASSES],
             last_served: None,
@@ -262,7 +262,7 @@ impl Scheduler {
 
     /// Forgets a device and its staged WQEs.
     pub fn remove_device(&mut self, device: DeviceId) {
-        let queues: Vec<QueueId> = self.heads.keys().filter(|q| q.0 == device).copied().collect();
+        let queues: Vec<QueueId> = self.heads.queues().filter(|q| q.0 == device).collect();
         for q in queues {
             self.unstage(q);
         }
@@ -275,7 +275,7 @@ impl Scheduler {
             return;
         };
         self.clock = Some(self.clock.map_or(now, |c| c.max(now)));
-        if self.heads.insert(queue, (ti, head)).is_some() {
+        if self.heads.insert(queue, ti, head) {
             return;
         }
         let Some(t) = self.tenants.get_mut(ti) else {
@@ -291,7 +291,7 @@ impl Scheduler {
 
     /// Whether `queue` has a staged WQE.
     pub fn is_staged(&self, queue: QueueId) -> bool {
-        self.heads.contains_key(&queue)
+        self.heads.get(queue).is_some()
     }
 
     /// Forgets the staged WQE of `queue`. Its tenant keeps its place in
@@ -299,7 +299,7 @@ impl Scheduler {
     /// with nothing staged: the datapath usually stages the queue's next
     /// WQE right away, and a tenant must not lose its turn in between.
     pub fn unstage(&mut self, queue: QueueId) {
-        let Some((ti, _)) = self.heads.remove(&queue) else {
+        let Some((ti, _)) = self.heads.remove(queue) else {
             return;
         };
         if let Some(t) = self.tenants.get_mut(ti) {
@@ -378,37 +378,53 @@ impl Scheduler {
         Pick::Wait(wait)
     }
 
-    /// Lets the tenant served last run `queue`'s staged WQE right away, if
-    /// a pick would have: it is still its turn (its deficit covers the
-    /// WQE), its bucket allows it, the port is open for its class and no
-    /// higher class has work. Charges and unstages it like a pick.
-    pub fn burst(&mut self, queue: QueueId, now: Instant) -> bool {
-        let Some(&(ti, head)) = self.heads.get(&queue) else {
-            return false;
+    /// What `queue`'s tenant, just served by a pick, may run right away
+    /// without another pick: while its deficit covers its WQEs, its
+    /// buckets allow them, its class's port is open and no higher class
+    /// has work — what picks would give it now. [`Budget::admit`] takes
+    /// from it WQE by WQE; [`Scheduler::spend`] charges what was used.
+    pub fn budget(&self, queue: QueueId, now: Instant) -> Budget {
+        let tenant = self
+            .devices
+            .get(&queue.0)
+            .copied()
+            .filter(|&ti| self.last_served == Some(ti));
+        let Some((ti, t)) = tenant.and_then(|ti| Some((ti, self.tenants.get(ti)?))) else {
+            return Budget::default();
         };
-        if self.last_served != Some(ti) {
-            return false;
+        if self.heads_above(t.class) {
+            return Budget::default();
         }
-        let Some(t) = self.tenants.get(ti) else {
-            return false;
+        Budget {
+            tenant: Some(ti),
+            ops: BURST - 1,
+            deficit: t.deficit,
+            limiters: t.limiters,
+            port: self.link.as_ref().map_or(u64::MAX, |l| l.room(t.class, now)),
+            ..Budget::default()
+        }
+    }
+
+    /// Charges what a burst took from `budget` (see [`Scheduler::budget`]).
+    pub fn spend(&mut self, budget: &Budget, now: Instant) {
+        let Some(ti) = budget.tenant.filter(|_| budget.used > 0) else {
+            return;
         };
-        let class = t.class;
-        if self.heads_above(class)
-            || self.link.as_ref().is_some_and(|l| !l.open(class, now))
-            || head.cost() > t.deficit
-        {
-            return false;
-        }
-        let k = head.kind as usize;
         let Some(t) = self.tenants.get_mut(ti) else {
-            return false;
+            return;
         };
-        t.limiters[k].refill(now);
-        if !t.limiters[k].ready(head.bytes) {
-            return false;
+        t.deficit = budget.deficit;
+        t.limiters = budget.limiters;
+        for k in 0..2 {
+            if budget.kinds & (1 << k) != 0 {
+                t.end_throttling(k, now);
+            }
         }
-        self.charge(ti, queue, head, now);
-        true
+        let class = t.class;
+        self.last_busy[class] = Some(now);
+        if let Some(link) = &mut self.link {
+            link.book(class, budget.cost, now);
+        }
     }
 
     /// Whether a tenant of a class above `class` has work staged.
@@ -417,25 +433,34 @@ impl Scheduler {
             .any(|&i| self.tenants.get(i).is_some_and(|t| !t.staged.is_empty()))
     }
 
-    /// Charges tenant `ti` for running `queue`'s staged `head`.
-    fn charge(&mut self, ti: usize, queue: QueueId, head: Head, now: Instant) {
+    /// Charges tenant `ti` for running a WQE of `head`.
+    fn charge(&mut self, ti: usize, head: Head, now: Instant) {
         let Some(t) = self.tenants.get_mut(ti) else {
             return;
         };
         t.deficit -= head.cost().min(t.deficit);
         t.limiters[head.kind as usize].take(head.bytes);
         t.end_throttling(head.kind as usize, now);
-        // Its pQPs take turns: the one served goes to the back.
-        if t.staged.front() == Some(&queue) {
-            t.staged.rotate_left(1);
-        }
         let class = t.class;
         self.last_busy[class] = Some(now);
         self.last_served = Some(ti);
         if let Some(link) = &mut self.link {
             link.book(class, head.cost(), now);
         }
-        self.unstage(queue);
+    }
+
+    /// Takes tenant `ti`'s staged `queue` (at the front of its staged
+    /// pQPs) to run now: its pQPs take turns, so it would go to the back
+    /// when staged again.
+    fn take_front(&mut self, ti: usize, queue: QueueId) {
+        self.heads.remove(queue);
+        if let Some(t) = self.tenants.get_mut(ti) {
+            if t.staged.front() == Some(&queue) {
+                t.staged.pop_front();
+            } else {
+                t.staged.retain(|&q| q != queue);
+            }
+        }
     }
 
     /// Deficit round robin among the eligible tenants of one class.
@@ -465,7 +490,7 @@ impl Scheduler {
                 // throttled READ does not hold its SENDs back).
                 let mut ready = None;
                 for (i, &queue) in t.staged.iter().enumerate() {
-                    let Some(&(_, head)) = self.heads.get(&queue) else {
+                    let Some((_, head)) = self.heads.get(queue) else {
                         continue;
                     };
                     let k = head.kind as usize;
@@ -494,7 +519,8 @@ impl Scheduler {
                     t.visited = true;
                 }
                 if head.cost() <= t.deficit {
-                    self.charge(ti, queue, head, now);
+                    self.charge(ti, head, now);
+                    self.take_front(ti, queue);
                     return Some(queue);
                 }
                 t.visited = false;
@@ -514,9 +540,9 @@ impl Scheduler {
     /// credits every tenant of the class the turns in which nothing would
     /// be sent, instead of spinning through them.
     fn skip_empty_turns(&mut self, class: usize) {
-        let cost_left = |t: &TenantState, heads: &IdMap<QueueId, (usize, Head)>| {
+        let cost_left = |t: &TenantState, heads: &Heads| {
             let queue = t.staged.front()?;
-            let (_, head) = heads.get(queue)?;
+            let (_, head) = heads.get(*queue)?;
             Some(head.cost().saturating_sub(t.deficit).div_ceil(t.quantum()))
         };
         let turns = (self.rings[class].iter())
@@ -529,6 +555,75 @@ impl Scheduler {
                 t.deficit = t.deficit.saturating_add((turns - 1) * t.quantum());
             }
         }
+    }
+}
+
+/// What a tenant may run after a pick without another one.
+#[derive(Debug, Clone, Default)]
+pub struct Budget {
+    tenant: Option<usize>,
+    /// WQEs left.
+    ops: u32,
+    /// Its deficit left.
+    deficit: u64,
+    /// Its buckets as the burst leaves them.
+    limiters: [Limiter; 2],
+    /// Bytes the port takes before it closes for the class.
+    port: u64,
+    /// WQEs admitted, their total cost, and the kinds among them.
+    used: u32,
+    cost: u64,
+    kinds: u8,
+}
+
+impl Budget {
+    /// Takes one WQE of `head` from the budget; false (and nothing taken)
+    /// if a pick would not let it run now.
+    pub fn admit(&mut self, head: &Head, now: Instant) -> bool {
+        let cost = head.cost();
+        if self.tenant.is_none() || self.ops == 0 || cost > self.deficit || self.port == 0 {
+            return false;
+        }
+        let limiter = &mut self.limiters[head.kind as usize];
+        limiter.refill(now);
+        if !limiter.ready(head.bytes) {
+            return false;
+        }
+        limiter.take(head.bytes);
+        self.ops -= 1;
+        self.deficit -= cost;
+        self.port = self.port.saturating_sub(cost);
+        self.used += 1;
+        self.cost += cost;
+        self.kinds |= 1 << head.kind as u8;
+        true
+    }
+}
+
+/// The staged heads and their tenants.
+#[derive(Debug, Default)]
+struct Heads(IdMap<QueueId, (usize, Head)>);
+
+impl Heads {
+    fn get(&self, queue: QueueId) -> Option<(usize, Head)> {
+        self.0.get(&queue).copied()
+    }
+
+    /// Stages `head` for `queue`; true if the queue had one staged already.
+    fn insert(&mut self, queue: QueueId, ti: usize, head: Head) -> bool {
+        self.0.insert(queue, (ti, head)).is_some()
+    }
+
+    fn remove(&mut self, queue: QueueId) -> Option<(usize, Head)> {
+        self.0.remove(&queue)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    fn queues(&self) -> impl Iterator<Item = QueueId> + '_ {
+        self.0.keys().copied()
     }
 }
 

@@ -381,25 +381,23 @@ fn a_burst_goes_on_only_while_a_pick_would_choose_the_same() {
         Pick::Run(q) => q,
         other => panic!("{other:?}"),
     };
-    // The same tenant's next WQE rides on its turn: 16 of 4 KiB fill a
+    // The same tenant's next WQEs ride on its turn: 16 of 4 KiB fill a
     // 64 KiB quantum, the first one included.
+    let mut budget = s.budget(first, now);
     let mut burst = 1;
-    loop {
-        s.stage(first, send(4096), now);
-        if !s.burst(first, now) {
-            break;
-        }
+    while budget.admit(&send(4096), now) {
         burst += 1;
     }
     assert_eq!(burst, 16, "one quantum");
+    s.spend(&budget, now);
+    s.stage(first, send(4096), now);
     // The other tenant's turn now, through a pick.
     let other = (3 - first.0, 0);
-    assert!(!s.burst(other, now), "not the tenant served last");
+    assert!(!s.budget(other, now).admit(&send(64), now), "not the tenant served last");
     assert_eq!(s.pick(now), Pick::Run(other));
     // Work of a higher class ends a burst at once.
-    s.stage(other, send(64), now);
     s.stage((3, 0), send(64), now);
-    assert!(!s.burst(other, now));
+    assert!(!s.budget(other, now).admit(&send(64), now));
     assert_eq!(s.pick(now), Pick::Run((3, 0)));
 }
 
@@ -427,6 +425,28 @@ fn a_tenant_keeps_its_turn_while_its_queue_is_restaged() {
     }
     let ratio = served[&2] as f64 / served[&1] as f64;
     assert!((ratio - 3.0).abs() < 0.1, "1:3 gave 1:{ratio:.3}");
+}
+
+#[test]
+fn a_burst_is_charged_like_the_picks_it_replaces() {
+    let now = Instant::now();
+    let mut limited = tenant("limited", PriorityClass::Normal, 1);
+    limited.rate.send.ops_per_sec = Some(10);
+    limited.rate.send.ops_burst = Some(4);
+    let mut s = setup(&[limited], now);
+    // 1 MB/s: the port closes after a few WQEs too.
+    s.stage((1, 0), send(64), now);
+    assert_eq!(s.pick(now), Pick::Run((1, 0)));
+    let mut budget = s.budget((1, 0), now);
+    let mut more = 0;
+    while budget.admit(&send(64), now) {
+        more += 1;
+    }
+    assert_eq!(more, 3, "the bucket held 4 operations");
+    s.spend(&budget, now);
+    s.stage((1, 0), send(64), now);
+    assert!(matches!(s.pick(now), Pick::Wait(Some(_))), "the tokens are spent");
+    assert!(s.throttled("limited", now + Duration::from_millis(1))[0] > Duration::ZERO);
 }
 
 #[test]
