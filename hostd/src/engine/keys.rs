@@ -71,7 +71,12 @@ impl Mr {
     /// The contiguous run at byte `at` of the region: its mapping, offset
     /// there, and bytes left in that segment.
     fn run(&self, at: u64) -> Option<(&SharedMapping, usize, u64)> {
-        let i = self.segments.partition_point(|s| s.start + s.len <= at);
+        // Most regions are one piece (process mode, hugepages): no search.
+        let i = if self.segments.len() == 1 {
+            0
+        } else {
+            self.segments.partition_point(|s| s.start + s.len <= at)
+        };
         let seg = self.segments.get(i)?;
         let skip = at.checked_sub(seg.start)?;
         let offset = seg.offset.checked_add(usize::try_from(skip).ok()?)?;
@@ -357,26 +362,50 @@ impl Extents for Extent<'_> {
     }
 }
 
-/// A list of SGEs, resolved through the key table as it is walked.
+/// A list of SGEs, resolved through the key table as it is walked (the
+/// last one resolved is kept: a walk asks for the same SGE many times).
 pub struct SgeList<'a> {
-    pub keys: &'a KeyTable,
-    pub device: DeviceId,
-    pub pd: u32,
-    pub sges: &'a [Sge],
-    pub need: u32,
+    keys: &'a KeyTable,
+    device: DeviceId,
+    pd: u32,
+    sges: &'a [Sge],
+    need: u32,
+    last: std::cell::Cell<Option<(usize, Extent<'a>)>>,
+}
+
+impl<'a> SgeList<'a> {
+    /// `sges` of `device`'s work in `pd`, accessed with `need`.
+    pub fn new(keys: &'a KeyTable, device: DeviceId, pd: u32, sges: &'a [Sge], need: u32) -> Self {
+        SgeList {
+            keys,
+            device,
+            pd,
+            sges,
+            need,
+            last: std::cell::Cell::new(None),
+        }
+    }
 }
 
 impl Extents for SgeList<'_> {
     fn get(&self, i: usize) -> Option<Extent<'_>> {
+        if let Some((j, extent)) = self.last.get() {
+            if i == j {
+                return Some(extent);
+            }
+        }
         let sge = self.sges.get(i)?;
-        if sge.length.get() == 0 {
-            return Some(Extent {
+        let extent = if sge.length.get() == 0 {
+            Extent {
                 mr: None,
                 start: 0,
                 len: 0,
-            });
-        }
-        self.keys.local(self.device, self.pd, sge, self.need)
+            }
+        } else {
+            self.keys.local(self.device, self.pd, sge, self.need)?
+        };
+        self.last.set(Some((i, extent)));
+        Some(extent)
     }
 }
 
@@ -656,13 +685,7 @@ mod tests {
         assert!(views[1].write(100, &pattern[..50]));
         assert!(views[0].write(4000, &pattern[50..]));
         let sges = [sge(10, 40, src), sge(0, 0, 0), sge(50, 50, src)];
-        let list = SgeList {
-            keys: &keys,
-            device: DEV,
-            pd: 1,
-            sges: &sges,
-            need: 0,
-        };
+        let list = SgeList::new(&keys, DEV, 1, &sges, 0);
         let dst = keys.remote(DEV, 1, dst_r, 0x9000, 90, access::REMOTE_WRITE).expect("dst");
         assert!(copy(&list, &dst, 0, 90));
         let mut out = [0u8; 90];

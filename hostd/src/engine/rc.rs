@@ -365,13 +365,7 @@ impl Engine {
         work: &'a SendWork,
         need: u32,
     ) -> SgeList<'a> {
-        SgeList {
-            keys: &self.keys,
-            device,
-            pd,
-            sges: work.sges(),
-            need,
-        }
+        SgeList::new(&self.keys, device, pd, work.sges(), need)
     }
 
     /// Whether responder `peer` has a receive for the next message (reading
@@ -479,13 +473,7 @@ impl Engine {
         if !fits {
             return self.refuse_receive(r.qp, recv_id, WcStatus::LocLenErr);
         }
-        let dst = SgeList {
-            keys: &self.keys,
-            device: r.device,
-            pd: r.pd,
-            sges: p.rq_head.sges(),
-            need: access::LOCAL_WRITE,
-        };
+        let dst = SgeList::new(&self.keys, r.device, r.pd, p.rq_head.sges(), access::LOCAL_WRITE);
         let (n, last) = segment(work.length, offset, chunk);
         let copied = match work.local {
             // Inline data is far shorter than a segment.
