@@ -170,7 +170,7 @@ impl Datapath {
                     TIMER_TOKEN => {
                         let _ = timer.clear();
                     }
-                    id => engine.clear_kick(id),
+                    id => mine.clear(id),
                 }
             }
             engine.set_need_kick(&mine.ids, false);
@@ -182,44 +182,70 @@ impl Datapath {
 }
 
 /// The devices a thread serves and the doorbell eventfds it sleeps on.
+///
+/// The thread sleeps on its own duplicates of the drivers' kick eventfds:
+/// epoll watches an open file, not a descriptor number, so a registration
+/// can only be removed through a descriptor of that file. With its own
+/// duplicate the thread removes a departed doorbell's registration whenever
+/// it notices, whatever the engine or the vdev closed meanwhile — a kick
+/// eventfd still open elsewhere would otherwise stay registered and, never
+/// read again, keep waking the thread.
 #[derive(Default)]
 struct Mine {
     generation: Option<u64>,
     ids: Vec<DeviceId>,
-    /// (device, kick fd) registered with the thread's epoll.
-    kicks: Vec<(DeviceId, i32)>,
+    /// (device, doorbell serial, our duplicate of its kick eventfd), each
+    /// registered with the thread's epoll.
+    kicks: Vec<(DeviceId, u64, EventFd)>,
 }
 
 impl Mine {
     /// Catches up with the devices the engine has now (when its
-    /// generation moved): registers new doorbell eventfds, unregisters
-    /// departed ones before their fds close.
+    /// generation moved): unregisters departed doorbells, registers new
+    /// ones.
     fn sync(&mut self, engine: &Engine, epoll: &Epoll, index: u64, threads: u64) -> io::Result<()> {
         if self.generation == Some(engine.generation()) {
             return Ok(());
         }
         self.generation = Some(engine.generation());
-        let now: Vec<(DeviceId, Option<i32>)> = engine.devices_of_thread(index, threads);
-        let kicks: Vec<(DeviceId, i32)> = now
-            .iter()
-            .filter_map(|&(id, fd)| Some((id, fd?)))
-            .collect();
-        for old in &self.kicks {
-            if !kicks.contains(old) {
-                let _ = epoll.ctl(ControlOperation::Delete, old.1, EpollEvent::default());
+        let now = engine.devices_of_thread(index, threads);
+        let live = |id: DeviceId, serial: u64| {
+            now.iter()
+                .any(|&(d, bell)| d == id && bell.is_some_and(|(s, _)| s == serial))
+        };
+        let mut kept = Vec::with_capacity(self.kicks.len());
+        for (id, serial, fd) in self.kicks.drain(..) {
+            if live(id, serial) {
+                kept.push((id, serial, fd));
+            } else {
+                let _ = epoll.ctl(ControlOperation::Delete, fd.as_raw_fd(), EpollEvent::default());
             }
         }
-        for new in &kicks {
-            if !self.kicks.contains(new) {
-                epoll.ctl(
-                    ControlOperation::Add,
-                    new.1,
-                    EpollEvent::new(EventSet::IN, new.0),
-                )?;
+        self.kicks = kept;
+        for &(id, bell) in &now {
+            let Some((serial, kick)) = bell else {
+                continue;
+            };
+            if self.kicks.iter().any(|&(d, s, _)| d == id && s == serial) {
+                continue;
             }
+            let fd = kick.try_clone()?;
+            epoll.ctl(
+                ControlOperation::Add,
+                fd.as_raw_fd(),
+                EpollEvent::new(EventSet::IN, id),
+            )?;
+            self.kicks.push((id, serial, fd));
         }
-        self.kicks = kicks;
         self.ids = now.into_iter().map(|(id, _)| id).collect();
         Ok(())
+    }
+
+    /// Takes the kick the thread woke for (on its own duplicate, which is
+    /// the same eventfd).
+    fn clear(&self, id: DeviceId) {
+        for (_, _, fd) in self.kicks.iter().filter(|k| k.0 == id) {
+            let _ = fd.read();
+        }
     }
 }

@@ -139,10 +139,18 @@ impl Engine {
         for eq in dev.eqs.iter_mut().flatten() {
             eq.lost |= eq.slot() == slot;
         }
+        let mut bell_lost = false;
         if let Some(bell) = dev.doorbell.as_mut() {
-            bell.lost |= bell.page.slot() == slot;
+            if bell.page.slot() == slot && !bell.lost {
+                bell.lost = true;
+                bell_lost = true;
+            }
         }
         let qps: Vec<QpRef> = dev.qps.values().copied().collect();
+        if bell_lost {
+            // The datapath threads stop sleeping on its kick.
+            self.generation += 1;
+        }
         self.keys.revoke_slot(id, slot);
         for qref in qps {
             let Some(qp) = self.qps.get_mut(qref) else {
@@ -178,6 +186,7 @@ impl Engine {
     /// The device's doorbell page at `gpa`, and the eventfd its driver
     /// kicks when the datapath asked to be woken.
     pub fn set_doorbell(&mut self, id: DeviceId, gpa: u64, kick: EventFd) -> Result<(), EngineError> {
+        let serial = self.next_serial;
         let dev = self.device_mut(id)?;
         if dev.doorbell.is_some() {
             return Err(EngineError::Exists("doorbell page"));
@@ -186,8 +195,10 @@ impl Engine {
         dev.doorbell = Some(Doorbell {
             page,
             kick,
+            serial,
             lost: false,
         });
+        self.next_serial += 1;
         self.generation += 1;
         Ok(())
     }

@@ -129,6 +129,9 @@ impl EngineError {
 pub struct Doorbell {
     page: DoorbellPage,
     kick: EventFd,
+    /// Unique over the engine's life: a datapath thread that sleeps on
+    /// `kick` knows by it whether this is still the doorbell it watches.
+    serial: u64,
     /// Its memory was removed.
     lost: bool,
 }
@@ -321,22 +324,22 @@ impl Engine {
     }
 
     /// The devices whose id falls to datapath thread `index` of `threads`,
-    /// with the eventfd each one's driver kicks (if it set its doorbell).
-    pub fn devices_of_thread(&self, index: u64, threads: u64) -> Vec<(DeviceId, Option<i32>)> {
-        use std::os::fd::AsRawFd;
+    /// with the eventfd each one's driver kicks and its serial (if it set
+    /// its doorbell and its memory is still there).
+    pub fn devices_of_thread(
+        &self,
+        index: u64,
+        threads: u64,
+    ) -> Vec<(DeviceId, Option<(u64, &EventFd)>)> {
         let mut out: Vec<_> = (self.devices.values())
             .filter(|d| d.id % threads.max(1) == index)
-            .map(|d| (d.id, d.doorbell.as_ref().map(|b| b.kick.as_raw_fd())))
+            .map(|d| {
+                let bell = d.doorbell.as_ref().filter(|b| !b.lost);
+                (d.id, bell.map(|b| (b.serial, &b.kick)))
+            })
             .collect();
-        out.sort_unstable();
+        out.sort_unstable_by_key(|(id, _)| *id);
         out
-    }
-
-    /// Takes the kick a sleeping thread woke for.
-    pub fn clear_kick(&self, device: DeviceId) {
-        if let Some(b) = self.devices.get(&device).and_then(|d| d.doorbell.as_ref()) {
-            let _ = b.kick.read();
-        }
     }
 
     /// Asks the drivers of `mine` to kick when they ring (the thread is
