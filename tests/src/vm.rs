@@ -1025,18 +1025,14 @@ fn qemu_args(
     Ok(args)
 }
 
-/// Whether the VM tests run here, and the image if so. In CI (env `CI`
-/// set) a missing image is a failure; elsewhere, without root, the test is
-/// skipped with a SKIPPED line on stderr.
-pub fn image_for_test(test: &str) -> Option<VmImage> {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    if std::env::var_os("CI").is_none() && !root {
-        eprintln!("SKIPPED {test}: the VM tests need root (debootstrap, chroot) outside CI");
-        return None;
-    }
-    match VmImage::prepare() {
-        Ok(image) => Some(image),
-        Err(e) => panic!("{test}: cannot prepare the VM image: {e}"),
-    }
+/// The image for a VM test, prepared (cached) if needed. The test fails,
+/// saying what to install, without root or the programs the preparation
+/// and the initramfs need.
+#[track_caller]
+pub fn image_for_test(test: &str) -> VmImage {
+    crate::need::root(&format!("{test} (debootstrap and chroot)"));
+    crate::need::program("debootstrap", "debootstrap");
+    crate::need::program("xz", "xz-utils");
+    crate::need::program("strip", "binutils");
+    VmImage::prepare().unwrap_or_else(|e| panic!("{test}: cannot prepare the VM image: {e}"))
 }

@@ -237,6 +237,7 @@ const EXPOSED: Connection = Connection {
     access: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
     rnr_retry: 7,
     min_rnr_timer: 1,
+    ..Connection::DEFAULT
 };
 
 impl Victim {
@@ -424,6 +425,7 @@ const ATTACKER: Connection = Connection {
     access: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
     rnr_retry: 1,
     min_rnr_timer: 1,
+    ..Connection::DEFAULT
 };
 
 /// A set of connected QPs (the requester first) with their own CQ, so

@@ -184,7 +184,7 @@ fn reload_raises_and_lowers_limits_without_touching_what_exists() {
             "[[tenant]]\nname = \"alpha\"\nnetwork = \"demo\"\nquotas = {{ max_qp = {max_qp} }}\n\n[[tenant]]\nname = \"beta\"\nnetwork = \"demo\"\n"
         )
     };
-    let hostd = Hostd::start(Some(&policy(1)));
+    let mut hostd = Hostd::start(Some(&policy(1)));
     let a = Tenant::start(&hostd, "alpha");
     let b = Tenant::start(&hostd, "beta");
     let qa = a.qp(default_caps());
@@ -524,7 +524,7 @@ fn the_datapath_threads_cpu_priority_follows_the_class_across_reloads() {
             "[[tenant]]\nname = \"alpha\"\nnetwork = \"demo\"\npriority = {{ class = \"{class}\" }}\n\n[[tenant]]\nname = \"beta\"\nnetwork = \"demo\"\npriority = {{ class = \"realtime\" }}\n"
         )
     };
-    let hostd = Hostd::start(Some(&policy("realtime")));
+    let mut hostd = Hostd::start(Some(&policy("realtime")));
     let mut a = Tenant::start_with(&hostd, "alpha", &["--class-cpu-priority"]);
     let b = Tenant::start_with(&hostd, "beta", &["--class-cpu-priority"]);
     let c = Tenant::start(&hostd, "beta");

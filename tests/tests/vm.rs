@@ -13,8 +13,9 @@
 //!   guest misbehaving (its driver killed mid-traffic, the machine reset
 //!   while QPs exist) while vdev, hostd and a bystander tenant carry on.
 //!
-//! Needs root (debootstrap, chroot) and the cache `tests/vm/prepare.sh`
-//! fills (docs/vm.md); outside CI without root it prints SKIPPED.
+//! Needs root, debootstrap and xz-utils (`scripts/test` installs them),
+//! and fills the cache of `tests/vm/prepare.sh` on its first run
+//! (docs/vm.md); without them the tests fail and say what is missing.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -28,7 +29,8 @@ use vhost::vhost_user::message::FrontendReq;
 use vrdma_guest_driver::{SendPayload, SendWr};
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
-use vrdma_tests::daemon::{tcp_listening, Hostd, IbverbsShim, Vdev};
+use vrdma_tests::daemon::{binary, tcp_listening, Hostd, IbverbsShim, Vdev};
+use vrdma_tests::need;
 use vrdma_tests::tenant::{connect, default_caps, wait_completions, Connection, Tenant};
 use vrdma_tests::vhost_tap::{render, Message, VhostTap};
 use vrdma_tests::vm::{self, Guest, GuestConfig, VrdmaDevice, QEMU_VIRTIO_ID};
@@ -149,9 +151,7 @@ fn wait_for_request(tap: &VhostTap, from: usize, req: FrontendReq, what: &str) {
 
 #[test]
 fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
-    let Some(image) = vm::image_for_test("vm smoke test") else {
-        return;
-    };
+    let image = vm::image_for_test("vm smoke test");
     let _one = one_vm();
     let vdev = Vdev::start_in(image.temp_dir("vdev-vm"), "alpha", &[]);
     let tap_dir = image.temp_dir("tap");
@@ -179,7 +179,7 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
         .strip_debug()
         .library_dir(shim.path())
         .binary(
-            Path::new("/usr/bin/ibv_rc_pingpong"),
+            &need::program("ibv_rc_pingpong", "ibverbs-utils"),
             "/bin/ibv_rc_pingpong",
         )
         .script(&guest_script(port));
@@ -429,7 +429,7 @@ struct HostGuestProgram {
 
 impl HostGuestProgram {
     fn listen(device: &Path) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vrdma-guest"))
+        let mut child = Command::new(binary("vrdma-guest"))
             .arg("--device")
             .arg(device)
             .args(["--listen", "127.0.0.1:0"])
@@ -784,9 +784,7 @@ impl Rig {
 /// exist) while vdev, hostd and another tenant carry on.
 #[test]
 fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
-    let Some(image) = vm::image_for_test("vm rdma test") else {
-        return;
-    };
+    let image = vm::image_for_test("vm rdma test");
     let _one = one_vm();
     let started = Instant::now();
     let hostd = Hostd::start(Some(POLICY));
@@ -800,12 +798,9 @@ fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
         .initramfs()
         .strip_debug()
         .library_dir(shim.path())
+        .binary(&binary("vrdma-guest"), "/bin/vrdma-guest")
         .binary(
-            Path::new(env!("CARGO_BIN_EXE_vrdma-guest")),
-            "/bin/vrdma-guest",
-        )
-        .binary(
-            Path::new("/usr/bin/ibv_rc_pingpong"),
+            &need::program("ibv_rc_pingpong", "ibverbs-utils"),
             "/bin/ibv_rc_pingpong",
         )
         .script(&agent_script(commands.port));
