@@ -8,12 +8,12 @@
 use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::{
-    CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities, QueuePair,
-    WorkCompletion,
+    CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities, QueuePair, RecvWr,
+    SendPayload, SendWr, Sge, WorkCompletion,
 };
+use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
 pub use vrdma_tools::verbs::{
-    bring_up, default_caps, rc_qp, rdma_wr as rdma, signaled, Connection, INIT_MASK, RTR_MASK,
-    RTS_MASK,
+    bring_up, default_caps, mask_to, rc_qp, rdma_wr as rdma, signaled, Connection,
 };
 use vrdma_tools::verbs::{poll_for, Opened};
 
@@ -125,6 +125,49 @@ impl Pair {
     }
 }
 
+impl Pair {
+    /// An MR of `len` bytes with every access on each side: alpha's and
+    /// beta's.
+    pub fn mrs(&self, len: usize) -> (MemoryRegion, MemoryRegion) {
+        let on = |t: &Tenant| t.pd.alloc_mr(len, ALL_ACCESS).expect("alloc_mr");
+        (on(&self.a), on(&self.b))
+    }
+
+    /// Posts `wr` on alpha's QP and returns its one completion.
+    #[track_caller]
+    pub fn post(&self, wr: SendWr<'_>) -> WorkCompletion {
+        self.qa.post_send(&[wr]).expect("post_send");
+        one(&self.a.cq)
+    }
+
+    /// Beta posts receive `wr_id` into `sg_list`.
+    #[track_caller]
+    pub fn recv(&self, wr_id: u64, sg_list: &[Sge]) {
+        self.qb
+            .post_recv(&[RecvWr { wr_id, sg_list }])
+            .expect("post_recv");
+    }
+
+    /// Alpha sends `message` inline, unsignaled, as work request `wr_id`.
+    #[track_caller]
+    pub fn send_inline(&self, wr_id: u64, message: &[u8]) {
+        let wr = SendWr::new(wr_id, SendOpcode::Send, SendPayload::Inline(message));
+        self.qa.post_send(&[wr]).expect("post_send");
+    }
+
+    /// Posts on alpha's QP the RDMA or atomic `opcode` (wr_id 1) from
+    /// `local` to `remote_addr` under `rkey`; returns its one completion's
+    /// status.
+    #[track_caller]
+    pub fn rdma(&self, opcode: SendOpcode, local: &[Sge], remote_addr: u64, rkey: u32) -> WcStatus {
+        self.post(rdma(1, opcode, local, remote_addr, rkey)).status
+    }
+}
+
+/// Every access an MR can grant.
+pub const ALL_ACCESS: u32 =
+    access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+
 /// Polls `cq` until `n` completions arrived (or panics after 10 s).
 #[track_caller]
 pub fn wait_completions(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
@@ -171,4 +214,10 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed) ^ (i >> 9) as u8)
         .collect()
+}
+
+/// A hostd policy: a `[[tenant]]` for each `(name, its other keys)`.
+pub fn policy(tenants: &[(&str, &str)]) -> String {
+    let block = |(name, keys): &(&str, &str)| format!("[[tenant]]\nname = \"{name}\"\n{keys}\n\n");
+    tenants.iter().map(block).collect()
 }

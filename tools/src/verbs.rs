@@ -12,7 +12,7 @@ use vrdma_guest_driver::{
     SendPayload, SendWr, Sge, WorkCompletion,
 };
 use vrdma_spec::control::QpAttr;
-use vrdma_spec::qp_state::mask;
+use vrdma_spec::qp_state::{mask, rc_transition};
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, Mtu, QpState, QpType, SendOpcode};
 
@@ -71,23 +71,19 @@ pub fn default_caps() -> QpCapabilities {
     }
 }
 
-/// The attributes RESET → INIT sets (libibverbs' required mask).
-pub const INIT_MASK: u32 = mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS;
-/// The attributes INIT → RTR sets.
-pub const RTR_MASK: u32 = mask::STATE
-    | mask::AV
-    | mask::PATH_MTU
-    | mask::DEST_QPN
-    | mask::RQ_PSN
-    | mask::MAX_DEST_RD_ATOMIC
-    | mask::MIN_RNR_TIMER;
-/// The attributes RTR → RTS sets.
-pub const RTS_MASK: u32 = mask::STATE
-    | mask::SQ_PSN
-    | mask::TIMEOUT
-    | mask::RETRY_CNT
-    | mask::RNR_RETRY
-    | mask::MAX_QP_RD_ATOMIC;
+/// The attribute mask of the transition that connects a QP to `state`
+/// (RESET → INIT, INIT → RTR or RTR → RTS): the state and every attribute
+/// the spec requires for it (`vrdma_spec::qp_state::rc_transition`). For
+/// any other state, the state alone.
+pub fn mask_to(state: QpState) -> u32 {
+    let from = match state {
+        QpState::Init => QpState::Reset,
+        QpState::Rtr => QpState::Init,
+        QpState::Rts => QpState::Rtr,
+        _ => return mask::STATE,
+    };
+    mask::STATE | rc_transition(from, state).map_or(0, |rule| rule.required)
+}
 
 /// How a QP is connected to its peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,7 +147,8 @@ pub fn transitions(dest_qpn: u32, dlid: u16, how: Connection) -> [(QpAttr, u32);
         max_rd_atomic: how.rd_atomic,
         ..QpAttr::default()
     };
-    [(init, INIT_MASK), (rtr, RTR_MASK), (rts, RTS_MASK)]
+    let to = [QpState::Init, QpState::Rtr, QpState::Rts];
+    [(init, to[0]), (rtr, to[1]), (rts, to[2])].map(|(attr, to)| (attr, mask_to(to)))
 }
 
 /// RESET → INIT → RTR → RTS towards `dest_qpn` behind `dlid`.

@@ -12,7 +12,7 @@ use vrdma_guest_driver::{
 use vrdma_spec::control::QpAttr;
 use vrdma_spec::verbs::QpState;
 use vrdma_tests::daemon::Vdev;
-use vrdma_tests::tenant::{rc_qp, INIT_MASK, RTR_MASK};
+use vrdma_tests::tenant::{mask_to, rc_qp};
 
 const LIMITS_TOML: &str = "\
 lid = 7
@@ -87,9 +87,10 @@ fn limits_from_the_config_file_are_advertised_and_enforced() {
         max_dest_rd_atomic: 5,
         ..rtr_attr(0x42, 1)
     };
-    c.modify(&init_attr(), INIT_MASK).expect("INIT");
+    c.modify(&init_attr(), mask_to(QpState::Init))
+        .expect("INIT");
     assert_eq!(
-        device_errno(c.modify(&rd_atomic, RTR_MASK)),
+        device_errno(c.modify(&rd_atomic, mask_to(QpState::Rtr))),
         EINVAL,
         "max_rd_atomic"
     );
@@ -97,7 +98,8 @@ fn limits_from_the_config_file_are_advertised_and_enforced() {
         max_dest_rd_atomic: 4,
         ..rtr_attr(0x42, 1)
     };
-    c.modify(&at_limit, RTR_MASK).expect("at max_rd_atomic");
+    c.modify(&at_limit, mask_to(QpState::Rtr))
+        .expect("at max_rd_atomic");
     destroyed(c.destroy());
 
     // CQs: 3 at most, 256 entries at most, vectors 0 and 1.

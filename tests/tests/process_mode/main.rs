@@ -30,7 +30,7 @@ use vrdma_guest_driver::{DestroyError, Error, PostError, QpCapabilities, QueuePa
 use vrdma_spec::control::QpAttr;
 use vrdma_spec::verbs::{access, Mtu, QpState};
 use vrdma_tests::daemon::Vdev;
-use vrdma_tests::tenant::{INIT_MASK, RTR_MASK, RTS_MASK};
+use vrdma_tests::tenant::mask_to;
 
 const EINVAL: i32 = libc::EINVAL;
 const EBUSY: i32 = libc::EBUSY;
@@ -159,10 +159,12 @@ fn to_state(state: QpState) -> QpAttr {
 
 /// RESET → INIT → RTR → RTS towards `dest_qpn` behind LID `dlid`.
 fn connect(qp: &QueuePair, dest_qpn: u32, dlid: u16) {
-    qp.modify(&init_attr(), INIT_MASK).expect("to INIT");
-    qp.modify(&rtr_attr(dest_qpn, dlid), RTR_MASK)
+    qp.modify(&init_attr(), mask_to(QpState::Init))
+        .expect("to INIT");
+    qp.modify(&rtr_attr(dest_qpn, dlid), mask_to(QpState::Rtr))
         .expect("to RTR");
-    qp.modify(&rts_attr(), RTS_MASK).expect("to RTS");
+    qp.modify(&rts_attr(), mask_to(QpState::Rts))
+        .expect("to RTS");
     assert_eq!(state_of(qp), QpState::Rts);
 }
 

@@ -8,7 +8,7 @@ use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::{self};
 use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
 use vrdma_tests::daemon::Vdev;
-use vrdma_tests::tenant::{rc_qp, INIT_MASK, RTR_MASK, RTS_MASK};
+use vrdma_tests::tenant::{mask_to, rc_qp};
 
 #[test]
 fn queue_pair_creation_grants_and_refusals() {
@@ -121,7 +121,11 @@ fn queue_pair_walks_the_rc_state_machine() {
 
     // RESET: no transition to RTR; a refused modify changes nothing.
     assert_eq!(state_of(&qp), QpState::Reset);
-    assert_eq!(refuse(&rtr_attr(0x42, 7), RTR_MASK), EINVAL, "RESET->RTR");
+    assert_eq!(
+        refuse(&rtr_attr(0x42, 7), mask_to(QpState::Rtr)),
+        EINVAL,
+        "RESET->RTR"
+    );
     assert_eq!(
         refuse(&init_attr(), mask::STATE | mask::PORT),
         EINVAL,
@@ -134,13 +138,13 @@ fn queue_pair_walks_the_rc_state_machine() {
         port_num: 2,
         ..init_attr()
     };
-    assert_eq!(refuse(&bad_port, INIT_MASK), EINVAL, "port 2");
+    assert_eq!(refuse(&bad_port, mask_to(QpState::Init)), EINVAL, "port 2");
     let bad_access = QpAttr {
         qp_access_flags: access::LOCAL_WRITE.into(),
         ..init_attr()
     };
     assert_eq!(
-        refuse(&bad_access, INIT_MASK),
+        refuse(&bad_access, mask_to(QpState::Init)),
         EINVAL,
         "LOCAL_WRITE is no QP access"
     );
@@ -148,9 +152,14 @@ fn queue_pair_walks_the_rc_state_machine() {
         pkey_index: 1.into(),
         ..init_attr()
     };
-    assert_eq!(refuse(&bad_pkey, INIT_MASK), EINVAL, "pkey_index 1");
+    assert_eq!(
+        refuse(&bad_pkey, mask_to(QpState::Init)),
+        EINVAL,
+        "pkey_index 1"
+    );
     assert_eq!(state_of(&qp), QpState::Reset);
-    qp.modify(&init_attr(), INIT_MASK).expect("RESET->INIT");
+    qp.modify(&init_attr(), mask_to(QpState::Init))
+        .expect("RESET->INIT");
     let q = qp.query(0).expect("query");
     assert_eq!(q.attr.qp_state, u8::from(QpState::Init));
     assert_eq!(
@@ -212,7 +221,7 @@ fn queue_pair_walks_the_rc_state_machine() {
             "max_dest_rd_atomic above max_qp_rd_atom",
         ),
     ] {
-        assert_eq!(refuse(&attr, RTR_MASK), EINVAL, "{what}");
+        assert_eq!(refuse(&attr, mask_to(QpState::Rtr)), EINVAL, "{what}");
         assert_eq!(
             qp.query(0).expect("query"),
             before,
@@ -220,12 +229,12 @@ fn queue_pair_walks_the_rc_state_machine() {
         );
     }
     assert_eq!(
-        refuse(&rtr_attr(peer, 7), RTR_MASK | mask::ALT_PATH),
+        refuse(&rtr_attr(peer, 7), mask_to(QpState::Rtr) | mask::ALT_PATH),
         EOPNOTSUPP,
         "alternate paths"
     );
     assert_eq!(
-        refuse(&rtr_attr(peer, 7), RTR_MASK | mask::QKEY),
+        refuse(&rtr_attr(peer, 7), mask_to(QpState::Rtr) | mask::QKEY),
         EINVAL,
         "QKEY is not an RC attribute"
     );
@@ -234,7 +243,7 @@ fn queue_pair_walks_the_rc_state_machine() {
         ..rtr_attr(peer, 7)
     };
     assert_eq!(
-        refuse(&wrong_cur, RTR_MASK | mask::CUR_STATE),
+        refuse(&wrong_cur, mask_to(QpState::Rtr) | mask::CUR_STATE),
         EINVAL,
         "cur_qp_state"
     );
@@ -244,7 +253,8 @@ fn queue_pair_walks_the_rc_state_machine() {
         "INIT->RTS"
     );
     assert_eq!(state_of(&qp), QpState::Init);
-    qp.modify(&rtr_attr(peer, 7), RTR_MASK).expect("INIT->RTR");
+    qp.modify(&rtr_attr(peer, 7), mask_to(QpState::Rtr))
+        .expect("INIT->RTR");
     let q = qp.query(0).expect("query");
     assert_eq!(q.attr.qp_state, u8::from(QpState::Rtr));
     assert_eq!(q.attr.dest_qp_num.get(), peer);
@@ -253,17 +263,29 @@ fn queue_pair_walks_the_rc_state_machine() {
     assert_eq!(q.attr.ah_attr, rtr_attr(peer, 7).ah_attr);
     assert_eq!(q.attr.max_dest_rd_atomic, 4);
     assert_eq!(q.attr.min_rnr_timer, 12);
-    assert_eq!(refuse(&rtr_attr(peer, 7), RTR_MASK), EINVAL, "RTR->RTR");
+    assert_eq!(
+        refuse(&rtr_attr(peer, 7), mask_to(QpState::Rtr)),
+        EINVAL,
+        "RTR->RTR"
+    );
 
     // RTR -> RTS.
     let bad_retry = QpAttr {
         retry_cnt: 8,
         ..rts_attr()
     };
-    assert_eq!(refuse(&bad_retry, RTS_MASK), EINVAL, "retry_cnt 8");
-    assert_eq!(refuse(&rts_attr(), RTS_MASK | mask::DEST_QPN), EINVAL);
+    assert_eq!(
+        refuse(&bad_retry, mask_to(QpState::Rts)),
+        EINVAL,
+        "retry_cnt 8"
+    );
+    assert_eq!(
+        refuse(&rts_attr(), mask_to(QpState::Rts) | mask::DEST_QPN),
+        EINVAL
+    );
     assert_eq!(state_of(&qp), QpState::Rtr);
-    qp.modify(&rts_attr(), RTS_MASK).expect("RTR->RTS");
+    qp.modify(&rts_attr(), mask_to(QpState::Rts))
+        .expect("RTR->RTS");
     let q = qp.query(0).expect("query");
     assert_eq!(q.attr.qp_state, u8::from(QpState::Rts));
     assert_eq!(q.attr.sq_psn.get(), 0x5678);
@@ -309,7 +331,11 @@ fn queue_pair_walks_the_rc_state_machine() {
     qp.modify(&to_state(QpState::Err), mask::STATE)
         .expect("RTS->ERR");
     assert_eq!(state_of(&qp), QpState::Err);
-    assert_eq!(refuse(&rts_attr(), RTS_MASK), EINVAL, "ERR->RTS");
+    assert_eq!(
+        refuse(&rts_attr(), mask_to(QpState::Rts)),
+        EINVAL,
+        "ERR->RTS"
+    );
     assert_eq!(state_of(&qp), QpState::Err);
 
     // ERR -> RESET forgets every attribute.

@@ -11,7 +11,7 @@ use vrdma_spec::control::QpAttr;
 use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcStatus};
-use vrdma_tests::tenant::{bring_up, wait_completions, INIT_MASK, RTR_MASK, RTS_MASK};
+use vrdma_tests::tenant::{bring_up, mask_to, wait_completions};
 
 impl Attacker<'_> {
     pub(super) fn fresh_qp(&self) -> QueuePair {
@@ -73,14 +73,17 @@ impl Attacker<'_> {
         let qp = self.fresh_qp();
         let beta_lid = self.beta().t.lid;
         for _ in 0..6 {
-            let (target, usual) = [
-                (QpState::Reset, mask::STATE),
-                (QpState::Init, INIT_MASK),
-                (QpState::Rtr, RTR_MASK),
-                (QpState::Rts, RTS_MASK),
-                (QpState::Sqd, mask::STATE),
-                (QpState::Err, mask::STATE),
+            let target = [
+                QpState::Reset,
+                QpState::Init,
+                QpState::Rtr,
+                QpState::Rts,
+                QpState::Sqd,
+                QpState::Err,
             ][self.rng.below(6) as usize];
+            // The usual mask for it: the state alone, or with the
+            // attributes a connecting transition requires.
+            let usual = mask_to(target);
             let attr_mask = if self.rng.chance(2) {
                 usual ^ 1 << self.rng.below(21)
             } else {
