@@ -57,6 +57,27 @@ impl TempDir {
     }
 }
 
+/// `$wrapper` dereferences to its `daemon` field, the supervisor's
+/// [`Daemon`]: pid, log, kill, exit status.
+macro_rules! deref_to_daemon {
+    ($($wrapper:ty),*) => {$(
+        impl Deref for $wrapper {
+            type Target = Daemon;
+            fn deref(&self) -> &Daemon {
+                &self.daemon
+            }
+        }
+
+        impl DerefMut for $wrapper {
+            fn deref_mut(&mut self) -> &mut Daemon {
+                &mut self.daemon
+            }
+        }
+    )*};
+}
+
+deref_to_daemon!(Vdev, Hostd);
+
 /// Starts `launch` with debug logs, or fails the test.
 fn start(launch: Launch) -> Daemon {
     must(launch.log_level("debug").start())
@@ -70,19 +91,6 @@ pub struct Vdev {
     pub socket: PathBuf,
     pub tenant: String,
     _dir: TempDir,
-}
-
-impl Deref for Vdev {
-    type Target = Daemon;
-    fn deref(&self) -> &Daemon {
-        &self.daemon
-    }
-}
-
-impl DerefMut for Vdev {
-    fn deref_mut(&mut self) -> &mut Daemon {
-        &mut self.daemon
-    }
 }
 
 impl Vdev {
@@ -170,19 +178,6 @@ pub struct Hostd {
     daemon: Daemon,
     pub socket: PathBuf,
     dir: TempDir,
-}
-
-impl Deref for Hostd {
-    type Target = Daemon;
-    fn deref(&self) -> &Daemon {
-        &self.daemon
-    }
-}
-
-impl DerefMut for Hostd {
-    fn deref_mut(&mut self) -> &mut Daemon {
-        &mut self.daemon
-    }
 }
 
 impl Hostd {

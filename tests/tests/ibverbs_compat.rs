@@ -189,28 +189,30 @@ fn misconfiguration_is_reported_clearly() {
     need::program("ibv_devinfo", "ibverbs-utils");
     let shim = IbverbsShim::new();
     let dir = TempDir::new("ibverbs-noconf");
+    // ibv_devinfo on the shim with `VRDMA_DEVICES` unset or set: it fails.
+    let fails = |devices: Option<&Path>| {
+        let mut command = Command::new("ibv_devinfo");
+        command.env("LD_LIBRARY_PATH", shim.path());
+        match devices {
+            Some(devices) => command.env("VRDMA_DEVICES", devices),
+            None => command.env_remove("VRDMA_DEVICES"),
+        };
+        let config = dir.path().join("missing.toml");
+        let out = command.env("VRDMA_CONFIG", config).output();
+        let out = out.expect("run ibv_devinfo");
+        let text = Run::text(&out);
+        assert!(!out.status.success(), "{text}");
+        text
+    };
     // Nothing configured (a config file that is named but missing).
-    let out = Command::new("ibv_devinfo")
-        .env("LD_LIBRARY_PATH", shim.path())
-        .env_remove("VRDMA_DEVICES")
-        .env("VRDMA_CONFIG", dir.path().join("missing.toml"))
-        .output()
-        .expect("run ibv_devinfo");
-    let text = Run::text(&out);
-    assert!(!out.status.success(), "{text}");
+    let text = fails(None);
     assert!(
         text.contains("libibverbs (vrdma): invalid vrdma configuration in"),
         "{text}"
     );
     assert!(text.contains("No IB devices found"), "{text}");
     // A device whose vdev is not there.
-    let out = Command::new("ibv_devinfo")
-        .env("LD_LIBRARY_PATH", shim.path())
-        .env("VRDMA_DEVICES", dir.path().join("gone.sock"))
-        .output()
-        .expect("run ibv_devinfo");
-    let text = Run::text(&out);
-    assert!(!out.status.success(), "{text}");
+    let text = fails(Some(&dir.path().join("gone.sock")));
     assert!(
         text.contains("libibverbs (vrdma): cannot open device vrdma0 (vdev socket")
             && text.contains("gone.sock"),

@@ -4,65 +4,39 @@
 
 use std::io;
 
-use vm_memory::VolatileSlice;
+use vm_memory::mmap::MmapRegion;
+use vm_memory::{VolatileMemory, VolatileSlice};
 
 /// A private anonymous mapping of `len` bytes, unmapped on drop. Drop the
 /// memory regions registered over it first.
 #[derive(Debug)]
-pub struct AppMemory {
-    ptr: *mut u8,
-    len: usize,
-}
-
-// SAFETY: the mapping is plain memory owned by this value; every access
-// goes through volatile copies, which any thread may make.
-unsafe impl Send for AppMemory {}
-// SAFETY: as above; `&AppMemory` only allows volatile copies.
-unsafe impl Sync for AppMemory {}
+pub struct AppMemory(MmapRegion);
 
 impl AppMemory {
     /// Maps `len` (> 0) zeroed bytes.
     pub fn new(len: usize) -> io::Result<Self> {
-        // SAFETY: a fresh private anonymous mapping at an address the kernel
-        // picks; no existing memory is affected.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(AppMemory {
-            ptr: ptr.cast(),
-            len,
-        })
+        MmapRegion::new(len).map(Self).map_err(io::Error::other)
     }
 
     /// Its first byte, for `reg_mr`.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr
+        self.0.as_ptr()
     }
 
     /// Its length in bytes.
     pub fn len(&self) -> usize {
-        self.len
+        self.0.size()
     }
 
     /// Whether it is empty (never: `new` maps at least one page).
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.0.size() == 0
     }
 
+    /// All of it, accessed with volatile copies: a device may write it at
+    /// any time.
     fn slice(&self) -> VolatileSlice<'_> {
-        // SAFETY: the whole mapping, alive as long as `self`; volatile
-        // because a device may write it concurrently.
-        unsafe { VolatileSlice::new(self.ptr, self.len) }
+        self.0.as_volatile_slice()
     }
 
     /// Copies `data` to its start.
@@ -72,15 +46,8 @@ impl AppMemory {
 
     /// Copies all of it out.
     pub fn read(&self) -> Vec<u8> {
-        let mut out = vec![0u8; self.len];
+        let mut out = vec![0u8; self.len()];
         self.slice().copy_to(&mut out);
         out
-    }
-}
-
-impl Drop for AppMemory {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in `new`, not used after this.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
     }
 }

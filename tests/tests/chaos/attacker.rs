@@ -260,6 +260,17 @@ impl<'v> Attacker<'v> {
         (self.tally, rounds, log)
     }
 
+    /// A random key that is none of beta's own.
+    fn guessed_key(&mut self) -> u32 {
+        let own = self.beta().own_keys();
+        loop {
+            let guess = self.rng.next_u64() as u32;
+            if !own.contains(&guess) {
+                return guess;
+            }
+        }
+    }
+
     fn play(&mut self, m: Move) {
         match m {
             Move::OwnWrite => self.own_write(),
@@ -291,13 +302,7 @@ impl<'v> Attacker<'v> {
                 self.remote_op(false, op, iova, rkey, 256);
             }
             Move::GuessedRkey => {
-                let own = self.beta().own_keys();
-                let rkey = loop {
-                    let guess = self.rng.next_u64() as u32;
-                    if !own.contains(&guess) {
-                        break guess;
-                    }
-                };
+                let rkey = self.guessed_key();
                 let over_link = self.rng.chance(2);
                 let iova = self.secrets.canary.0;
                 self.remote_op(over_link, SendOpcode::RdmaWrite, iova, rkey, 64);
@@ -317,13 +322,7 @@ impl<'v> Attacker<'v> {
                 self.local_op(lkey, 0, 64);
             }
             Move::GuessedLkey => {
-                let own = self.beta().own_keys();
-                let lkey = loop {
-                    let guess = self.rng.next_u64() as u32;
-                    if !own.contains(&guess) {
-                        break guess;
-                    }
-                };
+                let lkey = self.guessed_key();
                 self.local_op(lkey, 0, 64);
             }
             Move::LocalOutOfRange => {
@@ -567,22 +566,15 @@ impl<'v> Attacker<'v> {
         let inline = self.rng.bytes(4 * KIB);
         let ch = self.pair();
         let cap = ch.requester().cap();
-        let too_many = ch
-            .requester()
-            .post_send(&[SendWr::new(
-                1,
-                SendOpcode::Send,
-                SendPayload::Sges(&sges[..cap.max_send_sge as usize + 1]),
-            )])
-            .map_err(|e| e.errno());
-        let too_long = ch
-            .requester()
-            .post_send(&[SendWr::new(
-                2,
-                SendOpcode::Send,
-                SendPayload::Inline(&inline[..cap.max_inline_data as usize + 1]),
-            )])
-            .map_err(|e| e.errno());
+        let post = |wr_id, payload| {
+            let wr = SendWr::new(wr_id, SendOpcode::Send, payload);
+            ch.requester().post_send(&[wr]).map_err(|e| e.errno())
+        };
+        let too_many = post(1, SendPayload::Sges(&sges[..cap.max_send_sge as usize + 1]));
+        let too_long = post(
+            2,
+            SendPayload::Inline(&inline[..cap.max_inline_data as usize + 1]),
+        );
         self.expect_errno("too many SGEs", too_many, &[libc::EINVAL]);
         self.expect_errno("too much inline data", too_long, &[libc::EINVAL]);
     }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::*;
 use crate::*;
 use vrdma_guest_driver::Sge;
-use vrdma_hostd_protocol::entries::PhysWqe;
+use vrdma_hostd_protocol::entries::{PhysCqe, PhysWqe};
 use vrdma_hostd_protocol::messages::Request;
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{SendOpcode, WcStatus};
@@ -50,6 +50,15 @@ impl Attacker<'_> {
         let transient = [libc::EBUSY, libc::EDQUOT];
         RogueVdev::hello_retrying(&self.hostd_socket, "beta", &name, &transient)
             .unwrap_or_else(|errno| panic!("{}: Hello refused with errno {errno}", self.context()))
+    }
+
+    /// The compromised vdev's next completion, which must have `status`.
+    fn expect_cqe(&mut self, rogue: &RogueVdev, status: WcStatus) -> PhysCqe {
+        let cqe = rogue.completion(0, Duration::from_secs(10));
+        let cqe = cqe.unwrap_or_else(|| panic!("{}: no completion", self.context()));
+        self.note(status_name(cqe.status));
+        assert_eq!(cqe.status, u8::from(status), "{}", self.context());
+        cqe
     }
 
     pub(super) fn expect_answer(&mut self, what: &str, got: Answer, expected: Answer) {
@@ -331,17 +340,8 @@ impl Attacker<'_> {
         // Two QPs: their completions come in either order.
         let mut tokens = Vec::new();
         for _ in 0..2 {
-            let cqe = rogue
-                .completion(0, Duration::from_secs(10))
-                .expect("completion");
+            let cqe = self.expect_cqe(&rogue, WcStatus::LocQpOpErr);
             tokens.push(cqe.token.get());
-            self.note(status_name(cqe.status));
-            assert_eq!(
-                cqe.status,
-                u8::from(WcStatus::LocQpOpErr),
-                "{}",
-                self.context()
-            );
         }
         tokens.sort_unstable();
         assert_eq!(tokens, [token, token2], "{}", self.context());
@@ -374,16 +374,7 @@ impl Attacker<'_> {
                 (canary_iova, canary_rkey),
             ),
         );
-        let cqe = rogue
-            .completion(0, Duration::from_secs(10))
-            .expect("completion");
-        self.note(status_name(cqe.status));
-        assert_eq!(
-            cqe.status,
-            u8::from(WcStatus::LocProtErr),
-            "{}",
-            self.context()
-        );
+        self.expect_cqe(&rogue, WcStatus::LocProtErr);
         let mut after = vec![0u8; 256];
         assert!(mine.read(0, &mut after));
         assert!(

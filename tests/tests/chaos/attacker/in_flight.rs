@@ -89,13 +89,18 @@ impl Attacker<'_> {
         wcs.len()
     }
 
+    /// The pair a burst was posted on, taken out of beta's hands.
+    fn take_pair(&mut self) -> Channel {
+        let beta = self.beta.as_mut().expect("beta's device is open");
+        beta.pair.take().expect("the burst made a pair")
+    }
+
     pub(super) fn destroy_in_flight(&mut self) {
         let ctx = self.context();
         let n = 8 + self.rng.below(24) as usize;
         let src = self.beta().mr.sge(0, 4 * KIB as u32);
         let posted = self.burst(n, src, self.scratch());
-        let beta = self.beta.as_mut().expect("beta's device is open");
-        let Channel { qps, cq } = beta.pair.take().expect("the burst made a pair");
+        let Channel { qps, cq } = self.take_pair();
         for qp in qps {
             qp.destroy()
                 .unwrap_or_else(|e| panic!("{ctx}: destroy_qp in flight: {e}"));
@@ -126,13 +131,7 @@ impl Attacker<'_> {
         let posted = self.burst(n, x.sge(0, len as u32), self.scratch());
         x.dereg()
             .unwrap_or_else(|e| panic!("{ctx}: dereg_mr in flight: {e}"));
-        let ch = self
-            .beta
-            .as_mut()
-            .expect("beta's device is open")
-            .pair
-            .take()
-            .expect("the burst made a pair");
+        let ch = self.take_pair();
         let got = self.drain(
             &ch.cq,
             posted,
@@ -150,13 +149,7 @@ impl Attacker<'_> {
         let n = 8 + self.rng.below(24) as usize;
         let src = self.beta().mr.sge(0, 4 * KIB as u32);
         let posted = self.burst(n, src, self.scratch());
-        let ch = self
-            .beta
-            .as_mut()
-            .expect("beta's device is open")
-            .pair
-            .take()
-            .expect("the burst made a pair");
+        let ch = self.take_pair();
         ch.requester()
             .modify(&to_state(QpState::Err), mask::STATE)
             .unwrap_or_else(|e| panic!("{ctx}: to ERR: {e}"));
@@ -320,13 +313,7 @@ impl Attacker<'_> {
             .unwrap_or_else(|e| panic!("{ctx}: dereg_mr in flight: {e}"));
         let pattern = self.rng.bytes(map.len());
         map.write(&pattern);
-        let ch = self
-            .beta
-            .as_mut()
-            .expect("beta's device is open")
-            .pair
-            .take()
-            .expect("the burst made a pair");
+        let ch = self.take_pair();
         self.drain(
             &ch.cq,
             posted,
