@@ -4,17 +4,15 @@
 use std::time::Duration;
 
 use crate::*;
-use vrdma_guest_driver::{Context, QpInitAttr, Sge, WorkCompletion};
+use vrdma_guest_driver::{QpInitAttr, Sge, WorkCompletion};
 use vrdma_spec::config::DeviceConfig;
 use vrdma_spec::verbs::{access, atomic_cap, device_cap, LinkLayer, Mtu, PortState, QpType};
 use vrdma_tenant_policy::Limits;
-use vrdma_tests::daemon::Vdev;
 use vrdma_tests::tenant::{pattern, rc_qp, read_mr};
 
 #[test]
 fn queries_match_the_config_space() {
-    let vdev = Vdev::start("pm-query", &["--lid", "9", "--comp-vectors", "2"]);
-    let ctx = Context::open_vhost_user(&vdev.socket).expect("open");
+    let (_vdev, ctx) = device("pm-query", &["--lid", "9", "--comp-vectors", "2"]);
     let config: DeviceConfig = *ctx.config();
     assert_eq!(config.name(), Some("vrdma_9"));
     assert_eq!(ctx.num_comp_vectors(), 2);
@@ -101,8 +99,7 @@ fn queries_match_the_config_space() {
 
 #[test]
 fn protection_domains_and_what_keeps_them_busy() {
-    let vdev = Vdev::start("pm-pd", &[]);
-    let ctx = Context::open_vhost_user(&vdev.socket).expect("open");
+    let (_vdev, ctx) = device("pm-pd", &[]);
     let a = ctx.alloc_pd().expect("alloc_pd");
     let b = ctx.alloc_pd().expect("alloc_pd");
     assert_ne!(a.pdn(), 0);
@@ -135,8 +132,7 @@ fn protection_domains_and_what_keeps_them_busy() {
 
 #[test]
 fn driver_memory_regions_and_their_access_rules() {
-    let vdev = Vdev::start("pm-mr", &[]);
-    let ctx = Context::open_vhost_user(&vdev.socket).expect("open");
+    let (_vdev, ctx) = device("pm-mr", &[]);
     let pd = ctx.alloc_pd().expect("alloc_pd");
 
     let mr = pd.alloc_mr(3 * PAGE, RW).expect("alloc_mr");
@@ -207,8 +203,7 @@ fn driver_memory_regions_and_their_access_rules() {
 
 #[test]
 fn completion_queues_and_what_keeps_them_busy() {
-    let vdev = Vdev::start("pm-cq", &[]);
-    let ctx = Context::open_vhost_user(&vdev.socket).expect("open");
+    let (_vdev, ctx) = device("pm-cq", &[]);
     let cq = ctx.create_cq(100, 0).expect("create_cq");
     assert_eq!(cq.depth(), 128, "rounded up to a power of two");
     assert_eq!(cq.comp_vector(), 0);

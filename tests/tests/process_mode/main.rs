@@ -26,7 +26,7 @@ mod rings;
 
 use std::fmt::Debug;
 
-use vrdma_guest_driver::{DestroyError, Error, PostError, QpCapabilities, QueuePair};
+use vrdma_guest_driver::{Context, DestroyError, Error, PostError, QpCapabilities, QueuePair};
 use vrdma_spec::control::QpAttr;
 use vrdma_spec::verbs::{access, Mtu, QpState};
 use vrdma_tests::daemon::Vdev;
@@ -229,6 +229,14 @@ fn write_app(base: *mut u8, cap: usize, offset: usize, data: &[u8]) {
     // SAFETY: the range is inside the live allocation `[base, base + cap)`,
     // and the source is a distinct Rust slice.
     unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), base.add(offset), data.len()) };
+}
+
+/// A vdev without hostd (`--tenant name`, `args`) and its device, opened
+/// by the driver in process mode.
+fn device(name: &str, args: &[&str]) -> (Vdev, Context) {
+    let vdev = Vdev::start(name, args);
+    let ctx = Context::open_vhost_user(&vdev.socket).expect("open");
+    (vdev, ctx)
 }
 
 fn assert_no_revocation(vdev: &Vdev) {

@@ -12,8 +12,7 @@ use vrdma_tests::tenant::{mask_to, rc_qp};
 
 #[test]
 fn queue_pair_creation_grants_and_refusals() {
-    let vdev = Vdev::start("pm-qp-create", &[]);
-    let ctx = Context::open_vhost_user(&vdev.socket).expect("open");
+    let (_vdev, ctx) = device("pm-qp-create", &[]);
     let pd = ctx.alloc_pd().expect("alloc_pd");
     let cq = ctx.create_cq(64, 0).expect("create_cq");
 
@@ -111,8 +110,7 @@ fn queue_pair_creation_grants_and_refusals() {
 
 #[test]
 fn queue_pair_walks_the_rc_state_machine() {
-    let vdev = Vdev::start("pm-qp-states", &["--lid", "5"]);
-    let ctx = Context::open_vhost_user(&vdev.socket).expect("open");
+    let (_vdev, ctx) = device("pm-qp-states", &["--lid", "5"]);
     let pd = ctx.alloc_pd().expect("alloc_pd");
     let cq = ctx.create_cq(16, 0).expect("create_cq");
     let qp = rc_qp(&pd, &cq, caps(16, 16, 1, 32)).expect("create_qp");
@@ -181,43 +179,25 @@ fn queue_pair_walks_the_rc_state_machine() {
     // INIT -> RTR: a bad attribute is refused and leaves INIT as it was.
     let before = qp.query(0).expect("query");
     let peer = 0xab_cdef;
+    // The RTR attributes with one value changed.
+    let with = |change: fn(&mut QpAttr)| {
+        let mut attr = rtr_attr(peer, 7);
+        change(&mut attr);
+        attr
+    };
     for (attr, what) in [
-        (
-            QpAttr {
-                path_mtu: 6,
-                ..rtr_attr(peer, 7)
-            },
-            "path_mtu above the port's",
-        ),
-        (
-            QpAttr {
-                path_mtu: 0,
-                ..rtr_attr(peer, 7)
-            },
-            "path_mtu 0",
-        ),
+        (with(|a| a.path_mtu = 6), "path_mtu above the port's"),
+        (with(|a| a.path_mtu = 0), "path_mtu 0"),
         (rtr_attr(0x100_0000, 7), "dest_qp_num wider than 24 bits"),
         (rtr_attr(peer, 0xc000), "multicast dlid"),
         (rtr_attr(peer, 0), "dlid 0"),
         (
-            QpAttr {
-                rq_psn: 0x100_0000.into(),
-                ..rtr_attr(peer, 7)
-            },
+            with(|a| a.rq_psn = 0x100_0000.into()),
             "rq_psn wider than 24 bits",
         ),
+        (with(|a| a.min_rnr_timer = 32), "min_rnr_timer 32"),
         (
-            QpAttr {
-                min_rnr_timer: 32,
-                ..rtr_attr(peer, 7)
-            },
-            "min_rnr_timer 32",
-        ),
-        (
-            QpAttr {
-                max_dest_rd_atomic: 17,
-                ..rtr_attr(peer, 7)
-            },
+            with(|a| a.max_dest_rd_atomic = 17),
             "max_dest_rd_atomic above max_qp_rd_atom",
         ),
     ] {

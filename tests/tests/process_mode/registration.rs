@@ -1,20 +1,30 @@
 //! `reg_mr` of application memory: the pages shared with the device in
 //! place, and left alone when a registration is refused.
 
-use crate::device_view::*;
-use crate::*;
+use std::sync::Arc;
+
 use vm_memory::{Bytes, GuestAddress};
+use vrdma_guest_driver::{Context, ProtectionDomain};
 use vrdma_spec::verbs::access;
 use vrdma_tests::daemon::Vdev;
 use vrdma_tests::tenant::{pattern, read_mr};
 
-#[test]
-fn reg_mr_shares_page_aligned_application_memory_in_place() {
-    let vdev = Vdev::start("pm-regmr", &[]);
+use crate::device_view::*;
+use crate::*;
+
+/// A vdev without hostd, its device opened through a [`DeviceView`], and
+/// a PD.
+fn viewed(name: &str) -> (Vdev, Arc<DeviceView>, Context, ProtectionDomain) {
+    let vdev = Vdev::start(name, &[]);
     let (view, ctx) = DeviceView::open(&vdev.socket);
     let pd = ctx.alloc_pd().expect("alloc_pd");
-    let len = 1 << 20;
-    let data = pattern(len, 1);
+    (vdev, view, ctx, pd)
+}
+
+#[test]
+fn reg_mr_shares_page_aligned_application_memory_in_place() {
+    let (vdev, view, _ctx, pd) = viewed("pm-regmr");
+    let (len, data) = (1 << 20, pattern(1 << 20, 1));
     let buf = AlignedBuf::new(len, &data);
     assert_eq!(buf.ptr as usize % PAGE, 0);
     let addr = buf.ptr as u64;
@@ -65,9 +75,7 @@ fn reg_mr_shares_page_aligned_application_memory_in_place() {
 
 #[test]
 fn reg_mr_shares_an_unaligned_vec_in_place() {
-    let vdev = Vdev::start("pm-regvec", &[]);
-    let (view, ctx) = DeviceView::open(&vdev.socket);
-    let pd = ctx.alloc_pd().expect("alloc_pd");
+    let (vdev, view, _ctx, pd) = viewed("pm-regvec");
     let mut vec = pattern((1 << 20) + 333, 2);
     let expected = vec.clone();
     // glibc puts a 16-byte header before an mmap-served allocation.
@@ -124,11 +132,8 @@ fn reg_mr_shares_an_unaligned_vec_in_place() {
 
 #[test]
 fn overlapping_registrations_share_memory_until_the_last_goes() {
-    let vdev = Vdev::start("pm-overlap", &[]);
-    let (view, ctx) = DeviceView::open(&vdev.socket);
-    let pd = ctx.alloc_pd().expect("alloc_pd");
-    let len = 1 << 20;
-    let data = pattern(len, 3);
+    let (vdev, view, _ctx, pd) = viewed("pm-overlap");
+    let (len, data) = (1 << 20, pattern(1 << 20, 3));
     let buf = AlignedBuf::new(len, &data);
     let addr = buf.ptr as u64;
     let page = PAGE as u64;
@@ -191,11 +196,8 @@ fn overlapping_registrations_share_memory_until_the_last_goes() {
 
 #[test]
 fn refused_registrations_leave_application_memory_alone() {
-    let vdev = Vdev::start("pm-regmr-bad", &[]);
-    let (view, ctx) = DeviceView::open(&vdev.socket);
-    let pd = ctx.alloc_pd().expect("alloc_pd");
-    let len = 1 << 20;
-    let data = pattern(len, 4);
+    let (_vdev, view, _ctx, pd) = viewed("pm-regmr-bad");
+    let (len, data) = (1 << 20, pattern(1 << 20, 4));
     let buf = AlignedBuf::new(len, &data);
     let refused = [
         (
