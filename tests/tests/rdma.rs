@@ -22,8 +22,7 @@ const RW: u32 =
 #[test]
 fn rdma_write_lands_in_the_peers_memory() {
     let s = Pair::start();
-    let src = s.a.pd.alloc_mr(64 << 10, RW).expect("src");
-    let dst = s.b.pd.alloc_mr(64 << 10, RW).expect("dst");
+    let (src, dst) = s.mrs(64 << 10);
     let data = pattern(64 << 10, 1);
     src.write(0, &data).expect("fill");
     let sge = [src.sge(0, data.len() as u32)];
@@ -45,8 +44,7 @@ fn rdma_write_lands_in_the_peers_memory() {
 #[test]
 fn write_with_immediate_consumes_a_receive() {
     let s = Pair::start();
-    let src = s.a.pd.alloc_mr(4096, RW).expect("src");
-    let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
+    let (src, dst) = s.mrs(4096);
     let data = pattern(1000, 2);
     src.write(0, &data).expect("fill");
     s.recv(99, &[]);
@@ -74,8 +72,7 @@ fn write_with_immediate_consumes_a_receive() {
 #[test]
 fn send_gathers_and_receive_scatters() {
     let s = Pair::start();
-    let src = s.a.pd.alloc_mr(8192, RW).expect("src");
-    let dst = s.b.pd.alloc_mr(8192, RW).expect("dst");
+    let (src, dst) = s.mrs(8192);
     let data = pattern(3000, 3);
     src.write(0, &data[..1000]).expect("part 1");
     src.write(4000, &data[1000..2500]).expect("part 2");
@@ -291,8 +288,7 @@ fn a_qp_without_remote_write_access_refuses_writes() {
 #[test]
 fn a_message_longer_than_the_receive_buffer_is_a_length_error() {
     let s = Pair::start();
-    let src = s.a.pd.alloc_mr(4096, RW).expect("src");
-    let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
+    let (src, dst) = s.mrs(4096);
     s.recv(1, &[dst.sge(0, 100)]);
     let sge = [src.sge(0, 200)];
     s.qa.post_send(&[signaled(SendWr::new(
