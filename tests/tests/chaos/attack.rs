@@ -5,12 +5,13 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::attacker::{Attacker, MOVES};
-use crate::victim::{victim_traffic, Victim};
-use crate::*;
 use vrdma_guest_driver::WorkCompletion;
 use vrdma_tests::daemon::Hostd;
 use vrdma_tests::tenant::Tenant;
+
+use crate::attacker::{Attacker, MOVES};
+use crate::victim::{victim_traffic, Victim};
+use crate::*;
 
 /// The victim (alpha) is realtime and the attacker (beta) normal, so the
 /// attacker's long messages also run in the NIC's segments, between which

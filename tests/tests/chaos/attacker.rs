@@ -11,8 +11,6 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use crate::victim::{Secrets, Victim};
-use crate::*;
 use vrdma_guest_driver::{
     CompletionQueue, MemoryRegion, QueuePair, SendPayload, SendWr, Sge, WorkCompletion,
 };
@@ -21,6 +19,9 @@ use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
 use vrdma_tests::daemon::Hostd;
 use vrdma_tests::rng::Rng;
 use vrdma_tests::tenant::{bring_up, connect, rdma, read_mr, wait_completions, Connection, Tenant};
+
+use crate::victim::{Secrets, Victim};
+use crate::*;
 
 /// The attacker's QPs fail fast: one RNR retry.
 const ATTACKER: Connection = Connection {

@@ -1,9 +1,10 @@
 //! What one tenant's devices cannot take from another: LIDs, physical
 //! queues.
 
-use crate::*;
 use vrdma_tests::daemon::Hostd;
 use vrdma_tests::rogue::RogueVdev;
+
+use crate::*;
 
 /// Found by the chaos test's compromised vdev: every new device name took
 /// a fresh LID for good, so one tenant's vdev cycling names (or a VMM

@@ -3,10 +3,11 @@
 
 use std::time::{Duration, Instant};
 
-use crate::*;
 use vrdma_spec::verbs::{SendOpcode, WcStatus};
 use vrdma_tests::daemon::Hostd;
 use vrdma_tests::tenant::{connect, rdma, read_mr, wait_completions, Connection, Tenant};
+
+use crate::*;
 
 /// One create/destroy cycle of every object kind: PD, CQ, MR, two QPs
 /// connected to each other, one verified WRITE, then all destroyed

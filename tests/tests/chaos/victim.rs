@@ -4,7 +4,6 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
-use crate::*;
 use vrdma_guest_driver::{
     CompletionQueue, MemoryRegion, QueuePair, RecvWr, SendPayload, SendWr, WorkCompletion,
 };
@@ -16,6 +15,8 @@ use vrdma_tests::rng::Rng;
 use vrdma_tests::tenant::{
     bring_up, connect, default_caps, rdma, read_mr, wait_completions, Connection, Tenant,
 };
+
+use crate::*;
 
 /// The well-behaved tenant. Its traffic runs between two of its own QPs
 /// (`qa` → `qb`, PD `t.pd`, CQ `t.cq`); a separate PD holds the canary and

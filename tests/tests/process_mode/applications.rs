@@ -5,7 +5,6 @@
 use std::process::Command;
 use std::time::Duration;
 
-use crate::*;
 use vrdma_guest_driver::{
     CompletionQueue, Context, Error, MemoryRegion, ProtectionDomain, QueuePair, VhostUserTransport,
 };
@@ -13,6 +12,8 @@ use vrdma_spec::control::QpAttr;
 use vrdma_spec::verbs::QpState;
 use vrdma_tests::daemon::Vdev;
 use vrdma_tests::tenant::{mask_to, rc_qp};
+
+use crate::*;
 
 const LIMITS_TOML: &str = "\
 lid = 7

@@ -3,12 +3,13 @@
 
 use std::time::Duration;
 
-use crate::*;
 use vrdma_guest_driver::{QpInitAttr, Sge, WorkCompletion};
 use vrdma_spec::config::DeviceConfig;
 use vrdma_spec::verbs::{access, atomic_cap, device_cap, LinkLayer, Mtu, PortState, QpType};
 use vrdma_tenant_policy::Limits;
 use vrdma_tests::tenant::{pattern, rc_qp, read_mr};
+
+use crate::*;
 
 #[test]
 fn queries_match_the_config_space() {

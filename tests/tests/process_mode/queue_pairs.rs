@@ -1,14 +1,15 @@
 //! Queue pairs: what creation grants and refuses, the RC state machine
 //! with every refused transition, and CQs of another device.
 
-use crate::*;
 use vrdma_guest_driver::{Context, QpCapabilities, QpInitAttr};
 use vrdma_spec::control::{QpAttr, NO_SRQ};
 use vrdma_spec::qp_state::mask;
-use vrdma_spec::ring::{self};
+use vrdma_spec::ring;
 use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
 use vrdma_tests::daemon::Vdev;
 use vrdma_tests::tenant::{mask_to, rc_qp};
+
+use crate::*;
 
 #[test]
 fn queue_pair_creation_grants_and_refusals() {

@@ -2,8 +2,6 @@
 //! hostd): the WQEs posting writes, the CQEs polling reads, and the depth
 //! posting stops at; the test plays the device's side.
 
-use crate::device_view::*;
-use crate::*;
 use vm_memory::{Bytes, GuestAddress};
 use vrdma_guest_driver::{Context, Error, RecvWr, SendPayload, SendWr, WorkCompletion};
 use vrdma_spec::control::{CreateCqReq, CreateQpReq, Opcode};
@@ -17,6 +15,9 @@ use vrdma_spec::zerocopy::IntoBytes;
 use vrdma_spec::DOORBELL_QUEUE;
 use vrdma_tests::daemon::Vdev;
 use vrdma_tests::tenant::rc_qp;
+
+use crate::device_view::*;
+use crate::*;
 
 #[test]
 fn posting_writes_wqes_into_the_rings_the_device_was_given() {

@@ -3,14 +3,15 @@
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use super::*;
-use crate::*;
 use vrdma_guest_driver::Sge;
 use vrdma_hostd_protocol::entries::{PhysCqe, PhysWqe};
 use vrdma_hostd_protocol::messages::Request;
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{SendOpcode, WcStatus};
 use vrdma_tests::rogue::{Answer, RogueVdev};
+
+use super::*;
+use crate::*;
 
 /// A physical completion's status, as the tally names it.
 fn status_name(status: u8) -> String {

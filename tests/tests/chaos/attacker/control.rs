@@ -4,14 +4,15 @@
 
 use std::time::Duration;
 
-use super::*;
-use crate::*;
 use vrdma_guest_driver::{QpInitAttr, QueuePair, SendPayload, SendWr, WorkCompletion};
 use vrdma_spec::control::QpAttr;
 use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcStatus};
 use vrdma_tests::tenant::{bring_up, mask_to, wait_completions};
+
+use super::*;
+use crate::*;
 
 impl Attacker<'_> {
     pub(super) fn fresh_qp(&self) -> QueuePair {

@@ -4,13 +4,14 @@
 
 use std::time::{Duration, Instant};
 
-use super::*;
-use crate::*;
 use vrdma_guest_driver::{CompletionQueue, MemoryRegion, QpInitAttr, Sge};
 use vrdma_spec::qp_state::mask;
 use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcStatus};
 use vrdma_tests::app_memory::AppMemory;
 use vrdma_tests::tenant::{bring_up, default_caps, rdma, read_mr, wait_completions, Tenant};
+
+use super::*;
+use crate::*;
 
 impl Attacker<'_> {
     /// Posts up to `n` signaled WRITEs of `src` (4 KiB, or up to 32 KiB)
