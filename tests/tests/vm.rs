@@ -149,6 +149,13 @@ fn wait_for_request(tap: &VhostTap, from: usize, req: FrontendReq, what: &str) {
     );
 }
 
+/// `vdev`'s log holds `needle` (`what` it shows, for a failure).
+#[track_caller]
+fn assert_logged(vdev: &Vdev, needle: &str, what: &str) {
+    let log = vdev.log();
+    assert!(log.contains(needle), "{what}:\n{log}");
+}
+
 #[test]
 fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
     let image = vm::image_for_test("vm smoke test");
@@ -197,11 +204,7 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
         boot.iter().any(|m| m.is(FrontendReq::SET_OWNER)),
         "QEMU took the device"
     );
-    assert!(
-        vdev.log().contains("Frontend connected"),
-        "vdev saw the frontend:\n{}",
-        vdev.log()
-    );
+    assert_logged(&vdev, "Frontend connected", "vdev saw the frontend");
 
     check(guest.verdict("caps", STEP), &vdev, &tap);
     check(guest.verdict("libs", STEP), &vdev, &tap);
@@ -267,10 +270,10 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
         !reset.iter().any(|m| m.is(FrontendReq::RESET_DEVICE)),
         "QEMU 11 sends no RESET_DEVICE for vhost-user-base"
     );
-    assert!(
-        vdev.log().contains("Control queue stopped (device reset)"),
-        "vdev took the stop as the reset:\n{}",
-        vdev.log()
+    assert_logged(
+        &vdev,
+        "Control queue stopped (device reset)",
+        "vdev took the stop as the reset",
     );
     check(guest.verdict("cycle", STEP), &vdev, &tap);
     let (mark, _) = step_messages(&tap, mark, "DRIVER_OK again");

@@ -76,28 +76,16 @@ fn queue_pair_creation_grants_and_refusals() {
         })
     };
     let ok = caps(4, 4, 1, 0);
-    assert_eq!(device_errno(with(QpType::Uc, ok)), EOPNOTSUPP, "UC");
-    assert_eq!(device_errno(with(QpType::Ud, ok)), EOPNOTSUPP, "UD");
-    assert_eq!(
-        device_errno(with(QpType::Rc, caps(0, 0, 1, 0))),
-        EINVAL,
-        "no queue"
-    );
-    assert_eq!(
-        device_errno(with(QpType::Rc, caps(4097, 4, 1, 0))),
-        EINVAL,
-        "depth"
-    );
-    assert_eq!(
-        device_errno(with(QpType::Rc, caps(4, 4, 17, 0))),
-        EINVAL,
-        "max_sge"
-    );
-    assert_eq!(
-        device_errno(with(QpType::Rc, caps(4, 4, 1, 257))),
-        EINVAL,
-        "inline"
-    );
+    for (qp_type, cap, errno, what) in [
+        (QpType::Uc, ok, EOPNOTSUPP, "UC"),
+        (QpType::Ud, ok, EOPNOTSUPP, "UD"),
+        (QpType::Rc, caps(0, 0, 1, 0), EINVAL, "no queue"),
+        (QpType::Rc, caps(4097, 4, 1, 0), EINVAL, "depth"),
+        (QpType::Rc, caps(4, 4, 17, 0), EINVAL, "max_sge"),
+        (QpType::Rc, caps(4, 4, 1, 257), EINVAL, "inline"),
+    ] {
+        assert_eq!(device_errno(with(qp_type, cap)), errno, "{what}");
+    }
     assert_eq!(
         driver_errno(with(QpType::Rc, caps(u32::MAX, 4, 1, 0))),
         EINVAL
