@@ -125,6 +125,15 @@ pub fn find_binary(name: &str, package: &str) -> Result<PathBuf, Error> {
     check_binary(name, path, package)
 }
 
+/// The binary `name` of `package`: `given` (a program's `--hostd PATH`,
+/// say) or else the workspace's ([`find_binary`]); it must exist.
+pub fn binary_or(given: Option<&Path>, name: &str, package: &str) -> Result<PathBuf, Error> {
+    match given {
+        Some(path) => check_binary(name, path.to_owned(), package),
+        None => find_binary(name, package),
+    }
+}
+
 /// `path` if it is a file: the binary `name` of `package`.
 pub fn check_binary(name: &str, path: PathBuf, package: &str) -> Result<PathBuf, Error> {
     if path.is_file() {

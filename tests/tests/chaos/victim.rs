@@ -145,35 +145,27 @@ pub(crate) fn victim_traffic(v: &Victim, seed: u64, stop: &AtomicBool) -> Traffi
         let off = rng.below(32 * KIB as u64) as usize;
         let data = rng.bytes(len);
         let (landed, kind) = match wr_id % 3 {
-            0 => {
-                v.src.write(0, &data).expect("fill src");
-                let sge = [v.src.sge(0, len as u32)];
-                let wr = rdma(
-                    wr_id,
-                    SendOpcode::RdmaWrite,
-                    &sge,
-                    v.dst.iova() + off as u64,
-                    v.dst.rkey(),
-                );
-                v.qa.post_send(&[wr]).expect("victim post WRITE");
+            kind @ (0 | 1) => {
+                // A WRITE from src[0..] into dst[off..], or a READ of
+                // dst[off..] into src[32 KiB..].
+                let write = kind == 0;
+                let (op, filled, filled_at, local_at) = if write {
+                    (SendOpcode::RdmaWrite, &v.src, 0, 0)
+                } else {
+                    (SendOpcode::RdmaRead, &v.dst, off, 32 * KIB)
+                };
+                filled.write(filled_at, &data).expect("fill");
+                let sge = [v.src.sge(local_at as u64, len as u32)];
+                let wr = rdma(wr_id, op, &sge, v.dst.iova() + off as u64, v.dst.rkey());
+                v.qa.post_send(&[wr]).expect("victim post");
                 success(&wait_completions(&v.t.cq, 1), &[wr_id]);
-                report.writes += 1;
-                (read_mr(&v.dst, off, len), "WRITE")
-            }
-            1 => {
-                v.dst.write(off, &data).expect("fill dst");
-                let sge = [v.src.sge(32 * KIB as u64, len as u32)];
-                let wr = rdma(
-                    wr_id,
-                    SendOpcode::RdmaRead,
-                    &sge,
-                    v.dst.iova() + off as u64,
-                    v.dst.rkey(),
-                );
-                v.qa.post_send(&[wr]).expect("victim post READ");
-                success(&wait_completions(&v.t.cq, 1), &[wr_id]);
-                report.reads += 1;
-                (read_mr(&v.src, 32 * KIB, len), "READ")
+                if write {
+                    report.writes += 1;
+                    (read_mr(&v.dst, off, len), "WRITE")
+                } else {
+                    report.reads += 1;
+                    (read_mr(&v.src, 32 * KIB, len), "READ")
+                }
             }
             _ => {
                 v.src.write(0, &data).expect("fill src");

@@ -26,9 +26,10 @@ use vrdma_guest_driver::{
     CompletionQueue, MemoryRegion, QueuePair, RecvWr, SendPayload, SendWr, WorkCompletion,
 };
 use vrdma_spec::verbs::access::{LOCAL_WRITE, REMOTE_ATOMIC, REMOTE_READ, REMOTE_WRITE};
-use vrdma_spec::verbs::{PortState, QpState, SendOpcode, WcStatus};
+use vrdma_spec::verbs::SendOpcode::{self, RdmaRead, RdmaWrite};
+use vrdma_spec::verbs::{PortState, QpState, WcStatus};
 use vrdma_tools::app_memory::AppMemory;
-use vrdma_tools::supervisor::{self, check_binary, find_binary, Daemon, Launch, Scratch};
+use vrdma_tools::supervisor::{self, binary_or, Daemon, Launch, Scratch};
 use vrdma_tools::verbs::{self, ib_name, poll_for, rdma_wr, signaled, Connection, Opened};
 
 /// The vdev configuration the demo runs with unless `--config` names another.
@@ -144,12 +145,8 @@ fn wrong<T>(what: String) -> Result<T> {
 
 /// Steps 1 and 12: the daemons' lives around the applications'.
 fn run(args: &Args, daemons: &mut Daemons, scratch: &mut Option<Scratch>) -> Result<()> {
-    let binary = |given: &Option<PathBuf>, name: &str, package: &str| match given {
-        Some(path) => check_binary(name, path.clone(), package),
-        None => find_binary(name, package),
-    };
-    let hostd = binary(&args.hostd, "hostd", "vrdma-hostd")?;
-    let vdev = binary(&args.vdev, "vdev", "vrdma-vdev")?;
+    let hostd = binary_or(args.hostd.as_deref(), "hostd", "vrdma-hostd")?;
+    let vdev = binary_or(args.vdev.as_deref(), "vdev", "vrdma-vdev")?;
     println!("vrdma demo: RDMA between tenants {ALPHA} and {BETA}, each with its own device:");
     println!("    hostd plays the host's NIC, a vdev per tenant serves the tenant's device,");
     println!("    and this process is both tenants' application (guest driver, process mode)");
@@ -306,19 +303,23 @@ fn applications(alpha: &Daemon, beta: &Daemon) -> Result<()> {
     };
     println!("    refused    dealloc_pd of a PD with MRs and a QP: EBUSY; the PD is handed back");
 
-    println!("[6] RDMA WRITE: alpha's application buffer -> beta's MR");
-    let sge = [mr.sge(0, LEN as u32)];
-    let wr = rdma_wr(1, SendOpcode::RdmaWrite, &sge, peer.iova(), peer.rkey());
-    println!("    alpha      {}", a.post(wr, WcStatus::Success)?);
-    expect_bytes("beta's MR after the WRITE", &peer, 0, &buffer.read())?;
-    println!("    verified   beta's MR holds the {LEN} bytes, byte for byte");
-
-    println!("[7] RDMA READ: beta's MR -> another MR of alpha's");
-    let sge = [landing.sge(0, LEN as u32)];
-    let wr = rdma_wr(2, SendOpcode::RdmaRead, &sge, peer.iova(), peer.rkey());
-    println!("    alpha      {}", a.post(wr, WcStatus::Success)?);
-    expect_bytes("alpha's MR after the READ", &landing, 0, &buffer.read())?;
-    println!("    verified   the {LEN} bytes read back equal alpha's buffer, byte for byte");
+    // A WRITE of alpha's buffer into beta's MR, then a READ of it back.
+    let write = "[6] RDMA WRITE: alpha's application buffer -> beta's MR";
+    let wrote = format!("beta's MR holds the {LEN} bytes");
+    let read = "[7] RDMA READ: beta's MR -> another MR of alpha's";
+    let back = format!("the {LEN} bytes read back equal alpha's buffer");
+    let transfers = [
+        (write, RdmaWrite, &mr, &peer, wrote),
+        (read, RdmaRead, &landing, &landing, back),
+    ];
+    for (wr_id, (title, op, from, to, verified)) in (1..).zip(transfers) {
+        println!("{title}");
+        let sge = [from.sge(0, LEN as u32)];
+        let wr = rdma_wr(wr_id, op, &sge, peer.iova(), peer.rkey());
+        println!("    alpha      {}", a.post(wr, WcStatus::Success)?);
+        expect_bytes(title, to, 0, &buffer.read())?;
+        println!("    verified   {verified}, byte for byte");
+    }
 
     println!("[8] SEND with immediate data: alpha -> a receive beta posted");
     let sg_list: &[_] = &[peer.sge(SEND_AT as u64, 256)];
@@ -363,7 +364,7 @@ fn applications(alpha: &Daemon, beta: &Daemon) -> Result<()> {
     let mut before = vec![0; MR_LEN];
     peer.read(0, &mut before).doing("reading beta's MR")?;
     let sge = [landing.sge(INTRUDER_AT as u64, 64)];
-    let wr = rdma_wr(5, SendOpcode::RdmaWrite, &sge, peer.iova(), rkey);
+    let wr = rdma_wr(5, RdmaWrite, &sge, peer.iova(), rkey);
     let status = a.post(wr, WcStatus::RemAccessErr)?;
     println!("    alpha      a WRITE with rkey {rkey:#010x} -> {status} (remote access error)");
     expect_bytes("beta's MR after the made-up rkey", &peer, 0, &before)?;
