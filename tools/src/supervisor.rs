@@ -541,3 +541,39 @@ pub fn unix_listening(path: &Path) -> bool {
         None => true,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_listening_socket_is_seen_and_a_missing_one_is_not() {
+        let dir = Scratch::new("supervisor-listen").expect("scratch");
+        let path = dir.path().join("s.sock");
+        assert!(!unix_listening(&path));
+        let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        assert!(unix_listening(&path));
+        drop(listener);
+        let _ = std::fs::remove_file(&path);
+        assert!(!unix_listening(&path));
+    }
+
+    #[test]
+    fn a_daemon_that_exits_before_listening_is_an_error_with_its_status() {
+        let mut dir = Scratch::new("supervisor-exit").expect("scratch");
+        let launch = Launch::new("false", Path::new("/bin/false"), dir.path(), "false");
+        match launch.start() {
+            Err(Error::ExitedEarly { name, status, .. }) => {
+                assert_eq!((name.as_str(), status.code()), ("false", Some(1)));
+            }
+            other => panic!("expected ExitedEarly, got {other:?}"),
+        }
+        let missing = Launch::new("gone", &dir.path().join("gone"), dir.path(), "gone");
+        assert!(matches!(missing.start(), Err(Error::Spawn { .. })));
+        let kept = dir.path().to_owned();
+        dir.set_keep(true);
+        drop(dir);
+        assert!(kept.exists(), "a kept scratch directory stays");
+        std::fs::remove_dir_all(&kept).expect("clean up");
+    }
+}
