@@ -1,202 +1,99 @@
-//! Starting and stopping daemons built from this workspace.
+//! The workspace's daemons for the tests: hostd and vdev as separate
+//! processes, each in its own scratch directory, started and stopped by
+//! `vrdma_tools::supervisor`, which reports every failure as an error;
+//! here a failure fails the test. [`Hostd`] and [`Vdev`] dereference to the
+//! supervisor's [`Daemon`] (pid, log, kill, exit status).
 
+use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use vrdma_guest_driver::error::chain;
+use vrdma_tools::supervisor::{self, Daemon, Launch, Scratch};
+
+/// The value of a supervisor's result, or the test fails with its error chain.
+#[track_caller]
+pub fn must<T>(result: Result<T, supervisor::Error>) -> T {
+    result.unwrap_or_else(|e| panic!("{}", chain(&e)))
+}
 
 /// Directory holding the workspace's binaries: the profile directory the
 /// running test executable was built into (`target/<profile>/deps/..`).
 /// `VRDMA_BIN_DIR` overrides it.
 pub fn bin_dir() -> PathBuf {
-    if let Some(dir) = std::env::var_os("VRDMA_BIN_DIR") {
-        return dir.into();
-    }
-    let exe = std::env::current_exe().expect("test executable path");
-    let mut dir = exe.parent().expect("executable directory").to_path_buf();
-    if dir.ends_with("deps") {
-        dir.pop();
-    }
-    dir
+    must(supervisor::bin_dir())
 }
 
-/// Path of workspace binary `name`, which must have been built.
+/// Path of workspace binary `name`, which must have been built
+/// (`cargo test --workspace` builds them all).
+#[track_caller]
 pub fn binary(name: &str) -> PathBuf {
-    let path = bin_dir().join(name);
-    assert!(
-        path.exists(),
-        "{} is missing: build the workspace binaries first (`cargo test --workspace` does)",
-        path.display()
-    );
-    path
+    let package = match name {
+        "hostd" | "vrdmactl" => "vrdma-hostd",
+        "vdev" => "vrdma-vdev",
+        _ => "vrdma-tools",
+    };
+    must(supervisor::find_binary(name, package))
 }
 
 /// A scratch directory removed on drop.
 #[derive(Debug)]
-pub struct TempDir(PathBuf);
+pub struct TempDir(Scratch);
 
 impl TempDir {
     /// A new empty directory named after `tag`, this process and a counter.
     pub fn new(tag: &str) -> Self {
-        Self::new_in(&std::env::temp_dir(), tag)
+        TempDir(must(Scratch::new(tag)))
     }
 
     /// Like [`TempDir::new`], under `parent` (created if missing).
     pub fn new_in(parent: &Path, tag: &str) -> Self {
-        use std::sync::atomic::{AtomicU32, Ordering};
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let path = parent.join(format!("vrdma-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("create temp dir");
-        TempDir(path)
+        TempDir(must(Scratch::new_in(parent, tag)))
     }
 
     pub fn path(&self) -> &Path {
-        &self.0
+        self.0.path()
     }
 }
 
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Spawns binary `name` on `socket` with `args`, appending its stderr to `log`.
-fn spawn(name: &str, socket: &Path, args: &[String], log: &Path) -> Child {
-    let log = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .expect("log file");
-    Command::new(binary(name))
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .env("VRDMA_LOG", "debug")
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {name}: {e}"))
-}
-
-/// A workspace daemon running as a child process with its own scratch
-/// directory, socket and log file; killed on drop.
-#[derive(Debug)]
-pub struct Daemon {
-    name: &'static str,
-    child: Child,
-    args: Vec<String>,
-    pub socket: PathBuf,
-    log: PathBuf,
-    dir: TempDir,
-}
-
-impl Daemon {
-    /// Starts binary `name` with `--socket <dir>/<name>.sock` and `args`,
-    /// logging to `<dir>/<name>.log`, and waits until the socket exists.
-    pub fn start(name: &'static str, dir: TempDir, args: &[&str]) -> Self {
-        let socket = dir.path().join(format!("{name}.sock"));
-        let log = dir.path().join(format!("{name}.log"));
-        let args: Vec<String> = args.iter().map(|&a| a.to_owned()).collect();
-        let child = spawn(name, &socket, &args, &log);
-        let mut daemon = Daemon {
-            name,
-            child,
-            args,
-            socket,
-            log,
-            dir,
-        };
-        daemon.wait_for_socket();
-        daemon
-    }
-
-    /// Kills the process (SIGKILL) and starts it again with the same
-    /// arguments on the same socket, as a supervisor would after a crash;
-    /// the log continues in the same file. Waits until the new process
-    /// listens.
-    pub fn restart(&mut self) {
-        self.kill();
-        // The dead process's socket file stays behind: remove it, so that
-        // waiting for the socket waits for the new process.
-        let _ = std::fs::remove_file(&self.socket);
-        self.child = spawn(self.name, &self.socket, &self.args, &self.log);
-        self.wait_for_socket();
-    }
-
-    fn wait_for_socket(&mut self) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !self.socket.exists() {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!(
-                    "{} exited with {status} before listening:\n{}",
-                    self.name,
-                    self.log()
-                );
+/// `$wrapper` dereferences to its `daemon` field, the supervisor's
+/// [`Daemon`]: pid, log, kill, exit status.
+macro_rules! deref_to_daemon {
+    ($($wrapper:ty),*) => {$(
+        impl Deref for $wrapper {
+            type Target = Daemon;
+            fn deref(&self) -> &Daemon {
+                &self.daemon
             }
-            assert!(
-                Instant::now() < deadline,
-                "{} did not listen within 10 s:\n{}",
-                self.name,
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(5));
         }
-    }
 
-    /// The daemon's scratch directory.
-    pub fn dir(&self) -> &Path {
-        self.dir.path()
-    }
-
-    /// Whether the process is still running.
-    pub fn is_running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    /// Exit status, if it exited.
-    pub fn exit_status(&mut self) -> Option<ExitStatus> {
-        self.child.try_wait().ok().flatten()
-    }
-
-    /// The process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Kills the process (SIGKILL) and reaps it.
-    pub fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-
-    /// Everything the daemon logged so far.
-    pub fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
+        impl DerefMut for $wrapper {
+            fn deref_mut(&mut self) -> &mut Daemon {
+                &mut self.daemon
+            }
+        }
+    )*};
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        self.kill();
-    }
+deref_to_daemon!(Vdev, Hostd);
+
+/// Starts `launch` with debug logs, or fails the test.
+fn start(launch: Launch) -> Daemon {
+    must(launch.log_level("debug").start())
 }
 
-/// A running vdev; killed on drop.
+/// A running vdev in its own directory; killed on drop.
 #[derive(Debug)]
 pub struct Vdev {
+    // Dropped in order: the process before its directory.
     daemon: Daemon,
     pub socket: PathBuf,
     pub tenant: String,
+    _dir: TempDir,
 }
 
 impl Vdev {
-    /// The process id.
-    pub fn pid(&self) -> u32 {
-        self.daemon.pid()
-    }
-
     /// Niceness of the thread named `name` (`/proc/PID/task/*/comm`), if
     /// such a thread runs.
     pub fn thread_nice(&self, name: &str) -> Option<i32> {
@@ -215,7 +112,7 @@ impl Vdev {
     }
 
     /// Starts vdev for `tenant` with extra command-line `args`, and waits
-    /// until its socket exists.
+    /// until its socket listens.
     pub fn start(tenant: &str, args: &[&str]) -> Self {
         Self::start_in(TempDir::new(&format!("vdev-{tenant}")), tenant, args)
     }
@@ -232,8 +129,7 @@ impl Vdev {
     /// in vdev's directory and passed as `--config` before `args`.
     pub fn start_with_config(tenant: &str, config: &str, args: &[&str]) -> Self {
         let dir = TempDir::new(&format!("vdev-{tenant}"));
-        let path = dir.path().join("vdev.toml");
-        std::fs::write(&path, config).expect("write vdev config file");
+        let path = must(dir.0.write("vdev.toml", config));
         let path = path.to_str().expect("UTF-8 temp path").to_owned();
         let mut all = vec!["--config", path.as_str()];
         all.extend_from_slice(args);
@@ -243,40 +139,24 @@ impl Vdev {
     /// Like [`Vdev::start`], with socket and log in `dir` (e.g. a
     /// directory a chrooted VMM can reach: [`crate::vm::VmImage::temp_dir`]).
     pub fn start_in(dir: TempDir, tenant: &str, args: &[&str]) -> Self {
-        let mut all = vec!["--tenant", tenant];
-        all.extend_from_slice(args);
-        let daemon = Daemon::start("vdev", dir, &all);
-        let socket = daemon.socket.clone();
+        let launch = Launch::new(
+            format!("vdev {tenant}"),
+            &binary("vdev"),
+            dir.path(),
+            "vdev",
+        );
+        let daemon = start(launch.args(["--tenant", tenant]).args(args));
         Vdev {
+            socket: daemon.socket().to_owned(),
             daemon,
-            socket,
             tenant: tenant.into(),
+            _dir: dir,
         }
-    }
-
-    /// Whether the process is still running.
-    pub fn is_running(&mut self) -> bool {
-        self.daemon.is_running()
-    }
-
-    /// Exit status, if it exited.
-    pub fn exit_status(&mut self) -> Option<ExitStatus> {
-        self.daemon.exit_status()
-    }
-
-    /// Kills vdev (SIGKILL), as a crash would.
-    pub fn kill(&mut self) {
-        self.daemon.kill();
     }
 
     /// Kills vdev (SIGKILL) and starts it again on the same socket.
     pub fn restart(&mut self) {
-        self.daemon.restart();
-    }
-
-    /// Everything vdev logged so far.
-    pub fn log(&self) -> String {
-        self.daemon.log()
+        must(self.daemon.restart());
     }
 
     /// Waits (up to 10 s) until vdev has built its device for its
@@ -285,23 +165,19 @@ impl Vdev {
     /// its log says. Between frontends vdev tears one device down and
     /// builds the next, so this is the moment its resources are steady.
     pub fn wait_for_frontend(&self, frontend: usize) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while self.log().matches("Waiting for a frontend").count() < frontend {
-            assert!(
-                Instant::now() < deadline,
-                "vdev does not wait for frontend {frontend}:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let waiting = "Waiting for a frontend";
+        let logged = self.wait_logged(waiting, frontend, Duration::from_secs(10));
+        logged.unwrap_or_else(|e| panic!("{}:\n{}", chain(&e), self.log()));
     }
 }
 
-/// A running hostd; killed on drop.
+/// A running hostd in its own directory; killed on drop.
 #[derive(Debug)]
 pub struct Hostd {
+    // Dropped in order: the process before its directory.
     daemon: Daemon,
     pub socket: PathBuf,
+    dir: TempDir,
 }
 
 impl Hostd {
@@ -314,24 +190,23 @@ impl Hostd {
     /// [`Hostd::start`] with more command-line arguments.
     pub fn start_with(policy: Option<&str>, extra: &[&str]) -> Self {
         let dir = TempDir::new("hostd");
-        let path = dir.path().join("policy.toml");
-        let path = path.to_str().expect("UTF-8 temp path").to_owned();
-        let mut args: Vec<&str> = match policy {
-            Some(text) => {
-                std::fs::write(&path, text).expect("write the policy file");
-                vec!["--policy", path.as_str()]
-            }
-            None => Vec::new(),
-        };
-        args.extend_from_slice(extra);
-        let daemon = Daemon::start("hostd", dir, &args);
-        let socket = daemon.socket.clone();
-        Hostd { daemon, socket }
+        let mut launch = Launch::hostd(&binary("hostd"), dir.path());
+        if let Some(text) = policy {
+            launch = launch
+                .arg("--policy")
+                .arg(must(dir.0.write("policy.toml", text)));
+        }
+        let daemon = start(launch.args(extra));
+        Hostd {
+            socket: daemon.socket().to_owned(),
+            daemon,
+            dir,
+        }
     }
 
     /// The policy file hostd was started with (written by [`Hostd::start`]).
     pub fn policy_path(&self) -> PathBuf {
-        self.daemon.dir().join("policy.toml")
+        self.dir.path().join("policy.toml")
     }
 
     /// hostd's admin socket (the default: next to its vdev socket).
@@ -385,20 +260,8 @@ impl Hostd {
     }
 
     /// Sends SIGHUP (reload the policy).
-    pub fn sighup(&self) {
-        // SAFETY: kill() with a pid we spawned and a valid signal number.
-        let rc = unsafe { libc::kill(self.daemon.pid() as libc::pid_t, libc::SIGHUP) };
-        assert_eq!(rc, 0, "SIGHUP: {}", std::io::Error::last_os_error());
-    }
-
-    /// Whether the process is still running.
-    pub fn is_running(&mut self) -> bool {
-        self.daemon.is_running()
-    }
-
-    /// The process id.
-    pub fn pid(&self) -> u32 {
-        self.daemon.pid()
+    pub fn sighup(&mut self) {
+        must(self.daemon.signal(libc::SIGHUP));
     }
 
     /// The value of the sample `series` (name and labels exactly as
@@ -408,11 +271,6 @@ impl Hostd {
         let (code, text, err) = self.ctl(&["metrics"]);
         assert_eq!(code, 0, "vrdmactl metrics: {err}");
         metric_value(&text, series)
-    }
-
-    /// Everything hostd logged so far.
-    pub fn log(&self) -> String {
-        self.daemon.log()
     }
 }
 

@@ -1,18 +1,21 @@
 //! Harness for vrdma's integration tests.
 //!
 //! The tests run the real daemons as separate processes on real unix
-//! sockets ([`daemon`]) and drive them the way their peers do: as a VMM with
+//! sockets ([`daemon`], over `vrdma_tools::supervisor`) and drive them the
+//! way their peers do: as a tenant application through the guest driver
+//! ([`tenant`]: devices, connected queue pairs, completions), as a VMM with
 //! the `vhost` crate's vhost-user frontend over memfd guest memory
-//! ([`vmm`]), or as a tenant application through the guest driver, or as
-//! a compromised vdev speaking hostd's protocol by hand ([`rogue`]); and
-//! they boot real guests under QEMU with vdev attached ([`vm`]), recording
-//! what QEMU says to vdev on the way ([`vhost_tap`]).
+//! ([`vmm`]), or as a compromised vdev speaking hostd's protocol by hand
+//! ([`rogue`]); and they boot real guests under QEMU with vdev attached
+//! ([`vm`]), recording what QEMU says to vdev on the way ([`vhost_tap`]).
+//! [`need`] makes a missing tool a failure that says what to install.
 
-pub mod app_memory;
+pub use vrdma_tools::{app_memory, vmm};
+
 pub mod daemon;
+pub mod need;
 pub mod rng;
 pub mod rogue;
 pub mod tenant;
 pub mod vhost_tap;
 pub mod vm;
-pub mod vmm;

@@ -1,16 +1,21 @@
-//! A tenant as RDMA applications see one: its vdev (attached to hostd), the
-//! device opened through the guest driver's process mode, a PD and a CQ —
-//! and the connection dance of two RC queue pairs.
+//! The tests' harness for RDMA between tenants: a tenant as applications
+//! see one (its vdev attached to hostd, the device opened through the
+//! guest driver's process mode, a PD and a CQ), connected RC queue pairs,
+//! and the checks most tests make on their completions and memory. The
+//! verbs themselves come from `vrdma_tools::verbs`, which the programs use
+//! too; here a failure fails the test.
 
 use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::{
-    CompletionQueue, Context, ProtectionDomain, QpCapabilities, QpInitAttr, QueuePair,
-    WorkCompletion,
+    CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities, QueuePair, RecvWr,
+    SendPayload, SendWr, Sge, WorkCompletion,
 };
-use vrdma_spec::control::QpAttr;
-use vrdma_spec::qp_state::mask;
-use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
+use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
+pub use vrdma_tools::verbs::{
+    bring_up, default_caps, mask_to, rc_qp, rdma_wr as rdma, signaled, Connection,
+};
+use vrdma_tools::verbs::{poll_for, Opened};
 
 use crate::daemon::{Hostd, Vdev};
 
@@ -37,12 +42,11 @@ impl Tenant {
         Self::open(Vdev::on_hostd(hostd, tenant, args))
     }
 
-    /// Opens the device `vdev` serves (a new frontend connection).
+    /// Opens the device `vdev` serves (a new frontend connection), with a
+    /// CQ of 1024 entries.
     pub fn open(vdev: Vdev) -> Self {
-        let ctx = Context::open_vhost_user(&vdev.socket).expect("open the device");
-        let lid = ctx.query_port(1).expect("query_port").lid.get();
-        let pd = ctx.alloc_pd().expect("alloc_pd");
-        let cq = ctx.create_cq(1024, 0).expect("create_cq");
+        let Opened { cq, pd, ctx, lid } = Opened::open(&vdev.socket, 1024)
+            .unwrap_or_else(|e| panic!("open the device: {e}\n{}", vdev.log()));
         Tenant {
             cq,
             pd,
@@ -68,98 +72,8 @@ impl Tenant {
 
     /// A new RC QP on this tenant's PD and CQ.
     pub fn qp(&self, cap: QpCapabilities) -> QueuePair {
-        self.pd
-            .create_qp(&QpInitAttr {
-                send_cq: &self.cq,
-                recv_cq: &self.cq,
-                cap,
-                qp_type: QpType::Rc,
-                sq_sig_all: false,
-            })
-            .expect("create_qp")
+        rc_qp(&self.pd, &self.cq, cap).expect("create_qp")
     }
-}
-
-/// Capacities for most tests: 64 WRs each way, 4 SGEs, 64 inline bytes.
-pub fn default_caps() -> QpCapabilities {
-    QpCapabilities {
-        max_send_wr: 64,
-        max_recv_wr: 64,
-        max_send_sge: 4,
-        max_recv_sge: 4,
-        max_inline_data: 64,
-    }
-}
-
-/// Attribute masks of the connection transitions.
-pub const INIT_MASK: u32 = mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS;
-pub const RTR_MASK: u32 = mask::STATE
-    | mask::AV
-    | mask::PATH_MTU
-    | mask::DEST_QPN
-    | mask::RQ_PSN
-    | mask::MAX_DEST_RD_ATOMIC
-    | mask::MIN_RNR_TIMER;
-pub const RTS_MASK: u32 = mask::STATE
-    | mask::SQ_PSN
-    | mask::TIMEOUT
-    | mask::RETRY_CNT
-    | mask::RNR_RETRY
-    | mask::MAX_QP_RD_ATOMIC;
-
-/// How a QP is connected.
-#[derive(Debug, Clone, Copy)]
-pub struct Connection {
-    /// Remote access it grants its peer.
-    pub access: u32,
-    pub rnr_retry: u8,
-    pub min_rnr_timer: u8,
-}
-
-impl Default for Connection {
-    fn default() -> Self {
-        Connection {
-            access: access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC,
-            rnr_retry: 7,
-            min_rnr_timer: 1,
-        }
-    }
-}
-
-/// RESET → INIT → RTR → RTS towards `dest_qpn` behind `dlid`.
-pub fn bring_up(
-    qp: &QueuePair,
-    dest_qpn: u32,
-    dlid: u16,
-    how: Connection,
-) -> Result<(), vrdma_guest_driver::Error> {
-    let init = QpAttr {
-        qp_state: QpState::Init.into(),
-        port_num: 1,
-        qp_access_flags: how.access.into(),
-        ..QpAttr::default()
-    };
-    qp.modify(&init, INIT_MASK)?;
-    let mut rtr = QpAttr {
-        qp_state: QpState::Rtr.into(),
-        path_mtu: Mtu::Mtu4096.into(),
-        dest_qp_num: dest_qpn.into(),
-        max_dest_rd_atomic: 4,
-        min_rnr_timer: how.min_rnr_timer,
-        ..QpAttr::default()
-    };
-    rtr.ah_attr.dlid = dlid.into();
-    rtr.ah_attr.port_num = 1;
-    qp.modify(&rtr, RTR_MASK)?;
-    let rts = QpAttr {
-        qp_state: QpState::Rts.into(),
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: how.rnr_retry,
-        max_rd_atomic: 4,
-        ..QpAttr::default()
-    };
-    qp.modify(&rts, RTS_MASK)
 }
 
 /// Connects `qa` (of `a`) and `qb` (of `b`) to each other.
@@ -168,27 +82,114 @@ pub fn connect(a: &Tenant, qa: &QueuePair, b: &Tenant, qb: &QueuePair, how: Conn
     bring_up(qb, qa.qp_num(), a.lid, how).expect("bring up the second QP");
 }
 
-/// Polls `cq` until `n` completions arrived (or panics after 10 s).
-pub fn wait_completions(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut out = Vec::new();
-    let mut batch = [WorkCompletion::default(); 16];
-    while out.len() < n {
-        let got = cq.poll(&mut batch).expect("poll_cq");
-        out.extend_from_slice(&batch[..got]);
-        if got == 0 {
-            assert!(
-                Instant::now() < deadline,
-                "only {} of {n} completions within 10 s: {out:?}",
-                out.len()
-            );
-            std::thread::yield_now();
+/// A QP of `a` and a QP of `b` (default capacities), connected to each
+/// other.
+pub fn qp_pair(a: &Tenant, b: &Tenant, how: Connection) -> (QueuePair, QueuePair) {
+    let (qa, qb) = (a.qp(default_caps()), b.qp(default_caps()));
+    connect(a, &qa, b, &qb, how);
+    (qa, qb)
+}
+
+/// hostd, tenants alpha and beta (its default policy's), and one
+/// connected QP pair: where most RDMA tests start. Fields drop in order:
+/// the QPs before their devices, the devices before hostd.
+#[derive(Debug)]
+pub struct Pair {
+    pub qa: QueuePair,
+    pub qb: QueuePair,
+    pub a: Tenant,
+    pub b: Tenant,
+    pub hostd: Hostd,
+}
+
+impl Pair {
+    /// A pair connected as [`Connection::default`].
+    pub fn start() -> Self {
+        Self::start_with(Connection::default())
+    }
+
+    /// A pair connected `how`.
+    pub fn start_with(how: Connection) -> Self {
+        let hostd = Hostd::start(None);
+        let a = Tenant::start(&hostd, "alpha");
+        let b = Tenant::start(&hostd, "beta");
+        assert_ne!(a.lid, b.lid, "hostd gives each device its own LID");
+        let (qa, qb) = qp_pair(&a, &b, how);
+        Pair {
+            qa,
+            qb,
+            a,
+            b,
+            hostd,
         }
     }
+}
+
+impl Pair {
+    /// An MR of `len` bytes with every access on each side: alpha's and
+    /// beta's.
+    pub fn mrs(&self, len: usize) -> (MemoryRegion, MemoryRegion) {
+        let on = |t: &Tenant| t.pd.alloc_mr(len, ALL_ACCESS).expect("alloc_mr");
+        (on(&self.a), on(&self.b))
+    }
+
+    /// Posts `wr` on alpha's QP and returns its one completion.
+    #[track_caller]
+    pub fn post(&self, wr: SendWr<'_>) -> WorkCompletion {
+        self.qa.post_send(&[wr]).expect("post_send");
+        one(&self.a.cq)
+    }
+
+    /// Beta posts receive `wr_id` into `sg_list`.
+    #[track_caller]
+    pub fn recv(&self, wr_id: u64, sg_list: &[Sge]) {
+        self.qb
+            .post_recv(&[RecvWr { wr_id, sg_list }])
+            .expect("post_recv");
+    }
+
+    /// Alpha sends `message` inline, unsignaled, as work request `wr_id`.
+    #[track_caller]
+    pub fn send_inline(&self, wr_id: u64, message: &[u8]) {
+        let wr = SendWr::new(wr_id, SendOpcode::Send, SendPayload::Inline(message));
+        self.qa.post_send(&[wr]).expect("post_send");
+    }
+
+    /// Posts on alpha's QP the RDMA or atomic `opcode` (wr_id 1) from
+    /// `local` to `remote_addr` under `rkey`; returns its one completion's
+    /// status.
+    #[track_caller]
+    pub fn rdma(&self, opcode: SendOpcode, local: &[Sge], remote_addr: u64, rkey: u32) -> WcStatus {
+        self.post(rdma(1, opcode, local, remote_addr, rkey)).status
+    }
+}
+
+/// Every access an MR can grant.
+pub const ALL_ACCESS: u32 =
+    access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+
+/// Polls `cq` until `n` completions arrived (or panics after 10 s).
+#[track_caller]
+pub fn wait_completions(cq: &CompletionQueue, n: usize) -> Vec<WorkCompletion> {
+    let out = poll_for(cq, n, Duration::from_secs(10)).expect("poll_cq");
+    assert!(
+        out.len() >= n,
+        "only {} of {n} completions within 10 s: {out:?}",
+        out.len()
+    );
     out
 }
 
+/// The one completion `cq` gets (more, or none within 10 s, fails).
+#[track_caller]
+pub fn one(cq: &CompletionQueue) -> WorkCompletion {
+    let mut wcs = wait_completions(cq, 1);
+    assert_eq!(wcs.len(), 1, "{wcs:?}");
+    wcs.remove(0)
+}
+
 /// Asserts no completion arrives on `cq` within `wait`.
+#[track_caller]
 pub fn assert_no_completion(cq: &CompletionQueue, wait: Duration) {
     let deadline = Instant::now() + wait;
     let mut batch = [WorkCompletion::default(); 4];
@@ -197,4 +198,26 @@ pub fn assert_no_completion(cq: &CompletionQueue, wait: Duration) {
         assert_eq!(got, 0, "unexpected completion {:?}", &batch[..got]);
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// `len` bytes of `mr` at `offset`.
+#[track_caller]
+pub fn read_mr(mr: &MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
+    let mut out = vec![0u8; len];
+    mr.read(offset, &mut out).expect("read the MR");
+    out
+}
+
+/// `len` bytes that differ with `seed` and along the buffer (no period of
+/// a page or less), to tell one buffer's bytes from another's.
+pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed) ^ (i >> 9) as u8)
+        .collect()
+}
+
+/// A hostd policy: a `[[tenant]]` for each `(name, its other keys)`.
+pub fn policy(tenants: &[(&str, &str)]) -> String {
+    let block = |(name, keys): &(&str, &str)| format!("[[tenant]]\nname = \"{name}\"\n{keys}\n\n");
+    tenants.iter().map(block).collect()
 }

@@ -19,16 +19,16 @@ use std::time::{Duration, Instant};
 use vm_memory::{Bytes, GuestAddress};
 use vrdma_spec::config::DeviceAttr;
 use vrdma_spec::control::*;
-use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::{
     self, send_flags, Cqe, RecvWqe, SendWqe, Sge, WorkRingGeometry, DEVICE_INDEX_OFFSET,
     DRIVER_INDEX_OFFSET, RING_HEADER_SIZE, SGE_SIZE,
 };
-use vrdma_spec::verbs::{access, Mtu, QpState, SendOpcode, WcStatus};
+use vrdma_spec::verbs::{access, QpState, SendOpcode, WcStatus};
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
 use vrdma_tests::daemon::{Hostd, Vdev};
 use vrdma_tests::rng::{env_number, seed_from_env, Rng};
 use vrdma_tests::vmm::{self, alloc_pd, cq_req, qp_req, reg, Vmm, FREE, GUEST_BASE};
+use vrdma_tools::verbs::{transitions, Connection};
 
 /// The guest's memory region: [`FREE`, `FREE + MR_LEN`).
 const MR_LEN: u64 = 1 << 20;
@@ -128,56 +128,17 @@ impl Qp {
     /// every remote access, and one RNR retry so that a SEND without a
     /// receive ends.
     fn connect(&self, vmm: &mut Vmm, dlid: u16, dest_qpn: u32) {
-        let init = QpAttr {
-            qp_state: QpState::Init.into(),
-            port_num: 1,
-            qp_access_flags: access::QP_SUPPORTED.into(),
-            ..QpAttr::default()
-        };
-        self.modify(
-            vmm,
-            mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS,
-            init,
-        );
-        let mut rtr = QpAttr {
-            qp_state: QpState::Rtr.into(),
-            path_mtu: Mtu::Mtu4096.into(),
-            dest_qp_num: dest_qpn.into(),
-            max_dest_rd_atomic: 1,
+        let how = Connection {
+            access: access::QP_SUPPORTED,
+            rnr_retry: 1,
             min_rnr_timer: 1,
-            ..QpAttr::default()
-        };
-        rtr.ah_attr.dlid = dlid.into();
-        rtr.ah_attr.port_num = 1;
-        self.modify(
-            vmm,
-            mask::STATE
-                | mask::AV
-                | mask::PATH_MTU
-                | mask::DEST_QPN
-                | mask::RQ_PSN
-                | mask::MAX_DEST_RD_ATOMIC
-                | mask::MIN_RNR_TIMER,
-            rtr,
-        );
-        let rts = QpAttr {
-            qp_state: QpState::Rts.into(),
             timeout: 1,
             retry_cnt: 1,
-            rnr_retry: 1,
-            max_rd_atomic: 1,
-            ..QpAttr::default()
+            rd_atomic: 1,
         };
-        self.modify(
-            vmm,
-            mask::STATE
-                | mask::SQ_PSN
-                | mask::TIMEOUT
-                | mask::RETRY_CNT
-                | mask::RNR_RETRY
-                | mask::MAX_QP_RD_ATOMIC,
-            rts,
-        );
+        for (attr, attr_mask) in transitions(dest_qpn, dlid, how) {
+            self.modify(vmm, attr_mask, attr);
+        }
     }
 
     fn state(&self, vmm: &mut Vmm) -> u8 {

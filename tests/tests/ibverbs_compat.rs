@@ -4,18 +4,19 @@
 //! hostd. The server side runs on tenant alpha's vdev, the client on
 //! beta's; they exchange QP numbers over TCP on 127.0.0.1.
 //!
-//! The programs come from Debian packages that `.ci/run` installs. Where
-//! they are missing, each test says so on stderr and returns (and fails
-//! under CI, where they must be there).
+//! The programs come from Debian packages (ibverbs-utils, perftest,
+//! libibverbs-dev) that `scripts/test` installs; where one is missing, the
+//! test fails and says which package to install.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vrdma_tests::daemon::{tcp_listening, Hostd, IbverbsShim, TempDir, Vdev};
+use vrdma_tests::need;
 
 /// The tests share two cores with the daemons: one program pair at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -29,37 +30,6 @@ fn next_port() -> u16 {
     static NEXT: AtomicU16 = AtomicU16::new(0);
     let base = 20000 + (std::process::id() % 20000) as u16;
     base + NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
-/// `name` found on PATH.
-fn which(name: &str) -> Option<PathBuf> {
-    let path = std::env::var_os("PATH")?;
-    std::env::split_paths(&path)
-        .map(|d| d.join(name))
-        .find(|p| p.is_file())
-}
-
-/// Whether every tool is installed; if not, says which are missing (and
-/// fails under CI, whose `.ci/run` installs them).
-fn have(tools: &[&str]) -> bool {
-    let missing: Vec<&str> = tools
-        .iter()
-        .copied()
-        .filter(|t| which(t).is_none())
-        .collect();
-    if missing.is_empty() {
-        return true;
-    }
-    let msg = format!(
-        "SKIPPED: {} not installed (apt-get install ibverbs-utils perftest libibverbs-dev)",
-        missing.join(", ")
-    );
-    assert!(
-        std::env::var_os("CI").is_none(),
-        "{msg}: .ci/run installs them"
-    );
-    eprintln!("{msg}");
-    false
 }
 
 /// hostd with its two default tenants' vdevs.
@@ -177,9 +147,7 @@ fn run_pair(shim: &IbverbsShim, fabric: &Fabric, program: &str, args: &[&str]) -
 
 #[test]
 fn ibv_devinfo_lists_the_vrdma_device_with_an_active_port() {
-    if !have(&["ibv_devinfo"]) {
-        return;
-    }
+    need::program("ibv_devinfo", "ibverbs-utils");
     let _serial = serial();
     let shim = IbverbsShim::new();
     let fabric = Fabric::start();
@@ -218,33 +186,33 @@ fn ibv_devinfo_lists_the_vrdma_device_with_an_active_port() {
 
 #[test]
 fn misconfiguration_is_reported_clearly() {
-    if !have(&["ibv_devinfo"]) {
-        return;
-    }
+    need::program("ibv_devinfo", "ibverbs-utils");
     let shim = IbverbsShim::new();
     let dir = TempDir::new("ibverbs-noconf");
+    // ibv_devinfo on the shim with `VRDMA_DEVICES` unset or set: it fails.
+    let fails = |devices: Option<&Path>| {
+        let mut command = Command::new("ibv_devinfo");
+        command.env("LD_LIBRARY_PATH", shim.path());
+        match devices {
+            Some(devices) => command.env("VRDMA_DEVICES", devices),
+            None => command.env_remove("VRDMA_DEVICES"),
+        };
+        let config = dir.path().join("missing.toml");
+        let out = command.env("VRDMA_CONFIG", config).output();
+        let out = out.expect("run ibv_devinfo");
+        let text = Run::text(&out);
+        assert!(!out.status.success(), "{text}");
+        text
+    };
     // Nothing configured (a config file that is named but missing).
-    let out = Command::new("ibv_devinfo")
-        .env("LD_LIBRARY_PATH", shim.path())
-        .env_remove("VRDMA_DEVICES")
-        .env("VRDMA_CONFIG", dir.path().join("missing.toml"))
-        .output()
-        .expect("run ibv_devinfo");
-    let text = Run::text(&out);
-    assert!(!out.status.success(), "{text}");
+    let text = fails(None);
     assert!(
         text.contains("libibverbs (vrdma): invalid vrdma configuration in"),
         "{text}"
     );
     assert!(text.contains("No IB devices found"), "{text}");
     // A device whose vdev is not there.
-    let out = Command::new("ibv_devinfo")
-        .env("LD_LIBRARY_PATH", shim.path())
-        .env("VRDMA_DEVICES", dir.path().join("gone.sock"))
-        .output()
-        .expect("run ibv_devinfo");
-    let text = Run::text(&out);
-    assert!(!out.status.success(), "{text}");
+    let text = fails(Some(&dir.path().join("gone.sock")));
     assert!(
         text.contains("libibverbs (vrdma): cannot open device vrdma0 (vdev socket")
             && text.contains("gone.sock"),
@@ -253,9 +221,7 @@ fn misconfiguration_is_reported_clearly() {
 }
 
 fn rc_pingpong(args: &[&str]) {
-    if !have(&["ibv_rc_pingpong"]) {
-        return;
-    }
+    need::program("ibv_rc_pingpong", "ibverbs-utils");
     let _serial = serial();
     let shim = IbverbsShim::new();
     // A fresh fabric per pair: each program is a new vhost-user frontend.
@@ -294,9 +260,7 @@ fn ibv_rc_pingpong_inline_sends_arrive_intact() {
 
 /// One perftest program at a small and a large message size.
 fn perftest(program: &str, iters: &str) {
-    if !have(&[program]) {
-        return;
-    }
+    need::program(program, "perftest");
     let _serial = serial();
     let shim = IbverbsShim::new();
     for size in ["64", "65536"] {
@@ -364,12 +328,10 @@ fn perftest_ib_send_lat() {
 /// allows it for SEND and READ tests).
 #[test]
 fn perftest_with_completion_events() {
-    if !have(&["ib_send_bw", "ib_send_lat", "ib_read_lat"]) {
-        return;
-    }
     let _serial = serial();
     let shim = IbverbsShim::new();
     for program in ["ib_send_bw", "ib_send_lat", "ib_read_lat"] {
+        need::program(program, "perftest");
         let fabric = Fabric::start();
         let run = run_pair(
             &shim,
@@ -465,13 +427,11 @@ int main(void)
 
 #[test]
 fn refused_verbs_return_errors_not_crashes() {
-    if !have(&["cc"]) || !Path::new("/usr/include/infiniband/verbs.h").exists() {
-        if std::env::var_os("CI").is_none() {
-            eprintln!("SKIPPED: needs cc and libibverbs-dev");
-            return;
-        }
-        panic!("cc and libibverbs-dev are installed by .ci/run");
-    }
+    need::program("cc", "gcc");
+    need::file(
+        Path::new("/usr/include/infiniband/verbs.h"),
+        "libibverbs-dev",
+    );
     let shim = IbverbsShim::new();
     let dir = TempDir::new("ibverbs-refusals");
     let src = dir.path().join("refusals.c");

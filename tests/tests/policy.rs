@@ -9,9 +9,11 @@ use std::time::{Duration, Instant};
 use vrdma_guest_driver::{Error, QpCapabilities, SendPayload, SendWr, WorkCompletion};
 use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
 use vrdma_tests::daemon::{metric_value, Hostd};
-use vrdma_tests::tenant::{connect, default_caps, Connection, Tenant};
+use vrdma_tests::tenant::{connect, default_caps, policy, qp_pair, Connection, Tenant};
 
 const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+/// The network of hostd's default policy, which these policies keep.
+const DEMO: &str = "network = \"demo\"";
 const MIB: usize = 1 << 20;
 
 /// The errno a device-side refusal carried.
@@ -154,17 +156,9 @@ fn every_quota_refuses_the_next_object_and_freeing_makes_room() {
 
 #[test]
 fn hostd_caps_memory_across_all_devices_of_a_tenant() {
-    let policy = r#"
-[[tenant]]
-name = "alpha"
-network = "demo"
-quotas = { max_mr_bytes = 1048576, max_total_mr_bytes = 1572864 }
-
-[[tenant]]
-name = "beta"
-network = "demo"
-"#;
-    let hostd = Hostd::start(Some(policy));
+    let quotas = "quotas = { max_mr_bytes = 1048576, max_total_mr_bytes = 1572864 }";
+    let policy = policy(&[("alpha", &format!("{DEMO}\n{quotas}")), ("beta", DEMO)]);
+    let hostd = Hostd::start(Some(&policy));
     let one = Tenant::start(&hostd, "alpha");
     let two = Tenant::start(&hostd, "alpha");
     let _a = one.pd.alloc_mr(MIB, RW).expect("1 MiB on the first device");
@@ -184,7 +178,7 @@ fn reload_raises_and_lowers_limits_without_touching_what_exists() {
             "[[tenant]]\nname = \"alpha\"\nnetwork = \"demo\"\nquotas = {{ max_qp = {max_qp} }}\n\n[[tenant]]\nname = \"beta\"\nnetwork = \"demo\"\n"
         )
     };
-    let hostd = Hostd::start(Some(&policy(1)));
+    let mut hostd = Hostd::start(Some(&policy(1)));
     let a = Tenant::start(&hostd, "alpha");
     let b = Tenant::start(&hostd, "beta");
     let qa = a.qp(default_caps());
@@ -358,23 +352,13 @@ fn flood_while(
 fn a_rate_limited_tenant_stays_within_ten_percent_while_another_floods() {
     let _turn = FLOODS.lock().unwrap_or_else(|p| p.into_inner());
     const LIMIT: f64 = 2000.0;
-    let policy = r#"
-[[tenant]]
-name = "alpha"
-network = "demo"
-rate.send = { ops_per_sec = 2000, ops_burst = 20 }
-
-[[tenant]]
-name = "beta"
-network = "demo"
-"#;
-    let hostd = Hostd::start(Some(policy));
+    let rate = "rate.send = { ops_per_sec = 2000, ops_burst = 20 }";
+    let policy = policy(&[("alpha", &format!("{DEMO}\n{rate}")), ("beta", DEMO)]);
+    let hostd = Hostd::start(Some(&policy));
     let a = Tenant::start(&hostd, "alpha");
     let b = Tenant::start(&hostd, "beta");
-    let (qa, qb) = (a.qp(default_caps()), b.qp(default_caps()));
-    connect(&a, &qa, &b, &qb, Connection::default());
-    let (qb2, qa2) = (b.qp(default_caps()), a.qp(default_caps()));
-    connect(&b, &qb2, &a, &qa2, Connection::default());
+    let (qa, _qb) = qp_pair(&a, &b, Connection::default());
+    let (qb2, _qa2) = qp_pair(&b, &a, Connection::default());
     let (src_a, dst_b) = (
         a.pd.alloc_mr(4096, RW).expect("mr"),
         b.pd.alloc_mr(4096, RW).expect("mr"),
@@ -435,30 +419,22 @@ fn weights_one_to_three_share_a_congested_port_within_ten_percent() {
     // queued each are 67 ms of the port's time), so the port is the
     // bottleneck and hostd's scheduler decides the shares.
     let _turn = FLOODS.lock().unwrap_or_else(|p| p.into_inner());
-    let policy = r#"
-[[tenant]]
-name = "light"
-network = "bench"
-priority = { class = "normal", weight = 1 }
-
-[[tenant]]
-name = "heavy"
-network = "bench"
-priority = { class = "normal", weight = 3 }
-
-[[tenant]]
-name = "sink"
-network = "bench"
-"#;
-    let hostd = Hostd::start_with(Some(policy), &["--line-rate-mbps", "250"]);
+    let weight =
+        |w| format!("network = \"bench\"\npriority = {{ class = \"normal\", weight = {w} }}");
+    let (light, heavy) = (weight(1), weight(3));
+    let policy = policy(&[
+        ("light", &light),
+        ("heavy", &heavy),
+        ("sink", "network = \"bench\""),
+    ]);
+    let hostd = Hostd::start_with(Some(&policy), &["--line-rate-mbps", "250"]);
     let sink = Tenant::start(&hostd, "sink");
     // Per flooding tenant: its QP, the sink's QP, source and destination.
     let floods: Vec<_> = ["light", "heavy"]
         .into_iter()
         .map(|name| {
             let t = Tenant::start(&hostd, name);
-            let (q, qs) = (t.qp(default_caps()), sink.qp(default_caps()));
-            connect(&t, &q, &sink, &qs, Connection::default());
+            let (q, qs) = qp_pair(&t, &sink, Connection::default());
             let src = t.pd.alloc_mr(65536, RW).expect("source");
             let dst = sink.pd.alloc_mr(65536, RW).expect("destination");
             (t, q, qs, src, dst)
@@ -524,7 +500,7 @@ fn the_datapath_threads_cpu_priority_follows_the_class_across_reloads() {
             "[[tenant]]\nname = \"alpha\"\nnetwork = \"demo\"\npriority = {{ class = \"{class}\" }}\n\n[[tenant]]\nname = \"beta\"\nnetwork = \"demo\"\npriority = {{ class = \"realtime\" }}\n"
         )
     };
-    let hostd = Hostd::start(Some(&policy("realtime")));
+    let mut hostd = Hostd::start(Some(&policy("realtime")));
     let mut a = Tenant::start_with(&hostd, "alpha", &["--class-cpu-priority"]);
     let b = Tenant::start_with(&hostd, "beta", &["--class-cpu-priority"]);
     let c = Tenant::start(&hostd, "beta");

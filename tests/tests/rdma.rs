@@ -4,83 +4,25 @@
 
 use std::time::{Duration, Instant};
 
-use vrdma_guest_driver::{Context, QpInitAttr, RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
-use vrdma_spec::ring::send_flags::SIGNALED;
-use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcOpcode, WcStatus};
+use vrdma_guest_driver::{RecvWr, SendPayload, SendWr};
+use vrdma_spec::verbs::SendOpcode::{
+    self, AtomicCmpAndSwp, AtomicFetchAndAdd, RdmaRead, RdmaWrite,
+};
+use vrdma_spec::verbs::{access, QpState, WcOpcode, WcStatus};
 use vrdma_tests::daemon::{Hostd, Vdev};
 use vrdma_tests::tenant::{
-    assert_no_completion, bring_up, connect, default_caps, wait_completions, Connection, Tenant,
+    assert_no_completion, bring_up, connect, default_caps, one, pattern, policy, rdma, read_mr,
+    signaled, wait_completions, Connection, Pair, Tenant,
 };
+use vrdma_tools::verbs::Opened;
 
 const RW: u32 =
     access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed) ^ (i >> 9) as u8)
-        .collect()
-}
-
-fn bytes(mr: &vrdma_guest_driver::MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
-    let mut out = vec![0u8; len];
-    mr.read(offset, &mut out).expect("read MR");
-    out
-}
-
-fn signaled(mut wr: SendWr<'_>) -> SendWr<'_> {
-    wr.flags |= SIGNALED;
-    wr
-}
-
-fn rdma(wr_id: u64, opcode: SendOpcode, sges: &[Sge], remote_addr: u64, rkey: u32) -> SendWr<'_> {
-    let mut wr = signaled(SendWr::new(wr_id, opcode, SendPayload::Sges(sges)));
-    wr.remote_addr = remote_addr;
-    wr.rkey = rkey;
-    wr
-}
-
-fn one(cq: &vrdma_guest_driver::CompletionQueue) -> WorkCompletion {
-    let mut wcs = wait_completions(cq, 1);
-    assert_eq!(wcs.len(), 1, "{wcs:?}");
-    wcs.remove(0)
-}
-
-/// hostd, tenants alpha and beta, and one connected QP pair. Fields drop
-/// in order: the QPs before their devices, the devices before hostd.
-struct Setup {
-    qa: vrdma_guest_driver::QueuePair,
-    qb: vrdma_guest_driver::QueuePair,
-    a: Tenant,
-    b: Tenant,
-    hostd: Hostd,
-}
-
-fn setup() -> Setup {
-    setup_with(Connection::default())
-}
-
-fn setup_with(how: Connection) -> Setup {
-    let hostd = Hostd::start(None);
-    let a = Tenant::start(&hostd, "alpha");
-    let b = Tenant::start(&hostd, "beta");
-    assert_ne!(a.lid, b.lid, "hostd gives each device its own LID");
-    let qa = a.qp(default_caps());
-    let qb = b.qp(default_caps());
-    connect(&a, &qa, &b, &qb, how);
-    Setup {
-        a,
-        b,
-        qa,
-        qb,
-        hostd,
-    }
-}
-
 #[test]
 fn rdma_write_lands_in_the_peers_memory() {
-    let s = setup();
-    let src = s.a.pd.alloc_mr(64 << 10, RW).expect("src");
-    let dst = s.b.pd.alloc_mr(64 << 10, RW).expect("dst");
+    let s = Pair::start();
+    let (src, dst) = s.mrs(64 << 10);
     let data = pattern(64 << 10, 1);
     src.write(0, &data).expect("fill");
     let sge = [src.sge(0, data.len() as u32)];
@@ -91,22 +33,21 @@ fn rdma_write_lands_in_the_peers_memory() {
         (wc.wr_id, wc.status, wc.opcode),
         (7, WcStatus::Success, Some(WcOpcode::RdmaWrite))
     );
-    assert_eq!(bytes(&dst, 0, data.len()), data, "bytes on the other side");
+    assert_eq!(
+        read_mr(&dst, 0, data.len()),
+        data,
+        "bytes on the other side"
+    );
     assert_no_completion(&s.b.cq, Duration::from_millis(20));
 }
 
 #[test]
 fn write_with_immediate_consumes_a_receive() {
-    let s = setup();
-    let src = s.a.pd.alloc_mr(4096, RW).expect("src");
-    let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
+    let s = Pair::start();
+    let (src, dst) = s.mrs(4096);
     let data = pattern(1000, 2);
     src.write(0, &data).expect("fill");
-    s.qb.post_recv(&[RecvWr {
-        wr_id: 99,
-        sg_list: &[],
-    }])
-    .expect("recv");
+    s.recv(99, &[]);
     let sge = [src.sge(0, 1000)];
     let mut wr = rdma(
         8,
@@ -125,24 +66,19 @@ fn write_with_immediate_consumes_a_receive() {
     );
     assert_eq!(wc.imm_data, Some([1, 2, 3, 4]));
     assert_eq!(wc.qp_num, s.qb.qp_num());
-    assert_eq!(bytes(&dst, 100, 1000), data);
+    assert_eq!(read_mr(&dst, 100, 1000), data);
 }
 
 #[test]
 fn send_gathers_and_receive_scatters() {
-    let s = setup();
-    let src = s.a.pd.alloc_mr(8192, RW).expect("src");
-    let dst = s.b.pd.alloc_mr(8192, RW).expect("dst");
+    let s = Pair::start();
+    let (src, dst) = s.mrs(8192);
     let data = pattern(3000, 3);
     src.write(0, &data[..1000]).expect("part 1");
     src.write(4000, &data[1000..2500]).expect("part 2");
     src.write(7000, &data[2500..]).expect("part 3");
     let recv_sges = [dst.sge(0, 1200), dst.sge(5000, 2000)];
-    s.qb.post_recv(&[RecvWr {
-        wr_id: 5,
-        sg_list: &recv_sges,
-    }])
-    .expect("recv");
+    s.recv(5, &recv_sges);
     let send_sges = [src.sge(0, 1000), src.sge(4000, 1500), src.sge(7000, 500)];
     let mut wr = signaled(SendWr::new(
         6,
@@ -163,21 +99,17 @@ fn send_gathers_and_receive_scatters() {
     );
     assert_eq!(wc.imm_data, Some([9, 9, 9, 9]));
     assert_eq!(wc.src_qp, s.qa.qp_num());
-    let mut got = bytes(&dst, 0, 1200);
-    got.extend(bytes(&dst, 5000, 1800));
+    let mut got = read_mr(&dst, 0, 1200);
+    got.extend(read_mr(&dst, 5000, 1800));
     assert_eq!(got, data);
 }
 
 #[test]
 fn inline_send_and_unsignaled_work() {
-    let s = setup();
+    let s = Pair::start();
     let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
     for i in 0..4 {
-        s.qb.post_recv(&[RecvWr {
-            wr_id: i,
-            sg_list: &[dst.sge(64 * i, 64)],
-        }])
-        .expect("recv");
+        s.recv(i, &[dst.sge(64 * i, 64)]);
     }
     let messages: Vec<Vec<u8>> = (0..4).map(|i| pattern(40, 10 + i as u8)).collect();
     // Three unsignaled sends, then a signaled one: one send completion.
@@ -202,141 +134,90 @@ fn inline_send_and_unsignaled_work() {
             (wc.wr_id, wc.status, wc.byte_len),
             (i as u64, WcStatus::Success, 40)
         );
-        assert_eq!(bytes(&dst, 64 * i, 40), messages[i]);
+        assert_eq!(read_mr(&dst, 64 * i, 40), messages[i]);
     }
     assert_no_completion(&s.a.cq, Duration::from_millis(20));
 }
 
 #[test]
 fn rdma_read_fetches_the_peers_memory() {
-    let s = setup();
-    let local = s.a.pd.alloc_mr(16 << 10, RW).expect("local");
-    let remote = s.b.pd.alloc_mr(16 << 10, RW).expect("remote");
+    let s = Pair::start();
+    let (local, remote) = s.mrs(16 << 10);
     let data = pattern(16 << 10, 4);
     remote.write(0, &data).expect("fill");
     let sge = [local.sge(0, 8 << 10), local.sge(8 << 10, 8 << 10)];
-    s.qa.post_send(&[rdma(
-        11,
-        SendOpcode::RdmaRead,
-        &sge,
-        remote.iova(),
-        remote.rkey(),
-    )])
-    .expect("read");
-    let wc = one(&s.a.cq);
+    let wc = s.post(rdma(11, RdmaRead, &sge, remote.iova(), remote.rkey()));
     assert_eq!(
         (wc.status, wc.opcode, wc.byte_len),
         (WcStatus::Success, Some(WcOpcode::RdmaRead), 16 << 10)
     );
-    assert_eq!(bytes(&local, 0, 16 << 10), data);
+    assert_eq!(read_mr(&local, 0, 16 << 10), data);
 }
 
 #[test]
 fn atomics_compare_swap_and_fetch_add() {
-    let s = setup();
-    let local = s.a.pd.alloc_mr(4096, RW).expect("local");
-    let remote = s.b.pd.alloc_mr(4096, RW).expect("remote");
+    let s = Pair::start();
+    let (local, remote) = s.mrs(4096);
     remote.write(8, &100u64.to_le_bytes()).expect("init");
     let sge = [local.sge(0, 8)];
-    let mut faa = rdma(
-        1,
-        SendOpcode::AtomicFetchAndAdd,
-        &sge,
-        remote.iova() + 8,
-        remote.rkey(),
-    );
-    faa.compare_add = 5;
-    s.qa.post_send(&[faa]).expect("faa");
-    assert_eq!(one(&s.a.cq).status, WcStatus::Success);
-    assert_eq!(
-        bytes(&local, 0, 8),
-        100u64.to_le_bytes(),
-        "FAA returns the old value"
-    );
-    assert_eq!(bytes(&remote, 8, 8), 105u64.to_le_bytes());
-    let mut cas = rdma(
-        2,
-        SendOpcode::AtomicCmpAndSwp,
-        &sge,
-        remote.iova() + 8,
-        remote.rkey(),
-    );
-    cas.compare_add = 105;
-    cas.swap = 7;
-    s.qa.post_send(&[cas]).expect("cas");
-    assert_eq!(one(&s.a.cq).status, WcStatus::Success);
-    assert_eq!(bytes(&local, 0, 8), 105u64.to_le_bytes());
-    assert_eq!(bytes(&remote, 8, 8), 7u64.to_le_bytes(), "swapped");
-    let mut miss = rdma(
-        3,
-        SendOpcode::AtomicCmpAndSwp,
-        &sge,
-        remote.iova() + 8,
-        remote.rkey(),
-    );
-    miss.compare_add = 1;
-    miss.swap = 55;
-    s.qa.post_send(&[miss]).expect("cas");
-    assert_eq!(one(&s.a.cq).status, WcStatus::Success);
-    assert_eq!(
-        bytes(&remote, 8, 8),
-        7u64.to_le_bytes(),
-        "compare failed: unchanged"
-    );
+    // (opcode, compare_add, swap): the value fetched, the value left.
+    let steps = [
+        (
+            AtomicFetchAndAdd,
+            5,
+            0,
+            100u64,
+            105u64,
+            "FAA returns the old value",
+        ),
+        (AtomicCmpAndSwp, 105, 7, 105, 7, "swapped"),
+        (AtomicCmpAndSwp, 1, 55, 7, 7, "compare failed: unchanged"),
+    ];
+    for (i, (op, compare_add, swap, fetched, left, what)) in steps.into_iter().enumerate() {
+        let mut wr = rdma(i as u64, op, &sge, remote.iova() + 8, remote.rkey());
+        (wr.compare_add, wr.swap) = (compare_add, swap);
+        assert_eq!(s.post(wr).status, WcStatus::Success, "{what}");
+        assert_eq!(read_mr(&local, 0, 8), fetched.to_le_bytes(), "{what}");
+        assert_eq!(read_mr(&remote, 8, 8), left.to_le_bytes(), "{what}");
+    }
 }
 
 #[test]
 fn misaligned_atomic_is_an_invalid_request() {
-    let s = setup();
-    let local = s.a.pd.alloc_mr(4096, RW).expect("local");
-    let remote = s.b.pd.alloc_mr(4096, RW).expect("remote");
+    let s = Pair::start();
+    let (local, remote) = s.mrs(4096);
     let sge = [local.sge(0, 8)];
-    s.qa.post_send(&[rdma(
-        1,
-        SendOpcode::AtomicFetchAndAdd,
-        &sge,
-        remote.iova() + 4,
-        remote.rkey(),
-    )])
-    .expect("post");
-    assert_eq!(one(&s.a.cq).status, WcStatus::RemInvReqErr);
+    let status = s.rdma(AtomicFetchAndAdd, &sge, remote.iova() + 4, remote.rkey());
+    assert_eq!(status, WcStatus::RemInvReqErr);
 }
 
 #[test]
 fn a_foreign_or_invalid_rkey_is_a_remote_access_error_and_the_victim_is_untouched() {
-    let s = setup();
-    let src = s.a.pd.alloc_mr(4096, RW).expect("src");
+    let s = Pair::start();
+    let (src, victim) = s.mrs(4096);
     src.write(0, &pattern(4096, 5)).expect("fill");
-    let victim = s.b.pd.alloc_mr(4096, RW).expect("victim");
     let canary = pattern(4096, 6);
     victim.write(0, &canary).expect("canary");
     // A's own MR's rkey used against B: the key is A's, not B's.
     let own = s.a.pd.alloc_mr(4096, RW).expect("own");
     let sge = [src.sge(0, 64)];
-    s.qa.post_send(&[rdma(1, SendOpcode::RdmaWrite, &sge, own.iova(), own.rkey())])
-        .expect("post");
-    assert_eq!(one(&s.a.cq).status, WcStatus::RemAccessErr);
-    assert_eq!(bytes(&victim, 0, 4096), canary);
+    let status = s.rdma(RdmaWrite, &sge, own.iova(), own.rkey());
+    assert_eq!(status, WcStatus::RemAccessErr);
+    assert_eq!(read_mr(&victim, 0, 4096), canary);
 }
 
 #[test]
 fn a_guessed_rkey_fails_and_the_qp_flushes_what_follows() {
-    let s = setup();
-    let src = s.a.pd.alloc_mr(4096, RW).expect("src");
-    let victim = s.b.pd.alloc_mr(4096, RW).expect("victim");
+    let s = Pair::start();
+    let (src, victim) = s.mrs(4096);
     let canary = pattern(4096, 7);
     victim.write(0, &canary).expect("canary");
     let sge = [src.sge(0, 64)];
+    let (iova, rkey) = (victim.iova(), victim.rkey());
     let wrs = [
-        rdma(
-            1,
-            SendOpcode::RdmaWrite,
-            &sge,
-            victim.iova(),
-            victim.rkey() ^ 0x5a5a,
-        ),
-        rdma(2, SendOpcode::RdmaWrite, &sge, victim.iova(), victim.rkey()),
-        rdma(3, SendOpcode::RdmaWrite, &sge, victim.iova(), victim.rkey()),
+        rdma(1, RdmaWrite, &sge, iova, rkey ^ 0x5a5a),
+        rdma(2, RdmaWrite, &sge, iova, rkey),
+        rdma(3, RdmaWrite, &sge, iova, rkey),
     ];
     s.qa.post_send(&wrs).expect("post");
     let wcs = wait_completions(&s.a.cq, 3);
@@ -350,7 +231,7 @@ fn a_guessed_rkey_fails_and_the_qp_flushes_what_follows() {
         ]
     );
     assert_eq!(
-        bytes(&victim, 0, 4096),
+        read_mr(&victim, 0, 4096),
         canary,
         "nothing written, not even by the flushed WQEs"
     );
@@ -360,64 +241,35 @@ fn a_guessed_rkey_fails_and_the_qp_flushes_what_follows() {
 
 #[test]
 fn access_flags_are_enforced_both_ways() {
-    let s = setup();
-    let src = s.a.pd.alloc_mr(4096, RW).expect("src");
-    let read_only =
-        s.b.pd
-            .alloc_mr(4096, access::REMOTE_READ)
-            .expect("read-only");
-    let sge = [src.sge(0, 64)];
-    s.qa.post_send(&[rdma(
-        1,
-        SendOpcode::RdmaWrite,
-        &sge,
-        read_only.iova(),
-        read_only.rkey(),
-    )])
-    .expect("post");
-    assert_eq!(
-        one(&s.a.cq).status,
-        WcStatus::RemAccessErr,
-        "remote write into a read-only MR"
-    );
-
-    let s = setup();
-    let no_local_write =
-        s.a.pd
-            .alloc_mr(4096, access::REMOTE_READ)
-            .expect("no local write");
-    let remote = s.b.pd.alloc_mr(4096, RW).expect("remote");
-    let sge = [no_local_write.sge(0, 64)];
-    s.qa.post_send(&[rdma(
-        1,
-        SendOpcode::RdmaRead,
-        &sge,
-        remote.iova(),
-        remote.rkey(),
-    )])
-    .expect("post");
-    assert_eq!(
-        one(&s.a.cq).status,
-        WcStatus::LocProtErr,
-        "READ into an MR without LOCAL_WRITE"
-    );
-
-    let s = setup();
-    let src = s.a.pd.alloc_mr(4096, RW).expect("src");
-    let remote = s.b.pd.alloc_mr(4096, RW).expect("remote");
-    let bad_lkey = [Sge {
-        lkey: src.lkey() ^ 1,
-        ..src.sge(0, 64)
-    }];
-    s.qa.post_send(&[rdma(
-        1,
-        SendOpcode::RdmaWrite,
-        &bad_lkey,
-        remote.iova(),
-        remote.rkey(),
-    )])
-    .expect("post");
-    assert_eq!(one(&s.a.cq).status, WcStatus::LocProtErr, "unknown lkey");
+    // Alpha's MR's access, beta's, the operation, a wrong lkey or not.
+    let (read_only, status) = (access::REMOTE_READ, WcStatus::RemAccessErr);
+    let cases = [
+        (
+            RW,
+            read_only,
+            RdmaWrite,
+            0,
+            status,
+            "remote write into a read-only MR",
+        ),
+        (
+            read_only,
+            RW,
+            RdmaRead,
+            0,
+            WcStatus::LocProtErr,
+            "READ without LOCAL_WRITE",
+        ),
+        (RW, RW, RdmaWrite, 1, WcStatus::LocProtErr, "unknown lkey"),
+    ];
+    for (local, remote, op, lkey_xor, expected, what) in cases {
+        let s = Pair::start();
+        let src = s.a.pd.alloc_mr(4096, local).expect("alpha's MR");
+        let dst = s.b.pd.alloc_mr(4096, remote).expect("beta's MR");
+        let mut sge = [src.sge(0, 64)];
+        sge[0].lkey ^= lkey_xor;
+        assert_eq!(s.rdma(op, &sge, dst.iova(), dst.rkey()), expected, "{what}");
+    }
 }
 
 #[test]
@@ -426,25 +278,18 @@ fn a_qp_without_remote_write_access_refuses_writes() {
         access: access::REMOTE_READ,
         ..Connection::default()
     };
-    let s = setup_with(how);
-    let src = s.a.pd.alloc_mr(4096, RW).expect("src");
-    let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
+    let s = Pair::start_with(how);
+    let (src, dst) = s.mrs(4096);
     let sge = [src.sge(0, 64)];
-    s.qa.post_send(&[rdma(1, SendOpcode::RdmaWrite, &sge, dst.iova(), dst.rkey())])
-        .expect("post");
-    assert_eq!(one(&s.a.cq).status, WcStatus::RemAccessErr);
+    let status = s.rdma(RdmaWrite, &sge, dst.iova(), dst.rkey());
+    assert_eq!(status, WcStatus::RemAccessErr);
 }
 
 #[test]
 fn a_message_longer_than_the_receive_buffer_is_a_length_error() {
-    let s = setup();
-    let src = s.a.pd.alloc_mr(4096, RW).expect("src");
-    let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
-    s.qb.post_recv(&[RecvWr {
-        wr_id: 1,
-        sg_list: &[dst.sge(0, 100)],
-    }])
-    .expect("recv");
+    let s = Pair::start();
+    let (src, dst) = s.mrs(4096);
+    s.recv(1, &[dst.sge(0, 100)]);
     let sge = [src.sge(0, 200)];
     s.qa.post_send(&[signaled(SendWr::new(
         2,
@@ -460,7 +305,7 @@ fn a_message_longer_than_the_receive_buffer_is_a_length_error() {
 #[test]
 fn receiver_not_ready_retries_then_succeeds_or_fails() {
     // Infinite RNR retries: the send waits until the receive is posted.
-    let s = setup();
+    let s = Pair::start();
     let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
     s.qa.post_send(&[signaled(SendWr::new(
         1,
@@ -469,17 +314,13 @@ fn receiver_not_ready_retries_then_succeeds_or_fails() {
     ))])
     .expect("send");
     assert_no_completion(&s.a.cq, Duration::from_millis(30));
-    s.qb.post_recv(&[RecvWr {
-        wr_id: 2,
-        sg_list: &[dst.sge(0, 64)],
-    }])
-    .expect("recv");
+    s.recv(2, &[dst.sge(0, 64)]);
     assert_eq!(one(&s.a.cq).status, WcStatus::Success);
     assert_eq!(one(&s.b.cq).byte_len, 4);
-    assert_eq!(bytes(&dst, 0, 4), b"late");
+    assert_eq!(read_mr(&dst, 0, 4), b"late");
 
     // One retry: RNR retry exceeded, then the rest is flushed.
-    let s = setup_with(Connection {
+    let s = Pair::start_with(Connection {
         rnr_retry: 1,
         ..Connection::default()
     });
@@ -508,14 +349,10 @@ fn receiver_not_ready_retries_then_succeeds_or_fails() {
 
 #[test]
 fn moving_a_qp_to_error_flushes_its_receives() {
-    let s = setup();
+    let s = Pair::start();
     let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
     for i in 0..3 {
-        s.qb.post_recv(&[RecvWr {
-            wr_id: i,
-            sg_list: &[dst.sge(0, 64)],
-        }])
-        .expect("recv");
+        s.recv(i, &[dst.sge(0, 64)]);
     }
     // Let the datapath hand them to hostd, then fail the QP.
     std::thread::sleep(Duration::from_millis(20));
@@ -541,7 +378,7 @@ fn moving_a_qp_to_error_flushes_its_receives() {
 
 #[test]
 fn many_qps_share_the_physical_queues_and_keep_their_order() {
-    let s = setup();
+    let s = Pair::start();
     let qps_a: Vec<_> = (0..8).map(|_| s.a.qp(default_caps())).collect();
     let qps_b: Vec<_> = (0..8).map(|_| s.b.qp(default_caps())).collect();
     for (qa, qb) in qps_a.iter().zip(&qps_b) {
@@ -568,46 +405,29 @@ fn many_qps_share_the_physical_queues_and_keep_their_order() {
         assert_eq!(wc.qp_num, qps_a[qp].qp_num());
         next[qp] += 1;
     }
-    assert_eq!(bytes(&dst, 0, 256), bytes(&src, 0, 256));
+    assert_eq!(read_mr(&dst, 0, 256), read_mr(&src, 0, 256));
+}
+
+/// `t`'s CQ raised its completion event within 10 s.
+#[track_caller]
+fn assert_completion_event(t: &Tenant) {
+    let event = t.ctx.get_event(0, Some(Duration::from_secs(10)));
+    let completion = vrdma_guest_driver::DeviceEvent::Completion { cqn: t.cq.cqn() };
+    assert_eq!(event.expect("event"), Some(completion));
 }
 
 #[test]
 fn completion_events_wake_an_armed_cq_once() {
-    let s = setup();
+    let s = Pair::start();
     let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
     s.b.cq.req_notify(false);
-    s.qb.post_recv(&[RecvWr {
-        wr_id: 1,
-        sg_list: &[dst.sge(0, 64)],
-    }])
-    .expect("recv");
-    s.qa.post_send(&[SendWr::new(
-        1,
-        SendOpcode::Send,
-        SendPayload::Inline(b"wake up"),
-    )])
-    .expect("send");
-    let event =
-        s.b.ctx
-            .get_event(0, Some(Duration::from_secs(10)))
-            .expect("event");
-    assert_eq!(
-        event,
-        Some(vrdma_guest_driver::DeviceEvent::Completion { cqn: s.b.cq.cqn() })
-    );
+    s.recv(1, &[dst.sge(0, 64)]);
+    s.send_inline(1, b"wake up");
+    assert_completion_event(&s.b);
     assert_eq!(one(&s.b.cq).byte_len, 7);
     // Not re-armed: the next completion raises no event.
-    s.qb.post_recv(&[RecvWr {
-        wr_id: 2,
-        sg_list: &[dst.sge(0, 64)],
-    }])
-    .expect("recv");
-    s.qa.post_send(&[SendWr::new(
-        2,
-        SendOpcode::Send,
-        SendPayload::Inline(b"again"),
-    )])
-    .expect("send");
+    s.recv(2, &[dst.sge(0, 64)]);
+    s.send_inline(2, b"again");
     assert_eq!(one(&s.b.cq).wr_id, 2);
     assert_eq!(
         s.b.ctx
@@ -619,20 +439,13 @@ fn completion_events_wake_an_armed_cq_once() {
 
 #[test]
 fn connecting_outside_the_tenant_network_fails_at_rtr() {
-    let config = r#"
-[[tenant]]
-name = "alpha"
-network = "blue"
-
-[[tenant]]
-name = "beta"
-network = "blue"
-
-[[tenant]]
-name = "gamma"
-network = "red"
-"#;
-    let hostd = Hostd::start(Some(config));
+    let blue = "network = \"blue\"";
+    let config = policy(&[
+        ("alpha", blue),
+        ("beta", blue),
+        ("gamma", "network = \"red\""),
+    ]);
+    let hostd = Hostd::start(Some(&config));
     let a = Tenant::start(&hostd, "alpha");
     let c = Tenant::start(&hostd, "gamma");
     let qa = a.qp(default_caps());
@@ -652,7 +465,7 @@ network = "red"
 
 #[test]
 fn a_third_tenant_cannot_use_a_victims_rkey_through_its_own_connection() {
-    let s = setup();
+    let s = Pair::start();
     // alpha also connects to itself (a second QP pair inside alpha); with
     // beta's rkey it aims at beta's memory over a QP whose peer is alpha.
     let victim = s.b.pd.alloc_mr(4096, RW).expect("victim");
@@ -672,12 +485,12 @@ fn a_third_tenant_cannot_use_a_victims_rkey_through_its_own_connection() {
     )])
     .expect("post");
     assert_eq!(one(&s.a.cq).status, WcStatus::RemAccessErr);
-    assert_eq!(bytes(&victim, 0, 4096), canary);
+    assert_eq!(read_mr(&victim, 0, 4096), canary);
 }
 
 #[test]
 fn killing_one_tenants_vdev_leaves_the_others_traffic_running() {
-    let mut s = setup();
+    let mut s = Pair::start();
     // A third device (tenant alpha again) floods alpha's first device with
     // writes from another thread; its vdev is killed in the middle of it.
     let mut c = Tenant::start(&s.hostd, "alpha");
@@ -722,7 +535,7 @@ fn killing_one_tenants_vdev_leaves_the_others_traffic_running() {
             .expect("post");
             let wc = one(&s.a.cq);
             assert_eq!((wc.wr_id, wc.status), (round, WcStatus::Success));
-            assert_eq!(bytes(&dst, 0, 512), data);
+            assert_eq!(read_mr(&dst, 0, 512), data);
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         let posted = flooder.join().expect("flooder");
@@ -743,7 +556,7 @@ fn killing_one_tenants_vdev_leaves_the_others_traffic_running() {
 
 #[test]
 fn a_cq_armed_for_solicited_events_ignores_unsolicited_messages() {
-    let s = setup();
+    let s = Pair::start();
     let dst = s.b.pd.alloc_mr(4096, RW).expect("dst");
     s.qb.post_recv(&[
         RecvWr {
@@ -757,12 +570,7 @@ fn a_cq_armed_for_solicited_events_ignores_unsolicited_messages() {
     ])
     .expect("recv");
     s.b.cq.req_notify(true);
-    s.qa.post_send(&[SendWr::new(
-        1,
-        SendOpcode::Send,
-        SendPayload::Inline(b"plain"),
-    )])
-    .expect("send");
+    s.send_inline(1, b"plain");
     assert_eq!(one(&s.b.cq).wr_id, 1);
     assert_eq!(
         s.b.ctx
@@ -774,14 +582,7 @@ fn a_cq_armed_for_solicited_events_ignores_unsolicited_messages() {
     let mut solicited = SendWr::new(2, SendOpcode::Send, SendPayload::Inline(b"urgent"));
     solicited.flags |= vrdma_spec::ring::send_flags::SOLICITED;
     s.qa.post_send(&[solicited]).expect("send");
-    let event =
-        s.b.ctx
-            .get_event(0, Some(Duration::from_secs(10)))
-            .expect("event");
-    assert_eq!(
-        event,
-        Some(vrdma_guest_driver::DeviceEvent::Completion { cqn: s.b.cq.cqn() })
-    );
+    assert_completion_event(&s.b);
     let wc = one(&s.b.cq);
     assert_eq!(
         (wc.wr_id, wc.wc_flags & 0xc0),
@@ -792,7 +593,7 @@ fn a_cq_armed_for_solicited_events_ignores_unsolicited_messages() {
 
 #[test]
 fn a_memory_region_of_scattered_segments_takes_writes_and_reads() {
-    let s = setup();
+    let s = Pair::start();
     // Three separate buffers, registered as one MR (REG_MR_SG): the peer
     // sees one range of 9196 bytes at iova 0x5000_0000.
     let lens = [4096, 100, 5000];
@@ -812,7 +613,11 @@ fn a_memory_region_of_scattered_segments_takes_writes_and_reads() {
     s.qa.post_send(&[rdma(1, SendOpcode::RdmaWrite, &sge, iova, dst.rkey())])
         .expect("post write");
     assert_eq!(one(&s.a.cq).status, WcStatus::Success);
-    assert_eq!(bytes(&dst, 0, total), data, "bytes landed across segments");
+    assert_eq!(
+        read_mr(&dst, 0, total),
+        data,
+        "bytes landed across segments"
+    );
     let patch = pattern(300, 7);
     src.write(total, &patch).expect("fill patch");
     let sge = [src.sge(total as u64, 300)];
@@ -827,13 +632,17 @@ fn a_memory_region_of_scattered_segments_takes_writes_and_reads() {
     assert_eq!(one(&s.a.cq).status, WcStatus::Success);
     let mut expected = data.clone();
     expected[4146..4446].copy_from_slice(&patch);
-    assert_eq!(bytes(&dst, 0, total), expected);
+    assert_eq!(read_mr(&dst, 0, total), expected);
     // READ it all back into the other half of the source MR.
     let sge = [src.sge(total as u64, total as u32)];
     s.qa.post_send(&[rdma(3, SendOpcode::RdmaRead, &sge, iova, dst.rkey())])
         .expect("post read");
     assert_eq!(one(&s.a.cq).status, WcStatus::Success);
-    assert_eq!(bytes(&src, total, total), expected, "read across segments");
+    assert_eq!(
+        read_mr(&src, total, total),
+        expected,
+        "read across segments"
+    );
     // One byte past the end is outside the MR.
     let sge = [src.sge(0, 2)];
     s.qa.post_send(&[rdma(
@@ -858,36 +667,25 @@ fn one_vdev_serves_frontend_after_frontend_on_hostd() {
     let mut alpha = Vdev::on_hostd(&hostd, "alpha", &[]);
     let beta = Tenant::start(&hostd, "beta");
     for round in 0..3u8 {
-        let ctx = Context::open_vhost_user(&alpha.socket)
+        let dev = Opened::open(&alpha.socket, 16)
             .unwrap_or_else(|e| panic!("frontend {round}: open: {e}\n{}", alpha.log()));
-        let lid = ctx.query_port(1).expect("query_port").lid.get();
-        let pd = ctx.alloc_pd().expect("alloc_pd");
-        let cq = ctx.create_cq(16, 0).expect("create_cq");
-        let qp = pd
-            .create_qp(&QpInitAttr {
-                send_cq: &cq,
-                recv_cq: &cq,
-                cap: default_caps(),
-                qp_type: QpType::Rc,
-                sq_sig_all: false,
-            })
-            .expect("create_qp");
+        let (qp, lid) = (dev.rc_qp(default_caps()).expect("create_qp"), dev.lid);
         let peer = beta.qp(default_caps());
         bring_up(&qp, peer.qp_num(), beta.lid, Connection::default()).expect("bring up");
         bring_up(&peer, qp.qp_num(), lid, Connection::default()).expect("bring up the peer");
-        let src = pd.alloc_mr(4096, RW).expect("src");
+        let src = dev.pd.alloc_mr(4096, RW).expect("src");
         let dst = beta.pd.alloc_mr(4096, RW).expect("dst");
         let data = vec![round + 1; 4096];
         src.write(0, &data).expect("fill");
         let sge = [src.sge(0, 4096)];
         qp.post_send(&[rdma(1, SendOpcode::RdmaWrite, &sge, dst.iova(), dst.rkey())])
             .expect("post WRITE");
-        assert_eq!(one(&cq).status, WcStatus::Success, "frontend {round}");
+        assert_eq!(one(&dev.cq).status, WcStatus::Success, "frontend {round}");
         let mut landed = vec![0u8; 4096];
         dst.read(0, &mut landed).expect("read");
         assert_eq!(landed, data, "frontend {round}'s WRITE landed");
         assert_eq!(hostd.usage("alpha")["qps"], 1, "frontend {round}");
-        drop((src, qp, cq, pd, ctx));
+        drop((src, qp, dev));
         // The frontend left: hostd releases what it had.
         let deadline = Instant::now() + Duration::from_secs(10);
         while hostd.usage("alpha")["qps"] != 0 {

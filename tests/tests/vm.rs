@@ -13,8 +13,9 @@
 //!   guest misbehaving (its driver killed mid-traffic, the machine reset
 //!   while QPs exist) while vdev, hostd and a bystander tenant carry on.
 //!
-//! Needs root (debootstrap, chroot) and the cache `tests/vm/prepare.sh`
-//! fills (docs/vm.md); outside CI without root it prints SKIPPED.
+//! Needs root, debootstrap and xz-utils (`scripts/test` installs them),
+//! and fills the cache of `tests/vm/prepare.sh` on its first run
+//! (docs/vm.md); without them the tests fail and say what is missing.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
@@ -28,7 +29,8 @@ use vhost::vhost_user::message::FrontendReq;
 use vrdma_guest_driver::{SendPayload, SendWr};
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
-use vrdma_tests::daemon::{tcp_listening, Hostd, IbverbsShim, Vdev};
+use vrdma_tests::daemon::{binary, tcp_listening, Hostd, IbverbsShim, Vdev};
+use vrdma_tests::need;
 use vrdma_tests::tenant::{connect, default_caps, wait_completions, Connection, Tenant};
 use vrdma_tests::vhost_tap::{render, Message, VhostTap};
 use vrdma_tests::vm::{self, Guest, GuestConfig, VrdmaDevice, QEMU_VIRTIO_ID};
@@ -147,11 +149,16 @@ fn wait_for_request(tap: &VhostTap, from: usize, req: FrontendReq, what: &str) {
     );
 }
 
+/// `vdev`'s log holds `needle` (`what` it shows, for a failure).
+#[track_caller]
+fn assert_logged(vdev: &Vdev, needle: &str, what: &str) {
+    let log = vdev.log();
+    assert!(log.contains(needle), "{what}:\n{log}");
+}
+
 #[test]
 fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
-    let Some(image) = vm::image_for_test("vm smoke test") else {
-        return;
-    };
+    let image = vm::image_for_test("vm smoke test");
     let _one = one_vm();
     let vdev = Vdev::start_in(image.temp_dir("vdev-vm"), "alpha", &[]);
     let tap_dir = image.temp_dir("tap");
@@ -179,7 +186,7 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
         .strip_debug()
         .library_dir(shim.path())
         .binary(
-            Path::new("/usr/bin/ibv_rc_pingpong"),
+            &need::program("ibv_rc_pingpong", "ibverbs-utils"),
             "/bin/ibv_rc_pingpong",
         )
         .script(&guest_script(port));
@@ -197,11 +204,7 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
         boot.iter().any(|m| m.is(FrontendReq::SET_OWNER)),
         "QEMU took the device"
     );
-    assert!(
-        vdev.log().contains("Frontend connected"),
-        "vdev saw the frontend:\n{}",
-        vdev.log()
-    );
+    assert_logged(&vdev, "Frontend connected", "vdev saw the frontend");
 
     check(guest.verdict("caps", STEP), &vdev, &tap);
     check(guest.verdict("libs", STEP), &vdev, &tap);
@@ -267,10 +270,10 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
         !reset.iter().any(|m| m.is(FrontendReq::RESET_DEVICE)),
         "QEMU 11 sends no RESET_DEVICE for vhost-user-base"
     );
-    assert!(
-        vdev.log().contains("Control queue stopped (device reset)"),
-        "vdev took the stop as the reset:\n{}",
-        vdev.log()
+    assert_logged(
+        &vdev,
+        "Control queue stopped (device reset)",
+        "vdev took the stop as the reset",
     );
     check(guest.verdict("cycle", STEP), &vdev, &tap);
     let (mark, _) = step_messages(&tap, mark, "DRIVER_OK again");
@@ -429,7 +432,7 @@ struct HostGuestProgram {
 
 impl HostGuestProgram {
     fn listen(device: &Path) -> Self {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_vrdma-guest"))
+        let mut child = Command::new(binary("vrdma-guest"))
             .arg("--device")
             .arg(device)
             .args(["--listen", "127.0.0.1:0"])
@@ -784,9 +787,7 @@ impl Rig {
 /// exist) while vdev, hostd and another tenant carry on.
 #[test]
 fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
-    let Some(image) = vm::image_for_test("vm rdma test") else {
-        return;
-    };
+    let image = vm::image_for_test("vm rdma test");
     let _one = one_vm();
     let started = Instant::now();
     let hostd = Hostd::start(Some(POLICY));
@@ -800,12 +801,9 @@ fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
         .initramfs()
         .strip_debug()
         .library_dir(shim.path())
+        .binary(&binary("vrdma-guest"), "/bin/vrdma-guest")
         .binary(
-            Path::new(env!("CARGO_BIN_EXE_vrdma-guest")),
-            "/bin/vrdma-guest",
-        )
-        .binary(
-            Path::new("/usr/bin/ibv_rc_pingpong"),
+            &need::program("ibv_rc_pingpong", "ibverbs-utils"),
             "/bin/ibv_rc_pingpong",
         )
         .script(&agent_script(commands.port));

@@ -14,11 +14,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
+use vrdma_guest_driver::error::chain;
 use vrdma_guest_driver::{MemoryRegion, QueuePair, RecvWr, SendPayload, SendWr, WorkCompletion};
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
-use vrdma_tests::daemon::{Hostd, Vdev};
-use vrdma_tests::tenant::{connect, default_caps, Connection, Tenant};
+use vrdma_tools::supervisor::{self, find_binary, Daemon, Launch, Scratch};
+use vrdma_tools::verbs::{bring_up, default_caps, Connection, Opened};
+use vrdma_tools::vmm::{self, Vmm};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Test {
@@ -87,7 +89,99 @@ const TRIALS: usize = 3;
 /// so that TCP runs on an otherwise idle machine, as a user would see it.
 const SETTLE: Duration = Duration::from_millis(20);
 
-fn main() {
+#[derive(Debug, thiserror::Error)]
+enum BenchError {
+    #[error(transparent)]
+    Daemon(#[from] supervisor::Error),
+    #[error("Cannot open tenant {tenant}'s device")]
+    Open {
+        tenant: String,
+        #[source]
+        source: vrdma_guest_driver::Error,
+    },
+}
+
+/// How `main` fails: the error chain, once.
+struct Failed(BenchError);
+
+impl std::fmt::Debug for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "vrdma-bench: {}", chain(&self.0))
+    }
+}
+
+impl From<BenchError> for Failed {
+    fn from(e: BenchError) -> Self {
+        Failed(e)
+    }
+}
+
+/// hostd and the vdevs of one measurement, as separate processes in a
+/// scratch directory. Fields drop in order: hostd before its directory.
+struct Host {
+    hostd: Daemon,
+    vdev: std::path::PathBuf,
+    dir: Scratch,
+    vdevs: std::cell::Cell<u32>,
+}
+
+impl Host {
+    /// hostd with `args`, on `policy` (or its embedded default one).
+    fn start(policy: Option<&str>, args: &[&str]) -> Result<Self, BenchError> {
+        let dir = Scratch::new("bench")?;
+        let hostd = find_binary("hostd", "vrdma-hostd")?;
+        let mut launch = Launch::hostd(&hostd, dir.path()).args(args);
+        if let Some(policy) = policy {
+            launch = launch
+                .arg("--policy")
+                .arg(dir.write("policy.toml", policy)?);
+        }
+        Ok(Self {
+            hostd: launch.start()?,
+            vdev: find_binary("vdev", "vrdma-vdev")?,
+            dir,
+            vdevs: std::cell::Cell::new(0),
+        })
+    }
+
+    /// A vdev for `tenant` attached to hostd.
+    fn vdev(&self, tenant: &str, args: &[&str]) -> Result<Daemon, BenchError> {
+        let n = self.vdevs.replace(self.vdevs.get() + 1);
+        let launch = Launch::vdev(
+            &self.vdev,
+            self.dir.path(),
+            tenant,
+            Some(self.hostd.socket()),
+        );
+        Ok(launch.file(&format!("{tenant}-{n}")).args(args).start()?)
+    }
+
+    /// A vdev for `tenant` and its device, opened.
+    fn tenant(&self, tenant: &str, args: &[&str]) -> Result<Tenant, BenchError> {
+        let vdev = self.vdev(tenant, args)?;
+        let dev = Opened::open(vdev.socket(), 1024).map_err(|source| BenchError::Open {
+            tenant: tenant.into(),
+            source,
+        })?;
+        Ok(Tenant { dev, _vdev: vdev })
+    }
+}
+
+/// A tenant's device, opened, and the vdev serving it (fields drop in
+/// order: the device first).
+struct Tenant {
+    dev: Opened,
+    _vdev: Daemon,
+}
+
+impl std::ops::Deref for Tenant {
+    type Target = Opened;
+    fn deref(&self) -> &Opened {
+        &self.dev
+    }
+}
+
+fn main() -> Result<(), Failed> {
     let args = Args::parse();
     let tests = if args.test.is_empty() {
         vec![
@@ -111,21 +205,21 @@ fn main() {
             args.line_rate_mbps,
             args.flood_size,
             args.flood_op,
-        );
+        )?;
     }
     if tests.contains(&Test::Weights) {
-        weighted_shares(args.line_rate_mbps);
+        weighted_shares(args.line_rate_mbps)?;
     }
     let tests: Vec<Test> = tests
         .into_iter()
         .filter(|t| !matches!(t, Test::Isolation | Test::Weights))
         .collect();
     if tests.is_empty() {
-        return;
+        return Ok(());
     }
-    let hostd = Hostd::start(None);
-    let a = Tenant::start(&hostd, "alpha");
-    let b = Tenant::start(&hostd, "beta");
+    let host = Host::start(None, &[])?;
+    let a = host.tenant("alpha", &[])?;
+    let b = host.tenant("beta", &[])?;
     println!("vrdma-bench: hostd + 2 vdevs (separate processes), tenants alpha (LID {}) and beta (LID {})", a.lid, b.lid);
     println!(
         "{:<10} {:>8} {:>12} {:>12} {:>14} {:>14} {:>10}",
@@ -133,7 +227,7 @@ fn main() {
     );
     for test in tests {
         if test == Test::RegMr {
-            reg_mr(&hostd, args.reg_size);
+            reg_mr(&host, args.reg_size)?;
             continue;
         }
         for &size in &args.size {
@@ -152,6 +246,7 @@ fn main() {
             }
         }
     }
+    Ok(())
 }
 
 /// p50 and p99 of `samples` (sorted in place).
@@ -176,9 +271,10 @@ struct Link<'t> {
 }
 
 fn link<'t>(a: &'t Tenant, b: &'t Tenant, size: usize) -> Link<'t> {
-    let qa = a.qp(default_caps());
-    let qb = b.qp(default_caps());
-    connect(a, &qa, b, &qb, Connection::default());
+    let qa = a.rc_qp(default_caps()).expect("QP on alpha");
+    let qb = b.rc_qp(default_caps()).expect("QP on beta");
+    bring_up(&qa, qb.qp_num(), b.lid, Connection::default()).expect("connect alpha's QP");
+    bring_up(&qb, qa.qp_num(), a.lid, Connection::default()).expect("connect beta's QP");
     let len = (2 * size).max(4096);
     let ma = a.pd.alloc_mr(len, RW).expect("MR on alpha");
     let mb = b.pd.alloc_mr(len, RW).expect("MR on beta");
@@ -458,20 +554,20 @@ fn tcp_half_rtt(size: usize, iters: usize) -> Duration {
 /// Registration of a large region of already-shared guest memory, timed
 /// at the control queue: a VMM-style frontend with a sparse memfd as guest
 /// memory, vdev attached to hostd (so hostd records the key too).
-fn reg_mr(hostd: &Hostd, size: usize) {
+fn reg_mr(host: &Host, size: usize) -> Result<(), BenchError> {
     use vrdma_spec::control::{Opcode, PdHandle, RegMrReq, RegMrResp};
     use vrdma_spec::zerocopy::IntoBytes;
-    let vdev = Vdev::on_hostd(hostd, "alpha", &[]);
-    let mut vmm = vrdma_tests::vmm::Vmm::attach_with_memory(&vdev.socket, size + (16 << 20));
+    let vdev = host.vdev("alpha", &[])?;
+    let mut vmm = Vmm::attach_with_memory(vdev.socket(), size + (16 << 20));
     let pd: PdHandle = vmm.ok(Opcode::AllocPd, &[]);
     let mut samples = Vec::new();
     for _ in 0..20 {
         let req = RegMrReq {
             pdn: pd.pdn,
             access: RW.into(),
-            addr: vrdma_tests::vmm::FREE.into(),
+            addr: vmm::FREE.into(),
             length: (size as u64).into(),
-            iova: vrdma_tests::vmm::FREE.into(),
+            iova: vmm::FREE.into(),
         };
         let start = Instant::now();
         let resp: RegMrResp = vmm.ok(Opcode::RegMr, req.as_bytes());
@@ -489,9 +585,9 @@ fn reg_mr(hostd: &Hostd, size: usize) {
         let req = RegMrReq {
             pdn: pd.pdn,
             access: RW.into(),
-            addr: vrdma_tests::vmm::FREE.into(),
+            addr: vmm::FREE.into(),
             length: 4096.into(),
-            iova: vrdma_tests::vmm::FREE.into(),
+            iova: vmm::FREE.into(),
         };
         let start = Instant::now();
         let _: RegMrResp = vmm.ok(Opcode::RegMr, req.as_bytes());
@@ -508,6 +604,7 @@ fn reg_mr(hostd: &Hostd, size: usize) {
         format!("4K: {}", us(small)),
         format!("{:.2}", p50.as_secs_f64() / small.as_secs_f64())
     );
+    Ok(())
 }
 
 /// A policy of tenants in one network with the given classes and weights.
@@ -597,11 +694,16 @@ fn read_probe(probe: &Tenant, peer: &Tenant, iters: usize) -> (Duration, Duratio
 }
 
 /// hostd with `policy` and a port of `mbps`.
-fn hostd_at_line_rate(policy: &str, mbps: u32) -> Hostd {
-    Hostd::start_with(Some(policy), &["--line-rate-mbps", &mbps.to_string()])
+fn hostd_at_line_rate(policy: &str, mbps: u32) -> Result<Host, BenchError> {
+    Host::start(Some(policy), &["--line-rate-mbps", &mbps.to_string()])
 }
 
-fn isolation_under_load(iters: usize, mbps: u32, flood_size: usize, flood_op: FloodOp) {
+fn isolation_under_load(
+    iters: usize,
+    mbps: u32,
+    flood_size: usize,
+    flood_op: FloodOp,
+) -> Result<(), BenchError> {
     let setups = [
         (
             "policy: probe realtime, flood normal",
@@ -621,13 +723,13 @@ fn isolation_under_load(iters: usize, mbps: u32, flood_size: usize, flood_op: Fl
         ),
     ];
     for (label, classes) in setups {
-        let hostd = hostd_at_line_rate(&policy(&classes), mbps);
+        let hostd = hostd_at_line_rate(&policy(&classes), mbps)?;
         // The vdevs' datapath threads share this machine's two cores, the
         // case `--class-cpu-priority` is for.
         let vdev_args = ["--class-cpu-priority"];
-        let probe = Tenant::start_with(&hostd, "probe", &vdev_args);
-        let flooder = Tenant::start_with(&hostd, "flood", &vdev_args);
-        let peer = Tenant::start_with(&hostd, "peer", &vdev_args);
+        let probe = hostd.tenant("probe", &vdev_args)?;
+        let flooder = hostd.tenant("flood", &vdev_args)?;
+        let peer = hostd.tenant("peer", &vdev_args)?;
         let (alone50, alone99) = read_probe(&probe, &peer, iters);
         let stop = AtomicBool::new(false);
         let ((load50, load99), flood_rate) = std::thread::scope(|scope| {
@@ -647,9 +749,10 @@ fn isolation_under_load(iters: usize, mbps: u32, flood_size: usize, flood_op: Fl
             load99.as_secs_f64() / alone99.as_secs_f64()
         );
     }
+    Ok(())
 }
 
-fn weighted_shares(mbps: u32) {
+fn weighted_shares(mbps: u32) -> Result<(), BenchError> {
     let hostd = hostd_at_line_rate(
         &policy(&[
             ("light", "normal", 1),
@@ -657,10 +760,10 @@ fn weighted_shares(mbps: u32) {
             ("sink", "normal", 1),
         ]),
         mbps,
-    );
-    let light = Tenant::start(&hostd, "light");
-    let heavy = Tenant::start(&hostd, "heavy");
-    let sink = Tenant::start(&hostd, "sink");
+    )?;
+    let light = hostd.tenant("light", &[])?;
+    let heavy = hostd.tenant("heavy", &[])?;
+    let sink = hostd.tenant("sink", &[])?;
     let stop = AtomicBool::new(false);
     let (l, h) = std::thread::scope(|scope| {
         let l = scope.spawn(|| flood(&light, &sink, 65536, FloodOp::Write, &stop));
@@ -681,4 +784,5 @@ fn weighted_shares(mbps: u32) {
             "weights    the port was not the bottleneck (the CPUs were): measure on an idle machine or with a lower --line-rate-mbps"
         );
     }
+    Ok(())
 }

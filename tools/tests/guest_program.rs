@@ -5,16 +5,28 @@
 use std::io::{BufRead, BufReader};
 use std::process::{Command, Stdio};
 
-use vrdma_tests::daemon::{Hostd, Vdev};
+use vrdma_tools::supervisor::{find_binary, Daemon, Launch, Scratch};
 
 const GUEST: &str = env!("CARGO_BIN_EXE_vrdma-guest");
 
+/// hostd on its default policy and a vdev for each of its tenants.
+fn daemons(dir: &Scratch) -> [Daemon; 3] {
+    let hostd = find_binary("hostd", "vrdma-hostd").expect("hostd binary");
+    let vdev = find_binary("vdev", "vrdma-vdev").expect("vdev binary");
+    let hostd = Launch::hostd(&hostd, dir.path())
+        .start()
+        .expect("start hostd");
+    let on_hostd = |tenant| Launch::vdev(&vdev, dir.path(), tenant, Some(hostd.socket()));
+    let alpha = on_hostd("alpha").start().expect("start vdev alpha");
+    let beta = on_hostd("beta").start().expect("start vdev beta");
+    [alpha, beta, hostd]
+}
+
 #[test]
 fn two_guest_programs_pass_against_each_other() {
-    let hostd = Hostd::start(None);
-    let alpha = Vdev::on_hostd(&hostd, "alpha", &[]);
-    let beta = Vdev::on_hostd(&hostd, "beta", &[]);
-    let device = |v: &Vdev| v.socket.to_str().expect("UTF-8 socket").to_owned();
+    let dir = Scratch::new("guest-program").expect("scratch directory");
+    let [alpha, beta, _hostd] = daemons(&dir);
+    let device = |v: &Daemon| v.socket().to_str().expect("UTF-8 socket").to_owned();
     let mut listener = Command::new(GUEST)
         .args([
             "--device",

@@ -25,13 +25,12 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use vrdma_guest_driver::error::chain;
 use vrdma_guest_driver::{
-    CompletionQueue, Context, MemoryRegion, QpCapabilities, QpInitAttr, RecvWr, SendPayload,
-    SendWr, WorkCompletion,
+    CompletionQueue, Context, MemoryRegion, QpCapabilities, RecvWr, SendPayload, SendWr,
+    WorkCompletion,
 };
-use vrdma_spec::ring::send_flags::SIGNALED;
-use vrdma_spec::verbs::{access, QpType, SendOpcode, WcStatus};
-use vrdma_tests::app_memory::AppMemory;
-use vrdma_tests::tenant::{bring_up, Connection};
+use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
+use vrdma_tools::app_memory::AppMemory;
+use vrdma_tools::verbs::{bring_up, rc_qp, signaled, Connection};
 
 #[derive(Debug, Parser)]
 #[command(about = "vrdma guest-side check: WRITE, READ and SEND/RECV against a peer")]
@@ -216,21 +215,14 @@ fn run(args: &Args) -> Result<String, String> {
     let cq = ctx
         .create_cq(64, 0)
         .map_err(|e| format!("create_cq: {e}"))?;
-    let qp = pd
-        .create_qp(&QpInitAttr {
-            send_cq: &cq,
-            recv_cq: &cq,
-            cap: QpCapabilities {
-                max_send_wr: 16,
-                max_recv_wr: 16,
-                max_send_sge: 1,
-                max_recv_sge: 1,
-                max_inline_data: 0,
-            },
-            qp_type: QpType::Rc,
-            sq_sig_all: false,
-        })
-        .map_err(|e| format!("create_qp: {e}"))?;
+    let cap = QpCapabilities {
+        max_send_wr: 16,
+        max_recv_wr: 16,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    };
+    let qp = rc_qp(&pd, &cq, cap).map_err(|e| format!("create_qp: {e}"))?;
     // Layout of each side's buffer: [0, size) is written by the peer,
     // [size, 2 size) is read by the peer, [2 size, 3 size) is the source of
     // our WRITE and SEND, [3 size, 4 size) receives the peer's SEND and then
@@ -355,11 +347,6 @@ fn run(args: &Args) -> Result<String, String> {
         "WRITE, READ and SEND/RECV of {size} bytes with {} (qpn {:#x} <-> {:#x})",
         args.device, me.qpn, peer.qpn
     ))
-}
-
-fn signaled(mut wr: SendWr<'_>) -> SendWr<'_> {
-    wr.flags |= SIGNALED;
-    wr
 }
 
 /// Connects to `addr`, retrying while the listener is not up yet.

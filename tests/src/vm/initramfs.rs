@@ -1,0 +1,487 @@
+//! [`Initramfs`]: the guest's initramfs, built here as a newc cpio:
+//! busybox, kernel modules in dependency order, host binaries with their
+//! shared libraries, and the caller's init script.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::{io_err, VmError, VmImage, VERDICT};
+
+/// One file of the initramfs.
+#[derive(Debug, Clone)]
+enum Entry {
+    Dir,
+    File { data: Source, mode: u32 },
+    Symlink(String),
+    CharDev { major: u32, minor: u32 },
+}
+
+#[derive(Debug, Clone)]
+enum Source {
+    Bytes(Vec<u8>),
+    Host(PathBuf),
+    /// A `.ko.xz` decompressed while building.
+    Xz(PathBuf),
+    /// A host ELF file without its debug sections (`strip --strip-debug`).
+    Stripped(PathBuf),
+}
+
+/// Where shared libraries go in the guest (a directory the guest's
+/// loader searches, exported as LD_LIBRARY_PATH too).
+pub const GUEST_LIB_DIR: &str = "/lib/x86_64-linux-gnu";
+/// Where kernel modules go in the guest.
+const GUEST_MODULE_DIR: &str = "/lib/modules";
+
+/// Builds a guest initramfs: busybox as the userland, kernel modules
+/// loaded by `/init` in dependency order, host binaries with the shared
+/// libraries they need, and the caller's init script. The archive is
+/// deterministic (sorted entries, zero times, uncompressed).
+#[derive(Debug, Clone)]
+pub struct Initramfs {
+    entries: BTreeMap<String, Entry>,
+    modules_dir: PathBuf,
+    modules: Vec<String>,
+    library_path: Vec<PathBuf>,
+    script: String,
+    strip_debug: bool,
+}
+
+/// Modules every guest loads: uio_pci_generic to take the vrdma function
+/// from virtio-pci, virtio_net (with its failover dependencies) for the
+/// NIC of QEMU's user networking.
+const BASE_MODULES: &[&str] = &["uio_pci_generic", "virtio_net"];
+
+impl Initramfs {
+    pub(super) fn new(image: &VmImage) -> Self {
+        let mut fs = Initramfs {
+            entries: BTreeMap::new(),
+            modules_dir: image.modules.clone(),
+            modules: Vec::new(),
+            library_path: Vec::new(),
+            script: String::new(),
+            strip_debug: false,
+        };
+        for dir in [
+            "/bin", "/dev", "/etc", "/proc", "/sys", "/tmp", "/lib64", "/root",
+        ] {
+            fs.add(dir, Entry::Dir);
+        }
+        fs.add("/dev/console", Entry::CharDev { major: 5, minor: 1 });
+        fs.add(
+            "/bin/busybox",
+            Entry::File {
+                data: Source::Host(image.busybox.clone()),
+                mode: 0o755,
+            },
+        );
+        fs.add("/bin/sh", Entry::Symlink("busybox".into()));
+        fs
+    }
+
+    fn add(&mut self, path: &str, entry: Entry) {
+        for dir in Path::new(path).ancestors().skip(1) {
+            let dir = dir.to_string_lossy();
+            if dir == "/" || dir.is_empty() {
+                break;
+            }
+            self.entries.entry(dir.into_owned()).or_insert(Entry::Dir);
+        }
+        self.entries.insert(path.into(), entry);
+    }
+}
+
+impl Initramfs {
+    /// Loads kernel module `name` (and what it depends on) in `/init`.
+    pub fn module(mut self, name: &str) -> Self {
+        self.modules.push(name.into());
+        self
+    }
+
+    /// Places host binary `host` at `guest` (an absolute path), with the
+    /// shared libraries it needs as the host's loader resolves them (with
+    /// the directories of [`Initramfs::library_dir`] searched first).
+    pub fn binary(mut self, host: &Path, guest: &str) -> Self {
+        self.add(
+            guest,
+            Entry::File {
+                data: Source::Host(host.into()),
+                mode: 0o755,
+            },
+        );
+        self
+    }
+
+    /// Searches `dir` first for the shared libraries of [`Initramfs::binary`]
+    /// (like LD_LIBRARY_PATH): how the guest gets vrdma's libibverbs.so.1
+    /// instead of the host's.
+    pub fn library_dir(mut self, dir: &Path) -> Self {
+        self.library_path.push(dir.into());
+        self
+    }
+
+    /// Packs host binaries and their shared libraries without debug
+    /// information: the workspace's debug builds are tens of MB each, which
+    /// the guest would unpack into its RAM.
+    pub fn strip_debug(mut self) -> Self {
+        self.strip_debug = true;
+        self
+    }
+
+    /// Places `data` at `guest` with permission bits `mode`.
+    pub fn file(mut self, guest: &str, data: &[u8], mode: u32) -> Self {
+        self.add(
+            guest,
+            Entry::File {
+                data: Source::Bytes(data.into()),
+                mode,
+            },
+        );
+        self
+    }
+
+    /// The shell script `/init` runs (sourced, so it can call `pass NAME`
+    /// and `fail NAME REASON`) once the system is up: /proc, /sys and /dev
+    /// mounted, modules loaded, `eth0` at 10.0.2.15/24 with the host at
+    /// 10.0.2.2. The guest powers off when it returns.
+    pub fn script(mut self, script: &str) -> Self {
+        self.script = script.into();
+        self
+    }
+
+    /// Writes the archive to `out`.
+    pub fn build(mut self, out: &Path) -> Result<(), VmError> {
+        let modules = self.resolve_modules()?;
+        for (name, path) in &modules {
+            let data = if path.extension().is_some_and(|e| e == "xz") {
+                Source::Xz(path.clone())
+            } else {
+                Source::Host(path.clone())
+            };
+            self.add(
+                &format!("{GUEST_MODULE_DIR}/{name}.ko"),
+                Entry::File { data, mode: 0o644 },
+            );
+        }
+        let binaries: Vec<PathBuf> = self
+            .entries
+            .values()
+            .filter_map(|e| match e {
+                Entry::File {
+                    data: Source::Host(path),
+                    mode,
+                } if mode & 0o111 != 0 && !path.ends_with("busybox") => Some(path.clone()),
+                _ => None,
+            })
+            .collect();
+        for binary in binaries {
+            for (guest, host) in shared_libraries(&binary, &self.library_path)? {
+                self.add(
+                    &guest,
+                    Entry::File {
+                        data: Source::Host(host),
+                        mode: 0o755,
+                    },
+                );
+            }
+        }
+        let names: Vec<&str> = modules.iter().map(|(n, _)| n.as_str()).collect();
+        let init = init_script(&names);
+        let script = std::mem::take(&mut self.script);
+        self.add(
+            "/init",
+            Entry::File {
+                data: Source::Bytes(init.into_bytes()),
+                mode: 0o755,
+            },
+        );
+        self.add(
+            "/vrdma/test.sh",
+            Entry::File {
+                data: Source::Bytes(script.into_bytes()),
+                mode: 0o644,
+            },
+        );
+        if self.strip_debug {
+            for entry in self.entries.values_mut() {
+                if let Entry::File {
+                    data: data @ Source::Host(_),
+                    mode,
+                } = entry
+                {
+                    if *mode & 0o111 != 0 {
+                        if let Source::Host(path) =
+                            std::mem::replace(data, Source::Bytes(Vec::new()))
+                        {
+                            *data = Source::Stripped(path);
+                        }
+                    }
+                }
+            }
+        }
+        let file = std::fs::File::create(out).map_err(io_err(out))?;
+        let mut writer = CpioWriter::new(std::io::BufWriter::new(file));
+        for (path, entry) in &self.entries {
+            writer.entry(path, entry).map_err(io_err(out))?;
+        }
+        writer.finish().map_err(io_err(out))
+    }
+
+    /// The modules to load, dependencies first: (name, file).
+    fn resolve_modules(&self) -> Result<Vec<(String, PathBuf)>, VmError> {
+        let dep_file = self.modules_dir.join("modules.dep");
+        let text = std::fs::read_to_string(&dep_file).map_err(io_err(&dep_file))?;
+        let mut table: BTreeMap<String, (String, Vec<String>)> = BTreeMap::new();
+        for line in text.lines() {
+            let Some((module, deps)) = line.split_once(':') else {
+                continue;
+            };
+            table.insert(
+                module_name(module),
+                (
+                    module.into(),
+                    deps.split_whitespace().map(module_name).collect(),
+                ),
+            );
+        }
+        let mut order = Vec::new();
+        let mut seen = BTreeSet::new();
+        let wanted: Vec<String> = BASE_MODULES
+            .iter()
+            .map(|m| m.to_string())
+            .chain(self.modules.iter().cloned())
+            .map(|m| m.replace('-', "_"))
+            .collect();
+        for name in wanted {
+            visit(&name, &table, &mut seen, &mut order)?;
+        }
+        Ok(order
+            .into_iter()
+            .map(|name| {
+                let file = self.modules_dir.join(&table[&name].0);
+                (name, file)
+            })
+            .collect())
+    }
+}
+
+fn visit(
+    name: &str,
+    table: &BTreeMap<String, (String, Vec<String>)>,
+    seen: &mut BTreeSet<String>,
+    order: &mut Vec<String>,
+) -> Result<(), VmError> {
+    if !seen.insert(name.into()) {
+        return Ok(());
+    }
+    let (_, deps) = table
+        .get(name)
+        .ok_or_else(|| VmError::UnknownModule(name.into()))?;
+    for dep in deps {
+        visit(dep, table, seen, order)?;
+    }
+    order.push(name.into());
+    Ok(())
+}
+
+/// `kernel/drivers/uio/uio_pci_generic.ko.xz` -> `uio_pci_generic`.
+fn module_name(path: &str) -> String {
+    let file = path.rsplit('/').next().unwrap_or(path);
+    let stem = file.split(".ko").next().unwrap_or(file);
+    stem.replace('-', "_")
+}
+
+/// The shared libraries `binary` needs, as (guest path, host file): the
+/// loader at its own path, every other library in [`GUEST_LIB_DIR`] under
+/// the name the binary asks for. A static binary needs none.
+fn shared_libraries(binary: &Path, search: &[PathBuf]) -> Result<Vec<(String, PathBuf)>, VmError> {
+    let mut ldd = Command::new("ldd");
+    ldd.arg(binary);
+    if !search.is_empty() {
+        let joined = std::env::join_paths(search).map_err(|e| VmError::Ldd {
+            binary: binary.into(),
+            output: e.to_string(),
+        })?;
+        ldd.env("LD_LIBRARY_PATH", joined);
+    }
+    let out = ldd.output().map_err(|source| VmError::Spawn {
+        what: "ldd".into(),
+        source,
+    })?;
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    if !out.status.success() {
+        if text.contains("not a dynamic executable") || err.contains("not a dynamic executable") {
+            return Ok(Vec::new());
+        }
+        return Err(VmError::Ldd {
+            binary: binary.into(),
+            output: format!("{text}{err}"),
+        });
+    }
+    let mut libs = Vec::new();
+    for line in text.lines().map(str::trim) {
+        if line.contains("not found") {
+            return Err(VmError::Ldd {
+                binary: binary.into(),
+                output: text.clone(),
+            });
+        }
+        let before_addr = line.split(" (0x").next().unwrap_or(line);
+        match before_addr.split_once(" => ") {
+            Some((name, path)) if path.starts_with('/') => {
+                libs.push((format!("{GUEST_LIB_DIR}/{name}"), PathBuf::from(path)));
+            }
+            Some(_) => {}
+            // The loader is listed by its absolute path; the vDSO by name.
+            None if before_addr.starts_with('/') => {
+                libs.push((before_addr.to_owned(), PathBuf::from(before_addr)));
+            }
+            None => {}
+        }
+    }
+    Ok(libs)
+}
+
+/// The guest's `/init`.
+fn init_script(modules: &[&str]) -> String {
+    let modules = modules.join(" ");
+    format!(
+        r#"#!/bin/sh
+# Generated by vrdma-tests (tests/src/vm.rs).
+export PATH=/bin
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+for m in {modules}; do
+    insmod {GUEST_MODULE_DIR}/$m.ko || echo "VRDMA-INIT insmod $m failed"
+done
+ip link set lo up
+if [ -e /sys/class/net/eth0 ]; then
+    ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 && ip route add default via 10.0.2.2 \
+        || echo "VRDMA-INIT eth0 setup failed"
+fi
+export LD_LIBRARY_PATH={GUEST_LIB_DIR}
+pass() {{ echo "{VERDICT} $1 PASS"; }}
+fail() {{ n=$1; shift; echo "{VERDICT} $n FAIL $*"; }}
+echo "VRDMA-INIT ready"
+( . /vrdma/test.sh )
+echo "VRDMA-INIT script exited with $?"
+poweroff -f
+"#
+    )
+}
+
+/// A newc ("070701") cpio writer, as the kernel's initramfs unpacker reads.
+struct CpioWriter<W: Write> {
+    out: W,
+    ino: u32,
+}
+
+impl<W: Write> CpioWriter<W> {
+    fn new(out: W) -> Self {
+        CpioWriter { out, ino: 1 }
+    }
+
+    fn entry(&mut self, path: &str, entry: &Entry) -> std::io::Result<()> {
+        let name = path.trim_start_matches('/');
+        let (mode, data, rdev) = match entry {
+            Entry::Dir => (0o040_755, Vec::new(), (0, 0)),
+            Entry::Symlink(target) => (0o120_777, target.clone().into_bytes(), (0, 0)),
+            Entry::CharDev { major, minor } => (0o020_600, Vec::new(), (*major, *minor)),
+            Entry::File { data, mode } => (0o100_000 | mode, read_source(data)?, (0, 0)),
+        };
+        self.raw(name, mode, rdev, &data)
+    }
+
+    fn raw(&mut self, name: &str, mode: u32, rdev: (u32, u32), data: &[u8]) -> std::io::Result<()> {
+        let size = u32::try_from(data.len())
+            .map_err(|_| std::io::Error::other(format!("{name} is larger than 4 GiB")))?;
+        let namesize = name.len() + 1;
+        let nlink = if mode & 0o170_000 == 0o040_000 { 2 } else { 1 };
+        let fields = [
+            self.ino,
+            mode,
+            0,
+            0,
+            nlink,
+            0,
+            size,
+            0,
+            0,
+            rdev.0,
+            rdev.1,
+            namesize as u32,
+            0,
+        ];
+        self.ino += 1;
+        let mut header = String::from("070701");
+        for f in fields {
+            header.push_str(&format!("{f:08x}"));
+        }
+        self.out.write_all(header.as_bytes())?;
+        self.out.write_all(name.as_bytes())?;
+        self.out.write_all(&[0])?;
+        self.pad(110 + namesize)?;
+        self.out.write_all(data)?;
+        self.pad(data.len())
+    }
+
+    fn pad(&mut self, len: usize) -> std::io::Result<()> {
+        let pad = (4 - len % 4) % 4;
+        self.out.write_all(&[0u8; 3][..pad])
+    }
+
+    fn finish(mut self) -> std::io::Result<()> {
+        self.raw("TRAILER!!!", 0, (0, 0), &[])?;
+        self.out.flush()
+    }
+}
+
+fn read_source(source: &Source) -> std::io::Result<Vec<u8>> {
+    match source {
+        Source::Bytes(bytes) => Ok(bytes.clone()),
+        Source::Host(path) => std::fs::read(path)
+            .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
+        Source::Xz(path) => {
+            let out = Command::new("xz").arg("-dc").arg(path).output()?;
+            if !out.status.success() {
+                return Err(std::io::Error::other(format!(
+                    "xz -dc {}: {}",
+                    path.display(),
+                    String::from_utf8_lossy(&out.stderr)
+                )));
+            }
+            Ok(out.stdout)
+        }
+        Source::Stripped(path) => {
+            // Unique per call: tests build initramfs images in parallel.
+            static NEXT: AtomicUsize = AtomicUsize::new(0);
+            let copy = std::env::temp_dir().join(format!(
+                "vrdma-strip-{}-{}",
+                std::process::id(),
+                NEXT.fetch_add(1, Ordering::Relaxed)
+            ));
+            let out = Command::new("strip")
+                .arg("--strip-debug")
+                .arg("-o")
+                .arg(&copy)
+                .arg(path)
+                .output()?;
+            let data = if out.status.success() {
+                std::fs::read(&copy)
+            } else {
+                Err(std::io::Error::other(format!(
+                    "strip --strip-debug {}: {}",
+                    path.display(),
+                    String::from_utf8_lossy(&out.stderr)
+                )))
+            };
+            let _ = std::fs::remove_file(&copy);
+            data
+        }
+    }
+}
