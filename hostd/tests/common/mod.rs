@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_hostd::engine::testing::{
-    data_region_in, qp_setup, CAPS, CQ, CQN, CQ_DEPTH, DOORBELL, EQ, EQ_DEPTH, STRIDE,
+    data_region_in, qp_setup, CAPS, CQ, CQ_DEPTH, DOORBELL, EQ, EQ_DEPTH, STRIDE,
 };
 pub use vrdma_hostd::engine::testing::{
-    remote, send, sge, Driver, ALL, DATA, DATA_LEN, DEPTH, IOVA, MEM,
+    remote, send, sge, Driver, ALL, CQN, DATA, DATA_LEN, DEPTH, IOVA, MEM,
 };
 use vrdma_hostd_protocol::channel::Channel;
 use vrdma_hostd_protocol::messages::{
