@@ -14,22 +14,6 @@ use vrdma_hostd_protocol::messages::{QpConnection, Request, Response};
 use vrdma_spec::ring::wc_flags;
 use vrdma_spec::verbs::{QpState, SendOpcode, WcOpcode, WcStatus};
 
-const QP_ALPHA: u32 = 1;
-const QP_BETA: u32 = 2;
-
-/// alpha and beta, set up, each with one QP (index 0) connected to the
-/// other's.
-fn pair(hostd: &Hostd) -> (Client, Client) {
-    let mut alpha = Client::ready(&hostd.socket, "alpha", "vm0");
-    let mut beta = Client::ready(&hostd.socket, "beta", "vm0");
-    assert_ne!(alpha.lid, beta.lid);
-    alpha.create_qp(QP_ALPHA);
-    beta.create_qp(QP_BETA);
-    (alpha.connect_qp(QP_ALPHA, beta.lid, QP_BETA)).expect("connect alpha");
-    (beta.connect_qp(QP_BETA, alpha.lid, QP_ALPHA)).expect("connect beta");
-    (alpha, beta)
-}
-
 #[test]
 fn hello_is_checked() {
     let hostd = Hostd::start("hello", &config(64));
@@ -103,7 +87,7 @@ fn physical_qps_run_out_and_come_back() {
 #[test]
 fn rdma_between_two_tenants() {
     let hostd = Hostd::start("rdma", &config(64));
-    let (mut alpha, mut beta) = pair(&hostd);
+    let (mut alpha, mut beta) = pair(&hostd.socket);
     let (lkey_a, rkey_b) = (alpha.lkey(), beta.rkey());
     // WRITE from alpha into beta's MR.
     alpha.driver().fill(0x40, b"from alpha to beta");
@@ -188,7 +172,7 @@ fn networks_keep_tenants_apart() {
 #[test]
 fn killing_a_client_mid_traffic_leaves_the_other_working() {
     let mut hostd = Hostd::start("kill", &config(64));
-    let (mut alpha, mut beta) = pair(&hostd);
+    let (mut alpha, mut beta) = pair(&hostd.socket);
     let (rkey_a, rkey_b) = (alpha.rkey(), beta.rkey());
     // Alpha floods writes into beta and vanishes without waiting: its
     // socket, rings and memory all close at once, as when the process is
@@ -218,7 +202,7 @@ fn killing_a_client_mid_traffic_leaves_the_other_working() {
 #[test]
 fn datapath_sleeps_when_idle() {
     let hostd = Hostd::start("idle", &config(64));
-    let (mut alpha, beta) = pair(&hostd);
+    let (mut alpha, beta) = pair(&hostd.socket);
     let rkey = beta.rkey();
     alpha.driver().fill(0, b"wake");
     alpha.write(0, 1, 0, 4, IOVA, rkey);
@@ -242,7 +226,7 @@ fn datapath_sleeps_when_idle() {
 fn two_datapath_threads_serve_every_device() {
     let config = format!("{}datapath_threads = 2\n", config(64));
     let hostd = Hostd::start("threads", &config);
-    let (mut alpha, mut beta) = pair(&hostd);
+    let (mut alpha, mut beta) = pair(&hostd.socket);
     let (rkey_a, rkey_b) = (alpha.rkey(), beta.rkey());
     for i in 0..50u64 {
         alpha.driver().fill(0, &i.to_le_bytes());

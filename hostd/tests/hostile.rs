@@ -18,8 +18,6 @@ use vrdma_spec::limits::MAX_QPS;
 use vrdma_spec::ring::{event_kind, DRIVER_INDEX_OFFSET};
 use vrdma_spec::verbs::{access, QpState, SendOpcode, WcStatus};
 
-const QP_ALPHA: u32 = 1;
-const QP_BETA: u32 = 2;
 /// A key no region has: table index 0xffff is far past the few regions of
 /// this test, and index 0 is never used.
 const MADE_UP_KEYS: [u32; 2] = [0x00ff_ff5a, 0x0000_0042];
@@ -255,12 +253,7 @@ fn attempt(
 #[test]
 fn hostile_client_is_contained() {
     let mut hostd = Hostd::start("hostile", &config(64));
-    let mut alpha = Client::ready(&hostd.socket, "alpha", "vm0");
-    let mut beta = Client::ready(&hostd.socket, "beta", "vm0");
-    alpha.create_qp(QP_ALPHA);
-    beta.create_qp(QP_BETA);
-    (alpha.connect_qp(QP_ALPHA, beta.lid, QP_BETA)).expect("connect");
-    (beta.connect_qp(QP_BETA, alpha.lid, QP_ALPHA)).expect("connect");
+    let (mut alpha, mut beta) = pair(&hostd.socket);
     let before_b = memory_of(&beta);
     registrations_are_checked(&alpha);
     memory_is_checked(&alpha);

@@ -98,6 +98,11 @@ impl Hostd {
         hostd
     }
 
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// CPU time the process used so far, in clock ticks (utime + stime).
     pub fn cpu_ticks(&self) -> u64 {
         let stat =
@@ -622,6 +627,23 @@ impl Client {
         };
         self.loopback_write_works(qp, 0x100, token);
     }
+}
+
+/// The QPs of a [`pair`].
+pub const QP_ALPHA: u32 = 1;
+pub const QP_BETA: u32 = 2;
+
+/// alpha and beta (in the standard [`policy`]), set up, each with one QP
+/// (index 0: [`QP_ALPHA`], [`QP_BETA`]) connected to the other's.
+pub fn pair(socket: &Path) -> (Client, Client) {
+    let mut alpha = Client::ready(socket, "alpha", "vm0");
+    let mut beta = Client::ready(socket, "beta", "vm0");
+    assert_ne!(alpha.lid, beta.lid);
+    alpha.create_qp(QP_ALPHA);
+    beta.create_qp(QP_BETA);
+    (alpha.connect_qp(QP_ALPHA, beta.lid, QP_BETA)).expect("connect alpha");
+    (beta.connect_qp(QP_BETA, alpha.lid, QP_ALPHA)).expect("connect beta");
+    (alpha, beta)
 }
 
 /// How the tests connect QPs: infinite RNR retries, 2 transport retries,
