@@ -303,3 +303,61 @@ fn a_send_ring_bounds_work_in_flight() {
     alpha.quiet();
     beta.quiet();
 }
+
+/// Waits for hostd to settle, then asserts it uses almost no CPU for 500 ms.
+fn assert_idle(hostd: &Hostd, why: &str) {
+    std::thread::sleep(Duration::from_millis(100));
+    let used = hostd.ticks_during(|| std::thread::sleep(Duration::from_millis(500)));
+    assert!(used < 10, "hostd used {used} ticks in 500 ms {why}");
+}
+
+/// The driver resets the device: hostd forgets everything of it but its
+/// memory, and the driver sets it up again on that memory with the same
+/// eventfds (the VMM's virtqueues stay): it works, and so does everyone
+/// else's (the datapath threads let go of the old doorbell and take the
+/// new one).
+#[test]
+fn a_reset_device_starts_over_on_its_memory() {
+    let hostd = Hostd::start("reset", &config(64));
+    let (mut alpha, mut beta) = pair(&hostd.socket);
+    let rkey_a = alpha.rkey();
+    alpha.reset();
+    assert_eq!(errno(alpha.query_qp(QP_ALPHA)), Err(libc::ENOENT));
+    // (The datapath runs rounds meanwhile: it sees the doorbell go.)
+    beta.write(0, 1, 0, 8, IOVA, rkey_a);
+    assert_eq!(beta.poll_one(), WcStatus::RetryExcErr, "alpha's QP is gone");
+    alpha.rings();
+    alpha.register_data();
+    assert_ne!(alpha.rkey(), rkey_a, "new keys");
+    beta.loopback_works(2);
+    alpha.loopback_works(1);
+}
+
+/// The driver resets the device and the guest kicks the doorbell queue
+/// anyway: hostd let go of that eventfd, but it lives on (the VMM owns
+/// it), and kicks of it must not keep hostd's datapath awake.
+#[test]
+fn a_reset_devices_old_doorbell_is_let_go() {
+    let hostd = Hostd::start("reset-kick", &config(64));
+    let mut alpha = Client::ready(&hostd.socket, "alpha", "vm0");
+    assert_idle(&hostd, "idle");
+    let old_kick = alpha.kick_fd();
+    alpha.reset();
+    old_kick.write(1).expect("kick");
+    assert_idle(&hostd, "after a kick of a reset device's old doorbell");
+}
+
+/// A vdev goes; the VMM still holds its doorbell's kick eventfd and the
+/// guest kicks it: hostd's datapath must not stay awake for it.
+#[test]
+fn a_departed_vdevs_doorbell_is_let_go() {
+    let hostd = Hostd::start("departed", &config(64));
+    let beta = Client::ready(&hostd.socket, "beta", "vm0");
+    assert_idle(&hostd, "idle");
+    let kick = beta.kick_fd();
+    drop(beta);
+    // Torn down once the device may connect again.
+    drop(retry(|| Client::hello(&hostd.socket, "beta", "vm0")));
+    kick.write(1).expect("kick");
+    assert_idle(&hostd, "after a kick of a departed vdev's doorbell");
+}

@@ -287,8 +287,28 @@ impl Client {
     pub fn setup_sized(&mut self, mem: u64) {
         self.attach_memory(mem);
         self.rings();
+        self.register_data();
+    }
+
+    /// Registers the data region of the device's memory; its keys are
+    /// [`Client::lkey`] and [`Client::rkey`] from now on.
+    pub fn register_data(&mut self) {
+        let mem = self.driver().mem.len() as u64;
         let keys = self.register_mr(data_region_in(mem)).expect("data region");
         self.device_mut().keys = Some(keys);
+    }
+
+    /// The driver resets the device (ResetDevice) and starts over: its
+    /// memory stays, its rings, QPs and keys are gone (set it up again
+    /// with [`Client::rings`] and [`Client::register_data`]).
+    pub fn reset(&mut self) {
+        self.call(&Request::ResetDevice).expect("reset");
+        let old = self.device.take().expect("the device is set up");
+        self.device = Some(Device {
+            driver: Driver::new(old.driver.mem),
+            keys: None,
+            ..old
+        });
     }
 
     /// Adds a sealed memfd of `mem` bytes as slot 0 at guest address 0:
@@ -497,6 +517,12 @@ impl Client {
             Response::Refused { errno, reason } => Err((errno, reason)),
             other => panic!("unexpected {other:?}"),
         }
+    }
+
+    /// Another descriptor of the doorbell queue's kick eventfd (as the VMM,
+    /// which owns it, keeps one when a vdev goes).
+    pub fn kick_fd(&self) -> EventFd {
+        self.device().kick.try_clone().expect("dup")
     }
 
     /// Notifies the doorbell queue if the device asked for it (it sleeps),
