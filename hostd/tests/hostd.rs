@@ -361,3 +361,47 @@ fn a_departed_vdevs_doorbell_is_let_go() {
     kick.write(1).expect("kick");
     assert_idle(&hostd, "after a kick of a departed vdev's doorbell");
 }
+
+/// The vdev removes the memory under its device's rings mid-traffic (the
+/// VMM unplugged it): once RemoveMemory is answered hostd touches none of
+/// it — not a CQE, not a flag, not even when its driver rings and kicks —
+/// and everything else goes on.
+#[test]
+fn removed_memory_is_never_touched_again() {
+    let hostd = Hostd::start("remove", &config(64));
+    let (mut alpha, mut beta) = pair(&hostd.socket);
+    let (rkey_a, rkey_b, lkey_a) = (alpha.rkey(), beta.rkey(), alpha.lkey());
+    for i in 0..60 {
+        alpha.write(0, i, 0, 4096, IOVA + 0x10000, rkey_b);
+    }
+    let remove = Request::RemoveMemory { slot: 0 };
+    alpha.call(&remove).expect("remove");
+    // Its QP is lost (in ERR, no completion: there is nowhere to write it).
+    assert_eq!(alpha.query_qp(QP_ALPHA), Ok(QpState::Err));
+    // Its driver, not knowing, posts once more, rings and kicks.
+    let wqe = remote(send(99, SendOpcode::RdmaWrite), IOVA, rkey_b);
+    (alpha.driver_mut()).post_sges(0, &wqe, &[sge(IOVA, 8, lkey_a)]);
+    alpha.kick_fd().write(1).expect("kick");
+    let snapshot = |c: &Client| {
+        let mut all = vec![0; MEM as usize];
+        assert!(c.driver().mem.read(0, &mut all));
+        all
+    };
+    let after = snapshot(&alpha);
+    // Beta's QP aimed at alpha finds no responder; beta goes on.
+    beta.write(0, 1, 0, 8, IOVA, rkey_a);
+    assert_eq!(beta.poll_one(), WcStatus::RetryExcErr);
+    beta.loopback_works(2);
+    assert_idle(&hostd, "after its memory was removed");
+    let now = snapshot(&alpha);
+    let changed = (0..now.len()).find(|&i| now[i] != after[i]);
+    assert_eq!(
+        changed, None,
+        "hostd wrote into removed memory at that offset"
+    );
+    assert_eq!(
+        errno(alpha.call(&remove)),
+        Err(libc::ENOENT),
+        "gone already"
+    );
+}
