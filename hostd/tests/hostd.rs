@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use common::*;
 use vrdma_hostd_protocol::channel::Channel;
@@ -404,4 +404,39 @@ fn removed_memory_is_never_touched_again() {
         Err(libc::ENOENT),
         "gone already"
     );
+}
+
+/// A SEND waiting for a receive (RNR) with the longest RNR timer (code 0:
+/// 655 ms) completes as soon as the responder posts one — also when the
+/// responder's doorbell is served by another datapath thread than the
+/// requester's.
+#[test]
+fn a_posted_receive_ends_an_rnr_wait_at_once() {
+    for threads in [1, 2] {
+        let config = format!("{}datapath_threads = {threads}\n", config(64));
+        let hostd = Hostd::start(&format!("rnr-{threads}"), &config);
+        let mut alpha = Client::ready(&hostd.socket, "alpha", "vm0");
+        let mut beta = Client::ready(&hostd.socket, "beta", "vm0");
+        alpha.create_qp(QP_ALPHA);
+        beta.create_qp(QP_BETA);
+        (alpha.connect_qp(QP_ALPHA, beta.lid, QP_BETA)).expect("connect");
+        let slowest = QpConnection {
+            min_rnr_timer: 0,
+            ..connection(alpha.lid, QP_ALPHA)
+        };
+        beta.connect_with(QP_BETA, slowest).expect("connect");
+        let (lkey_a, lkey_b) = (alpha.lkey(), beta.lkey());
+        alpha.post_sges(0, &send(1, SendOpcode::Send), &[sge(IOVA, 8, lkey_a)]);
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(alpha.driver().sq_done(0), 0, "waiting for a receive");
+        let start = Instant::now();
+        beta.post_recv(0, 2, &[sge(IOVA, 64, lkey_b)]);
+        assert_eq!(alpha.poll_one(), WcStatus::Success);
+        let took = start.elapsed();
+        assert!(
+            took < Duration::from_millis(100),
+            "{threads} datapath threads: the SEND completed {took:?} after the receive"
+        );
+        assert_eq!(beta.poll_one(), WcStatus::Success);
+    }
 }
