@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use vrdma_hostd_protocol::channel::Channel;
-use vrdma_hostd_protocol::messages::{QpConnection, Request, Response};
+use vrdma_hostd_protocol::messages::{Request, Response};
 use vrdma_spec::ring::wc_flags;
 use vrdma_spec::verbs::{QpState, SendOpcode, WcOpcode, WcStatus};
 
@@ -247,21 +247,12 @@ fn two_datapath_threads_serve_every_device() {
 #[test]
 fn a_send_ring_bounds_work_in_flight() {
     let hostd = Hostd::start("inflight", &config(64));
-    let mut alpha = Client::ready(&hostd.socket, "alpha", "vm0");
-    let mut beta = Client::ready(&hostd.socket, "beta", "vm0");
-    alpha.create_qp(QP_ALPHA);
-    beta.create_qp(QP_BETA);
     // Infinite RNR retries; the responder's RNR timer is 1.28 ms (IBA
     // code 14). hostd sleeps on a timer between retries, so what it costs
     // follows the timer: measured 1-2 ticks in 500 ms here, ~10 with a
     // 160 µs timer, ~22 (half a core retrying 100,000 times a second) with
     // the 10 µs one.
-    let responder = QpConnection {
-        min_rnr_timer: 14,
-        ..connection(alpha.lid, QP_ALPHA)
-    };
-    (alpha.connect_qp(QP_ALPHA, beta.lid, QP_BETA)).expect("connect");
-    beta.connect_with(QP_BETA, responder).expect("connect");
+    let (mut alpha, mut beta) = pair_with(&hostd.socket, 14);
     let lkey = alpha.lkey();
     let depth = u64::from(DEPTH);
     for i in 0..=depth {
@@ -415,16 +406,8 @@ fn a_posted_receive_ends_an_rnr_wait_at_once() {
     for threads in [1, 2] {
         let config = format!("{}datapath_threads = {threads}\n", config(64));
         let hostd = Hostd::start(&format!("rnr-{threads}"), &config);
-        let mut alpha = Client::ready(&hostd.socket, "alpha", "vm0");
-        let mut beta = Client::ready(&hostd.socket, "beta", "vm0");
-        alpha.create_qp(QP_ALPHA);
-        beta.create_qp(QP_BETA);
-        (alpha.connect_qp(QP_ALPHA, beta.lid, QP_BETA)).expect("connect");
-        let slowest = QpConnection {
-            min_rnr_timer: 0,
-            ..connection(alpha.lid, QP_ALPHA)
-        };
-        beta.connect_with(QP_BETA, slowest).expect("connect");
+        // Code 0: the longest RNR timer.
+        let (mut alpha, mut beta) = pair_with(&hostd.socket, 0);
         let (lkey_a, lkey_b) = (alpha.lkey(), beta.lkey());
         alpha.post_sges(0, &send(1, SendOpcode::Send), &[sge(IOVA, 8, lkey_a)]);
         std::thread::sleep(Duration::from_millis(50));

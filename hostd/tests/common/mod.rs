@@ -662,13 +662,23 @@ pub const QP_BETA: u32 = 2;
 /// alpha and beta (in the standard [`policy`]), set up, each with one QP
 /// (index 0: [`QP_ALPHA`], [`QP_BETA`]) connected to the other's.
 pub fn pair(socket: &Path) -> (Client, Client) {
+    pair_with(socket, connection(0, 0).min_rnr_timer)
+}
+
+/// [`pair`] with beta's QP advertising RNR timer code `beta_rnr_timer` as
+/// responder (how long alpha's SENDs wait when beta has no receive).
+pub fn pair_with(socket: &Path, beta_rnr_timer: u8) -> (Client, Client) {
     let mut alpha = Client::ready(socket, "alpha", "vm0");
     let mut beta = Client::ready(socket, "beta", "vm0");
     assert_ne!(alpha.lid, beta.lid);
     alpha.create_qp(QP_ALPHA);
     beta.create_qp(QP_BETA);
     (alpha.connect_qp(QP_ALPHA, beta.lid, QP_BETA)).expect("connect alpha");
-    (beta.connect_qp(QP_BETA, alpha.lid, QP_ALPHA)).expect("connect beta");
+    let responder = QpConnection {
+        min_rnr_timer: beta_rnr_timer,
+        ..connection(alpha.lid, QP_ALPHA)
+    };
+    (beta.connect_with(QP_BETA, responder)).expect("connect beta");
     (alpha, beta)
 }
 
