@@ -97,6 +97,14 @@ fn rdma_between_two_tenants() {
     assert_eq!(cqe.opcode, u8::from(WcOpcode::RdmaWrite));
     assert_eq!(cqe.qp_num.get(), QP_ALPHA);
     assert_eq!(beta.driver().bytes(0x8000, 18), b"from alpha to beta");
+    // READ it back.
+    let read = remote(send(3, SendOpcode::RdmaRead), IOVA + 0x8000, rkey_b);
+    alpha.post_sges(0, &read, &[sge(IOVA + 0x3000, 18, lkey_a)]);
+    let cqe = alpha.poll(1)[0];
+    assert_eq!((cqe.wr_id.get(), status(&cqe)), (3, WcStatus::Success));
+    assert_eq!(cqe.opcode, u8::from(WcOpcode::RdmaRead));
+    assert_eq!(cqe.byte_len.get(), 18);
+    assert_eq!(alpha.driver().bytes(0x3000, 18), b"from alpha to beta");
     // SEND_WITH_IMM from beta into a receive alpha posted: completions on
     // both CQs.
     alpha.post_recv(0, 7, &[sge(IOVA + 0x1000, 64, lkey_a)]);
