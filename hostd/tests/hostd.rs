@@ -260,7 +260,7 @@ fn a_send_ring_bounds_work_in_flight() {
     // follows the timer: measured 1-2 ticks in 500 ms here, ~10 with a
     // 160 µs timer, ~22 (half a core retrying 100,000 times a second) with
     // the 10 µs one.
-    let (mut alpha, mut beta) = pair_with(&hostd.socket, 14);
+    let (mut alpha, mut beta) = pair_with(&hostd.socket, MEM, 14);
     let lkey = alpha.lkey();
     let depth = u64::from(DEPTH);
     for i in 0..=depth {
@@ -381,6 +381,7 @@ fn removed_memory_is_never_touched_again() {
     let wqe = remote(send(99, SendOpcode::RdmaWrite), IOVA, rkey_b);
     (alpha.driver_mut()).post_sges(0, &wqe, &[sge(IOVA, 8, lkey_a)]);
     alpha.kick_fd().write(1).expect("kick");
+    // (Not even the doorbell page's flags: hostd no longer reads it.)
     let snapshot = |c: &Client| {
         let mut all = vec![0; MEM as usize];
         assert!(c.driver().mem.read(0, &mut all));
@@ -392,8 +393,7 @@ fn removed_memory_is_never_touched_again() {
     assert_eq!(beta.poll_one(), WcStatus::RetryExcErr);
     beta.loopback_works(2);
     assert_idle(&hostd, "after its memory was removed");
-    let now = snapshot(&alpha);
-    let changed = (0..now.len()).find(|&i| now[i] != after[i]);
+    let changed = first_change(&after, &snapshot(&alpha));
     assert_eq!(
         changed, None,
         "hostd wrote into removed memory at that offset"
@@ -415,7 +415,7 @@ fn a_posted_receive_ends_an_rnr_wait_at_once() {
         let config = format!("{}datapath_threads = {threads}\n", config(64));
         let hostd = Hostd::start(&format!("rnr-{threads}"), &config);
         // Code 0: the longest RNR timer.
-        let (mut alpha, mut beta) = pair_with(&hostd.socket, 0);
+        let (mut alpha, mut beta) = pair_with(&hostd.socket, MEM, 0);
         let (lkey_a, lkey_b) = (alpha.lkey(), beta.lkey());
         alpha.post_sges(0, &send(1, SendOpcode::Send), &[sge(IOVA, 8, lkey_a)]);
         std::thread::sleep(Duration::from_millis(50));
@@ -430,4 +430,52 @@ fn a_posted_receive_ends_an_rnr_wait_at_once() {
         );
         assert_eq!(beta.poll_one(), WcStatus::Success);
     }
+}
+
+/// DestroyQp mid-traffic: once it is answered, no WQE of the QP runs — no
+/// byte lands at the peer, no CQE, no ring index moves — and the peer and
+/// the device's other QPs go on.
+#[test]
+fn a_destroyed_qp_does_nothing_more() {
+    let hostd = Hostd::start("destroy", &config(64));
+    // 60 writes of 4 MiB (240 MiB, tens of milliseconds of copying),
+    // destroyed as soon as the first completed.
+    const LEN: u32 = 4 << 20;
+    let mem = DATA + 2 * u64::from(LEN);
+    let (mut alpha, mut beta) = pair_with(&hostd.socket, mem, 1);
+    let rkey_b = beta.rkey();
+    alpha.driver().fill(0, &vec![0x5a; LEN as usize]);
+    for i in 0..60 {
+        alpha.write(0, i, 0, LEN, IOVA + u64::from(LEN), rkey_b);
+    }
+    let mut done = Vec::new();
+    while done.is_empty() {
+        done = alpha.driver_mut().poll();
+    }
+    alpha
+        .call(&Request::DestroyQp { vqpn: QP_ALPHA })
+        .expect("destroy");
+    // What completed before is a prefix of what was posted, in order.
+    done.extend(alpha.driver_mut().poll());
+    assert!(done.len() < 60, "all 60 completed before DestroyQp");
+    for (i, cqe) in done.iter().enumerate() {
+        assert_eq!(
+            (cqe.wr_id.get(), status(cqe)),
+            (i as u64, WcStatus::Success)
+        );
+    }
+    // Beta clears where the writes land: a later one would show.
+    beta.driver().fill(u64::from(LEN), &vec![0; LEN as usize]);
+    let (alpha_after, beta_after) = (memory_of(&alpha), memory_of(&beta));
+    std::thread::sleep(Duration::from_millis(200));
+    let changed = first_change(&alpha_after, &memory_of(&alpha));
+    assert_eq!(changed, None, "hostd wrote alpha's memory after DestroyQp");
+    let changed = first_change(&beta_after, &memory_of(&beta));
+    assert_eq!(
+        changed, None,
+        "alpha's QP wrote beta's memory after DestroyQp"
+    );
+    assert_eq!(errno(alpha.query_qp(QP_ALPHA)), Err(libc::ENOENT));
+    alpha.loopback_works(1);
+    beta.loopback_works(2);
 }

@@ -22,16 +22,6 @@ use vrdma_spec::verbs::{access, QpState, SendOpcode, WcStatus};
 /// this test, and index 0 is never used.
 const MADE_UP_KEYS: [u32; 2] = [0x00ff_ff5a, 0x0000_0042];
 
-/// All of `c`'s guest memory but the doorbell page's flags, which hostd
-/// raises and clears as its datapath sleeps and wakes (its side of the
-/// doorbell protocol with `c`'s driver, whatever anyone else does).
-fn memory_of(c: &Client) -> Vec<u8> {
-    let mut all = vec![0; MEM as usize];
-    assert!(c.driver().mem.read(0, &mut all));
-    all[..4].fill(0);
-    all
-}
-
 /// Registrations that do not describe alpha's memory.
 fn registrations_are_checked(alpha: &Client) {
     let reg = |slot, offset, len| errno(alpha.register(ALL, IOVA, slot, offset, len));

@@ -31,7 +31,7 @@ use vrdma_hostd_protocol::messages::{
     TenantPolicy, PROTOCOL_VERSION,
 };
 use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
-use vrdma_spec::ring::{Cqe, SendWqe, Sge};
+use vrdma_spec::ring::{doorbell, Cqe, SendWqe, Sge};
 use vrdma_spec::verbs::{access, QpState, SendOpcode, WcStatus};
 
 /// The loopback pair [`Client::loopback_works`] uses.
@@ -655,6 +655,27 @@ impl Client {
     }
 }
 
+/// All of `c`'s guest memory but the doorbell page, where hostd plays
+/// the device's side of the doorbell protocol whatever else happens: it
+/// raises and clears NEED_KICK as its datapath sleeps and wakes, and
+/// clears the bits it takes (also of a QP that is gone).
+pub fn memory_of(c: &Client) -> Vec<u8> {
+    let mut all = vec![0; c.driver().mem.len()];
+    assert!(c.driver().mem.read(0, &mut all));
+    let page = DOORBELL as usize..(DOORBELL + doorbell::PAGE_SIZE) as usize;
+    all[page].fill(0);
+    all
+}
+
+/// The first offset at which `now` differs from `before`.
+pub fn first_change(before: &[u8], now: &[u8]) -> Option<usize> {
+    assert_eq!(before.len(), now.len());
+    if before == now {
+        return None;
+    }
+    before.iter().zip(now).position(|(a, b)| a != b)
+}
+
 /// The QPs of a [`pair`].
 pub const QP_ALPHA: u32 = 1;
 pub const QP_BETA: u32 = 2;
@@ -662,14 +683,19 @@ pub const QP_BETA: u32 = 2;
 /// alpha and beta (in the standard [`policy`]), set up, each with one QP
 /// (index 0: [`QP_ALPHA`], [`QP_BETA`]) connected to the other's.
 pub fn pair(socket: &Path) -> (Client, Client) {
-    pair_with(socket, connection(0, 0).min_rnr_timer)
+    pair_with(socket, MEM, connection(0, 0).min_rnr_timer)
 }
 
-/// [`pair`] with beta's QP advertising RNR timer code `beta_rnr_timer` as
-/// responder (how long alpha's SENDs wait when beta has no receive).
-pub fn pair_with(socket: &Path, beta_rnr_timer: u8) -> (Client, Client) {
-    let mut alpha = Client::ready(socket, "alpha", "vm0");
-    let mut beta = Client::ready(socket, "beta", "vm0");
+/// [`pair`] with `mem` bytes of memory each ([`Client::setup_sized`]) and
+/// beta's QP advertising RNR timer code `beta_rnr_timer` as responder (how
+/// long alpha's SENDs wait when beta has no receive).
+pub fn pair_with(socket: &Path, mem: u64, beta_rnr_timer: u8) -> (Client, Client) {
+    let ready = |tenant| {
+        let mut c = Client::hello(socket, tenant, "vm0").expect("hello");
+        c.setup_sized(mem);
+        c
+    };
+    let (mut alpha, mut beta) = (ready("alpha"), ready("beta"));
     assert_ne!(alpha.lid, beta.lid);
     alpha.create_qp(QP_ALPHA);
     beta.create_qp(QP_BETA);
