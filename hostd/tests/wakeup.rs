@@ -68,19 +68,19 @@ impl PingPong {
                 self.jitter.pause(pauses);
                 let n = self.posts;
                 self.posts += 1;
-                let before = self.cpu_wait.total();
+                let before = self.cpu_wait.sample();
                 let (took, way) = if alpha_pings {
                     (ping(&mut self.alpha, &self.beta, n), "alpha → beta")
                 } else {
                     (ping(&mut self.beta, &self.alpha, n), "beta → alpha")
                 };
-                let waited = self.cpu_wait.total() - before;
+                let (threads, waited) = since(&before, &self.cpu_wait.sample());
                 let unexplained = took.missing.saturating_sub(waited);
                 assert!(
                     unexplained <= LATE,
                     "ping-pong {n} ({way}, pauses of {pauses:?} µs): its completion was \
                      still missing after {:?} (seen after {:?}), {waited:?} of which \
-                     waiting for a CPU: over {LATE:?}",
+                     waiting for a CPU: over {LATE:?}; {threads}",
                     took.missing,
                     took.seen
                 );
@@ -121,20 +121,41 @@ impl CpuWait {
         CpuWait { schedstats }
     }
 
-    /// Run delay and steal time so far.
-    fn total(&self) -> Duration {
-        let delay = |file: &PathBuf| {
+    /// So far: each thread's (run time, run delay), then (0, steal time).
+    fn sample(&self) -> Vec<(Duration, Duration)> {
+        let fields = |file: &PathBuf| {
             let stat = std::fs::read_to_string(file).expect("schedstat");
-            let field = stat.split_whitespace().nth(1).expect("run_delay");
-            Duration::from_nanos(field.parse().expect("nanoseconds"))
+            let mut fields = stat.split_whitespace().map(|f| f.parse().expect("ns"));
+            let mut next = || Duration::from_nanos(fields.next().expect("a field"));
+            (next(), next())
         };
         let stat = std::fs::read_to_string("/proc/stat").expect("/proc/stat");
         let cpu = stat.lines().next().expect("the cpu line");
         let steal: u64 = (cpu.split_whitespace().nth(8).expect("steal"))
             .parse()
             .expect("ticks");
-        self.schedstats.iter().map(delay).sum::<Duration>() + Duration::from_millis(10 * steal)
+        let mut all: Vec<_> = self.schedstats.iter().map(fields).collect();
+        all.push((Duration::ZERO, Duration::from_millis(10 * steal)));
+        all
     }
+}
+
+/// What the threads did between two samples, and how long they could not
+/// run (the sum of the run delays and the steal time).
+fn since(before: &[(Duration, Duration)], now: &[(Duration, Duration)]) -> (String, Duration) {
+    let deltas: Vec<_> = (before.iter().zip(now))
+        .map(|(b, n)| (n.0 - b.0, n.1 - b.1))
+        .collect();
+    let waited = deltas.iter().map(|d| d.1).sum();
+    let (threads, steal) = deltas.split_at(deltas.len() - 1);
+    let text = format!(
+        "(run time, run delay) of the test's thread {:?}, of hostd's datapath threads \
+         {:?}; steal {:?}",
+        threads[0],
+        &threads[1..],
+        steal[0].1
+    );
+    (text, waited)
 }
 
 /// How long a WRITE took: until its completion was seen, and until the
