@@ -181,7 +181,7 @@ pub fn spawn(server: Arc<Server>, listener: Listener) -> io::Result<()> {
             let chan = match listener.accept() {
                 Ok(chan) => chan,
                 Err(e) => {
-                    tracing::warn!("Admin accept failed: {}", crate::error_chain(&e));
+                    tracing::warn!("Admin accept failed: {}", vrdma_errors::error_chain(&e));
                     std::thread::sleep(std::time::Duration::from_millis(10));
                     continue;
                 }
@@ -214,7 +214,7 @@ fn serve_client(server: &Server, chan: &Channel) {
                 message: "Admin requests carry no file descriptors".into(),
             },
             Err(ChannelError::Message(e)) => {
-                let message = format!("Bad admin request: {}", crate::error_chain(&e));
+                let message = format!("Bad admin request: {}", vrdma_errors::error_chain(&e));
                 let _ = send_response(chan, &AdminResponse::Error { message });
                 return;
             }

@@ -310,6 +310,7 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vrdma_errors::error_chain;
 
     fn parse(args: &[&str]) -> Result<Config, ConfigError> {
         Config::try_from(
@@ -331,10 +332,6 @@ mod tests {
         let mut args = vec!["--config", path.as_str()];
         args.extend_from_slice(extra);
         parse(&args)
-    }
-
-    fn full_chain(e: &dyn std::error::Error) -> String {
-        crate::error_chain(e)
     }
 
     #[test]
@@ -447,7 +444,7 @@ mod tests {
         for (i, (text, key)) in cases.iter().enumerate() {
             let err =
                 with_file(&format!("bad{i}.toml"), text, &["--socket", "/tmp/s"]).expect_err(text);
-            let chain = full_chain(&err);
+            let chain = error_chain(&err);
             assert!(chain.contains(key), "{text:?} gave {chain:?}");
         }
     }
@@ -459,7 +456,7 @@ mod tests {
             "[[tenant]]\nname = \"a\"\n\n[[tenant]]\nname = \"b\"\npriority = { weight = 0 }\n",
         );
         let err = parse(&["--socket", "/tmp/s", "--policy", &policy]).expect_err("weight 0");
-        let chain = full_chain(&err);
+        let chain = error_chain(&err);
         assert!(
             chain.contains("bad-policy.toml:6") && chain.contains("tenant[1].priority.weight"),
             "{chain}"
@@ -477,7 +474,7 @@ mod tests {
             "2",
         ])
         .expect_err("3 queues of 2");
-        assert!(full_chain(&err).contains("tenant[0].physical_queues"));
+        assert!(error_chain(&err).contains("tenant[0].physical_queues"));
         assert!(matches!(
             parse(&["--socket", "/tmp/s", "--policy", "/nonexistent/p.toml"]),
             Err(ConfigError::Policy(PolicyError::Read { .. }))

@@ -157,15 +157,3 @@ pub fn datapath(config: &Config) -> std::io::Result<Arc<Datapath>> {
         ),
     )
 }
-
-/// Renders an error and its sources as one line: `outer: inner: ...`.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
-}

@@ -9,8 +9,8 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
+use vrdma_errors::error_chain;
 use vrdma_hostd::config::{Args, Config};
-use vrdma_hostd::error_chain;
 use vrdma_hostd::sandbox::{self, Plan, SandboxArgs};
 
 /// hostd's command line: the configuration flags and the sandbox flags.

@@ -68,7 +68,7 @@ fn shm_refusal(e: ShmError) -> Refusal {
         ShmError::Map(io) | ShmError::Create(io) => io.raw_os_error().unwrap_or(libc::ENOMEM),
         ShmError::Corrupt { .. } => libc::EPROTO,
     };
-    refuse(errno, crate::error_chain(&e))
+    refuse(errno, vrdma_errors::error_chain(&e))
 }
 
 /// A connected device as the registry knows it.
@@ -232,7 +232,7 @@ impl Server {
             let channel = match listener.accept() {
                 Ok(channel) => channel,
                 Err(e) => {
-                    tracing::warn!("Accept failed: {}", crate::error_chain(&e));
+                    tracing::warn!("Accept failed: {}", vrdma_errors::error_chain(&e));
                     // EMFILE and friends: do not spin on them.
                     std::thread::sleep(std::time::Duration::from_millis(10));
                     continue;
@@ -268,7 +268,7 @@ impl Server {
                 Err(ChannelError::Message(e)) => {
                     // Undecodable: answer once, then hang up, since nothing
                     // after it can be trusted to be framed as intended.
-                    let why = crate::error_chain(&e);
+                    let why = vrdma_errors::error_chain(&e);
                     tracing::warn!(
                         device = session.as_ref().map(|s| s.id),
                         "Protocol violation: {why}"
@@ -545,7 +545,7 @@ impl Server {
         }
         let cred = channel.peer_cred();
         let (ours, theirs) =
-            Channel::pair().map_err(|e| refuse(libc::ENOMEM, crate::error_chain(&e)))?;
+            Channel::pair().map_err(|e| refuse(libc::ENOMEM, vrdma_errors::error_chain(&e)))?;
         set_nonblocking(&ours).map_err(|e| refuse(libc::ENOMEM, e.to_string()))?;
         let (id, lid, pqps, policy) = {
             let mut reg = self.registry();
@@ -566,7 +566,7 @@ impl Server {
                             format!("Tenant {tenant} must connect as uid {uid}"),
                         ));
                     }
-                    Err(e) => return Err(refuse(libc::EPERM, crate::error_chain(e))),
+                    Err(e) => return Err(refuse(libc::EPERM, vrdma_errors::error_chain(e))),
                 }
             }
             let assignment = reg
@@ -753,7 +753,7 @@ impl Server {
                     tenant,
                     device,
                     "Cannot send the new policy to the vdev: {}",
-                    crate::error_chain(&e)
+                    vrdma_errors::error_chain(&e)
                 ),
             }
         }

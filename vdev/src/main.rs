@@ -9,8 +9,8 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
+use vrdma_errors::error_chain;
 use vrdma_vdev::config::{Args, Config};
-use vrdma_vdev::control::error_chain;
 use vrdma_vdev::sandbox::{self, Plan};
 
 fn main() -> ExitCode {

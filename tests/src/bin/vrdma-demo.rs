@@ -127,10 +127,7 @@ fn main() -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!(
-                "vrdma demo: FAILED: {}",
-                vrdma_guest_driver::error::chain(&e)
-            );
+            eprintln!("vrdma demo: FAILED: {}", vrdma_errors::error_chain(&e));
             if let Some(logs) = &e.daemon_logs {
                 eprintln!("{logs}");
             }
