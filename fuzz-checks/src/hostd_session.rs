@@ -251,7 +251,9 @@ impl Harness {
         .expect("a valid hostd configuration");
         let _ = std::fs::remove_dir_all(&dir);
         let datapath = vrdma_hostd::datapath(&config).expect("datapath");
-        datapath.start().expect("datapath threads");
+        datapath
+            .start(&vrdma_hostd::seccomp::Threads::unfiltered())
+            .expect("datapath threads");
         let server = Server::new(config, Arc::clone(&datapath));
 
         let (run, runs) = mpsc::channel::<Arc<Channel>>();

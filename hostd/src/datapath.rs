@@ -53,6 +53,7 @@ use zerocopy::FromBytes;
 use crate::ids::IdMap;
 use crate::nic::{Completion, DeviceId, Nic};
 use crate::scheduler::{CreditView, Head, OpKind, Pick, QueueId, Scheduler};
+use crate::seccomp::{Role, Threads};
 use crate::stats::Accounts;
 
 /// Entries taken from one submission ring at a time while staging
@@ -489,18 +490,17 @@ impl Datapath {
         self.wake();
     }
 
-    /// Starts the polling threads.
-    pub fn start(self: &Arc<Self>) -> io::Result<Vec<JoinHandle<()>>> {
+    /// Starts the polling threads, each under the datapath's seccomp
+    /// filter.
+    pub fn start(self: &Arc<Self>, threads: &Threads) -> io::Result<Vec<JoinHandle<()>>> {
         (0..self.wakers.len())
             .map(|index| {
                 let dp = Arc::clone(self);
-                std::thread::Builder::new()
-                    .name(format!("datapath-{index}"))
-                    .spawn(move || {
-                        if let Err(e) = dp.run_thread(index) {
-                            tracing::error!("Datapath thread {index} failed: {e}");
-                        }
-                    })
+                threads.spawn(Role::Datapath, format!("datapath-{index}"), move || {
+                    if let Err(e) = dp.run_thread(index) {
+                        tracing::error!("Datapath thread {index} failed: {e}");
+                    }
+                })
             })
             .collect()
     }

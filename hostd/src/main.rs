@@ -3,7 +3,8 @@
 //!
 //! The start-up order is fixed and visible here, one step per line below:
 //! every thread hostd ever runs starts after the last step, so each one
-//! inherits all the walls (docs/security.md).
+//! inherits the walls of the process and installs its own role's seccomp
+//! filter before it runs (docs/security.md).
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -62,11 +63,12 @@ fn start(config: &Config, sandbox_args: &SandboxArgs) -> Result<(), Box<dyn std:
     // 4. The sandbox, single-threaded: landlock, then privileges.
     sandbox::restrict_filesystem(&plan)?;
     sandbox::drop_privileges(&plan)?;
-    // 5. seccomp, on every thread, last: it forbids what the steps above do.
-    sandbox::install_seccomp(&plan)?;
+    // 5. seccomp, last (it forbids what the steps above do): the main
+    //    thread's filter, and the launcher of every later thread.
+    let threads = sandbox::install_seccomp(&plan)?;
     #[cfg(feature = "test-hooks")]
     vrdma_isolation::test_hooks::after_sandbox();
     // 6. Threads and service.
-    vrdma_hostd::serve(config, opened)?;
+    vrdma_hostd::serve(config, opened, &threads)?;
     Ok(())
 }

@@ -7,15 +7,17 @@
 //! 2. [`restrict_filesystem`] — landlock: read access to the policy file
 //!    (for reload), nothing else; the sockets are bound before.
 //! 3. [`drop_privileges`] — limits, uid/gid, capabilities.
-//! 4. [`install_seccomp`] — one allow-list, the union of hostd's thread
-//!    roles, on every thread, before any thread of hostd starts.
+//! 4. [`install_seccomp`] — the main thread's filter on the main thread,
+//!    and the launcher every other thread is started through, each under
+//!    its role's filter ([`crate::seccomp`] has the rule tables).
 
 use std::path::{Path, PathBuf};
 
 use vrdma_isolation::landlock::{self, FsAccess, FsPolicy, LandlockError};
 use vrdma_isolation::privileges::{self, Identity, PrivilegeError, ResourceLimits};
-use vrdma_isolation::seccomp::{self, Role, SeccompError, SeccompMode};
+use vrdma_isolation::seccomp::{SeccompError, SeccompMode};
 
+use crate::seccomp::{Role, Threads};
 use crate::Config;
 
 /// Default `RLIMIT_NOFILE`: every vdev holds a connection, a notification
@@ -157,11 +159,12 @@ pub fn drop_privileges(plan: &Plan) -> Result<(), SandboxError> {
     privileges::apply(plan.limits, plan.identity).map_err(SandboxError::Privileges)
 }
 
-/// The thread roles hostd runs (all in one process, so one filter).
-pub const ROLES: [Role; 2] = Role::HOSTD;
-
-/// Step 3: the seccomp allow-list of [`ROLES`] on every thread, with the
-/// operator's violation action — or, only when explicitly asked, nothing.
-pub fn install_seccomp(plan: &Plan) -> Result<(), SandboxError> {
-    seccomp::install_mode(plan.args.seccomp, &ROLES, "hostd").map_err(SandboxError::Seccomp)
+/// Step 3, last: the main role's filter on the calling (main) thread, and
+/// the launcher that starts every later thread under its own role's
+/// filter, with the operator's violation action — or, only when
+/// explicitly asked, no filter at all. Every thread hostd starts from now
+/// on is started through the returned [`Threads`].
+pub fn install_seccomp(plan: &Plan) -> Result<Threads, SandboxError> {
+    Threads::start(plan.args.seccomp, Role::Main, &Role::SPAWNED, "hostd")
+        .map_err(SandboxError::Seccomp)
 }

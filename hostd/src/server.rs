@@ -37,6 +37,7 @@ use crate::config::{Config, MAX_QUEUES_PER_DEVICE};
 use crate::datapath::{Datapath, DeviceQueues, QueueMem};
 use crate::lids::LidTable;
 use crate::nic::{DeviceId, NicError};
+use crate::seccomp::{Role, Threads};
 use crate::stats::{Stats, TenantStats};
 
 /// Concurrent vdev connections (each costs a thread).
@@ -226,8 +227,9 @@ impl Server {
         Arc::clone(&self.registry().policy)
     }
 
-    /// Accepts vdevs forever, one thread each.
-    pub fn serve(self: &Arc<Self>, listener: &Listener) {
+    /// Accepts vdevs forever, one thread each (started through `threads`,
+    /// under the connection role's filter).
+    pub fn serve(self: &Arc<Self>, listener: &Listener, threads: &Threads) {
         loop {
             let channel = match listener.accept() {
                 Ok(channel) => channel,
@@ -244,12 +246,10 @@ impl Server {
                 continue;
             }
             let server = Arc::clone(self);
-            let spawned = std::thread::Builder::new()
-                .name("vdev-conn".into())
-                .spawn(move || {
-                    server.connection(Arc::new(channel));
-                    server.connections.fetch_sub(1, Ordering::SeqCst);
-                });
+            let spawned = threads.spawn(Role::Connection, "vdev-conn", move || {
+                server.connection(Arc::new(channel));
+                server.connections.fetch_sub(1, Ordering::SeqCst);
+            });
             if let Err(e) = spawned {
                 self.connections.fetch_sub(1, Ordering::SeqCst);
                 tracing::warn!("Cannot start a connection thread: {e}");

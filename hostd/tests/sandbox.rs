@@ -176,6 +176,59 @@ fn under_trap_forbidden_calls_fail_with_eperm_and_hostd_serves_on() {
     }
 }
 
+/// Each thread has its own role's filter: a connection thread may create
+/// the sealed memfds of the queues it grants, a datapath thread may not.
+#[test]
+fn a_thread_cannot_make_a_call_only_another_role_needs() {
+    let op = ("VRDMA_TEST_FORBIDDEN", "memfd");
+    let trap = ["--seccomp", "trap"];
+    let mut hostd = Sandboxed::start(
+        "role-conn",
+        &trap,
+        &[op, ("VRDMA_TEST_FORBIDDEN_IN", "connection")],
+    );
+    hostd.wait_for_log(SERVING);
+    // A vdev connects: a connection thread starts and makes the call.
+    Client::hello(&hostd.socket, "alpha", "vm0").expect("hello");
+    let log = hostd.wait_for_log("test hook (connection): memfd: ");
+    assert!(
+        log.contains("test hook (connection): memfd: succeeded"),
+        "{log}"
+    );
+    drop(hostd);
+
+    let in_datapath = ("VRDMA_TEST_FORBIDDEN_IN", "datapath");
+    let mut hostd = Sandboxed::start("role-datapath", &trap, &[op, in_datapath]);
+    let log = hostd.wait_for_log("test hook (datapath): memfd: ");
+    assert!(
+        log.contains(&format!(
+            "test hook (datapath): memfd: failed: errno {}",
+            libc::EPERM
+        )),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "seccomp (trap): blocked system call {}",
+            libc::SYS_memfd_create
+        )),
+        "{log}"
+    );
+    hostd.wait_for_log(SERVING);
+    Client::hello(&hostd.socket, "alpha", "vm0").expect("hostd still serves");
+    drop(hostd);
+
+    // Enforced, it is the end of hostd.
+    let mut killed = Sandboxed::start("role-datapath-kill", &[], &[op, in_datapath]);
+    let status = killed.wait_exit();
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGSYS),
+        "{status}\n{}",
+        killed.log()
+    );
+}
+
 #[test]
 fn landlock_refuses_files_outside_the_policy_file() {
     let mut hostd = Sandboxed::start("passwd", &[], &[("VRDMA_TEST_FORBIDDEN", "open-passwd")]);
@@ -217,10 +270,7 @@ fn a_kernel_without_landlock_is_refused_unless_allowed() {
 fn a_sandboxed_hostd_serves_rdma_and_reloads_its_policy() {
     let mut hostd = Sandboxed::start("serve", &[], &[]);
     let log = hostd.wait_for_log(SERVING);
-    assert!(
-        log.contains("seccomp filter installed on every thread"),
-        "{log}"
-    );
+    assert!(log.contains("seccomp: a filter per thread role"), "{log}");
     assert!(log.contains("Landlock: no file-system access but reading the policy file"));
     // Every wall is up, as the kernel sees it.
     assert_eq!(hostd.status_field("Seccomp"), "2");

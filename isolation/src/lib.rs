@@ -13,9 +13,12 @@
 //! 3. [`privileges`]: resource limits, then another uid/gid, no
 //!    capabilities (effective, permitted, inheritable, ambient, bounding),
 //!    `no_new_privs`, not dumpable.
-//! 4. [`seccomp`]: one allow-list of system calls for the whole process,
-//!    built from the rules of the thread roles the daemon runs, installed
-//!    on every thread (TSYNC) before the worker threads start.
+//! 4. [`seccomp`]: an allow-list of system calls per thread role. The
+//!    daemon keeps the rule tables (one enum of roles, one function of
+//!    rules per role); this crate compiles them, installs the main role's
+//!    filter on the main thread, and starts every later thread through
+//!    [`seccomp::Threads`], which installs the thread's own role's filter
+//!    before it runs anything of its own.
 //!
 //! The order matters: mounts need `CAP_SYS_ADMIN` and are refused inside a
 //! landlock domain; landlock paths are resolved in the final mount view;

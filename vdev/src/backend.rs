@@ -31,6 +31,7 @@ use vrdma_tenant_policy::Limits;
 use crate::control;
 use crate::datapath::{self, DatapathContext, SharedVrings};
 use crate::fabric::Fabric;
+use crate::seccomp::{Role, Threads};
 use crate::verbs::{DeviceIdentity, RdmaDevice};
 
 /// Why handling a queue event failed.
@@ -111,12 +112,14 @@ impl VrdmaBackend {
         })
     }
 
-    /// Starts the datapath thread if the device is on a fabric; it runs
-    /// until [`VrdmaBackend::stop_datapath`].
+    /// Starts the datapath thread and hostd's policy listener (through
+    /// `threads`, each under its role's filter) if the device is on a
+    /// fabric; the datapath runs until [`VrdmaBackend::stop_datapath`].
     pub fn start_datapath(
         &self,
         spin: Duration,
         class_cpu_priority: bool,
+        threads: &Threads,
     ) -> io::Result<Option<JoinHandle<()>>> {
         let Some(fabric) = self.device().fabric().cloned() else {
             return Ok(None);
@@ -126,6 +129,7 @@ impl VrdmaBackend {
                 channel,
                 Arc::downgrade(&self.inner.device),
                 Arc::downgrade(&fabric),
+                threads,
             )?;
         }
         let ctx = DatapathContext {
@@ -139,9 +143,8 @@ impl VrdmaBackend {
             class_cpu_priority,
         };
         let name = format!("datapath-{}", self.tenant());
-        std::thread::Builder::new()
-            .name(name)
-            .spawn(move || datapath::run(ctx))
+        threads
+            .spawn(Role::Datapath, name, move || datapath::run(ctx))
             .map(Some)
     }
 

@@ -9,17 +9,19 @@
 //! 3. [`restrict_filesystem`] — landlock with no rules at all: after
 //!    start-up vdev opens, creates and removes nothing by path.
 //! 4. [`drop_privileges`] — limits, uid/gid, capabilities.
-//! 5. [`install_seccomp`] — one allow-list, the union of vdev's thread
-//!    roles, on every thread, before any worker thread starts.
+//! 5. [`install_seccomp`] — the main thread's filter on the main thread,
+//!    and the launcher every other thread is started through, each under
+//!    its role's filter ([`crate::seccomp`] has the rule tables).
 
 use std::path::PathBuf;
 
 use vrdma_isolation::landlock::{self, FsPolicy, LandlockError};
 use vrdma_isolation::namespaces::{self, NamespaceError, NamespacePlan};
 use vrdma_isolation::privileges::{self, Identity, PrivilegeError, ResourceLimits};
-use vrdma_isolation::seccomp::{self, Role, SeccompError};
+use vrdma_isolation::seccomp::SeccompError;
 
 use crate::config::{Config, SandboxConfig};
+use crate::seccomp::{Role, Threads};
 
 /// Why vdev refused to start its sandbox.
 #[derive(Debug, thiserror::Error)]
@@ -158,11 +160,12 @@ pub fn drop_privileges(plan: &Plan) -> Result<(), SandboxError> {
     privileges::apply(plan.limits, plan.identity).map_err(SandboxError::Privileges)
 }
 
-/// The thread roles vdev runs (all in one process, so one filter).
-pub const ROLES: [Role; 3] = Role::ALL;
-
-/// Step 4: the seccomp allow-list of [`ROLES`] on every thread, with the
-/// operator's violation action — or, only when explicitly asked, nothing.
-pub fn install_seccomp(plan: &Plan) -> Result<(), SandboxError> {
-    seccomp::install_mode(plan.config.seccomp, &ROLES, "vdev").map_err(SandboxError::Seccomp)
+/// Step 4, last: the main role's filter on the calling (main) thread, and
+/// the launcher that starts every later thread under its own role's
+/// filter, with the operator's violation action — or, only when
+/// explicitly asked, no filter at all. Every thread vdev starts from now
+/// on is started through the returned [`Threads`].
+pub fn install_seccomp(plan: &Plan) -> Result<Threads, SandboxError> {
+    Threads::start(plan.config.seccomp, Role::Main, &Role::SPAWNED, "vdev")
+        .map_err(SandboxError::Seccomp)
 }
