@@ -247,6 +247,7 @@ impl Harness {
             device_credits: None,
             total_credits: None,
             line_rate_mbps: None,
+            sandbox: Default::default(),
         })
         .expect("a valid hostd configuration");
         let _ = std::fs::remove_dir_all(&dir);

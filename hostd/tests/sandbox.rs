@@ -250,6 +250,45 @@ fn landlock_refuses_files_outside_the_policy_file() {
     assert!(log.contains("test hook: open-passwd: succeeded"), "{log}");
 }
 
+/// `--sandbox namespace`, the same mode as vdev's. Started as root, hostd
+/// runs in mount and network namespaces of its own whose root holds only
+/// the policy file's directory (read-only), serves, and still reloads its
+/// policy. Started as another user it is refused with the reason: in a
+/// user namespace, every vdev's uid would read as the overflow uid.
+#[test]
+fn namespace_mode_keeps_only_the_policy_directory() {
+    let mut hostd = Sandboxed::start(
+        "ns",
+        &["--sandbox", "namespace"],
+        &[("VRDMA_TEST_FORBIDDEN", "open-passwd")],
+    );
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        let status = hostd.wait_exit();
+        assert_eq!(status.code(), Some(1), "{}", hostd.log());
+        assert!(hostd.log().contains("overflow uid"), "{}", hostd.log());
+        return;
+    }
+    let log = hostd.wait_for_log("test hook: open-passwd: ");
+    // /etc is not in the new root at all.
+    assert!(
+        log.contains(&format!(
+            "test hook: open-passwd: failed: errno {}",
+            libc::ENOENT
+        )),
+        "{log}"
+    );
+    let own = std::fs::read_link("/proc/self/ns/net").expect("own netns");
+    let its = std::fs::read_link(format!("/proc/{}/ns/net", hostd.child.id())).expect("netns");
+    assert_ne!(own, its, "hostd has its own network namespace");
+    hostd.wait_for_log(SERVING);
+    Client::hello(&hostd.socket, "alpha", "vm0").expect("hostd serves");
+    std::fs::write(&hostd.policy, policy()).expect("rewrite policy");
+    hostd.sighup();
+    let log = hostd.wait_for_logged("Policy reloaded", 1);
+    assert!(!log.contains("Policy reload failed"), "{log}");
+}
+
 #[test]
 fn a_kernel_without_landlock_is_refused_unless_allowed() {
     let absent = [("VRDMA_TEST_LANDLOCK", "absent")];

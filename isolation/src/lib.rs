@@ -20,6 +20,12 @@
 //!    [`seccomp::Threads`], which installs the thread's own role's filter
 //!    before it runs anything of its own.
 //!
+//! Both daemons take the same settings for these walls ([`config`]: the
+//! `--seccomp`, `--landlock`, `--sandbox`, `--uid`... flags and the
+//! `[sandbox]` table) and go through the same steps ([`sandbox::Plan`]);
+//! what differs is what their walls are made of ([`sandbox::Walls`]) and
+//! their seccomp rule tables.
+//!
 //! The order matters: mounts need `CAP_SYS_ADMIN` and are refused inside a
 //! landlock domain; landlock paths are resolved in the final mount view;
 //! changing uid needs the capabilities the last step drops; and the seccomp
@@ -27,9 +33,11 @@
 //!
 //! `docs/security.md` describes the threat model and what each wall stops.
 
+pub mod config;
 pub mod landlock;
 pub mod namespaces;
 pub mod privileges;
+pub mod sandbox;
 pub mod seccomp;
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks;

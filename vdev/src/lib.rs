@@ -81,7 +81,7 @@ pub struct Opened {
     /// Its path, removed when vdev stops.
     socket_file: SocketFile,
     /// A registration with hostd made before the sandbox, used for the
-    /// first frontend (see [`sandbox::Plan::register_early`]).
+    /// first frontend (see [`sandbox::Sandbox::register_early`]).
     early_fabric: Option<Fabric>,
 }
 

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 use clap::Parser;
 use vrdma_errors::error_chain;
 use vrdma_vdev::config::{Args, Config};
-use vrdma_vdev::sandbox::{self, Plan};
+use vrdma_vdev::sandbox::Sandbox;
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -42,18 +42,18 @@ fn main() -> ExitCode {
 
 fn start(config: &Config) -> Result<(), Box<dyn std::error::Error>> {
     // 2. What the sandbox will be, decided before anything changes.
-    let plan = Plan::new(config)?;
+    let sandbox = Sandbox::new(config)?;
     // 3. Open what needs the file system or privileges: the vhost-user
     //    listener (and the first hostd registration if hostd's socket is
     //    out of reach of vdev's final uid).
-    let opened = vrdma_vdev::open(config, plan.register_early)?;
+    let opened = vrdma_vdev::open(config, sandbox.register_early)?;
     // 4. The sandbox, single-threaded: namespaces, landlock, privileges.
-    sandbox::enter_namespaces(&plan)?;
-    sandbox::restrict_filesystem(&plan)?;
-    sandbox::drop_privileges(&plan)?;
+    sandbox.plan.enter_namespaces()?;
+    sandbox.plan.restrict_filesystem()?;
+    sandbox.plan.drop_privileges()?;
     // 5. seccomp, last (it forbids what the steps above do): the main
     //    thread's filter, and the launcher of every later thread.
-    let threads = sandbox::install_seccomp(&plan)?;
+    let threads = sandbox.install_seccomp()?;
     #[cfg(feature = "test-hooks")]
     vrdma_isolation::test_hooks::after_sandbox();
     // 6. Threads and service.
