@@ -247,11 +247,14 @@ impl Harness {
             device_credits: None,
             total_credits: None,
             line_rate_mbps: None,
+            sandbox: Default::default(),
         })
         .expect("a valid hostd configuration");
         let _ = std::fs::remove_dir_all(&dir);
         let datapath = vrdma_hostd::datapath(&config).expect("datapath");
-        datapath.start().expect("datapath threads");
+        datapath
+            .start(&vrdma_hostd::seccomp::Threads::unfiltered())
+            .expect("datapath threads");
         let server = Server::new(config, Arc::clone(&datapath));
 
         let (run, runs) = mpsc::channel::<Arc<Channel>>();

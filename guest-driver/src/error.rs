@@ -6,19 +6,6 @@ use crate::dma::DmaError;
 use crate::transport::TransportError;
 use crate::virtqueue::QueueError;
 
-/// Renders an error and its sources on one line: `error: cause: cause`,
-/// the way programs over the driver print a failure once, at the top.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
-
 /// Errors of the driver.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {

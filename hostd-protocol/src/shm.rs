@@ -319,7 +319,10 @@ mod tests {
         let mem = mapping(4096);
         let word = mem.atomic_u32(4092).expect("last word");
         word.store(7, Ordering::Release);
-        assert_eq!(mem.atomic_u32(4092).map(|w| w.load(Ordering::Acquire)), Some(7));
+        assert_eq!(
+            mem.atomic_u32(4092).map(|w| w.load(Ordering::Acquire)),
+            Some(7)
+        );
         assert!(mem.atomic_u32(4094).is_none(), "misaligned");
         assert!(mem.atomic_u32(4096).is_none(), "outside");
         assert!(mem.atomic_u64(4088).is_some());

@@ -19,6 +19,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use vrdma_hostd_protocol::channel::{Channel, ChannelError, Listener};
 
+use crate::seccomp::{Role, Threads};
 use crate::server::Server;
 use crate::stats::{render_prometheus, Stats, KINDS};
 
@@ -172,16 +173,17 @@ pub fn bind(path: &Path) -> Result<Listener, ChannelError> {
     Ok(listener)
 }
 
-/// Serves the admin socket on a thread of its own, a thread per client.
-pub fn spawn(server: Arc<Server>, listener: Listener) -> io::Result<()> {
+/// Serves the admin socket on a thread of its own, a thread per client
+/// (all started through `threads`, under the admin role's filter).
+pub fn spawn(server: Arc<Server>, listener: Listener, threads: &Threads) -> io::Result<()> {
     let active = Arc::new(AtomicUsize::new(0));
-    std::thread::Builder::new()
-        .name("admin".into())
-        .spawn(move || loop {
+    let client_threads = threads.clone();
+    threads
+        .spawn(Role::Admin, "admin", move || loop {
             let chan = match listener.accept() {
                 Ok(chan) => chan,
                 Err(e) => {
-                    tracing::warn!("Admin accept failed: {}", crate::error_chain(&e));
+                    tracing::warn!("Admin accept failed: {}", vrdma_errors::error_chain(&e));
                     std::thread::sleep(std::time::Duration::from_millis(10));
                     continue;
                 }
@@ -193,12 +195,10 @@ pub fn spawn(server: Arc<Server>, listener: Listener) -> io::Result<()> {
             }
             let server = Arc::clone(&server);
             let active = Arc::clone(&active);
-            let spawned = std::thread::Builder::new()
-                .name("admin-conn".into())
-                .spawn(move || {
-                    serve_client(&server, &chan);
-                    active.fetch_sub(1, Ordering::SeqCst);
-                });
+            let spawned = client_threads.spawn(Role::Admin, "admin-conn", move || {
+                serve_client(&server, &chan);
+                active.fetch_sub(1, Ordering::SeqCst);
+            });
             if let Err(e) = spawned {
                 tracing::warn!("Cannot start an admin connection thread: {e}");
             }
@@ -214,7 +214,7 @@ fn serve_client(server: &Server, chan: &Channel) {
                 message: "Admin requests carry no file descriptors".into(),
             },
             Err(ChannelError::Message(e)) => {
-                let message = format!("Bad admin request: {}", crate::error_chain(&e));
+                let message = format!("Bad admin request: {}", vrdma_errors::error_chain(&e));
                 let _ = send_response(chan, &AdminResponse::Error { message });
                 return;
             }
@@ -251,11 +251,11 @@ pub fn block_sighup() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-/// Reloads the policy on every SIGHUP read from `signals` (a signalfd).
-pub fn spawn_sighup(server: Arc<Server>, signals: OwnedFd) -> io::Result<()> {
-    std::thread::Builder::new()
-        .name("sighup".into())
-        .spawn(move || {
+/// Reloads the policy on every SIGHUP read from `signals` (a signalfd), on
+/// a thread under the SIGHUP role's filter.
+pub fn spawn_sighup(server: Arc<Server>, signals: OwnedFd, threads: &Threads) -> io::Result<()> {
+    threads
+        .spawn(Role::Sighup, "sighup", move || {
             let mut info = [0u8; std::mem::size_of::<libc::signalfd_siginfo>()];
             loop {
                 // SAFETY: `info` is writable for its whole length.

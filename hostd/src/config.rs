@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use serde::Deserialize;
+use vrdma_isolation::config::{SandboxArgs, SandboxConfig, SandboxConfigError, SandboxFile};
 use vrdma_tenant_policy::{Policy, PolicyError};
 
 /// The configuration used when no `--config` is given.
@@ -50,6 +51,14 @@ pub enum ConfigError {
     },
     #[error("Invalid policy")]
     Policy(#[source] PolicyError),
+    #[error("Invalid sandbox settings")]
+    Sandbox(#[source] SandboxConfigError),
+    #[error("Invalid path {}", path.display())]
+    Path {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// Command line of `hostd`.
@@ -83,6 +92,9 @@ pub struct Args {
     /// Line rate of the NIC's port in Mbit/s (the modelled link).
     #[arg(long)]
     pub line_rate_mbps: Option<u32>,
+    /// The sandbox: the same flags, meaning and checks as vdev's.
+    #[command(flatten)]
+    pub sandbox: SandboxArgs,
 }
 
 /// The config file. Unknown keys are errors.
@@ -96,6 +108,8 @@ struct FileConfig {
     datapath_threads: Option<u32>,
     spin_us: Option<u64>,
     line_rate_mbps: Option<u32>,
+    #[serde(default)]
+    sandbox: SandboxFile,
 }
 
 /// A validated hostd configuration.
@@ -114,6 +128,8 @@ pub struct Config {
     pub spin_us: u64,
     /// Line rate of the NIC's port, Mbit/s.
     pub line_rate_mbps: u32,
+    /// The walls hostd puts up around itself.
+    pub sandbox: SandboxConfig,
 }
 
 pub const DEFAULT_PHYSICAL_QPS: u32 = 64;
@@ -123,6 +139,10 @@ pub const DEFAULT_SPIN_US: u64 = 200;
 pub const DEFAULT_LINE_RATE_MBPS: u32 = 400_000;
 /// Fastest port accepted (1.6 Tbit/s).
 const MAX_LINE_RATE_MBPS: u32 = 1_600_000;
+
+/// Default `RLIMIT_NOFILE`: every vdev holds a connection, a notification
+/// channel, two eventfds and its memfds open in hostd.
+pub const DEFAULT_RLIMIT_NOFILE: u64 = 65536;
 
 /// The admin socket next to `socket`: `<socket>.admin`.
 pub fn default_admin_socket(socket: &Path) -> PathBuf {
@@ -151,7 +171,17 @@ impl TryFrom<Args> for Config {
             .physical_qps
             .or(file.physical_qps)
             .unwrap_or(DEFAULT_PHYSICAL_QPS);
-        let policy_file = args.policy.or(file_policy);
+        // Absolute: the namespace sandbox changes the working directory,
+        // and reloads read the file again.
+        let policy_file = args
+            .policy
+            .or(file_policy)
+            .map(|p| {
+                std::path::absolute(&p).map_err(|source| ConfigError::Path { path: p, source })
+            })
+            .transpose()?;
+        let sandbox = SandboxConfig::resolve(&args.sandbox, file.sandbox, DEFAULT_RLIMIT_NOFILE)
+            .map_err(ConfigError::Sandbox)?;
         let mut config = Config {
             admin_socket: args
                 .admin_socket
@@ -170,6 +200,7 @@ impl TryFrom<Args> for Config {
                 .line_rate_mbps
                 .or(file.line_rate_mbps)
                 .unwrap_or(DEFAULT_LINE_RATE_MBPS),
+            sandbox,
         };
         config.validate()?;
         config.policy = match &config.policy_file {
@@ -249,6 +280,7 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vrdma_errors::error_chain;
 
     fn parse(args: &[&str]) -> Result<Config, ConfigError> {
         Config::try_from(
@@ -272,10 +304,6 @@ mod tests {
         parse(&args)
     }
 
-    fn full_chain(e: &dyn std::error::Error) -> String {
-        crate::error_chain(e)
-    }
-
     #[test]
     fn socket_alone_gives_the_embedded_defaults() {
         let config = parse(&["--socket", "/tmp/h.sock"]).expect("valid");
@@ -290,6 +318,7 @@ mod tests {
                 datapath_threads: 1,
                 spin_us: DEFAULT_SPIN_US,
                 line_rate_mbps: 400_000,
+                sandbox: SandboxConfig::defaults(DEFAULT_RLIMIT_NOFILE),
             }
         );
         assert_eq!(config.line_rate_bytes(), 50_000_000_000);
@@ -376,7 +405,7 @@ mod tests {
         for (i, (text, key)) in cases.iter().enumerate() {
             let err =
                 with_file(&format!("bad{i}.toml"), text, &["--socket", "/tmp/s"]).expect_err(text);
-            let chain = full_chain(&err);
+            let chain = error_chain(&err);
             assert!(chain.contains(key), "{text:?} gave {chain:?}");
         }
     }
@@ -388,7 +417,7 @@ mod tests {
             "[[tenant]]\nname = \"a\"\n\n[[tenant]]\nname = \"b\"\npriority = { weight = 0 }\n",
         );
         let err = parse(&["--socket", "/tmp/s", "--policy", &policy]).expect_err("weight 0");
-        let chain = full_chain(&err);
+        let chain = error_chain(&err);
         assert!(
             chain.contains("bad-policy.toml:6") && chain.contains("tenant[1].priority.weight"),
             "{chain}"
@@ -406,11 +435,44 @@ mod tests {
             "2",
         ])
         .expect_err("3 queues of 2");
-        assert!(full_chain(&err).contains("tenant[0].physical_queues"));
+        assert!(error_chain(&err).contains("tenant[0].physical_queues"));
         assert!(matches!(
             parse(&["--socket", "/tmp/s", "--policy", "/nonexistent/p.toml"]),
             Err(ConfigError::Policy(PolicyError::Read { .. }))
         ));
+    }
+
+    /// The sandbox settings (parsed and checked by vrdma-isolation, the
+    /// same for vdev) reach hostd's config from flags and from the
+    /// `[sandbox]` table, flags first.
+    #[test]
+    fn sandbox_flags_and_file_keys() {
+        use vrdma_isolation::namespaces::SandboxMode;
+        use vrdma_isolation::seccomp::{SeccompMode, ViolationAction};
+        let config =
+            parse(&["--socket", "/tmp/s", "--seccomp", "trap", "--uid", "1234"]).expect("valid");
+        assert_eq!(
+            config.sandbox,
+            SandboxConfig {
+                seccomp: SeccompMode::Enforce(ViolationAction::Trap),
+                uid: Some(1234),
+                ..SandboxConfig::defaults(DEFAULT_RLIMIT_NOFILE)
+            }
+        );
+        let text = "socket = \"/tmp/s\"\n[sandbox]\nmode = \"namespace\"\nlandlock = false\n";
+        let config = with_file("sandbox.toml", text, &[]).expect("valid");
+        assert_eq!(config.sandbox.mode, SandboxMode::Namespace);
+        assert!(!config.sandbox.landlock);
+        let config = with_file("sandbox.toml", text, &["--landlock", "on"]).expect("valid");
+        assert!(config.sandbox.landlock);
+        for (text, key) in [
+            ("[sandbox]\nseccomp = \"nope\"", "seccomp"),
+            ("[sandbox]\nrlimit_nofile = 3", "Open-file limit 3"),
+            ("[sandbox]\nlandlok = true", "landlok"),
+        ] {
+            let err = with_file("bad-sandbox.toml", text, &["--socket", "/tmp/s"]).expect_err(text);
+            assert!(error_chain(&err).contains(key), "{text:?} gave {err}");
+        }
     }
 
     #[test]

@@ -28,6 +28,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 use vmm_sys_util::timerfd::TimerFd;
 
 use crate::engine::{DeviceId, Engine};
+use crate::seccomp::{Role, Threads};
 
 /// epoll tokens that are not device ids (device ids start at 1).
 const WAKE_TOKEN: u64 = u64::MAX;
@@ -74,18 +75,17 @@ impl Datapath {
         }
     }
 
-    /// Starts the polling threads.
-    pub fn start(self: &Arc<Self>) -> io::Result<Vec<JoinHandle<()>>> {
+    /// Starts the polling threads, each under the datapath's seccomp
+    /// filter.
+    pub fn start(self: &Arc<Self>, threads: &Threads) -> io::Result<Vec<JoinHandle<()>>> {
         (0..self.wakers.len())
             .map(|index| {
                 let dp = Arc::clone(self);
-                std::thread::Builder::new()
-                    .name(format!("datapath-{index}"))
-                    .spawn(move || {
-                        if let Err(e) = dp.run_thread(index) {
-                            tracing::error!("Datapath thread {index} failed: {e}");
-                        }
-                    })
+                threads.spawn(Role::Datapath, format!("datapath-{index}"), move || {
+                    if let Err(e) = dp.run_thread(index) {
+                        tracing::error!("Datapath thread {index} failed: {e}");
+                    }
+                })
             })
             .collect()
     }
@@ -218,7 +218,11 @@ impl Mine {
             if live(id, serial) {
                 kept.push((id, serial, fd));
             } else {
-                let _ = epoll.ctl(ControlOperation::Delete, fd.as_raw_fd(), EpollEvent::default());
+                let _ = epoll.ctl(
+                    ControlOperation::Delete,
+                    fd.as_raw_fd(),
+                    EpollEvent::default(),
+                );
             }
         }
         self.kicks = kept;

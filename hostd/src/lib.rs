@@ -21,6 +21,9 @@
 //!   reload on SIGHUP.
 //! - [`ids`]: fast hash maps and slabs for identifiers hostd assigns.
 //! - [`lids`]: device LIDs, stable per device name and bounded per tenant.
+//! - [`sandbox`]: the walls hostd puts up around itself before it serves,
+//!   in the order `main.rs` runs them; [`seccomp`]: hostd's thread roles
+//!   and the system calls each may make.
 
 pub mod admin;
 pub mod config;
@@ -31,6 +34,7 @@ pub mod lids;
 pub mod policy;
 pub mod sandbox;
 pub mod scheduler;
+pub mod seccomp;
 pub mod server;
 pub mod stats;
 
@@ -44,6 +48,7 @@ pub use config::Config;
 use datapath::Datapath;
 use engine::Engine;
 use scheduler::{Link, Scheduler};
+use seccomp::Threads;
 use server::Server;
 
 /// Why hostd could not serve.
@@ -112,22 +117,23 @@ pub fn open(config: &Config) -> Result<Opened, Error> {
 /// process is stopped: [`open`], then [`serve`] (without a sandbox; the
 /// `hostd` command puts one up between the two).
 pub fn run(config: &Config) -> Result<(), Error> {
-    serve(config, open(config)?)
+    serve(config, open(config)?, &Threads::unfiltered())
 }
 
 /// Starts the datapath, admin and SIGHUP threads and serves vdevs on what
-/// [`open`] bound, until the process is stopped.
-pub fn serve(config: &Config, opened: Opened) -> Result<(), Error> {
+/// [`open`] bound, until the process is stopped. Every thread is started
+/// through `threads`, under its role's seccomp filter.
+pub fn serve(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Error> {
     let Opened {
         sighup,
         admin_listener,
         listener,
     } = opened;
     let datapath = datapath(config).map_err(Error::Datapath)?;
-    datapath.start().map_err(Error::Datapath)?;
+    datapath.start(threads).map_err(Error::Datapath)?;
     let server = Server::new(config.clone(), datapath);
-    admin::spawn(Arc::clone(&server), admin_listener).map_err(Error::Admin)?;
-    admin::spawn_sighup(Arc::clone(&server), sighup).map_err(Error::Admin)?;
+    admin::spawn(Arc::clone(&server), admin_listener, threads).map_err(Error::Admin)?;
+    admin::spawn_sighup(Arc::clone(&server), sighup, threads).map_err(Error::Admin)?;
     tracing::info!(
         socket = %config.socket.display(),
         admin_socket = %config.admin_socket.display(),
@@ -136,7 +142,7 @@ pub fn serve(config: &Config, opened: Opened) -> Result<(), Error> {
         tenants = config.policy.tenants.len(),
         "hostd serving"
     );
-    server.serve(&listener);
+    server.serve(&listener, threads);
     Ok(())
 }
 
@@ -148,16 +154,4 @@ pub fn datapath(config: &Config) -> std::io::Result<Arc<Datapath>> {
         config.datapath_threads,
         Duration::from_micros(config.spin_us),
     )
-}
-
-/// Renders an error and its sources as one line: `outer: inner: ...`.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }

@@ -3,28 +3,16 @@
 //!
 //! The start-up order is fixed and visible here, one step per line below:
 //! every thread hostd ever runs starts after the last step, so each one
-//! inherits all the walls (docs/security.md).
+//! inherits the walls of the process and installs its own role's seccomp
+//! filter before it runs (docs/security.md).
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
+use vrdma_errors::error_chain;
 use vrdma_hostd::config::{Args, Config};
-use vrdma_hostd::error_chain;
-use vrdma_hostd::sandbox::{self, Plan, SandboxArgs};
-
-/// hostd's command line: the configuration flags and the sandbox flags.
-#[derive(Debug, Parser)]
-#[command(
-    version,
-    about = "vrdma hostd: the host datapath that plays the RDMA NIC for every tenant's vdev"
-)]
-struct Cli {
-    #[command(flatten)]
-    args: Args,
-    #[command(flatten)]
-    sandbox: SandboxArgs,
-}
+use vrdma_hostd::sandbox::Sandbox;
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -35,16 +23,16 @@ fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    // 1. Configuration: flags, config file and policy file, validated.
-    let cli = Cli::parse();
-    let config = match Config::try_from(cli.args) {
+    // 1. Configuration: flags, config file and policy file, validated
+    //    (users and groups resolved by name).
+    let config = match Config::try_from(Args::parse()) {
         Ok(config) => config,
         Err(e) => {
             eprintln!("hostd: {}", error_chain(&e));
             return ExitCode::from(2);
         }
     };
-    match start(&config, &cli.sandbox) {
+    match start(&config) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!("{}", error_chain(e.as_ref()));
@@ -53,20 +41,22 @@ fn main() -> ExitCode {
     }
 }
 
-fn start(config: &Config, sandbox_args: &SandboxArgs) -> Result<(), Box<dyn std::error::Error>> {
+fn start(config: &Config) -> Result<(), Box<dyn std::error::Error>> {
     // 2. What the sandbox will be, decided before anything changes.
-    let plan = Plan::new(sandbox_args, config)?;
+    let sandbox = Sandbox::new(config)?;
     // 3. Open what needs the file system: SIGHUP's signalfd, the admin
     //    socket (0600) and the vdev socket (0666).
     let opened = vrdma_hostd::open(config)?;
-    // 4. The sandbox, single-threaded: landlock, then privileges.
-    sandbox::restrict_filesystem(&plan)?;
-    sandbox::drop_privileges(&plan)?;
-    // 5. seccomp, on every thread, last: it forbids what the steps above do.
-    sandbox::install_seccomp(&plan)?;
+    // 4. The sandbox, single-threaded: namespaces, landlock, privileges.
+    sandbox.plan.enter_namespaces()?;
+    sandbox.plan.restrict_filesystem()?;
+    sandbox.plan.drop_privileges()?;
+    // 5. seccomp, last (it forbids what the steps above do): the main
+    //    thread's filter, and the launcher of every later thread.
+    let threads = sandbox.install_seccomp()?;
     #[cfg(feature = "test-hooks")]
     vrdma_isolation::test_hooks::after_sandbox();
     // 6. Threads and service.
-    vrdma_hostd::serve(config, opened)?;
+    vrdma_hostd::serve(config, opened, &threads)?;
     Ok(())
 }

@@ -96,7 +96,7 @@ fn key_line(text: &str, index: usize, key: &str) -> usize {
 /// crate puts the key at the head of the message), or why the file could
 /// not be read.
 pub fn describe(e: &PolicyError) -> String {
-    crate::error_chain(e)
+    vrdma_errors::error_chain(e)
 }
 
 /// Where the policy came from, for logs and the reload report.

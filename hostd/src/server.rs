@@ -37,6 +37,7 @@ use crate::config::{Config, MAX_QUEUES_PER_DEVICE};
 use crate::datapath::Datapath;
 use crate::engine::{DeviceId, EngineError};
 use crate::lids::LidTable;
+use crate::seccomp::{Role, Threads};
 use crate::stats::{Stats, TenantStats};
 
 /// Concurrent vdev connections (each costs a thread).
@@ -67,7 +68,7 @@ fn shm_refusal(e: ShmError) -> Refusal {
         ShmError::NotSealed | ShmError::TooSmall { .. } => libc::EINVAL,
         ShmError::Map(io) | ShmError::Create(io) => io.raw_os_error().unwrap_or(libc::ENOMEM),
     };
-    refuse(errno, crate::error_chain(&e))
+    refuse(errno, vrdma_errors::error_chain(&e))
 }
 
 /// The one eventfd a request carries.
@@ -268,13 +269,14 @@ impl Server {
         Arc::clone(&self.registry().policy)
     }
 
-    /// Accepts vdevs forever, one thread each.
-    pub fn serve(self: &Arc<Self>, listener: &Listener) {
+    /// Accepts vdevs forever, one thread each (started through `threads`,
+    /// under the connection role's filter).
+    pub fn serve(self: &Arc<Self>, listener: &Listener, threads: &Threads) {
         loop {
             let channel = match listener.accept() {
                 Ok(channel) => channel,
                 Err(e) => {
-                    tracing::warn!("Accept failed: {}", crate::error_chain(&e));
+                    tracing::warn!("Accept failed: {}", vrdma_errors::error_chain(&e));
                     // EMFILE and friends: do not spin on them.
                     std::thread::sleep(std::time::Duration::from_millis(10));
                     continue;
@@ -286,12 +288,10 @@ impl Server {
                 continue;
             }
             let server = Arc::clone(self);
-            let spawned = std::thread::Builder::new()
-                .name("vdev-conn".into())
-                .spawn(move || {
-                    server.connection(Arc::new(channel));
-                    server.connections.fetch_sub(1, Ordering::SeqCst);
-                });
+            let spawned = threads.spawn(Role::Connection, "vdev-conn", move || {
+                server.connection(Arc::new(channel));
+                server.connections.fetch_sub(1, Ordering::SeqCst);
+            });
             if let Err(e) = spawned {
                 self.connections.fetch_sub(1, Ordering::SeqCst);
                 tracing::warn!("Cannot start a connection thread: {e}");
@@ -310,7 +310,7 @@ impl Server {
                 Err(ChannelError::Message(e)) => {
                     // Undecodable: answer once, then hang up, since nothing
                     // after it can be trusted to be framed as intended.
-                    let why = crate::error_chain(&e);
+                    let why = vrdma_errors::error_chain(&e);
                     tracing::warn!(
                         device = session.as_ref().map(|s| s.id),
                         "Protocol violation: {why}"
@@ -326,22 +326,22 @@ impl Server {
                 }
                 Err(_) => break,
             };
-            let response = match self.handle(&channel, &mut session, request, files, &mut notify_peer)
-            {
-                Ok(response) => response,
-                Err(refusal) => {
-                    tracing::debug!(
-                        device = session.as_ref().map(|s| s.id),
-                        errno = refusal.errno,
-                        "Refused: {}",
-                        refusal.reason
-                    );
-                    Response::Refused {
-                        errno: refusal.errno,
-                        reason: refusal.reason,
+            let response =
+                match self.handle(&channel, &mut session, request, files, &mut notify_peer) {
+                    Ok(response) => response,
+                    Err(refusal) => {
+                        tracing::debug!(
+                            device = session.as_ref().map(|s| s.id),
+                            errno = refusal.errno,
+                            "Refused: {}",
+                            refusal.reason
+                        );
+                        Response::Refused {
+                            errno: refusal.errno,
+                            reason: refusal.reason,
+                        }
                     }
-                }
-            };
+                };
             let mut fds: Vec<RawFd> = Vec::new();
             let peer = notify_peer.take();
             if let (Response::Welcome(_), Some(peer)) = (&response, &peer) {
@@ -475,7 +475,9 @@ impl Server {
             }
             Request::CreateEq { vector, gpa, depth } => {
                 let irq = one_eventfd(files, "CreateEq")?;
-                self.datapath.lock().create_eq(id, vector, gpa, depth, irq)?;
+                self.datapath
+                    .lock()
+                    .create_eq(id, vector, gpa, depth, irq)?;
                 Ok(Response::Ok)
             }
             Request::CreateCq {
@@ -484,7 +486,9 @@ impl Server {
                 depth,
                 vector,
             } => {
-                self.datapath.lock().create_cq(id, cqn, gpa, depth, vector)?;
+                self.datapath
+                    .lock()
+                    .create_cq(id, cqn, gpa, depth, vector)?;
                 Ok(Response::Ok)
             }
             Request::DestroyCq { cqn } => {
@@ -598,7 +602,7 @@ impl Server {
         }
         let cred = channel.peer_cred();
         let (ours, theirs) =
-            Channel::pair().map_err(|e| refuse(libc::ENOMEM, crate::error_chain(&e)))?;
+            Channel::pair().map_err(|e| refuse(libc::ENOMEM, vrdma_errors::error_chain(&e)))?;
         set_nonblocking(&ours).map_err(|e| refuse(libc::ENOMEM, e.to_string()))?;
         let (id, lid, pqps, policy) = {
             let mut reg = self.registry();
@@ -619,7 +623,7 @@ impl Server {
                             format!("Tenant {tenant} must connect as uid {uid}"),
                         ));
                     }
-                    Err(e) => return Err(refuse(libc::EPERM, crate::error_chain(e))),
+                    Err(e) => return Err(refuse(libc::EPERM, vrdma_errors::error_chain(e))),
                 }
             }
             let assignment = reg
@@ -776,7 +780,7 @@ impl Server {
                     tenant,
                     device,
                     "Cannot send the new policy to the vdev: {}",
-                    crate::error_chain(&e)
+                    vrdma_errors::error_chain(&e)
                 ),
             }
         }

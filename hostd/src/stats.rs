@@ -18,8 +18,8 @@ use vrdma_spec::ring::Cqe;
 use vrdma_spec::verbs::{WcOpcode, WcStatus};
 use vrdma_tenant_policy::{PriorityClass, TenantPolicy};
 
-use crate::ids::IdMap;
 use crate::engine::DeviceId;
+use crate::ids::IdMap;
 
 /// Kinds of work counted, in the order of [`Counters::ops`].
 pub const KINDS: [&str; 5] = ["send", "write", "read", "atomic", "recv"];

@@ -24,7 +24,9 @@ unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         if COUNTING.load(Ordering::Relaxed) {
             ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
-            if ABORT.load(Ordering::Relaxed) { std::process::abort(); }
+            if ABORT.load(Ordering::Relaxed) {
+                std::process::abort();
+            }
         }
         // SAFETY: the caller's contract for `alloc` is passed on as is.
         unsafe { System.alloc(layout) }
@@ -60,7 +62,11 @@ fn one_of_each(env: &mut Env, round: u64) -> usize {
     let mut s = send(round, SendOpcode::SendWithImm);
     s.imm_data = [1, 2, 3, 4];
     env.a.post_sges(0, &s, &[sge(IOVA + 0x100, 200, la)]);
-    let mut faa = remote(send(round, SendOpcode::AtomicFetchAndAdd), IOVA + 0x5000, rb);
+    let mut faa = remote(
+        send(round, SendOpcode::AtomicFetchAndAdd),
+        IOVA + 0x5000,
+        rb,
+    );
     faa.compare_add = 1.into();
     env.a.post_sges(0, &faa, &[sge(IOVA + 0x5000, 8, la)]);
     env.a.post_recv(0, round, &[sge(IOVA + 0x6000, 64, la)]);
@@ -98,7 +104,10 @@ fn steady_state_work_allocates_nothing() {
         assert_eq!(one_of_each(&mut env, round), 7);
     }
     ALLOCATIONS.store(0, Ordering::SeqCst);
-    ABORT.store(std::env::var_os("ABORT_ON_ALLOC").is_some(), Ordering::SeqCst);
+    ABORT.store(
+        std::env::var_os("ABORT_ON_ALLOC").is_some(),
+        Ordering::SeqCst,
+    );
     COUNTING.store(true, Ordering::SeqCst);
     let mut completed = 0;
     for round in 50..1050 {

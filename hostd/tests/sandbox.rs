@@ -176,6 +176,60 @@ fn under_trap_forbidden_calls_fail_with_eperm_and_hostd_serves_on() {
     }
 }
 
+/// Each thread has its own role's filter: a connection thread may create
+/// the socketpair of a registration's policy channel, a datapath thread
+/// may not.
+#[test]
+fn a_thread_cannot_make_a_call_only_another_role_needs() {
+    let op = ("VRDMA_TEST_FORBIDDEN", "unix-socketpair");
+    let trap = ["--seccomp", "trap"];
+    let mut hostd = Sandboxed::start(
+        "role-conn",
+        &trap,
+        &[op, ("VRDMA_TEST_FORBIDDEN_IN", "connection")],
+    );
+    hostd.wait_for_log(SERVING);
+    // A vdev connects: a connection thread starts and makes the call.
+    Client::hello(&hostd.socket, "alpha", "vm0").expect("hello");
+    let log = hostd.wait_for_log("test hook (connection): unix-socketpair: ");
+    assert!(
+        log.contains("test hook (connection): unix-socketpair: succeeded"),
+        "{log}"
+    );
+    drop(hostd);
+
+    let in_datapath = ("VRDMA_TEST_FORBIDDEN_IN", "datapath");
+    let mut hostd = Sandboxed::start("role-datapath", &trap, &[op, in_datapath]);
+    let log = hostd.wait_for_log("test hook (datapath): unix-socketpair: ");
+    assert!(
+        log.contains(&format!(
+            "test hook (datapath): unix-socketpair: failed: errno {}",
+            libc::EPERM
+        )),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "seccomp (trap): blocked system call {}",
+            libc::SYS_socketpair
+        )),
+        "{log}"
+    );
+    hostd.wait_for_log(SERVING);
+    Client::hello(&hostd.socket, "alpha", "vm0").expect("hostd still serves");
+    drop(hostd);
+
+    // Enforced, it is the end of hostd.
+    let mut killed = Sandboxed::start("role-datapath-kill", &[], &[op, in_datapath]);
+    let status = killed.wait_exit();
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGSYS),
+        "{status}\n{}",
+        killed.log()
+    );
+}
+
 #[test]
 fn landlock_refuses_files_outside_the_policy_file() {
     let mut hostd = Sandboxed::start("passwd", &[], &[("VRDMA_TEST_FORBIDDEN", "open-passwd")]);
@@ -195,6 +249,45 @@ fn landlock_refuses_files_outside_the_policy_file() {
     );
     let log = open.wait_for_log("test hook: open-passwd: ");
     assert!(log.contains("test hook: open-passwd: succeeded"), "{log}");
+}
+
+/// `--sandbox namespace`, the same mode as vdev's. Started as root, hostd
+/// runs in mount and network namespaces of its own whose root holds only
+/// the policy file's directory (read-only), serves, and still reloads its
+/// policy. Started as another user it is refused with the reason: in a
+/// user namespace, every vdev's uid would read as the overflow uid.
+#[test]
+fn namespace_mode_keeps_only_the_policy_directory() {
+    let mut hostd = Sandboxed::start(
+        "ns",
+        &["--sandbox", "namespace"],
+        &[("VRDMA_TEST_FORBIDDEN", "open-passwd")],
+    );
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        let status = hostd.wait_exit();
+        assert_eq!(status.code(), Some(1), "{}", hostd.log());
+        assert!(hostd.log().contains("overflow uid"), "{}", hostd.log());
+        return;
+    }
+    let log = hostd.wait_for_log("test hook: open-passwd: ");
+    // /etc is not in the new root at all.
+    assert!(
+        log.contains(&format!(
+            "test hook: open-passwd: failed: errno {}",
+            libc::ENOENT
+        )),
+        "{log}"
+    );
+    let own = std::fs::read_link("/proc/self/ns/net").expect("own netns");
+    let its = std::fs::read_link(format!("/proc/{}/ns/net", hostd.child.id())).expect("netns");
+    assert_ne!(own, its, "hostd has its own network namespace");
+    hostd.wait_for_log(SERVING);
+    Client::hello(&hostd.socket, "alpha", "vm0").expect("hostd serves");
+    std::fs::write(&hostd.policy, policy()).expect("rewrite policy");
+    hostd.sighup();
+    let log = hostd.wait_for_logged("Policy reloaded", 1);
+    assert!(!log.contains("Policy reload failed"), "{log}");
 }
 
 #[test]
@@ -217,10 +310,7 @@ fn a_kernel_without_landlock_is_refused_unless_allowed() {
 fn a_sandboxed_hostd_serves_rdma_and_reloads_its_policy() {
     let mut hostd = Sandboxed::start("serve", &[], &[]);
     let log = hostd.wait_for_log(SERVING);
-    assert!(
-        log.contains("seccomp filter installed on every thread"),
-        "{log}"
-    );
+    assert!(log.contains("seccomp: a filter per thread role"), "{log}");
     assert!(log.contains("Landlock: no file-system access but reading the policy file"));
     // Every wall is up, as the kernel sees it.
     assert_eq!(hostd.status_field("Seccomp"), "2");

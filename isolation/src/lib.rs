@@ -13,9 +13,18 @@
 //! 3. [`privileges`]: resource limits, then another uid/gid, no
 //!    capabilities (effective, permitted, inheritable, ambient, bounding),
 //!    `no_new_privs`, not dumpable.
-//! 4. [`seccomp`]: one allow-list of system calls for the whole process,
-//!    built from the rules of the thread roles the daemon runs, installed
-//!    on every thread (TSYNC) before the worker threads start.
+//! 4. [`seccomp`]: an allow-list of system calls per thread role. The
+//!    daemon keeps the rule tables (one enum of roles, one function of
+//!    rules per role); this crate compiles them, installs the main role's
+//!    filter on the main thread, and starts every later thread through
+//!    [`seccomp::Threads`], which installs the thread's own role's filter
+//!    before it runs anything of its own.
+//!
+//! Both daemons take the same settings for these walls ([`config`]: the
+//! `--seccomp`, `--landlock`, `--sandbox`, `--uid`... flags and the
+//! `[sandbox]` table) and go through the same steps ([`sandbox::Plan`]);
+//! what differs is what their walls are made of ([`sandbox::Walls`]) and
+//! their seccomp rule tables.
 //!
 //! The order matters: mounts need `CAP_SYS_ADMIN` and are refused inside a
 //! landlock domain; landlock paths are resolved in the final mount view;
@@ -24,9 +33,11 @@
 //!
 //! `docs/security.md` describes the threat model and what each wall stops.
 
+pub mod config;
 pub mod landlock;
 pub mod namespaces;
 pub mod privileges;
+pub mod sandbox;
 pub mod seccomp;
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks;

@@ -7,8 +7,8 @@
 //!
 //! - **mount**: a private mount tree whose root is an empty, read-only
 //!   tmpfs holding only the directories the daemon must still reach by
-//!   path (vdev: hostd's socket directory, bound read-only at its own
-//!   path). Everything else on the host — other tenants' vhost-user
+//!   path, each bound read-only at its own path (vdev: hostd's socket
+//!   directory; hostd: its policy file's directory, for reloads). Everything else on the host — other tenants' vhost-user
 //!   sockets, `/run`, `/proc`, `/dev` — is not there. This is the wall for
 //!   `connect()` to pathname unix sockets, which landlock before ABI 9 and
 //!   seccomp cannot restrict.
@@ -21,7 +21,7 @@
 //!
 //! A PID namespace is not created: it applies to children only, so it
 //! would need a fork (and a reaper) at start-up; seccomp already prevents
-//! vdev from signalling or tracing other processes (no `kill`, no
+//! the daemons from signalling or tracing other processes (no `kill`, no
 //! `ptrace`, `tgkill` only to itself), and landlock's signal scope too.
 //!
 //! The combination "namespace mode, not root, no user namespaces" is

@@ -3,13 +3,22 @@
 //! misbehave from inside its sandbox, as a compromised daemon would, and
 //! act on a kernel without landlock.
 //!
-//! - `VRDMA_TEST_FORBIDDEN=execve|open-passwd|inet-socket`: right after
-//!   the sandbox is up, a thread attempts that operation and logs
-//!   `test hook: <op>: ...` with the outcome; the daemon goes on serving (if it
-//!   survives the attempt).
+//! - `VRDMA_TEST_FORBIDDEN=<op>`: right after the sandbox is up, a thread
+//!   started by the main thread (so under the main thread's filter)
+//!   attempts that operation and logs `test hook: <op>: ...` with the
+//!   outcome; the daemon goes on serving (if it survives the attempt).
+//!   The operations: `execve`, `open-passwd`, `inet-socket`,
+//!   `unix-socket` (an `AF_UNIX` seqpacket socket), `unix-socketpair` (a
+//!   connected pair of them) and `memfd` (a sealable memfd).
+//! - `VRDMA_TEST_FORBIDDEN_IN=<role>` with it: the operation is attempted
+//!   instead by the first thread of that role, right after the thread has
+//!   installed its role's filter, and logged as
+//!   `test hook (<role>): <op>: ...`.
 //! - `VRDMA_TEST_LANDLOCK=absent`: the landlock step acts as on a kernel
 //!   without landlock (nothing restricted), to exercise the refusal and
 //!   `--allow-no-landlock`.
+
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Whether the landlock step should act as on a kernel without landlock.
 pub fn landlock_absent() -> bool {
@@ -22,6 +31,9 @@ pub fn after_sandbox() {
     let Ok(op) = std::env::var("VRDMA_TEST_FORBIDDEN") else {
         return;
     };
+    if std::env::var_os("VRDMA_TEST_FORBIDDEN_IN").is_some() {
+        return;
+    }
     let spawned = std::thread::Builder::new()
         .name("test-hook".into())
         .spawn(move || {
@@ -31,6 +43,24 @@ pub fn after_sandbox() {
     if let Err(e) = spawned {
         tracing::error!(error = %e, "test hook: cannot start its thread");
     }
+}
+
+/// In a thread of `role` that has just installed its filter: attempts the
+/// operation `VRDMA_TEST_FORBIDDEN` names if `VRDMA_TEST_FORBIDDEN_IN`
+/// names `role` (once per process).
+pub fn in_role(role: &str) {
+    static DONE: AtomicBool = AtomicBool::new(false);
+    let (Ok(op), Ok(wanted)) = (
+        std::env::var("VRDMA_TEST_FORBIDDEN"),
+        std::env::var("VRDMA_TEST_FORBIDDEN_IN"),
+    ) else {
+        return;
+    };
+    if wanted != role || DONE.swap(true, Ordering::SeqCst) {
+        return;
+    }
+    let outcome = attempt(&op);
+    tracing::warn!("test hook ({role}): {op}: {outcome}");
 }
 
 fn attempt(op: &str) -> String {
@@ -48,13 +78,32 @@ fn attempt(op: &str) -> String {
         "inet-socket" => {
             // SAFETY: socket takes integers; the result is checked.
             let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0) };
-            if fd < 0 {
-                Err(std::io::Error::last_os_error())
-            } else {
-                // SAFETY: closes the descriptor just created.
-                unsafe { libc::close(fd) };
-                Ok(())
+            close_fd(fd)
+        }
+        "unix-socket" => {
+            // SAFETY: socket takes integers; the result is checked.
+            let fd = unsafe {
+                libc::socket(libc::AF_UNIX, libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC, 0)
+            };
+            close_fd(fd)
+        }
+        "unix-socketpair" => {
+            let mut fds = [-1; 2];
+            let kind = libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC;
+            // SAFETY: `fds` has room for the two descriptors socketpair
+            // writes; the result is checked.
+            let rc = unsafe { libc::socketpair(libc::AF_UNIX, kind, 0, fds.as_mut_ptr()) };
+            if rc == 0 {
+                // SAFETY: closes the second descriptor just created.
+                unsafe { libc::close(fds[1]) };
             }
+            close_fd(if rc == 0 { fds[0] } else { -1 })
+        }
+        "memfd" => {
+            let flags = libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING;
+            // SAFETY: a NUL-terminated name and integer flags.
+            let fd = unsafe { libc::memfd_create(c"test-hook".as_ptr(), flags) };
+            close_fd(fd)
         }
         other => return format!("unknown operation {other:?}"),
     };
@@ -62,4 +111,15 @@ fn attempt(op: &str) -> String {
         Ok(()) => "succeeded".into(),
         Err(e) => format!("failed: errno {}", e.raw_os_error().unwrap_or(0)),
     }
+}
+
+/// The outcome of a call that returned descriptor `fd` (or -1), which is
+/// closed again.
+fn close_fd(fd: libc::c_int) -> std::io::Result<()> {
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: closes the descriptor just created, which nothing else owns.
+    unsafe { libc::close(fd) };
+    Ok(())
 }

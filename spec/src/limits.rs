@@ -121,12 +121,9 @@ impl QpGrant {
             value: u32::MAX,
             max: MAX_WQE_STRIDE,
         };
-        let sq = crate::ring::sq_geometry(
-            asked.max_send_wr,
-            asked.max_send_sge,
-            asked.max_inline_data,
-        )
-        .ok_or(too_large("max_send_sge"))?;
+        let sq =
+            crate::ring::sq_geometry(asked.max_send_wr, asked.max_send_sge, asked.max_inline_data)
+                .ok_or(too_large("max_send_sge"))?;
         let rq = crate::ring::rq_geometry(asked.max_recv_wr, asked.max_recv_sge)
             .ok_or(too_large("max_recv_sge"))?;
         let sq_payload = sq.stride - SEND_FIXED;
@@ -176,7 +173,10 @@ mod tests {
         assert_eq!(g.caps.max_send_sge, 16);
         assert_eq!(g.caps.max_inline_data, 256);
         let g = QpGrant::compute(caps(16, 16, 0), ALL).expect("fits");
-        assert_eq!(g.caps.max_send_sge, 28, "what the slot holds, within MAX_SGE");
+        assert_eq!(
+            g.caps.max_send_sge, 28,
+            "what the slot holds, within MAX_SGE"
+        );
         let g = QpGrant::compute(caps(1, MAX_SGE, MAX_INLINE_DATA), ALL).expect("fits");
         assert_eq!(g.caps.max_send_sge, MAX_SGE);
         assert_eq!(g.caps.max_recv_sge, MAX_SGE);

@@ -9,13 +9,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use vrdma_guest_driver::error::chain;
+use vrdma_errors::error_chain;
 use vrdma_tools::supervisor::{self, Daemon, Launch, Scratch};
 
 /// The value of a supervisor's result, or the test fails with its error chain.
 #[track_caller]
 pub fn must<T>(result: Result<T, supervisor::Error>) -> T {
-    result.unwrap_or_else(|e| panic!("{}", chain(&e)))
+    result.unwrap_or_else(|e| panic!("{}", error_chain(&e)))
 }
 
 /// Directory holding the workspace's binaries: the profile directory the
@@ -167,7 +167,7 @@ impl Vdev {
     pub fn wait_for_frontend(&self, frontend: usize) {
         let waiting = "Waiting for a frontend";
         let logged = self.wait_logged(waiting, frontend, Duration::from_secs(10));
-        logged.unwrap_or_else(|e| panic!("{}:\n{}", chain(&e), self.log()));
+        logged.unwrap_or_else(|e| panic!("{}:\n{}", error_chain(&e), self.log()));
     }
 }
 

@@ -28,6 +28,7 @@ use vrdma_tenant_policy::Limits;
 
 use crate::control;
 use crate::fabric::Fabric;
+use crate::seccomp::Threads;
 use crate::verbs::{DeviceIdentity, RdmaDevice};
 use crate::vrings::{self, DeviceVring, VringTable};
 
@@ -124,9 +125,10 @@ impl VrdmaBackend {
         Ok(daemon)
     }
 
-    /// Starts the thread that applies hostd's policy reloads to the device,
-    /// if the device is on a fabric; it ends when the registration does.
-    pub fn listen_for_policy(&self) -> io::Result<()> {
+    /// Starts the thread that applies hostd's policy reloads to the device
+    /// (through `threads`, under its role's filter), if the device is on a
+    /// fabric; it ends when the registration does.
+    pub fn listen_for_policy(&self, threads: &Threads) -> io::Result<()> {
         let Some(fabric) = self.device().fabric().cloned() else {
             return Ok(());
         };
@@ -136,6 +138,7 @@ impl VrdmaBackend {
                 channel,
                 Arc::downgrade(&self.inner.device),
                 Arc::downgrade(&fabric),
+                threads,
             ),
             None => Ok(()),
         }
@@ -201,7 +204,7 @@ impl VrdmaBackend {
         let mem = atomic.memory();
         let event_idx = self.inner.event_idx.load(Ordering::Relaxed);
         let warn = |what: &str, e: &dyn std::error::Error| {
-            tracing::warn!(tenant, error = %control::error_chain(e), "Control queue: cannot {what}");
+            tracing::warn!(tenant, error = %vrdma_errors::error_chain(e), "Control queue: cannot {what}");
         };
         loop {
             if event_idx {

@@ -9,8 +9,7 @@ use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use serde::Deserialize;
-use vrdma_isolation::namespaces::SandboxMode;
-use vrdma_isolation::seccomp::SeccompMode;
+use vrdma_isolation::config::{SandboxArgs, SandboxConfig, SandboxConfigError, SandboxFile};
 use vrdma_tenant_policy::{Limits, LimitsError};
 
 /// Largest virtqueue size vdev accepts (the split-ring maximum).
@@ -51,23 +50,8 @@ pub enum ConfigError {
     Lid(u16),
     #[error("Invalid limits")]
     Limits(#[source] LimitsError),
-    #[error("Invalid sandbox mode")]
-    Sandbox(#[source] vrdma_isolation::namespaces::NamespaceError),
-    #[error("Invalid seccomp mode")]
-    Seccomp(#[source] vrdma_isolation::seccomp::SeccompError),
-    #[error("Unknown user {0:?}")]
-    User(String),
-    #[error("Unknown group {0:?}")]
-    Group(String),
-    #[error("Cannot look up {what} {name:?}")]
-    Lookup {
-        what: &'static str,
-        name: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("Open-file limit {0} must be between {MIN_NOFILE} and {MAX_NOFILE}")]
-    Nofile(u64),
+    #[error("Invalid sandbox settings")]
+    Sandbox(#[source] SandboxConfigError),
 }
 
 /// Command line of `vdev`.
@@ -100,81 +84,9 @@ pub struct Args {
     /// each disconnect, as a VM reboot or a restarted application needs).
     #[arg(long)]
     pub once: bool,
-    /// What a system call outside vdev's seccomp allow-list does: `kill`
-    /// the process (default), `trap` (the call fails with EPERM and is
-    /// reported), `log` (allowed, logged by the kernel's audit), or `off`
-    /// (no filter at all — never do this in production).
-    #[arg(long, value_name = "kill|trap|log|off")]
-    pub seccomp: Option<SeccompMode>,
-    /// The landlock file-system wall: `on` (default) or `off`.
-    #[arg(long, value_name = "on|off")]
-    pub landlock: Option<OnOff>,
-    /// Start even if the kernel cannot enforce landlock (default: refuse).
-    #[arg(long)]
-    pub allow_no_landlock: bool,
-    /// Namespaces: `none` (default) or `namespace` (private mount, network
-    /// and IPC namespaces with an empty root; see docs/security.md).
-    #[arg(long, value_name = "none|namespace")]
-    pub sandbox: Option<SandboxMode>,
-    /// User to run as when started as root (name or number; default
-    /// `nobody`, 65534).
-    #[arg(long)]
-    pub uid: Option<String>,
-    /// Group to run as when started as root (name or number; default the
-    /// user's primary group, `nogroup` for nobody).
-    #[arg(long)]
-    pub gid: Option<String>,
-    /// Most open descriptors (RLIMIT_NOFILE; default 1024).
-    #[arg(long)]
-    pub rlimit_nofile: Option<u64>,
-}
-
-/// `on` or `off`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct OnOff(pub bool);
-
-impl std::str::FromStr for OnOff {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "on" => Ok(OnOff(true)),
-            "off" => Ok(OnOff(false)),
-            other => Err(format!("expected on or off, not {other:?}")),
-        }
-    }
-}
-
-/// A user or group: a number or a name.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-#[serde(untagged)]
-enum IdSpec {
-    Number(u32),
-    Name(String),
-}
-
-impl From<String> for IdSpec {
-    fn from(s: String) -> Self {
-        match s.parse() {
-            Ok(n) => IdSpec::Number(n),
-            Err(_) => IdSpec::Name(s),
-        }
-    }
-}
-
-/// The `[sandbox]` table of the config file (the flags override it).
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileSandbox {
-    /// `none` or `namespace`.
-    mode: Option<String>,
-    /// `kill`, `trap`, `log` or `off`.
-    seccomp: Option<String>,
-    landlock: Option<bool>,
-    allow_no_landlock: Option<bool>,
-    uid: Option<IdSpec>,
-    gid: Option<IdSpec>,
-    rlimit_nofile: Option<u64>,
+    /// The sandbox: the same flags, meaning and checks as hostd's.
+    #[command(flatten)]
+    pub sandbox: SandboxArgs,
 }
 
 /// The config file. Every key is optional; unknown keys are errors.
@@ -190,7 +102,7 @@ struct FileConfig {
     #[serde(default)]
     limits: Limits,
     #[serde(default)]
-    sandbox: FileSandbox,
+    sandbox: SandboxFile,
 }
 
 /// A validated vdev configuration.
@@ -207,41 +119,9 @@ pub struct Config {
     pub sandbox: SandboxConfig,
 }
 
-/// The walls vdev puts up around itself (docs/security.md).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SandboxConfig {
-    /// Namespaces.
-    pub mode: SandboxMode,
-    pub seccomp: SeccompMode,
-    /// The landlock file-system wall.
-    pub landlock: bool,
-    /// Start on a kernel without landlock.
-    pub allow_no_landlock: bool,
-    /// uid/gid to run as when started as root (`None`: nobody/nogroup).
-    pub uid: Option<u32>,
-    pub gid: Option<u32>,
-    pub rlimit_nofile: u64,
-}
-
-impl Default for SandboxConfig {
-    fn default() -> Self {
-        SandboxConfig {
-            mode: SandboxMode::None,
-            seccomp: SeccompMode::default(),
-            landlock: true,
-            allow_no_landlock: false,
-            uid: None,
-            gid: None,
-            rlimit_nofile: DEFAULT_NOFILE,
-        }
-    }
-}
-
 /// Open descriptors: enough for every queue's kick and call eventfds (and
 /// their copies lent to hostd) and the memory slots of the largest device.
 pub const DEFAULT_NOFILE: u64 = 1024;
-const MIN_NOFILE: u64 = 64;
-const MAX_NOFILE: u64 = 1 << 20;
 
 /// Defaults for what neither the file nor the flags say.
 pub const DEFAULT_TENANT: &str = "default";
@@ -257,7 +137,8 @@ impl TryFrom<Args> for Config {
             Some(path) => read_file(path)?,
             None => FileConfig::default(),
         };
-        let sandbox = sandbox_config(&args, file.sandbox)?;
+        let sandbox = SandboxConfig::resolve(&args.sandbox, file.sandbox, DEFAULT_NOFILE)
+            .map_err(ConfigError::Sandbox)?;
         let config = Config {
             socket: args.socket.or(file.socket).ok_or(ConfigError::NoSocket)?,
             tenant: args
@@ -285,135 +166,6 @@ impl TryFrom<Args> for Config {
         config.validate()?;
         Ok(config)
     }
-}
-
-/// Flags over the `[sandbox]` table over the defaults; users and groups
-/// resolved to numbers (before the sandbox hides /etc).
-fn sandbox_config(args: &Args, file: FileSandbox) -> Result<SandboxConfig, ConfigError> {
-    let defaults = SandboxConfig::default();
-    let mode = match (args.sandbox, file.mode) {
-        (Some(mode), _) => mode,
-        (None, Some(text)) => text.parse().map_err(ConfigError::Sandbox)?,
-        (None, None) => defaults.mode,
-    };
-    let seccomp = match (args.seccomp, file.seccomp) {
-        (Some(mode), _) => mode,
-        (None, Some(text)) => text.parse().map_err(ConfigError::Seccomp)?,
-        (None, None) => defaults.seccomp,
-    };
-    let uid_spec = args.uid.clone().map(IdSpec::from).or(file.uid);
-    let gid_spec = args.gid.clone().map(IdSpec::from).or(file.gid);
-    let (uid, primary_gid) = match uid_spec {
-        Some(spec) => {
-            let (uid, gid) = resolve_user(&spec)?;
-            (Some(uid), gid)
-        }
-        None => (None, None),
-    };
-    let gid = match gid_spec {
-        Some(spec) => Some(resolve_group(&spec)?),
-        None => primary_gid,
-    };
-    let rlimit_nofile = args
-        .rlimit_nofile
-        .or(file.rlimit_nofile)
-        .unwrap_or(defaults.rlimit_nofile);
-    if !(MIN_NOFILE..=MAX_NOFILE).contains(&rlimit_nofile) {
-        return Err(ConfigError::Nofile(rlimit_nofile));
-    }
-    Ok(SandboxConfig {
-        mode,
-        seccomp,
-        landlock: args
-            .landlock
-            .map(|OnOff(on)| on)
-            .or(file.landlock)
-            .unwrap_or(defaults.landlock),
-        allow_no_landlock: args.allow_no_landlock
-            || file.allow_no_landlock.unwrap_or(defaults.allow_no_landlock),
-        uid,
-        gid,
-        rlimit_nofile,
-    })
-}
-
-/// A user's uid and, if it is in the user database, its primary gid.
-fn resolve_user(spec: &IdSpec) -> Result<(u32, Option<u32>), ConfigError> {
-    let lookup = |source, name: &str| ConfigError::Lookup {
-        what: "user",
-        name: name.to_owned(),
-        source,
-    };
-    match spec {
-        IdSpec::Number(uid) => {
-            let entry = passwd_entry(|pwd, buf, result| {
-                // SAFETY: every pointer is valid for the call; buf's length
-                // is passed with it.
-                unsafe { libc::getpwuid_r(*uid, pwd, buf.as_mut_ptr(), buf.len(), result) }
-            })
-            .map_err(|e| lookup(e, &uid.to_string()))?;
-            Ok((*uid, entry.map(|(_, gid)| gid)))
-        }
-        IdSpec::Name(name) => {
-            let c = std::ffi::CString::new(name.as_str())
-                .map_err(|_| ConfigError::User(name.clone()))?;
-            let entry = passwd_entry(|pwd, buf, result| {
-                // SAFETY: as above; `c` is a valid NUL-terminated name.
-                unsafe { libc::getpwnam_r(c.as_ptr(), pwd, buf.as_mut_ptr(), buf.len(), result) }
-            })
-            .map_err(|e| lookup(e, name))?;
-            let (uid, gid) = entry.ok_or_else(|| ConfigError::User(name.clone()))?;
-            Ok((uid, Some(gid)))
-        }
-    }
-}
-
-/// Runs a `getpw*_r` call; `Some((uid, gid))` if the user exists.
-fn passwd_entry(
-    f: impl Fn(*mut libc::passwd, &mut [libc::c_char], *mut *mut libc::passwd) -> libc::c_int,
-) -> Result<Option<(u32, u32)>, std::io::Error> {
-    // SAFETY: passwd is plain data; all-zero is valid and is overwritten.
-    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
-    let mut buf = vec![0 as libc::c_char; 16 * 1024];
-    let mut result: *mut libc::passwd = std::ptr::null_mut();
-    let rc = f(&mut pwd, &mut buf, &mut result);
-    if rc != 0 {
-        return Err(std::io::Error::from_raw_os_error(rc));
-    }
-    Ok((!result.is_null()).then_some((pwd.pw_uid, pwd.pw_gid)))
-}
-
-fn resolve_group(spec: &IdSpec) -> Result<u32, ConfigError> {
-    let name = match spec {
-        IdSpec::Number(gid) => return Ok(*gid),
-        IdSpec::Name(name) => name,
-    };
-    let c = std::ffi::CString::new(name.as_str()).map_err(|_| ConfigError::Group(name.clone()))?;
-    // SAFETY: group is plain data; all-zero is valid and is overwritten.
-    let mut grp: libc::group = unsafe { std::mem::zeroed() };
-    let mut buf = vec![0 as libc::c_char; 16 * 1024];
-    let mut result: *mut libc::group = std::ptr::null_mut();
-    // SAFETY: every pointer is valid for the call; buf's length is passed.
-    let rc = unsafe {
-        libc::getgrnam_r(
-            c.as_ptr(),
-            &mut grp,
-            buf.as_mut_ptr(),
-            buf.len(),
-            &mut result,
-        )
-    };
-    if rc != 0 {
-        return Err(ConfigError::Lookup {
-            what: "group",
-            name: name.clone(),
-            source: std::io::Error::from_raw_os_error(rc),
-        });
-    }
-    if result.is_null() {
-        return Err(ConfigError::Group(name.clone()));
-    }
-    Ok(grp.gr_gid)
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
@@ -475,32 +227,25 @@ mod tests {
                 limits: Limits::default(),
                 hostd: None,
                 once: false,
-                sandbox: SandboxConfig::default(),
+                sandbox: SandboxConfig::defaults(DEFAULT_NOFILE),
             }
         );
-        // The sandbox is on unless a flag says otherwise.
-        let sandbox = SandboxConfig::default();
-        assert_eq!(sandbox.seccomp, SeccompMode::default());
-        assert!(sandbox.landlock && !sandbox.allow_no_landlock);
     }
 
+    /// The sandbox settings (parsed and checked by vrdma-isolation, the
+    /// same for hostd) reach vdev's config from flags and from the
+    /// `[sandbox]` table, flags first.
     #[test]
     fn sandbox_flags_and_file_keys() {
-        use vrdma_isolation::seccomp::ViolationAction;
+        use vrdma_isolation::namespaces::SandboxMode;
+        use vrdma_isolation::seccomp::{SeccompMode, ViolationAction};
         let config = parse(&[
             "--socket",
             "/s",
             "--seccomp",
             "trap",
-            "--landlock",
-            "off",
-            "--allow-no-landlock",
             "--sandbox",
             "namespace",
-            "--uid",
-            "nobody",
-            "--rlimit-nofile",
-            "4096",
         ])
         .expect("valid");
         assert_eq!(
@@ -508,26 +253,12 @@ mod tests {
             SandboxConfig {
                 mode: SandboxMode::Namespace,
                 seccomp: SeccompMode::Enforce(ViolationAction::Trap),
-                landlock: false,
-                allow_no_landlock: true,
-                uid: Some(65534),
-                gid: Some(65534),
-                rlimit_nofile: 4096,
+                ..SandboxConfig::defaults(DEFAULT_NOFILE)
             }
         );
-        let config =
-            parse(&["--socket", "/s", "--seccomp", "off", "--uid", "1234"]).expect("valid");
-        assert_eq!(config.sandbox.seccomp, SeccompMode::Off);
-        assert_eq!((config.sandbox.uid, config.sandbox.gid), (Some(1234), None));
-        assert!(Args::try_parse_from(["vdev", "--socket", "/s", "--seccomp", "allow"]).is_err());
-        assert!(Args::try_parse_from(["vdev", "--socket", "/s", "--landlock", "maybe"]).is_err());
-        assert!(matches!(
-            parse(&["--socket", "/s", "--uid", "no-such-user-here"]),
-            Err(ConfigError::User(_))
-        ));
         assert!(matches!(
             parse(&["--socket", "/s", "--rlimit-nofile", "3"]),
-            Err(ConfigError::Nofile(3))
+            Err(ConfigError::Sandbox(_))
         ));
 
         let dir = std::env::temp_dir().join(format!("vdev-sandbox-config-{}", std::process::id()));
@@ -535,26 +266,22 @@ mod tests {
         let path = dir.join("vdev.toml");
         std::fs::write(
             &path,
-            "socket = \"/s\"\n[sandbox]\nmode = \"namespace\"\nseccomp = \"log\"\nuid = 4000\ngid = \"nogroup\"\n",
+            "socket = \"/s\"\n[sandbox]\nseccomp = \"log\"\nuid = 4000\n",
         )
         .expect("write");
         let file = path.to_str().expect("utf8");
         let config = parse(&["--config", file]).expect("valid");
-        assert_eq!(config.sandbox.mode, SandboxMode::Namespace);
         assert_eq!(
             config.sandbox.seccomp,
             SeccompMode::Enforce(ViolationAction::Log)
         );
-        assert_eq!(
-            (config.sandbox.uid, config.sandbox.gid),
-            (Some(4000), Some(65534))
-        );
+        assert_eq!(config.sandbox.uid, Some(4000));
         let config = parse(&["--config", file, "--seccomp", "kill"]).expect("valid");
         assert_eq!(config.sandbox.seccomp, SeccompMode::default());
         std::fs::write(&path, "socket = \"/s\"\n[sandbox]\nseccomp = \"nope\"\n").expect("write");
         assert!(matches!(
             parse(&["--config", file]),
-            Err(ConfigError::Seccomp(_))
+            Err(ConfigError::Sandbox(_))
         ));
         std::fs::remove_dir_all(&dir).ok();
     }

@@ -12,6 +12,7 @@ use std::io::{Read, Write};
 
 use virtio_queue::{DescriptorChain, Reader, Writer};
 use vm_memory::GuestMemoryMmap;
+use vrdma_errors::error_chain;
 use vrdma_spec::control::{Opcode, RequestHeader, ResponseHeader};
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
 use vrdma_spec::MAX_CONTROL_MSG;
@@ -144,16 +145,4 @@ fn read_request(reader: &mut Reader<'_>, writable: usize) -> Result<(Opcode, Vec
         ));
     }
     Ok((opcode, payload.to_vec()))
-}
-
-/// `error: cause: cause...`, the whole chain on one line.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        text.push_str(": ");
-        text.push_str(&s.to_string());
-        source = s.source();
-    }
-    text
 }

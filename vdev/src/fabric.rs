@@ -15,6 +15,8 @@ use vrdma_hostd_protocol::messages::{
     PROTOCOL_VERSION,
 };
 
+use crate::seccomp::{Role, Threads};
+
 /// Why talking to hostd failed.
 #[derive(Debug, thiserror::Error)]
 pub enum FabricError {
@@ -255,7 +257,8 @@ impl Fabric {
 }
 
 /// Starts the thread that applies hostd's policy notifications to `device`
-/// until hostd closes the channel (the device's registration ended).
+/// until hostd closes the channel (the device's registration ended), under
+/// the policy listener's filter.
 ///
 /// The thread holds the device and the registration weakly: hostd closes
 /// the channel only after the registration's connection closes, which
@@ -267,9 +270,9 @@ pub fn listen_for_policy(
     channel: Channel,
     device: Weak<Mutex<crate::verbs::RdmaDevice>>,
     fabric: Weak<Fabric>,
+    threads: &Threads,
 ) -> std::io::Result<()> {
-    let name = "policy-listener".to_string();
-    std::thread::Builder::new().name(name).spawn(move || loop {
+    threads.spawn(Role::PolicyListener, "policy-listener", move || loop {
         match channel.recv::<Notification>() {
             Ok((Notification::Policy(policy), _fds)) => {
                 let (Some(_fabric), Some(device)) = (fabric.upgrade(), device.upgrade()) else {

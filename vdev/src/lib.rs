@@ -20,6 +20,7 @@
 //! - [`sandbox`]: the walls vdev puts up around itself before it serves
 //!   (namespaces, landlock, privileges, seccomp; `vrdma-isolation` builds
 //!   them), in the order `main.rs` runs them.
+//! - [`seccomp`]: vdev's thread roles and the system calls each may make.
 //!
 //! Start-up is split so that everything needing the file system or
 //! privileges happens before the sandbox: [`open`] binds the listener (and,
@@ -31,6 +32,7 @@ pub mod config;
 pub mod control;
 pub mod fabric;
 pub mod sandbox;
+pub mod seccomp;
 pub mod shadow;
 pub mod verbs;
 pub mod vrings;
@@ -45,6 +47,7 @@ use vhost::vhost_user::Listener;
 
 pub use backend::VrdmaBackend;
 pub use config::Config;
+use seccomp::{Role, Threads};
 use verbs::DeviceIdentity;
 
 /// Why vdev stopped.
@@ -62,6 +65,10 @@ pub enum Error {
         #[source]
         source: DaemonError,
     },
+    #[error("Cannot start the {0} thread")]
+    Thread(&'static str, #[source] std::io::Error),
+    #[error("The vhost-user thread panicked; the listener is lost")]
+    VhostUserPanicked,
 }
 
 /// vhost-user-backend's error, which implements only `Display`, made a
@@ -77,7 +84,7 @@ pub struct Opened {
     /// Its path, removed when vdev stops.
     socket_file: SocketFile,
     /// A registration with hostd made before the sandbox, used for the
-    /// first frontend (see [`sandbox::Plan::register_early`]).
+    /// first frontend (see [`sandbox::Sandbox::register_early`]).
     early_fabric: Option<Fabric>,
 }
 
@@ -133,8 +140,9 @@ pub fn open(config: &Config, register_early: bool) -> Result<Opened, Error> {
 /// connection at a time, each with a fresh device, until `config.once`
 /// says to stop after the first. The listening socket is created once, so
 /// a frontend that connects while another is being served waits in its
-/// backlog instead of meeting a closed socket.
-pub fn run(config: &Config, opened: Opened) -> Result<(), Error> {
+/// backlog instead of meeting a closed socket. Every thread is started
+/// through `threads`, under its role's seccomp filter.
+pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Error> {
     let Opened {
         mut listener,
         socket_file: _socket_file,
@@ -145,11 +153,6 @@ pub fn run(config: &Config, opened: Opened) -> Result<(), Error> {
         lid: config.lid,
         comp_vectors: config.comp_vectors,
         max_queue_size: config.queue_size,
-    };
-    let socket = config.socket.display().to_string();
-    let serve_err = |source| Error::Serve {
-        socket: socket.clone(),
-        source: DaemonError(source),
     };
     let device_name = device_name(&config.socket);
     loop {
@@ -167,15 +170,9 @@ pub fn run(config: &Config, opened: Opened) -> Result<(), Error> {
                 physical_queues = fabric.physical_queues, "Registered with hostd");
         }
         let backend = VrdmaBackend::new(identity.clone(), config.limits, fabric);
-        backend.listen_for_policy().map_err(Error::Setup)?;
-        let mut daemon = backend
-            .daemon(format!("vdev-{}", config.tenant))
-            .map_err(Error::Daemon)?;
-        tracing::info!(tenant = %config.tenant, socket, "Waiting for a frontend");
-        daemon.start(&mut listener).map_err(serve_err)?;
-        tracing::info!(tenant = %config.tenant, "Frontend connected");
-        let result = daemon.wait();
-        backend.stop_workers();
+        backend.listen_for_policy(threads).map_err(Error::Setup)?;
+        let (returned, result) = serve_frontend(config, listener, backend.clone(), threads)?;
+        listener = returned;
         // Whatever the driver left, hostd drops it (one ResetDevice).
         backend.device().release_all();
         // The registration ends with the frontend, so that the next one
@@ -194,6 +191,45 @@ pub fn run(config: &Config, opened: Opened) -> Result<(), Error> {
             return Ok(());
         }
     }
+}
+
+/// Serves one frontend on a thread of the vhost-user role: it creates
+/// vhost-user-backend's daemon (whose worker threads start there), accepts
+/// the frontend (whose request thread starts there too), and waits for
+/// it to leave. The library's threads are started by the library, not
+/// through `threads`, so they inherit that thread's filter: this is why
+/// the daemon is never created on the main thread. Hands the listener back
+/// with the connection's outcome; fails if the daemon cannot be set up or
+/// the frontend accepted.
+fn serve_frontend(
+    config: &Config,
+    mut listener: Listener,
+    backend: VrdmaBackend,
+    threads: &Threads,
+) -> Result<(Listener, Result<(), vhost_user_backend::Error>), Error> {
+    let tenant = config.tenant.clone();
+    let socket = config.socket.display().to_string();
+    let thread = threads
+        .spawn(Role::VhostUser, "vhost-user", move || {
+            let served = (|| {
+                let mut daemon = backend
+                    .daemon(format!("vdev-{tenant}"))
+                    .map_err(Error::Daemon)?;
+                tracing::info!(tenant, socket, "Waiting for a frontend");
+                daemon.start(&mut listener).map_err(|source| Error::Serve {
+                    socket: socket.clone(),
+                    source: DaemonError(source),
+                })?;
+                tracing::info!(tenant, "Frontend connected");
+                let result = daemon.wait();
+                backend.stop_workers();
+                Ok(result)
+            })();
+            (listener, served)
+        })
+        .map_err(|e| Error::Thread("vhost-user", e))?;
+    let (listener, served) = thread.join().map_err(|_| Error::VhostUserPanicked)?;
+    Ok((listener, served?))
 }
 
 /// The name this device registers under with hostd: derived from its socket

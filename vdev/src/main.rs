@@ -3,15 +3,16 @@
 //!
 //! The start-up order is fixed and visible here, one step per line below:
 //! every thread vdev ever runs starts after the last step, so each one
-//! inherits all the walls (docs/security.md).
+//! inherits the walls of the process and installs its own role's seccomp
+//! filter before it runs (docs/security.md).
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::Parser;
+use vrdma_errors::error_chain;
 use vrdma_vdev::config::{Args, Config};
-use vrdma_vdev::control::error_chain;
-use vrdma_vdev::sandbox::{self, Plan};
+use vrdma_vdev::sandbox::Sandbox;
 
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
@@ -41,20 +42,21 @@ fn main() -> ExitCode {
 
 fn start(config: &Config) -> Result<(), Box<dyn std::error::Error>> {
     // 2. What the sandbox will be, decided before anything changes.
-    let plan = Plan::new(config)?;
+    let sandbox = Sandbox::new(config)?;
     // 3. Open what needs the file system or privileges: the vhost-user
     //    listener (and the first hostd registration if hostd's socket is
     //    out of reach of vdev's final uid).
-    let opened = vrdma_vdev::open(config, plan.register_early)?;
+    let opened = vrdma_vdev::open(config, sandbox.register_early)?;
     // 4. The sandbox, single-threaded: namespaces, landlock, privileges.
-    sandbox::enter_namespaces(&plan)?;
-    sandbox::restrict_filesystem(&plan)?;
-    sandbox::drop_privileges(&plan)?;
-    // 5. seccomp, on every thread, last: it forbids what the steps above do.
-    sandbox::install_seccomp(&plan)?;
+    sandbox.plan.enter_namespaces()?;
+    sandbox.plan.restrict_filesystem()?;
+    sandbox.plan.drop_privileges()?;
+    // 5. seccomp, last (it forbids what the steps above do): the main
+    //    thread's filter, and the launcher of every later thread.
+    let threads = sandbox.install_seccomp()?;
     #[cfg(feature = "test-hooks")]
     vrdma_isolation::test_hooks::after_sandbox();
     // 6. Threads and service.
-    vrdma_vdev::run(config, opened)?;
+    vrdma_vdev::run(config, opened, &threads)?;
     Ok(())
 }

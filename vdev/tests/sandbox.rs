@@ -16,6 +16,8 @@ use vrdma_guest_driver::{Context, QpCapabilities, QpInitAttr};
 use vrdma_spec::verbs::{access, QpType};
 
 const VDEV: &str = env!("CARGO_BIN_EXE_vdev");
+/// What vdev logs once its seccomp filters are up.
+const SECCOMP_UP: &str = "seccomp: a filter per thread role";
 
 /// A vdev process in its own scratch directory; killed on drop.
 struct Vdev {
@@ -185,7 +187,7 @@ fn root() -> bool {
 #[test]
 fn the_sandboxed_vdev_serves_frontends_one_after_another() {
     let mut vdev = Vdev::start("serve", &[], &[]);
-    let log = vdev.wait_for_log("seccomp filter installed");
+    let log = vdev.wait_for_log(SECCOMP_UP);
     assert!(log.contains("Privileges dropped"), "{log}");
     // The walls are up, as the kernel sees them.
     assert_eq!(vdev.status_field("Seccomp"), "2", "filter mode");
@@ -213,7 +215,7 @@ fn the_sandboxed_vdev_serves_frontends_one_after_another() {
     // With --once, vdev ends normally inside its sandbox (the listener's
     // attempt to remove its socket file is refused, not a seccomp kill).
     let mut once = Vdev::start("serve-once", &["--once"], &[]);
-    once.wait_for_log("seccomp filter installed");
+    once.wait_for_log(SECCOMP_UP);
     serve_one_application(&once.socket);
     let status = once.wait_exit();
     assert_eq!(status.code(), Some(0), "{status}:\n{}", once.log());
@@ -257,6 +259,50 @@ fn trap_makes_a_forbidden_call_fail_with_eperm_and_vdev_goes_on() {
         serve_one_application(&vdev.socket);
         assert!(vdev.is_running());
     }
+}
+
+/// Each thread has its own role's filter: the vhost-user thread (and the
+/// threads vhost-user-backend starts from it) cannot create the socket
+/// only the main thread needs, to register with hostd, which a thread
+/// under the main thread's filter can.
+#[test]
+fn a_thread_cannot_make_a_call_only_another_role_needs() {
+    let op = ("VRDMA_TEST_FORBIDDEN", "unix-socket");
+    let in_vhost_user = ("VRDMA_TEST_FORBIDDEN_IN", "vhost-user");
+    let mut main = Vdev::start("role-main", &["--seccomp", "trap"], &[op]);
+    let log = main.wait_for_log("test hook: unix-socket: ");
+    assert!(log.contains("test hook: unix-socket: succeeded"), "{log}");
+    drop(main);
+
+    let mut vdev = Vdev::start("role-vhost", &["--seccomp", "trap"], &[op, in_vhost_user]);
+    let log = vdev.wait_for_log("test hook (vhost-user): unix-socket: ");
+    assert!(
+        log.contains(&format!(
+            "test hook (vhost-user): unix-socket: failed: errno {}",
+            libc::EPERM
+        )),
+        "{log}"
+    );
+    assert!(
+        log.contains(&format!(
+            "seccomp (trap): blocked system call {}",
+            libc::SYS_socket
+        )),
+        "{log}"
+    );
+    serve_one_application(&vdev.socket);
+    assert!(vdev.is_running());
+    drop(vdev);
+
+    // Enforced, it is the end of vdev.
+    let mut killed = Vdev::start("role-kill", &[], &[op, in_vhost_user]);
+    let status = killed.wait_exit();
+    assert_eq!(
+        status.signal(),
+        Some(libc::SIGSYS),
+        "{status}:\n{}",
+        killed.log()
+    );
 }
 
 #[test]
@@ -334,7 +380,7 @@ fn a_kernel_without_landlock_is_refused_unless_explicitly_allowed() {
     assert!(log.contains("--allow-no-landlock"), "{log}");
 
     let mut allowed = Vdev::start("no-landlock-ok", &["--allow-no-landlock"], &absent);
-    let log = allowed.wait_for_log("seccomp filter installed");
+    let log = allowed.wait_for_log(SECCOMP_UP);
     assert!(log.contains("LANDLOCK NOT ENFORCED"), "{log}");
     serve_one_application(&allowed.socket);
     assert!(allowed.is_running());

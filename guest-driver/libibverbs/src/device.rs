@@ -11,7 +11,7 @@ use std::ffi::{c_char, c_int};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use vrdma_guest_driver::error::chain;
+use vrdma_errors::error_chain;
 use vrdma_guest_driver::Context;
 
 use crate::abi::{__be64, ibv_context, ibv_device, IBV_NODE_CA, IBV_TRANSPORT_IB};
@@ -210,7 +210,7 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
                 "{PREFIX}: cannot open device {} ({what} {}): {}",
                 entry.spec.name,
                 endpoint.display(),
-                chain(&e)
+                error_chain(&e)
             );
             match e.errno() {
                 libc::EIO => libc::ENODEV,

@@ -8,8 +8,8 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
+use vrdma_errors::error_chain;
 use vrdma_hostd::admin::{self, AdminRequest, AdminResponse};
-use vrdma_hostd::error_chain;
 
 #[derive(Debug, Parser)]
 #[command(

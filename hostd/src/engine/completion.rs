@@ -14,7 +14,7 @@ use std::sync::atomic::{fence, Ordering};
 
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_spec::ring::{
-    event_kind, Cqe, Event, CQ_ARM_NEXT, CQ_ARM_SOLICITED, CQE_SIZE, DEVICE_FLAG_ERROR, EVENT_SIZE,
+    event_kind, Cqe, Event, CQE_SIZE, CQ_ARM_NEXT, CQ_ARM_SOLICITED, DEVICE_FLAG_ERROR, EVENT_SIZE,
 };
 use vrdma_spec::verbs::WcStatus;
 use zerocopy::IntoBytes;
@@ -81,7 +81,10 @@ impl Cq {
         if self.producer.wrapping_sub(consumer) >= self.ring.depth() {
             return Err(CqFull::Overrun);
         }
-        if !self.ring.write_entry(self.producer, &cqe.as_bytes()[..CQE_SIZE]) {
+        if !self
+            .ring
+            .write_entry(self.producer, &cqe.as_bytes()[..CQE_SIZE])
+        {
             return Err(CqFull::Lost);
         }
         self.producer = self.producer.wrapping_add(1);
@@ -155,7 +158,10 @@ impl EventRing {
                 object: object.into(),
                 ..Event::default()
             };
-            if self.ring.write_entry(self.producer, &event.as_bytes()[..EVENT_SIZE]) {
+            if self
+                .ring
+                .write_entry(self.producer, &event.as_bytes()[..EVENT_SIZE])
+            {
                 self.producer = self.producer.wrapping_add(1);
                 self.ring.set_device_index(self.producer);
             }
@@ -202,9 +208,11 @@ pub fn solicits(status: WcStatus) -> bool {
 mod tests {
     use super::*;
     use crate::engine::guest::GuestMemory;
-    use vmm_sys_util::eventfd::{EFD_NONBLOCK, EventFd};
+    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
     use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
-    use vrdma_spec::ring::{DEVICE_INDEX_OFFSET, DRIVER_ARM_OFFSET, DRIVER_INDEX_OFFSET, RING_HEADER_SIZE};
+    use vrdma_spec::ring::{
+        DEVICE_INDEX_OFFSET, DRIVER_ARM_OFFSET, DRIVER_INDEX_OFFSET, RING_HEADER_SIZE,
+    };
 
     fn rings() -> (GuestMemory, SharedMapping) {
         let file = sealed_memfd("completion-test", 1 << 16).expect("memfd");
@@ -246,7 +254,10 @@ mod tests {
         assert_eq!(word(&view, 8192 + DEVICE_INDEX_OFFSET), 1);
         let mut event = [0u8; 4];
         assert!(view.read(8192 + RING_HEADER_SIZE, &mut event));
-        assert_eq!(u16::from_le_bytes([event[0], event[1]]), event_kind::CQ_ERROR);
+        assert_eq!(
+            u16::from_le_bytes([event[0], event[1]]),
+            event_kind::CQ_ERROR
+        );
         assert_eq!(irq.read().expect("interrupted"), 1);
         // The driver consumes one: the next fits, in slot 0.
         put(&view, DRIVER_INDEX_OFFSET, 1);
@@ -281,7 +292,10 @@ mod tests {
             eq.post(event_kind::COMPLETION, cq);
         }
         assert_eq!(eq.lost_events, 1);
-        assert_eq!(word(&view, vrdma_spec::ring::DEVICE_FLAGS_OFFSET), DEVICE_FLAG_ERROR);
+        assert_eq!(
+            word(&view, vrdma_spec::ring::DEVICE_FLAGS_OFFSET),
+            DEVICE_FLAG_ERROR
+        );
         assert_eq!(irq.read().expect("interrupted"), 3);
     }
 }

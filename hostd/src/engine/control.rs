@@ -50,25 +50,25 @@ impl Engine {
         let rank = self.sched.rank(id).unwrap_or(u8::MAX);
         self.lids.insert(lid, id);
         self.devices.insert(Device {
-                id,
-                tenant: Arc::from(tenant),
-                lid,
-                mem: Default::default(),
-                doorbell: None,
-                eqs: Vec::new(),
-                cqs: Slab::default(),
-                cq_by_num: HashMap::new(),
-                qps: HashMap::new(),
-                qp_by_db: Vec::new(),
-                pqps: (pqps.iter())
-                    .map(|&number| Pqp {
-                        number,
-                        ..Pqp::default()
-                    })
-                    .collect(),
-                rank,
-                counters: Default::default(),
-            });
+            id,
+            tenant: Arc::from(tenant),
+            lid,
+            mem: Default::default(),
+            doorbell: None,
+            eqs: Vec::new(),
+            cqs: Slab::default(),
+            cq_by_num: HashMap::new(),
+            qps: HashMap::new(),
+            qp_by_db: Vec::new(),
+            pqps: (pqps.iter())
+                .map(|&number| Pqp {
+                    number,
+                    ..Pqp::default()
+                })
+                .collect(),
+            rank,
+            counters: Default::default(),
+        });
         self.accounts.attach(id, tenant, pqps.len());
         self.generation += 1;
         Ok(())
@@ -185,7 +185,12 @@ impl Engine {
 
     /// The device's doorbell page at `gpa`, and the eventfd its driver
     /// kicks when the datapath asked to be woken.
-    pub fn set_doorbell(&mut self, id: DeviceId, gpa: u64, kick: EventFd) -> Result<(), EngineError> {
+    pub fn set_doorbell(
+        &mut self,
+        id: DeviceId,
+        gpa: u64,
+        kick: EventFd,
+    ) -> Result<(), EngineError> {
         let serial = self.next_serial;
         let dev = self.device_mut(id)?;
         if dev.doorbell.is_some() {
@@ -280,7 +285,12 @@ impl Engine {
         if s.db_index >= MAX_QPS || dev.qp_by_db.get(db).is_some_and(Option::is_some) {
             return Err(EngineError::Invalid("doorbell index taken or out of range"));
         }
-        let cq = |num: u32| dev.cq_by_num.get(&num).copied().ok_or(EngineError::UnknownCq(num));
+        let cq = |num: u32| {
+            dev.cq_by_num
+                .get(&num)
+                .copied()
+                .ok_or(EngineError::UnknownCq(num))
+        };
         let (send_cq, recv_cq) = (cq(s.send_cqn)?, cq(s.recv_cqn)?);
         let ring = |r: &vrdma_hostd_protocol::messages::WorkRing| {
             if !(MIN_WQE_STRIDE..=MAX_WQE_STRIDE).contains(&r.stride) {
@@ -363,19 +373,26 @@ impl Engine {
                 return Err(EngineError::Invalid("destination LID is not unicast"));
             }
             if c.dest_qpn > 0x00ff_ffff {
-                return Err(EngineError::Invalid("destination QP number exceeds 24 bits"));
+                return Err(EngineError::Invalid(
+                    "destination QP number exceeds 24 bits",
+                ));
             }
             if c.access & !access::QP_SUPPORTED != 0 {
                 return Err(EngineError::Invalid("unknown QP access flags"));
             }
             if c.rnr_retry > 7 || c.retry_cnt > 7 || c.min_rnr_timer > 31 {
-                return Err(EngineError::Invalid("retry counts or RNR timer out of range"));
+                return Err(EngineError::Invalid(
+                    "retry counts or RNR timer out of range",
+                ));
             }
         }
         if m.access.is_some_and(|a| a & !access::QP_SUPPORTED != 0) {
             return Err(EngineError::Invalid("unknown QP access flags"));
         }
-        let qp = self.qps.get_mut(qref).ok_or(EngineError::UnknownQp(m.vqpn))?;
+        let qp = self
+            .qps
+            .get_mut(qref)
+            .ok_or(EngineError::UnknownQp(m.vqpn))?;
         if qp.state == QpState::Err && !matches!(to, QpState::Reset | QpState::Err) {
             return Err(EngineError::Invalid("the QP is in the error state"));
         }

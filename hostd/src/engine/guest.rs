@@ -13,8 +13,8 @@ use std::sync::Arc;
 
 use vrdma_hostd_protocol::shm::SharedMapping;
 use vrdma_spec::ring::{
-    RING_ALIGN, RING_HEADER_SIZE, DEVICE_FLAGS_OFFSET, DEVICE_INDEX_OFFSET,
-    DEVICE_NOTIFIED_SN_OFFSET, DRIVER_ARM_OFFSET, DRIVER_INDEX_OFFSET,
+    DEVICE_FLAGS_OFFSET, DEVICE_INDEX_OFFSET, DEVICE_NOTIFIED_SN_OFFSET, DRIVER_ARM_OFFSET,
+    DRIVER_INDEX_OFFSET, RING_ALIGN, RING_HEADER_SIZE,
 };
 
 use super::EngineError;
@@ -145,7 +145,9 @@ impl GuestRing {
         let bytes = RING_HEADER_SIZE as u64 + u64::from(depth) * u64::from(stride);
         let place = mem
             .place(gpa, bytes, RING_ALIGN)
-            .ok_or(EngineError::Invalid("ring is not aligned inside one memory slot"))?;
+            .ok_or(EngineError::Invalid(
+                "ring is not aligned inside one memory slot",
+            ))?;
         Ok(GuestRing {
             place,
             depth,
@@ -208,7 +210,11 @@ impl GuestRing {
 
     /// Clears the device's half of the header: index, flags, notified_sn.
     pub fn reset_device_line(&self) {
-        for offset in [DEVICE_INDEX_OFFSET, DEVICE_FLAGS_OFFSET, DEVICE_NOTIFIED_SN_OFFSET] {
+        for offset in [
+            DEVICE_INDEX_OFFSET,
+            DEVICE_FLAGS_OFFSET,
+            DEVICE_NOTIFIED_SN_OFFSET,
+        ] {
             if let Some(a) = self.place.u32_at(offset) {
                 a.store(0, Ordering::Release);
             }
@@ -257,7 +263,9 @@ impl DoorbellPage {
         use vrdma_spec::ring::doorbell::PAGE_SIZE;
         let place = mem
             .place(gpa, PAGE_SIZE, PAGE_SIZE)
-            .ok_or(EngineError::Invalid("doorbell page is not aligned inside one memory slot"))?;
+            .ok_or(EngineError::Invalid(
+                "doorbell page is not aligned inside one memory slot",
+            ))?;
         Ok(DoorbellPage { place })
     }
 
@@ -270,7 +278,9 @@ impl DoorbellPage {
     /// words, then the bitmap words they name, and calls `ring` with the
     /// index of every bit that was set. Returns how many bits it found.
     pub fn take(&self, mut ring: impl FnMut(u32)) -> usize {
-        use vrdma_spec::ring::doorbell::{BITMAP_OFFSET, BITMAP_WORDS, SUMMARY_OFFSET, SUMMARY_WORDS};
+        use vrdma_spec::ring::doorbell::{
+            BITMAP_OFFSET, BITMAP_WORDS, SUMMARY_OFFSET, SUMMARY_WORDS,
+        };
         let mut found = 0;
         for s in 0..SUMMARY_WORDS {
             let Some(summary) = self.place.u64_at(SUMMARY_OFFSET + 8 * s as u64) else {
@@ -346,12 +356,24 @@ mod tests {
         let (mem, _) = memory(64 * 1024);
         assert!(mem.place(GPA, 64 * 1024, 4096).is_some());
         assert!(mem.place(GPA + 1, 16, 4096).is_none(), "misaligned");
-        assert!(mem.place(GPA + 60 * 1024, 8 * 1024, 4096).is_none(), "past the end");
-        assert!(mem.place(GPA - 4096, 8192, 4096).is_none(), "before the slot");
+        assert!(
+            mem.place(GPA + 60 * 1024, 8 * 1024, 4096).is_none(),
+            "past the end"
+        );
+        assert!(
+            mem.place(GPA - 4096, 8192, 4096).is_none(),
+            "before the slot"
+        );
         assert!(mem.place(u64::MAX - 4095, 8192, 4096).is_none(), "wraps");
         assert!(GuestRing::new(&mem, GPA, 3, 64, 1 << 16).is_err(), "depth");
-        assert!(GuestRing::new(&mem, GPA, 1024, 128, 1 << 16).is_err(), "too big");
-        assert!(GuestRing::new(&mem, GPA, 1 << 17, 16, 1 << 16).is_err(), "max depth");
+        assert!(
+            GuestRing::new(&mem, GPA, 1024, 128, 1 << 16).is_err(),
+            "too big"
+        );
+        assert!(
+            GuestRing::new(&mem, GPA, 1 << 17, 16, 1 << 16).is_err(),
+            "max depth"
+        );
         let ring = GuestRing::new(&mem, GPA + 4096, 16, 64, 1 << 16).expect("fits");
         assert_eq!(ring.slot(), 3);
     }
@@ -373,7 +395,10 @@ mod tests {
         assert_eq!(&out, b"hello");
         assert!(ring.read_entry(2, 1, &mut out[..4]));
         assert_eq!(&out[..4], b"ello");
-        assert!(!ring.read_entry(0, 60, &mut out), "crosses into the next entry");
+        assert!(
+            !ring.read_entry(0, 60, &mut out),
+            "crosses into the next entry"
+        );
         assert!(!ring.write_entry(0, &[0u8; 65]));
     }
 
@@ -385,7 +410,9 @@ mod tests {
             let bit = doorbell::bit(db).expect("in range");
             let word = view.atomic_u64(bit.word_offset as usize).expect("word");
             word.fetch_or(bit.mask.to_le(), Ordering::SeqCst);
-            let summary = view.atomic_u64(bit.summary_offset as usize).expect("summary");
+            let summary = view
+                .atomic_u64(bit.summary_offset as usize)
+                .expect("summary");
             summary.fetch_or(bit.summary_mask.to_le(), Ordering::SeqCst);
         };
         assert!(!page.pending());

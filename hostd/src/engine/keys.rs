@@ -179,7 +179,9 @@ impl KeyTable {
         let mut segments = Vec::with_capacity(reg.segments.len());
         let mut start: u64 = 0;
         for seg in &reg.segments {
-            let map = mem.slot(seg.slot).ok_or(EngineError::UnknownSlot(seg.slot))?;
+            let map = mem
+                .slot(seg.slot)
+                .ok_or(EngineError::UnknownSlot(seg.slot))?;
             let end = seg.offset.checked_add(seg.len);
             if seg.len == 0 || end.is_none_or(|end| end > map.len() as u64) {
                 return Err(EngineError::Invalid("segment outside its memory slot"));
@@ -479,7 +481,8 @@ pub fn copy_between<S: Extents + ?Sized, D: Extents + ?Sized>(
     if len == 0 {
         return true;
     }
-    let (Some(mut s), Some(mut d)) = (Cursor::seek(src, src_skip), Cursor::seek(dst, dst_skip)) else {
+    let (Some(mut s), Some(mut d)) = (Cursor::seek(src, src_skip), Cursor::seek(dst, dst_skip))
+    else {
         return false;
     };
     let mut left = len;
@@ -553,7 +556,8 @@ pub fn atomic(target: &Extent<'_>, operand: u64, swap: Option<u64>) -> Option<u6
                 let mut cur = word.load(Ordering::Acquire);
                 loop {
                     let new = u64::from_le(cur).wrapping_add(operand).to_le();
-                    match word.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire) {
+                    match word.compare_exchange_weak(cur, new, Ordering::AcqRel, Ordering::Acquire)
+                    {
                         Ok(_) => break cur,
                         Err(actual) => cur = actual,
                     }
@@ -590,10 +594,8 @@ mod tests {
     use vrdma_hostd_protocol::shm::sealed_memfd;
 
     const DEV: DeviceId = 1;
-    const ALL: u32 = access::LOCAL_WRITE
-        | access::REMOTE_WRITE
-        | access::REMOTE_READ
-        | access::REMOTE_ATOMIC;
+    const ALL: u32 =
+        access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
 
     fn memory(slots: &[(u32, u64)]) -> (GuestMemory, Vec<SharedMapping>) {
         let mut mem = GuestMemory::default();
@@ -601,8 +603,12 @@ mod tests {
         for &(slot, bytes) in slots {
             let file = sealed_memfd("keys-test", bytes).expect("memfd");
             views.push(SharedMapping::map(file.try_clone().expect("dup"), 0, bytes).expect("map"));
-            mem.add(slot, u64::from(slot) << 32, SharedMapping::map(file, 0, bytes).expect("map"))
-                .expect("slot");
+            mem.add(
+                slot,
+                u64::from(slot) << 32,
+                SharedMapping::map(file, 0, bytes).expect("map"),
+            )
+            .expect("slot");
         }
         (mem, views)
     }
@@ -632,23 +638,50 @@ mod tests {
     fn keys_are_distinct_nonzero_and_found_only_by_their_kind() {
         let (mem, _) = memory(&[(0, 8192)]);
         let mut keys = KeyTable::new();
-        let (lkey, rkey) = keys.register(DEV, &reg(1, ALL, 0x1000, &[(0, 0, 4096)]), &mem).expect("reg");
+        let (lkey, rkey) = keys
+            .register(DEV, &reg(1, ALL, 0x1000, &[(0, 0, 4096)]), &mem)
+            .expect("reg");
         assert!(lkey != 0 && rkey != 0 && lkey != rkey);
         assert!(keys.local(DEV, 1, &sge(0x1000, 16, lkey), 0).is_some());
-        assert!(keys.local(DEV, 1, &sge(0x1000, 16, rkey), 0).is_none(), "an rkey is no lkey");
-        assert!(keys.remote(DEV, 1, lkey, 0x1000, 16, 0).is_none(), "an lkey is no rkey");
-        assert!(keys.remote(DEV, 1, rkey, 0x1000, 16, access::REMOTE_WRITE).is_some());
-        assert!(keys.local(DEV, 2, &sge(0x1000, 16, lkey), 0).is_none(), "another PD");
-        assert!(keys.local(DEV + 1, 1, &sge(0x1000, 16, lkey), 0).is_none(), "another device");
-        assert!(keys.local(DEV, 1, &sge(0x1ff8, 16, lkey), 0).is_none(), "past the end");
-        assert!(keys.local(DEV, 1, &sge(0x0ff8, 16, lkey), 0).is_none(), "before the start");
-        assert!(keys.local(DEV, 1, &sge(0x1000, 16, lkey ^ 1), 0).is_none(), "wrong tag");
+        assert!(
+            keys.local(DEV, 1, &sge(0x1000, 16, rkey), 0).is_none(),
+            "an rkey is no lkey"
+        );
+        assert!(
+            keys.remote(DEV, 1, lkey, 0x1000, 16, 0).is_none(),
+            "an lkey is no rkey"
+        );
+        assert!(keys
+            .remote(DEV, 1, rkey, 0x1000, 16, access::REMOTE_WRITE)
+            .is_some());
+        assert!(
+            keys.local(DEV, 2, &sge(0x1000, 16, lkey), 0).is_none(),
+            "another PD"
+        );
+        assert!(
+            keys.local(DEV + 1, 1, &sge(0x1000, 16, lkey), 0).is_none(),
+            "another device"
+        );
+        assert!(
+            keys.local(DEV, 1, &sge(0x1ff8, 16, lkey), 0).is_none(),
+            "past the end"
+        );
+        assert!(
+            keys.local(DEV, 1, &sge(0x0ff8, 16, lkey), 0).is_none(),
+            "before the start"
+        );
+        assert!(
+            keys.local(DEV, 1, &sge(0x1000, 16, lkey ^ 1), 0).is_none(),
+            "wrong tag"
+        );
         keys.deregister(DEV, lkey).expect("dereg");
         assert!(keys.local(DEV, 1, &sge(0x1000, 16, lkey), 0).is_none());
         assert!(keys.remote(DEV, 1, rkey, 0x1000, 16, 0).is_none());
         assert!(keys.deregister(DEV, lkey).is_err());
         // The freed indices are reused with fresh tags.
-        let (l2, r2) = keys.register(DEV, &reg(1, ALL, 0, &[(0, 0, 4096)]), &mem).expect("reg");
+        let (l2, r2) = keys
+            .register(DEV, &reg(1, ALL, 0, &[(0, 0, 4096)]), &mem)
+            .expect("reg");
         assert!(keys.local(DEV, 1, &sge(0x1000, 16, lkey), 0).is_none() || l2 == lkey);
         assert!(keys.remote(DEV, 1, r2, 0, 16, 0).is_some());
     }
@@ -680,13 +713,17 @@ mod tests {
         let (src, _) = keys
             .register(DEV, &reg(1, ALL, 0, &[(1, 100, 50), (0, 4000, 50)]), &mem)
             .expect("src");
-        let (_, dst_r) = keys.register(DEV, &reg(1, ALL, 0x9000, &[(0, 0, 4096)]), &mem).expect("dst");
+        let (_, dst_r) = keys
+            .register(DEV, &reg(1, ALL, 0x9000, &[(0, 0, 4096)]), &mem)
+            .expect("dst");
         let pattern: Vec<u8> = (0..100u8).collect();
         assert!(views[1].write(100, &pattern[..50]));
         assert!(views[0].write(4000, &pattern[50..]));
         let sges = [sge(10, 40, src), sge(0, 0, 0), sge(50, 50, src)];
         let list = SgeList::new(&keys, DEV, 1, &sges, 0);
-        let dst = keys.remote(DEV, 1, dst_r, 0x9000, 90, access::REMOTE_WRITE).expect("dst");
+        let dst = keys
+            .remote(DEV, 1, dst_r, 0x9000, 90, access::REMOTE_WRITE)
+            .expect("dst");
         assert!(copy(&list, &dst, 0, 90));
         let mut out = [0u8; 90];
         assert!(views[0].read(0, &mut out));
@@ -706,18 +743,26 @@ mod tests {
     fn atomics_are_atomic_where_aligned_and_correct_everywhere() {
         let (mem, views) = memory(&[(0, 8192)]);
         let mut keys = KeyTable::new();
-        let (_, aligned) = keys.register(DEV, &reg(1, ALL, 0, &[(0, 0, 64)]), &mem).expect("reg");
+        let (_, aligned) = keys
+            .register(DEV, &reg(1, ALL, 0, &[(0, 0, 64)]), &mem)
+            .expect("reg");
         // IOVA 0 is mapping offset 3: never 8-aligned in the mapping.
-        let (_, odd) = keys.register(DEV, &reg(1, ALL, 0, &[(0, 3, 64)]), &mem).expect("reg");
+        let (_, odd) = keys
+            .register(DEV, &reg(1, ALL, 0, &[(0, 3, 64)]), &mem)
+            .expect("reg");
         assert!(views[0].write(8, &41u64.to_le_bytes()));
-        let t = keys.remote(DEV, 1, aligned, 8, 8, access::REMOTE_ATOMIC).expect("target");
+        let t = keys
+            .remote(DEV, 1, aligned, 8, 8, access::REMOTE_ATOMIC)
+            .expect("target");
         assert_eq!(atomic(&t, 1, None), Some(41));
         assert_eq!(atomic(&t, 42, Some(7)), Some(42));
         assert_eq!(atomic(&t, 42, Some(9)), Some(7), "compare fails: unchanged");
         let mut word = [0u8; 8];
         assert!(views[0].read(8, &mut word));
         assert_eq!(u64::from_le_bytes(word), 7);
-        let t = keys.remote(DEV, 1, odd, 16, 8, access::REMOTE_ATOMIC).expect("target");
+        let t = keys
+            .remote(DEV, 1, odd, 16, 8, access::REMOTE_ATOMIC)
+            .expect("target");
         assert!(views[0].write(19, &100u64.to_le_bytes()));
         assert_eq!(atomic(&t, 5, None), Some(100));
         assert!(views[0].read(19, &mut word));
@@ -728,13 +773,22 @@ mod tests {
     fn removed_slots_and_devices_revoke_their_regions() {
         let (mem, _) = memory(&[(0, 8192), (1, 8192)]);
         let mut keys = KeyTable::new();
-        let (a, _) = keys.register(DEV, &reg(1, ALL, 0, &[(0, 0, 64)]), &mem).expect("reg");
-        let (b, _) = keys.register(DEV, &reg(1, ALL, 0, &[(1, 0, 64)]), &mem).expect("reg");
-        let (c, _) = keys.register(DEV + 1, &reg(1, ALL, 0, &[(0, 0, 64)]), &mem).expect("reg");
+        let (a, _) = keys
+            .register(DEV, &reg(1, ALL, 0, &[(0, 0, 64)]), &mem)
+            .expect("reg");
+        let (b, _) = keys
+            .register(DEV, &reg(1, ALL, 0, &[(1, 0, 64)]), &mem)
+            .expect("reg");
+        let (c, _) = keys
+            .register(DEV + 1, &reg(1, ALL, 0, &[(0, 0, 64)]), &mem)
+            .expect("reg");
         keys.revoke_slot(DEV, 0);
         assert!(keys.local(DEV, 1, &sge(0, 8, a), 0).is_none());
         assert!(keys.local(DEV, 1, &sge(0, 8, b), 0).is_some());
-        assert!(keys.local(DEV + 1, 1, &sge(0, 8, c), 0).is_some(), "other devices keep theirs");
+        assert!(
+            keys.local(DEV + 1, 1, &sge(0, 8, c), 0).is_some(),
+            "other devices keep theirs"
+        );
         keys.remove_device(DEV);
         assert!(keys.local(DEV, 1, &sge(0, 8, b), 0).is_none());
         assert!(keys.local(DEV + 1, 1, &sge(0, 8, c), 0).is_some());

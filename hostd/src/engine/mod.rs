@@ -304,7 +304,9 @@ impl Engine {
 
     /// Every tenant's counters and usage, the datapath's latest counts
     /// included.
-    pub fn accounts_snapshot(&self) -> std::collections::BTreeMap<String, crate::stats::TenantAccount> {
+    pub fn accounts_snapshot(
+        &self,
+    ) -> std::collections::BTreeMap<String, crate::stats::TenantAccount> {
         (self.accounts).snapshot_with(self.devices.values().map(|d| (d.id, &d.counters)))
     }
 
@@ -483,7 +485,10 @@ impl Engine {
         let mut i = 0;
         while i < self.timers.len() {
             let (due, qref, serial) = self.timers[i];
-            let live = self.qps.get(qref).filter(|q| q.serial == serial && q.waiting);
+            let live = self
+                .qps
+                .get(qref)
+                .filter(|q| q.serial == serial && q.waiting);
             let Some(due) = live.map(|q| q.wait.map_or(due, |w| w.due)) else {
                 self.timers.swap_remove(i);
                 continue;
@@ -624,8 +629,8 @@ impl Engine {
         let Some(di) = self.devices.index(&device) else {
             return (0, 0, false);
         };
-        let Some(pos) = (self.devices.at(di))
-            .and_then(|d| d.pqps.iter().position(|p| p.number == number))
+        let Some(pos) =
+            (self.devices.at(di)).and_then(|d| d.pqps.iter().position(|p| p.number == number))
         else {
             return (0, 0, false);
         };
@@ -864,7 +869,9 @@ impl Engine {
 
 /// Writes `cqe` into CQ `cq` of `dev` (and its event, if due).
 fn post_cqe(dev: &mut Device, cq: usize, cqe: &Cqe, solicited: bool) {
-    let Device { cqs, eqs, tenant, .. } = dev;
+    let Device {
+        cqs, eqs, tenant, ..
+    } = dev;
     if let Some(cq) = cqs.get_mut(cq) {
         if !completion::complete(cq, eqs, cqe, solicited) && !cq.lost {
             tracing::debug!(tenant = %tenant, cqn = cq.cqn, "CQ overrun: completion lost");

@@ -55,7 +55,10 @@ enum Step {
     Rnr(Duration),
     Dropped,
     /// The message goes on from byte `next`; this step moved `moved`.
-    Segment { next: u64, moved: u64 },
+    Segment {
+        next: u64,
+        moved: u64,
+    },
 }
 
 fn done(status: WcStatus) -> Step {
@@ -473,14 +476,18 @@ impl Engine {
         if !fits {
             return self.refuse_receive(r.qp, recv_id, WcStatus::LocLenErr);
         }
-        let dst = SgeList::new(&self.keys, r.device, r.pd, p.rq_head.sges(), access::LOCAL_WRITE);
+        let dst = SgeList::new(
+            &self.keys,
+            r.device,
+            r.pd,
+            p.rq_head.sges(),
+            access::LOCAL_WRITE,
+        );
         let (n, last) = segment(work.length, offset, chunk);
         let copied = match work.local {
             // Inline data is far shorter than a segment.
             Local::Inline(_) => keys::write_bytes(work.inline(), &dst),
-            _ => {
-                keys::copy(&self.sge_list(device, pd, work, 0), &dst, offset, n)
-            }
+            _ => keys::copy(&self.sge_list(device, pd, work, 0), &dst, offset, n),
         };
         if !copied {
             return self.refuse_receive(r.qp, recv_id, WcStatus::LocProtErr);

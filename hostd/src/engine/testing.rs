@@ -189,8 +189,9 @@ pub fn remote(mut wqe: SendWqe, addr: u64, rkey: u32) -> SendWqe {
 }
 
 fn word(mem: &SharedMapping, at: u64) -> u32 {
-    mem.atomic_u32(at as usize)
-        .map_or(0, |w| u32::from_le(w.load(std::sync::atomic::Ordering::Acquire)))
+    mem.atomic_u32(at as usize).map_or(0, |w| {
+        u32::from_le(w.load(std::sync::atomic::Ordering::Acquire))
+    })
 }
 
 fn set_word(mem: &SharedMapping, at: u64, v: u32) {
@@ -295,7 +296,10 @@ impl Driver {
         let word = self.mem.atomic_u64(bit.word_offset as usize).expect("word");
         word.fetch_or(bit.mask.to_le(), std::sync::atomic::Ordering::SeqCst);
         let summary = (self.mem.atomic_u64(bit.summary_offset as usize)).expect("summary");
-        summary.fetch_or(bit.summary_mask.to_le(), std::sync::atomic::Ordering::SeqCst);
+        summary.fetch_or(
+            bit.summary_mask.to_le(),
+            std::sync::atomic::Ordering::SeqCst,
+        );
     }
 
     /// Writes raw `bytes` at byte `offset` of send slot `index` of QP `qp`
@@ -304,7 +308,9 @@ impl Driver {
         let q = &self.qps[qp];
         let room = (q.stride as usize).saturating_sub(offset);
         let at = q.sq + RING_HEADER_SIZE as u64 + u64::from(index % q.depth) * u64::from(q.stride);
-        assert!(self.mem.write(at as usize + offset, &bytes[..bytes.len().min(room)]));
+        assert!(self
+            .mem
+            .write(at as usize + offset, &bytes[..bytes.len().min(room)]));
     }
 
     /// Writes raw `bytes` into send slot `index` of QP `qp` (no publish).
@@ -342,11 +348,17 @@ impl Driver {
             num_sge: sges.len() as u8,
             reserved: [0; 7],
         };
-        let at = q.rq + RING_HEADER_SIZE as u64 + u64::from(q.rq_producer % q.depth) * u64::from(q.stride);
+        let at = q.rq
+            + RING_HEADER_SIZE as u64
+            + u64::from(q.rq_producer % q.depth) * u64::from(q.stride);
         assert!(self.mem.write(at as usize, wqe.as_bytes()));
         assert!(self.mem.write(at as usize + 16, sges.as_bytes()));
         self.qps[qp].rq_producer = q.rq_producer.wrapping_add(1);
-        set_word(&self.mem, q.rq + DRIVER_INDEX_OFFSET, self.qps[qp].rq_producer);
+        set_word(
+            &self.mem,
+            q.rq + DRIVER_INDEX_OFFSET,
+            self.qps[qp].rq_producer,
+        );
         self.ring(qp);
     }
 
@@ -360,7 +372,8 @@ impl Driver {
     /// post fails with ENOMEM).
     pub fn sq_free(&self, qp: usize) -> u32 {
         let q = &self.qps[qp];
-        q.depth.saturating_sub(q.sq_producer.wrapping_sub(self.sq_done(qp)))
+        q.depth
+            .saturating_sub(q.sq_producer.wrapping_sub(self.sq_done(qp)))
     }
 
     /// Whether the device flagged QP `qp`'s send ring with
@@ -379,8 +392,12 @@ impl Driver {
     /// ordering the spec asks for (SeqCst after the summary's fetch_or), a
     /// driver that finds it set notifies the doorbell queue.
     pub fn needs_kick(&self) -> bool {
-        let flags = (self.mem.atomic_u32((DOORBELL + doorbell::FLAGS_OFFSET) as usize))
-            .map_or(0, |w| u32::from_le(w.load(std::sync::atomic::Ordering::SeqCst)));
+        let flags = (self
+            .mem
+            .atomic_u32((DOORBELL + doorbell::FLAGS_OFFSET) as usize))
+        .map_or(0, |w| {
+            u32::from_le(w.load(std::sync::atomic::Ordering::SeqCst))
+        });
         flags & doorbell::NEED_KICK != 0
     }
 
@@ -395,7 +412,9 @@ impl Driver {
     pub fn poll_each(&mut self, mut f: impl FnMut(Cqe)) {
         let producer = word(&self.mem, CQ + DEVICE_INDEX_OFFSET);
         while self.cq_consumer != producer {
-            let at = CQ + RING_HEADER_SIZE as u64 + u64::from(self.cq_consumer % CQ_DEPTH) * CQE_SIZE as u64;
+            let at = CQ
+                + RING_HEADER_SIZE as u64
+                + u64::from(self.cq_consumer % CQ_DEPTH) * CQE_SIZE as u64;
             let mut raw = [0u8; CQE_SIZE];
             assert!(self.mem.read(at as usize, &mut raw));
             f(Cqe::read_from_bytes(&raw).expect("cqe"));
@@ -420,7 +439,9 @@ impl Driver {
     pub fn events_each(&mut self, mut f: impl FnMut(u16, u32)) {
         let producer = word(&self.mem, EQ + DEVICE_INDEX_OFFSET);
         while self.eq_consumer != producer {
-            let at = EQ + RING_HEADER_SIZE as u64 + u64::from(self.eq_consumer % EQ_DEPTH) * EVENT_SIZE as u64;
+            let at = EQ
+                + RING_HEADER_SIZE as u64
+                + u64::from(self.eq_consumer % EQ_DEPTH) * EVENT_SIZE as u64;
             let mut raw = [0u8; EVENT_SIZE];
             assert!(self.mem.read(at as usize, &mut raw));
             let e = Event::read_from_bytes(&raw).expect("event");

@@ -53,13 +53,18 @@ fn send_gathers_and_scatters_with_receive_fields() {
     env.a.fill(0, b"abc");
     env.a.fill(100, b"defgh");
     let lkey_b = env.b.lkey;
-    env.b.post_recv(0, 77, &[sge(IOVA + 10, 4, lkey_b), sge(IOVA + 50, 100, lkey_b)]);
+    env.b.post_recv(
+        0,
+        77,
+        &[sge(IOVA + 10, 4, lkey_b), sge(IOVA + 50, 100, lkey_b)],
+    );
     let mut wqe = send(5, SendOpcode::SendWithImm);
     wqe.imm_data = [1, 2, 3, 4];
     wqe.flags |= send_flags::SOLICITED;
     wqe.num_sge = 2;
     let lkey = env.a.lkey;
-    env.a.post_sges(0, &wqe, &[sge(IOVA, 3, lkey), sge(IOVA + 100, 5, lkey)]);
+    env.a
+        .post_sges(0, &wqe, &[sge(IOVA, 3, lkey), sge(IOVA + 100, 5, lkey)]);
     let (a, b) = env.run();
     assert_eq!(ids(&a), vec![(5, WcStatus::Success)]);
     assert_eq!(ids(&b), vec![(77, WcStatus::Success)]);
@@ -91,8 +96,14 @@ fn inline_send_and_write_with_imm() {
     let lkey = env.a.lkey;
     env.a.post_sges(0, &imm, &[sge(IOVA + 0x200, 7, lkey)]);
     let (a, b) = env.run();
-    assert_eq!(ids(&a), vec![(10, WcStatus::Success), (11, WcStatus::Success)]);
-    assert_eq!(ids(&b), vec![(1, WcStatus::Success), (2, WcStatus::Success)]);
+    assert_eq!(
+        ids(&a),
+        vec![(10, WcStatus::Success), (11, WcStatus::Success)]
+    );
+    assert_eq!(
+        ids(&b),
+        vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
     assert_eq!(env.b.bytes(0, 6), b"inline");
     assert_eq!(env.b.bytes(0x300, 7), b"written");
     assert_eq!(b[1].opcode, u8::from(WcOpcode::RecvRdmaWithImm));
@@ -120,11 +131,19 @@ fn rdma_read_and_atomics() {
     let (a, _) = env.run();
     assert_eq!(
         ids(&a),
-        vec![(1, WcStatus::Success), (2, WcStatus::Success), (3, WcStatus::Success)]
+        vec![
+            (1, WcStatus::Success),
+            (2, WcStatus::Success),
+            (3, WcStatus::Success)
+        ]
     );
     assert_eq!(a[0].byte_len.get(), 12);
     assert_eq!(env.a.bytes(0x10, 12), b"remote bytes");
-    assert_eq!(env.a.bytes(0x20, 8), 41u64.to_le_bytes(), "FAA returns the old value");
+    assert_eq!(
+        env.a.bytes(0x20, 8),
+        41u64.to_le_bytes(),
+        "FAA returns the old value"
+    );
     assert_eq!(env.a.bytes(0x28, 8), 42u64.to_le_bytes(), "CAS too");
     assert_eq!(env.b.bytes(0x800, 8), 1000u64.to_le_bytes());
 }
@@ -153,7 +172,12 @@ fn local_protection_errors() {
     for (lkey_of, addr, len, why) in [
         (0u32, IOVA, 8u32, "unknown lkey"),
         (1, IOVA - 8, 16, "before the region"),
-        (1, IOVA + super::testing::DATA_LEN - 8, 16, "past the region"),
+        (
+            1,
+            IOVA + super::testing::DATA_LEN - 8,
+            16,
+            "past the region",
+        ),
         (2, IOVA, 8, "an rkey is no lkey"),
     ] {
         let mut env = Env::new();
@@ -184,7 +208,11 @@ fn remote_access_errors_leave_the_responder_working() {
         assert!(b.is_empty());
         assert_eq!(env.b.bytes(0, 6), b"victim");
         assert_eq!(env.engine.query_qp(1, 100), Ok(QpState::Err));
-        assert_eq!(env.engine.query_qp(2, 200), Ok(QpState::Rts), "the victim goes on");
+        assert_eq!(
+            env.engine.query_qp(2, 200),
+            Ok(QpState::Rts),
+            "the victim goes on"
+        );
     }
 }
 
@@ -316,7 +344,11 @@ fn revoked_keys_and_memory_are_never_touched() {
     env.engine.remove_memory(2, 0).expect("remove");
     write(&mut env, 2, 9, 0, rkey);
     let (a, _) = env.run();
-    assert_eq!(a.len(), 0, "B's QP is lost, A's write is a lost packet for now");
+    assert_eq!(
+        a.len(),
+        0,
+        "B's QP is lost, A's write is a lost packet for now"
+    );
     assert_eq!(env.b.bytes(0, 9), b"untouched");
 }
 
@@ -332,7 +364,10 @@ fn an_error_flushes_everything_in_order_and_later_posts_too() {
     // Verbs order a QP's send completions, and its receive completions,
     // not the two against each other.
     let sends: Vec<_> = ids(&a).into_iter().filter(|c| c.0 != 3).collect();
-    assert_eq!(sends, vec![(1, WcStatus::RemAccessErr), (2, WcStatus::WrFlushErr)]);
+    assert_eq!(
+        sends,
+        vec![(1, WcStatus::RemAccessErr), (2, WcStatus::WrFlushErr)]
+    );
     assert!(ids(&a).contains(&(3, WcStatus::WrFlushErr)));
     // Posted after the error: flushed too, and the ring says ERROR.
     write(&mut env, 4, 8, 0, rkey);
@@ -356,7 +391,11 @@ fn rnr_blocks_its_own_qp_only() {
     let w = remote(send(2, SendOpcode::RdmaWrite), IOVA, rkey);
     env.a.post_sges(1, &w, &[sge(IOVA, 8, lkey)]);
     let (a, _) = env.run();
-    assert_eq!(ids(&a), vec![(2, WcStatus::Success)], "QP 101 was not held up");
+    assert_eq!(
+        ids(&a),
+        vec![(2, WcStatus::Success)],
+        "QP 101 was not held up"
+    );
 }
 
 #[test]
@@ -382,7 +421,10 @@ fn an_armed_cq_gets_one_event() {
     write(&mut env, 2, 8, 0, rkey);
     let (a, _) = env.run();
     assert_eq!(a.len(), 2);
-    assert_eq!(env.a.events(), vec![(event_kind::COMPLETION, super::testing::CQN)]);
+    assert_eq!(
+        env.a.events(),
+        vec![(event_kind::COMPLETION, super::testing::CQN)]
+    );
     assert!(env.a.irq.read().expect("interrupted") >= 1);
 }
 
@@ -401,7 +443,10 @@ fn a_full_cq_loses_completions_and_says_so_once() {
         }
     }
     // 300 signaled WQEs into a 256-entry CQ nobody polled.
-    assert_eq!(env.a.events(), vec![(event_kind::CQ_ERROR, super::testing::CQN)]);
+    assert_eq!(
+        env.a.events(),
+        vec![(event_kind::CQ_ERROR, super::testing::CQN)]
+    );
     assert_eq!(env.a.poll().len(), 256);
 }
 
@@ -427,7 +472,10 @@ fn sixty_four_sges_and_a_kilobyte_inline_are_carried() {
     inline.inline_len = MAX_INLINE_DATA.into();
     env.a.post_send(1, &inline, &[7u8; 1024]);
     let (a, _) = env.run();
-    assert_eq!(ids(&a), vec![(1, WcStatus::Success), (2, WcStatus::Success)]);
+    assert_eq!(
+        ids(&a),
+        vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
     let reversed: Vec<u8> = (0..64u8).rev().collect();
     assert_eq!(env.b.bytes(0x1000, 64), reversed);
     assert_eq!(env.b.bytes(0x2000, 1024), vec![7u8; 1024]);
@@ -447,11 +495,16 @@ fn long_op_beside_a_busy_realtime_device(op: SendOpcode, len: u32) -> (Env, Vec<
     // B reads from A: realtime work staged, so A's class is outranked.
     let mut probe = remote(send(90, SendOpcode::RdmaRead), IOVA + 0x3_0000, env.a.rkey);
     probe.num_sge = 1;
-    env.b.post_sges(0, &probe, &[sge(IOVA + 0x3_0000, 8, lkey_b)]);
+    env.b
+        .post_sges(0, &probe, &[sge(IOVA + 0x3_0000, 8, lkey_b)]);
     let target = if op == SendOpcode::Send { 0 } else { IOVA };
     let mut wqe = remote(send(1, op), target, rkey);
     wqe.num_sge = 1;
-    let local = if op == SendOpcode::RdmaRead { IOVA + 0x4_0000 } else { IOVA };
+    let local = if op == SendOpcode::RdmaRead {
+        IOVA + 0x4_0000
+    } else {
+        IOVA
+    };
     env.a.post_sges(0, &wqe, &[sge(local, len, lkey)]);
     (env, data)
 }
@@ -464,7 +517,10 @@ fn a_long_write_moves_in_segments_while_realtime_is_busy() {
     assert!(round.preempted, "stopped between segments");
     assert_eq!(env.b.poll().len(), 1, "the realtime READ completed");
     assert_eq!(env.b.bytes(0, SEGMENT as usize), &data[..SEGMENT as usize]);
-    assert_ne!(env.b.bytes(SEGMENT, 16), &data[SEGMENT as usize..SEGMENT as usize + 16]);
+    assert_ne!(
+        env.b.bytes(SEGMENT, 16),
+        &data[SEGMENT as usize..SEGMENT as usize + 16]
+    );
     let (a, _) = env.run();
     assert_eq!(ids(&a), vec![(1, WcStatus::Success)]);
     assert_eq!(env.b.bytes(0, data.len()), data);
@@ -478,7 +534,11 @@ fn a_deregistration_between_segments_stops_the_message() {
     env.engine.deregister_mr(2, lkey).expect("dereg");
     let (a, _) = env.run();
     assert_eq!(ids(&a), vec![(1, WcStatus::RemAccessErr)]);
-    assert_eq!(env.b.bytes(SEGMENT, 16), vec![0; 16], "nothing after the first segment");
+    assert_eq!(
+        env.b.bytes(SEGMENT, 16),
+        vec![0; 16],
+        "nothing after the first segment"
+    );
     let _ = data;
 }
 
@@ -511,12 +571,17 @@ fn a_responder_reset_between_segments_starts_the_send_again() {
         .expect("reset");
     env.connect(0, 0);
     let lkey_b = env.b.lkey;
-    env.b.post_recv(0, 51, &[sge(IOVA + 0x6_0000, 48 * 1024, lkey_b)]);
+    env.b
+        .post_recv(0, 51, &[sge(IOVA + 0x6_0000, 48 * 1024, lkey_b)]);
     let (a, b) = env.run();
     assert_eq!(ids(&a), vec![(1, WcStatus::Success)]);
     let recv: Vec<_> = ids(&b).into_iter().filter(|c| c.0 != 90).collect();
     assert_eq!(recv, vec![(51, WcStatus::Success)]);
-    assert_eq!(env.b.bytes(0x6_0000, data.len()), data, "the whole message, from its first byte");
+    assert_eq!(
+        env.b.bytes(0x6_0000, data.len()),
+        data,
+        "the whole message, from its first byte"
+    );
 }
 
 #[test]
@@ -547,7 +612,9 @@ fn cq_users_keep_a_cq_alive() {
     let mut env = Env::new();
     assert!(env.engine.destroy_cq(1, super::testing::CQN).is_err());
     env.engine.destroy_qp(1, 100).expect("destroy");
-    env.engine.destroy_cq(1, super::testing::CQN).expect("now unused");
+    env.engine
+        .destroy_cq(1, super::testing::CQN)
+        .expect("now unused");
 }
 
 #[test]
@@ -562,4 +629,3 @@ fn wqes_of_a_bad_send_ring_slot_fail_alone() {
     assert_eq!(env.engine.query_qp(1, 100), Ok(QpState::Err));
     let _ = SendWqe::default();
 }
-

@@ -425,7 +425,10 @@ mod tests {
         );
         let mut w = SendWork::default();
         read_send(&slot[..], 0, &LIMITS, &mut w).expect("valid");
-        assert_eq!((w.wr_id, w.opcode, w.length), (42, SendOpcode::RdmaWrite, 128));
+        assert_eq!(
+            (w.wr_id, w.opcode, w.length),
+            (42, SendOpcode::RdmaWrite, 128)
+        );
         assert_eq!(w.flags, send_flags::SIGNALED, "unknown flag bits dropped");
         assert_eq!(w.sges().len(), 2);
         assert_eq!(w.sges()[1].lkey.get(), 2);
@@ -452,19 +455,28 @@ mod tests {
             ..wqe
         };
         let slot = encode_send(&long, &[0; 65], 256);
-        assert_eq!(status(read_send(&slot[..], 0, &LIMITS, &mut w)), Some(WcStatus::LocLenErr));
+        assert_eq!(
+            status(read_send(&slot[..], 0, &LIMITS, &mut w)),
+            Some(WcStatus::LocLenErr)
+        );
         let beyond_slot = SendWqe {
             inline_len: 60.into(),
             ..wqe
         };
         let slot = encode_send(&beyond_slot, &[0; 60], 64 + 32);
-        assert_eq!(status(read_send(&slot[..], 0, &LIMITS, &mut w)), Some(WcStatus::LocLenErr));
+        assert_eq!(
+            status(read_send(&slot[..], 0, &LIMITS, &mut w)),
+            Some(WcStatus::LocLenErr)
+        );
         let read = SendWqe {
             opcode: SendOpcode::RdmaRead.into(),
             ..wqe
         };
         let slot = encode_send(&read, b"hello", 128);
-        assert_eq!(status(read_send(&slot[..], 0, &LIMITS, &mut w)), Some(WcStatus::LocQpOpErr));
+        assert_eq!(
+            status(read_send(&slot[..], 0, &LIMITS, &mut w)),
+            Some(WcStatus::LocQpOpErr)
+        );
     }
 
     #[test]
@@ -472,7 +484,12 @@ mod tests {
         let mut w = SendWork::default();
         let five = [sge(0, 1, 1); 5];
         assert_eq!(
-            status(read_send(&send(SendOpcode::Send, 0, &five)[..], 0, &LIMITS, &mut w)),
+            status(read_send(
+                &send(SendOpcode::Send, 0, &five)[..],
+                0,
+                &LIMITS,
+                &mut w
+            )),
             Some(WcStatus::LocLenErr),
             "more SGEs than granted"
         );
@@ -483,7 +500,12 @@ mod tests {
             Some(WcStatus::LocQpOpErr)
         );
         assert_eq!(
-            status(read_send(&send(SendOpcode::BindMw, 0, &[])[..], 0, &LIMITS, &mut w)),
+            status(read_send(
+                &send(SendOpcode::BindMw, 0, &[])[..],
+                0,
+                &LIMITS,
+                &mut w
+            )),
             Some(WcStatus::LocQpOpErr)
         );
         let cas_short = send(SendOpcode::AtomicCmpAndSwp, 0, &[sge(0, 4, 1)]);
@@ -501,7 +523,10 @@ mod tests {
             Some(WcStatus::LocLenErr),
             "beyond the port's max_msg_sz"
         );
-        assert_eq!(read_send(&[0u8; 10][..], 0, &LIMITS, &mut w), Err(Malformed::Unreadable));
+        assert_eq!(
+            read_send(&[0u8; 10][..], 0, &LIMITS, &mut w),
+            Err(Malformed::Unreadable)
+        );
     }
 
     #[test]
@@ -527,7 +552,10 @@ mod tests {
             ..wqe
         };
         let slot = encode_send(&too_many, &[0; 65 * 16], 4096);
-        assert_eq!(status(read_send(&slot[..], 0, &generous, &mut w)), Some(WcStatus::LocLenErr));
+        assert_eq!(
+            status(read_send(&slot[..], 0, &generous, &mut w)),
+            Some(WcStatus::LocLenErr)
+        );
     }
 
     #[test]
@@ -537,7 +565,7 @@ mod tests {
             num_sge: 2,
             reserved: [0; 7],
         };
-        let mut slot = vec![0u8; 64];
+        let mut slot = [0u8; 64];
         slot[..16].copy_from_slice(wqe.as_bytes());
         slot[16..48].copy_from_slice([sge(0x10, 10, 1), sge(0x20, 20, 1)].as_bytes());
         let mut r = RecvWork::default();

@@ -109,7 +109,6 @@ impl Link {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

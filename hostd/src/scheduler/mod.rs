@@ -400,7 +400,10 @@ impl Scheduler {
             ops: BURST - 1,
             deficit: t.deficit,
             limiters: t.limiters,
-            port: self.link.as_ref().map_or(u64::MAX, |l| l.room(t.class, now)),
+            port: self
+                .link
+                .as_ref()
+                .map_or(u64::MAX, |l| l.room(t.class, now)),
             ..Budget::default()
         }
     }

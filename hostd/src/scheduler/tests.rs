@@ -1,6 +1,5 @@
 //! The scheduler's policy semantics, with a simulated clock.
 
-
 use super::*;
 use vrdma_tenant_policy::{Priority, RateLimit};
 
@@ -13,8 +12,8 @@ fn tenant(name: &str, class: PriorityClass, weight: u32) -> TenantPolicy {
 
 fn send(bytes: u64) -> Head {
     Head {
-    kind: OpKind::Send,
-    bytes,
+        kind: OpKind::Send,
+        bytes,
     }
 }
 
@@ -22,8 +21,8 @@ fn send(bytes: u64) -> Head {
 fn setup(tenants: &[TenantPolicy], now: Instant) -> Scheduler {
     let mut s = Scheduler::new(None);
     for (i, t) in tenants.iter().enumerate() {
-    s.configure(t, now);
-    assert!(s.add_device(i as DeviceId + 1, &t.name));
+        s.configure(t, now);
+        assert!(s.add_device(i as DeviceId + 1, &t.name));
     }
     s
 }
@@ -38,14 +37,14 @@ fn run(
 ) -> HashMap<DeviceId, u64> {
     let mut bytes = HashMap::new();
     for _ in 0..n {
-    match s.pick(now) {
-        Pick::Run(q) => {
-            let head = head_of(q.0);
-            *bytes.entry(q.0).or_insert(0) += head.bytes;
-            s.stage(q, head, now);
+        match s.pick(now) {
+            Pick::Run(q) => {
+                let head = head_of(q.0);
+                *bytes.entry(q.0).or_insert(0) += head.bytes;
+                s.stage(q, head, now);
+            }
+            other => panic!("expected work, got {other:?}"),
         }
-        other => panic!("expected work, got {other:?}"),
-    }
     }
     bytes
 }
@@ -54,15 +53,15 @@ fn run(
 fn strict_priority_between_classes() {
     let now = Instant::now();
     let mut s = setup(
-    &[
-        tenant("normal", PriorityClass::Normal, 1000),
-        tenant("prio", PriorityClass::Priority, 1),
-        tenant("rt", PriorityClass::Realtime, 1),
-    ],
-    now,
+        &[
+            tenant("normal", PriorityClass::Normal, 1000),
+            tenant("prio", PriorityClass::Priority, 1),
+            tenant("rt", PriorityClass::Realtime, 1),
+        ],
+        now,
     );
     for d in 1..=3 {
-    s.stage((d, 0), send(4096), now);
+        s.stage((d, 0), send(4096), now);
     }
     // All three backlogged: only realtime is served, whatever the weights.
     let served = run(&mut s, now, 500, |_| send(4096));
@@ -94,11 +93,11 @@ fn strict_priority_between_classes() {
 fn weights_share_bytes_within_a_class() {
     let now = Instant::now();
     let mut s = setup(
-    &[
-        tenant("one", PriorityClass::Normal, 1),
-        tenant("three", PriorityClass::Normal, 3),
-    ],
-    now,
+        &[
+            tenant("one", PriorityClass::Normal, 1),
+            tenant("three", PriorityClass::Normal, 3),
+        ],
+        now,
     );
     // Different message sizes: the share is in bytes, not messages.
     let head_of = |d: DeviceId| if d == 1 { send(4096) } else { send(1000) };
@@ -120,11 +119,11 @@ fn a_tenants_queues_take_turns_and_keep_their_order() {
     s.stage((7, 1), send(100), now);
     let mut order = Vec::new();
     for _ in 0..6 {
-    let Pick::Run(q) = s.pick(now) else {
-        panic!("work is staged");
-    };
-    order.push(q.1);
-    s.stage(q, send(100), now);
+        let Pick::Run(q) = s.pick(now) else {
+            panic!("work is staged");
+        };
+        order.push(q.1);
+        s.stage(q, send(100), now);
     }
     assert_eq!(order, vec![0, 1, 0, 1, 0, 1]);
     s.remove_device(7);
@@ -135,11 +134,11 @@ fn a_tenants_queues_take_turns_and_keep_their_order() {
 fn huge_messages_are_scheduled_without_spinning_through_turns() {
     let now = Instant::now();
     let mut s = setup(
-    &[
-        tenant("a", PriorityClass::Normal, 1),
-        tenant("b", PriorityClass::Normal, 1),
-    ],
-    now,
+        &[
+            tenant("a", PriorityClass::Normal, 1),
+            tenant("b", PriorityClass::Normal, 1),
+        ],
+        now,
     );
     let huge = 1u64 << 31;
     s.stage((1, 0), send(huge), now);
@@ -163,20 +162,20 @@ fn simulate(
     let mut now = start;
     let mut served: HashMap<DeviceId, (u64, u64)> = HashMap::new();
     while now < end {
-    match s.pick(now) {
-        Pick::Run(q) => {
-            let e = served.entry(q.0).or_default();
-            e.0 += 1;
-            e.1 += head.bytes;
-            s.stage(q, head, now);
-            now += step;
+        match s.pick(now) {
+            Pick::Run(q) => {
+                let e = served.entry(q.0).or_default();
+                e.0 += 1;
+                e.1 += head.bytes;
+                s.stage(q, head, now);
+                now += step;
+            }
+            Pick::Wait(Some(at)) => {
+                assert!(at > now, "woken for nothing at {at:?}");
+                now = at;
+            }
+            other => panic!("unexpected {other:?}"),
         }
-        Pick::Wait(Some(at)) => {
-            assert!(at > now, "woken for nothing at {at:?}");
-            now = at;
-        }
-        other => panic!("unexpected {other:?}"),
-    }
     }
     served
 }
@@ -199,8 +198,8 @@ fn token_buckets_hold_the_configured_rates() {
     bytes.rate.read.bytes_per_sec = Some(1_000_000);
     let mut s = setup(&[bytes], start);
     let read = Head {
-    kind: OpKind::Read,
-    bytes: 4096,
+        kind: OpKind::Read,
+        bytes: 4096,
     };
     s.stage((1, 0), read, start);
     let served = simulate(&mut s, start, 10, read, Duration::ZERO);
@@ -209,7 +208,7 @@ fn token_buckets_hold_the_configured_rates() {
     // Sends of the same tenant are not limited by its read bucket.
     let now = start + Duration::from_secs(10);
     while let Pick::Run(q) = s.pick(now) {
-    s.stage(q, read, now);
+        s.stage(q, read, now);
     }
     s.stage((1, 1), send(4096), now);
     assert_eq!(s.pick(now), Pick::Run((1, 1)));
@@ -228,8 +227,8 @@ fn a_limited_tenant_keeps_its_rate_beside_an_unlimited_one() {
     let served = simulate(&mut s, start, 5, send(64), Duration::from_micros(10));
     let slow_rate = served[&1].0 as f64 / 5.0;
     assert!(
-    (slow_rate - 2000.0).abs() / 2000.0 < 0.1,
-    "slow tenant ran at {slow_rate}/s"
+        (slow_rate - 2000.0).abs() / 2000.0 < 0.1,
+        "slow tenant ran at {slow_rate}/s"
     );
     assert!(served[&2].0 > 400_000, "fast tenant: {:?}", served[&2]);
     let throttled = s.throttled("slow", start + Duration::from_secs(5))[0];
@@ -237,8 +236,8 @@ fn a_limited_tenant_keeps_its_rate_beside_an_unlimited_one() {
     // is not throttling; what remains is still well above zero.
     assert!(throttled > Duration::from_millis(100), "{throttled:?}");
     assert_eq!(
-    s.throttled("fast", start + Duration::from_secs(5)),
-    [Duration::ZERO; 2]
+        s.throttled("fast", start + Duration::from_secs(5)),
+        [Duration::ZERO; 2]
     );
 }
 
@@ -254,18 +253,18 @@ fn throttled_time_is_counted() {
     // times, and waits for a token the rest of the time.
     let mut ran = 0;
     for ms in 0..1000 {
-    let now = start + Duration::from_millis(ms);
-    if let Pick::Run(q) = s.pick(now) {
-        ran += 1;
-        s.stage(q, send(64), now);
-    }
+        let now = start + Duration::from_millis(ms);
+        if let Pick::Run(q) = s.pick(now) {
+            ran += 1;
+            s.stage(q, send(64), now);
+        }
     }
     assert!((99..=101).contains(&ran), "ran {ran}");
     let end = start + Duration::from_secs(1);
     let [send_t, read_t] = s.throttled("t", end);
     assert!(
-    send_t > Duration::from_millis(850) && send_t <= Duration::from_secs(1),
-    "throttled {send_t:?}"
+        send_t > Duration::from_millis(850) && send_t <= Duration::from_secs(1),
+        "throttled {send_t:?}"
     );
     assert_eq!(read_t, Duration::ZERO);
     // No work: the throttled time stops growing.
@@ -277,12 +276,12 @@ fn throttled_time_is_counted() {
     s.stage((1, 0), send(64), end);
     let mut now = end;
     let at = loop {
-    match s.pick(now) {
-        Pick::Run(q) => s.stage(q, send(64), now),
-        Pick::Wait(Some(at)) => break at,
-        other => panic!("unexpected {other:?}"),
-    }
-    now += Duration::from_millis(1);
+        match s.pick(now) {
+            Pick::Run(q) => s.stage(q, send(64), now),
+            Pick::Wait(Some(at)) => break at,
+            other => panic!("unexpected {other:?}"),
+        }
+        now += Duration::from_millis(1);
     };
     assert!(at > now && at - now <= Duration::from_millis(10));
 }
@@ -315,12 +314,12 @@ fn reconfiguring_applies_at_once_and_keeps_tokens_bounded() {
 fn the_port_is_shared_by_weight_and_realtime_overtakes_booked_work() {
     let start = Instant::now();
     let mut s = setup(
-    &[
-        tenant("one", PriorityClass::Normal, 1),
-        tenant("three", PriorityClass::Normal, 3),
-        tenant("rt", PriorityClass::Realtime, 1),
-    ],
-    start,
+        &[
+            tenant("one", PriorityClass::Normal, 1),
+            tenant("three", PriorityClass::Normal, 3),
+            tenant("rt", PriorityClass::Realtime, 1),
+        ],
+        start,
     );
     // 1 GB/s: one byte per nanosecond.
     s.link = Some(Link::new(1_000_000_000));
@@ -331,17 +330,17 @@ fn the_port_is_shared_by_weight_and_realtime_overtakes_booked_work() {
     let mut served: HashMap<DeviceId, u64> = HashMap::new();
     let end = start + Duration::from_millis(100);
     while now < end {
-    match s.pick(now) {
-        Pick::Run(q) => {
-            *served.entry(q.0).or_default() += big.bytes;
-            s.stage(q, big, now);
+        match s.pick(now) {
+            Pick::Run(q) => {
+                *served.entry(q.0).or_default() += big.bytes;
+                s.stage(q, big, now);
+            }
+            Pick::Wait(Some(at)) => {
+                assert!(at > now, "a wait must move time forward");
+                now = at;
+            }
+            other => panic!("backlogged tenants got {other:?}"),
         }
-        Pick::Wait(Some(at)) => {
-            assert!(at > now, "a wait must move time forward");
-            now = at;
-        }
-        other => panic!("backlogged tenants got {other:?}"),
-    }
     }
     // The port, not the caller's speed, sets the total: 100 ms at
     // 1 GB/s plus the booked backlog (nobody of a higher class busy).
@@ -350,12 +349,12 @@ fn the_port_is_shared_by_weight_and_realtime_overtakes_booked_work() {
     assert!(total <= wire && total >= 99_000_000, "{total} bytes");
     let ratio = served[&2] as f64 / served[&1] as f64;
     assert!(
-    (ratio - 3.0).abs() < 0.06,
-    "1:3 on the port gave 1:{ratio:.3}"
+        (ratio - 3.0).abs() < 0.06,
+        "1:3 on the port gave 1:{ratio:.3}"
     );
     // The normal class books the port ahead; realtime then goes at once.
     while let Pick::Run(q) = s.pick(now) {
-    s.stage(q, big, now);
+        s.stage(q, big, now);
     }
     s.stage((3, 0), send(64), now);
     assert_eq!(s.pick(now), Pick::Run((3, 0)));
@@ -393,7 +392,10 @@ fn a_burst_goes_on_only_while_a_pick_would_choose_the_same() {
     s.stage(first, send(4096), now);
     // The other tenant's turn now, through a pick.
     let other = (3 - first.0, 0);
-    assert!(!s.budget(other, now).admit(&send(64), now), "not the tenant served last");
+    assert!(
+        !s.budget(other, now).admit(&send(64), now),
+        "not the tenant served last"
+    );
     assert_eq!(s.pick(now), Pick::Run(other));
     // Work of a higher class ends a burst at once.
     s.stage((3, 0), send(64), now);
@@ -445,7 +447,10 @@ fn a_burst_is_charged_like_the_picks_it_replaces() {
     assert_eq!(more, 3, "the bucket held 4 operations");
     s.spend(&budget, now);
     s.stage((1, 0), send(64), now);
-    assert!(matches!(s.pick(now), Pick::Wait(Some(_))), "the tokens are spent");
+    assert!(
+        matches!(s.pick(now), Pick::Wait(Some(_))),
+        "the tokens are spent"
+    );
     assert!(s.throttled("limited", now + Duration::from_millis(1))[0] > Duration::ZERO);
 }
 

@@ -21,7 +21,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use vrdma_guest_driver::error::chain;
+use vrdma_errors::error_chain;
 use vrdma_guest_driver::{
     CompletionQueue, MemoryRegion, QueuePair, RecvWr, SendPayload, SendWr, WorkCompletion,
 };
@@ -110,7 +110,7 @@ struct Failed(DemoError, Vec<String>);
 
 impl Debug for Failed {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "vrdma demo: FAILED: {}", chain(&self.0))?;
+        write!(f, "vrdma demo: FAILED: {}", error_chain(&self.0))?;
         self.1.iter().try_for_each(|log| write!(f, "\n{log}"))
     }
 }

@@ -23,7 +23,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use vrdma_guest_driver::error::chain;
+use vrdma_errors::error_chain;
 use vrdma_guest_driver::{
     CompletionQueue, Context, MemoryRegion, QpCapabilities, RecvWr, SendPayload, SendWr,
     WorkCompletion,
@@ -145,7 +145,7 @@ fn open(args: &Args) -> Result<Context, String> {
         Some(bdf) => Context::open_pci(Some(bdf), args.virtio_id),
         None => Context::open_vhost_user(&args.device),
     };
-    opened.map_err(|e| format!("cannot open {}: {}", args.device, chain(&e)))
+    opened.map_err(|e| format!("cannot open {}: {}", args.device, error_chain(&e)))
 }
 
 /// The CQ's completions, taken by work-request id: the peer's SEND may land
@@ -232,7 +232,7 @@ fn run(args: &Args) -> Result<String, String> {
     // SAFETY: our own mapping, alive until after the MR (dropped first,
     // declared later); no other thread touches it.
     let mr: MemoryRegion = unsafe { pd.reg_mr(buffer.as_ptr(), buffer.len(), RW) }
-        .map_err(|e| format!("reg_mr: {}", chain(&e)))?;
+        .map_err(|e| format!("reg_mr: {}", error_chain(&e)))?;
     // Then the peer: the listener's address is printed once it listens.
     let (stream, listening) = match (&args.listen, &args.connect) {
         (Some(addr), _) => {
@@ -263,7 +263,7 @@ fn run(args: &Args) -> Result<String, String> {
     peer_channel.send(&me.line())?;
     let peer = PeerInfo::parse(&peer_channel.recv()?)?;
     bring_up(&qp, peer.qpn, peer.lid, Connection::default())
-        .map_err(|e| format!("connecting the QP: {}", chain(&e)))?;
+        .map_err(|e| format!("connecting the QP: {}", error_chain(&e)))?;
     let landing = 3 * size as u64;
     let recv_sge = [mr.sge(landing, size as u32)];
     qp.post_recv(&[RecvWr {

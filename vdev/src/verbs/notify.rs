@@ -176,7 +176,7 @@ impl RdmaDevice {
             None => lend(&NoFds),
         };
         result.map_err(|e| {
-            tracing::warn!(tenant = %self.tenant(), command, error = %crate::control::error_chain(&e),
+            tracing::warn!(tenant = %self.tenant(), command, error = %vrdma_errors::error_chain(&e),
                 "Refused: hostd cannot be given the eventfd it needs");
             VerbError::Notify(e)
         })

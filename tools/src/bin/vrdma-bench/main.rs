@@ -21,7 +21,7 @@ mod throughput;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
-use vrdma_guest_driver::error::chain;
+use vrdma_errors::error_chain;
 use vrdma_guest_driver::PostError;
 use vrdma_spec::verbs::{SendOpcode, WcStatus};
 use vrdma_tools::supervisor;
@@ -155,7 +155,7 @@ struct Failed(BenchError);
 
 impl std::fmt::Debug for Failed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "vrdma-bench: {}", chain(&self.0))
+        write!(f, "vrdma-bench: {}", error_chain(&self.0))
     }
 }
 

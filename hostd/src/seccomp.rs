@@ -1,0 +1,408 @@
+//! hostd's seccomp rule tables: one allow-list per thread role.
+//!
+//! hostd runs these threads, each under its own role's filter
+//! (`vrdma_isolation::seccomp` compiles and installs them; see
+//! docs/security.md for what per-thread filters enforce and what not):
+//!
+//! - [`Role::Main`] — the main thread: creates the datapath, starts the
+//!   other threads through the launcher, then accepts vdevs on the socket
+//!   bound before the sandbox, one connection thread each.
+//! - [`Role::Connection`] — one thread per vdev: requests and responses
+//!   with descriptors (`SCM_RIGHTS`), `SO_PEERCRED`, tenant memory mapped
+//!   (never executable) if sealed, the notification `socketpair`, the
+//!   drivers' eventfds taken in.
+//! - [`Role::Datapath`] — the polling threads: epoll on their own
+//!   duplicates of the doorbell eventfds, a monotonic timerfd,
+//!   `sched_yield`; they read and write the tenants' mapped memory (rings,
+//!   buffers) and the eventfds.
+//! - [`Role::Admin`] — the admin socket's listener and its clients
+//!   (`vrdmactl`: stats, metrics, reload).
+//! - [`Role::Sighup`] — reload on SIGHUP, read from a signalfd.
+//!
+//! Each role's function lists its calls with the reason beside each;
+//! [`common_rules`] holds what every thread of a Rust program on glibc
+//! needs. No role has `socket`, `connect`, `bind` or `listen` (hostd's
+//! sockets are bound before the sandbox and it connects nowhere), nor
+//! `execve`, `fork`, `ptrace`, `kill`, `ioctl`, `unlink`, `chmod`, `bpf`,
+//! `memfd_create` or `seccomp`.
+
+use std::fmt;
+
+use vrdma_isolation::seccomp::{common_rules, Op, Rules, SeccompError, ThreadRole};
+
+/// The thread roles of hostd.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Role {
+    /// The main thread: set-up, then the vdev accept loop.
+    Main,
+    /// One thread per vdev connection.
+    Connection,
+    /// The datapath polling threads.
+    Datapath,
+    /// The admin socket's threads.
+    Admin,
+    /// Policy reload on SIGHUP.
+    Sighup,
+}
+
+impl Role {
+    /// The roles of the threads hostd starts after its main thread has
+    /// installed [`Role::Main`]'s filter.
+    pub const SPAWNED: [Role; 4] = [Role::Connection, Role::Datapath, Role::Admin, Role::Sighup];
+}
+
+impl ThreadRole for Role {
+    fn rules(self) -> Result<Rules, SeccompError> {
+        let own = match self {
+            Role::Main => main_rules(),
+            Role::Connection => connection_rules()?,
+            Role::Datapath => datapath_rules()?,
+            Role::Admin => admin_rules()?,
+            Role::Sighup => sighup_rules()?,
+        };
+        Ok(common_rules()?.merge(own))
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Role::Main => "main",
+            Role::Connection => "connection",
+            Role::Datapath => "datapath",
+            Role::Admin => "admin",
+            Role::Sighup => "sighup",
+        })
+    }
+}
+
+/// hostd's threads, each started under its role's filter.
+pub type Threads = vrdma_isolation::seccomp::Threads<Role>;
+
+/// The main thread: the datapath created, then vdevs accepted.
+fn main_rules() -> Rules {
+    let mut r = Rules::new();
+    // vdevs connect on the listener bound before the sandbox.
+    r.allow(libc::SYS_accept4);
+    // The datapath threads' wake eventfds, created before they start.
+    r.allow(libc::SYS_eventfd2);
+    // A failed accept (EMFILE and friends) waits a little, not to spin.
+    r.allow(libc::SYS_clock_nanosleep);
+    r
+}
+
+/// One vdev's connection: its requests, its device's resources.
+fn connection_rules() -> Result<Rules, SeccompError> {
+    let mut r = Rules::new();
+    // Requests and responses, with descriptors (SCM_RIGHTS): guest memory
+    // memfds and the drivers' doorbell and interrupt eventfds in, the
+    // notification channel out.
+    r.allow(libc::SYS_recvmsg);
+    r.allow(libc::SYS_sendmsg);
+    // The vdev's uid, checked against the policy (SO_PEERCRED only).
+    r.allow_if_all(
+        libc::SYS_getsockopt,
+        &[
+            (1, Op::Eq, libc::SOL_SOCKET as u64),
+            (2, Op::Eq, libc::SO_PEERCRED as u64),
+        ],
+    )?;
+    // The notification channel of each registration: an AF_UNIX seqpacket
+    // pair, nothing else. No socket() at all: hostd connects nowhere.
+    r.allow_unix_seqpacket(libc::SYS_socketpair)?;
+    // A guest memory memfd is mapped only if sealed against shrinking
+    // (F_GET_SEALS), mapped shared, read/write (common rule: never
+    // executable); the notification end is made non-blocking; descriptors
+    // are duplicated (try_clone) and inspected.
+    r.allow_if_eq(
+        libc::SYS_fcntl,
+        1,
+        &[
+            libc::F_GET_SEALS as u64,
+            libc::F_GETFL as u64,
+            libc::F_SETFL as u64,
+            libc::F_DUPFD_CLOEXEC as u64,
+            libc::F_GETFD as u64,
+            libc::F_SETFD as u64,
+        ],
+    )?;
+    // A guest memory memfd's size, and what an eventfd a vdev lends is
+    // (hostd then writes 0 to it, a common write), from the descriptor.
+    r.allow_stat_by_descriptor()?;
+    Ok(r)
+}
+
+/// The datapath polling threads.
+fn datapath_rules() -> Result<Rules, SeccompError> {
+    let mut r = Rules::new();
+    // Sleeping on doorbells, the wake eventfd and the retry timer; devices
+    // come and go on the thread's own epoll set.
+    r.allow_epoll();
+    // The retry timer (rate limits, credits): monotonic clock only.
+    r.allow_if_eq(libc::SYS_timerfd_create, 0, &[libc::CLOCK_MONOTONIC as u64])?;
+    r.allow(libc::SYS_timerfd_settime);
+    // Adaptive polling yields the core every turn.
+    r.allow(libc::SYS_sched_yield);
+    // Each thread sleeps on its own duplicates of the drivers' doorbell
+    // eventfds (so that it can always remove their registrations), and
+    // closes them when a doorbell goes.
+    r.allow_if_eq(
+        libc::SYS_fcntl,
+        1,
+        &[libc::F_DUPFD_CLOEXEC as u64, libc::F_GETFD as u64],
+    )?;
+    Ok(r)
+}
+
+/// The admin socket's listener and its clients.
+fn admin_rules() -> Result<Rules, SeccompError> {
+    let mut r = policy_reload_rules()?;
+    // vrdmactl connects on the listener bound (mode 0600) before the
+    // sandbox; a failed accept waits a little, not to spin.
+    r.allow(libc::SYS_accept4);
+    r.allow(libc::SYS_clock_nanosleep);
+    // Admin requests and responses (no descriptors are accepted).
+    r.allow(libc::SYS_recvmsg);
+    r.allow(libc::SYS_sendmsg);
+    Ok(r)
+}
+
+/// Reload on SIGHUP: the signal is read from a signalfd opened before the
+/// sandbox (common read); the rest is the reload itself.
+fn sighup_rules() -> Result<Rules, SeccompError> {
+    policy_reload_rules()
+}
+
+/// A policy reload, from the admin socket or SIGHUP: the policy file
+/// opened read-only (common rule; landlock allows the files of its
+/// directory only) and sized from its descriptor, and the new policy sent
+/// to each connected vdev whose tenant's policy changed.
+fn policy_reload_rules() -> Result<Rules, SeccompError> {
+    let mut r = Rules::new();
+    r.allow_stat_by_descriptor()?;
+    r.allow(libc::SYS_sendmsg);
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use vrdma_isolation::seccomp::testing::{
+        assert_each_role_allows, assert_every_role_compiles, assert_kernel_enforces,
+        assert_no_role_allows, assert_only_owners_allow, fcntl, run, statx_by_descriptor,
+        unix_seqpacket, x86_64_filter, Call, BAD_FD as BAD, KILL, RW,
+    };
+
+    use super::*;
+
+    /// Every role, the main thread's first.
+    const ROLES: [Role; 5] = [
+        Role::Main,
+        Role::Connection,
+        Role::Datapath,
+        Role::Admin,
+        Role::Sighup,
+    ];
+
+    const SEQPACKET: u64 = (libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC) as u64;
+    const UNIX: u64 = libc::AF_UNIX as u64;
+
+    fn peercred() -> Call {
+        let (sol, peercred) = (libc::SOL_SOCKET as u64, libc::SO_PEERCRED as u64);
+        (
+            "getsockopt",
+            libc::SYS_getsockopt,
+            [9, sol, peercred, 0, 0, 0],
+        )
+    }
+
+    fn socketpair() -> Call {
+        unix_seqpacket("socketpair", libc::SYS_socketpair)
+    }
+
+    fn monotonic_timer() -> Call {
+        let args = [
+            libc::CLOCK_MONOTONIC as u64,
+            libc::TFD_CLOEXEC as u64,
+            0,
+            0,
+            0,
+            0,
+        ];
+        ("timerfd_create", libc::SYS_timerfd_create, args)
+    }
+
+    /// The calls each role makes at run time besides the common ones, with
+    /// typical arguments: from `strace -f` of hostd (one trace file per
+    /// thread, after the thread's filter) under the demo and the
+    /// integration tests (RDMA, policy reload by SIGHUP and by vrdmactl).
+    fn needed(role: Role) -> Vec<Call> {
+        let cloexec = libc::EPOLL_CLOEXEC as u64;
+        let nanosleep = ("nanosleep", libc::SYS_clock_nanosleep, [1, 0, 0, 0, 0, 0]);
+        match role {
+            Role::Main => vec![
+                ("accept4", libc::SYS_accept4, [3, 0, 0, 0o2000000, 0, 0]),
+                ("eventfd2", libc::SYS_eventfd2, [0, 0o2004000, 0, 0, 0, 0]),
+                nanosleep,
+            ],
+            Role::Connection => vec![
+                ("recvmsg", libc::SYS_recvmsg, [9, 0, 0x40000000, 0, 0, 0]),
+                ("sendmsg", libc::SYS_sendmsg, [9, 0, 0x4000, 0, 0, 0]),
+                peercred(),
+                socketpair(),
+                fcntl(libc::F_GET_SEALS),
+                fcntl(libc::F_GETFL),
+                fcntl(libc::F_SETFL),
+                fcntl(libc::F_DUPFD_CLOEXEC),
+                statx_by_descriptor(),
+                (
+                    "mmap tenant memory",
+                    libc::SYS_mmap,
+                    [0, 1 << 24, RW, 1, 11, 0],
+                ),
+            ],
+            Role::Datapath => vec![
+                (
+                    "epoll_create1",
+                    libc::SYS_epoll_create1,
+                    [cloexec, 0, 0, 0, 0, 0],
+                ),
+                ("epoll_ctl", libc::SYS_epoll_ctl, [7, 1, 9, 0, 0, 0]),
+                ("epoll_wait", libc::SYS_epoll_wait, [7, 0, 64, 1, 0, 0]),
+                monotonic_timer(),
+                (
+                    "timerfd_settime",
+                    libc::SYS_timerfd_settime,
+                    [8, 0, 0, 0, 0, 0],
+                ),
+                ("sched_yield", libc::SYS_sched_yield, [0; 6]),
+                fcntl(libc::F_DUPFD_CLOEXEC),
+            ],
+            Role::Admin => vec![
+                ("accept4", libc::SYS_accept4, [4, 0, 0, 0o2000000, 0, 0]),
+                ("recvmsg", libc::SYS_recvmsg, [9, 0, 0, 0, 0, 0]),
+                ("sendmsg", libc::SYS_sendmsg, [9, 0, 0x4000, 0, 0, 0]),
+                statx_by_descriptor(),
+                nanosleep,
+            ],
+            Role::Sighup => vec![
+                statx_by_descriptor(),
+                ("sendmsg", libc::SYS_sendmsg, [9, 0, 0x4040, 0, 0, 0]),
+            ],
+        }
+    }
+
+    #[test]
+    fn each_role_compiles_and_allows_what_it_needs() {
+        assert_every_role_compiles(&ROLES);
+        assert_each_role_allows(&ROLES, needed);
+        // The main thread's role is not among the roles hostd starts.
+        assert!(!Role::SPAWNED.contains(&Role::Main));
+        assert_eq!(Role::SPAWNED.len() + 1, ROLES.len());
+    }
+
+    #[test]
+    fn no_role_can_make_a_call_only_other_roles_need() {
+        use Role::*;
+        let any = |name, nr| (name, nr, [9, 0, 0, 0, 0, 0]);
+        assert_only_owners_allow(
+            &ROLES,
+            &[
+                (any("accept4", libc::SYS_accept4), &[Main, Admin]),
+                (any("nanosleep", libc::SYS_clock_nanosleep), &[Main, Admin]),
+                (any("eventfd2", libc::SYS_eventfd2), &[Main]),
+                (any("recvmsg", libc::SYS_recvmsg), &[Connection, Admin]),
+                (
+                    any("sendmsg", libc::SYS_sendmsg),
+                    &[Connection, Admin, Sighup],
+                ),
+                (statx_by_descriptor(), &[Connection, Admin, Sighup]),
+                (peercred(), &[Connection]),
+                (socketpair(), &[Connection]),
+                (fcntl(libc::F_GET_SEALS), &[Connection]),
+                (fcntl(libc::F_DUPFD_CLOEXEC), &[Connection, Datapath]),
+                (any("epoll_wait", libc::SYS_epoll_wait), &[Datapath]),
+                (monotonic_timer(), &[Datapath]),
+                (any("sched_yield", libc::SYS_sched_yield), &[Datapath]),
+            ],
+        );
+    }
+
+    #[test]
+    fn dangerous_calls_are_in_no_role() {
+        // Besides the calls no daemon may make: hostd's sockets are bound
+        // before the sandbox; it connects nowhere, creates no socket but a
+        // socketpair, removes no file and changes no mode or priority.
+        assert_no_role_allows(
+            &ROLES,
+            &[
+                ("socket", libc::SYS_socket),
+                ("connect", libc::SYS_connect),
+                ("unlink", libc::SYS_unlink),
+                ("unlinkat", libc::SYS_unlinkat),
+                ("chmod", libc::SYS_chmod),
+                ("memfd_create", libc::SYS_memfd_create),
+                ("ftruncate", libc::SYS_ftruncate),
+                ("shutdown", libc::SYS_shutdown),
+                ("signalfd4", libc::SYS_signalfd4),
+                ("setpriority", libc::SYS_setpriority),
+            ],
+        );
+    }
+
+    #[test]
+    fn the_arguments_are_checked() {
+        let conn = x86_64_filter(Role::Connection);
+        let stream = (libc::SOCK_STREAM | libc::SOCK_CLOEXEC) as u64;
+        let inet = libc::AF_INET as u64;
+        let sol = libc::SOL_SOCKET as u64;
+        let (rcvbuf, peercred) = (libc::SO_RCVBUF as u64, libc::SO_PEERCRED as u64);
+        let cwd = libc::AT_FDCWD as u64;
+        for (nr, args) in [
+            (libc::SYS_socketpair, [UNIX, stream, 0, 0, 0, 0]),
+            (libc::SYS_socketpair, [inet, SEQPACKET, 0, 0, 0, 0]),
+            (libc::SYS_getsockopt, [3, sol, rcvbuf, 0, 0, 0]),
+            (libc::SYS_setsockopt, [3, sol, peercred, 0, 0, 0]),
+            (libc::SYS_fcntl, [3, libc::F_ADD_SEALS as u64, 1, 0, 0, 0]),
+            (libc::SYS_statx, [cwd, 0, 0, 0xfff, 0, 0]),
+        ] {
+            assert_eq!(run(&conn, nr, args), KILL, "{nr} {args:?}");
+        }
+        let realtime = libc::CLOCK_REALTIME as u64;
+        let datapath = x86_64_filter(Role::Datapath);
+        let args = [realtime, 0, 0, 0, 0, 0];
+        assert_eq!(run(&datapath, libc::SYS_timerfd_create, args), KILL);
+        for role in ROLES {
+            let f = x86_64_filter(role);
+            let rwx = RW | libc::PROT_EXEC as u64;
+            assert_eq!(
+                run(&f, libc::SYS_mmap, [0, 4096, rwx, 1, 5, 0]),
+                KILL,
+                "{role}"
+            );
+            assert_eq!(run(&f, libc::SYS_mprotect, [0, 4096, rwx, 0, 0, 0]), KILL);
+            let setown = libc::F_SETOWN as u64;
+            assert_eq!(run(&f, libc::SYS_fcntl, [3, setown, 1, 0, 0, 0]), KILL);
+            let wronly = libc::O_WRONLY as u64;
+            assert_eq!(run(&f, libc::SYS_openat, [0, 0, wronly, 0, 0, 0]), KILL);
+        }
+    }
+
+    /// The same filters asked of the kernel: each installed in a forked
+    /// child that makes one call.
+    #[test]
+    fn the_kernel_enforces_each_role() {
+        let accept = ("accept4", libc::SYS_accept4, [BAD, 0, 0, 0, 0, 0]);
+        let sched_yield = ("sched_yield", libc::SYS_sched_yield, [0; 6]);
+        assert_kernel_enforces(&[
+            (Role::Main, accept, socketpair()),
+            (Role::Connection, socketpair(), accept),
+            (Role::Datapath, sched_yield, socketpair()),
+            (Role::Admin, accept, sched_yield),
+            (
+                Role::Sighup,
+                ("sendmsg", libc::SYS_sendmsg, [BAD, 0, 0, 0, 0, 0]),
+                ("recvmsg", libc::SYS_recvmsg, [BAD, 0, 0, 0, 0, 0]),
+            ),
+        ]);
+    }
+}
