@@ -231,3 +231,23 @@ pub fn run(tenants: usize, qps: usize, duration: Duration, targets: &mut Targets
     targets.check(what, idle * 100.0, " %", Bound::AtMost(1.0));
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The idle figure is only as good as the clock it reads: a thread of
+    /// this process that spins for 100 ms must show up as about that.
+    #[test]
+    fn cpu_time_sees_a_spinning_thread() {
+        let me = std::process::id();
+        let before = cpu_time(&[me]).expect("own schedstat");
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(100) {
+            std::hint::spin_loop();
+        }
+        let used = cpu_time(&[me]).expect("own schedstat") - before;
+        assert!(used >= Duration::from_millis(30), "{used:?}");
+        assert!(cpu_time(&[u32::MAX]).is_err(), "no such process");
+    }
+}
