@@ -163,21 +163,22 @@ fn the_send_queue_is_full_until_completions_free_it() {
         "still full while nothing completed"
     );
 
-    // The peer posts receives: all 16 complete, in order, and free the
-    // queue for 16 more.
-    let receive = |id| RecvWr {
-        wr_id: id,
-        sg_list: &[],
+    // The peer posts receives for `sends`: they complete, in order.
+    let receive_for = |sends: std::ops::Range<u64>| {
+        let recvs: Vec<RecvWr<'_>> = (sends.clone())
+            .map(|id| RecvWr {
+                wr_id: id + 100,
+                sg_list: &[],
+            })
+            .collect();
+        qb.post_recv(&recvs).expect("post receives");
+        let wcs = wait_completions(&cq, recvs.len());
+        let ids: Vec<u64> = wcs.iter().map(|wc| wc.wr_id).collect();
+        assert_eq!(ids, sends.collect::<Vec<_>>(), "in order: {wcs:?}");
+        let succeeded = wcs.iter().all(|wc| wc.status == WcStatus::Success);
+        assert!(succeeded, "{wcs:?}");
     };
-    let recvs: Vec<RecvWr<'_>> = (100..116).map(receive).collect();
-    qb.post_recv(&recvs).expect("post 16 receives");
-    let wcs = wait_completions(&cq, 16);
-    let ids: Vec<u64> = wcs.iter().map(|wc| wc.wr_id).collect();
-    assert_eq!(ids, (0..16).collect::<Vec<_>>(), "in order: {wcs:?}");
-    assert!(
-        wcs.iter().all(|wc| wc.status == WcStatus::Success),
-        "{wcs:?}"
-    );
+    receive_for(0..16);
     let received = wait_completions(&b.cq, 16);
     let imms: Vec<_> = received.iter().map(|wc| wc.imm_data).collect();
     let sent: Vec<_> = (0..16).map(|id| Some((id as u32).to_be_bytes())).collect();
@@ -185,17 +186,10 @@ fn the_send_queue_is_full_until_completions_free_it() {
     assert!(received
         .iter()
         .all(|wc| wc.opcode == Some(WcOpcode::Recv) && wc.status == WcStatus::Success));
+    // They freed the queue for 16 more, and no more.
     let more: Vec<SendWr<'_>> = (16..32).map(send).collect();
     qa.post_send(&more).expect("16 more fit");
     let full = qa.post_send(&[send(32)]).expect_err("and then no more");
     assert_eq!(full.errno(), libc::ENOMEM);
-    let recvs: Vec<RecvWr<'_>> = (116..132).map(receive).collect();
-    qb.post_recv(&recvs).expect("post 16 receives");
-    let wcs = wait_completions(&cq, 16);
-    let ids: Vec<u64> = wcs.iter().map(|wc| wc.wr_id).collect();
-    assert_eq!(ids, (16..32).collect::<Vec<_>>(), "in order: {wcs:?}");
-    assert!(
-        wcs.iter().all(|wc| wc.status == WcStatus::Success),
-        "{wcs:?}"
-    );
+    receive_for(16..32);
 }

@@ -440,18 +440,8 @@ impl Completions {
 /// first event virtqueue (its call is hostd's interrupt) and event ring 0,
 /// given as a driver gives them before its first QP.
 fn doorbell_and_events(vmm: &mut Vmm) -> (vmm::RawQueue, vmm::RawQueue) {
-    let doorbell = vmm::RawQueue::setup(
-        &mut vmm.frontend,
-        &vmm.mem,
-        vrdma_spec::DOORBELL_QUEUE,
-        DOORBELL_RING,
-    );
-    let events = vmm::RawQueue::setup(
-        &mut vmm.frontend,
-        &vmm.mem,
-        vrdma_spec::FIRST_EVENT_QUEUE,
-        EVENT_QUEUE_RING,
-    );
+    let doorbell = vmm.queue(vrdma_spec::DOORBELL_QUEUE, DOORBELL_RING);
+    let events = vmm.queue(vrdma_spec::FIRST_EVENT_QUEUE, EVENT_QUEUE_RING);
     for page in [DOORBELL_PAGE, EVENT_RING] {
         vmm.mem
             .write_slice(&[0u8; 0x1000], GuestAddress(page))
