@@ -13,14 +13,11 @@ use std::time::{Duration, Instant};
 use common::*;
 use vrdma_hostd::admin::{self, AdminRequest, AdminResponse};
 use vrdma_hostd::stats::{Stats, TenantStats};
-use vrdma_hostd_protocol::entries::PhysCqe;
 use vrdma_hostd_protocol::messages::{Notification, Request};
-use vrdma_hostd_protocol::shm::{Ring, SharedMapping};
 use vrdma_spec::verbs::{SendOpcode, WcStatus};
 use vrdma_tenant_policy::{Policy, TenantPolicy};
 
 const MIB: u64 = 1 << 20;
-const IOVA: u64 = 0x10_0000;
 
 /// alpha with tight memory quotas and 3 queues, beta plain, both in "demo".
 fn quota_policy(max_mr_bytes: u64) -> String {
@@ -49,8 +46,10 @@ fn tenant_policy(text: &str, name: &str) -> TenantPolicy {
         .clone()
 }
 
-fn errno(r: Result<(), (i32, String)>) -> Result<(), i32> {
-    r.map_err(|e| e.0)
+/// Registers `len` bytes at `offset` of `c`'s slot 0 (at the same offset
+/// of the IOVA space): the lkey or the errno.
+fn mr(c: &Client, offset: u64, len: u64) -> Result<u32, i32> {
+    errno(c.register(ALL, IOVA + offset, 0, offset, len)).map(|keys| keys.0)
 }
 
 fn stats(hostd: &Hostd) -> Stats {
@@ -68,25 +67,16 @@ fn tenant_stats(hostd: &Hostd, name: &str) -> TenantStats {
         .expect("tenant in stats")
 }
 
-/// Retries `f` until it holds (teardown and reload are asynchronous).
-fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f() {
-        assert!(Instant::now() < deadline, "never: {what}");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-}
-
 #[test]
 fn welcome_carries_the_tenants_policy() {
     let text = quota_policy(MIB);
     let hostd = Hostd::start_with("welcome", &config(64), &text);
     let alpha = Client::hello(&hostd.socket, "alpha", "vm0").expect("alpha");
     assert_eq!(alpha.policy, tenant_policy(&text, "alpha"));
-    assert_eq!(alpha.grants.len(), 3, "physical_queues of the policy");
+    assert_eq!(alpha.physical_queues, 3, "physical_queues of the policy");
     let beta = Client::hello(&hostd.socket, "beta", "vm0").expect("beta");
     assert_eq!(beta.policy, tenant_policy(&text, "beta"));
-    assert_eq!(beta.grants.len(), 2, "the default");
+    assert_eq!(beta.physical_queues, 2, "the default");
     let refused = Client::hello(&hostd.socket, "gamma", "vm0").map(|_| ());
     assert_eq!(refused.map_err(|e| e.0), Err(libc::EACCES));
     // The admin socket is the operator's only.
@@ -103,38 +93,28 @@ fn memory_quota_spans_a_tenants_devices() {
     let hostd = Hostd::start_with("memcap", &config(64), &quota_policy(MIB));
     let vm0 = Client::hello(&hostd.socket, "alpha", "vm0").expect("vm0");
     let vm1 = Client::hello(&hostd.socket, "alpha", "vm1").expect("vm1");
-    let _m0 = vm0.add_memory(0, 2 * MIB);
-    let _m1 = vm1.add_memory(0, 2 * MIB);
-    let reg = |c: &Client, key: u32, offset: u64, len: u64| {
-        errno(c.register(key, key + 1, ALL_ACCESS, IOVA + offset, 0, offset, len))
-    };
-    assert_eq!(reg(&vm0, 0x100, 0, MIB), Ok(()));
+    let _m0 = vm0.add_memory(0, 0, 2 * MIB);
+    let _m1 = vm1.add_memory(0, 0, 2 * MIB);
+    let first = mr(&vm0, 0, MIB).expect("within the quota");
     // One MR above max_mr_bytes.
-    assert_eq!(reg(&vm1, 0x200, 0, MIB + 1), Err(libc::ENOMEM));
+    assert_eq!(mr(&vm1, 0, MIB + 1), Err(libc::ENOMEM));
     // 1 MiB + 256 KiB, then +512 KiB would cross 1.5 MiB over both devices.
-    assert_eq!(reg(&vm1, 0x210, 0, MIB / 4), Ok(()));
-    assert_eq!(reg(&vm1, 0x220, MIB / 4, MIB / 2), Err(libc::ENOMEM));
-    assert_eq!(
-        reg(&vm1, 0x230, MIB / 4, MIB / 4),
-        Ok(()),
-        "exactly the quota"
-    );
-    assert_eq!(reg(&vm1, 0x240, MIB / 2, 4096), Err(libc::ENOMEM));
+    assert!(mr(&vm1, 0, MIB / 4).is_ok());
+    assert_eq!(mr(&vm1, MIB / 4, MIB / 2), Err(libc::ENOMEM));
+    assert!(mr(&vm1, MIB / 4, MIB / 4).is_ok(), "exactly the quota");
+    assert_eq!(mr(&vm1, MIB / 2, 4096), Err(libc::ENOMEM));
     // Another tenant has its own quota.
     let beta = Client::hello(&hostd.socket, "beta", "vm0").expect("beta");
-    let _mb = beta.add_memory(0, 2 * MIB);
-    assert_eq!(reg(&beta, 0x300, 0, 2 * MIB), Ok(()));
+    let _mb = beta.add_memory(0, 0, 2 * MIB);
+    assert!(mr(&beta, 0, 2 * MIB).is_ok());
     // Deregistering on one device makes room on the other.
-    vm0.call(&Request::DeregisterMr { lkey: 0x100 })
+    vm0.call(&Request::DeregisterMr { lkey: first })
         .expect("dereg");
-    assert_eq!(reg(&vm1, 0x220, MIB / 2, MIB / 2), Ok(()));
+    assert!(mr(&vm1, MIB / 2, MIB / 2).is_ok());
     // max_mr is per device: vm1 holds 3, may have one more.
-    assert_eq!(reg(&vm1, 0x250, MIB + MIB / 2, 4096), Ok(()));
-    assert_eq!(
-        reg(&vm1, 0x260, MIB + MIB / 2 + 4096, 4096),
-        Err(libc::ENOMEM)
-    );
-    assert_eq!(reg(&vm0, 0x270, 0, 4096), Ok(()));
+    assert!(mr(&vm1, MIB + MIB / 2, 4096).is_ok());
+    assert_eq!(mr(&vm1, MIB + MIB / 2 + 4096, 4096), Err(libc::ENOMEM));
+    assert!(mr(&vm0, 0, 4096).is_ok());
     let alpha = tenant_stats(&hostd, "alpha");
     assert_eq!(alpha.quota_rejections["max_mr_bytes"], 1);
     assert_eq!(alpha.quota_rejections["max_total_mr_bytes"], 2);
@@ -205,11 +185,8 @@ fn a_broken_policy_is_refused_and_the_old_one_stays() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("Cannot read policy file"));
     // The old policy is still enforced.
-    let _mem = alpha.add_memory(0, 2 * MIB);
-    assert_eq!(
-        errno(alpha.register(1, 2, ALL_ACCESS, IOVA, 0, 0, MIB + 1)),
-        Err(libc::ENOMEM)
-    );
+    let _mem = alpha.add_memory(0, 0, 2 * MIB);
+    assert_eq!(mr(&alpha, 0, MIB + 1), Err(libc::ENOMEM));
 }
 
 /// Reloads the changed policy with `trigger`, and checks the connected
@@ -217,13 +194,15 @@ fn a_broken_policy_is_refused_and_the_old_one_stays() {
 fn reload_pushes_policy(name: &str, trigger: impl Fn(&Hostd)) {
     let before = quota_policy(MIB);
     let hostd = Hostd::start_with(name, &config(64), &before);
-    let alpha = Client::hello(&hostd.socket, "alpha", "vm0").expect("alpha");
+    let mut alpha = Client::hello(&hostd.socket, "alpha", "vm0").expect("alpha");
     let beta = Client::hello(&hostd.socket, "beta", "vm0").expect("beta");
-    let mem = alpha.add_memory(0, 4 * MIB);
-    assert_eq!(
-        errno(alpha.register(1, 2, ALL_ACCESS, IOVA, 0, 0, MIB + MIB / 4)),
-        Err(libc::ENOMEM)
-    );
+    // 4 MiB of memory and the rings, but no data region yet.
+    alpha.attach_memory(4 * MIB);
+    alpha.rings();
+    let data = |offset| DATA + offset;
+    let region =
+        |c: &Client, offset, len| errno(c.register(ALL, IOVA + offset, 0, data(offset), len));
+    assert_eq!(region(&alpha, 0, MIB + MIB / 4), Err(libc::ENOMEM));
     // Raise max_mr_bytes (the total still caps at 1.5 MiB).
     let raised = quota_policy(MIB + MIB / 2);
     rewrite(&hostd, &raised);
@@ -233,11 +212,8 @@ fn reload_pushes_policy(name: &str, trigger: impl Fn(&Hostd)) {
         .expect("alpha is told");
     assert_eq!(note, Notification::Policy(tenant_policy(&raised, "alpha")));
     assert!(beta.notification(Duration::from_millis(100)).is_none());
-    assert_eq!(
-        errno(alpha.register(1, 2, ALL_ACCESS, IOVA, 0, 0, MIB + MIB / 4)),
-        Ok(()),
-        "the raised quota applies to new MRs"
-    );
+    let (lkey, rkey) =
+        region(&alpha, 0, MIB + MIB / 4).expect("the raised quota applies to new MRs");
     // Lower it: the existing MR stays (and works), new ones are refused.
     rewrite(&hostd, &quota_policy(MIB / 2));
     trigger(&hostd);
@@ -246,18 +222,13 @@ fn reload_pushes_policy(name: &str, trigger: impl Fn(&Hostd)) {
         .expect("alpha is told again");
     let Notification::Policy(p) = note;
     assert_eq!(p.quotas.max_mr_bytes, MIB / 2);
-    assert_eq!(
-        errno(alpha.register(3, 4, ALL_ACCESS, IOVA + 2 * MIB, 0, 2 * MIB, MIB)),
-        Err(libc::ENOMEM)
-    );
-    alpha.create_qp(1, 0);
-    alpha.create_qp(2, 0);
-    alpha.connect_qp(1, alpha.lid, 2).expect("connect");
-    alpha.connect_qp(2, alpha.lid, 1).expect("connect");
-    assert!(mem.write(0, b"still here"));
-    alpha.post(0, &write_wqe(7, 1, sge(IOVA, 10, 1), IOVA + MIB, 2));
-    assert_eq!(alpha.poll(0, 1)[0].status, u8::from(WcStatus::Success));
-    assert_eq!(read(&mem, MIB as usize, 10), b"still here");
+    assert_eq!(region(&alpha, 2 * MIB, MIB), Err(libc::ENOMEM));
+    let qp = alpha.loopback(1, 2);
+    alpha.driver().fill(0, b"still here");
+    let wqe = remote(send(7, SendOpcode::RdmaWrite), IOVA + MIB, rkey);
+    alpha.post_sges(qp, &wqe, &[sge(IOVA, 10, lkey)]);
+    assert_eq!(alpha.poll_one(), WcStatus::Success);
+    assert_eq!(alpha.driver().bytes(MIB, 10), b"still here");
 }
 
 #[test]
@@ -284,8 +255,8 @@ fn sighup_pushes_the_new_policy() {
 fn max_devices_refuses_the_next_device_and_a_lower_quota_keeps_the_connected() {
     let policy = |max: u32| format!("{}max_devices = {max}\n", quota_policy(MIB));
     let hostd = Hostd::start_with("devices", &config(64), &policy(2));
-    let vm0 = Client::hello(&hostd.socket, "beta", "vm0").expect("first");
-    let vm1 = Client::hello(&hostd.socket, "beta", "vm1").expect("second");
+    let mut vm0 = Client::hello(&hostd.socket, "beta", "vm0").expect("first");
+    let mut vm1 = Client::hello(&hostd.socket, "beta", "vm1").expect("second");
     let third = Client::hello(&hostd.socket, "beta", "vm2").map(|_| ());
     assert_eq!(third.map_err(|e| e.0), Err(libc::EDQUOT));
     assert!(
@@ -299,22 +270,9 @@ fn max_devices_refuses_the_next_device_and_a_lower_quota_keeps_the_connected() {
     rewrite(&hostd, &policy(1));
     assert!(hostd.vrdmactl_ok(&["reload"]).contains("beta"));
     // Both devices stay and work.
-    for (dev, vm) in [&vm0, &vm1].into_iter().enumerate() {
-        // Keys are unique on the host: 0x10/0x11 for vm0, 0x20/0x21 for vm1.
-        let (lkey, rkey) = (0x10 * (dev as u32 + 1), 0x10 * (dev as u32 + 1) + 1);
-        let mem = vm.add_memory(0, MIB);
-        vm.register(lkey, rkey, ALL_ACCESS, IOVA, 0, 0, MIB)
-            .expect("mr");
-        vm.create_qp(1, 0);
-        vm.create_qp(2, 0);
-        vm.connect_qp(1, vm.lid, 2).expect("connect");
-        vm.connect_qp(2, vm.lid, 1).expect("connect");
-        assert!(mem.write(0, &[dev as u8; 4]));
-        vm.post(0, &write_wqe(1, 1, sge(IOVA, 4, lkey), IOVA + 64, rkey));
-        assert_eq!(vm.poll(0, 1)[0].status, u8::from(WcStatus::Success));
-        let mut landed = [0u8; 4];
-        assert!(mem.read(64, &mut landed));
-        assert_eq!(landed, [dev as u8; 4]);
+    for (dev, vm) in [&mut vm0, &mut vm1].into_iter().enumerate() {
+        vm.setup();
+        vm.loopback_works(dev as u64 + 1);
     }
     // One leaving does not bring beta under 1.
     drop(vm1);
@@ -341,23 +299,14 @@ fn max_devices_refuses_the_next_device_and_a_lower_quota_keeps_the_connected() {
 fn a_removed_tenant_keeps_its_devices_but_gets_no_new_ones() {
     let text = quota_policy(MIB);
     let hostd = Hostd::start_with("removed", &config(64), &text);
-    let beta = Client::hello(&hostd.socket, "beta", "vm0").expect("beta");
-    let mem = beta.add_memory(0, MIB);
-    beta.register(1, 2, ALL_ACCESS, IOVA, 0, 0, MIB)
-        .expect("mr");
+    let mut beta = Client::ready(&hostd.socket, "beta", "vm0");
     let only_alpha = text[..text.find("[[tenant]]\nname = \"beta\"").expect("beta")].to_owned();
     rewrite(&hostd, &only_alpha);
     let out = hostd.vrdmactl_ok(&["reload"]);
     assert!(out.contains("tenant beta removed"), "{out}");
     assert!(beta.notification(Duration::from_millis(100)).is_none());
     // Its device still works.
-    beta.create_qp(1, 0);
-    beta.create_qp(2, 0);
-    beta.connect_qp(1, beta.lid, 2).expect("connect");
-    beta.connect_qp(2, beta.lid, 1).expect("connect");
-    assert!(mem.write(0, b"kept"));
-    beta.post(0, &write_wqe(1, 1, sge(IOVA, 4, 1), IOVA + 64, 2));
-    assert_eq!(beta.poll(0, 1)[0].status, u8::from(WcStatus::Success));
+    beta.loopback_works(1);
     // A new device is refused; stats still list the tenant, marked removed.
     let refused = Client::hello(&hostd.socket, "beta", "vm1").map(|_| ());
     assert_eq!(refused.map_err(|e| e.0), Err(libc::EACCES));
@@ -369,46 +318,35 @@ fn a_removed_tenant_keeps_its_devices_but_gets_no_new_ones() {
 #[test]
 fn metrics_show_real_counters() {
     let hostd = Hostd::start("metrics", &config(64));
-    let alpha = Client::hello(&hostd.socket, "alpha", "vm0").expect("alpha");
-    let beta = Client::hello(&hostd.socket, "beta", "vm0").expect("beta");
-    let _mem_a = alpha.add_memory(0, MIB);
-    let _mem_b = beta.add_memory(0, MIB);
-    alpha
-        .register(0xa1, 0xa2, ALL_ACCESS, IOVA, 0, 0, MIB)
-        .expect("mr");
-    beta.register(0xb1, 0xb2, ALL_ACCESS, IOVA, 0, 0, MIB)
-        .expect("mr");
-    alpha.create_qp(1, 0);
-    beta.create_qp(2, 0);
-    alpha.connect_qp(1, beta.lid, 2).expect("connect");
-    beta.connect_qp(2, alpha.lid, 1).expect("connect");
+    let (mut alpha, mut beta) = pair(&hostd.socket);
+    let (lkey_a, lkey_b, rkey_b) = (alpha.lkey(), beta.lkey(), beta.rkey());
     // 10 writes of 64 bytes, 3 sends of 100 bytes beta receives, 2 reads
-    // of 32 bytes, one atomic, then a write with a bad rkey.
+    // of 32 bytes, one atomic, then a write with a key no region has.
     for i in 0..10 {
-        alpha.post(0, &write_wqe(i, 1, sge(IOVA, 64, 0xa1), IOVA, 0xb2));
+        alpha.write(0, i, 0, 64, IOVA, rkey_b);
     }
     for i in 0..3 {
-        beta.post(0, &recv_wqe(100 + i, 2, &[sge(IOVA, 4096, 0xb1)]));
-        alpha.post(
+        beta.post_recv(0, 100 + i, &[sge(IOVA, 4096, lkey_b)]);
+        alpha.post_sges(
             0,
-            &send_wqe(20 + i, 1, SendOpcode::Send, &[sge(IOVA, 100, 0xa1)]),
+            &send(20 + i, SendOpcode::Send),
+            &[sge(IOVA, 100, lkey_a)],
         );
     }
     for i in 0..2 {
-        let mut rd = send_wqe(30 + i, 1, SendOpcode::RdmaRead, &[sge(IOVA, 32, 0xa1)]);
-        rd.remote_addr = IOVA.into();
-        rd.rkey = 0xb2.into();
-        alpha.post(0, &rd);
+        let rd = remote(send(30 + i, SendOpcode::RdmaRead), IOVA, rkey_b);
+        alpha.post_sges(0, &rd, &[sge(IOVA, 32, lkey_a)]);
     }
-    let mut faa = send_wqe(40, 1, SendOpcode::AtomicFetchAndAdd, &[sge(IOVA, 8, 0xa1)]);
-    faa.remote_addr = (IOVA + 8).into();
-    faa.rkey = 0xb2.into();
-    alpha.post(0, &faa);
-    let cqes = alpha.poll(0, 16);
-    assert!(cqes.iter().all(|c| c.status == u8::from(WcStatus::Success)));
-    beta.poll(0, 3);
-    alpha.post(0, &write_wqe(50, 1, sge(IOVA, 8, 0xa1), IOVA, 0xdead));
-    assert_eq!(alpha.poll(0, 1)[0].status, u8::from(WcStatus::RemAccessErr));
+    let faa = remote(send(40, SendOpcode::AtomicFetchAndAdd), IOVA + 8, rkey_b);
+    alpha.post_sges(0, &faa, &[sge(IOVA, 8, lkey_a)]);
+    let cqes = alpha.poll(16);
+    assert!(
+        cqes.iter().all(|c| status(c) == WcStatus::Success),
+        "{cqes:?}"
+    );
+    beta.poll(3);
+    alpha.write(0, 50, 0, 8, IOVA, 0x00ff_ff5a);
+    assert_eq!(alpha.poll_one(), WcStatus::RemAccessErr);
     // vdev reports its own quota refusals; unknown quota keys are refused.
     alpha
         .call(&Request::QuotaRejected {
@@ -443,7 +381,7 @@ fn metrics_show_real_counters() {
         "# TYPE vrdma_tenant_usage gauge",
         r#"vrdma_tenant_usage{tenant="alpha",resource="devices"} 1"#,
         r#"vrdma_tenant_usage{tenant="alpha",resource="physical_queues"} 2"#,
-        r#"vrdma_tenant_usage{tenant="alpha",resource="mr_bytes"} 1048576"#,
+        &format!(r#"vrdma_tenant_usage{{tenant="alpha",resource="mr_bytes"}} {DATA_LEN}"#),
         r#"vrdma_tenant_usage{tenant="alpha",resource="mrs"} 1"#,
         r#"vrdma_tenant_usage{tenant="alpha",resource="qps"} 1"#,
         "# TYPE vrdma_tenant_quota gauge",
@@ -467,33 +405,32 @@ fn metrics_show_real_counters() {
     assert!(hostd.vrdmactl_ok(&["reload"]).contains("no changes"));
 }
 
-/// Keeps queue 0 of `client` full of 64-byte loopback writes (QP 1 → 2,
-/// keys `key` and `key + 1`) until `end`; returns the completion times.
-fn pump(client: &Client, key: u32, end: Instant) -> Vec<Instant> {
-    pump_sized(client, key, 64, end)
+/// Keeps QP 1 of `client` (a loopback pair, [`loopback`]) busy with
+/// 64-byte writes until `end`: its send ring full; returns the completion
+/// times.
+fn pump(client: &mut Client, end: Instant) -> Vec<Instant> {
+    pump_sized(client, 64, end)
 }
 
 /// [`pump`] with writes of `size` bytes.
-fn pump_sized(client: &Client, key: u32, size: u32, end: Instant) -> Vec<Instant> {
-    let cq: Ring<'_, PhysCqe> = Ring::new(&client.queues[0], client.layout.cq).expect("cq");
+fn pump_sized(client: &mut Client, size: u32, end: Instant) -> Vec<Instant> {
+    let (lkey, rkey) = (client.lkey(), client.rkey());
     let mut done = Vec::new();
     let mut token = 0u64;
     while Instant::now() < end {
-        while client.try_post(
-            0,
-            &write_wqe(
-                token,
-                1,
-                sge(IOVA, size, key),
+        let write = |token| {
+            remote(
+                send(token, SendOpcode::RdmaWrite),
                 IOVA + u64::from(size),
-                key + 1,
-            ),
-        ) {
+                rkey,
+            )
+        };
+        while client.try_post_sges(0, &write(token), &[sge(IOVA, size, lkey)]) {
             token += 1;
         }
         let mut got = false;
-        while let Some(cqe) = cq.pop().expect("cq") {
-            assert_eq!(cqe.status, u8::from(WcStatus::Success));
+        for cqe in client.driver_mut().poll() {
+            assert_eq!(status(&cqe), WcStatus::Success);
             done.push(Instant::now());
             got = true;
         }
@@ -504,22 +441,17 @@ fn pump_sized(client: &Client, key: u32, size: u32, end: Instant) -> Vec<Instant
     done
 }
 
-fn loopback(hostd: &Hostd, tenant: &str, key: u32) -> (Client, SharedMapping) {
-    loopback_sized(hostd, tenant, key, MIB)
+fn loopback(hostd: &Hostd, tenant: &str) -> Client {
+    loopback_sized(hostd, tenant, MEM)
 }
 
-/// A tenant's device with `size` bytes of memory registered under `key`
-/// and a QP pair (1 ↔ 2) connected to itself.
-fn loopback_sized(hostd: &Hostd, tenant: &str, key: u32, size: u64) -> (Client, SharedMapping) {
-    let c = Client::hello(&hostd.socket, tenant, "vm0").expect("hello");
-    let mem = c.add_memory(0, size);
-    c.register(key, key + 1, ALL_ACCESS, IOVA, 0, 0, size)
-        .expect("mr");
-    c.create_qp(1, 0);
-    c.create_qp(2, 0);
-    c.connect_qp(1, c.lid, 2).expect("connect");
-    c.connect_qp(2, c.lid, 1).expect("connect");
-    (c, mem)
+/// A tenant's device with `mem` bytes of memory (its data region all but
+/// the rings' part) and a QP pair (1 ↔ 2) connected to itself.
+fn loopback_sized(hostd: &Hostd, tenant: &str, mem: u64) -> Client {
+    let mut c = Client::hello(&hostd.socket, tenant, "vm0").expect("hello");
+    c.setup_sized(mem);
+    assert_eq!(c.loopback(1, 2), 0);
+    c
 }
 
 #[test]
@@ -536,12 +468,12 @@ name = "fast"
 network = "demo"
 "#;
     let hostd = Hostd::start_with("rate", &config(64), policy);
-    let (slow, _slow_mem) = loopback(&hostd, "slow", 0x10);
-    let (fast, _fast_mem) = loopback(&hostd, "fast", 0x20);
+    let mut slow = loopback(&hostd, "slow");
+    let mut fast = loopback(&hostd, "fast");
     let start = Instant::now();
     let end = start + Duration::from_millis(3000);
-    let fast_thread = std::thread::spawn(move || (pump(&fast, 0x20, end), fast));
-    let slow_done = pump(&slow, 0x10, end);
+    let fast_thread = std::thread::spawn(move || (pump(&mut fast, end), fast));
+    let slow_done = pump(&mut slow, end);
     let (fast_done, _fast) = fast_thread.join().expect("fast");
     // Measure after the burst (a tenth of a second's worth) is spent.
     let from = start + Duration::from_millis(500);
@@ -579,15 +511,17 @@ network = "demo"
 priority = { class = "normal", weight = 3 }
 "#;
     let hostd = Hostd::start_with("weights", &config(64), policy);
-    // 1 MiB writes: a full submission ring is ~10 ms of the NIC's work, so
-    // the clients keep hostd backlogged even on a loaded machine.
-    let (light, _light_mem) = loopback_sized(&hostd, "light", 0x10, 4 * MIB);
-    let (heavy, _heavy_mem) = loopback_sized(&hostd, "heavy", 0x20, 4 * MIB);
-    let size = MIB as u32;
+    // 2 MiB writes (from the first half of the data region to the second):
+    // a full send ring is ~25 ms of the NIC's work, so the clients keep
+    // hostd backlogged even on a loaded machine.
+    let size = 2 * MIB;
+    let mut light = loopback_sized(&hostd, "light", DATA + 2 * size);
+    let mut heavy = loopback_sized(&hostd, "heavy", DATA + 2 * size);
+    let size = size as u32;
     let start = Instant::now();
     let end = start + Duration::from_millis(2500);
-    let heavy_thread = std::thread::spawn(move || (pump_sized(&heavy, 0x20, size, end), heavy));
-    let light_done = pump_sized(&light, 0x10, size, end);
+    let heavy_thread = std::thread::spawn(move || (pump_sized(&mut heavy, size, end), heavy));
+    let light_done = pump_sized(&mut light, size, end);
     let (heavy_done, _heavy) = heavy_thread.join().expect("heavy");
     let from = start + Duration::from_millis(500);
     let count = |done: &[Instant]| done.iter().filter(|&&t| t >= from).count() as f64;

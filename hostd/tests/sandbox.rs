@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{config, policy, read, sge, write_wqe, Client, ALL_ACCESS};
+use common::{config, pair, policy, Client, IOVA};
 use vrdma_spec::verbs::WcStatus;
 
 const HOSTD: &str = env!("CARGO_BIN_EXE_hostd");
@@ -249,47 +249,26 @@ fn a_sandboxed_hostd_serves_rdma_and_reloads_its_policy() {
     admin.push(".admin");
     assert_eq!(mode(&PathBuf::from(admin)), 0o600);
 
-    // Two tenants register (memfds, sealed queues, notification channels)
-    // and alpha writes into beta's memory through the datapath threads.
-    const MEM: u64 = 1 << 20;
-    const IOVA: u64 = 0x10_0000;
-    let alpha = Client::hello(&hostd.socket, "alpha", "vm0").expect("alpha");
-    let beta = Client::hello(&hostd.socket, "beta", "vm0").expect("beta");
-    let mem_a = alpha.add_memory(0, MEM);
-    let mem_b = beta.add_memory(0, MEM);
-    alpha
-        .register(0xa1, 0xa2, ALL_ACCESS, IOVA, 0, 0, MEM)
-        .expect("alpha mr");
-    beta.register(0xb1, 0xb2, ALL_ACCESS, IOVA, 0, 0, MEM)
-        .expect("beta mr");
-    alpha.create_qp(1, 0);
-    beta.create_qp(2, 0);
-    alpha.connect_qp(1, beta.lid, 2).expect("connect alpha");
-    beta.connect_qp(2, alpha.lid, 1).expect("connect beta");
+    // Two tenants set their devices up (a sealed memfd, the doorbell and
+    // event ring's eventfds, rings, hostd-assigned keys) and alpha writes
+    // into beta's memory through the datapath threads.
+    let (mut alpha, beta) = pair(&hostd.socket);
+    let rkey = beta.rkey();
     for i in 0..10u64 {
         let data = format!("sandboxed write {i}");
-        assert!(mem_a.write(0x40, data.as_bytes()));
-        alpha.post(
-            0,
-            &write_wqe(
-                i,
-                1,
-                sge(IOVA + 0x40, data.len() as u32, 0xa1),
-                IOVA + 0x8000,
-                0xb2,
-            ),
-        );
-        let cqe = alpha.poll(0, 1)[0];
-        assert_eq!(
-            WcStatus::try_from(cqe.status).expect("status"),
-            WcStatus::Success
-        );
-        assert_eq!(read(&mem_b, 0x8000, data.len()), data.as_bytes());
+        alpha.driver().fill(0x40, data.as_bytes());
+        alpha.write(0, i, 0x40, data.len() as u32, IOVA + 0x8000, rkey);
+        assert_eq!(alpha.poll_one(), WcStatus::Success);
+        assert_eq!(beta.driver().bytes(0x8000, data.len()), data.as_bytes());
         if i % 3 == 0 {
             // Let the datapath go to sleep in epoll and wake again.
             std::thread::sleep(Duration::from_millis(5));
         }
     }
+    assert!(
+        alpha.kicks > 0,
+        "the sandboxed datapath slept and was kicked"
+    );
 
     // Reload on SIGHUP reads the policy file through landlock's one rule:
     // rewritten in place, and replaced by a rename (a new inode), as

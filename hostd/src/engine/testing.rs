@@ -15,8 +15,8 @@ use vrdma_hostd_protocol::messages::{
 };
 use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
 use vrdma_spec::ring::{
-    doorbell, Cqe, Event, RecvWqe, SendWqe, Sge, CQE_SIZE, DEVICE_INDEX_OFFSET,
-    DRIVER_ARM_OFFSET, DRIVER_INDEX_OFFSET, EVENT_SIZE, RING_HEADER_SIZE,
+    doorbell, Cqe, Event, RecvWqe, SendWqe, Sge, CQE_SIZE, DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR,
+    DEVICE_INDEX_OFFSET, DRIVER_ARM_OFFSET, DRIVER_INDEX_OFFSET, EVENT_SIZE, RING_HEADER_SIZE,
 };
 use vrdma_spec::verbs::{access, QpState, SendOpcode};
 use vrdma_tenant_policy::{Policy, PriorityClass, TenantPolicy};
@@ -102,15 +102,22 @@ impl std::ops::DerefMut for Side {
 /// The registration of the data region ([`DATA`] at [`IOVA`], every
 /// access) in slot 0.
 pub fn data_region() -> MrRegistration {
+    data_region_in(MEM)
+}
+
+/// The registration of the data region of a device whose slot 0 has
+/// `mem` bytes (the same layout, a longer data region: [`DATA`]..`mem`).
+pub fn data_region_in(mem: u64) -> MrRegistration {
+    let len = mem - DATA;
     MrRegistration {
         pd: 1,
         access: ALL,
         iova: IOVA,
-        len: DATA_LEN,
+        len,
         segments: vec![MrSegment {
             slot: 0,
             offset: DATA,
-            len: DATA_LEN,
+            len,
         }],
     }
 }
@@ -346,6 +353,35 @@ impl Driver {
     /// The send ring's device index of QP `qp` (WQEs completed).
     pub fn sq_done(&self, qp: usize) -> u32 {
         word(&self.mem, self.qps[qp].sq + DEVICE_INDEX_OFFSET)
+    }
+
+    /// Free slots of QP `qp`'s send ring: `depth - (producer -
+    /// device.index)`, what the driver may still post (0: a real driver's
+    /// post fails with ENOMEM).
+    pub fn sq_free(&self, qp: usize) -> u32 {
+        let q = &self.qps[qp];
+        q.depth.saturating_sub(q.sq_producer.wrapping_sub(self.sq_done(qp)))
+    }
+
+    /// Whether the device flagged QP `qp`'s send ring with
+    /// DEVICE_FLAG_ERROR (the QP is in ERR).
+    pub fn sq_error(&self, qp: usize) -> bool {
+        word(&self.mem, self.qps[qp].sq + DEVICE_FLAGS_OFFSET) & DEVICE_FLAG_ERROR != 0
+    }
+
+    /// The receive ring's device index of QP `qp` (receives completed).
+    pub fn rq_done(&self, qp: usize) -> u32 {
+        word(&self.mem, self.qps[qp].rq + DEVICE_INDEX_OFFSET)
+    }
+
+    /// Whether the device asked to be notified (it is going to sleep): the
+    /// doorbell page's NEED_KICK flag. Read after ringing, with the
+    /// ordering the spec asks for (SeqCst after the summary's fetch_or), a
+    /// driver that finds it set notifies the doorbell queue.
+    pub fn needs_kick(&self) -> bool {
+        let flags = (self.mem.atomic_u32((DOORBELL + doorbell::FLAGS_OFFSET) as usize))
+            .map_or(0, |w| u32::from_le(w.load(std::sync::atomic::Ordering::SeqCst)));
+        flags & doorbell::NEED_KICK != 0
     }
 
     /// Takes every CQE the device wrote.

@@ -1,28 +1,44 @@
-//! A test client that speaks hostd's protocol directly — the well-behaved
-//! vdev and, when a test wants, the compromised one — and a handle on a real
-//! `hostd` process.
+//! A test vdev and driver of one device, speaking hostd's protocol directly
+//! to a real `hostd` process — the well-behaved vdev and, when a test
+//! wants, the compromised one — and a handle on that process.
+//!
+//! [`Client`] is the vdev (Hello, memory, doorbell, event ring, CQ, MR,
+//! QPs) and, once set up, the driver of its device: its guest memory is a
+//! sealed memfd laid out as `vrdma_hostd::engine::testing` says, and it
+//! posts through [`Driver`] (which writes the rings and sets the doorbell
+//! bits) and kicks the doorbell eventfd when the page asks for it, as a
+//! real driver does.
 
-#![allow(dead_code)]
+// Each test binary uses its part of this module.
+#![allow(dead_code, unused_imports)]
 
 use std::fs::File;
-use std::io::Write;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_hostd::engine::testing::{
+    data_region_in, qp_setup, CAPS, CQ, CQ_DEPTH, DOORBELL, EQ, EQ_DEPTH, STRIDE,
+};
+pub use vrdma_hostd::engine::testing::{
+    remote, send, sge, Driver, ALL, CQN, DATA, DATA_LEN, DEPTH, IOVA, MEM,
+};
 use vrdma_hostd_protocol::channel::Channel;
-use vrdma_hostd_protocol::entries::{kind, PhysCqe, PhysWqe, Sge};
 use vrdma_hostd_protocol::messages::{
-    MrRegistration, MrSegment, Notification, QpConnection, QueueGrant, Request, Response,
+    MrRegistration, MrSegment, Notification, QpConnection, QpModify, QpSetup, Request, Response,
     TenantPolicy, PROTOCOL_VERSION,
 };
-use vrdma_hostd_protocol::shm::{sealed_memfd, QueueLayout, Ring, SharedMapping};
-use vrdma_spec::ring::send_flags;
-use vrdma_spec::verbs::{access, SendOpcode};
+use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
+use vrdma_spec::ring::{doorbell, Cqe, SendWqe, Sge};
+use vrdma_spec::verbs::{access, QpState, SendOpcode, WcStatus};
 
-pub const ALL_ACCESS: u32 =
-    access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ | access::REMOTE_ATOMIC;
+/// The loopback pair [`Client::loopback_works`] uses.
+pub const PROBE_QPS: (u32, u32) = (10, 11);
+
+/// How long a test waits for what must happen.
+pub const DEADLINE: Duration = Duration::from_secs(10);
 
 /// A running hostd on a private socket; killed on drop.
 pub struct Hostd {
@@ -74,12 +90,17 @@ impl Hostd {
             policy,
             dir,
         };
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + DEADLINE;
         while Channel::connect(&hostd.socket).is_err() {
             assert!(Instant::now() < deadline, "hostd did not come up");
             std::thread::sleep(Duration::from_millis(10));
         }
         hostd
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// CPU time the process used so far, in clock ticks (utime + stime).
@@ -92,6 +113,13 @@ impl Hostd {
         let fields: Vec<&str> = rest.split_whitespace().collect();
         let n = |i: usize| fields[i - 3].parse::<u64>().expect("number");
         n(14) + n(15)
+    }
+
+    /// CPU ticks hostd uses while `f` runs.
+    pub fn ticks_during(&self, f: impl FnOnce()) -> u64 {
+        let before = self.cpu_ticks();
+        f();
+        self.cpu_ticks() - before
     }
 
     /// Whether the process is still running.
@@ -137,16 +165,10 @@ impl Drop for Hostd {
     }
 }
 
-/// hostd's test configuration: small rings, short polling.
+/// hostd's test configuration: `physical_qps`, short polling (the datapath
+/// sleeps 20 µs after its last work).
 pub fn config(physical_qps: u32) -> String {
-    format!(
-        r#"
-physical_qps = {physical_qps}
-sq_depth = 64
-cq_depth = 128
-spin_us = 20
-"#
-    )
+    format!("physical_qps = {physical_qps}\nspin_us = 20\n")
 }
 
 /// The standard test tenants (2 physical queues each): alpha and beta in
@@ -178,23 +200,13 @@ uid = {other_uid}
     )
 }
 
-/// A client of hostd.
-pub struct Client {
-    pub chan: Channel,
-    pub lid: u16,
-    pub grants: Vec<QueueGrant>,
-    pub queues: Vec<SharedMapping>,
-    pub layout: QueueLayout,
-    pub doorbell: File,
-    pub completion: File,
-    /// The notification channel (hostd → vdev).
-    pub notify: Channel,
-    /// The tenant's policy from the Welcome.
-    pub policy: TenantPolicy,
-}
-
 /// A refusal as (errno, reason).
 pub type Refused = (i32, String);
+
+/// The errno of a refusal.
+pub fn errno<T>(r: Result<T, Refused>) -> Result<T, i32> {
+    r.map_err(|e| e.0)
+}
 
 pub fn hello_request(tenant: &str, device: &str) -> Request {
     Request::Hello {
@@ -204,11 +216,43 @@ pub fn hello_request(tenant: &str, device: &str) -> Request {
     }
 }
 
+/// The device side a set-up client drives.
+struct Device {
+    driver: Driver,
+    /// The doorbell queue's kick (hostd sleeps on it).
+    kick: EventFd,
+    /// Vector 0's interrupt (hostd signals it after writing an event).
+    irq: EventFd,
+    /// The data region's keys, once registered.
+    keys: Option<(u32, u32)>,
+}
+
+/// A vdev connected to hostd and, once set up, the driver of its device.
+pub struct Client {
+    pub chan: Channel,
+    pub lid: u16,
+    pub physical_queues: u32,
+    /// The notification channel (hostd → vdev).
+    pub notify: Channel,
+    /// The tenant's policy from the Welcome.
+    pub policy: TenantPolicy,
+    device: Option<Device>,
+    /// Doorbell kicks sent because the page asked for one.
+    pub kicks: u64,
+}
+
 impl Client {
     /// Connects and greets; the refusal if hostd says no.
     pub fn hello(socket: &Path, tenant: &str, device: &str) -> Result<Client, Refused> {
         let chan = Channel::connect(socket).expect("connect");
         Client::greet(chan, hello_request(tenant, device))
+    }
+
+    /// Connects, greets and sets the device up ([`Client::setup`]).
+    pub fn ready(socket: &Path, tenant: &str, device: &str) -> Client {
+        let mut c = Client::hello(socket, tenant, device).expect("hello");
+        c.setup();
+        c
     }
 
     /// Sends `hello` on `chan` and takes the Welcome apart.
@@ -219,27 +263,125 @@ impl Client {
             Response::Refused { errno, reason } => return Err((errno, reason)),
             other => panic!("unexpected {other:?}"),
         };
-        assert_eq!(files.len(), welcome.queues.len() + 3, "fds per Welcome");
-        let notify = Channel::from(OwnedFd::from(files.pop().expect("notification channel")));
-        let completion = files.pop().expect("completion eventfd");
-        let doorbell = files.pop().expect("doorbell eventfd");
-        let grant = welcome.queues[0];
-        let layout = QueueLayout::new(grant.sq_depth, grant.cq_depth);
-        let queues = files
-            .into_iter()
-            .map(|f| SharedMapping::map(f, 0, layout.bytes() as u64).expect("map queue"))
-            .collect();
+        assert_eq!(files.len(), 1, "a Welcome carries the notification channel");
+        let notify = Channel::from(OwnedFd::from(files.remove(0)));
         Ok(Client {
             chan,
             lid: welcome.lid,
-            grants: welcome.queues,
-            queues,
-            layout,
-            doorbell,
-            completion,
+            physical_queues: welcome.physical_queues,
             notify,
             policy: welcome.policy,
+            device: None,
+            kicks: 0,
         })
+    }
+
+    /// Sets the device up as a driver does: [`MEM`] bytes of guest memory
+    /// ([`Client::attach_memory`]), its rings ([`Client::rings`]) and the
+    /// data region registered.
+    pub fn setup(&mut self) {
+        self.setup_sized(MEM);
+    }
+
+    /// [`Client::setup`] with `mem` bytes of memory (a longer data region).
+    pub fn setup_sized(&mut self, mem: u64) {
+        self.attach_memory(mem);
+        self.rings();
+        self.register_data();
+    }
+
+    /// Registers the data region of the device's memory; its keys are
+    /// [`Client::lkey`] and [`Client::rkey`] from now on.
+    pub fn register_data(&mut self) {
+        let mem = self.driver().mem.len() as u64;
+        let keys = self.register_mr(data_region_in(mem)).expect("data region");
+        self.device_mut().keys = Some(keys);
+    }
+
+    /// The driver resets the device (ResetDevice) and starts over: its
+    /// memory stays, its rings, QPs and keys are gone (set it up again
+    /// with [`Client::rings`] and [`Client::register_data`]).
+    pub fn reset(&mut self) {
+        self.call(&Request::ResetDevice).expect("reset");
+        let old = self.device.take().expect("the device is set up");
+        self.device = Some(Device {
+            driver: Driver::new(old.driver.mem),
+            keys: None,
+            ..old
+        });
+    }
+
+    /// Adds a sealed memfd of `mem` bytes as slot 0 at guest address 0:
+    /// the device's guest memory, which its driver then uses.
+    pub fn attach_memory(&mut self, mem: u64) {
+        let map = self.add_memory(0, 0, mem);
+        self.device = Some(Device {
+            driver: Driver::new(map),
+            kick: EventFd::new(EFD_NONBLOCK).expect("eventfd"),
+            irq: EventFd::new(EFD_NONBLOCK).expect("eventfd"),
+            keys: None,
+        });
+    }
+
+    /// The doorbell page, the event ring of vector 0 and the CQ, where the
+    /// layout puts them.
+    pub fn rings(&mut self) {
+        let (kick, irq) = {
+            let d = self.device();
+            (d.kick.as_raw_fd(), d.irq.as_raw_fd())
+        };
+        self.call_fds(&Request::SetDoorbell { gpa: DOORBELL }, &[kick])
+            .expect("doorbell");
+        let eq = Request::CreateEq {
+            vector: 0,
+            gpa: EQ,
+            depth: EQ_DEPTH,
+        };
+        self.call_fds(&eq, &[irq]).expect("event ring");
+        self.call(&Request::CreateCq {
+            cqn: CQN,
+            gpa: CQ,
+            depth: CQ_DEPTH,
+            vector: 0,
+        })
+        .expect("cq");
+    }
+
+    fn device(&self) -> &Device {
+        self.device.as_ref().expect("the device is set up")
+    }
+
+    fn device_mut(&mut self) -> &mut Device {
+        self.device.as_mut().expect("the device is set up")
+    }
+
+    /// The device's driver (its guest memory and rings).
+    pub fn driver(&self) -> &Driver {
+        &self.device().driver
+    }
+
+    pub fn driver_mut(&mut self) -> &mut Driver {
+        &mut self.device_mut().driver
+    }
+
+    /// The data region's lkey.
+    pub fn lkey(&self) -> u32 {
+        self.device().keys.expect("data region registered").0
+    }
+
+    /// The data region's rkey.
+    pub fn rkey(&self) -> u32 {
+        self.device().keys.expect("data region registered").1
+    }
+
+    /// Vector 0's interrupt count since the last read (0 if none).
+    pub fn interrupts(&self) -> u64 {
+        self.device().irq.read().unwrap_or(0)
+    }
+
+    /// Takes every event of the event ring of vector 0: (kind, object).
+    pub fn events(&mut self) -> Vec<(u16, u32)> {
+        self.driver_mut().events()
     }
 
     /// The next notification within `timeout`, if any.
@@ -258,8 +400,11 @@ impl Client {
         Some(note)
     }
 
-    pub fn pqp(&self, q: usize) -> u32 {
-        self.grants[q].pqp
+    /// Sends a request with `fds`; hostd's response.
+    pub fn request(&self, req: &Request, fds: &[i32]) -> Response {
+        let (resp, files): (Response, Vec<File>) = self.chan.call(req, fds).expect("call");
+        assert!(files.is_empty(), "only a Welcome carries fds");
+        resp
     }
 
     /// Sends a request; Ok or the refusal.
@@ -268,174 +413,339 @@ impl Client {
     }
 
     pub fn call_fds(&self, req: &Request, fds: &[i32]) -> Result<(), Refused> {
-        let (resp, _): (Response, Vec<File>) = self.chan.call(req, fds).expect("call");
-        match resp {
+        match self.request(req, fds) {
             Response::Ok => Ok(()),
             Response::Refused { errno, reason } => Err((errno, reason)),
             other => panic!("unexpected {other:?}"),
         }
     }
 
-    /// Adds a sealed memfd of `size` bytes as `slot`; returns our own
-    /// mapping of it to check bytes.
-    pub fn add_memory(&self, slot: u32, size: u64) -> SharedMapping {
+    /// Adds a sealed memfd of `size` bytes as `slot` at guest address
+    /// `gpa`; returns our own mapping of it.
+    pub fn add_memory(&self, slot: u32, gpa: u64, size: u64) -> SharedMapping {
         let file = sealed_memfd("client-mem", size).expect("memfd");
-        self.call_fds(
-            &Request::AddMemory {
-                slot,
-                gpa: 0x1_0000_0000 * u64::from(slot + 1),
-                len: size,
-                file_offset: 0,
-            },
-            &[file.as_raw_fd()],
-        )
-        .expect("add memory");
+        let add = Request::AddMemory {
+            slot,
+            gpa,
+            len: size,
+            file_offset: 0,
+        };
+        self.call_fds(&add, &[file.as_raw_fd()])
+            .expect("add memory");
         SharedMapping::map(file, 0, size).expect("map own memory")
     }
 
+    /// Registers a memory region; the keys hostd assigned or the refusal.
+    pub fn register_mr(&self, reg: MrRegistration) -> Result<(u32, u32), Refused> {
+        match self.request(&Request::RegisterMr(reg), &[]) {
+            Response::MrKeys { lkey, rkey } => Ok((lkey, rkey)),
+            Response::Refused { errno, reason } => Err((errno, reason)),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
     /// Registers `[iova, iova + len)` over slot `slot` at `offset`.
-    #[allow(clippy::too_many_arguments)]
     pub fn register(
         &self,
-        lkey: u32,
-        rkey: u32,
         access: u32,
         iova: u64,
         slot: u32,
         offset: u64,
         len: u64,
-    ) -> Result<(), Refused> {
-        self.call(&Request::RegisterMr(MrRegistration {
-            lkey,
-            rkey,
+    ) -> Result<(u32, u32), Refused> {
+        self.register_mr(MrRegistration {
             pd: 1,
             access,
             iova,
             len,
             segments: vec![MrSegment { slot, offset, len }],
-        }))
-    }
-
-    pub fn create_qp(&self, vqpn: u32, q: usize) {
-        self.call(&Request::CreateQp {
-            vqpn,
-            pd: 1,
-            pqp: self.pqp(q),
         })
-        .expect("create qp");
     }
 
-    pub fn connect_qp(&self, vqpn: u32, dest_lid: u16, dest_qpn: u32) -> Result<(), Refused> {
-        self.call(&Request::ConnectQp(QpConnection {
+    /// The setup of this device's next QP, numbered `vqpn`.
+    pub fn next_qp(&self, vqpn: u32) -> QpSetup {
+        qp_setup(self.driver().qps.len(), vqpn, CAPS, DEPTH, STRIDE)
+    }
+
+    /// Creates QP `vqpn` with rings where the layout puts its next QP;
+    /// returns its index for the driver.
+    pub fn create_qp(&mut self, vqpn: u32) -> usize {
+        let setup = self.next_qp(vqpn);
+        self.call(&Request::CreateQp(setup)).expect("create qp");
+        self.driver_mut().add_qp(&setup)
+    }
+
+    /// Moves QP `vqpn` to `state` (with `connection` at RTR and RTS).
+    pub fn modify(
+        &self,
+        vqpn: u32,
+        state: QpState,
+        connection: Option<QpConnection>,
+    ) -> Result<(), Refused> {
+        self.call(&Request::ModifyQp(QpModify {
             vqpn,
-            dest_lid,
-            dest_qpn,
-            access: access::QP_SUPPORTED,
-            rnr_retry: 7,
-            retry_cnt: 2,
-            min_rnr_timer: 1,
+            state: state.into(),
+            connection,
+            access: None,
         }))
     }
 
-    /// Posts on queue `q` and rings the doorbell if hostd sleeps.
-    pub fn post(&self, q: usize, wqe: &PhysWqe) {
-        let sq: Ring<'_, PhysWqe> = Ring::new(&self.queues[q], self.layout.sq).expect("sq");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while !sq.push(wqe).expect("push") {
-            assert!(Instant::now() < deadline, "submission ring stays full");
+    /// INIT, RTR and RTS towards QP `dest_qpn` of LID `dest_lid`, with
+    /// infinite RNR retries, 2 transport retries and a 10 µs RNR timer.
+    pub fn connect_qp(&self, vqpn: u32, dest_lid: u16, dest_qpn: u32) -> Result<(), Refused> {
+        self.connect_with(vqpn, connection(dest_lid, dest_qpn))
+    }
+
+    /// INIT, RTR and RTS with `conn`.
+    pub fn connect_with(&self, vqpn: u32, conn: QpConnection) -> Result<(), Refused> {
+        self.modify(vqpn, QpState::Init, None)?;
+        self.modify(vqpn, QpState::Rtr, Some(conn))?;
+        self.modify(vqpn, QpState::Rts, Some(conn))
+    }
+
+    /// RESET, then connected again as [`Client::connect_qp`] does.
+    pub fn reconnect(&self, vqpn: u32, dest_lid: u16, dest_qpn: u32) {
+        self.modify(vqpn, QpState::Reset, None).expect("reset");
+        self.connect_qp(vqpn, dest_lid, dest_qpn)
+            .expect("reconnect");
+    }
+
+    /// The state of QP `vqpn` as hostd's datapath sees it.
+    pub fn query_qp(&self, vqpn: u32) -> Result<QpState, Refused> {
+        match self.request(&Request::QueryQp { vqpn }, &[]) {
+            Response::QpState { state } => Ok(QpState::try_from(state).expect("a QP state")),
+            Response::Refused { errno, reason } => Err((errno, reason)),
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// Another descriptor of the doorbell queue's kick eventfd (as the VMM,
+    /// which owns it, keeps one when a vdev goes).
+    pub fn kick_fd(&self) -> EventFd {
+        self.device().kick.try_clone().expect("dup")
+    }
+
+    /// Notifies the doorbell queue if the device asked for it (it sleeps),
+    /// as a driver does after ringing; returns whether it did.
+    pub fn kick_if_needed(&mut self) -> bool {
+        if !self.driver().needs_kick() {
+            return false;
+        }
+        self.device().kick.write(1).expect("kick");
+        self.kicks += 1;
+        true
+    }
+
+    /// Posts `wqe` gathering from `sges` on QP `qp` unless its send ring
+    /// is full (a driver's post fails then); rings and kicks.
+    pub fn try_post_sges(&mut self, qp: usize, wqe: &SendWqe, sges: &[Sge]) -> bool {
+        if self.driver().sq_free(qp) == 0 {
+            return false;
+        }
+        self.driver_mut().post_sges(qp, wqe, sges);
+        self.kick_if_needed();
+        true
+    }
+
+    /// Posts `wqe` gathering from `sges` on QP `qp`, waiting for a free
+    /// slot of its send ring.
+    pub fn post_sges(&mut self, qp: usize, wqe: &SendWqe, sges: &[Sge]) {
+        let deadline = Instant::now() + DEADLINE;
+        while !self.try_post_sges(qp, wqe, sges) {
+            assert!(Instant::now() < deadline, "send ring of QP {qp} stays full");
             std::thread::sleep(Duration::from_micros(100));
         }
-        if sq.consumer_sleeping() {
-            (&self.doorbell)
-                .write_all(&1u64.to_ne_bytes())
-                .expect("doorbell");
-        }
     }
 
-    /// Posts on queue `q` unless its submission ring is full.
-    pub fn try_post(&self, q: usize, wqe: &PhysWqe) -> bool {
-        let sq: Ring<'_, PhysWqe> = Ring::new(&self.queues[q], self.layout.sq).expect("sq");
-        let pushed = sq.push(wqe).expect("push");
-        if pushed && sq.consumer_sleeping() {
-            (&self.doorbell)
-                .write_all(&1u64.to_ne_bytes())
-                .expect("doorbell");
-        }
-        pushed
+    /// Posts `wqe` with inline `payload` on QP `qp` (the ring has room).
+    pub fn post_inline(&mut self, qp: usize, wqe: &SendWqe, payload: &[u8]) {
+        assert!(
+            self.driver().sq_free(qp) > 0,
+            "send ring of QP {qp} is full"
+        );
+        self.driver_mut().post_send(qp, wqe, payload);
+        self.kick_if_needed();
     }
 
-    /// Waits for `n` completions on queue `q`.
-    pub fn poll(&self, q: usize, n: usize) -> Vec<PhysCqe> {
-        let cq: Ring<'_, PhysCqe> = Ring::new(&self.queues[q], self.layout.cq).expect("cq");
+    /// Posts a receive of `sges` on QP `qp`.
+    pub fn post_recv(&mut self, qp: usize, wr_id: u64, sges: &[Sge]) {
+        self.driver_mut().post_recv(qp, wr_id, sges);
+        self.kick_if_needed();
+    }
+
+    /// A WRITE on QP `qp` of `len` bytes at `local` of the data region to
+    /// `remote_addr` under `rkey`.
+    pub fn write(
+        &mut self,
+        qp: usize,
+        wr_id: u64,
+        local: u64,
+        len: u32,
+        remote_addr: u64,
+        rkey: u32,
+    ) {
+        let lkey = self.lkey();
+        let wqe = remote(send(wr_id, SendOpcode::RdmaWrite), remote_addr, rkey);
+        self.post_sges(qp, &wqe, &[sge(IOVA + local, len, lkey)]);
+    }
+
+    /// Waits (at most [`DEADLINE`]) for `n` completions.
+    pub fn poll(&mut self, n: usize) -> Vec<Cqe> {
         let mut out = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + DEADLINE;
         while out.len() < n {
-            match cq.pop().expect("cq") {
-                Some(cqe) => out.push(cqe),
-                None => {
-                    assert!(
-                        Instant::now() < deadline,
-                        "only {} of {n} completions: {out:?}",
-                        out.len()
-                    );
-                    std::thread::sleep(Duration::from_micros(200));
-                }
+            let before = out.len();
+            self.driver_mut().poll_each(|c| out.push(c));
+            if out.len() == before {
+                assert!(
+                    Instant::now() < deadline,
+                    "only {} of {n} completions: {out:?}",
+                    out.len()
+                );
+                std::thread::sleep(Duration::from_micros(200));
             }
         }
+        assert_eq!(out.len(), n, "more completions than awaited: {out:?}");
         out
     }
 
-    /// Asserts nothing more arrives on queue `q` for a little while.
-    pub fn quiet(&self, q: usize) {
+    /// The status of the one completion that must arrive next.
+    pub fn poll_one(&mut self) -> WcStatus {
+        status(&self.poll(1)[0])
+    }
+
+    /// Asserts nothing more completes for a little while.
+    pub fn quiet(&mut self) {
         std::thread::sleep(Duration::from_millis(50));
-        let cq: Ring<'_, PhysCqe> = Ring::new(&self.queues[q], self.layout.cq).expect("cq");
-        assert_eq!(cq.pop().expect("cq"), None);
+        let late = self.driver_mut().poll();
+        assert!(late.is_empty(), "unexpected completions: {late:?}");
+    }
+
+    /// Creates QPs `a` and `b` connected to each other (a loopback pair);
+    /// returns the index of `a`.
+    pub fn loopback(&mut self, a: u32, b: u32) -> usize {
+        let qa = self.create_qp(a);
+        self.create_qp(b);
+        self.connect_qp(a, self.lid, b).expect("connect loopback");
+        self.connect_qp(b, self.lid, a).expect("connect loopback");
+        qa
+    }
+
+    /// Writes `token` from byte `at` of the data region to byte `at + 8`
+    /// through the loopback QP `qp`, and checks it landed.
+    pub fn loopback_write_works(&mut self, qp: usize, at: u64, token: u64) {
+        let data = token.to_le_bytes();
+        self.driver().fill(at, &data);
+        let rkey = self.rkey();
+        self.write(qp, token, at, 8, IOVA + at + 8, rkey);
+        let cqe = self.poll(1)[0];
+        assert_eq!((cqe.wr_id.get(), status(&cqe)), (token, WcStatus::Success));
+        assert_eq!(self.driver().bytes(at + 8, 8), data);
+    }
+
+    /// Proof that the device works: `token` written through a loopback
+    /// pair (QPs [`PROBE_QPS`], created on first use).
+    pub fn loopback_works(&mut self, token: u64) {
+        let (a, b) = PROBE_QPS;
+        let qp = match self.driver().qps.iter().position(|q| q.vqpn == a) {
+            Some(qp) => qp,
+            None => self.loopback(a, b),
+        };
+        self.loopback_write_works(qp, 0x100, token);
     }
 }
 
-pub fn sge(addr: u64, length: u32, lkey: u32) -> Sge {
-    Sge {
-        addr: addr.into(),
-        length: length.into(),
-        lkey: lkey.into(),
+/// All of `c`'s guest memory but the doorbell page, where hostd plays
+/// the device's side of the doorbell protocol whatever else happens: it
+/// raises and clears NEED_KICK as its datapath sleeps and wakes, and
+/// clears the bits it takes (also of a QP that is gone).
+pub fn memory_of(c: &Client) -> Vec<u8> {
+    let mut all = vec![0; c.driver().mem.len()];
+    assert!(c.driver().mem.read(0, &mut all));
+    let page = DOORBELL as usize..(DOORBELL + doorbell::PAGE_SIZE) as usize;
+    all[page].fill(0);
+    all
+}
+
+/// The first offset at which `now` differs from `before`.
+pub fn first_change(before: &[u8], now: &[u8]) -> Option<usize> {
+    assert_eq!(before.len(), now.len());
+    if before == now {
+        return None;
+    }
+    before.iter().zip(now).position(|(a, b)| a != b)
+}
+
+/// The QPs of a [`pair`].
+pub const QP_ALPHA: u32 = 1;
+pub const QP_BETA: u32 = 2;
+
+/// alpha and beta (in the standard [`policy`]), set up, each with one QP
+/// (index 0: [`QP_ALPHA`], [`QP_BETA`]) connected to the other's.
+pub fn pair(socket: &Path) -> (Client, Client) {
+    pair_with(socket, MEM, connection(0, 0).min_rnr_timer)
+}
+
+/// [`pair`] with `mem` bytes of memory each ([`Client::setup_sized`]) and
+/// beta's QP advertising RNR timer code `beta_rnr_timer` as responder (how
+/// long alpha's SENDs wait when beta has no receive).
+pub fn pair_with(socket: &Path, mem: u64, beta_rnr_timer: u8) -> (Client, Client) {
+    let ready = |tenant| {
+        let mut c = Client::hello(socket, tenant, "vm0").expect("hello");
+        c.setup_sized(mem);
+        c
+    };
+    let (mut alpha, mut beta) = (ready("alpha"), ready("beta"));
+    assert_ne!(alpha.lid, beta.lid);
+    alpha.create_qp(QP_ALPHA);
+    beta.create_qp(QP_BETA);
+    (alpha.connect_qp(QP_ALPHA, beta.lid, QP_BETA)).expect("connect alpha");
+    let responder = QpConnection {
+        min_rnr_timer: beta_rnr_timer,
+        ..connection(alpha.lid, QP_ALPHA)
+    };
+    (beta.connect_with(QP_BETA, responder)).expect("connect beta");
+    (alpha, beta)
+}
+
+/// How the tests connect QPs: infinite RNR retries, 2 transport retries,
+/// a 10 µs RNR timer.
+pub fn connection(dest_lid: u16, dest_qpn: u32) -> QpConnection {
+    QpConnection {
+        dest_lid,
+        dest_qpn,
+        access: access::QP_SUPPORTED,
+        rnr_retry: 7,
+        retry_cnt: 2,
+        min_rnr_timer: 1,
     }
 }
 
-pub fn send_wqe(token: u64, vqpn: u32, op: SendOpcode, sges: &[Sge]) -> PhysWqe {
-    let mut wqe = PhysWqe {
-        token: token.into(),
-        kind: kind::SEND,
-        opcode: op.into(),
-        flags: send_flags::SIGNALED,
-        vqpn: vqpn.into(),
-        ..PhysWqe::default()
-    };
-    assert!(wqe.set_sges(sges));
-    wqe
+pub fn status(c: &Cqe) -> WcStatus {
+    WcStatus::try_from(c.status).expect("valid status")
 }
 
-pub fn write_wqe(token: u64, vqpn: u32, local: Sge, addr: u64, rkey: u32) -> PhysWqe {
-    let mut wqe = send_wqe(token, vqpn, SendOpcode::RdmaWrite, &[local]);
-    wqe.remote_addr = addr.into();
-    wqe.rkey = rkey.into();
-    wqe
+/// Retries `f` while it is refused (teardown of a predecessor is async).
+pub fn retry<T>(mut f: impl FnMut() -> Result<T, Refused>) -> T {
+    let deadline = Instant::now() + DEADLINE;
+    loop {
+        match f() {
+            Ok(v) => return v,
+            Err(e) => {
+                assert!(Instant::now() < deadline, "still refused: {e:?}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
 }
 
-pub fn recv_wqe(token: u64, vqpn: u32, sges: &[Sge]) -> PhysWqe {
-    let mut wqe = PhysWqe {
-        token: token.into(),
-        kind: kind::RECV,
-        vqpn: vqpn.into(),
-        ..PhysWqe::default()
-    };
-    assert!(wqe.set_sges(sges));
-    wqe
-}
-
-pub fn read(mem: &SharedMapping, offset: usize, len: usize) -> Vec<u8> {
-    let mut out = vec![0; len];
-    assert!(mem.read(offset, &mut out));
-    out
+/// Retries `f` until it holds (teardown and reload are asynchronous).
+pub fn eventually(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + DEADLINE;
+    while !f() {
+        assert!(Instant::now() < deadline, "never: {what}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
 }
 
 /// An unsealed memfd (which hostd must refuse to map).

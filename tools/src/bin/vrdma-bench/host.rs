@@ -1,0 +1,196 @@
+//! The system under measurement: hostd and one vdev per tenant as separate
+//! processes on unix sockets in a scratch directory, each tenant's device
+//! opened by a vhost-user frontend in this process, and connected QP pairs
+//! with a buffer on each side.
+
+use std::cell::Cell;
+use std::path::PathBuf;
+
+use vrdma_guest_driver::{MemoryRegion, QpCapabilities, QueuePair};
+use vrdma_spec::verbs::access;
+use vrdma_tools::supervisor::{find_binary, Daemon, Launch, Scratch};
+use vrdma_tools::verbs::{bring_up, Connection, Opened};
+
+use crate::{verbs, BenchError, Result};
+
+/// Access of every buffer: the peer may write and read it.
+const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
+/// Completion queue entries of each tenant's one CQ.
+pub const CQ_DEPTH: u32 = 4096;
+
+/// hostd and the vdevs of one measurement. Fields drop in order: hostd
+/// before its directory.
+pub struct Host {
+    hostd: Daemon,
+    vdev: PathBuf,
+    dir: Scratch,
+    vdevs: Cell<u32>,
+}
+
+impl Host {
+    /// hostd with `args`, on `policy` (or its embedded default one).
+    pub fn start(policy: Option<&str>, args: &[&str]) -> Result<Self> {
+        let dir = Scratch::new("bench")?;
+        let hostd = find_binary("hostd", "vrdma-hostd")?;
+        let mut launch = Launch::hostd(&hostd, dir.path()).args(args);
+        if let Some(policy) = policy {
+            launch = launch
+                .arg("--policy")
+                .arg(dir.write("policy.toml", policy)?);
+        }
+        Ok(Self {
+            hostd: launch.start()?,
+            vdev: find_binary("vdev", "vrdma-vdev")?,
+            dir,
+            vdevs: Cell::new(0),
+        })
+    }
+
+    /// A vdev for `tenant` attached to hostd.
+    pub fn vdev(&self, tenant: &str) -> Result<Daemon> {
+        let n = self.vdevs.replace(self.vdevs.get() + 1);
+        let launch = Launch::vdev(
+            &self.vdev,
+            self.dir.path(),
+            tenant,
+            Some(self.hostd.socket()),
+        );
+        Ok(launch.file(&format!("{tenant}-{n}")).start()?)
+    }
+
+    /// A vdev for `tenant` and its device, opened.
+    pub fn tenant(&self, tenant: &str) -> Result<Tenant> {
+        let vdev = self.vdev(tenant)?;
+        let dev = Opened::open(vdev.socket(), CQ_DEPTH).map_err(|source| BenchError::Open {
+            tenant: tenant.into(),
+            source,
+        })?;
+        Ok(Tenant { dev, vdev })
+    }
+
+    /// The daemon process of hostd.
+    pub fn hostd_pid(&self) -> u32 {
+        self.hostd.pid()
+    }
+}
+
+/// A tenant's device, opened, and the vdev serving it (fields drop in
+/// order: the device first).
+pub struct Tenant {
+    dev: Opened,
+    vdev: Daemon,
+}
+
+impl Tenant {
+    /// The vdev's process.
+    pub fn vdev_pid(&self) -> u32 {
+        self.vdev.pid()
+    }
+
+    /// An RC QP on the tenant's one CQ with `send_wr` send slots.
+    pub fn qp(&self, send_wr: u32) -> Result<QueuePair> {
+        let caps = QpCapabilities {
+            max_send_wr: send_wr,
+            max_recv_wr: send_wr,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 64,
+        };
+        self.rc_qp(caps).map_err(verbs("create a QP"))
+    }
+
+    /// A registered buffer of `len` bytes.
+    pub fn buffer(&self, len: usize) -> Result<Buffer> {
+        let mr = self
+            .pd
+            .alloc_mr(len, RW)
+            .map_err(verbs("register a buffer"))?;
+        Ok(Buffer(mr))
+    }
+}
+
+impl std::ops::Deref for Tenant {
+    type Target = Opened;
+    fn deref(&self) -> &Opened {
+        &self.dev
+    }
+}
+
+/// `a`'s `qa` and `b`'s `qb`, connected to each other.
+pub fn connect(a: &Tenant, qa: &QueuePair, b: &Tenant, qb: &QueuePair) -> Result<()> {
+    bring_up(qa, qb.qp_num(), b.lid, Connection::default()).map_err(verbs("connect a QP"))?;
+    bring_up(qb, qa.qp_num(), a.lid, Connection::default()).map_err(verbs("connect a QP"))
+}
+
+/// A registered buffer from the driver's DMA memory: one contiguous piece,
+/// so its bytes can be watched in place, as perftest watches its buffer.
+pub struct Buffer(MemoryRegion);
+
+impl Buffer {
+    /// The byte at `offset`, read once from memory the device writes.
+    ///
+    /// # Panics
+    /// If `offset` is outside the buffer (a bench bug).
+    pub fn byte(&self, offset: usize) -> u8 {
+        assert!(offset < self.0.len(), "offset {offset} outside the buffer");
+        // SAFETY: `alloc_mr` memory is one mapped piece of `len()` bytes
+        // that lives as long as the MR, and `offset` is inside it; the
+        // device writes it concurrently, hence the volatile read.
+        unsafe { self.0.as_ptr().add(offset).read_volatile() }
+    }
+
+    /// Stores `value` at `offset`.
+    ///
+    /// # Panics
+    /// If `offset` is outside the buffer (a bench bug).
+    pub fn set_byte(&self, offset: usize, value: u8) {
+        assert!(offset < self.0.len(), "offset {offset} outside the buffer");
+        // SAFETY: as in `byte`.
+        unsafe { self.0.as_ptr().add(offset).write_volatile(value) }
+    }
+}
+
+impl std::ops::Deref for Buffer {
+    type Target = MemoryRegion;
+    fn deref(&self) -> &MemoryRegion {
+        &self.0
+    }
+}
+
+/// A connected QP pair between two tenants with a buffer on each side.
+pub struct Link<'t> {
+    pub qa: QueuePair,
+    pub qb: QueuePair,
+    pub ma: Buffer,
+    pub mb: Buffer,
+    pub a: &'t Tenant,
+    pub b: &'t Tenant,
+}
+
+impl<'t> Link<'t> {
+    /// A QP pair with `send_wr` slots on each side and buffers of twice
+    /// `size` bytes (at least a page).
+    pub fn new(a: &'t Tenant, b: &'t Tenant, size: usize, send_wr: u32) -> Result<Self> {
+        let (qa, qb) = (a.qp(send_wr)?, b.qp(send_wr)?);
+        connect(a, &qa, b, &qb)?;
+        let len = (2 * size).max(4096);
+        Ok(Link {
+            qa,
+            qb,
+            ma: a.buffer(len)?,
+            mb: b.buffer(len)?,
+            a,
+            b,
+        })
+    }
+}
+
+/// A policy of tenants in one network with the given classes and weights.
+pub fn policy<'a>(tenants: impl IntoIterator<Item = (&'a str, &'a str, u32)>) -> String {
+    tenants
+        .into_iter()
+        .map(|(name, class, weight)| {
+            format!("[[tenant]]\nname = \"{name}\"\nnetwork = \"bench\"\npriority = {{ class = \"{class}\", weight = {weight} }}\n\n")
+        })
+        .collect()
+}

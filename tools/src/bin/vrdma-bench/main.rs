@@ -1,0 +1,240 @@
+//! `vrdma-bench`: perftest-like measurements of the whole vrdma path —
+//! guest driver → hostd → peer, vdev serving the control plane — between
+//! process-mode tenants, each against baselines measured in the same run
+//! on the same machine at their best: TCP loopback (blocking and
+//! busy-polling), a shared-memory ping-pong (direct and relayed), memcpy.
+//! It ends with every target of docs/performance.md against this run.
+//!
+//! The daemons (`hostd`, one `vdev` per tenant) run as separate processes
+//! on unix sockets in a scratch directory; the tenants are vhost-user
+//! frontends in this process, each side of a test on its own thread.
+
+mod baselines;
+mod host;
+mod latency;
+mod reg_mr;
+mod report;
+mod scale;
+mod sharing;
+mod throughput;
+
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use vrdma_guest_driver::error::chain;
+use vrdma_guest_driver::PostError;
+use vrdma_spec::verbs::{SendOpcode, WcStatus};
+use vrdma_tools::supervisor;
+
+use host::Host;
+use report::Targets;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Test {
+    WriteLat,
+    ReadLat,
+    SendLat,
+    WriteBw,
+    ReadBw,
+    SendBw,
+    MsgRate,
+    RegMr,
+    /// Many tenants with many QPs each against two, then the daemons' CPU
+    /// when idle.
+    Scale,
+    /// Latency of a realtime tenant while a normal tenant floods, against
+    /// the same without a policy (everyone normal).
+    Isolation,
+    /// Bandwidth shares of two flooding normal tenants weighted 1:3.
+    Weights,
+}
+
+/// The flooding tenants' operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum FloodOp {
+    /// RDMA WRITEs into the peer's memory region.
+    Write,
+    /// SENDs into receives the peer keeps posted.
+    Send,
+}
+
+impl From<FloodOp> for SendOpcode {
+    fn from(op: FloodOp) -> Self {
+        match op {
+            FloodOp::Write => SendOpcode::RdmaWrite,
+            FloodOp::Send => SendOpcode::Send,
+        }
+    }
+}
+
+/// Measures vrdma against TCP, shared memory and memcpy on this machine.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Tests to run (all when none is given).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    test: Vec<Test>,
+    /// Message sizes in bytes of the latency and bandwidth tests.
+    #[arg(long, value_delimiter = ',', default_values_t = [64usize, 65536])]
+    size: Vec<usize>,
+    /// Iterations of each latency test.
+    #[arg(long, default_value_t = 20_000)]
+    iters: usize,
+    /// Bytes each bandwidth trial moves (at most 4 Mi messages).
+    #[arg(long, default_value_t = 1 << 30)]
+    bytes: usize,
+    /// Size of the memory region the registration test registers.
+    #[arg(long, default_value_t = 1 << 30)]
+    reg_size: usize,
+    /// Tenants of the scale test (one vdev each).
+    #[arg(long, default_value_t = 64)]
+    tenants: usize,
+    /// QPs with traffic per tenant in the scale test.
+    #[arg(long, default_value_t = 16)]
+    qps_per_tenant: usize,
+    /// Seconds each fleet of the scale test streams.
+    #[arg(long, default_value_t = 3)]
+    scale_secs: u64,
+    /// Line rate (Mbit/s) of the modelled NIC port in the isolation and
+    /// weights tests: below what this host's CPUs can move, so that the
+    /// port, as on a real NIC, is the resource tenants contend for.
+    #[arg(long, default_value_t = 10_000)]
+    line_rate_mbps: u32,
+    /// Message size of the flooding tenant in the isolation test.
+    #[arg(long, default_value_t = 65536)]
+    flood_size: usize,
+    /// What the flooding tenants send in the isolation and weights tests.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [FloodOp::Write, FloodOp::Send])]
+    flood_op: Vec<FloodOp>,
+}
+
+#[derive(Debug, thiserror::Error)]
+enum BenchError {
+    #[error(transparent)]
+    Daemon(#[from] supervisor::Error),
+    #[error("Cannot open tenant {tenant}'s device")]
+    Open {
+        tenant: String,
+        #[source]
+        source: vrdma_guest_driver::Error,
+    },
+    #[error("Cannot {what}")]
+    Verbs {
+        what: &'static str,
+        #[source]
+        source: vrdma_guest_driver::Error,
+    },
+    #[error("Cannot post work request {}", .0.bad_wr)]
+    Post(#[source] PostError),
+    #[error("A work request completed with {0:?}")]
+    Completion(WcStatus),
+    #[error("Cannot measure {what}")]
+    Baseline {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("Cannot read the CPU time of process {pid}")]
+    Cpu {
+        pid: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("A benchmark thread panicked")]
+    Panicked,
+}
+
+type Result<T, E = BenchError> = std::result::Result<T, E>;
+
+/// Maps a driver error to the verb that failed.
+fn verbs(what: &'static str) -> impl FnOnce(vrdma_guest_driver::Error) -> BenchError {
+    move |source| BenchError::Verbs { what, source }
+}
+
+/// How `main` fails: the error chain, once.
+struct Failed(BenchError);
+
+impl std::fmt::Debug for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "vrdma-bench: {}", chain(&self.0))
+    }
+}
+
+impl From<BenchError> for Failed {
+    fn from(e: BenchError) -> Self {
+        Failed(e)
+    }
+}
+
+fn main() -> Result<(), Failed> {
+    let args = Args::parse();
+    let tests = if args.test.is_empty() {
+        Test::value_variants().to_vec()
+    } else {
+        args.test.clone()
+    };
+    let mut targets = Targets::default();
+    run(&args, &tests, &mut targets)?;
+    print!("{}", targets.summary());
+    Ok(())
+}
+
+fn run(args: &Args, tests: &[Test], targets: &mut Targets) -> Result<()> {
+    // The two-tenant tests share one hostd on its embedded default policy.
+    let two_tenant = |t: &Test| !matches!(t, Test::Scale | Test::Isolation | Test::Weights);
+    if tests.iter().any(two_tenant) {
+        let host = Host::start(None, &[])?;
+        let a = host.tenant("alpha")?;
+        let b = host.tenant("beta")?;
+        println!(
+            "vrdma-bench: hostd + 2 vdevs (separate processes), tenants alpha (LID {}) and beta (LID {})",
+            a.lid, b.lid
+        );
+        for &test in tests.iter().filter(|t| two_tenant(t)) {
+            let latency = match test {
+                Test::WriteLat => Some(latency::Kind::Write),
+                Test::SendLat => Some(latency::Kind::Send),
+                Test::ReadLat => Some(latency::Kind::Read),
+                _ => None,
+            };
+            let bandwidth = match test {
+                Test::WriteBw => Some(throughput::Kind::WriteBw),
+                Test::ReadBw => Some(throughput::Kind::ReadBw),
+                Test::SendBw => Some(throughput::Kind::SendBw),
+                Test::MsgRate => Some(throughput::Kind::MsgRate),
+                _ => None,
+            };
+            if let Some(kind) = latency {
+                for &size in &args.size {
+                    latency::run(kind, &a, &b, size, args.iters, targets)?;
+                }
+            } else if let Some(kind) = bandwidth {
+                let sizes = if kind == throughput::Kind::MsgRate {
+                    &[64][..]
+                } else {
+                    &args.size
+                };
+                for &size in sizes {
+                    throughput::run(kind, &a, &b, size, args.bytes, targets)?;
+                }
+            } else if test == Test::RegMr {
+                reg_mr::run(&host, args.reg_size)?;
+            }
+        }
+    }
+    // These start hostds of their own.
+    if tests.contains(&Test::Scale) {
+        let secs = Duration::from_secs(args.scale_secs);
+        scale::run(args.tenants, args.qps_per_tenant, secs, targets)?;
+    }
+    for &op in &args.flood_op {
+        if tests.contains(&Test::Isolation) {
+            let iters = args.iters.min(5000);
+            let (mbps, size) = (args.line_rate_mbps, args.flood_size);
+            sharing::isolation(iters, mbps, size, op.into(), targets)?;
+        }
+        if tests.contains(&Test::Weights) {
+            sharing::weights(args.line_rate_mbps, op.into(), targets)?;
+        }
+    }
+    Ok(())
+}
