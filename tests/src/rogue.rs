@@ -23,7 +23,7 @@ use vrdma_hostd_protocol::messages::{
     PROTOCOL_VERSION,
 };
 use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
-use vrdma_spec::ring::{doorbell, Cqe, DRIVER_INDEX_OFFSET};
+use vrdma_spec::ring::{Cqe, DRIVER_INDEX_OFFSET};
 use vrdma_spec::verbs::QpState;
 
 /// A device registered with hostd by hand.
@@ -253,14 +253,7 @@ impl RogueVdev {
     /// Notifies the doorbell queue if hostd asked for it (NEED_KICK at
     /// offset 0 of the doorbell page), as a driver does after ringing.
     pub fn kick_if_needed(&mut self) {
-        let flags = self
-            .driver()
-            .mem
-            .atomic_u32(doorbell::FLAGS_OFFSET as usize);
-        let flags = flags.map_or(0, |w| {
-            u32::from_le(w.load(std::sync::atomic::Ordering::SeqCst))
-        });
-        if flags & doorbell::NEED_KICK != 0 {
+        if self.driver().needs_kick() {
             self.kick.write(1).expect("kick");
         }
     }
