@@ -144,8 +144,8 @@ impl Vdev {
 
     /// Waits (up to 10 s) until vdev has built its device for its
     /// `frontend`-th frontend (1 for the first) and waits for it to
-    /// connect: registered with hostd, workers and datapath started, as
-    /// its log says. Between frontends vdev tears one device down and
+    /// connect: registered with hostd and its control-queue worker
+    /// started, as its log says. Between frontends vdev tears one device down and
     /// builds the next, so this is the moment its resources are steady.
     pub fn wait_for_frontend(&self, frontend: usize) {
         let waiting = "Waiting for a frontend";
