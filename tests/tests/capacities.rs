@@ -117,9 +117,27 @@ fn the_caps_a_qp_is_granted_are_carried_by_the_datapath() {
         assert_eq!(read_mr(&dst, 8191 - 16 * (i + 1), 16), piece, "SGE {i}");
     }
 
+    // Under the limit of 64, a QP asking 16 SGEs is granted what its
+    // 512-byte slot holds, 28 (device spec §5.4), and a WRITE gathering
+    // all 28 succeeds (the defect's report: granted 28, refused past 16).
+    let (qa, qb) = (a.qp(caps(16, 16, 0)), b.qp(caps(16, 16, 0)));
+    assert_eq!(qa.cap().max_send_sge, 28, "{:?}", qa.cap());
+    connect(&a, &qa, &b, &qb, Connection::default());
+    let sges: Vec<Sge> = (0..28).map(|i| src.sge(at(i), 1)).collect();
+    let wr = rdma(
+        5,
+        SendOpcode::RdmaWrite,
+        &sges,
+        dst.iova() + 6000,
+        dst.rkey(),
+    );
+    qa.post_send(&[wr]).expect("post a 28-SGE WRITE");
+    let wc = one(&a.cq);
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::Success), "{wc:?}");
+    assert_eq!(read_mr(&dst, 6000, 28), message[..28], "the 28 bytes");
+
     // Under vdev's default limit of 16 SGEs (and 256 inline bytes), a QP
-    // asking for them is granted exactly that (the ring's slot would
-    // hold 28 SGEs).
+    // asking for them is granted exactly that (its slot would hold 28).
     let narrow = Tenant::start(&hostd, "alpha");
     let asked = caps(16, 16, 256);
     assert_eq!(narrow.qp(asked).cap(), asked, "granted exactly the limit");
