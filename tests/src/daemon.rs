@@ -94,23 +94,6 @@ pub struct Vdev {
 }
 
 impl Vdev {
-    /// Niceness of the thread named `name` (`/proc/PID/task/*/comm`), if
-    /// such a thread runs.
-    pub fn thread_nice(&self, name: &str) -> Option<i32> {
-        let tasks = std::fs::read_dir(format!("/proc/{}/task", self.pid())).ok()?;
-        tasks.flatten().find_map(|task| {
-            let comm = std::fs::read_to_string(task.path().join("comm")).ok()?;
-            if comm.trim_end() != name {
-                return None;
-            }
-            // Field 19 of stat; the name (field 2) may hold spaces, so
-            // count from the closing parenthesis.
-            let stat = std::fs::read_to_string(task.path().join("stat")).ok()?;
-            let after = stat.rsplit_once(')')?.1;
-            after.split_whitespace().nth(16)?.parse().ok()
-        })
-    }
-
     /// Starts vdev for `tenant` with extra command-line `args`, and waits
     /// until its socket listens.
     pub fn start(tenant: &str, args: &[&str]) -> Self {
@@ -161,8 +144,8 @@ impl Vdev {
 
     /// Waits (up to 10 s) until vdev has built its device for its
     /// `frontend`-th frontend (1 for the first) and waits for it to
-    /// connect: registered with hostd, workers and datapath started, as
-    /// its log says. Between frontends vdev tears one device down and
+    /// connect: registered with hostd and its control-queue worker
+    /// started, as its log says. Between frontends vdev tears one device down and
     /// builds the next, so this is the moment its resources are steady.
     pub fn wait_for_frontend(&self, frontend: usize) {
         let waiting = "Waiting for a frontend";

@@ -2,26 +2,28 @@
 //! WQEs (random opcodes, flags, SGE counts, inline lengths, keys and
 //! addresses), another tenant's rkey, producer indices beyond the ring.
 //! The guest driver never writes such rings, so this test plays the VMM
-//! (`vrdma_tests::vmm`) and writes the rings by hand, against a real vdev
-//! and hostd. The fuzz targets drive the same decoders in-process; this is
-//! the end-to-end wall: whatever the rings hold, no byte outside the
-//! guest's own memory regions changes, the other tenant's memory stays as
-//! it was, every completion is one the guest asked for, and vdev and hostd
-//! go on serving.
+//! (`vrdma_tests::vmm`) and the driver, and writes the rings, the
+//! doorbell page and the doorbell kicks by hand, against a real vdev and
+//! hostd, whose WQE reader takes them (device spec §6.8). The fuzz
+//! targets drive the same reader in-process; this is the end-to-end wall:
+//! whatever the rings hold, no byte outside the guest's own memory regions
+//! changes, the other tenant's memory stays as it was, every completion is
+//! one the guest asked for (once), a broken ring is reported with a
+//! QP_FATAL event, and vdev and hostd go on serving.
 //!
 //! The rounds are random: a failing run prints its seed, and
 //! `VRDMA_CHAOS_SEED=<seed>` replays it.
 
 use std::collections::{BTreeMap, HashSet};
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use vm_memory::{Bytes, GuestAddress};
+use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, VolatileMemory};
 use vrdma_spec::config::DeviceAttr;
 use vrdma_spec::control::*;
 use vrdma_spec::ring::{
-    self, send_flags, Cqe, RecvWqe, SendWqe, Sge, WorkRingGeometry, DEVICE_INDEX_OFFSET,
-    DRIVER_INDEX_OFFSET, RING_HEADER_SIZE, SGE_SIZE,
+    self, doorbell, event_kind, send_flags, Cqe, Event, RecvWqe, SendWqe, Sge, WorkRingGeometry,
+    DEVICE_INDEX_OFFSET, DRIVER_INDEX_OFFSET, RING_HEADER_SIZE, SGE_SIZE,
 };
 use vrdma_spec::verbs::{access, QpState, SendOpcode, WcStatus};
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
@@ -41,8 +43,14 @@ const CQ_RING: u64 = FREE + (2 << 20);
 const CQ_DEPTH: u32 = 256;
 /// The rings of the round's two QPs, 64 KiB apart.
 const QP_RINGS: u64 = FREE + (3 << 20);
-/// Where the doorbell queue's (unused) descriptor rings live.
+/// Where the doorbell queue's and the first event queue's (unused)
+/// descriptor rings live.
 const DOORBELL_RING: u64 = GUEST_BASE + 0x20000;
+const EVENT_QUEUE_RING: u64 = GUEST_BASE + 0x30000;
+/// The device's doorbell page, and the event ring of vector 0.
+const DOORBELL_PAGE: u64 = FREE + (4 << 20);
+const EVENT_RING: u64 = FREE + (5 << 20);
+const EVENT_DEPTH: u32 = 64;
 /// The victim tenant's memory region, which only its own QPs may write.
 const VICTIM_MR: u64 = FREE;
 const VICTIM_LEN: u64 = 0x10000;
@@ -68,10 +76,11 @@ fn read(vmm: &Vmm, addr: u64, len: u64) -> Vec<u8> {
     out
 }
 
-/// One RC QP of the attacker, with its rings.
+/// One RC QP of the attacker, with its rings and its doorbell bit.
 #[derive(Debug, Clone, Copy)]
 struct Qp {
     qpn: u32,
+    db_index: u32,
     sq: u64,
     rq: u64,
     sq_geometry: WorkRingGeometry,
@@ -107,6 +116,7 @@ impl Qp {
         assert!(sq_geometry.ring_bytes() <= 0x8000 && rq_geometry.ring_bytes() <= 0x8000);
         Qp {
             qpn: resp.qpn.get(),
+            db_index: resp.db_index.get(),
             sq,
             rq,
             sq_geometry,
@@ -181,10 +191,46 @@ fn publish(vmm: &Vmm, ring: u64, geometry: WorkRingGeometry, slots: &[Vec<u8>], 
         .expect("producer index");
 }
 
-fn consumer(vmm: &Vmm, ring: u64) -> u32 {
+/// The device's index of a ring: WQEs completed (SQ, RQ), entries
+/// produced (CQ, event ring).
+fn device_index(vmm: &Vmm, ring: u64) -> u32 {
     vmm.mem
         .load(GuestAddress(ring + DEVICE_INDEX_OFFSET), Ordering::Acquire)
-        .expect("consumer index")
+        .expect("device index")
+}
+
+/// `f` of the atomic `T` of guest memory at `addr`.
+fn atomic<T: vm_memory::AtomicInteger, R>(vmm: &Vmm, addr: u64, f: impl FnOnce(&T) -> R) -> R {
+    let slice = vmm
+        .mem
+        .get_slice(GuestAddress(addr), std::mem::size_of::<T>());
+    let slice = slice.expect("in guest memory");
+    f(slice.get_atomic_ref::<T>(0).expect("aligned"))
+}
+
+/// The driver's side of the doorbell after publishing a ring of QP `qp`
+/// (device spec §6.6): its bit in the bitmap, its word's bit in the
+/// summary, then, if the device sleeps (NEED_KICK), a kick of the doorbell
+/// queue. Returns whether it kicked.
+fn ring_doorbell(vmm: &Vmm, qp: &Qp, kick: &vmm_sys_util::eventfd::EventFd) -> bool {
+    let bit = doorbell::bit(qp.db_index).expect("db_index below MAX_QPS");
+    let set = |offset, mask: u64| {
+        atomic(vmm, DOORBELL_PAGE + offset, |w: &AtomicU64| {
+            w.fetch_or(mask.to_le(), Ordering::SeqCst)
+        })
+    };
+    set(bit.word_offset, bit.mask);
+    set(bit.summary_offset, bit.summary_mask);
+    let flags = atomic(
+        vmm,
+        DOORBELL_PAGE + doorbell::FLAGS_OFFSET,
+        |f: &AtomicU32| u32::from_le(f.load(Ordering::SeqCst)),
+    );
+    let sleeping = flags & doorbell::NEED_KICK != 0;
+    if sleeping {
+        kick.write(1).expect("doorbell kick");
+    }
+    sleeping
 }
 
 /// What the attacker knows: its own keys, and the victim's rkey (a real
@@ -331,33 +377,46 @@ fn well_formed(
     slot
 }
 
-/// The attacker's completion queue, read the way a driver reads it.
-struct Completions {
-    cqn: u32,
+/// A ring the device produces into (the CQ, an event ring), read the way
+/// a driver reads it.
+struct Consumer {
+    ring: u64,
+    depth: u32,
     consumer: u32,
 }
 
-impl Completions {
-    /// Every CQE produced since the last call; the slots are given back.
-    fn drain(&mut self, vmm: &Vmm) -> Vec<Cqe> {
-        let producer = consumer(vmm, CQ_RING);
+impl Consumer {
+    /// Every entry produced since the last call; the slots are given back.
+    fn drain<T: FromBytes>(&mut self, vmm: &Vmm) -> Vec<T> {
+        let producer = device_index(vmm, self.ring);
+        let size = std::mem::size_of::<T>() as u64;
         let mut out = Vec::new();
         while self.consumer != producer {
-            let at = CQ_RING
-                + RING_HEADER_SIZE as u64
-                + u64::from(self.consumer & (CQ_DEPTH - 1)) * ring::CQE_SIZE as u64;
-            let bytes = read(vmm, at, ring::CQE_SIZE as u64);
-            out.push(Cqe::read_from_bytes(&bytes).expect("CQE size"));
+            let slot = u64::from(self.consumer & (self.depth - 1));
+            let bytes = read(vmm, self.ring + RING_HEADER_SIZE as u64 + slot * size, size);
+            out.push(T::read_from_bytes(&bytes).expect("entry size"));
             self.consumer = self.consumer.wrapping_add(1);
         }
         vmm.mem
             .store(
                 self.consumer,
-                GuestAddress(CQ_RING + DRIVER_INDEX_OFFSET),
+                GuestAddress(self.ring + DRIVER_INDEX_OFFSET),
                 Ordering::Release,
             )
-            .expect("CQ consumer");
+            .expect("consumer index");
         out
+    }
+}
+
+/// The attacker's completion queue.
+struct Completions {
+    cqn: u32,
+    ring: Consumer,
+}
+
+impl Completions {
+    fn drain(&mut self, vmm: &Vmm) -> Vec<Cqe> {
+        self.ring.drain(vmm)
     }
 
     /// Waits up to 5 s for the completion of `wr_id`.
@@ -375,6 +434,48 @@ impl Completions {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
+}
+
+/// The doorbell virtqueue (its kick is hostd's), the doorbell page, the
+/// first event virtqueue (its call is hostd's interrupt) and event ring 0,
+/// given as a driver gives them before its first QP.
+fn doorbell_and_events(vmm: &mut Vmm) -> (vmm::RawQueue, vmm::RawQueue) {
+    let doorbell = vmm.queue(vrdma_spec::DOORBELL_QUEUE, DOORBELL_RING);
+    let events = vmm.queue(vrdma_spec::FIRST_EVENT_QUEUE, EVENT_QUEUE_RING);
+    for page in [DOORBELL_PAGE, EVENT_RING] {
+        vmm.mem
+            .write_slice(&[0u8; 0x1000], GuestAddress(page))
+            .expect("clear");
+    }
+    let page = SetDoorbellReq {
+        addr: DOORBELL_PAGE.into(),
+    };
+    assert_eq!(vmm.errno(Opcode::SetDoorbell, page.as_bytes()), 0);
+    let eq = CreateEqReq {
+        vector: 0.into(),
+        depth: EVENT_DEPTH.into(),
+        ring_addr: EVENT_RING.into(),
+    };
+    assert_eq!(vmm.errno(Opcode::CreateEq, eq.as_bytes()), 0);
+    (doorbell, events)
+}
+
+/// The events of `ring`: (kind, object), waiting up to 1 s for `n` of
+/// them, then 10 ms for any more.
+fn wait_events(vmm: &Vmm, ring: &mut Consumer, n: usize) -> Vec<(u16, u32)> {
+    let mut out = Vec::new();
+    let mut take = |ring: &mut Consumer| {
+        let got: Vec<Event> = ring.drain(vmm);
+        out.extend(got.iter().map(|e| (e.kind.get(), e.object.get())));
+        out.len()
+    };
+    let deadline = Instant::now() + Duration::from_secs(1);
+    while take(ring) < n && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(10));
+    take(ring);
+    out
 }
 
 #[test]
@@ -421,14 +522,19 @@ fn garbage_in_a_guests_own_rings_reaches_nothing_beyond_its_memory_regions() {
     let cq: CqHandle = vmm.ok(Opcode::CreateCq, cq_req(CQ_RING, CQ_DEPTH).as_bytes());
     let mut cq = Completions {
         cqn: cq.cqn.get(),
+        ring: Consumer {
+            ring: CQ_RING,
+            depth: CQ_DEPTH,
+            consumer: 0,
+        },
+    };
+    let (doorbell, _event_queue) = doorbell_and_events(&mut vmm);
+    let mut events = Consumer {
+        ring: EVENT_RING,
+        depth: EVENT_DEPTH,
         consumer: 0,
     };
-    let doorbell = vmm::RawQueue::setup(
-        &mut vmm.frontend,
-        &vmm.mem,
-        vrdma_spec::DOORBELL_QUEUE,
-        DOORBELL_RING,
-    );
+    let mut kicks = 0;
     let lid = vmm.config.port.lid.get();
     let keys = Keys {
         lkey: mr.lkey.get(),
@@ -469,7 +575,7 @@ fn garbage_in_a_guests_own_rings_reaches_nothing_beyond_its_memory_regions() {
                 let slot = well_formed(op, wr_id(0, 0), local, keys.victim_rkey, remote, stride);
                 posted.insert(wr_id(0, 0));
                 publish(&vmm, a.sq, a.sq_geometry, &[slot], 1);
-                doorbell.kick.write(1).expect("doorbell");
+                kicks += u32::from(ring_doorbell(&vmm, &a, &doorbell.kick));
                 let cqe = cq.wait_for(&vmm, wr_id(0, 0), &mut seen);
                 assert_eq!(
                     (cqe.status, cqe.qp_num.get()),
@@ -500,7 +606,7 @@ fn garbage_in_a_guests_own_rings_reaches_nothing_beyond_its_memory_regions() {
                 );
                 posted.insert(wr_id(0, 0));
                 publish(&vmm, a.sq, a.sq_geometry, &[slot], 1);
-                doorbell.kick.write(1).expect("doorbell");
+                kicks += u32::from(ring_doorbell(&vmm, &a, &doorbell.kick));
                 let cqe = cq.wait_for(&vmm, wr_id(0, 0), &mut seen);
                 assert_eq!(
                     cqe.status,
@@ -521,6 +627,7 @@ fn garbage_in_a_guests_own_rings_reaches_nothing_beyond_its_memory_regions() {
                 posted.extend((0..recvs.len() as u64).map(|i| wr_id(1, i)));
                 posted.extend((1..=sends.len() as u64).map(|i| wr_id(0, i)));
                 publish(&vmm, b.rq, b.rq_geometry, &recvs, recvs.len() as u32);
+                kicks += u32::from(ring_doorbell(&vmm, &b, &doorbell.kick));
                 let bad_index = rng.chance(8);
                 let producer = if bad_index {
                     bad_indices += 1;
@@ -529,30 +636,46 @@ fn garbage_in_a_guests_own_rings_reaches_nothing_beyond_its_memory_regions() {
                     sends.len() as u32
                 };
                 publish(&vmm, a.sq, a.sq_geometry, &sends, producer);
-                doorbell.kick.write(1).expect("doorbell");
-                // vdev takes every WQE (an index beyond the ring fails the QP).
+                kicks += u32::from(ring_doorbell(&vmm, &a, &doorbell.kick));
+                // hostd completes (or flushes) every send WQE, freeing its
+                // slot; an index beyond the ring fails the QP instead. B's
+                // receives complete only when a SEND takes them.
                 let deadline = Instant::now() + Duration::from_secs(5);
                 loop {
                     let done = if bad_index {
                         a.state(&mut vmm) == u8::from(QpState::Err)
                     } else {
-                        consumer(&vmm, a.sq) == producer
+                        device_index(&vmm, a.sq) == producer
                     };
-                    if done && consumer(&vmm, b.rq) == recvs.len() as u32 {
+                    if done {
                         break;
                     }
                     assert!(
                         Instant::now() < deadline,
-                        "round {round}: vdev did not take the WQEs"
+                        "round {round}: hostd did not complete the WQEs"
                     );
                     std::thread::sleep(Duration::from_millis(1));
                 }
+                // A broken ring is reported on event ring 0 (once), and
+                // only a broken ring is.
+                let fatal = vec![(event_kind::QP_FATAL, a.qpn)];
+                let reported = wait_events(&vmm, &mut events, if bad_index { 1 } else { 0 });
+                let expected = if bad_index { fatal } else { Vec::new() };
+                assert_eq!(reported, expected, "round {round}: events");
             }
         }
         // Destroying is final once answered: no WQE of these QPs runs after.
         a.destroy(&mut vmm);
         b.destroy(&mut vmm);
         seen.extend(cq.drain(&vmm));
+        let mut ids: Vec<u64> = seen.iter().map(|c| c.wr_id.get()).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(
+            ids.len(),
+            seen.len(),
+            "round {round}: a WQE completed twice: {seen:?}"
+        );
         for cqe in &seen {
             assert!(
                 WcStatus::try_from(cqe.status).is_ok(),
@@ -577,7 +700,8 @@ fn garbage_in_a_guests_own_rings_reaches_nothing_beyond_its_memory_regions() {
         );
     }
     println!(
-        "hostile rings: completions by status {statuses:?}, {bad_indices} indices beyond the ring"
+        "hostile rings: completions by status {statuses:?}, {bad_indices} indices beyond the \
+         ring, {kicks} doorbell kicks"
     );
 
     assert!(

@@ -52,12 +52,7 @@ const EVENT_QUEUE_RING: u64 = GUEST_BASE + 0x8000;
 /// first gives the doorbell page, whose kick eventfd (the doorbell
 /// virtqueue's) hostd is lent.
 fn make_objects(vmm: &mut Vmm) -> (u32, u32) {
-    vmm::RawQueue::setup(
-        &mut vmm.frontend,
-        &vmm.mem,
-        vrdma_spec::DOORBELL_QUEUE,
-        DOORBELL_RING,
-    );
+    vmm.queue(vrdma_spec::DOORBELL_QUEUE, DOORBELL_RING);
     assert_eq!(set_doorbell(vmm), 0, "SET_DOORBELL");
     let pdn = alloc_pd(vmm);
     let rw = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
@@ -263,18 +258,8 @@ fn hostd_is_lent_the_doorbell_kick_and_the_event_interrupts() {
     assert_eq!(files.len(), 1, "the guest memory's memfd");
     assert_eq!(vmm.config.port.lid.get(), 0x20, "hostd's LID");
 
-    let doorbell = vmm::RawQueue::setup(
-        &mut vmm.frontend,
-        &vmm.mem,
-        vrdma_spec::DOORBELL_QUEUE,
-        DOORBELL_RING,
-    );
-    let events = vmm::RawQueue::setup(
-        &mut vmm.frontend,
-        &vmm.mem,
-        vrdma_spec::FIRST_EVENT_QUEUE,
-        EVENT_QUEUE_RING,
-    );
+    let doorbell = vmm.queue(vrdma_spec::DOORBELL_QUEUE, DOORBELL_RING);
+    let events = vmm.queue(vrdma_spec::FIRST_EVENT_QUEUE, EVENT_QUEUE_RING);
     // The driver notifies the doorbell queue; were vdev polling it, the
     // notification would be consumed by the time hostd gets the eventfd.
     doorbell.kick.write(5).expect("kick");

@@ -271,6 +271,11 @@ impl Vmm {
         }
     }
 
+    /// Lays out virtqueue `index` at `base` ([`RawQueue::setup`]).
+    pub fn queue(&mut self, index: u16, base: u64) -> RawQueue {
+        RawQueue::setup(&mut self.frontend, &self.mem, index, base)
+    }
+
     /// Sends a well-formed command and returns (status, response payload).
     pub fn command(&mut self, opcode: Opcode, payload: &[u8]) -> (u32, Vec<u8>) {
         let header = RequestHeader {

@@ -147,7 +147,7 @@ pub(crate) enum Move {
     /// SIGKILL of beta's vdev in the middle of control verbs.
     KillMidControl,
     /// A compromised vdev of beta talking to hostd directly: hostile
-    /// requests, and physical WQEs naming the victim's keys.
+    /// requests, and WQEs in its own rings naming the victim's keys.
     CompromisedVdev,
 }
 

@@ -77,7 +77,7 @@ fn one_tenant_cannot_take_the_physical_queues_of_another() {
                 .unwrap_or_else(|errno| panic!("alpha's device {i} refused with errno {errno}"))
         })
         .collect();
-    assert!(alpha.iter().all(|a| a.welcome.queues.len() == 2));
+    assert!(alpha.iter().all(|a| a.welcome.physical_queues == 2));
     let beta = hostd.tenant_stats("beta");
     assert_eq!(beta["quota_rejections"]["max_devices"], 1);
     assert_eq!(beta["usage"]["devices"], 4);

@@ -24,7 +24,11 @@ fn queries_match_the_config_space() {
     let guid = 0x7672_0000_0000_0000 | 9;
     assert_eq!(dev.node_guid.get(), guid);
     assert_eq!(dev.sys_image_guid.get(), guid);
-    assert_eq!(dev.fw_ver.get(), 1 << 32);
+    assert_eq!(
+        dev.fw_ver.get(),
+        2 << 32,
+        "(major << 32) | minor of spec 2.0"
+    );
     assert_eq!(
         (dev.vendor_id.get(), dev.vendor_part_id.get()),
         (0x1af4, 0x106a)

@@ -33,6 +33,12 @@ pub(crate) struct Seen {
     pub(crate) removed: Vec<(u64, u64)>,
     pub(crate) queues: Vec<QueueSetup>,
     pub(crate) notified: Vec<u16>,
+    /// The control commands the driver notified the device of, as
+    /// (opcode, payload), read when it notified: the request buffer is
+    /// reused by the next command. (With EVENT_IDX a command the device
+    /// did not ask to be told of goes unrecorded; the first one, the
+    /// device's SET_DOORBELL, always is.)
+    pub(crate) requests: Vec<(u16, Vec<u8>)>,
 }
 
 /// The process-mode vhost-user transport, recording every memory region
@@ -93,9 +99,28 @@ impl DeviceView {
     }
 
     /// The payload of the last control command the driver made available,
-    /// read from the control queue as the device reads it: the newest avail
-    /// entry, its first (device-readable) descriptor, the request there.
+    /// which must be `opcode`'s.
     pub(crate) fn last_request<T: FromBytes>(&self, opcode: Opcode) -> T {
+        let (op, payload) = self.newest_request();
+        assert_eq!(op, u16::from(opcode), "last command");
+        T::read_from_bytes(&payload).expect("payload of the opcode's size")
+    }
+
+    /// The payload of the first `opcode` command the driver notified the
+    /// device of ([`Seen::requests`]).
+    pub(crate) fn first_request<T: FromBytes>(&self, opcode: Opcode) -> T {
+        let seen = self.seen();
+        let (_, payload) = (seen.requests.iter())
+            .find(|(op, _)| *op == u16::from(opcode))
+            .unwrap_or_else(|| panic!("no {opcode:?} command was notified"));
+        T::read_from_bytes(payload).expect("payload of the opcode's size")
+    }
+
+    /// The newest control command the driver made available, read from
+    /// the control queue as the device reads it: the newest avail entry,
+    /// its first (device-readable) descriptor, the request there; its
+    /// opcode and payload.
+    fn newest_request(&self) -> (u16, Vec<u8>) {
         let q = *self
             .seen()
             .queues
@@ -123,9 +148,8 @@ impl DeviceView {
         mem.read_slice(&mut bytes, GuestAddress(addr))
             .expect("request");
         let (header, payload) = RequestHeader::read_from_prefix(&bytes).expect("header");
-        assert_eq!(header.opcode.get(), u16::from(opcode), "last command");
         assert_eq!(header.payload_len.get() as usize, payload.len());
-        T::read_from_bytes(payload).expect("payload of the opcode's size")
+        (header.opcode.get(), payload.to_vec())
     }
 }
 
@@ -165,6 +189,10 @@ impl Transport for DeviceView {
         Ok(())
     }
     fn notify(&self, queue: u16) -> Result<(), TransportError> {
+        if queue == CONTROL_QUEUE {
+            let request = self.newest_request();
+            self.seen().requests.push(request);
+        }
         self.seen().notified.push(queue);
         self.inner.notify(queue)
     }

@@ -4,10 +4,10 @@
 
 use vm_memory::{Bytes, GuestAddress};
 use vrdma_guest_driver::{Context, Error, RecvWr, SendPayload, SendWr, WorkCompletion};
-use vrdma_spec::control::{CreateCqReq, CreateQpReq, Opcode};
+use vrdma_spec::control::{CreateCqReq, CreateQpReq, Opcode, SetDoorbellReq};
 use vrdma_spec::ring::{
-    self, send_flags, wc_flags, Cqe, RecvWqe, SendWqe, CQE_SIZE, CQ_ARM_NEXT, CQ_ARM_SOLICITED,
-    DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR, DEVICE_FLAG_NEED_KICK, DEVICE_INDEX_OFFSET,
+    self, doorbell, send_flags, wc_flags, Cqe, RecvWqe, SendWqe, CQE_SIZE, CQ_ARM_NEXT,
+    CQ_ARM_SOLICITED, DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR, DEVICE_INDEX_OFFSET,
     DRIVER_ARM_OFFSET, DRIVER_INDEX_OFFSET, RING_HEADER_SIZE, SGE_SIZE,
 };
 use vrdma_spec::verbs::{SendOpcode, WcOpcode, WcStatus};
@@ -102,9 +102,26 @@ fn posting_writes_wqes_into_the_rings_the_device_was_given() {
         !view.take_notified().contains(&DOORBELL_QUEUE),
         "no doorbell while the device polls"
     );
+    // The post set the QP's bit in the device's doorbell page (the page
+    // SET_DOORBELL gave it; the first QP has db_index 0): bit 0 of bitmap
+    // word 0, and that word's bit 0 in summary word 0.
+    let page = view
+        .first_request::<SetDoorbellReq>(Opcode::SetDoorbell)
+        .addr
+        .get();
+    let bit = doorbell::bit(0).expect("db_index 0");
+    let word = |offset| read_vec(&mem, page + offset, 8);
+    assert_eq!(word(bit.word_offset), bit.mask.to_le_bytes(), "bitmap");
+    assert_eq!(
+        word(bit.summary_offset),
+        bit.summary_mask.to_le_bytes(),
+        "summary"
+    );
 
-    // The device goes to sleep (NEED_KICK): the next post rings the doorbell.
-    write_u32(&mem, sq + DEVICE_FLAGS_OFFSET, DEVICE_FLAG_NEED_KICK);
+    let inline = |id| SendWr::new(id, SendOpcode::Send, SendPayload::Inline(b"x"));
+    // The device goes to sleep (NEED_KICK, offset 0 of its doorbell page):
+    // the next post rings the doorbell queue.
+    write_u32(&mem, page + doorbell::FLAGS_OFFSET, doorbell::NEED_KICK);
     let atomic = SendWr {
         remote_addr: 0x1000,
         rkey: 5,
@@ -120,18 +137,23 @@ fn posting_writes_wqes_into_the_rings_the_device_was_given() {
     assert_eq!(view.take_notified(), vec![DOORBELL_QUEUE]);
     let wqe: SendWqe = read_at(&mem, slot(sq, sq_stride, 2));
     assert_eq!((wqe.compare_add.get(), wqe.swap.get()), (1, 2));
-    write_u32(&mem, sq + DEVICE_FLAGS_OFFSET, 0);
+    write_u32(&mem, page + doorbell::FLAGS_OFFSET, 0);
+    qp.post_send(&[inline(9)]).expect("post_send");
+    assert!(
+        !view.take_notified().contains(&DOORBELL_QUEUE),
+        "no doorbell once the device polls again"
+    );
 
     // Past the granted max_send_wr: ENOMEM at the first WR that does not fit;
     // those before it are posted and published.
-    let inline = |id| SendWr::new(id, SendOpcode::Send, SendPayload::Inline(b"x"));
-    let batch: Vec<_> = (10..16).map(inline).collect();
+    let batch: Vec<_> = (10..15).map(inline).collect();
     let (bad_wr, errno, full) = post_failure(qp.post_send(&batch));
-    assert_eq!((bad_wr, errno, full), (5, ENOMEM, true));
+    assert_eq!((bad_wr, errno, full), (4, ENOMEM, true));
     assert_eq!(read_u32(&mem, sq + DRIVER_INDEX_OFFSET), 8);
     assert_eq!(post_failure(qp.post_send(&[inline(99)])), (0, ENOMEM, true));
     assert_eq!(read_u32(&mem, sq + DRIVER_INDEX_OFFSET), 8);
-    // The device consumes three: three slots free up, the ring wraps.
+    // Three complete (device.index counts completed WQEs since spec 2.0):
+    // three slots free up, the ring wraps.
     write_u32(&mem, sq + DEVICE_INDEX_OFFSET, 3);
     let batch: Vec<_> = (20..24).map(inline).collect();
     assert_eq!(post_failure(qp.post_send(&batch)), (3, ENOMEM, true));

@@ -1,45 +1,43 @@
-//! A compromised vdev of the attacker, speaking hostd's protocol by hand.
+//! A compromised vdev of the attacker, speaking hostd's protocol by hand
+//! and writing its own rings.
 
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
-use vrdma_guest_driver::Sge;
-use vrdma_hostd_protocol::entries::{PhysCqe, PhysWqe};
-use vrdma_hostd_protocol::messages::Request;
-use vrdma_spec::ring::send_flags::SIGNALED;
-use vrdma_spec::verbs::{SendOpcode, WcStatus};
-use vrdma_tests::rogue::{Answer, RogueVdev};
+use vrdma_hostd::engine::testing::{remote, send, sge, CAPS};
+use vrdma_hostd_protocol::messages::{QpConnection, Request};
+use vrdma_hostd_protocol::shm::sealed_memfd;
+use vrdma_spec::ring::{event_kind, Cqe, SendWqe};
+use vrdma_spec::verbs::{QpState, SendOpcode, WcStatus};
+use vrdma_tests::rogue::{Answer, RogueVdev, CQN, DATA, DATA_LEN, DEPTH, IOVA, MEM};
+use zerocopy::IntoBytes;
 
 use super::*;
 use crate::*;
 
-/// A physical completion's status, as the tally names it.
-fn status_name(status: u8) -> String {
-    match WcStatus::try_from(status) {
-        Ok(s) => format!("{s:?}"),
-        Err(raw) => format!("status {raw}"),
+/// The compromised vdev's QP (index 0 of its driver).
+const QP: usize = 0;
+
+/// Its QPs fail fast: one retry of each kind.
+fn connection(dest_lid: u16, dest_qpn: u32) -> QpConnection {
+    QpConnection {
+        dest_lid,
+        dest_qpn,
+        access: 0,
+        rnr_retry: 1,
+        retry_cnt: 1,
+        min_rnr_timer: 1,
     }
 }
 
-/// A physical send WQE of the compromised vdev.
-fn phys_wqe(token: u64, op: SendOpcode, vqpn: u32, local: Sge, remote: (u64, u32)) -> PhysWqe {
-    let mut wqe = PhysWqe {
-        token: token.into(),
-        kind: vrdma_hostd_protocol::entries::kind::SEND,
-        opcode: op.into(),
-        flags: SIGNALED,
-        vqpn: vqpn.into(),
-        remote_addr: remote.0.into(),
-        rkey: remote.1.into(),
-        ..PhysWqe::default()
-    };
-    let wire = vrdma_spec::ring::Sge {
-        addr: local.addr.into(),
-        length: local.length.into(),
-        lkey: local.lkey.into(),
-    };
-    assert!(wqe.set_sges(&[wire]));
-    wqe
+/// What the compromised vdev sends, one WQE at a time, over the
+/// connection the victim accepted, and how hostd must complete it.
+struct Attack {
+    what: &'static str,
+    wqe: SendWqe,
+    /// `(iova, length, lkey)` of its one SGE.
+    local: (u64, u32, u32),
+    expected: WcStatus,
 }
 
 impl Attacker<'_> {
@@ -51,15 +49,6 @@ impl Attacker<'_> {
         let transient = [libc::EBUSY, libc::EDQUOT];
         RogueVdev::hello_retrying(&self.hostd_socket, "beta", &name, &transient)
             .unwrap_or_else(|errno| panic!("{}: Hello refused with errno {errno}", self.context()))
-    }
-
-    /// The compromised vdev's next completion, which must have `status`.
-    fn expect_cqe(&mut self, rogue: &RogueVdev, status: WcStatus) -> PhysCqe {
-        let cqe = rogue.completion(0, Duration::from_secs(10));
-        let cqe = cqe.unwrap_or_else(|| panic!("{}: no completion", self.context()));
-        self.note(status_name(cqe.status));
-        assert_eq!(cqe.status, u8::from(status), "{}", self.context());
-        cqe
     }
 
     pub(super) fn expect_answer(&mut self, what: &str, got: Answer, expected: Answer) {
@@ -76,19 +65,40 @@ impl Attacker<'_> {
         );
     }
 
-    /// A compromised vdev of beta: hostile control requests, then physical
-    /// WQEs over a connection the victim accepted, naming the victim's keys
-    /// as remote and as local keys; then revoked memory; then a corrupt
-    /// ring, for which hostd drops the device.
-    pub(super) fn compromised_vdev(&mut self) {
-        use vrdma_hostd_protocol::messages::{MrRegistration, MrSegment, QpConnection};
-        use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
-        const LEN: u64 = 64 * 1024;
-        const IOVA: u64 = 0x10_0000;
-        let rogue = self.rogue_hello();
-        let secrets = self.secrets;
+    /// The compromised vdev's next completion: it must be `wr_id`'s, with
+    /// `expected`.
+    fn expect_cqe(&mut self, rogue: &mut RogueVdev, wr_id: u64, expected: WcStatus, what: &str) {
+        let cqe: Cqe = rogue
+            .completion(Duration::from_secs(10))
+            .unwrap_or_else(|| panic!("{}: no completion for {what}", self.context()));
+        let status = WcStatus::try_from(cqe.status).expect("a known status");
+        self.note(format!("{status:?}"));
+        assert_eq!(
+            (cqe.wr_id.get(), status),
+            (wr_id, expected),
+            "{}: {what}: {cqe:?}",
+            self.context()
+        );
+    }
 
-        // Control requests it has no business making.
+    /// A compromised vdev of beta: hostile control requests; then WQEs in
+    /// its own rings over a connection the victim accepted, aimed at the
+    /// victim's keys and at made-up ones, and malformed; then memory it
+    /// removed; then a corrupt ring, which sends that QP to ERR while the
+    /// device keeps being served.
+    pub(super) fn compromised_vdev(&mut self) {
+        let mut rogue = self.rogue_hello();
+        self.hostile_control(&mut rogue);
+        let vqpn = 0x00ab_0000 | self.rng.below(0xffff) as u32;
+        let (lkey, exposed) = self.own_objects(&mut rogue, vqpn);
+        self.hostile_wqes(&mut rogue, vqpn, lkey, exposed);
+        self.removed_memory(&mut rogue, vqpn, lkey, exposed);
+        self.corrupt_ring(&mut rogue, vqpn);
+    }
+
+    /// Requests it has no business making, each refused; leaves it with
+    /// its rings in memory slot 0 and its data region in slot 1.
+    fn hostile_control(&mut self, rogue: &mut RogueVdev) {
         let again = Request::Hello {
             version: vrdma_hostd_protocol::messages::PROTOCOL_VERSION,
             tenant: "alpha".into(),
@@ -99,28 +109,27 @@ impl Attacker<'_> {
             rogue.call(&again, &[]),
             Answer::Refused(libc::EPROTO),
         );
-        let memfd = sealed_memfd("rogue", LEN).expect("memfd");
-        let mine = SharedMapping::map(memfd.try_clone().expect("dup"), 0, LEN).expect("map");
+        let memfd = sealed_memfd("rogue-probe", MEM).expect("memfd");
         self.expect_answer(
             "memory beyond its file",
-            rogue.add_memory(0, &memfd, 2 * LEN),
+            rogue.add_memory(0, 0, &memfd, 2 * MEM, 0),
             Answer::Refused(libc::EINVAL),
         );
         let unsealed = std::fs::File::open("/proc/self/exe").expect("an unsealed file");
         self.expect_answer(
             "an unsealed file as memory",
-            rogue.add_memory(0, &unsealed, 4096),
+            rogue.add_memory(0, 0, &unsealed, 4096, 0),
             Answer::Refused(libc::EINVAL),
         );
-        self.expect_answer("memory", rogue.add_memory(0, &memfd, LEN), Answer::Ok);
-        self.expect_refused("a slot twice", rogue.add_memory(0, &memfd, LEN));
+        rogue.memory(&[(0, 0, DATA), (1, DATA, DATA_LEN)]);
+        self.expect_refused("a slot twice", rogue.add_memory(0, 0, &memfd, DATA, 0));
         self.expect_answer(
             "memory without its fd",
             rogue.call(
                 &Request::AddMemory {
-                    slot: 1,
-                    gpa: 0,
-                    len: LEN,
+                    slot: 2,
+                    gpa: MEM,
+                    len: 4096,
                     file_offset: 0,
                 },
                 &[],
@@ -132,65 +141,43 @@ impl Attacker<'_> {
             rogue.call(&Request::RemoveMemory { slot: 9 }, &[memfd.as_raw_fd()]),
             Answer::Refused(libc::EINVAL),
         );
-        let registration = |lkey, rkey, slot| {
-            Request::RegisterMr(MrRegistration {
-                lkey,
-                rkey,
-                pd: 1,
-                access: RW,
-                iova: IOVA,
-                len: LEN,
-                segments: vec![MrSegment {
-                    slot,
-                    offset: 0,
-                    len: LEN,
-                }],
-            })
-        };
-        let victim_keys = secrets.keys();
-        let stolen = victim_keys[self.rng.below(victim_keys.len() as u64) as usize];
-        let fresh = (
-            self.rng.next_u64() as u32 | 1,
-            self.rng.next_u64() as u32 | 2,
-        );
-        self.expect_refused(
-            "registering the victim's key as an lkey",
-            rogue.call(&registration(stolen, fresh.1, 0), &[]),
-        );
-        self.expect_refused(
-            "registering the victim's key as an rkey",
-            rogue.call(&registration(fresh.0, stolen, 0), &[]),
+        rogue.rings();
+        let kick = vmm_sys_util::eventfd::EventFd::new(0).expect("eventfd");
+        self.expect_answer(
+            "a second doorbell page",
+            rogue.call(&Request::SetDoorbell { gpa: 0 }, &[kick.as_raw_fd()]),
+            Answer::Refused(libc::EEXIST),
         );
         self.expect_refused(
             "registering over a slot it does not have",
-            rogue.call(&registration(fresh.0, fresh.1, 7), &[]),
+            rogue.register(7, 0, 4096),
         );
         self.expect_refused(
+            "registering across the end of its slot",
+            rogue.register(1, 4096, DATA_LEN),
+        );
+        let victim_keys = self.secrets.keys();
+        let stolen = victim_keys[self.rng.below(victim_keys.len() as u64) as usize];
+        self.expect_answer(
             "deregistering the victim's MR",
             rogue.call(&Request::DeregisterMr { lkey: stolen }, &[]),
+            Answer::Refused(libc::ENOENT),
         );
-        let vqpn = 0x00ab_0000 | self.rng.below(0xffff) as u32;
-        for victims_qpn in secrets.qpns {
-            for request in [
-                Request::DestroyQp { vqpn: victims_qpn },
-                Request::ErrorQp { vqpn: victims_qpn },
-                Request::ResetQp { vqpn: victims_qpn },
+        for victims_qpn in self.secrets.qpns {
+            for (what, answer) in [
+                (
+                    "DestroyQp",
+                    rogue.call(&Request::DestroyQp { vqpn: victims_qpn }, &[]),
+                ),
+                ("ERR", rogue.modify(victims_qpn, QpState::Err, None)),
+                ("RESET", rogue.modify(victims_qpn, QpState::Reset, None)),
+                ("QueryQp", rogue.query_qp(victims_qpn)),
             ] {
-                self.expect_refused("touching a QP it does not have", rogue.call(&request, &[]));
+                let what = format!("{what} of the victim's QP {victims_qpn:#x}");
+                self.expect_answer(&what, answer, Answer::Refused(libc::ENOENT));
             }
         }
-        let foreign_pqp = (0..64).find(|p| !rogue.welcome.queues.iter().any(|q| q.pqp == *p));
-        self.expect_refused(
-            "a QP on another device's physical queue",
-            rogue.call(
-                &Request::CreateQp {
-                    vqpn,
-                    pd: 1,
-                    pqp: foreign_pqp.expect("a pQP not granted"),
-                },
-                &[],
-            ),
-        );
+        self.hostile_create_qp(rogue);
         self.expect_answer(
             "an unknown quota key",
             rogue.call(
@@ -201,205 +188,268 @@ impl Attacker<'_> {
             ),
             Answer::Refused(libc::EINVAL),
         );
+    }
 
-        // Its own MR and a QP the victim accepts a connection from.
-        let (lkey, rkey) = loop {
-            let keys = (
-                self.rng.next_u64() as u32 | 1,
-                self.rng.next_u64() as u32 | 2,
-            );
-            if keys.0 != keys.1 && rogue.call(&registration(keys.0, keys.1, 0), &[]) == Answer::Ok {
-                break keys;
-            }
+    /// QPs whose rings, CQ or doorbell bit are not its to use.
+    fn hostile_create_qp(&mut self, rogue: &mut RogueVdev) {
+        let base = rogue.next_qp(0x00cd_0000 | self.rng.below(0xffff) as u32, CAPS);
+        let mut outside = base;
+        outside.sq.gpa = MEM + 0x1_0000;
+        let mut across = base;
+        across.rq.gpa = DATA - 0x1000;
+        let mut foreign_cq = base;
+        foreign_cq.recv_cqn = CQN + 1 + self.rng.below(1000) as u32;
+        let mut wide = base;
+        wide.vqpn = 0x0100_0000;
+        for (what, setup, errno) in [
+            ("a send ring outside its memory", outside, libc::EINVAL),
+            ("a receive ring across its two slots", across, libc::EINVAL),
+            ("a CQ it does not have", foreign_cq, libc::ENOENT),
+            ("a QP number beyond 24 bits", wide, libc::EINVAL),
+        ] {
+            self.expect_answer(what, rogue.create_qp(&setup), Answer::Refused(errno));
+        }
+    }
+
+    /// Its own MR (slot 1) and QP `vqpn` (rings in slot 0), connected to
+    /// the QP the victim exposes; returns its lkey and the victim's QPN.
+    fn own_objects(&mut self, rogue: &mut RogueVdev, vqpn: u32) -> (u32, u32) {
+        let lkey = match rogue.register(1, 0, DATA_LEN) {
+            Answer::Keys(lkey, _) => lkey,
+            other => panic!("{}: its own MR: {other:?}", self.context()),
         };
-        let pqp = rogue.pqp(0);
-        let create = Request::CreateQp { vqpn, pd: 1, pqp };
-        self.expect_answer("its own QP", rogue.call(&create, &[]), Answer::Ok);
-        let connect = |dest_lid, dest_qpn| {
-            Request::ConnectQp(QpConnection {
-                vqpn,
-                dest_lid,
-                dest_qpn,
-                access: 0,
-                rnr_retry: 1,
-                retry_cnt: 1,
-                min_rnr_timer: 1,
-            })
-        };
+        let setup = rogue.next_qp(vqpn, CAPS);
+        self.expect_answer("its own QP", rogue.create_qp(&setup), Answer::Ok);
+        let mut taken = rogue.next_qp(vqpn + 1, CAPS);
+        taken.db_index = setup.db_index;
+        self.expect_answer(
+            "a doorbell bit another QP has",
+            rogue.create_qp(&taken),
+            Answer::Refused(libc::EINVAL),
+        );
         self.expect_answer(
             "a LID nobody has",
-            rogue.call(&connect(0xbffe, 1), &[]),
+            rogue.connect(vqpn, connection(0xbffe, 1)),
             Answer::Refused(libc::ENOENT),
         );
         let exposed = self.victim.accept(vqpn, rogue.lid());
         // The victim now talks to the compromised vdev, not to beta's link.
         self.discard(true);
-        let reconnect = Request::ResetQp { vqpn };
-        self.expect_answer(
-            "connect",
-            rogue.call(&connect(secrets.lid, exposed), &[]),
-            Answer::Ok,
-        );
+        self.reconnect(rogue, vqpn, exposed);
+        (lkey, exposed)
+    }
 
-        // Physical WQEs: one at a time, the QP reconnected after each error.
-        let own = |off: u64, len: u32| Sge {
-            addr: IOVA + off,
-            length: len,
-            lkey,
-        };
+    /// RESET and connected again to the victim's exposed QP.
+    fn reconnect(&mut self, rogue: &RogueVdev, vqpn: u32, exposed: u32) {
+        let conn = connection(self.secrets.lid, exposed);
+        self.expect_answer("connect", rogue.connect(vqpn, conn), Answer::Ok);
+    }
+
+    /// Posts `attack` on its QP; checks its completion; reconnects after
+    /// an error (the QP is in ERR).
+    fn run_attack(&mut self, rogue: &mut RogueVdev, attack: Attack, vqpn: u32, exposed: u32) {
+        let wr_id = self.wr_id();
+        let mut wqe = attack.wqe;
+        wqe.wr_id = wr_id.into();
+        let (iova, length, lkey) = attack.local;
+        rogue
+            .driver()
+            .post_sges(QP, &wqe, &[sge(iova, length, lkey)]);
+        rogue.kick_if_needed();
+        self.expect_cqe(rogue, wr_id, attack.expected, attack.what);
+        if attack.expected != WcStatus::Success {
+            self.reconnect(rogue, vqpn, exposed);
+        }
+    }
+
+    /// WQEs naming the victim's keys, made-up keys, and malformed ones.
+    fn hostile_wqes(&mut self, rogue: &mut RogueVdev, vqpn: u32, lkey: u32, exposed: u32) {
+        let secrets = self.secrets;
         let (canary_iova, _, canary_rkey) = secrets.canary;
         let (dst_iova, dst_lkey, dst_rkey) = secrets.traffic[1];
         let (src_iova, src_lkey, _) = secrets.traffic[0];
+        let made_up = loop {
+            let guess = self.guessed_key();
+            if guess != lkey && !secrets.keys().contains(&guess) {
+                break guess;
+            }
+        };
         let off = self.rng.below((REGION - 256) as u64);
+        let read = |addr, rkey| remote(send(0, SendOpcode::RdmaRead), addr, rkey);
+        let write = |addr, rkey| remote(send(0, SendOpcode::RdmaWrite), addr, rkey);
+        let own = |len| (IOVA, len, lkey);
         let attacks = [
-            (
-                SendOpcode::RdmaRead,
-                own(0, 256),
-                (canary_iova + off, canary_rkey),
-                WcStatus::Success,
-            ),
-            (
-                SendOpcode::RdmaWrite,
-                own(0, 64),
-                (canary_iova, canary_rkey),
-                WcStatus::RemAccessErr,
-            ),
-            (
-                SendOpcode::RdmaWrite,
-                own(0, 64),
-                (dst_iova, dst_rkey),
-                WcStatus::RemAccessErr,
-            ),
-            (
-                SendOpcode::AtomicFetchAndAdd,
-                own(0, 8),
-                (canary_iova, canary_rkey),
-                WcStatus::RemAccessErr,
-            ),
+            Attack {
+                what: "READ of the canary (the victim allows it)",
+                wqe: read(canary_iova + off, canary_rkey),
+                local: own(256),
+                expected: WcStatus::Success,
+            },
+            Attack {
+                what: "WRITE into the canary with its rkey",
+                wqe: write(canary_iova, canary_rkey),
+                local: own(64),
+                expected: WcStatus::RemAccessErr,
+            },
+            Attack {
+                what: "WRITE with the rkey of the victim's other PD",
+                wqe: write(dst_iova, dst_rkey),
+                local: own(64),
+                expected: WcStatus::RemAccessErr,
+            },
+            Attack {
+                what: "FETCH_AND_ADD on the canary",
+                wqe: remote(
+                    send(0, SendOpcode::AtomicFetchAndAdd),
+                    canary_iova,
+                    canary_rkey,
+                ),
+                local: own(8),
+                expected: WcStatus::RemAccessErr,
+            },
+            Attack {
+                what: "READ with a made-up rkey",
+                wqe: read(canary_iova, made_up),
+                local: own(64),
+                expected: WcStatus::RemAccessErr,
+            },
             // The victim's lkeys as local keys: reading its memory out, or
             // writing the canary into it.
-            (
-                SendOpcode::RdmaWrite,
-                Sge {
-                    addr: src_iova,
-                    length: 64,
-                    lkey: src_lkey,
+            Attack {
+                what: "WRITE from the victim's lkey",
+                wqe: write(canary_iova, canary_rkey),
+                local: (src_iova, 64, src_lkey),
+                expected: WcStatus::LocProtErr,
+            },
+            Attack {
+                what: "READ into the victim's lkey",
+                wqe: read(canary_iova, canary_rkey),
+                local: (dst_iova, 64, dst_lkey),
+                expected: WcStatus::LocProtErr,
+            },
+            Attack {
+                what: "READ into a made-up lkey",
+                wqe: read(canary_iova, canary_rkey),
+                local: (IOVA, 64, made_up),
+                expected: WcStatus::LocProtErr,
+            },
+            Attack {
+                what: "an unknown opcode",
+                wqe: SendWqe {
+                    opcode: 0x77,
+                    ..read(canary_iova, canary_rkey)
                 },
-                (IOVA, rkey),
-                WcStatus::LocProtErr,
-            ),
-            (
-                SendOpcode::RdmaRead,
-                Sge {
-                    addr: dst_iova,
-                    length: 64,
-                    lkey: dst_lkey,
-                },
-                (canary_iova, canary_rkey),
-                WcStatus::LocProtErr,
-            ),
+                local: own(64),
+                expected: WcStatus::LocQpOpErr,
+            },
         ];
-        for (i, (op, local, remote, expected)) in attacks.into_iter().enumerate() {
-            let token = self.wr_id();
-            rogue.post(0, &phys_wqe(token, op, vqpn, local, remote));
-            let cqe = rogue
-                .completion(0, Duration::from_secs(10))
-                .unwrap_or_else(|| panic!("{}: no completion for attack {i}", self.context()));
-            assert_eq!(cqe.token.get(), token, "{}", self.context());
-            let status = WcStatus::try_from(cqe.status).expect("a known status");
-            self.note(format!("{status:?}"));
-            assert_eq!(status, expected, "{}: attack {i}: {cqe:?}", self.context());
-            if status == WcStatus::Success {
-                let mut got = vec![0u8; 256];
-                assert!(mine.read(0, &mut got));
+        for attack in attacks {
+            let success = attack.expected == WcStatus::Success;
+            self.run_attack(rogue, attack, vqpn, exposed);
+            if success {
+                let got = rogue.memory_bytes(DATA, 256);
                 let off = off as usize;
                 assert!(
                     got == self.victim.canary_bytes[off..off + 256],
                     "{}: the canary read by the compromised vdev differs",
                     self.context()
                 );
-            } else {
-                self.expect_answer("reset", rogue.call(&reconnect, &[]), Answer::Ok);
-                self.expect_answer(
-                    "reconnect",
-                    rogue.call(&connect(secrets.lid, exposed), &[]),
-                    Answer::Ok,
-                );
             }
         }
-        // Too many SGEs, and work of a QP it does not have.
-        let token = self.wr_id();
-        let mut wqe = phys_wqe(token, SendOpcode::RdmaWrite, vqpn, own(0, 8), (IOVA, rkey));
-        wqe.num_sge = 200;
-        rogue.post(0, &wqe);
-        let token2 = self.wr_id();
-        let other = secrets.qpns[0];
-        rogue.post(
-            0,
-            &phys_wqe(token2, SendOpcode::Send, other, own(0, 8), (0, 0)),
-        );
-        // Two QPs: their completions come in either order.
-        let mut tokens = Vec::new();
-        for _ in 0..2 {
-            let cqe = self.expect_cqe(&rogue, WcStatus::LocQpOpErr);
-            tokens.push(cqe.token.get());
+        // More SGEs than the QP was granted (its 256-byte slot holds 12),
+        // and more than its slot holds.
+        let granted = CAPS.0 as usize;
+        for (what, num_sge) in [("granted SGEs + 1", granted + 1), ("200 SGEs", 200)] {
+            let wr_id = self.wr_id();
+            let mut wqe = write(canary_iova, canary_rkey);
+            wqe.wr_id = wr_id.into();
+            wqe.num_sge = num_sge as u8;
+            let sges = vec![sge(IOVA, 8, lkey); num_sge.min(granted + 1)];
+            rogue.driver().post_send(QP, &wqe, sges.as_bytes());
+            rogue.kick_if_needed();
+            self.expect_cqe(rogue, wr_id, WcStatus::LocLenErr, what);
+            self.reconnect(rogue, vqpn, exposed);
         }
-        tokens.sort_unstable();
-        assert_eq!(tokens, [token, token2], "{}", self.context());
-        self.expect_answer("reset", rogue.call(&reconnect, &[]), Answer::Ok);
-        self.expect_answer(
-            "reconnect",
-            rogue.call(&connect(secrets.lid, exposed), &[]),
-            Answer::Ok,
-        );
+    }
 
-        // Memory it removed is never touched again.
+    /// Memory it removed is never touched again: its MR there is revoked,
+    /// and a READ into it completes LOC_PROT_ERR with the bytes untouched.
+    fn removed_memory(&mut self, rogue: &mut RogueVdev, vqpn: u32, lkey: u32, exposed: u32) {
+        let before = self.rng.bytes(256);
+        assert!(rogue.driver().mem.write(DATA as usize, &before));
         self.expect_answer(
-            "removing its memory",
-            rogue.call(&Request::RemoveMemory { slot: 0 }, &[]),
+            "removing its data slot",
+            rogue.call(&Request::RemoveMemory { slot: 1 }, &[]),
             Answer::Ok,
         );
-        let before = {
-            let mut b = vec![0u8; 256];
-            assert!(mine.read(0, &mut b));
-            b
+        let (canary_iova, _, canary_rkey) = self.secrets.canary;
+        let attack = Attack {
+            what: "READ into removed memory",
+            wqe: remote(send(0, SendOpcode::RdmaRead), canary_iova, canary_rkey),
+            local: (IOVA, 256, lkey),
+            expected: WcStatus::LocProtErr,
         };
-        let token = self.wr_id();
-        rogue.post(
-            0,
-            &phys_wqe(
-                token,
-                SendOpcode::RdmaRead,
-                vqpn,
-                own(0, 256),
-                (canary_iova, canary_rkey),
-            ),
-        );
-        self.expect_cqe(&rogue, WcStatus::LocProtErr);
-        let mut after = vec![0u8; 256];
-        assert!(mine.read(0, &mut after));
+        self.run_attack(rogue, attack, vqpn, exposed);
         assert!(
-            after == before,
+            rogue.memory_bytes(DATA, 256) == before,
             "{}: hostd wrote memory that was removed",
             self.context()
         );
+    }
 
-        // A corrupt ring: hostd drops the device.
-        let depth = self.rng.below(1 << 20) as u32;
-        rogue.corrupt_submission_ring(0, depth.wrapping_add(1 << 31));
+    /// A producer index far beyond the ring: the QP goes to ERR without a
+    /// completion and with a QP_FATAL event on event ring 0; the device
+    /// keeps being served, and the victim's exposed QP is unaffected.
+    fn corrupt_ring(&mut self, rogue: &mut RogueVdev, vqpn: u32) {
+        let earlier = rogue.driver().events();
+        assert!(
+            !earlier.iter().any(|e| e.0 == event_kind::QP_FATAL),
+            "{}: QP_FATAL before the ring broke: {earlier:?}",
+            self.context()
+        );
+        let done = rogue.driver().sq_done(QP);
+        let beyond = self.rng.below(1 << 20) as u32 + 1;
+        rogue.corrupt_send_ring(QP, done.wrapping_add(DEPTH + beyond));
         let deadline = Instant::now() + Duration::from_secs(5);
+        let mut events = Vec::new();
+        while !events.contains(&(event_kind::QP_FATAL, vqpn)) {
+            assert!(
+                Instant::now() < deadline,
+                "{}: no QP_FATAL for a corrupt ring; events {events:?}",
+                self.context()
+            );
+            std::thread::sleep(Duration::from_millis(1));
+            events.extend(rogue.driver().events());
+        }
+        self.note("QP_FATAL for a corrupt ring");
+        self.expect_answer(
+            "QueryQp of the QP with the corrupt ring",
+            rogue.query_qp(vqpn),
+            Answer::State(QpState::Err.into()),
+        );
+        assert!(
+            rogue.completion(Duration::from_millis(20)).is_none(),
+            "{}: a completion for a corrupt ring",
+            self.context()
+        );
         let probe = Request::QuotaRejected {
             quota: "max_qp".into(),
         };
-        loop {
-            match rogue.call(&probe, &[]) {
-                Answer::Gone => break,
-                Answer::Ok if Instant::now() < deadline => {
-                    std::thread::sleep(Duration::from_millis(1))
-                }
-                other => panic!("{}: after a corrupt ring: {other:?}", self.context()),
-            }
-        }
-        self.note("dropped for a corrupt ring");
+        self.expect_answer(
+            "the device is still served",
+            rogue.call(&probe, &[]),
+            Answer::Ok,
+        );
+        let exposed = self
+            .victim
+            .exposed
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        assert_eq!(
+            qp_state(&exposed),
+            u8::from(QpState::Rts),
+            "{}: the victim's exposed QP",
+            self.context()
+        );
     }
 }
