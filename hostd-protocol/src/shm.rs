@@ -135,11 +135,11 @@ impl SharedMapping {
     /// `dst` (possibly this mapping); false if either range is outside its
     /// mapping.
     ///
-    /// This is the DMA engine's bulk path, so it is a plain `memmove`, not
-    /// the volatile copy used for everything hostd interprets: the payload
-    /// is opaque — never decoded, never used for a decision — so a peer
-    /// rewriting it mid-copy changes only which bytes arrive, exactly as
-    /// with a hardware DMA engine.
+    /// This is the DMA engine's bulk path (`dma_copy`), not the volatile
+    /// copy used for everything hostd interprets: the payload is opaque —
+    /// never decoded, never used for a decision — so a peer rewriting it
+    /// mid-copy changes only which bytes arrive, exactly as with a hardware
+    /// DMA engine.
     pub fn copy_to(
         &self,
         src_offset: usize,
@@ -155,9 +155,9 @@ impl SharedMapping {
         if !fits(src_offset, self) || !fits(dst_offset, dst) {
             return false;
         }
-        // SAFETY: both ranges lie inside live mappings (checked above), and
-        // `ptr::copy` allows them to overlap (the same mapping on both sides).
-        unsafe { std::ptr::copy(self.ptr.add(src_offset), dst.ptr.add(dst_offset), len) };
+        // SAFETY: both ranges lie inside live mappings (checked above);
+        // `dma_copy` allows them to overlap (the same mapping on both sides).
+        unsafe { dma_copy(self.ptr.add(src_offset), dst.ptr.add(dst_offset), len) };
         true
     }
 
@@ -254,6 +254,67 @@ fn require_shrink_seal(file: &File) -> Result<(), ShmError> {
     Ok(())
 }
 
+/// Copies below this size go to `memmove` whatever the CPU.
+const VECTOR_COPY_MIN: usize = 1024;
+
+/// Copies `len` bytes from `src` to `dst` (the ranges may overlap): the
+/// DMA engine's payload copy.
+///
+/// Large non-overlapping copies use 32-byte vector loads and stores where
+/// the CPU has AVX2, not glibc's `memmove`: for these sizes `memmove` uses
+/// `rep movsb`, which on some CPUs (AMD EPYC among them, measured on the
+/// development host) slows to ~2.4 GB/s when source and destination are
+/// not mutually aligned — and a tenant's buffers can be at any address —
+/// where the vector loop keeps ~40 GB/s (docs/performance.md).
+///
+/// # Safety
+/// `src` must be valid for reads and `dst` for writes of `len` bytes.
+unsafe fn dma_copy(src: *const u8, dst: *mut u8, len: usize) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        let (s, d) = (src as usize, dst as usize);
+        let apart = s.abs_diff(d) >= len;
+        if len >= VECTOR_COPY_MIN && apart && std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2 (checked); the ranges are valid
+            // (the caller's promise) and do not overlap (checked).
+            unsafe { avx2_copy(src, dst, len) };
+            return;
+        }
+    }
+    // SAFETY: forwarded from the caller; `ptr::copy` allows overlap.
+    unsafe { std::ptr::copy(src, dst, len) };
+}
+
+/// A forward copy 128 bytes at a time with unaligned AVX2 loads and
+/// stores, the tail with `memcpy`.
+///
+/// # Safety
+/// The CPU must have AVX2; `src` valid for reads and `dst` for writes of
+/// `len` bytes; the ranges must not overlap.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn avx2_copy(src: *const u8, dst: *mut u8, len: usize) {
+    use std::arch::x86_64::{__m256i, _mm256_loadu_si256, _mm256_storeu_si256};
+    let mut i = 0;
+    while i + 128 <= len {
+        // SAFETY: i + 128 <= len, inside both ranges; unaligned loads and
+        // stores have no alignment requirement.
+        unsafe {
+            let s = src.add(i).cast::<__m256i>();
+            let d = dst.add(i).cast::<__m256i>();
+            let (a, b) = (_mm256_loadu_si256(s), _mm256_loadu_si256(s.add(1)));
+            let (c, e) = (_mm256_loadu_si256(s.add(2)), _mm256_loadu_si256(s.add(3)));
+            _mm256_storeu_si256(d, a);
+            _mm256_storeu_si256(d.add(1), b);
+            _mm256_storeu_si256(d.add(2), c);
+            _mm256_storeu_si256(d.add(3), e);
+        }
+        i += 128;
+    }
+    // SAFETY: the tail [i, len) is inside both ranges, which do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(src.add(i), dst.add(i), len - i) };
+}
+
 /// A new memfd of `size` bytes, sealed so that it can never shrink or grow
 /// (which makes it safe for a peer to map).
 pub fn sealed_memfd(name: &str, size: u64) -> Result<File, ShmError> {
@@ -312,6 +373,42 @@ mod tests {
         assert!(!mem.copy_to(4090, &other, 8187, 6));
         assert!(other.read(8186, &mut out));
         assert_eq!(&out, b"abcdef");
+    }
+
+    /// Every length around the vector path's thresholds, at mutually
+    /// misaligned offsets, and overlapping ranges both ways, copy exactly
+    /// their bytes.
+    #[test]
+    fn dma_copies_are_exact_at_any_alignment_and_overlap() {
+        let pattern: Vec<u8> = (0..70_000u32).map(|i| (i * 7 + i / 251) as u8).collect();
+        for len in [0, 1, 127, 1023, 1024, 1025, 1151, 4096, 65_536, 65_537] {
+            for (from, to) in [(0, 0), (8, 0), (1, 63), (64, 3)] {
+                let mut dst = vec![0xeeu8; len + 128];
+                // SAFETY: both ranges are inside their vectors.
+                unsafe { dma_copy(pattern[from..].as_ptr(), dst[to..].as_mut_ptr(), len) };
+                assert_eq!(
+                    &dst[to..to + len],
+                    &pattern[from..from + len],
+                    "{len} {from}->{to}"
+                );
+                assert!(dst[..to].iter().all(|&b| b == 0xee), "before {len}");
+                assert!(dst[to + len..].iter().all(|&b| b == 0xee), "after {len}");
+            }
+        }
+        for shift in [-4096isize, -1, 1, 4096] {
+            let mut buf = pattern[..20_000].to_vec();
+            let (from, to) = if shift > 0 {
+                (0, shift as usize)
+            } else {
+                (-shift as usize, 0)
+            };
+            let len = 12_000;
+            let want = pattern[from..from + len].to_vec();
+            // SAFETY: both ranges are inside `buf`; they overlap, which
+            // `dma_copy` allows.
+            unsafe { dma_copy(buf.as_ptr().add(from), buf.as_mut_ptr().add(to), len) };
+            assert_eq!(&buf[to..to + len], &want[..], "shift {shift}");
+        }
     }
 
     #[test]

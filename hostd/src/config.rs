@@ -140,8 +140,10 @@ pub const DEFAULT_LINE_RATE_MBPS: u32 = 400_000;
 /// Fastest port accepted (1.6 Tbit/s).
 const MAX_LINE_RATE_MBPS: u32 = 1_600_000;
 
-/// Default `RLIMIT_NOFILE`: every vdev holds a connection, a notification
-/// channel, two eventfds and its memfds open in hostd.
+/// Default `RLIMIT_NOFILE`: every vdev holds open in hostd its connection,
+/// hostd's end of its notification channel, one memfd per memory slot, its
+/// doorbell's kick eventfd and a datapath thread's duplicate of it, and one
+/// interrupt eventfd per completion vector.
 pub const DEFAULT_RLIMIT_NOFILE: u64 = 65536;
 
 /// The admin socket next to `socket`: `<socket>.admin`.

@@ -37,8 +37,8 @@ pub fn builtin(physical_qps: u32) -> Result<Policy, PolicyError> {
     Ok(policy)
 }
 
-/// What this hostd can grant: every tenant's `physical_queues` must fit one
-/// Welcome and the NIC.
+/// What this hostd can grant: every tenant's `physical_queues` must fit
+/// the per-device cap and the NIC.
 fn check(
     policy: &Policy,
     physical_qps: u32,

@@ -138,7 +138,7 @@ fn datapath_rules() -> Result<Rules, SeccompError> {
     // Sleeping on doorbells, the wake eventfd and the retry timer; devices
     // come and go on the thread's own epoll set.
     r.allow_epoll();
-    // The retry timer (rate limits, credits): monotonic clock only.
+    // The retry timer (RNR and retry timers, rate limits, the port): monotonic clock only.
     r.allow_if_eq(libc::SYS_timerfd_create, 0, &[libc::CLOCK_MONOTONIC as u64])?;
     r.allow(libc::SYS_timerfd_settime);
     // Adaptive polling yields the core every turn.

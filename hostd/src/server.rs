@@ -575,8 +575,8 @@ impl Server {
     }
 
     /// Checks a Hello, assigns the LID, grants pQPs and starts serving
-    /// the device's rings. Returns the session, the Welcome, the queue
-    /// memfds and the vdev's end of the notification channel to send.
+    /// the device's rings. Returns the session, the Welcome and the vdev's
+    /// end of the notification channel to send.
     fn hello(
         &self,
         channel: &Arc<Channel>,

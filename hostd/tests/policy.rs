@@ -527,7 +527,9 @@ priority = { class = "normal", weight = 3 }
     let count = |done: &[Instant]| done.iter().filter(|&&t| t >= from).count() as f64;
     let (l, h) = (count(&light_done), count(&heavy_done));
     eprintln!("light {l} heavy {h} ratio {:.2}", h / l);
-    assert!(l > 50.0, "light barely ran: {l}");
+    // Enough writes that one more or less moves the ratio by at most 5 %
+    // (the tests of this file run side by side on a small host).
+    assert!(l >= 20.0, "light barely ran: {l}");
     assert!(
         (h / l - 3.0).abs() < 0.3,
         "heavy/light = {:.2} ({h}/{l})",

@@ -18,7 +18,7 @@
 //! - resource limits, soft and hard (so they cannot be raised again):
 //!   open files (`RLIMIT_NOFILE`), locked memory sized to the tenant's
 //!   memory quota (`RLIMIT_MEMLOCK`), no core files (`RLIMIT_CORE` 0), and
-//!   `RLIMIT_NICE` 20: niceness may return to 0, never below.
+//!   `RLIMIT_NICE` 0: no thread may raise its scheduling priority.
 //!
 //! `RLIMIT_NPROC` is deliberately not set: it counts every process and
 //! thread of the *uid*, so with many vdevs sharing `nobody` one tenant's
@@ -124,10 +124,10 @@ pub struct ResourceLimits {
 /// Returns the values in force.
 pub fn set_limits(limits: ResourceLimits) -> Result<ResourceLimits, PrivilegeError> {
     set_limit("RLIMIT_CORE", libc::RLIMIT_CORE, 0)?;
-    // A thread that lowered its priority (a tenant moved to a lower class)
-    // may raise it back to the default (nice 0) when the class goes up
-    // again, and no further.
-    set_limit("RLIMIT_NICE", libc::RLIMIT_NICE, 20)?;
+    // No daemon thread changes its priority (no seccomp role has
+    // `setpriority`); should one get the call anyway, it cannot use it to
+    // take CPU from other tenants' threads.
+    set_limit("RLIMIT_NICE", libc::RLIMIT_NICE, 0)?;
     Ok(ResourceLimits {
         nofile: set_limit("RLIMIT_NOFILE", libc::RLIMIT_NOFILE, limits.nofile)?,
         memlock: set_limit("RLIMIT_MEMLOCK", libc::RLIMIT_MEMLOCK, limits.memlock)?,

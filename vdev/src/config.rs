@@ -70,7 +70,7 @@ pub struct Args {
     /// Tenant this device belongs to (appears on every log line).
     #[arg(long)]
     pub tenant: Option<String>,
-    /// The port's LID (unique per device on a host).
+    /// The port's LID without hostd (with `--hostd`, hostd assigns it).
     #[arg(long)]
     pub lid: Option<u16>,
     /// Number of completion vectors (event queues).

@@ -18,6 +18,15 @@ const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ
 /// Completion queue entries of each tenant's one CQ.
 pub const CQ_DEPTH: u32 = 4096;
 
+/// Arguments every hostd of this run gets (`--hostd-arg`), after the
+/// test's own.
+static EXTRA_HOSTD_ARGS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+
+/// Sets the arguments every hostd of this run gets; once, before the first.
+pub fn set_extra_hostd_args(args: Vec<String>) {
+    let _ = EXTRA_HOSTD_ARGS.set(args);
+}
+
 /// hostd and the vdevs of one measurement. Fields drop in order: hostd
 /// before its directory.
 pub struct Host {
@@ -32,7 +41,11 @@ impl Host {
     pub fn start(policy: Option<&str>, args: &[&str]) -> Result<Self> {
         let dir = Scratch::new("bench")?;
         let hostd = find_binary("hostd", "vrdma-hostd")?;
-        let mut launch = Launch::hostd(&hostd, dir.path()).args(args);
+        let extra = EXTRA_HOSTD_ARGS
+            .get()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let mut launch = Launch::hostd(&hostd, dir.path()).args(args).args(extra);
         if let Some(policy) = policy {
             launch = launch
                 .arg("--policy")

@@ -80,7 +80,7 @@ struct Args {
     #[arg(long, default_value_t = 20_000)]
     iters: usize,
     /// Bytes each bandwidth trial moves (at most 4 Mi messages).
-    #[arg(long, default_value_t = 1 << 30)]
+    #[arg(long, default_value_t = 8 << 30)]
     bytes: usize,
     /// Size of the memory region the registration test registers.
     #[arg(long, default_value_t = 1 << 30)]
@@ -102,6 +102,10 @@ struct Args {
     /// Message size of the flooding tenant in the isolation test.
     #[arg(long, default_value_t = 65536)]
     flood_size: usize,
+    /// An argument for every hostd the bench starts (repeat for more), e.g.
+    /// `--hostd-arg=--datapath-threads=2`.
+    #[arg(long, allow_hyphen_values = true)]
+    hostd_arg: Vec<String>,
     /// What the flooding tenants send in the isolation and weights tests.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [FloodOp::Write, FloodOp::Send])]
     flood_op: Vec<FloodOp>,
@@ -167,6 +171,7 @@ impl From<BenchError> for Failed {
 
 fn main() -> Result<(), Failed> {
     let args = Args::parse();
+    host::set_extra_hostd_args(args.hostd_arg.clone());
     let tests = if args.test.is_empty() {
         Test::value_variants().to_vec()
     } else {

@@ -16,7 +16,7 @@ use crate::report::{Bound, Targets};
 use crate::{verbs, BenchError, Result};
 
 /// Bandwidth trials; the best is reported, for vrdma and memcpy alike.
-const TRIALS: usize = 3;
+const TRIALS: usize = 5;
 
 /// The shape of a stream.
 #[derive(Debug, Clone, Copy)]
@@ -185,7 +185,7 @@ pub enum Kind {
 }
 
 /// Measures `kind` with `size`-byte messages (`bytes` in all, the best of
-/// three trials) against memcpy and prints one line.
+/// five trials) against memcpy and prints one line.
 pub fn run(
     kind: Kind,
     a: &Tenant,
@@ -212,7 +212,7 @@ pub fn run(
         .ok_or(BenchError::Panicked)?;
     let ops = best.ops_per_sec();
     let rate = ops * shape.size as f64;
-    let copy = memcpy_rate(shape.size, (count * shape.size).min(1 << 30), TRIALS);
+    let copy = memcpy_rate(shape.size, (count * shape.size).min(4 << 30), TRIALS);
     println!(
         "{name:<10} {:>7} B  {:.3} Mop/s  {:.2} GB/s  | memcpy {:.2} GB/s  | vrdma/memcpy {:.2}",
         shape.size,
