@@ -102,32 +102,34 @@ impl SharedMapping {
         self.len == 0
     }
 
+    /// The address of `[offset, offset + len)` if it lies inside the
+    /// mapping.
+    fn range(&self, offset: usize, len: usize) -> Option<*mut u8> {
+        let end = offset.checked_add(len)?;
+        // SAFETY: offset <= end <= self.len: inside the mapping.
+        (end <= self.len).then(|| unsafe { self.ptr.add(offset) })
+    }
+
     /// Copies `out.len()` bytes at `offset` out of the mapping; false if the
     /// range is outside it.
     pub fn read(&self, offset: usize, out: &mut [u8]) -> bool {
-        let Some(end) = offset.checked_add(out.len()) else {
+        let Some(at) = self.range(offset, out.len()) else {
             return false;
         };
-        if end > self.len {
-            return false;
-        }
-        // SAFETY: [offset, end) is inside the mapping, checked above; `out`
-        // is private memory of its length.
-        unsafe { read_shared(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
+        // SAFETY: `at` starts `out.len()` bytes inside the mapping; `out` is
+        // private memory of its length.
+        unsafe { copy_shared(at, out.as_mut_ptr(), out.len(), Shared::Source) };
         true
     }
 
     /// Copies `data` into the mapping at `offset`; false if outside it.
     pub fn write(&self, offset: usize, data: &[u8]) -> bool {
-        let Some(end) = offset.checked_add(data.len()) else {
+        let Some(at) = self.range(offset, data.len()) else {
             return false;
         };
-        if end > self.len {
-            return false;
-        }
-        // SAFETY: [offset, end) is inside the mapping, checked above; `data`
+        // SAFETY: `at` starts `data.len()` bytes inside the mapping; `data`
         // is private memory of its length.
-        unsafe { write_shared(data.as_ptr(), self.ptr.add(offset), data.len()) };
+        unsafe { copy_shared(data.as_ptr(), at, data.len(), Shared::Destination) };
         true
     }
 
@@ -147,17 +149,13 @@ impl SharedMapping {
         dst_offset: usize,
         len: usize,
     ) -> bool {
-        let fits = |offset: usize, mapping: &SharedMapping| {
-            offset
-                .checked_add(len)
-                .is_some_and(|end| end <= mapping.len)
-        };
-        if !fits(src_offset, self) || !fits(dst_offset, dst) {
+        let (Some(from), Some(to)) = (self.range(src_offset, len), dst.range(dst_offset, len))
+        else {
             return false;
-        }
+        };
         // SAFETY: both ranges lie inside live mappings (checked above);
         // `dma_copy` allows them to overlap (the same mapping on both sides).
-        unsafe { dma_copy(self.ptr.add(src_offset), dst.ptr.add(dst_offset), len) };
+        unsafe { dma_copy(from, to, len) };
         true
     }
 
@@ -193,54 +191,52 @@ impl Drop for SharedMapping {
     }
 }
 
-/// Copies `len` bytes out of shared memory at `src` into private memory at
-/// `dst`: volatile loads (the compiler reads shared memory exactly once and
-/// never assumes it stays unchanged), 8 bytes at a time where `src` is
-/// aligned — only the shared side's alignment matters for that, the
-/// private side is written unaligned.
+/// Which side of a copy is shared memory.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shared {
+    Source,
+    Destination,
+}
+
+/// Copies `len` bytes between private memory and shared memory (the side
+/// `shared` says): the shared side with volatile accesses (the compiler
+/// reads or writes shared memory exactly once and never assumes it stays
+/// unchanged), 8 bytes at a time where the shared side is aligned — only
+/// its alignment matters, the private side is accessed unaligned.
 ///
 /// # Safety
 /// `src` must be valid for `len` bytes of reads and `dst` for `len` bytes of
 /// writes; the ranges must not overlap.
-unsafe fn read_shared(src: *const u8, dst: *mut u8, len: usize) {
+#[inline(always)]
+unsafe fn copy_shared(src: *const u8, dst: *mut u8, len: usize, shared: Shared) {
+    let shared_addr = match shared {
+        Shared::Source => src as usize,
+        Shared::Destination => dst as usize,
+    };
     let mut i = 0;
-    if (src as usize).is_multiple_of(8) {
+    if shared_addr.is_multiple_of(8) {
         while i + 8 <= len {
-            // SAFETY: i + 8 <= len; `src + i` is 8-aligned; `dst` may not be.
+            // SAFETY: i + 8 <= len, inside both ranges; the shared side at
+            // `+ i` is 8-aligned, the private side is accessed unaligned.
             unsafe {
-                let word = src.add(i).cast::<u64>().read_volatile();
-                dst.add(i).cast::<u64>().write_unaligned(word);
+                let (s, d) = (src.add(i).cast::<u64>(), dst.add(i).cast::<u64>());
+                match shared {
+                    Shared::Source => d.write_unaligned(s.read_volatile()),
+                    Shared::Destination => d.write_volatile(s.read_unaligned()),
+                }
             }
             i += 8;
         }
     }
     while i < len {
-        // SAFETY: i < len.
-        unsafe { dst.add(i).write(src.add(i).read_volatile()) };
-        i += 1;
-    }
-}
-
-/// Copies `len` bytes of private memory at `src` into shared memory at
-/// `dst` with volatile stores, 8 bytes at a time where `dst` is aligned.
-///
-/// # Safety
-/// As [`read_shared`], with the roles of the sides swapped.
-unsafe fn write_shared(src: *const u8, dst: *mut u8, len: usize) {
-    let mut i = 0;
-    if (dst as usize).is_multiple_of(8) {
-        while i + 8 <= len {
-            // SAFETY: i + 8 <= len; `dst + i` is 8-aligned; `src` may not be.
-            unsafe {
-                let word = src.add(i).cast::<u64>().read_unaligned();
-                dst.add(i).cast::<u64>().write_volatile(word);
+        // SAFETY: i < len, inside both ranges.
+        unsafe {
+            let (s, d) = (src.add(i), dst.add(i));
+            match shared {
+                Shared::Source => d.write(s.read_volatile()),
+                Shared::Destination => d.write_volatile(s.read()),
             }
-            i += 8;
         }
-    }
-    while i < len {
-        // SAFETY: i < len.
-        unsafe { dst.add(i).write_volatile(src.add(i).read()) };
         i += 1;
     }
 }

@@ -208,6 +208,24 @@ impl Engine {
         Ok(())
     }
 
+    /// Device `id` and a ring in its memory of `depth` entries of `entry`
+    /// bytes at `gpa`, for an object of completion vector `vector`.
+    fn vector_ring(
+        &mut self,
+        id: DeviceId,
+        vector: u32,
+        gpa: u64,
+        depth: u32,
+        entry: usize,
+    ) -> Result<(&mut Device, GuestRing), EngineError> {
+        if vector >= MAX_VECTORS {
+            return Err(EngineError::Invalid("completion vector"));
+        }
+        let dev = self.device_mut(id)?;
+        let ring = GuestRing::new(&dev.mem, gpa, depth, entry as u32, MAX_RING_DEPTH)?;
+        Ok((dev, ring))
+    }
+
     /// The event ring of completion vector `vector`, interrupting through
     /// `irq`.
     pub fn create_eq(
@@ -218,15 +236,11 @@ impl Engine {
         depth: u32,
         irq: EventFd,
     ) -> Result<(), EngineError> {
-        if vector >= MAX_VECTORS {
-            return Err(EngineError::Invalid("completion vector"));
-        }
-        let dev = self.device_mut(id)?;
+        let (dev, ring) = self.vector_ring(id, vector, gpa, depth, EVENT_SIZE)?;
         let index = vector as usize;
         if dev.eqs.get(index).is_some_and(Option::is_some) {
             return Err(EngineError::Exists("event ring of that vector"));
         }
-        let ring = GuestRing::new(&dev.mem, gpa, depth, EVENT_SIZE as u32, MAX_RING_DEPTH)?;
         if dev.eqs.len() <= index {
             dev.eqs.resize_with(index + 1, || None);
         }
@@ -243,14 +257,10 @@ impl Engine {
         depth: u32,
         vector: u32,
     ) -> Result<(), EngineError> {
-        if vector >= MAX_VECTORS {
-            return Err(EngineError::Invalid("completion vector"));
-        }
-        let dev = self.device_mut(id)?;
+        let (dev, ring) = self.vector_ring(id, vector, gpa, depth, CQE_SIZE)?;
         if dev.cq_by_num.contains_key(&cqn) {
             return Err(EngineError::Exists("CQ"));
         }
-        let ring = GuestRing::new(&dev.mem, gpa, depth, CQE_SIZE as u32, MAX_RING_DEPTH)?;
         let index = dev.cqs.insert(Cq::new(cqn, ring, vector));
         dev.cq_by_num.insert(cqn, index);
         Ok(())

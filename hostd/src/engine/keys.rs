@@ -613,6 +613,19 @@ mod tests {
         (mem, views)
     }
 
+    /// Registers an MR of PD 1 with every access at IOVA `iova` over
+    /// `segments` (slot, offset, length) for `device`: its (lkey, rkey).
+    fn register(
+        keys: &mut KeyTable,
+        mem: &GuestMemory,
+        device: DeviceId,
+        iova: u64,
+        segments: &[(u32, u64, u64)],
+    ) -> (u32, u32) {
+        keys.register(device, &reg(1, ALL, iova, segments), mem)
+            .expect("register")
+    }
+
     fn reg(pd: u32, access: u32, iova: u64, segments: &[(u32, u64, u64)]) -> MrRegistration {
         MrRegistration {
             pd,
@@ -638,9 +651,7 @@ mod tests {
     fn keys_are_distinct_nonzero_and_found_only_by_their_kind() {
         let (mem, _) = memory(&[(0, 8192)]);
         let mut keys = KeyTable::new();
-        let (lkey, rkey) = keys
-            .register(DEV, &reg(1, ALL, 0x1000, &[(0, 0, 4096)]), &mem)
-            .expect("reg");
+        let (lkey, rkey) = register(&mut keys, &mem, DEV, 0x1000, &[(0, 0, 4096)]);
         assert!(lkey != 0 && rkey != 0 && lkey != rkey);
         assert!(keys.local(DEV, 1, &sge(0x1000, 16, lkey), 0).is_some());
         assert!(
@@ -679,9 +690,7 @@ mod tests {
         assert!(keys.remote(DEV, 1, rkey, 0x1000, 16, 0).is_none());
         assert!(keys.deregister(DEV, lkey).is_err());
         // The freed indices are reused with fresh tags.
-        let (l2, r2) = keys
-            .register(DEV, &reg(1, ALL, 0, &[(0, 0, 4096)]), &mem)
-            .expect("reg");
+        let (l2, r2) = register(&mut keys, &mem, DEV, 0, &[(0, 0, 4096)]);
         assert!(keys.local(DEV, 1, &sge(0x1000, 16, lkey), 0).is_none() || l2 == lkey);
         assert!(keys.remote(DEV, 1, r2, 0, 16, 0).is_some());
     }
@@ -710,12 +719,8 @@ mod tests {
         // A region of two slots, the second piece first in the slot order.
         let (mem, views) = memory(&[(0, 8192), (1, 8192)]);
         let mut keys = KeyTable::new();
-        let (src, _) = keys
-            .register(DEV, &reg(1, ALL, 0, &[(1, 100, 50), (0, 4000, 50)]), &mem)
-            .expect("src");
-        let (_, dst_r) = keys
-            .register(DEV, &reg(1, ALL, 0x9000, &[(0, 0, 4096)]), &mem)
-            .expect("dst");
+        let (src, _) = register(&mut keys, &mem, DEV, 0, &[(1, 100, 50), (0, 4000, 50)]);
+        let (_, dst_r) = register(&mut keys, &mem, DEV, 0x9000, &[(0, 0, 4096)]);
         let pattern: Vec<u8> = (0..100u8).collect();
         assert!(views[1].write(100, &pattern[..50]));
         assert!(views[0].write(4000, &pattern[50..]));
@@ -743,13 +748,9 @@ mod tests {
     fn atomics_are_atomic_where_aligned_and_correct_everywhere() {
         let (mem, views) = memory(&[(0, 8192)]);
         let mut keys = KeyTable::new();
-        let (_, aligned) = keys
-            .register(DEV, &reg(1, ALL, 0, &[(0, 0, 64)]), &mem)
-            .expect("reg");
+        let (_, aligned) = register(&mut keys, &mem, DEV, 0, &[(0, 0, 64)]);
         // IOVA 0 is mapping offset 3: never 8-aligned in the mapping.
-        let (_, odd) = keys
-            .register(DEV, &reg(1, ALL, 0, &[(0, 3, 64)]), &mem)
-            .expect("reg");
+        let (_, odd) = register(&mut keys, &mem, DEV, 0, &[(0, 3, 64)]);
         assert!(views[0].write(8, &41u64.to_le_bytes()));
         let t = keys
             .remote(DEV, 1, aligned, 8, 8, access::REMOTE_ATOMIC)
@@ -773,15 +774,9 @@ mod tests {
     fn removed_slots_and_devices_revoke_their_regions() {
         let (mem, _) = memory(&[(0, 8192), (1, 8192)]);
         let mut keys = KeyTable::new();
-        let (a, _) = keys
-            .register(DEV, &reg(1, ALL, 0, &[(0, 0, 64)]), &mem)
-            .expect("reg");
-        let (b, _) = keys
-            .register(DEV, &reg(1, ALL, 0, &[(1, 0, 64)]), &mem)
-            .expect("reg");
-        let (c, _) = keys
-            .register(DEV + 1, &reg(1, ALL, 0, &[(0, 0, 64)]), &mem)
-            .expect("reg");
+        let (a, _) = register(&mut keys, &mem, DEV, 0, &[(0, 0, 64)]);
+        let (b, _) = register(&mut keys, &mem, DEV, 0, &[(1, 0, 64)]);
+        let (c, _) = register(&mut keys, &mem, DEV + 1, 0, &[(0, 0, 64)]);
         keys.revoke_slot(DEV, 0);
         assert!(keys.local(DEV, 1, &sge(0, 8, a), 0).is_none());
         assert!(keys.local(DEV, 1, &sge(0, 8, b), 0).is_some());

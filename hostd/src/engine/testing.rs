@@ -22,7 +22,7 @@ use vrdma_spec::verbs::{access, QpState, SendOpcode};
 use vrdma_tenant_policy::{Policy, PriorityClass, TenantPolicy};
 use zerocopy::{FromBytes, IntoBytes};
 
-use super::{DeviceId, Engine};
+use super::{DeviceId, Engine, EngineError};
 use crate::scheduler::Scheduler;
 
 /// Bytes of each device's guest memory (one slot at guest address 0).
@@ -171,6 +171,19 @@ pub fn sge(addr: u64, length: u32, lkey: u32) -> Sge {
     }
 }
 
+/// The connection [`Env::connect`] gives a QP: to `dest_qpn` at
+/// `dest_lid`, every access, RNR retries for ever, 3 transport retries.
+pub fn connection(dest_lid: u16, dest_qpn: u32) -> QpConnection {
+    QpConnection {
+        dest_lid,
+        dest_qpn,
+        access: access::QP_SUPPORTED,
+        rnr_retry: 7,
+        retry_cnt: 3,
+        min_rnr_timer: 1,
+    }
+}
+
 /// A signaled send WQE.
 pub fn send(wr_id: u64, opcode: SendOpcode) -> SendWqe {
     SendWqe {
@@ -186,6 +199,27 @@ pub fn remote(mut wqe: SendWqe, addr: u64, rkey: u32) -> SendWqe {
     wqe.remote_addr = addr.into();
     wqe.rkey = rkey.into();
     wqe
+}
+
+/// Hands each entry the device produced in the ring at `base` (`depth`
+/// entries of `N` bytes) to `f`, from `*consumer` on, and gives the slots
+/// back (the driver index).
+fn drain<const N: usize>(
+    mem: &SharedMapping,
+    base: u64,
+    depth: u32,
+    consumer: &mut u32,
+    mut f: impl FnMut(&[u8; N]),
+) {
+    let producer = word(mem, base + DEVICE_INDEX_OFFSET);
+    while *consumer != producer {
+        let at = base + RING_HEADER_SIZE as u64 + u64::from(*consumer % depth) * N as u64;
+        let mut raw = [0u8; N];
+        assert!(mem.read(at as usize, &mut raw));
+        f(&raw);
+        *consumer = consumer.wrapping_add(1);
+    }
+    set_word(mem, base + DRIVER_INDEX_OFFSET, *consumer);
 }
 
 fn word(mem: &SharedMapping, at: u64) -> u32 {
@@ -410,17 +444,9 @@ impl Driver {
 
     /// Hands every CQE the device wrote to `f` (allocating nothing).
     pub fn poll_each(&mut self, mut f: impl FnMut(Cqe)) {
-        let producer = word(&self.mem, CQ + DEVICE_INDEX_OFFSET);
-        while self.cq_consumer != producer {
-            let at = CQ
-                + RING_HEADER_SIZE as u64
-                + u64::from(self.cq_consumer % CQ_DEPTH) * CQE_SIZE as u64;
-            let mut raw = [0u8; CQE_SIZE];
-            assert!(self.mem.read(at as usize, &mut raw));
-            f(Cqe::read_from_bytes(&raw).expect("cqe"));
-            self.cq_consumer = self.cq_consumer.wrapping_add(1);
-        }
-        set_word(&self.mem, CQ + DRIVER_INDEX_OFFSET, self.cq_consumer);
+        drain::<CQE_SIZE>(&self.mem, CQ, CQ_DEPTH, &mut self.cq_consumer, |raw| {
+            f(Cqe::read_from_bytes(raw).expect("cqe"));
+        });
     }
 
     /// Arms the CQ: `(sn << 8) | kind`.
@@ -437,18 +463,10 @@ impl Driver {
 
     /// Hands every event of ring 0 to `f` (allocating nothing).
     pub fn events_each(&mut self, mut f: impl FnMut(u16, u32)) {
-        let producer = word(&self.mem, EQ + DEVICE_INDEX_OFFSET);
-        while self.eq_consumer != producer {
-            let at = EQ
-                + RING_HEADER_SIZE as u64
-                + u64::from(self.eq_consumer % EQ_DEPTH) * EVENT_SIZE as u64;
-            let mut raw = [0u8; EVENT_SIZE];
-            assert!(self.mem.read(at as usize, &mut raw));
-            let e = Event::read_from_bytes(&raw).expect("event");
+        drain::<EVENT_SIZE>(&self.mem, EQ, EQ_DEPTH, &mut self.eq_consumer, |raw| {
+            let e = Event::read_from_bytes(raw).expect("event");
             f(e.kind.get(), e.object.get());
-            self.eq_consumer = self.eq_consumer.wrapping_add(1);
-        }
-        set_word(&self.mem, EQ + DRIVER_INDEX_OFFSET, self.eq_consumer);
+        });
     }
 }
 
@@ -493,27 +511,28 @@ impl Env {
         let (a, b) = (self.a.qps[qa].vqpn, self.b.qps[qb].vqpn);
         for (id, vqpn, lid, dest) in [(1, a, 20, b), (2, b, 10, a)] {
             for state in [QpState::Init, QpState::Rtr, QpState::Rts] {
-                let connection = (state != QpState::Init).then_some(QpConnection {
-                    dest_lid: lid,
-                    dest_qpn: dest,
-                    access: access::QP_SUPPORTED,
-                    rnr_retry: 7,
-                    retry_cnt: 3,
-                    min_rnr_timer: 1,
-                });
-                self.engine
-                    .modify_qp(
-                        id,
-                        &QpModify {
-                            vqpn,
-                            state: state.into(),
-                            connection,
-                            access: None,
-                        },
-                    )
-                    .expect("modify");
+                let connection = (state != QpState::Init).then(|| connection(lid, dest));
+                self.modify(id, vqpn, state, connection).expect("modify");
             }
         }
+    }
+
+    /// Moves device `id`'s QP `vqpn` to `state`, with `connection` (for
+    /// RTR and RTS).
+    pub fn modify(
+        &mut self,
+        id: DeviceId,
+        vqpn: u32,
+        state: QpState,
+        connection: Option<QpConnection>,
+    ) -> Result<(), EngineError> {
+        let m = QpModify {
+            vqpn,
+            state: state.into(),
+            connection,
+            access: None,
+        };
+        self.engine.modify_qp(id, &m)
     }
 
     /// Runs rounds over both devices until one does nothing; returns the

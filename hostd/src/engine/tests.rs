@@ -7,7 +7,7 @@ use vrdma_spec::ring::{event_kind, send_flags, wc_flags, Cqe, SendWqe, CQ_ARM_NE
 use vrdma_spec::verbs::{QpState, SendOpcode, WcOpcode, WcStatus};
 use vrdma_tenant_policy::PriorityClass;
 
-use super::testing::{remote, send, sge, Env, CAPS, IOVA};
+use super::testing::{connection, remote, send, sge, Env, CAPS, IOVA};
 use super::SEGMENT;
 
 fn status(c: &Cqe) -> WcStatus {
@@ -261,24 +261,9 @@ fn rnr_waits_for_a_receive_then_succeeds() {
 fn rnr_retries_run_out() {
     let mut env = Env::new();
     // rnr_retry 2 on A this time.
-    env.engine
-        .modify_qp(
-            1,
-            &vrdma_hostd_protocol::messages::QpModify {
-                vqpn: 100,
-                state: QpState::Rts.into(),
-                connection: Some(vrdma_hostd_protocol::messages::QpConnection {
-                    dest_lid: 20,
-                    dest_qpn: 200,
-                    access: vrdma_spec::verbs::access::QP_SUPPORTED,
-                    rnr_retry: 2,
-                    retry_cnt: 3,
-                    min_rnr_timer: 1,
-                }),
-                access: None,
-            },
-        )
-        .expect("rts");
+    let mut to_b = connection(20, 200);
+    to_b.rnr_retry = 2;
+    env.modify(1, 100, QpState::Rts, Some(to_b)).expect("rts");
     let mut wqe = send(1, SendOpcode::Send);
     wqe.flags |= send_flags::INLINE;
     env.a.post_send(0, &wqe, &[]);
@@ -294,17 +279,7 @@ fn rnr_retries_run_out() {
 fn unreachable_responders_give_retry_exceeded_and_recover_when_back() {
     let mut env = Env::new();
     // B back to RESET: A's packets are lost.
-    env.engine
-        .modify_qp(
-            2,
-            &vrdma_hostd_protocol::messages::QpModify {
-                vqpn: 200,
-                state: QpState::Reset.into(),
-                connection: None,
-                access: None,
-            },
-        )
-        .expect("reset");
+    env.modify(2, 200, QpState::Reset, None).expect("reset");
     let rkey = env.b.rkey;
     write(&mut env, 1, 8, 0, rkey);
     let (a, _) = env.run();
@@ -558,17 +533,7 @@ fn a_long_send_keeps_its_receive_across_segments() {
 fn a_responder_reset_between_segments_starts_the_send_again() {
     let (mut env, data) = long_op_beside_a_busy_realtime_device(SendOpcode::Send, 48 * 1024);
     env.engine.round(&[1, 2], env.now);
-    env.engine
-        .modify_qp(
-            2,
-            &vrdma_hostd_protocol::messages::QpModify {
-                vqpn: 200,
-                state: QpState::Reset.into(),
-                connection: None,
-                access: None,
-            },
-        )
-        .expect("reset");
+    env.modify(2, 200, QpState::Reset, None).expect("reset");
     env.connect(0, 0);
     let lkey_b = env.b.lkey;
     env.b
@@ -591,17 +556,7 @@ fn reset_discards_what_was_posted_and_frees_the_slots() {
     let rkey = env.b.rkey;
     write(&mut env, 1, 8, 0, rkey);
     env.run();
-    env.engine
-        .modify_qp(
-            1,
-            &vrdma_hostd_protocol::messages::QpModify {
-                vqpn: 100,
-                state: QpState::Reset.into(),
-                connection: None,
-                access: None,
-            },
-        )
-        .expect("reset");
+    env.modify(1, 100, QpState::Reset, None).expect("reset");
     assert_eq!(env.a.sq_done(0), 1, "the slot is the driver's again");
     let (a, _) = env.advance(Duration::from_secs(1));
     assert!(a.is_empty(), "discarded work completes nothing");

@@ -106,8 +106,24 @@ pub enum Local {
     Inline(u16),
 }
 
-/// A send WQE, read once and checked: hostd's own copy.
+/// A WQE's SGEs or inline bytes as read (`Debug` leaves them out).
 #[derive(Clone)]
+struct Payload([u8; PAYLOAD_BYTES]);
+
+impl Default for Payload {
+    fn default() -> Self {
+        Payload([0; PAYLOAD_BYTES])
+    }
+}
+
+impl std::fmt::Debug for Payload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("..")
+    }
+}
+
+/// A send WQE, read once and checked: hostd's own copy.
+#[derive(Clone, Debug)]
 pub struct SendWork {
     pub wr_id: u64,
     pub opcode: SendOpcode,
@@ -121,7 +137,7 @@ pub struct SendWork {
     pub local: Local,
     /// Bytes the message carries (SGE lengths or inline bytes; 8 for atomics).
     pub length: u64,
-    payload: [u8; PAYLOAD_BYTES],
+    payload: Payload,
 }
 
 impl Default for SendWork {
@@ -137,20 +153,8 @@ impl Default for SendWork {
             swap: 0,
             local: Local::None,
             length: 0,
-            payload: [0; PAYLOAD_BYTES],
+            payload: Payload::default(),
         }
-    }
-}
-
-impl std::fmt::Debug for SendWork {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SendWork")
-            .field("wr_id", &self.wr_id)
-            .field("opcode", &self.opcode)
-            .field("flags", &self.flags)
-            .field("local", &self.local)
-            .field("length", &self.length)
-            .finish_non_exhaustive()
     }
 }
 
@@ -161,13 +165,13 @@ impl SendWork {
             Local::Sges(n) => usize::from(n),
             _ => 0,
         };
-        sges_of(&self.payload, n)
+        sges_of(&self.payload.0, n)
     }
 
     /// Its inline bytes (none when it has SGEs).
     pub fn inline(&self) -> &[u8] {
         match self.local {
-            Local::Inline(n) => &self.payload[..usize::from(n).min(PAYLOAD_BYTES)],
+            Local::Inline(n) => &self.payload.0[..usize::from(n).min(PAYLOAD_BYTES)],
             _ => &[],
         }
     }
@@ -184,40 +188,19 @@ impl SendWork {
 }
 
 /// A receive WQE, read once and checked.
-#[derive(Clone)]
+#[derive(Clone, Debug, Default)]
 pub struct RecvWork {
     pub wr_id: u64,
     num_sge: u8,
     /// Bytes its buffers hold.
     pub length: u64,
-    payload: [u8; PAYLOAD_BYTES],
-}
-
-impl Default for RecvWork {
-    fn default() -> Self {
-        RecvWork {
-            wr_id: 0,
-            num_sge: 0,
-            length: 0,
-            payload: [0; PAYLOAD_BYTES],
-        }
-    }
-}
-
-impl std::fmt::Debug for RecvWork {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RecvWork")
-            .field("wr_id", &self.wr_id)
-            .field("num_sge", &self.num_sge)
-            .field("length", &self.length)
-            .finish_non_exhaustive()
-    }
+    payload: Payload,
 }
 
 impl RecvWork {
     /// Its SGEs.
     pub fn sges(&self) -> &[Sge] {
-        sges_of(&self.payload, usize::from(self.num_sge))
+        sges_of(&self.payload.0, usize::from(self.num_sge))
     }
 }
 
@@ -234,6 +217,20 @@ fn total_length(sges: &[Sge]) -> Option<u64> {
     (total <= u64::from(MAX_MSG_SIZE)).then_some(total)
 }
 
+/// The fixed part of WQE `index` of `src`, copied out once.
+fn read_fixed<W, S>(src: &S, index: u32) -> Result<W, Malformed>
+where
+    W: FromBytes + IntoBytes,
+    S: EntrySource + ?Sized,
+{
+    let mut wqe = W::new_zeroed();
+    if src.read(index, 0, wqe.as_mut_bytes()) {
+        Ok(wqe)
+    } else {
+        Err(Malformed::Unreadable)
+    }
+}
+
 /// Reads send WQE `index` of `src` into `out`.
 pub fn read_send<S: EntrySource + ?Sized>(
     src: &S,
@@ -241,11 +238,7 @@ pub fn read_send<S: EntrySource + ?Sized>(
     limits: &SendLimits,
     out: &mut SendWork,
 ) -> Result<(), Malformed> {
-    let mut fixed = [0u8; SEND_FIXED];
-    if !src.read(index, 0, &mut fixed) {
-        return Err(Malformed::Unreadable);
-    }
-    let wqe = SendWqe::read_from_bytes(&fixed).map_err(|_| Malformed::Unreadable)?;
+    let wqe: SendWqe = read_fixed(src, index)?;
     let wr_id = wqe.wr_id.get();
     let reject = |opcode: u8, status| Malformed::Entry {
         wr_id,
@@ -281,7 +274,7 @@ pub fn read_send<S: EntrySource + ?Sized>(
         if len > limits.max_inline.min(MAX_INLINE_DATA) as usize || len > room {
             return Err(reject(wc, WcStatus::LocLenErr));
         }
-        if !src.read(index, SEND_FIXED, &mut out.payload[..len]) {
+        if !src.read(index, SEND_FIXED, &mut out.payload.0[..len]) {
             return Err(Malformed::Unreadable);
         }
         (Local::Inline(len as u16), len as u64)
@@ -290,10 +283,10 @@ pub fn read_send<S: EntrySource + ?Sized>(
         if n > limits.max_sge.min(MAX_SGE) as usize || n * SGE_SIZE > room {
             return Err(reject(wc, WcStatus::LocLenErr));
         }
-        if !src.read(index, SEND_FIXED, &mut out.payload[..n * SGE_SIZE]) {
+        if !src.read(index, SEND_FIXED, &mut out.payload.0[..n * SGE_SIZE]) {
             return Err(Malformed::Unreadable);
         }
-        let sges = sges_of(&out.payload, n);
+        let sges = sges_of(&out.payload.0, n);
         if is_atomic && (n != 1 || sges.first().map(|s| s.length.get()) != Some(8)) {
             return Err(reject(wc, WcStatus::LocLenErr));
         }
@@ -322,11 +315,7 @@ pub fn read_recv<S: EntrySource + ?Sized>(
     limits: &RecvLimits,
     out: &mut RecvWork,
 ) -> Result<(), Malformed> {
-    let mut fixed = [0u8; RECV_FIXED];
-    if !src.read(index, 0, &mut fixed) {
-        return Err(Malformed::Unreadable);
-    }
-    let wqe = RecvWqe::read_from_bytes(&fixed).map_err(|_| Malformed::Unreadable)?;
+    let wqe: RecvWqe = read_fixed(src, index)?;
     let wr_id = wqe.wr_id.get();
     let reject = |status| Malformed::Entry {
         wr_id,
@@ -338,10 +327,10 @@ pub fn read_recv<S: EntrySource + ?Sized>(
     if n > limits.max_sge.min(MAX_SGE) as usize || n * SGE_SIZE > room {
         return Err(reject(WcStatus::LocLenErr));
     }
-    if !src.read(index, RECV_FIXED, &mut out.payload[..n * SGE_SIZE]) {
+    if !src.read(index, RECV_FIXED, &mut out.payload.0[..n * SGE_SIZE]) {
         return Err(Malformed::Unreadable);
     }
-    let Some(length) = total_length(sges_of(&out.payload, n)) else {
+    let Some(length) = total_length(sges_of(&out.payload.0, n)) else {
         return Err(reject(WcStatus::LocLenErr));
     };
     out.wr_id = wr_id;

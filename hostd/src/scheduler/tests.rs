@@ -1,12 +1,27 @@
 //! The scheduler's policy semantics, with a simulated clock.
 
 use super::*;
-use vrdma_tenant_policy::{Priority, RateLimit};
+use vrdma_tenant_policy::RateLimit;
+use PriorityClass::{Normal, Priority, Realtime};
 
 fn tenant(name: &str, class: PriorityClass, weight: u32) -> TenantPolicy {
     let mut t = vrdma_tenant_policy::Policy::default_policy().tenants[0].clone();
     t.name = name.into();
-    t.priority = Priority { class, weight };
+    t.priority = vrdma_tenant_policy::Priority { class, weight };
+    t
+}
+
+/// A tenant whose sends are limited to `ops_per_sec`, in bursts of
+/// `burst` (the policy's default when `None`).
+fn send_limited(
+    name: &str,
+    class: PriorityClass,
+    ops_per_sec: u64,
+    burst: Option<u64>,
+) -> TenantPolicy {
+    let mut t = tenant(name, class, 1);
+    t.rate.send.ops_per_sec = Some(ops_per_sec);
+    t.rate.send.ops_burst = burst;
     t
 }
 
@@ -25,6 +40,16 @@ fn setup(tenants: &[TenantPolicy], now: Instant) -> Scheduler {
         assert!(s.add_device(i as DeviceId + 1, &t.name));
     }
     s
+}
+
+/// A scheduler with one device (id = index + 1, pQP 0) per tenant of the
+/// given class and weight, named `t1`, `t2`, ...
+fn classes(now: Instant, tenants: &[(PriorityClass, u32)]) -> Scheduler {
+    let tenants: Vec<TenantPolicy> = (1..)
+        .zip(tenants)
+        .map(|(i, &(class, weight))| tenant(&format!("t{i}"), class, weight))
+        .collect();
+    setup(&tenants, now)
 }
 
 /// Picks `n` times, re-staging whatever ran with `head_of(device)`;
@@ -52,14 +77,7 @@ fn run(
 #[test]
 fn strict_priority_between_classes() {
     let now = Instant::now();
-    let mut s = setup(
-        &[
-            tenant("normal", PriorityClass::Normal, 1000),
-            tenant("prio", PriorityClass::Priority, 1),
-            tenant("rt", PriorityClass::Realtime, 1),
-        ],
-        now,
-    );
+    let mut s = classes(now, &[(Normal, 1000), (Priority, 1), (Realtime, 1)]);
     for d in 1..=3 {
         s.stage((d, 0), send(4096), now);
     }
@@ -75,9 +93,7 @@ fn strict_priority_between_classes() {
     let served = run(&mut s, now, 10, |_| send(4096));
     assert_eq!(served.keys().copied().collect::<Vec<_>>(), vec![1]);
     // A throttled realtime tenant has no eligible work: normal runs.
-    let mut rt = tenant("rt", PriorityClass::Realtime, 1);
-    rt.rate.send.ops_per_sec = Some(10);
-    rt.rate.send.ops_burst = Some(1);
+    let rt = send_limited("t3", Realtime, 10, Some(1));
     s.configure(&rt, now);
     s.stage((3, 0), send(64), now);
     assert_eq!(s.pick(now), Pick::Run((3, 0)), "the burst");
@@ -92,13 +108,7 @@ fn strict_priority_between_classes() {
 #[test]
 fn weights_share_bytes_within_a_class() {
     let now = Instant::now();
-    let mut s = setup(
-        &[
-            tenant("one", PriorityClass::Normal, 1),
-            tenant("three", PriorityClass::Normal, 3),
-        ],
-        now,
-    );
+    let mut s = classes(now, &[(Normal, 1), (Normal, 3)]);
     // Different message sizes: the share is in bytes, not messages.
     let head_of = |d: DeviceId| if d == 1 { send(4096) } else { send(1000) };
     s.stage((1, 0), head_of(1), now);
@@ -112,7 +122,7 @@ fn weights_share_bytes_within_a_class() {
 fn a_tenants_queues_take_turns_and_keep_their_order() {
     let now = Instant::now();
     let mut s = Scheduler::new(None);
-    s.configure(&tenant("t", PriorityClass::Normal, 1), now);
+    s.configure(&tenant("t", Normal, 1), now);
     assert!(s.add_device(7, "t"));
     assert!(!s.add_device(8, "nobody"), "unknown tenant");
     s.stage((7, 0), send(100), now);
@@ -133,13 +143,7 @@ fn a_tenants_queues_take_turns_and_keep_their_order() {
 #[test]
 fn huge_messages_are_scheduled_without_spinning_through_turns() {
     let now = Instant::now();
-    let mut s = setup(
-        &[
-            tenant("a", PriorityClass::Normal, 1),
-            tenant("b", PriorityClass::Normal, 1),
-        ],
-        now,
-    );
+    let mut s = classes(now, &[(Normal, 1), (Normal, 1)]);
     let huge = 1u64 << 31;
     s.stage((1, 0), send(huge), now);
     s.stage((2, 0), send(huge), now);
@@ -184,17 +188,14 @@ fn simulate(
 fn token_buckets_hold_the_configured_rates() {
     let start = Instant::now();
     // 1000 ops/s, burst 10: 10 s give 10 000 (+ the burst).
-    let mut ops = tenant("ops", PriorityClass::Realtime, 1);
-    ops.rate.send.ops_per_sec = Some(1000);
-    ops.rate.send.ops_burst = Some(10);
-    let mut s = setup(&[ops], start);
+    let mut s = setup(&[send_limited("ops", Realtime, 1000, Some(10))], start);
     s.stage((1, 0), send(64), start);
     let served = simulate(&mut s, start, 10, send(64), Duration::ZERO);
     let n = served[&1].0 as f64;
     assert!((n - 10_000.0).abs() / 10_000.0 < 0.1, "{n} ops in 10 s");
 
     // 1 MB/s of 4 KiB reads (default burst of 64 KiB).
-    let mut bytes = tenant("bytes", PriorityClass::Normal, 1);
+    let mut bytes = tenant("bytes", Normal, 1);
     bytes.rate.read.bytes_per_sec = Some(1_000_000);
     let mut s = setup(&[bytes], start);
     let read = Head {
@@ -217,10 +218,13 @@ fn token_buckets_hold_the_configured_rates() {
 #[test]
 fn a_limited_tenant_keeps_its_rate_beside_an_unlimited_one() {
     let start = Instant::now();
-    let mut slow = tenant("slow", PriorityClass::Normal, 1);
-    slow.rate.send.ops_per_sec = Some(2000);
-    let fast = tenant("fast", PriorityClass::Normal, 1);
-    let mut s = setup(&[slow, fast], start);
+    let mut s = setup(
+        &[
+            send_limited("slow", Normal, 2000, None),
+            tenant("fast", Normal, 1),
+        ],
+        start,
+    );
     s.stage((1, 0), send(64), start);
     s.stage((2, 0), send(64), start);
     // One pick per 10 µs: the NIC could do 100 000 ops/s.
@@ -244,10 +248,7 @@ fn a_limited_tenant_keeps_its_rate_beside_an_unlimited_one() {
 #[test]
 fn throttled_time_is_counted() {
     let start = Instant::now();
-    let mut t = tenant("t", PriorityClass::Normal, 1);
-    t.rate.send.ops_per_sec = Some(100);
-    t.rate.send.ops_burst = Some(1);
-    let mut s = setup(&[t], start);
+    let mut s = setup(&[send_limited("t", Normal, 100, Some(1))], start);
     s.stage((1, 0), send(64), start);
     // Poll every millisecond for a second: the tenant can run 100
     // times, and waits for a token the rest of the time.
@@ -289,10 +290,8 @@ fn throttled_time_is_counted() {
 #[test]
 fn reconfiguring_applies_at_once_and_keeps_tokens_bounded() {
     let now = Instant::now();
-    let mut t = tenant("t", PriorityClass::Normal, 1);
-    t.rate.send.ops_per_sec = Some(1);
-    t.rate.send.ops_burst = Some(1);
-    let mut s = setup(&[t.clone(), tenant("rt", PriorityClass::Realtime, 1)], now);
+    let mut t = send_limited("t", Normal, 1, Some(1));
+    let mut s = setup(&[t.clone(), tenant("rt", Realtime, 1)], now);
     s.stage((1, 0), send(64), now);
     assert_eq!(s.pick(now), Pick::Run((1, 0)));
     s.stage((1, 0), send(64), now);
@@ -302,7 +301,7 @@ fn reconfiguring_applies_at_once_and_keeps_tokens_bounded() {
     s.configure(&t, now);
     assert_eq!(s.pick(now), Pick::Run((1, 0)));
     // Moving it to realtime puts it beside "rt" (device 2).
-    t.priority.class = PriorityClass::Realtime;
+    t.priority.class = Realtime;
     s.configure(&t, now);
     s.stage((1, 0), send(64), now);
     s.stage((2, 0), send(64), now);
@@ -313,14 +312,7 @@ fn reconfiguring_applies_at_once_and_keeps_tokens_bounded() {
 #[test]
 fn the_port_is_shared_by_weight_and_realtime_overtakes_booked_work() {
     let start = Instant::now();
-    let mut s = setup(
-        &[
-            tenant("one", PriorityClass::Normal, 1),
-            tenant("three", PriorityClass::Normal, 3),
-            tenant("rt", PriorityClass::Realtime, 1),
-        ],
-        start,
-    );
+    let mut s = classes(start, &[(Normal, 1), (Normal, 3), (Realtime, 1)]);
     // 1 GB/s: one byte per nanosecond.
     s.link = Some(Link::new(1_000_000_000));
     let big = send(65536);
@@ -366,14 +358,7 @@ fn the_port_is_shared_by_weight_and_realtime_overtakes_booked_work() {
 #[test]
 fn a_burst_goes_on_only_while_a_pick_would_choose_the_same() {
     let now = Instant::now();
-    let mut s = setup(
-        &[
-            tenant("a", PriorityClass::Normal, 1),
-            tenant("b", PriorityClass::Normal, 1),
-            tenant("rt", PriorityClass::Realtime, 1),
-        ],
-        now,
-    );
+    let mut s = classes(now, &[(Normal, 1), (Normal, 1), (Realtime, 1)]);
     s.stage((1, 0), send(4096), now);
     s.stage((2, 0), send(4096), now);
     let first = match s.pick(now) {
@@ -406,13 +391,7 @@ fn a_burst_goes_on_only_while_a_pick_would_choose_the_same() {
 #[test]
 fn a_tenant_keeps_its_turn_while_its_queue_is_restaged() {
     let now = Instant::now();
-    let mut s = setup(
-        &[
-            tenant("one", PriorityClass::Normal, 1),
-            tenant("three", PriorityClass::Normal, 3),
-        ],
-        now,
-    );
+    let mut s = classes(now, &[(Normal, 1), (Normal, 3)]);
     // As the datapath does: the pick unstages, the next WQE is staged
     // after the previous one ran. The weights still hold.
     s.stage((1, 0), send(1000), now);
@@ -432,10 +411,7 @@ fn a_tenant_keeps_its_turn_while_its_queue_is_restaged() {
 #[test]
 fn a_burst_is_charged_like_the_picks_it_replaces() {
     let now = Instant::now();
-    let mut limited = tenant("limited", PriorityClass::Normal, 1);
-    limited.rate.send.ops_per_sec = Some(10);
-    limited.rate.send.ops_burst = Some(4);
-    let mut s = setup(&[limited], now);
+    let mut s = setup(&[send_limited("limited", Normal, 10, Some(4))], now);
     // 1 MB/s: the port closes after a few WQEs too.
     s.stage((1, 0), send(64), now);
     assert_eq!(s.pick(now), Pick::Run((1, 0)));
@@ -457,13 +433,7 @@ fn a_burst_is_charged_like_the_picks_it_replaces() {
 #[test]
 fn a_class_is_outranked_while_a_higher_one_was_busy_lately() {
     let now = Instant::now();
-    let mut s = setup(
-        &[
-            tenant("n", PriorityClass::Normal, 1),
-            tenant("rt", PriorityClass::Realtime, 1),
-        ],
-        now,
-    );
+    let mut s = classes(now, &[(Normal, 1), (Realtime, 1)]);
     assert!(!s.outranked(2, now));
     s.stage((2, 0), send(64), now);
     assert_eq!(s.pick(now), Pick::Run((2, 0)));

@@ -708,16 +708,12 @@ pub fn pair_with(socket: &Path, mem: u64, beta_rnr_timer: u8) -> (Client, Client
     (alpha, beta)
 }
 
-/// How the tests connect QPs: infinite RNR retries, 2 transport retries,
-/// a 10 µs RNR timer.
+/// How the tests connect QPs: the engine tests' connection (infinite RNR
+/// retries, a 10 µs RNR timer) with 2 transport retries.
 pub fn connection(dest_lid: u16, dest_qpn: u32) -> QpConnection {
     QpConnection {
-        dest_lid,
-        dest_qpn,
-        access: access::QP_SUPPORTED,
-        rnr_retry: 7,
         retry_cnt: 2,
-        min_rnr_timer: 1,
+        ..vrdma_hostd::engine::testing::connection(dest_lid, dest_qpn)
     }
 }
 

@@ -6,8 +6,10 @@
 use std::cell::Cell;
 use std::path::PathBuf;
 
-use vrdma_guest_driver::{MemoryRegion, QpCapabilities, QueuePair};
-use vrdma_spec::verbs::access;
+use vrdma_guest_driver::{
+    CompletionQueue, MemoryRegion, QpCapabilities, QueuePair, WorkCompletion,
+};
+use vrdma_spec::verbs::{access, WcStatus};
 use vrdma_tools::supervisor::{find_binary, Daemon, Launch, Scratch};
 use vrdma_tools::verbs::{bring_up, Connection, Opened};
 
@@ -126,6 +128,15 @@ impl std::ops::Deref for Tenant {
     type Target = Opened;
     fn deref(&self) -> &Opened {
         &self.dev
+    }
+}
+
+/// Polls `cq` into `wcs`: how many completed, every one successfully.
+pub fn poll_ok(cq: &CompletionQueue, wcs: &mut [WorkCompletion]) -> Result<usize> {
+    let n = cq.poll(wcs).map_err(verbs("poll a CQ"))?;
+    match wcs[..n].iter().find(|wc| wc.status != WcStatus::Success) {
+        Some(wc) => Err(BenchError::Completion(wc.status)),
+        None => Ok(n),
     }
 }
 

@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::{CompletionQueue, QueuePair, RecvWr, SendPayload, SendWr, WorkCompletion};
 use vrdma_spec::ring::send_flags::SIGNALED;
-use vrdma_spec::verbs::{SendOpcode, WcStatus};
+use vrdma_spec::verbs::SendOpcode;
 
 use crate::baselines::{self, pause, Tcp};
-use crate::host::{Buffer, Link, Tenant};
+use crate::host::{poll_ok, Buffer, Link, Tenant};
 use crate::report::{percentiles, us, Bound, Targets};
-use crate::{verbs, BenchError, Result};
+use crate::{BenchError, Result};
 
 /// Latency test kinds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -228,10 +228,7 @@ pub fn poll(cq: &CompletionQueue, want: usize) -> Result<()> {
     let mut spins = 0u32;
     while got < want {
         let room = (want - got).min(wcs.len());
-        let n = cq.poll(&mut wcs[..room]).map_err(verbs("poll a CQ"))?;
-        if let Some(wc) = wcs[..n].iter().find(|wc| wc.status != WcStatus::Success) {
-            return Err(BenchError::Completion(wc.status));
-        }
+        let n = poll_ok(cq, &mut wcs[..room])?;
         got += n;
         if n == 0 {
             spins = spins.wrapping_add(1);

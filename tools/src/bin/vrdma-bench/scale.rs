@@ -12,10 +12,10 @@ use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::{QueuePair, SendPayload, SendWr, Sge, WorkCompletion};
 use vrdma_spec::ring::send_flags::SIGNALED;
-use vrdma_spec::verbs::{SendOpcode, WcStatus};
+use vrdma_spec::verbs::SendOpcode;
 
 use crate::baselines::pause;
-use crate::host::{connect, policy, Buffer, Host, Tenant};
+use crate::host::{connect, policy, poll_ok, Buffer, Host, Tenant};
 use crate::report::{Bound, Targets};
 use crate::{verbs, BenchError, Result};
 
@@ -131,11 +131,8 @@ impl Fleet {
             }
             let mut polled = 0;
             for tenant in &self.tenants {
-                let n = tenant.cq.poll(&mut wcs).map_err(verbs("poll a CQ"))?;
+                let n = poll_ok(&tenant.cq, &mut wcs)?;
                 for wc in &wcs[..n] {
-                    if wc.status != WcStatus::Success {
-                        return Err(BenchError::Completion(wc.status));
-                    }
                     let flight = in_flight
                         .get_mut(wc.wr_id as usize)
                         .ok_or(BenchError::Panicked)?;

@@ -8,12 +8,12 @@ use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::{RecvWr, SendPayload, SendWr, WorkCompletion};
 use vrdma_spec::ring::send_flags::SIGNALED;
-use vrdma_spec::verbs::{SendOpcode, WcStatus};
+use vrdma_spec::verbs::SendOpcode;
 
 use crate::baselines::{memcpy_rate, pause};
-use crate::host::{Link, Tenant};
+use crate::host::{poll_ok, Link, Tenant};
 use crate::report::{Bound, Targets};
-use crate::{verbs, BenchError, Result};
+use crate::{BenchError, Result};
 
 /// Bandwidth trials; the best is reported, for vrdma and memcpy alike.
 const TRIALS: usize = 5;
@@ -124,10 +124,7 @@ fn send_stream(
             // Stopped: the rate counts what completed until now.
             elapsed = Some((done, start.elapsed()));
         }
-        let n = l.a.cq.poll(&mut wcs).map_err(verbs("poll a CQ"))?;
-        if let Some(wc) = wcs[..n].iter().find(|wc| wc.status != WcStatus::Success) {
-            return Err(BenchError::Completion(wc.status));
-        }
+        let n = poll_ok(&l.a.cq, &mut wcs)?;
         done += n * shape.batch;
         if n == 0 {
             spins = spins.wrapping_add(1);
@@ -159,10 +156,7 @@ fn keep_receiving(l: &Link<'_>, shape: Shape, sent: &AtomicUsize) -> Result<()> 
     let mut wcs = [WorkCompletion::default(); 32];
     let (mut received, mut spins) = (0usize, 0u32);
     while received < sent.load(Ordering::Acquire) {
-        let n = l.b.cq.poll(&mut wcs).map_err(verbs("poll a CQ"))?;
-        if let Some(wc) = wcs[..n].iter().find(|wc| wc.status != WcStatus::Success) {
-            return Err(BenchError::Completion(wc.status));
-        }
+        let n = poll_ok(&l.b.cq, &mut wcs)?;
         received += n;
         if n == 0 {
             spins = spins.wrapping_add(1);
