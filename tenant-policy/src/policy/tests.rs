@@ -85,6 +85,21 @@ bytes_per_sec = 500
 name = "gray"
 "#;
 
+/// Tenant `name` in `network` with every other key at its default.
+fn tenant_with_defaults(name: &str, network: Option<&str>) -> TenantPolicy {
+    TenantPolicy {
+        name: name.into(),
+        network: network.map(Into::into),
+        reachable: vec![],
+        uid: None,
+        physical_queues: 2,
+        max_devices: 4,
+        priority: Priority::default(),
+        quotas: Limits::default(),
+        rate: Rates::default(),
+    }
+}
+
 fn full_expected() -> Policy {
     Policy {
         tenants: vec![
@@ -120,12 +135,6 @@ fn full_expected() -> Policy {
                 },
             },
             TenantPolicy {
-                name: "green".into(),
-                network: Some("net-2".into()),
-                reachable: vec![],
-                uid: None,
-                physical_queues: 2,
-                max_devices: 4,
                 priority: Priority {
                     class: PriorityClass::Priority,
                     weight: 1000,
@@ -142,18 +151,9 @@ fn full_expected() -> Policy {
                     },
                     read: RateLimit::default(),
                 },
+                ..tenant_with_defaults("green", Some("net-2"))
             },
-            TenantPolicy {
-                name: "gray".into(),
-                network: None,
-                reachable: vec![],
-                uid: None,
-                physical_queues: 2,
-                max_devices: 4,
-                priority: Priority::default(),
-                quotas: Limits::default(),
-                rate: Rates::default(),
-            },
+            tenant_with_defaults("gray", None),
         ],
     }
 }
@@ -223,20 +223,7 @@ fn default_policy_parses() {
     let policy = Policy::default_policy();
     assert_eq!(policy.tenants.len(), 2);
     for (tenant, name) in policy.tenants.iter().zip(["alpha", "beta"]) {
-        assert_eq!(
-            *tenant,
-            TenantPolicy {
-                name: name.into(),
-                network: Some("demo".into()),
-                reachable: vec![],
-                uid: None,
-                physical_queues: 2,
-                max_devices: 4,
-                priority: Priority::default(),
-                quotas: Limits::default(),
-                rate: Rates::default(),
-            }
-        );
+        assert_eq!(*tenant, tenant_with_defaults(name, Some("demo")));
     }
     let alpha = policy.tenant("alpha").expect("alpha");
     assert!(alpha.may_reach(policy.tenant("beta").expect("beta").network()));
