@@ -209,15 +209,9 @@ pub unsafe extern "C" fn ibv_query_port(
     port_num: u8,
     port_attr: *mut _compat_ibv_port_attr,
 ) -> c_int {
-    int_verb("ibv_query_port", || {
-        if port_attr.is_null() {
-            return Err(libc::EINVAL);
-        }
-        let attr = query_port_attr(context, port_num)?;
-        // SAFETY: the compat structure has 48 bytes.
-        unsafe { copy_sized(&attr, port_attr.cast(), COMPAT_PORT_ATTR_SIZE) };
-        Ok(())
-    })
+    // SAFETY: the caller provides the 48 bytes of the compat structure,
+    // which are the first 48 of the current one.
+    unsafe { query_port_ex(context, port_num, port_attr.cast(), COMPAT_PORT_ATTR_SIZE) }
 }
 
 /// (GID, GID type) of a port's GID table entry.
