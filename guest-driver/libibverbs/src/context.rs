@@ -192,28 +192,14 @@ mod tests {
     #[test]
     fn context_layout_matches_rdma_core() {
         assert_eq!(size_of::<ibv_context>(), 328);
-        assert_eq!(offset_of!(ibv_context, ops), 8);
+        let ops = offset_of!(ibv_context, ops);
+        assert_eq!(ops, 8);
         assert_eq!(size_of::<ibv_context_ops>(), 256);
-        assert_eq!(
-            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, poll_cq),
-            96
-        );
-        assert_eq!(
-            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, req_notify_cq),
-            104
-        );
-        assert_eq!(
-            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, post_srq_recv),
-            168
-        );
-        assert_eq!(
-            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, post_send),
-            208
-        );
-        assert_eq!(
-            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, post_recv),
-            216
-        );
+        assert_eq!(ops + offset_of!(ibv_context_ops, poll_cq), 96);
+        assert_eq!(ops + offset_of!(ibv_context_ops, req_notify_cq), 104);
+        assert_eq!(ops + offset_of!(ibv_context_ops, post_srq_recv), 168);
+        assert_eq!(ops + offset_of!(ibv_context_ops, post_send), 208);
+        assert_eq!(ops + offset_of!(ibv_context_ops, post_recv), 216);
         assert_eq!(offset_of!(ibv_context, cmd_fd), 264);
         assert_eq!(offset_of!(ibv_context, async_fd), 268);
         assert_eq!(offset_of!(ibv_context, num_comp_vectors), 272);
