@@ -21,7 +21,7 @@ use vrdma_guest_driver::Context;
 use crate::abi::{ibv_context, verbs_context};
 use crate::device::DeviceEntry;
 use crate::events::{self, AsyncQueue, ChannelState};
-use crate::ffi::VResult;
+use crate::ffi::{non_null, VResult};
 use crate::{datapath, query, unsupported};
 
 /// `__VERBS_ABI_IS_EXTENDED`: `abi_compat` of an extended context.
@@ -109,9 +109,7 @@ impl Ctx {
     ///
     /// As for [`Ctx::from_ibv`].
     pub(crate) unsafe fn raw_from_ibv(p: *mut ibv_context) -> VResult<*mut Ctx> {
-        if p.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(p)?;
         let offset = std::mem::offset_of!(verbs_context, context);
         // SAFETY: a context this library opened is the `context` field of
         // the `verbs_context` that starts a repr(C) `Ctx`, alive by the

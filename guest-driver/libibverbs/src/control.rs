@@ -19,7 +19,7 @@ use crate::abi::{
 };
 use crate::context::{Ctx, QpRoute};
 use crate::events;
-use crate::ffi::{errno_of, int_verb, ptr_verb, unsupported, VResult};
+use crate::ffi::{errno_of, int_verb, non_null, ptr_verb, unsupported, VResult};
 use crate::objects::{c_int_of, destroy_inner, Ah, Cq, EventCount, Mr, Pd, Qp, Wrapper};
 use crate::query::MAX_AH;
 
@@ -379,9 +379,7 @@ pub unsafe extern "C" fn ibv_create_qp(
     qp_init_attr: *mut ibv_qp_init_attr,
 ) -> *mut ibv_qp {
     ptr_verb("ibv_create_qp", || {
-        if qp_init_attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(qp_init_attr)?;
         // SAFETY: the caller passes a valid init structure.
         let init = unsafe { &mut *qp_init_attr };
         let our = pd_of(pd)?;
@@ -456,9 +454,7 @@ pub unsafe extern "C" fn ibv_modify_qp(
     attr_mask: c_int,
 ) -> c_int {
     int_verb("ibv_modify_qp", || {
-        if attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(attr)?;
         // SAFETY: the caller passes a live QP and a valid attribute structure.
         let (our, attr) = unsafe { (Qp::from_raw(qp)?, &*attr) };
         let mask = attr_mask as u32;
@@ -497,9 +493,8 @@ pub unsafe extern "C" fn ibv_query_qp(
     init_attr: *mut ibv_qp_init_attr,
 ) -> c_int {
     int_verb("ibv_query_qp", || {
-        if attr.is_null() || init_attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(attr)?;
+        non_null(init_attr)?;
         // SAFETY: the caller passes a live QP.
         let our = unsafe { Qp::from_raw(qp)? };
         let resp: QueryQpResp = our
@@ -562,9 +557,7 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
 /// `pd` is a live PD; `attr` is a valid attribute structure.
 pub unsafe extern "C" fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *mut ibv_ah {
     ptr_verb("ibv_create_ah", || {
-        if attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(attr)?;
         let our = pd_of(pd)?;
         let ctx = ctx_of(our.ibv.context)?;
         // SAFETY: the caller passes a valid attribute structure.
@@ -626,9 +619,8 @@ pub unsafe extern "C" fn ibv_init_ah_from_wc(
 ) -> c_int {
     crate::ffi::minus_one_verb("ibv_init_ah_from_wc", || {
         ctx_of(context)?;
-        if wc.is_null() || ah_attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(wc)?;
+        non_null(ah_attr)?;
         // SAFETY: the caller passes a valid completion.
         let wc = unsafe { &*wc };
         if wc.wc_flags & IBV_WC_GRH != 0 {

@@ -17,7 +17,7 @@ use vrdma_guest_driver::{
 
 use crate::abi::{ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_cq, ibv_mr, ibv_pd, ibv_qp};
 use crate::events::ChannelState;
-use crate::ffi::VResult;
+use crate::ffi::{non_null, VResult};
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every guarded state here is consistent between operations.
@@ -152,9 +152,7 @@ pub(crate) unsafe trait Wrapper: Sized {
     /// A non-null `p` must come from [`Wrapper::into_raw`] of this type and
     /// not have been destroyed.
     unsafe fn from_raw<'a>(p: *mut Self::Ibv) -> VResult<&'a Self> {
-        if p.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(p)?;
         // SAFETY: by the trait contract the libibverbs structure is the
         // first field of a repr(C) `Self`, so the pointers coincide; the
         // caller promises `p` is a live box of this type.
@@ -168,9 +166,7 @@ pub(crate) unsafe trait Wrapper: Sized {
     /// As for [`Wrapper::from_raw`], and no other reference to the box may
     /// be in use (the verbs contract for destroying an object).
     unsafe fn from_raw_mut<'a>(p: *mut Self::Ibv) -> VResult<&'a mut Self> {
-        if p.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(p)?;
         // SAFETY: as in `from_raw`; exclusivity is the caller's promise.
         Ok(unsafe { &mut *p.cast::<Self>() })
     }
