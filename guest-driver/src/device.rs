@@ -628,24 +628,35 @@ mod tests {
         assert!(inside && !straddles);
     }
 
-    /// Writes `events` into the event ring at `ring` (of `depth`) as the
-    /// device does, through its own mapping of guest memory.
-    fn device_writes(
-        stub: &StubTransport,
+    /// The device side of completion vector 1's event ring, at `ring` (of
+    /// `depth`): writes events as the device does, through its own mapping
+    /// of guest memory.
+    struct EventRingDevice {
+        stub: Arc<StubTransport>,
         ring: u64,
         depth: u32,
-        producer: &mut u32,
-        events: &[Event],
-    ) {
-        for e in events {
-            let slot = u64::from(*producer & (depth - 1));
-            stub.write(
-                ring + RING_HEADER_SIZE as u64 + slot * EVENT_SIZE as u64,
-                e.as_bytes(),
-            );
-            *producer = producer.wrapping_add(1);
+        producer: u32,
+    }
+
+    impl EventRingDevice {
+        fn write(&mut self, events: &[Event]) {
+            for e in events {
+                let slot = u64::from(self.producer & (self.depth - 1));
+                self.stub.write(
+                    self.ring + RING_HEADER_SIZE as u64 + slot * EVENT_SIZE as u64,
+                    e.as_bytes(),
+                );
+                self.producer = self.producer.wrapping_add(1);
+            }
+            self.stub
+                .store_u32(self.ring + DEVICE_INDEX_OFFSET, self.producer);
         }
-        stub.store_u32(ring + DEVICE_INDEX_OFFSET, *producer);
+
+        /// Writes `e` and raises the vector's interrupt.
+        fn signal(&mut self, e: Event) {
+            self.write(&[e]);
+            self.stub.interrupt(FIRST_EVENT_QUEUE + 1);
+        }
     }
 
     #[test]
@@ -658,7 +669,12 @@ mod tests {
         let ring = stub.requests::<CreateEqReq>(Opcode::CreateEq)[1]
             .ring_addr
             .get();
-        let mut producer = 0;
+        let mut device = EventRingDevice {
+            stub: Arc::clone(&stub),
+            ring,
+            depth,
+            producer: 0,
+        };
 
         // Read in order, and only from their own vector; across wraps.
         for round in 0..3 {
@@ -667,7 +683,7 @@ mod tests {
                 event(event_kind::QP_FATAL, 9),
                 event(event_kind::CQ_ERROR, 7),
             ];
-            device_writes(&stub, ring, depth, &mut producer, &batch);
+            device.write(&batch);
             assert_eq!(dev.next_event(0, Some(Duration::ZERO)).unwrap(), None);
             let got: Vec<_> = (0..3)
                 .map(|_| dev.next_event(1, Some(Duration::ZERO)).unwrap())
@@ -688,26 +704,16 @@ mod tests {
 
         // A waiter sleeps on the interrupt and wakes for an event written
         // while it slept.
-        let writer = {
-            let stub = Arc::clone(&stub);
-            std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(50));
-                device_writes(
-                    &stub,
-                    ring,
-                    depth,
-                    &mut producer,
-                    &[event(event_kind::PORT_ACTIVE, 0)],
-                );
-                stub.interrupt(FIRST_EVENT_QUEUE + 1);
-                producer
-            })
-        };
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            device.signal(event(event_kind::PORT_ACTIVE, 0));
+            device
+        });
         let start = Instant::now();
         let got = dev.next_event(1, Some(Duration::from_secs(10))).unwrap();
         assert_eq!(got, Some(DeviceEvent::PortActive));
         assert!(start.elapsed() < Duration::from_secs(5));
-        producer = writer.join().unwrap();
+        let mut device = writer.join().unwrap();
 
         // An interrupt without an event (another queue's, on a shared
         // line) only makes the waiter look again.
@@ -723,14 +729,7 @@ mod tests {
         // cleared by acknowledge_event.
         let fd = dev.event_fd(1).unwrap();
         assert!(!readable(fd));
-        device_writes(
-            &stub,
-            ring,
-            depth,
-            &mut producer,
-            &[event(event_kind::COMPLETION, 1)],
-        );
-        stub.interrupt(FIRST_EVENT_QUEUE + 1);
+        device.signal(event(event_kind::COMPLETION, 1));
         assert!(readable(fd));
         dev.acknowledge_event(1).unwrap();
         assert!(!readable(fd));
@@ -741,13 +740,7 @@ mod tests {
 
         // An overflowed ring is reported (a warning) and still read.
         stub.store_u32(ring + DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR);
-        device_writes(
-            &stub,
-            ring,
-            depth,
-            &mut producer,
-            &[event(event_kind::COMPLETION, 2)],
-        );
+        device.write(&[event(event_kind::COMPLETION, 2)]);
         assert_eq!(
             dev.next_event(1, Some(Duration::ZERO)).unwrap(),
             Some(DeviceEvent::Completion { cqn: 2 })
@@ -758,11 +751,9 @@ mod tests {
 
     #[test]
     fn pow2_floor_rounds_down() {
-        assert_eq!(pow2_floor(1), 1);
-        assert_eq!(pow2_floor(3), 2);
-        assert_eq!(pow2_floor(64), 64);
-        assert_eq!(pow2_floor(100), 64);
-        assert_eq!(pow2_floor(u16::MAX), 32768);
+        for (n, floor) in [(1, 1), (3, 2), (64, 64), (100, 64), (u16::MAX, 32768)] {
+            assert_eq!(pow2_floor(n), floor, "pow2_floor({n})");
+        }
     }
 
     #[test]

@@ -89,6 +89,12 @@ pub struct DestroyError<T: std::fmt::Debug> {
 }
 
 impl<T: std::fmt::Debug> DestroyError<T> {
+    /// The outcome of destroying `object`: on failure, `object` is handed
+    /// back with the error.
+    pub(crate) fn hand_back(object: T, result: Result<()>) -> Result<(), Self> {
+        result.map_err(|error| DestroyError { object, error })
+    }
+
     /// The errno of the failure (e.g. `EBUSY` for a PD that still has MRs).
     pub fn errno(&self) -> i32 {
         self.error.errno()

@@ -306,6 +306,17 @@ mod tests {
         q
     }
 
+    /// A fresh arena (kept alive by the caller) with a driver queue of
+    /// `size` entries in it, the device's view of the arena and its side of
+    /// the queue.
+    fn queues(size: u16, event_idx: bool) -> (Arc<DmaArena>, GuestMemoryMmap, SplitQueue, Queue) {
+        let arena = DmaArena::new(1 << 20).unwrap();
+        let mem = device_memory(&arena);
+        let vq = SplitQueue::new(&arena, size, event_idx).unwrap();
+        let dq = device_queue(&vq, &mem, event_idx);
+        (arena, mem, vq, dq)
+    }
+
     #[test]
     fn need_event_formula() {
         assert!(vring_need_event(0, 1, 0));
@@ -319,10 +330,7 @@ mod tests {
 
     #[test]
     fn chain_round_trip_with_rust_vmm_device() {
-        let arena = DmaArena::new(1 << 20).unwrap();
-        let mem = device_memory(&arena);
-        let mut vq = SplitQueue::new(&arena, 8, true).unwrap();
-        let mut dq = device_queue(&vq, &mem, true);
+        let (arena, mem, mut vq, mut dq) = queues(8, true);
 
         let req = arena.alloc(12, 64).unwrap();
         req.write_at(0, b"hello device");
@@ -358,10 +366,7 @@ mod tests {
 
     #[test]
     fn wraps_around_many_times() {
-        let arena = DmaArena::new(1 << 20).unwrap();
-        let mem = device_memory(&arena);
-        let mut vq = SplitQueue::new(&arena, 4, true).unwrap();
-        let mut dq = device_queue(&vq, &mem, true);
+        let (arena, mem, mut vq, mut dq) = queues(4, true);
         let buf = arena.alloc(4096, 64).unwrap();
         // 70000 chains: the u16 indices wrap past 65535, the rings many times.
         for round in 0u32..70_000 {
@@ -386,10 +391,7 @@ mod tests {
 
     #[test]
     fn full_queue_and_batches_out_of_order() {
-        let arena = DmaArena::new(1 << 20).unwrap();
-        let mem = device_memory(&arena);
-        let mut vq = SplitQueue::new(&arena, 4, false).unwrap();
-        let mut dq = device_queue(&vq, &mem, false);
+        let (_arena, mem, mut vq, mut dq) = queues(4, false);
         let a = vq.add_chain(&[(0x1000, 1)], &[(0x2000, 2)]).unwrap();
         let b = vq.add_chain(&[], &[(0x3000, 3), (0x4000, 4)]).unwrap();
         assert!(matches!(
@@ -414,10 +416,7 @@ mod tests {
 
     #[test]
     fn bogus_used_id_is_rejected() {
-        let arena = DmaArena::new(1 << 20).unwrap();
-        let mem = device_memory(&arena);
-        let mut vq = SplitQueue::new(&arena, 4, true).unwrap();
-        let mut dq = device_queue(&vq, &mem, true);
+        let (_arena, mem, mut vq, mut dq) = queues(4, true);
         let head = vq.add_chain(&[(0x1000, 1)], &[]).unwrap();
         let _ = dq.pop_descriptor_chain(&mem).unwrap();
         // A head that was never handed out.
@@ -427,10 +426,7 @@ mod tests {
 
     #[test]
     fn event_idx_notifications_both_ways() {
-        let arena = DmaArena::new(1 << 20).unwrap();
-        let mem = device_memory(&arena);
-        let mut vq = SplitQueue::new(&arena, 8, true).unwrap();
-        let mut dq = device_queue(&vq, &mem, true);
+        let (_arena, mem, mut vq, mut dq) = queues(8, true);
 
         // Driver → device. The device asks to be kicked at avail index 0
         // (enable_notification writes avail_event = next_avail).
@@ -477,10 +473,7 @@ mod tests {
 
     #[test]
     fn no_event_idx_uses_flags() {
-        let arena = DmaArena::new(1 << 20).unwrap();
-        let mem = device_memory(&arena);
-        let mut vq = SplitQueue::new(&arena, 4, false).unwrap();
-        let mut dq = device_queue(&vq, &mem, false);
+        let (_arena, mem, mut vq, mut dq) = queues(4, false);
         vq.add_chain(&[(0x1000, 1)], &[]).unwrap();
         assert!(vq.should_notify());
         dq.disable_notification(&mem).unwrap();

@@ -7,105 +7,100 @@
 //! payloads of the `QUERY_DEVICE` and `QUERY_PORT` control commands.
 
 use zerocopy::little_endian::{U16, U32, U64};
-use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+use crate::wire_struct;
 
 /// `"VRDM"` read as a little-endian u32: identifies a vrdma config space.
 pub const CONFIG_MAGIC: u32 = u32::from_le_bytes(*b"VRDM");
 
-/// Device attributes (mirrors the fields of `struct ibv_device_attr`).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned,
-)]
-#[repr(C)]
-pub struct DeviceAttr {
-    pub fw_ver: U64,
-    pub node_guid: U64,
-    pub sys_image_guid: U64,
-    /// Largest single memory region in bytes.
-    pub max_mr_size: U64,
-    /// Supported page sizes (bit n set: 2^n bytes).
-    pub page_size_cap: U64,
-    pub vendor_id: U32,
-    pub vendor_part_id: U32,
-    pub hw_ver: U32,
-    pub max_qp: U32,
-    pub max_qp_wr: U32,
-    pub device_cap_flags: U32,
-    pub max_sge: U32,
-    pub max_cq: U32,
-    pub max_cqe: U32,
-    pub max_mr: U32,
-    pub max_pd: U32,
-    pub max_qp_rd_atom: U32,
-    pub max_qp_init_rd_atom: U32,
-    pub max_srq: U32,
-    pub max_srq_wr: U32,
-    pub max_srq_sge: U32,
-    pub max_inline_data: U32,
-    /// One of [`crate::verbs::atomic_cap`].
-    pub atomic_cap: U32,
-    /// Total bytes the tenant may register across all MRs.
-    pub max_total_mr_bytes: U64,
-    pub max_pkeys: U16,
-    pub phys_port_cnt: u8,
-    pub reserved: [u8; 5],
+wire_struct! {
+    /// Device attributes (mirrors the fields of `struct ibv_device_attr`).
+    pub struct DeviceAttr {
+        pub fw_ver: U64,
+        pub node_guid: U64,
+        pub sys_image_guid: U64,
+        /// Largest single memory region in bytes.
+        pub max_mr_size: U64,
+        /// Supported page sizes (bit n set: 2^n bytes).
+        pub page_size_cap: U64,
+        pub vendor_id: U32,
+        pub vendor_part_id: U32,
+        pub hw_ver: U32,
+        pub max_qp: U32,
+        pub max_qp_wr: U32,
+        pub device_cap_flags: U32,
+        pub max_sge: U32,
+        pub max_cq: U32,
+        pub max_cqe: U32,
+        pub max_mr: U32,
+        pub max_pd: U32,
+        pub max_qp_rd_atom: U32,
+        pub max_qp_init_rd_atom: U32,
+        pub max_srq: U32,
+        pub max_srq_wr: U32,
+        pub max_srq_sge: U32,
+        pub max_inline_data: U32,
+        /// One of [`crate::verbs::atomic_cap`].
+        pub atomic_cap: U32,
+        /// Total bytes the tenant may register across all MRs.
+        pub max_total_mr_bytes: U64,
+        pub max_pkeys: U16,
+        pub phys_port_cnt: u8,
+        pub reserved: [u8; 5],
+    }
 }
 
-/// Port attributes (mirrors the fields of `struct ibv_port_attr`).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned,
-)]
-#[repr(C)]
-pub struct PortAttr {
-    /// A [`crate::verbs::PortState`].
-    pub state: u8,
-    /// A [`crate::verbs::Mtu`].
-    pub max_mtu: u8,
-    /// A [`crate::verbs::Mtu`].
-    pub active_mtu: u8,
-    /// A [`crate::verbs::LinkLayer`].
-    pub link_layer: u8,
-    pub gid_tbl_len: U32,
-    pub port_cap_flags: U32,
-    pub max_msg_sz: U32,
-    pub pkey_tbl_len: U16,
-    /// The port's LID: hostd plays the subnet manager and assigns it.
-    pub lid: U16,
-    pub sm_lid: U16,
-    pub lmc: u8,
-    pub max_vl_num: u8,
-    pub sm_sl: u8,
-    pub active_width: u8,
-    pub active_speed: u8,
-    pub phys_state: u8,
-    pub reserved: [u8; 4],
+wire_struct! {
+    /// Port attributes (mirrors the fields of `struct ibv_port_attr`).
+    pub struct PortAttr {
+        /// A [`crate::verbs::PortState`].
+        pub state: u8,
+        /// A [`crate::verbs::Mtu`].
+        pub max_mtu: u8,
+        /// A [`crate::verbs::Mtu`].
+        pub active_mtu: u8,
+        /// A [`crate::verbs::LinkLayer`].
+        pub link_layer: u8,
+        pub gid_tbl_len: U32,
+        pub port_cap_flags: U32,
+        pub max_msg_sz: U32,
+        pub pkey_tbl_len: U16,
+        /// The port's LID: hostd plays the subnet manager and assigns it.
+        pub lid: U16,
+        pub sm_lid: U16,
+        pub lmc: u8,
+        pub max_vl_num: u8,
+        pub sm_sl: u8,
+        pub active_width: u8,
+        pub active_speed: u8,
+        pub phys_state: u8,
+        pub reserved: [u8; 4],
+    }
 }
 
-/// The whole config space, at offset 0 of the virtio device config.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned,
-)]
-#[repr(C)]
-pub struct DeviceConfig {
-    /// [`CONFIG_MAGIC`].
-    pub magic: U32,
-    /// [`crate::SPEC_VERSION_MAJOR`].
-    pub version_major: U16,
-    /// [`crate::SPEC_VERSION_MINOR`].
-    pub version_minor: U16,
-    /// Number of event queues (= completion vectors).
-    pub num_comp_vectors: U16,
-    /// Largest virtqueue size the device accepts.
-    pub max_queue_size: U16,
-    /// Size of this structure, so a newer device can append fields.
-    pub config_size: U32,
-    pub device: DeviceAttr,
-    /// Port 1, the only port.
-    pub port: PortAttr,
-    /// GID table entry 0 of port 1.
-    pub gid: [u8; 16],
-    /// NUL-padded device name the verbs library shows (`ibv_get_device_name`).
-    pub name: [u8; 32],
+wire_struct! {
+    /// The whole config space, at offset 0 of the virtio device config.
+    pub struct DeviceConfig {
+        /// [`CONFIG_MAGIC`].
+        pub magic: U32,
+        /// [`crate::SPEC_VERSION_MAJOR`].
+        pub version_major: U16,
+        /// [`crate::SPEC_VERSION_MINOR`].
+        pub version_minor: U16,
+        /// Number of event queues (= completion vectors).
+        pub num_comp_vectors: U16,
+        /// Largest virtqueue size the device accepts.
+        pub max_queue_size: U16,
+        /// Size of this structure, so a newer device can append fields.
+        pub config_size: U32,
+        pub device: DeviceAttr,
+        /// Port 1, the only port.
+        pub port: PortAttr,
+        /// GID table entry 0 of port 1.
+        pub gid: [u8; 16],
+        /// NUL-padded device name the verbs library shows (`ibv_get_device_name`).
+        pub name: [u8; 32],
+    }
 }
 
 /// Size of [`DeviceConfig`] in bytes.

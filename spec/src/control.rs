@@ -11,9 +11,9 @@
 //! verbs library returns to the application unchanged.
 
 use zerocopy::little_endian::{U16, U32, U64};
-use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
 use crate::verbs::wire_enum;
+use crate::wire_struct;
 
 wire_enum! {
     /// Control command codes.
@@ -94,18 +94,6 @@ impl Opcode {
             | Opcode::CreateEq => 0,
         }
     }
-}
-
-/// Derives the wire traits every control structure carries.
-macro_rules! wire_struct {
-    ($(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* pub $field:ident: $ty:ty,)* }) => {
-        $(#[$meta])*
-        #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned)]
-        #[repr(C)]
-        pub struct $name {
-            $($(#[$fmeta])* pub $field: $ty,)*
-        }
-    };
 }
 
 wire_struct! {

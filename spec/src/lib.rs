@@ -25,6 +25,28 @@ pub mod verbs;
 
 pub use zerocopy;
 
+/// Defines a wire structure: `#[repr(C)]` over alignment-1 fields, so that
+/// it is its own byte layout, with the zerocopy traits that read it from
+/// untrusted bytes and write it back. Every field is public. A structure
+/// marked `no Default:` has none (it holds a reserved array too long to
+/// have one).
+macro_rules! wire_struct {
+    (no Default: $(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* pub $field:ident: $ty:ty,)* }) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        #[derive(::zerocopy::FromBytes, ::zerocopy::IntoBytes, ::zerocopy::KnownLayout)]
+        #[derive(::zerocopy::Immutable, ::zerocopy::Unaligned)]
+        #[repr(C)]
+        pub struct $name {
+            $($(#[$fmeta])* pub $field: $ty,)*
+        }
+    };
+    ($(#[$meta:meta])* pub struct $name:ident $fields:tt) => {
+        $crate::wire_struct! { no Default: $(#[$meta])* #[derive(Default)] pub struct $name $fields }
+    };
+}
+pub(crate) use wire_struct;
+
 /// The virtio device id the virtio specification reserves for an RDMA device.
 pub const VIRTIO_ID_RDMA: u32 = 42;
 

@@ -143,11 +143,15 @@ impl QpGrant {
 mod tests {
     use super::*;
 
-    const ALL: CapLimits = CapLimits {
-        max_wr: MAX_RING_DEPTH,
-        max_sge: MAX_SGE,
-        max_inline_data: MAX_INLINE_DATA,
-    };
+    const ALL: CapLimits = cap_limits(MAX_RING_DEPTH, MAX_SGE, MAX_INLINE_DATA);
+
+    const fn cap_limits(wr: u32, sge: u32, inline: u32) -> CapLimits {
+        CapLimits {
+            max_wr: wr,
+            max_sge: sge,
+            max_inline_data: inline,
+        }
+    }
 
     fn caps(wr: u32, sge: u32, inline: u32) -> Caps {
         Caps {
@@ -163,12 +167,7 @@ mod tests {
     fn grants_never_exceed_the_limits_or_the_format() {
         // 16 SGEs fill a 512-byte slot that would hold 28: only 16 are granted
         // when the limit is 16, and never more than MAX_SGE.
-        let limits = CapLimits {
-            max_wr: 4096,
-            max_sge: 16,
-            max_inline_data: 256,
-        };
-        let g = QpGrant::compute(caps(16, 16, 0), limits).expect("fits");
+        let g = QpGrant::compute(caps(16, 16, 0), cap_limits(4096, 16, 256)).expect("fits");
         assert_eq!(g.sq.stride, 512);
         assert_eq!(g.caps.max_send_sge, 16);
         assert_eq!(g.caps.max_inline_data, 256);
@@ -186,11 +185,7 @@ mod tests {
 
     #[test]
     fn asks_beyond_the_limits_are_refused() {
-        let limits = CapLimits {
-            max_wr: 16,
-            max_sge: 4,
-            max_inline_data: 64,
-        };
+        let limits = cap_limits(16, 4, 64);
         assert_eq!(
             QpGrant::compute(caps(17, 1, 0), limits),
             Err(CapError::TooLarge {
@@ -206,21 +201,13 @@ mod tests {
             Err(CapError::NoQueue)
         );
         // Limits above the format are clamped to it.
-        let huge = CapLimits {
-            max_wr: u32::MAX,
-            max_sge: u32::MAX,
-            max_inline_data: u32::MAX,
-        };
+        let huge = cap_limits(u32::MAX, u32::MAX, u32::MAX);
         assert!(QpGrant::compute(caps(1, MAX_SGE + 1, 0), huge).is_err());
     }
 
     #[test]
     fn the_depth_granted_is_what_was_asked_rounded_up_within_the_limit() {
-        let limits = CapLimits {
-            max_wr: 100,
-            max_sge: 4,
-            max_inline_data: 64,
-        };
+        let limits = cap_limits(100, 4, 64);
         let g = QpGrant::compute(caps(100, 1, 0), limits).expect("fits");
         assert_eq!(g.sq.depth, 128);
         assert_eq!(g.caps.max_send_wr, 100, "never above the limit");

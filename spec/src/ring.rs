@@ -39,7 +39,8 @@
 //! the CQ's own.
 
 use zerocopy::little_endian::{U32, U64};
-use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
+
+use crate::wire_struct;
 
 /// Rings start on this boundary (a page: rings never straddle more pages
 /// than they need, and both lines of the header are cache-line aligned).
@@ -47,43 +48,40 @@ pub const RING_ALIGN: u64 = 4096;
 /// Size of a cache line; each half of the ring header is one.
 pub const CACHE_LINE: usize = 64;
 
-/// The half of the ring header only the driver writes.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned,
-)]
-#[repr(C)]
-pub struct DriverLine {
-    /// Producer index of a send/receive ring; consumer index of a CQ.
-    pub index: U32,
-    /// CQ only: `(sn << 8) | kind`, kind one of [`CQ_ARM_NONE`],
-    /// [`CQ_ARM_NEXT`], [`CQ_ARM_SOLICITED`].
-    pub arm: U32,
-    pub reserved: [u8; CACHE_LINE - 8],
+wire_struct! {
+    no Default:
+    /// The half of the ring header only the driver writes.
+    pub struct DriverLine {
+        /// Producer index of a send/receive ring; consumer index of a CQ.
+        pub index: U32,
+        /// CQ only: `(sn << 8) | kind`, kind one of [`CQ_ARM_NONE`],
+        /// [`CQ_ARM_NEXT`], [`CQ_ARM_SOLICITED`].
+        pub arm: U32,
+        pub reserved: [u8; CACHE_LINE - 8],
+    }
 }
 
-/// The half of the ring header only the device writes.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned,
-)]
-#[repr(C)]
-pub struct DeviceLine {
-    /// Consumer index of a send/receive ring; producer index of a CQ.
-    pub index: U32,
-    /// [`DEVICE_FLAG_ERROR`].
-    pub flags: U32,
-    /// CQ only: the arm sequence number last answered with an event.
-    pub notified_sn: U32,
-    pub reserved: [u8; CACHE_LINE - 12],
+wire_struct! {
+    no Default:
+    /// The half of the ring header only the device writes.
+    pub struct DeviceLine {
+        /// Consumer index of a send/receive ring; producer index of a CQ.
+        pub index: U32,
+        /// [`DEVICE_FLAG_ERROR`].
+        pub flags: U32,
+        /// CQ only: the arm sequence number last answered with an event.
+        pub notified_sn: U32,
+        pub reserved: [u8; CACHE_LINE - 12],
+    }
 }
 
-/// Header at the start of every ring.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, FromBytes, IntoBytes, KnownLayout, Immutable, Unaligned,
-)]
-#[repr(C)]
-pub struct RingHeader {
-    pub driver: DriverLine,
-    pub device: DeviceLine,
+wire_struct! {
+    no Default:
+    /// Header at the start of every ring.
+    pub struct RingHeader {
+        pub driver: DriverLine,
+        pub device: DeviceLine,
+    }
 }
 
 /// Size of [`RingHeader`].
@@ -111,26 +109,14 @@ pub const CQ_ARM_NEXT: u32 = 1;
 /// Event on the next solicited (or error) completion.
 pub const CQ_ARM_SOLICITED: u32 = 2;
 
-/// A scatter/gather element (`struct ibv_sge`).
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    FromBytes,
-    IntoBytes,
-    KnownLayout,
-    Immutable,
-    Unaligned,
-)]
-#[repr(C)]
-pub struct Sge {
-    /// Address in the MR's IOVA space.
-    pub addr: U64,
-    pub length: U32,
-    pub lkey: U32,
+wire_struct! {
+    /// A scatter/gather element (`struct ibv_sge`).
+    pub struct Sge {
+        /// Address in the MR's IOVA space.
+        pub addr: U64,
+        pub length: U32,
+        pub lkey: U32,
+    }
 }
 
 /// Send WQE flags (`enum ibv_send_flags`).
@@ -141,63 +127,39 @@ pub mod send_flags {
     pub const INLINE: u8 = 1 << 3;
 }
 
-/// Fixed part of a send WQE; `num_sge` [`Sge`]s or `inline_len` inline bytes
-/// follow it in the same slot.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    FromBytes,
-    IntoBytes,
-    KnownLayout,
-    Immutable,
-    Unaligned,
-)]
-#[repr(C)]
-pub struct SendWqe {
-    pub wr_id: U64,
-    /// A [`crate::verbs::SendOpcode`].
-    pub opcode: u8,
-    /// [`send_flags`].
-    pub flags: u8,
-    pub num_sge: u8,
-    pub reserved: u8,
-    /// Immediate data, opaque bytes in the order the application gave them
-    /// (`ibv_send_wr.imm_data` is big-endian already).
-    pub imm_data: [u8; 4],
-    /// Number of inline bytes when [`send_flags::INLINE`] is set.
-    pub inline_len: U32,
-    pub rkey: U32,
-    pub remote_addr: U64,
-    /// Atomics: compare value (CAS) or addend (FAA).
-    pub compare_add: U64,
-    /// Atomics: swap value (CAS).
-    pub swap: U64,
-    pub reserved2: [u8; 16],
+wire_struct! {
+    /// Fixed part of a send WQE; `num_sge` [`Sge`]s or `inline_len` inline bytes
+    /// follow it in the same slot.
+    pub struct SendWqe {
+        pub wr_id: U64,
+        /// A [`crate::verbs::SendOpcode`].
+        pub opcode: u8,
+        /// [`send_flags`].
+        pub flags: u8,
+        pub num_sge: u8,
+        pub reserved: u8,
+        /// Immediate data, opaque bytes in the order the application gave them
+        /// (`ibv_send_wr.imm_data` is big-endian already).
+        pub imm_data: [u8; 4],
+        /// Number of inline bytes when [`send_flags::INLINE`] is set.
+        pub inline_len: U32,
+        pub rkey: U32,
+        pub remote_addr: U64,
+        /// Atomics: compare value (CAS) or addend (FAA).
+        pub compare_add: U64,
+        /// Atomics: swap value (CAS).
+        pub swap: U64,
+        pub reserved2: [u8; 16],
+    }
 }
 
-/// Fixed part of a receive WQE; `num_sge` [`Sge`]s follow it.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    FromBytes,
-    IntoBytes,
-    KnownLayout,
-    Immutable,
-    Unaligned,
-)]
-#[repr(C)]
-pub struct RecvWqe {
-    pub wr_id: U64,
-    pub num_sge: u8,
-    pub reserved: [u8; 7],
+wire_struct! {
+    /// Fixed part of a receive WQE; `num_sge` [`Sge`]s follow it.
+    pub struct RecvWqe {
+        pub wr_id: U64,
+        pub num_sge: u8,
+        pub reserved: [u8; 7],
+    }
 }
 
 /// Completion flags (`enum ibv_wc_flags`).
@@ -206,35 +168,23 @@ pub mod wc_flags {
     pub const WITH_IMM: u8 = 1 << 1;
 }
 
-/// A completion-queue entry.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    FromBytes,
-    IntoBytes,
-    KnownLayout,
-    Immutable,
-    Unaligned,
-)]
-#[repr(C)]
-pub struct Cqe {
-    pub wr_id: U64,
-    /// A [`crate::verbs::WcStatus`].
-    pub status: u8,
-    /// A [`crate::verbs::WcOpcode`].
-    pub opcode: u8,
-    /// [`wc_flags`].
-    pub wc_flags: u8,
-    pub reserved: u8,
-    pub vendor_err: U32,
-    pub byte_len: U32,
-    pub imm_data: [u8; 4],
-    pub qp_num: U32,
-    pub src_qp: U32,
+wire_struct! {
+    /// A completion-queue entry.
+    pub struct Cqe {
+        pub wr_id: U64,
+        /// A [`crate::verbs::WcStatus`].
+        pub status: u8,
+        /// A [`crate::verbs::WcOpcode`].
+        pub opcode: u8,
+        /// [`wc_flags`].
+        pub wc_flags: u8,
+        pub reserved: u8,
+        pub vendor_err: U32,
+        pub byte_len: U32,
+        pub imm_data: [u8; 4],
+        pub qp_num: U32,
+        pub src_qp: U32,
+    }
 }
 
 /// Size of a [`Cqe`], which is also a CQ ring's stride.
@@ -254,26 +204,14 @@ pub mod event_kind {
     pub const PORT_ACTIVE: u16 = 4;
 }
 
-/// One entry of an event queue (device-writable buffers the driver posts).
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    Default,
-    PartialEq,
-    Eq,
-    FromBytes,
-    IntoBytes,
-    KnownLayout,
-    Immutable,
-    Unaligned,
-)]
-#[repr(C)]
-pub struct Event {
-    pub kind: zerocopy::little_endian::U16,
-    pub reserved: zerocopy::little_endian::U16,
-    pub object: U32,
-    pub reserved2: U64,
+wire_struct! {
+    /// One entry of an event queue (device-writable buffers the driver posts).
+    pub struct Event {
+        pub kind: zerocopy::little_endian::U16,
+        pub reserved: zerocopy::little_endian::U16,
+        pub object: U32,
+        pub reserved2: U64,
+    }
 }
 
 pub use crate::limits::{MAX_RING_DEPTH, MAX_WQE_STRIDE};

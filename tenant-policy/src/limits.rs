@@ -130,43 +130,18 @@ impl Limits {
         }
     }
 
-    /// `(key, value, ceiling)` of every limit.
+    /// `(key, value, ceiling)` of every limit; a limit's key is its field's
+    /// name, which is also its key in a configuration file.
     fn entries(&self) -> [(&'static str, u64, u64); 12] {
-        let c = CEILING;
-        [
-            ("max_pd", self.max_pd.into(), c.max_pd.into()),
-            ("max_qp", self.max_qp.into(), c.max_qp.into()),
-            ("max_cq", self.max_cq.into(), c.max_cq.into()),
-            ("max_mr", self.max_mr.into(), c.max_mr.into()),
-            (
-                "max_cq_depth",
-                self.max_cq_depth.into(),
-                c.max_cq_depth.into(),
-            ),
-            (
-                "max_qp_depth",
-                self.max_qp_depth.into(),
-                c.max_qp_depth.into(),
-            ),
-            ("max_sge", self.max_sge.into(), c.max_sge.into()),
-            (
-                "max_inline_data",
-                self.max_inline_data.into(),
-                c.max_inline_data.into(),
-            ),
-            (
-                "max_rd_atomic",
-                self.max_rd_atomic.into(),
-                c.max_rd_atomic.into(),
-            ),
-            ("max_mr_bytes", self.max_mr_bytes, c.max_mr_bytes),
-            (
-                "max_total_mr_bytes",
-                self.max_total_mr_bytes,
-                c.max_total_mr_bytes,
-            ),
-            ("max_srq", self.max_srq.into(), c.max_srq.into()),
-        ]
+        macro_rules! entries {
+            ($($field:ident),*) => {
+                [$((stringify!($field), u64::from(self.$field), u64::from(CEILING.$field))),*]
+            };
+        }
+        entries! {
+            max_pd, max_qp, max_cq, max_mr, max_cq_depth, max_qp_depth, max_sge, max_inline_data,
+            max_rd_atomic, max_mr_bytes, max_total_mr_bytes, max_srq
+        }
     }
 }
 

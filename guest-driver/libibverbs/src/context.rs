@@ -21,7 +21,7 @@ use vrdma_guest_driver::Context;
 use crate::abi::{ibv_context, verbs_context};
 use crate::device::DeviceEntry;
 use crate::events::{self, AsyncQueue, ChannelState};
-use crate::ffi::VResult;
+use crate::ffi::{non_null, VResult};
 use crate::{datapath, query, unsupported};
 
 /// `__VERBS_ABI_IS_EXTENDED`: `abi_compat` of an extended context.
@@ -109,9 +109,7 @@ impl Ctx {
     ///
     /// As for [`Ctx::from_ibv`].
     pub(crate) unsafe fn raw_from_ibv(p: *mut ibv_context) -> VResult<*mut Ctx> {
-        if p.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(p)?;
         let offset = std::mem::offset_of!(verbs_context, context);
         // SAFETY: a context this library opened is the `context` field of
         // the `verbs_context` that starts a repr(C) `Ctx`, alive by the
@@ -192,28 +190,14 @@ mod tests {
     #[test]
     fn context_layout_matches_rdma_core() {
         assert_eq!(size_of::<ibv_context>(), 328);
-        assert_eq!(offset_of!(ibv_context, ops), 8);
+        let ops = offset_of!(ibv_context, ops);
+        assert_eq!(ops, 8);
         assert_eq!(size_of::<ibv_context_ops>(), 256);
-        assert_eq!(
-            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, poll_cq),
-            96
-        );
-        assert_eq!(
-            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, req_notify_cq),
-            104
-        );
-        assert_eq!(
-            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, post_srq_recv),
-            168
-        );
-        assert_eq!(
-            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, post_send),
-            208
-        );
-        assert_eq!(
-            offset_of!(ibv_context, ops) + offset_of!(ibv_context_ops, post_recv),
-            216
-        );
+        assert_eq!(ops + offset_of!(ibv_context_ops, poll_cq), 96);
+        assert_eq!(ops + offset_of!(ibv_context_ops, req_notify_cq), 104);
+        assert_eq!(ops + offset_of!(ibv_context_ops, post_srq_recv), 168);
+        assert_eq!(ops + offset_of!(ibv_context_ops, post_send), 208);
+        assert_eq!(ops + offset_of!(ibv_context_ops, post_recv), 216);
         assert_eq!(offset_of!(ibv_context, cmd_fd), 264);
         assert_eq!(offset_of!(ibv_context, async_fd), 268);
         assert_eq!(offset_of!(ibv_context, num_comp_vectors), 272);

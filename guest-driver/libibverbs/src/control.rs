@@ -7,7 +7,9 @@ use std::sync::atomic::Ordering;
 use vrdma_guest_driver::vrdma_spec::control::{AhAttr, QpAttr, QpCap, QueryQpResp};
 use vrdma_guest_driver::vrdma_spec::qp_state::mask;
 use vrdma_guest_driver::vrdma_spec::verbs::QpType;
-use vrdma_guest_driver::{QpCapabilities, QpInitAttr};
+use vrdma_guest_driver::{
+    CompletionQueue, MemoryRegion, ProtectionDomain, QpCapabilities, QpInitAttr, QueuePair,
+};
 
 use crate::abi::{
     ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_gid, ibv_global_route, ibv_grh,
@@ -17,8 +19,8 @@ use crate::abi::{
 };
 use crate::context::{Ctx, QpRoute};
 use crate::events;
-use crate::ffi::{errno_of, int_verb, ptr_verb, unsupported, VResult};
-use crate::objects::{c_int_of, Ah, Cq, EventCount, Mr, Pd, Qp, Wrapper};
+use crate::ffi::{errno_of, int_verb, non_null, ptr_verb, unsupported, VResult};
+use crate::objects::{c_int_of, destroy_inner, Ah, Cq, EventCount, Mr, Pd, Qp, Wrapper};
 use crate::query::MAX_AH;
 
 /// `IBV_ACCESS_OPTIONAL_RANGE`: access bits a provider may ignore.
@@ -64,16 +66,7 @@ pub unsafe extern "C" fn ibv_alloc_pd(context: *mut ibv_context) -> *mut ibv_pd 
 pub unsafe extern "C" fn ibv_dealloc_pd(pd: *mut ibv_pd) -> c_int {
     int_verb("ibv_dealloc_pd", || {
         // SAFETY: the caller passes a live PD it no longer uses elsewhere.
-        let this = unsafe { Pd::from_raw_mut(pd)? };
-        let inner = this.inner.take().ok_or(libc::EINVAL)?;
-        if let Err(e) = inner.destroy() {
-            let errno = e.errno();
-            this.inner = Some(e.object);
-            return Err(errno);
-        }
-        // SAFETY: the PD box is no longer referenced.
-        unsafe { Pd::free(pd) };
-        Ok(())
+        unsafe { Pd::destroy(pd, ProtectionDomain::destroy) }
     })
 }
 
@@ -141,16 +134,7 @@ pub unsafe extern "C" fn ibv_reg_mr_iova2(
 pub unsafe extern "C" fn ibv_dereg_mr(mr: *mut ibv_mr) -> c_int {
     int_verb("ibv_dereg_mr", || {
         // SAFETY: the caller passes a live MR it no longer uses elsewhere.
-        let this = unsafe { Mr::from_raw_mut(mr)? };
-        let inner = this.inner.take().ok_or(libc::EINVAL)?;
-        if let Err(e) = inner.dereg() {
-            let errno = e.errno();
-            this.inner = Some(e.object);
-            return Err(errno);
-        }
-        // SAFETY: the MR box is no longer referenced.
-        unsafe { Mr::free(mr) };
-        Ok(())
+        unsafe { Mr::destroy(mr, MemoryRegion::dereg) }
     })
 }
 
@@ -245,13 +229,8 @@ pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
         // SAFETY: the caller passes a live CQ it no longer uses elsewhere.
         let this = unsafe { Cq::from_raw_mut(cq)? };
         let ctx = ctx_of(this.ibv.context)?;
-        let inner = this.inner.take().ok_or(libc::EINVAL)?;
-        let cqn = inner.cqn();
-        if let Err(e) = inner.destroy() {
-            let errno = e.errno();
-            this.inner = Some(e.object);
-            return Err(errno);
-        }
+        let cqn = this.inner.as_ref().ok_or(libc::EINVAL)?.cqn();
+        destroy_inner(&mut this.inner, CompletionQueue::destroy)?;
         events::remove_cq(&ctx.shared, cqn, cq);
         this.events.wait_all_acked();
         if !this.ibv.channel.is_null() {
@@ -400,9 +379,7 @@ pub unsafe extern "C" fn ibv_create_qp(
     qp_init_attr: *mut ibv_qp_init_attr,
 ) -> *mut ibv_qp {
     ptr_verb("ibv_create_qp", || {
-        if qp_init_attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(qp_init_attr)?;
         // SAFETY: the caller passes a valid init structure.
         let init = unsafe { &mut *qp_init_attr };
         let our = pd_of(pd)?;
@@ -477,9 +454,7 @@ pub unsafe extern "C" fn ibv_modify_qp(
     attr_mask: c_int,
 ) -> c_int {
     int_verb("ibv_modify_qp", || {
-        if attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(attr)?;
         // SAFETY: the caller passes a live QP and a valid attribute structure.
         let (our, attr) = unsafe { (Qp::from_raw(qp)?, &*attr) };
         let mask = attr_mask as u32;
@@ -518,9 +493,8 @@ pub unsafe extern "C" fn ibv_query_qp(
     init_attr: *mut ibv_qp_init_attr,
 ) -> c_int {
     int_verb("ibv_query_qp", || {
-        if attr.is_null() || init_attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(attr)?;
+        non_null(init_attr)?;
         // SAFETY: the caller passes a live QP.
         let our = unsafe { Qp::from_raw(qp)? };
         let resp: QueryQpResp = our
@@ -560,13 +534,8 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
         // SAFETY: the caller passes a live QP it no longer uses elsewhere.
         let this = unsafe { Qp::from_raw_mut(qp)? };
         let ctx = ctx_of(this.ibv.context)?;
-        let inner = this.inner.take().ok_or(libc::EINVAL)?;
-        let qpn = inner.qp_num();
-        if let Err(e) = inner.destroy() {
-            let errno = e.errno();
-            this.inner = Some(e.object);
-            return Err(errno);
-        }
+        let qpn = this.inner.as_ref().ok_or(libc::EINVAL)?.qp_num();
+        destroy_inner(&mut this.inner, QueuePair::destroy)?;
         ctx.shared
             .qps
             .write()
@@ -588,9 +557,7 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
 /// `pd` is a live PD; `attr` is a valid attribute structure.
 pub unsafe extern "C" fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) -> *mut ibv_ah {
     ptr_verb("ibv_create_ah", || {
-        if attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(attr)?;
         let our = pd_of(pd)?;
         let ctx = ctx_of(our.ibv.context)?;
         // SAFETY: the caller passes a valid attribute structure.
@@ -652,9 +619,8 @@ pub unsafe extern "C" fn ibv_init_ah_from_wc(
 ) -> c_int {
     crate::ffi::minus_one_verb("ibv_init_ah_from_wc", || {
         ctx_of(context)?;
-        if wc.is_null() || ah_attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(wc)?;
+        non_null(ah_attr)?;
         // SAFETY: the caller passes a valid completion.
         let wc = unsafe { &*wc };
         if wc.wc_flags & IBV_WC_GRH != 0 {

@@ -29,7 +29,9 @@ use std::sync::atomic::Ordering;
 use vrdma_guest_driver::vrdma_spec::limits::{MAX_INLINE_DATA, MAX_SGE};
 use vrdma_guest_driver::vrdma_spec::ring::send_flags;
 use vrdma_guest_driver::vrdma_spec::verbs::{SendOpcode, WcOpcode};
-use vrdma_guest_driver::{RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
+use vrdma_guest_driver::{
+    QueuePair, RecvBatch, RecvWr, SendBatch, SendPayload, SendWr, Sge, WorkCompletion,
+};
 
 use crate::abi::{
     ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_srq, ibv_wc, ibv_wc__bindgen_ty_1,
@@ -204,38 +206,57 @@ unsafe fn translate_send<'a>(w: &ibv_send_wr, storage: &'a mut SendStorage) -> V
     Ok(wr)
 }
 
-/// `ops.post_send`.
+/// A work-request list element: `ibv_send_wr` or `ibv_recv_wr`.
+trait WorkRequest {
+    /// The next element, or NULL.
+    fn next(&self) -> *mut Self;
+}
+
+impl WorkRequest for ibv_send_wr {
+    fn next(&self) -> *mut Self {
+        self.next
+    }
+}
+
+impl WorkRequest for ibv_recv_wr {
+    fn next(&self) -> *mut Self {
+        self.next
+    }
+}
+
+/// Posts the application's list `wr` on one of `qp`'s queues as one batch:
+/// `open` starts the batch (published and rung once, when it goes out of
+/// scope) and `push` translates one work request into it. At the first
+/// work request that fails, `*bad_wr` names it and its errno is returned.
 ///
 /// # Safety
 ///
-/// Called by the inline `ibv_post_send` with a live QP, a well-formed work
-/// request list and a writable `bad_wr`.
-pub(crate) unsafe extern "C" fn post_send(
+/// `qp` is a live QP, `wr` a well-formed work request list and `bad_wr`
+/// NULL or writable.
+unsafe fn post_list<'q, W: WorkRequest, B>(
+    verb: &'static str,
     qp: *mut ibv_qp,
-    wr: *mut ibv_send_wr,
-    bad_wr: *mut *mut ibv_send_wr,
+    wr: *mut W,
+    bad_wr: *mut *mut W,
+    open: impl FnOnce(&'q QueuePair) -> B,
+    mut push: impl FnMut(&mut B, &W) -> VResult<()>,
 ) -> c_int {
-    guard("ibv_post_send", libc::EIO, || {
-        let mut cur = wr;
+    guard(verb, libc::EIO, || {
         // SAFETY: the caller passes a live QP.
         let qp =
             match unsafe { Qp::from_raw(qp) }.and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL)) {
                 Ok(q) => q,
-                Err(errno) => return fail_at(bad_wr, cur, errno),
+                Err(errno) => return fail_at(bad_wr, wr, errno),
             };
-        let mut storage = SendStorage::new();
-        // Published and rung once, when it goes out of scope.
-        let mut batch = qp.send_batch();
+        let mut batch = open(qp);
+        let mut cur = wr;
         while !cur.is_null() {
             // SAFETY: a non-null element of the application's list.
             let w = unsafe { &*cur };
-            // SAFETY: the verbs contract for the work request's buffers.
-            let posted = unsafe { translate_send(w, &mut storage) }
-                .and_then(|t| batch.push(&t).map_err(|e| e.errno()));
-            if let Err(errno) = posted {
+            if let Err(errno) = push(&mut batch, w) {
                 return fail_at(bad_wr, cur, errno);
             }
-            cur = w.next;
+            cur = w.next();
         }
         0
     })
@@ -249,6 +270,27 @@ fn fail_at<T>(bad_wr: *mut *mut T, at: *mut T, errno: c_int) -> c_int {
     errno
 }
 
+/// `ops.post_send`.
+///
+/// # Safety
+///
+/// Called by the inline `ibv_post_send` with a live QP, a well-formed work
+/// request list and a writable `bad_wr`.
+pub(crate) unsafe extern "C" fn post_send(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_send_wr,
+    bad_wr: *mut *mut ibv_send_wr,
+) -> c_int {
+    let mut storage = SendStorage::new();
+    let push = |batch: &mut SendBatch<'_>, w: &ibv_send_wr| {
+        // SAFETY: the verbs contract for the work request's buffers.
+        let t = unsafe { translate_send(w, &mut storage) }?;
+        batch.push(&t).map_err(|e| e.errno())
+    };
+    // SAFETY: the caller's promise.
+    unsafe { post_list("ibv_post_send", qp, wr, bad_wr, QueuePair::send_batch, push) }
+}
+
 /// `ops.post_recv`.
 ///
 /// # Safety
@@ -260,35 +302,18 @@ pub(crate) unsafe extern "C" fn post_recv(
     wr: *mut ibv_recv_wr,
     bad_wr: *mut *mut ibv_recv_wr,
 ) -> c_int {
-    guard("ibv_post_recv", libc::EIO, || {
-        let mut cur = wr;
-        // SAFETY: the caller passes a live QP.
-        let qp =
-            match unsafe { Qp::from_raw(qp) }.and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL)) {
-                Ok(q) => q,
-                Err(errno) => return fail_at(bad_wr, cur, errno),
-            };
-        let mut sges = [Sge::default(); MAX_SGES];
-        // Published and rung once, when it goes out of scope.
-        let mut batch = qp.recv_batch();
-        while !cur.is_null() {
-            // SAFETY: a non-null element of the application's list.
-            let w = unsafe { &*cur };
-            // SAFETY: the verbs contract for sg_list.
-            let posted = unsafe { sge_slice(w.sg_list, w.num_sge) }.and_then(|list| {
-                let r = RecvWr {
-                    wr_id: w.wr_id,
-                    sg_list: convert_sges(list, &mut sges)?,
-                };
-                batch.push(&r).map_err(|e| e.errno())
-            });
-            if let Err(errno) = posted {
-                return fail_at(bad_wr, cur, errno);
-            }
-            cur = w.next;
-        }
-        0
-    })
+    let mut sges = [Sge::default(); MAX_SGES];
+    let push = |batch: &mut RecvBatch<'_>, w: &ibv_recv_wr| {
+        // SAFETY: the verbs contract for sg_list.
+        let list = unsafe { sge_slice(w.sg_list, w.num_sge) }?;
+        let r = RecvWr {
+            wr_id: w.wr_id,
+            sg_list: convert_sges(list, &mut sges)?,
+        };
+        batch.push(&r).map_err(|e| e.errno())
+    };
+    // SAFETY: the caller's promise.
+    unsafe { post_list("ibv_post_recv", qp, wr, bad_wr, QueuePair::recv_batch, push) }
 }
 
 /// `ops.post_srq_recv`: vrdma has no SRQs, so no SRQ can reach this.

@@ -27,7 +27,7 @@ use crate::abi::{
     IBV_EVENT_CQ_ERR, IBV_EVENT_PORT_ACTIVE, IBV_EVENT_QP_FATAL,
 };
 use crate::context::{Ctx, Shared};
-use crate::ffi::{guard, minus_one_verb, ptr_verb, VResult};
+use crate::ffi::{guard, minus_one_verb, non_null, ptr_verb, VResult};
 use crate::objects::{lock, Channel, Cq, Wrapper};
 
 /// A new eventfd (close-on-exec) with extra `flags`.
@@ -308,9 +308,8 @@ pub unsafe extern "C" fn ibv_get_cq_event(
     cq_context: *mut *mut c_void,
 ) -> c_int {
     minus_one_verb("ibv_get_cq_event", || {
-        if cq.is_null() || cq_context.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(cq)?;
+        non_null(cq_context)?;
         // SAFETY: the caller passes a live channel.
         let ch = unsafe { Channel::from_raw(channel)? };
         let got = ch
@@ -393,9 +392,7 @@ pub unsafe extern "C" fn ibv_get_async_event(
     event: *mut ibv_async_event,
 ) -> c_int {
     minus_one_verb("ibv_get_async_event", || {
-        if event.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(event)?;
         // SAFETY: the caller passes an open context.
         let ctx = unsafe { Ctx::from_ibv(context)? };
         let (event_type, element) = ctx

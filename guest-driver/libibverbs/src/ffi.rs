@@ -21,6 +21,15 @@ pub(crate) fn errno_of(e: &Error) -> c_int {
 /// A verbs error: the positive errno to return (or to put in `errno`).
 pub(crate) type VResult<T> = Result<T, c_int>;
 
+/// `EINVAL` for a NULL pointer argument.
+pub(crate) fn non_null<T>(p: *const T) -> VResult<()> {
+    if p.is_null() {
+        Err(libc::EINVAL)
+    } else {
+        Ok(())
+    }
+}
+
 /// Runs `f`, turning a panic (a bug: nothing in this library is meant to
 /// panic) into `fallback` with `errno = EIO`, so that no unwinding reaches C.
 pub(crate) fn guard<R>(verb: &'static str, fallback: R, f: impl FnOnce() -> R) -> R {

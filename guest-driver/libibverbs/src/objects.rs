@@ -8,32 +8,79 @@
 //! refuses (e.g. `EBUSY`).
 
 use std::ffi::c_int;
+use std::fmt::Debug;
 use std::sync::{Condvar, Mutex, MutexGuard};
 
-use vrdma_guest_driver::{CompletionQueue, MemoryRegion, ProtectionDomain, QueuePair};
+use vrdma_guest_driver::{
+    CompletionQueue, DestroyError, MemoryRegion, ProtectionDomain, QueuePair,
+};
 
 use crate::abi::{ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_cq, ibv_mr, ibv_pd, ibv_qp};
 use crate::events::ChannelState;
-use crate::ffi::VResult;
+use crate::ffi::{non_null, VResult};
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every guarded state here is consistent between operations.
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// `struct ibv_pd` and its protection domain.
+/// The box of a PD, an MR or a QP: its libibverbs structure and the
+/// guest-driver object behind it, and nothing else.
 #[repr(C)]
-pub(crate) struct Pd {
-    pub(crate) ibv: ibv_pd,
-    pub(crate) inner: Option<ProtectionDomain>,
+pub(crate) struct Object<I, T> {
+    pub(crate) ibv: I,
+    pub(crate) inner: Option<T>,
 }
 
-/// `struct ibv_mr` and its memory region.
-#[repr(C)]
-pub(crate) struct Mr {
-    pub(crate) ibv: ibv_mr,
-    pub(crate) inner: Option<MemoryRegion>,
+impl<I, T: Debug> Object<I, T> {
+    /// Destroys the guest-driver object of the box the application gives
+    /// back at `p` with `destroy` (see [`destroy_inner`]), then frees the
+    /// box.
+    ///
+    /// # Safety
+    ///
+    /// `p` is a live box of this type that no other thread uses (the verbs
+    /// contract for destroying an object).
+    pub(crate) unsafe fn destroy(
+        p: *mut I,
+        destroy: impl FnOnce(T) -> Destroyed<T>,
+    ) -> VResult<()> {
+        // SAFETY: the caller's promise.
+        let this = unsafe { Self::from_raw_mut(p)? };
+        destroy_inner(&mut this.inner, destroy)?;
+        // SAFETY: the box is no longer referenced.
+        unsafe { Self::free(p) };
+        Ok(())
+    }
 }
+
+/// What a guest-driver object's explicit destroy returns.
+pub(crate) type Destroyed<T> = Result<(), DestroyError<T>>;
+
+/// Takes the guest-driver object out of `slot` and destroys it with
+/// `destroy`. When the device refuses (e.g. `EBUSY`), the object goes back
+/// into `slot`, still usable, and the device's errno is returned; `EINVAL`
+/// when `slot` is empty.
+pub(crate) fn destroy_inner<T: Debug>(
+    slot: &mut Option<T>,
+    destroy: impl FnOnce(T) -> Destroyed<T>,
+) -> VResult<()> {
+    let inner = slot.take().ok_or(libc::EINVAL)?;
+    destroy(inner).map_err(|e| {
+        let errno = e.errno();
+        *slot = Some(e.object);
+        errno
+    })
+}
+
+/// `struct ibv_pd` and its protection domain.
+pub(crate) type Pd = Object<ibv_pd, ProtectionDomain>;
+
+/// `struct ibv_mr` and its memory region.
+pub(crate) type Mr = Object<ibv_mr, MemoryRegion>;
+
+/// `struct ibv_qp` and its queue pair.
+pub(crate) type Qp = Object<ibv_qp, QueuePair>;
 
 /// Completion events handed to the application and acknowledged by it
 /// (`ibv_destroy_cq` waits until they match).
@@ -76,13 +123,6 @@ pub(crate) struct Cq {
     pub(crate) empty_polls: std::sync::atomic::AtomicU32,
 }
 
-/// `struct ibv_qp` and its queue pair.
-#[repr(C)]
-pub(crate) struct Qp {
-    pub(crate) ibv: ibv_qp,
-    pub(crate) inner: Option<QueuePair>,
-}
-
 /// `struct ibv_ah`: an address handle is a local record of its attributes.
 #[repr(C)]
 pub(crate) struct Ah {
@@ -112,9 +152,7 @@ pub(crate) unsafe trait Wrapper: Sized {
     /// A non-null `p` must come from [`Wrapper::into_raw`] of this type and
     /// not have been destroyed.
     unsafe fn from_raw<'a>(p: *mut Self::Ibv) -> VResult<&'a Self> {
-        if p.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(p)?;
         // SAFETY: by the trait contract the libibverbs structure is the
         // first field of a repr(C) `Self`, so the pointers coincide; the
         // caller promises `p` is a live box of this type.
@@ -128,9 +166,7 @@ pub(crate) unsafe trait Wrapper: Sized {
     /// As for [`Wrapper::from_raw`], and no other reference to the box may
     /// be in use (the verbs contract for destroying an object).
     unsafe fn from_raw_mut<'a>(p: *mut Self::Ibv) -> VResult<&'a mut Self> {
-        if p.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(p)?;
         // SAFETY: as in `from_raw`; exclusivity is the caller's promise.
         Ok(unsafe { &mut *p.cast::<Self>() })
     }
@@ -153,20 +189,12 @@ pub(crate) unsafe trait Wrapper: Sized {
 }
 
 // SAFETY: each type is repr(C) with its libibverbs structure first.
-unsafe impl Wrapper for Pd {
-    type Ibv = ibv_pd;
-}
-// SAFETY: as above.
-unsafe impl Wrapper for Mr {
-    type Ibv = ibv_mr;
+unsafe impl<I, T> Wrapper for Object<I, T> {
+    type Ibv = I;
 }
 // SAFETY: as above.
 unsafe impl Wrapper for Cq {
     type Ibv = ibv_cq;
-}
-// SAFETY: as above.
-unsafe impl Wrapper for Qp {
-    type Ibv = ibv_qp;
 }
 // SAFETY: as above.
 unsafe impl Wrapper for Ah {

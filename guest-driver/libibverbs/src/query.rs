@@ -12,7 +12,7 @@ use crate::abi::{
     ibv_gid_entry, ibv_port_attr, ibv_query_device_ex_input,
 };
 use crate::context::Ctx;
-use crate::ffi::{errno_of, int_verb, minus_one_verb, write_c_str, VResult};
+use crate::ffi::{errno_of, int_verb, minus_one_verb, non_null, write_c_str, VResult};
 use crate::objects::c_int_of;
 
 /// Address handles one context may hold (they are local records).
@@ -122,9 +122,7 @@ pub unsafe extern "C" fn ibv_query_device(
     device_attr: *mut ibv_device_attr,
 ) -> c_int {
     int_verb("ibv_query_device", || {
-        if device_attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(device_attr)?;
         let attr = query_device_attr(ctx_of(context)?)?;
         // SAFETY: the caller passes a writable attribute structure.
         unsafe { *device_attr = attr };
@@ -187,9 +185,7 @@ pub(crate) unsafe extern "C" fn query_port_ex(
     port_attr_len: usize,
 ) -> c_int {
     int_verb("ibv_query_port", || {
-        if port_attr.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(port_attr)?;
         let attr = query_port_attr(context, port_num)?;
         // SAFETY: the caller provides `port_attr_len` bytes.
         unsafe { copy_sized(&attr, port_attr.cast(), port_attr_len) };
@@ -209,15 +205,9 @@ pub unsafe extern "C" fn ibv_query_port(
     port_num: u8,
     port_attr: *mut _compat_ibv_port_attr,
 ) -> c_int {
-    int_verb("ibv_query_port", || {
-        if port_attr.is_null() {
-            return Err(libc::EINVAL);
-        }
-        let attr = query_port_attr(context, port_num)?;
-        // SAFETY: the compat structure has 48 bytes.
-        unsafe { copy_sized(&attr, port_attr.cast(), COMPAT_PORT_ATTR_SIZE) };
-        Ok(())
-    })
+    // SAFETY: the caller provides the 48 bytes of the compat structure,
+    // which are the first 48 of the current one.
+    unsafe { query_port_ex(context, port_num, port_attr.cast(), COMPAT_PORT_ATTR_SIZE) }
 }
 
 /// (GID, GID type) of a port's GID table entry.
@@ -248,9 +238,7 @@ pub unsafe extern "C" fn ibv_query_gid(
 ) -> c_int {
     minus_one_verb("ibv_query_gid", || {
         let index = u32::try_from(index).map_err(|_| libc::EINVAL)?;
-        if gid.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(gid)?;
         let (raw, _) = query_gid_entry(context, port_num, index)?;
         // SAFETY: the caller passes a writable GID.
         unsafe { *gid = ibv_gid { raw } };
@@ -304,9 +292,7 @@ pub unsafe extern "C" fn ibv_query_gid_type(
     gid_type: *mut c_uint,
 ) -> c_int {
     minus_one_verb("ibv_query_gid_type", || {
-        if gid_type.is_null() {
-            return Err(libc::EINVAL);
-        }
+        non_null(gid_type)?;
         let (_, t) = query_gid_entry(context, port_num, index)?;
         // IBV_GID_TYPE_ROCE_V2 (2) is sysfs type 1; IB and RoCE v1 are 0.
         let sysfs = u32::from(t == crate::abi::IBV_GID_TYPE_ROCE_V2);

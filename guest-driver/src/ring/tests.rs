@@ -40,6 +40,12 @@ fn device_completes_work(ring: &WorkRing, index: u32) {
         .store(index.to_le(), Ordering::Release);
 }
 
+/// Asserts that a push was refused with `EINVAL`.
+#[track_caller]
+fn assert_einval(pushed: Result<(), Error>) {
+    assert_eq!(pushed.map_err(|e| e.errno()), Err(libc::EINVAL));
+}
+
 /// Posts `wrs` the way a post batch does: in order up to the first
 /// failure (its index and error), then one publish.
 fn post(sq: &mut SendRing, wrs: &[SendWr<'_>]) -> Result<(), (usize, Error)> {
@@ -132,22 +138,16 @@ fn send_limits_are_checked() {
     // The first one was still published.
     assert_eq!(read(&sq.ring.mem, 0, 4), 1u32.to_le_bytes());
     let long = [0u8; 17];
-    let err = sq
-        .push(&SendWr::new(
-            3,
-            SendOpcode::Send,
-            SendPayload::Inline(&long),
-        ))
-        .unwrap_err();
-    assert_eq!(err.errno(), libc::EINVAL);
-    let err = sq
-        .push(&SendWr::new(
-            3,
-            SendOpcode::RdmaRead,
-            SendPayload::Inline(b"x"),
-        ))
-        .unwrap_err();
-    assert_eq!(err.errno(), libc::EINVAL);
+    assert_einval(sq.push(&SendWr::new(
+        3,
+        SendOpcode::Send,
+        SendPayload::Inline(&long),
+    )));
+    assert_einval(sq.push(&SendWr::new(
+        3,
+        SendOpcode::RdmaRead,
+        SendPayload::Inline(b"x"),
+    )));
     assert!(!sq.ring.publish(), "nothing new to publish");
     assert_eq!(read(&sq.ring.mem, 0, 4), 1u32.to_le_bytes());
 }
@@ -157,30 +157,21 @@ fn a_device_granting_beyond_the_format_is_held_to_it() {
     let geo = sq_geometry(1, MAX_SGE, MAX_INLINE_DATA).unwrap();
     let mut sq = SendRing::new(work_ring(geo), bit(), 1000, 100_000);
     let sges = [Sge::default(); MAX_SGE as usize + 1];
-    let err = sq
-        .push(&SendWr::new(1, SendOpcode::Send, SendPayload::Sges(&sges)))
-        .unwrap_err();
-    assert_eq!(err.errno(), libc::EINVAL);
+    assert_einval(sq.push(&SendWr::new(1, SendOpcode::Send, SendPayload::Sges(&sges))));
     let fits = &sges[..MAX_SGE as usize];
     sq.push(&SendWr::new(1, SendOpcode::Send, SendPayload::Sges(fits)))
         .unwrap();
     let data = [0u8; MAX_INLINE_DATA as usize + 1];
-    let err = sq
-        .push(&SendWr::new(
-            2,
-            SendOpcode::Send,
-            SendPayload::Inline(&data),
-        ))
-        .unwrap_err();
-    assert_eq!(err.errno(), libc::EINVAL);
+    assert_einval(sq.push(&SendWr::new(
+        2,
+        SendOpcode::Send,
+        SendPayload::Inline(&data),
+    )));
     let mut rq = RecvRing::new(work_ring(rq_geometry(1, MAX_SGE).unwrap()), bit(), 1000);
-    let err = rq
-        .push(&RecvWr {
-            wr_id: 1,
-            sg_list: &sges,
-        })
-        .unwrap_err();
-    assert_eq!(err.errno(), libc::EINVAL);
+    assert_einval(rq.push(&RecvWr {
+        wr_id: 1,
+        sg_list: &sges,
+    }));
 }
 
 #[test]
@@ -271,13 +262,10 @@ fn recv_wqe_bytes() {
         (0x40, 50, 60)
     );
     let too_many = [Sge::default(); 4];
-    let err = rq
-        .push(&RecvWr {
-            wr_id: 1,
-            sg_list: &too_many,
-        })
-        .unwrap_err();
-    assert_eq!(err.errno(), libc::EINVAL);
+    assert_einval(rq.push(&RecvWr {
+        wr_id: 1,
+        sg_list: &too_many,
+    }));
 }
 
 /// Writes CQEs the way the device does: slots first, then the producer

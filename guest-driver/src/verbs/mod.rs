@@ -412,13 +412,8 @@ impl ProtectionDomain {
     /// `ibv_dealloc_pd`, returning the device's errno (`EBUSY` while MRs or
     /// QPs use the PD). On failure the PD is handed back.
     pub fn destroy(self) -> Result<(), DestroyError<Self>> {
-        match self.inner.dealloc() {
-            Ok(()) => Ok(()),
-            Err(error) => Err(DestroyError {
-                object: self,
-                error,
-            }),
-        }
+        let result = self.inner.dealloc();
+        DestroyError::hand_back(self, result)
     }
 }
 
@@ -557,13 +552,8 @@ impl MemoryRegion {
     /// `ibv_dereg_mr`, returning the device's errno; on failure the MR is
     /// handed back.
     pub fn dereg(mut self) -> Result<(), DestroyError<Self>> {
-        match self.dereg_now() {
-            Ok(()) => Ok(()),
-            Err(error) => Err(DestroyError {
-                object: self,
-                error,
-            }),
-        }
+        let result = self.dereg_now();
+        DestroyError::hand_back(self, result)
     }
 }
 
@@ -659,13 +649,8 @@ impl CompletionQueue {
     /// `ibv_destroy_cq`, returning the device's errno (`EBUSY` while QPs use
     /// it); on failure the CQ is handed back.
     pub fn destroy(self) -> Result<(), DestroyError<Self>> {
-        match self.inner.destroy() {
-            Ok(()) => Ok(()),
-            Err(error) => Err(DestroyError {
-                object: self,
-                error,
-            }),
-        }
+        let result = self.inner.destroy();
+        DestroyError::hand_back(self, result)
     }
 }
 

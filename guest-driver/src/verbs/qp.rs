@@ -312,16 +312,10 @@ impl QueuePair {
     /// `ibv_destroy_qp`, returning the device's errno; on failure the QP is
     /// handed back.
     pub fn destroy(mut self) -> Result<(), DestroyError<Self>> {
-        match destroy(&self.pd.dev, self.qpn) {
-            Ok(()) => {
-                self.live = false;
-                Ok(())
-            }
-            Err(error) => Err(DestroyError {
-                object: self,
-                error,
-            }),
-        }
+        let result = destroy(&self.pd.dev, self.qpn);
+        // Still live (and destroyed on drop) if the device refused.
+        self.live = result.is_err();
+        DestroyError::hand_back(self, result)
     }
 }
 
