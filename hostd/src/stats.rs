@@ -15,29 +15,16 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 use vrdma_spec::ring::Cqe;
-use vrdma_spec::verbs::{WcOpcode, WcStatus};
+use vrdma_spec::verbs::WcStatus;
 use vrdma_tenant_policy::{PriorityClass, TenantPolicy};
 
 use crate::engine::DeviceId;
 use crate::ids::IdMap;
 
-/// Kinds of work counted, in the order of [`Counters::ops`].
-pub const KINDS: [&str; 5] = ["send", "write", "read", "atomic", "recv"];
+pub use crate::engine::{CompletionCounts, KINDS};
 
 /// Usage resources, in the order of [`Usage::entries`].
 pub const USAGE: [&str; 5] = ["devices", "physical_queues", "mr_bytes", "mrs", "qps"];
-
-/// The kind index of a successful completion.
-fn kind_index(opcode: u8) -> Option<usize> {
-    match WcOpcode::try_from(opcode).ok()? {
-        WcOpcode::Send => Some(0),
-        WcOpcode::RdmaWrite => Some(1),
-        WcOpcode::RdmaRead => Some(2),
-        WcOpcode::CompSwap | WcOpcode::FetchAdd => Some(3),
-        WcOpcode::Recv | WcOpcode::RecvRdmaWithImm => Some(4),
-        WcOpcode::BindMw | WcOpcode::LocalInv => None,
-    }
-}
 
 /// `ibv_wc_status` names, as labels: `IBV_WC_REM_ACCESS_ERR` → `rem_access_err`.
 pub fn status_name(status: u8) -> &'static str {
@@ -86,13 +73,21 @@ pub struct Counters {
 impl Counters {
     /// Counts one completion.
     pub fn completion(&mut self, cqe: &Cqe) {
-        if cqe.status != u8::from(WcStatus::Success) {
-            *self.errors.entry(status_name(cqe.status)).or_insert(0) += 1;
-            return;
+        let mut counts = CompletionCounts::default();
+        counts.count(cqe);
+        self.add_counts(&counts);
+    }
+
+    /// Adds what a device's completions counted.
+    pub fn add_counts(&mut self, counts: &CompletionCounts) {
+        for k in 0..KINDS.len() {
+            self.ops[k] += counts.ops[k];
+            self.bytes[k] += counts.bytes[k];
         }
-        if let Some(k) = kind_index(cqe.opcode) {
-            self.ops[k] += 1;
-            self.bytes[k] += u64::from(cqe.byte_len.get());
+        for (status, &n) in (0u8..).zip(&counts.errors) {
+            if n > 0 {
+                *self.errors.entry(status_name(status)).or_insert(0) += n;
+            }
         }
     }
 
@@ -188,7 +183,7 @@ impl Accounts {
     /// completion).
     pub fn snapshot_with<'a>(
         &self,
-        live: impl IntoIterator<Item = (DeviceId, &'a Counters)>,
+        live: impl IntoIterator<Item = (DeviceId, &'a CompletionCounts)>,
     ) -> BTreeMap<String, TenantAccount> {
         let mut out = self.tenants.clone();
         for dev in self.devices.values() {
@@ -202,7 +197,7 @@ impl Accounts {
                 out.entry(dev.tenant.clone())
                     .or_default()
                     .counters
-                    .add(counters);
+                    .add_counts(counters);
             }
         }
         out
@@ -356,9 +351,9 @@ impl Accounts {
 
     /// Folds the counters the datapath kept for `device` into its
     /// account (when it goes).
-    pub fn add_device_counters(&mut self, device: DeviceId, counters: &Counters) {
+    pub fn add_device_counters(&mut self, device: DeviceId, counters: &CompletionCounts) {
         if let Some(dev) = self.devices.get_mut(&device) {
-            dev.counters.add(counters);
+            dev.counters.add_counts(counters);
         }
     }
 
@@ -576,6 +571,7 @@ pub fn render_prometheus(stats: &Stats) -> String {
 mod tests {
     use super::*;
     use std::time::Duration;
+    use vrdma_spec::verbs::WcOpcode;
     use vrdma_tenant_policy::Policy;
 
     fn cqe(status: WcStatus, opcode: WcOpcode, byte_len: u32) -> Cqe {

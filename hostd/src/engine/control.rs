@@ -16,9 +16,9 @@ use vrdma_spec::ring::{CQE_SIZE, EVENT_SIZE};
 use vrdma_spec::verbs::{access, QpState};
 use vrdma_tenant_policy::TenantPolicy;
 
-use super::completion::{Cq, EventRing};
+use super::guest::{Cq, EventRing};
 use super::guest::{DoorbellPage, GuestRing};
-use super::qp::{Qp, QpRef};
+use super::rc::{Qp, QpRef};
 use super::wqe::{RecvLimits, SendLimits};
 use super::{Device, DeviceId, Doorbell, Engine, EngineError, Pqp, MAX_VECTORS};
 use crate::ids::Slab;

@@ -28,11 +28,9 @@
 //! The hot path allocates nothing: WQE copies live in buffers each QP owns,
 //! and the engine's work lists keep their capacity.
 
-pub mod completion;
 mod control;
 pub mod guest;
 pub mod keys;
-pub mod qp;
 mod rc;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;
@@ -49,9 +47,10 @@ use vrdma_spec::verbs::{QpState, WcOpcode, WcStatus};
 use crate::ids::{IdMap, Slab};
 use crate::scheduler::{Head, OpKind, Pick, QueueId, Scheduler};
 use crate::stats::Accounts;
-use completion::{Cq, EventRing};
+use guest::{Cq, EventRing};
 use guest::{DoorbellPage, GuestMemory};
-use qp::{Qp, QpRef, WaitKind};
+pub use rc::{CompletionCounts, KINDS};
+use rc::{Qp, QpRef, WaitKind};
 use wqe::{Malformed, SendWork};
 
 /// hostd's handle of one connected vdev. Never reused while hostd runs, so a
@@ -166,7 +165,7 @@ pub struct Device {
     rank: u8,
     /// What its work did (folded into its tenant's account when asked or
     /// when it goes).
-    counters: crate::stats::Counters,
+    counters: CompletionCounts,
 }
 
 /// The connected devices: by slab index on the datapath (QPs know their
@@ -723,11 +722,11 @@ impl Engine {
         let Some(dev) = self.devices.at_mut(di) else {
             return;
         };
-        dev.counters.completion(&cqe);
+        dev.counters.count(&cqe);
         if lost || (status == WcStatus::Success && !signaled) {
             return;
         }
-        post_cqe(dev, cq, &cqe, completion::solicits(status));
+        post_cqe(dev, cq, &cqe, guest::solicits(status));
     }
 
     /// Writes a receive completion of `qref` and counts it.
@@ -745,10 +744,10 @@ impl Engine {
         let Some(dev) = self.devices.at_mut(di) else {
             return;
         };
-        dev.counters.completion(cqe);
+        dev.counters.count(cqe);
         if !lost {
             let status = WcStatus::try_from(cqe.status).unwrap_or(WcStatus::GeneralErr);
-            post_cqe(dev, cq, cqe, solicited || completion::solicits(status));
+            post_cqe(dev, cq, cqe, solicited || guest::solicits(status));
         }
     }
 
@@ -784,7 +783,7 @@ impl Engine {
                 }
             }
             if fatal && first && !lost {
-                completion::post_event(&mut dev.eqs, 0, event_kind::QP_FATAL, vqpn);
+                guest::post_event(&mut dev.eqs, 0, event_kind::QP_FATAL, vqpn);
             }
         }
         if let Some(queue) = unstage {
@@ -873,7 +872,7 @@ fn post_cqe(dev: &mut Device, cq: usize, cqe: &Cqe, solicited: bool) {
         cqs, eqs, tenant, ..
     } = dev;
     if let Some(cq) = cqs.get_mut(cq) {
-        if !completion::complete(cq, eqs, cqe, solicited) && !cq.lost {
+        if !guest::complete(cq, eqs, cqe, solicited) && !cq.lost {
             tracing::debug!(tenant = %tenant, cqn = cq.cqn, "CQ overrun: completion lost");
         }
     }

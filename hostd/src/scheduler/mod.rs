@@ -34,8 +34,7 @@
 //! allowed is counted as throttled time. Every decision takes `now` from
 //! the caller, so tests drive the scheduler with a simulated clock.
 
-mod bucket;
-mod link;
+mod rates;
 
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
@@ -44,8 +43,8 @@ use vrdma_tenant_policy::{PriorityClass, TenantPolicy};
 
 use crate::engine::DeviceId;
 use crate::ids::IdMap;
-use bucket::Limiter;
-pub use link::Link;
+use rates::Limiter;
+pub use rates::Link;
 
 /// Bytes a tenant of weight 1 may send per deficit-round-robin turn.
 pub const QUANTUM: u64 = 64 * 1024;
