@@ -61,6 +61,16 @@ pub(crate) fn last_os_error() -> std::io::Error {
     std::io::Error::last_os_error()
 }
 
+/// A fresh, empty directory for one unit test: `isolation-<name>-<pid>`
+/// under the temporary directory. The test removes it when done.
+#[cfg(test)]
+pub(crate) fn test_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("isolation-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("test dir");
+    dir
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -330,8 +330,7 @@ mod tests {
             eprintln!("skipped: neither root nor user namespaces");
             return;
         };
-        let dir = std::env::temp_dir().join(format!("isolation-ns-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
+        let dir = crate::test_dir("ns");
         std::fs::write(dir.join("kept.txt"), b"kept").expect("write");
         let keep = vec![dir.clone()];
         let kept_file = dir.join("kept.txt");
