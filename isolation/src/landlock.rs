@@ -193,6 +193,7 @@ fn simulate_absent() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::testing::ScratchDir;
 
     #[test]
     fn no_landlock_is_refused_unless_allowed() {
@@ -222,13 +223,6 @@ mod tests {
         std::thread::spawn(f).join().expect("thread")
     }
 
-    /// `dir/name`, written with `contents`.
-    fn file(dir: &std::path::Path, name: &str, contents: &[u8]) -> PathBuf {
-        let path = dir.join(name);
-        std::fs::write(&path, contents).expect("write");
-        path
-    }
-
     /// What a file-system call gave: its value, or its errno.
     type Outcome<T> = Result<T, Option<i32>>;
 
@@ -253,17 +247,16 @@ mod tests {
 
     #[test]
     fn a_restricted_thread_opens_only_what_the_policy_names() {
-        let dir = crate::test_dir("landlock");
-        let allowed = file(&dir, "allowed.txt", b"ok");
+        let dir = ScratchDir::new("isolation-landlock");
+        let allowed = dir.write("allowed.txt", b"ok");
         let policy = FsPolicy {
-            paths: vec![(dir.clone(), FsAccess::Read)],
+            paths: vec![(dir.path().to_path_buf(), FsAccess::Read)],
         };
         let (enforcement, status, passwd, ours, rewrite) = on_thread(move || {
             let (enforcement, status) = restrict(&policy).expect("restrict");
             let passwd = read("/etc/passwd".as_ref());
             (enforcement, status, passwd, read(&allowed), write(&allowed))
         });
-        std::fs::remove_dir_all(&dir).ok();
         match enforcement {
             Enforcement::Absent => {
                 // No landlock in this kernel: nothing was restricted, and
@@ -281,20 +274,19 @@ mod tests {
 
     #[test]
     fn a_read_file_rule_allows_that_file_only() {
-        let dir = crate::test_dir("readfile");
-        let policy_file = file(&dir, "policy.toml", b"policy");
-        let sibling = file(&dir, "other.toml", b"other");
+        let dir = ScratchDir::new("isolation-readfile");
+        let policy_file = dir.write("policy.toml", b"policy");
+        let sibling = dir.write("other.toml", b"other");
         let policy = FsPolicy {
             paths: vec![(policy_file.clone(), FsAccess::ReadFile)],
         };
-        let listed = dir.clone();
+        let listed = dir.path().to_path_buf();
         let (enforcement, ours, refused) = on_thread(move || {
             let (enforcement, _) = restrict(&policy).expect("restrict");
             let ours = read(&policy_file);
             let refused = (read(&sibling), write(&policy_file), list(&listed));
             (enforcement, ours, refused)
         });
-        std::fs::remove_dir_all(&dir).ok();
         if enforcement == Enforcement::Absent {
             return;
         }
@@ -305,11 +297,12 @@ mod tests {
 
     #[test]
     fn a_read_file_rule_on_a_directory_allows_its_files_even_replaced() {
-        let base = crate::test_dir("readdir");
-        let dir = base.join("policy");
+        let base = ScratchDir::new("isolation-readdir");
+        let dir = base.path().join("policy");
         std::fs::create_dir_all(&dir).expect("dir");
-        let policy_file = file(&dir, "policy.toml", b"first");
-        let outside = file(&base, "outside.toml", b"outside");
+        let policy_file = dir.join("policy.toml");
+        std::fs::write(&policy_file, b"first").expect("write");
+        let outside = base.write("outside.toml", b"outside");
         let policy = FsPolicy {
             paths: vec![(dir.clone(), FsAccess::ReadFile)],
         };
@@ -332,7 +325,6 @@ mod tests {
         std::fs::rename(&staged, &file).expect("rename");
         replaced_tx.send(()).expect("signal");
         let (enforcement, first, replaced, refused) = restricted.join().expect("thread");
-        std::fs::remove_dir_all(&base).ok();
         if enforcement == Enforcement::Absent {
             return;
         }

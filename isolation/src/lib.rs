@@ -31,9 +31,13 @@
 //! changing uid needs the capabilities the last step drops; and the seccomp
 //! filter forbids every call the earlier steps make.
 //!
+//! Around the walls, the daemons share their frame too ([`daemon`]): the
+//! log, the config file, how `main` ends.
+//!
 //! `docs/security.md` describes the threat model and what each wall stops.
 
 pub mod config;
+pub mod daemon;
 pub mod landlock;
 pub mod namespaces;
 pub mod privileges;
@@ -59,16 +63,6 @@ pub fn thread_count() -> std::io::Result<usize> {
 /// `errno` of the last failed libc call, as an `io::Error`.
 pub(crate) fn last_os_error() -> std::io::Error {
     std::io::Error::last_os_error()
-}
-
-/// A fresh, empty directory for one unit test: `isolation-<name>-<pid>`
-/// under the temporary directory. The test removes it when done.
-#[cfg(test)]
-pub(crate) fn test_dir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("isolation-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("test dir");
-    dir
 }
 
 #[cfg(test)]

@@ -420,6 +420,7 @@ impl Identity {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::testing::ScratchDir;
 
     #[test]
     fn root_switches_to_nobody_by_default_and_others_keep_their_identity() {
@@ -487,20 +488,17 @@ mod tests {
 
     #[test]
     fn mode_bits_decide_who_may_connect() {
-        let dir = crate::test_dir("connect");
-        let sock = dir.join("s.sock");
+        let dir = ScratchDir::new("isolation-connect");
+        let sock = dir.path().join("s.sock");
         let _listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
         assert_mode_bits_decide(&sock, Identity::may_connect, 0o755, 0o777);
-        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
     fn mode_bits_decide_who_may_read() {
-        let dir = crate::test_dir("read");
-        let file = dir.join("policy.toml");
-        std::fs::write(&file, b"").expect("write");
+        let dir = ScratchDir::new("isolation-read");
+        let file = dir.write("policy.toml", b"");
         assert_mode_bits_decide(&file, Identity::may_read, 0o600, 0o644);
-        std::fs::remove_dir_all(&dir).ok();
     }
 
     /// The whole drop, in a child process (it cannot be undone): as root,
