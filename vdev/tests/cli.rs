@@ -3,6 +3,8 @@
 
 use std::process::Command;
 
+use vrdma_isolation::daemon::testing::{arg, ScratchDir};
+
 fn vdev(args: &[&str]) -> (i32, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_vdev"))
         .args(args)
@@ -23,28 +25,20 @@ fn missing_socket_is_a_usage_error() {
 
 #[test]
 fn config_file_errors_name_file_and_key() {
-    let dir = std::env::temp_dir().join(format!("vdev-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join("bad.toml");
-    std::fs::write(&path, "socket = \"/tmp/x.sock\"\n[limits]\nmax_qp = 0\n").expect("write");
-    let (code, stderr) = vdev(&["--config", path.to_str().expect("utf8")]);
-    assert_eq!(code, 2);
-    assert!(
-        stderr.contains("max_qp") && stderr.contains("at least 1"),
-        "{stderr}"
+    let dir = ScratchDir::new("vdev-cli");
+    let bad_value = dir.write(
+        "bad.toml",
+        "socket = \"/tmp/x.sock\"\n[limits]\nmax_qp = 0\n",
     );
-    std::fs::write(&path, "socket = 5\n").expect("write");
-    let (code, stderr) = vdev(&["--config", path.to_str().expect("utf8")]);
-    assert_eq!(code, 2);
-    assert!(
-        stderr.contains("bad.toml") && stderr.contains("socket"),
-        "{stderr}"
-    );
-    let (code, stderr) = vdev(&["--config", "/nonexistent/vdev.toml"]);
-    assert_eq!(code, 2);
-    assert!(
-        stderr.contains("Cannot read config file /nonexistent/vdev.toml"),
-        "{stderr}"
-    );
-    std::fs::remove_dir_all(&dir).ok();
+    let bad_type = dir.write("bad-type.toml", "socket = 5\n");
+    let missing = "/nonexistent/vdev.toml";
+    for (file, expected) in [
+        (arg(&bad_value), &["max_qp", "at least 1"][..]),
+        (arg(&bad_type), &["bad-type.toml", "socket"]),
+        (missing, &["Cannot read config file /nonexistent/vdev.toml"]),
+    ] {
+        let (code, stderr) = vdev(&["--config", file]);
+        assert_eq!(code, 2, "{stderr}");
+        assert!(expected.iter().all(|e| stderr.contains(e)), "{stderr}");
+    }
 }
