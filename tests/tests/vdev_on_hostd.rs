@@ -19,7 +19,7 @@ use vrdma_spec::verbs::{access, QpState};
 use vrdma_spec::zerocopy::IntoBytes;
 use vrdma_tenant_policy::Policy;
 use vrdma_tests::daemon::{Hostd, TempDir, Vdev};
-use vrdma_tests::vmm::{self, alloc_pd, cq_req, pd, qp_req, reg, Vmm, FREE, GUEST_BASE};
+use vrdma_tests::vmm::{alloc_pd, cq_req, pd, qp_req, reg, Vmm, FREE, GUEST_BASE};
 
 const EINVAL: u32 = libc::EINVAL as u32;
 
@@ -119,17 +119,8 @@ fn qemus_device_reset_sequence_releases_everything_in_vdev_and_hostd() {
         );
         assert_eq!(hostd.usage("beta"), other_before, "beta is untouched");
 
-        // A fresh driver brings the device up again, as QEMU replays it:
-        // features, then the control queue from index 0.
-        vmm.frontend
-            .set_features(vmm::F_VERSION_1 | vmm::F_PROTOCOL_FEATURES)
-            .expect("SET_FEATURES");
-        vmm.control = vmm::RawQueue::setup(
-            &mut vmm.frontend,
-            &vmm.mem,
-            vrdma_spec::CONTROL_QUEUE,
-            vmm::CONTROL_RING,
-        );
+        // A fresh driver brings the device up again, as QEMU replays it.
+        vmm.bring_up_again();
         assert_eq!(
             vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()),
             EINVAL,
