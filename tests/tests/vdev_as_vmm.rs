@@ -10,13 +10,14 @@ use vrdma_spec::config::{DeviceAttr, PortAttr, CONFIG_MAGIC};
 use vrdma_spec::control::*;
 use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::{self, RING_ALIGN};
-use vrdma_spec::verbs::{access, Mtu, QpState};
+use vrdma_spec::verbs::{access, QpState};
 use vrdma_spec::zerocopy::IntoBytes;
 use vrdma_tests::daemon::{TempDir, Vdev};
 use vrdma_tests::vmm::{
     self, alloc_pd, cq_req, pd, qp_req, query_qp, reg, Desc, Vmm, FREE, GUEST_BASE, GUEST_SIZE,
     SCRATCH,
 };
+use vrdma_tools::verbs::{transitions, Connection};
 
 const EINVAL: u32 = libc::EINVAL as u32;
 const EBUSY: u32 = libc::EBUSY as u32;
@@ -237,36 +238,21 @@ fn every_control_verb_and_its_failure_paths() {
             .as_bytes(),
         )
     };
-    let init = QpAttr {
-        qp_state: QpState::Init.into(),
-        port_num: 1,
-        qp_access_flags: (access::REMOTE_WRITE | access::REMOTE_READ).into(),
-        ..QpAttr::default()
+    // What the driver sends: to peer QP 0x42 behind LID 3, one read or
+    // atomic in flight each way.
+    let how = Connection {
+        access: access::REMOTE_WRITE | access::REMOTE_READ,
+        min_rnr_timer: 12,
+        rd_atomic: 1,
+        ..Connection::DEFAULT
     };
-    let init_mask = mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS;
+    let [(init, init_mask), (rtr, rtr_mask), (rts, rts_mask)] = transitions(0x42, 3, how);
     assert_eq!(
         modify(&mut vmm, mask::STATE | mask::PORT, init),
         EINVAL,
         "missing pkey_index/access_flags"
     );
     assert_eq!(modify(&mut vmm, init_mask, init), 0);
-    let mut rtr = QpAttr {
-        qp_state: QpState::Rtr.into(),
-        path_mtu: Mtu::Mtu4096.into(),
-        dest_qp_num: 0x42.into(),
-        max_dest_rd_atomic: 1,
-        min_rnr_timer: 12,
-        ..QpAttr::default()
-    };
-    rtr.ah_attr.dlid = 3.into();
-    rtr.ah_attr.port_num = 1;
-    let rtr_mask = mask::STATE
-        | mask::AV
-        | mask::PATH_MTU
-        | mask::DEST_QPN
-        | mask::RQ_PSN
-        | mask::MAX_DEST_RD_ATOMIC
-        | mask::MIN_RNR_TIMER;
     assert_eq!(
         modify(&mut vmm, rtr_mask & !mask::AV, rtr),
         EINVAL,
@@ -278,20 +264,6 @@ fn every_control_verb_and_its_failure_paths() {
         "path MTU above the port's"
     );
     assert_eq!(modify(&mut vmm, rtr_mask, rtr), 0);
-    let rts = QpAttr {
-        qp_state: QpState::Rts.into(),
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        max_rd_atomic: 1,
-        ..QpAttr::default()
-    };
-    let rts_mask = mask::STATE
-        | mask::SQ_PSN
-        | mask::TIMEOUT
-        | mask::RETRY_CNT
-        | mask::RNR_RETRY
-        | mask::MAX_QP_RD_ATOMIC;
     assert_eq!(
         modify(&mut vmm, rts_mask | mask::DEST_QPN, rts),
         EINVAL,
