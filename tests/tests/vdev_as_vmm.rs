@@ -14,8 +14,8 @@ use vrdma_spec::verbs::{access, QpState};
 use vrdma_spec::zerocopy::IntoBytes;
 use vrdma_tests::daemon::{TempDir, Vdev};
 use vrdma_tests::vmm::{
-    self, alloc_pd, cq_req, pd, qp_req, query_qp, reg, Desc, Vmm, FREE, GUEST_BASE, GUEST_SIZE,
-    SCRATCH,
+    self, alloc_pd, cq_req, doorbell_req, eq_req, pd, qp_req, query_qp, reg, Desc, Vmm, FREE,
+    GUEST_BASE, GUEST_SIZE, SCRATCH,
 };
 use vrdma_tools::verbs::{transitions, Connection};
 
@@ -41,18 +41,6 @@ fn assert_a_new_pd_comes_and_goes(vmm: &mut Vmm) {
 /// Where the tests' drivers keep their doorbell page and event rings.
 const DOORBELL_PAGE: u64 = FREE + (4 << 20);
 const EVENT_RING: u64 = FREE + (5 << 20);
-
-fn doorbell_req(addr: u64) -> SetDoorbellReq {
-    SetDoorbellReq { addr: addr.into() }
-}
-
-fn eq_req(vector: u32, depth: u32, addr: u64) -> CreateEqReq {
-    CreateEqReq {
-        vector: vector.into(),
-        depth: depth.into(),
-        ring_addr: addr.into(),
-    }
-}
 
 #[test]
 fn config_space_and_queries_describe_the_device() {
@@ -230,12 +218,7 @@ fn every_control_verb_and_its_failure_paths() {
     let modify = |vmm: &mut Vmm, attr_mask: u32, attr: QpAttr| {
         vmm.errno(
             Opcode::ModifyQp,
-            ModifyQpReq {
-                qpn: qpn.into(),
-                attr_mask: attr_mask.into(),
-                attr,
-            }
-            .as_bytes(),
+            vmm::modify_req(qpn, attr_mask, attr).as_bytes(),
         )
     };
     // What the driver sends: to peer QP 0x42 behind LID 3, one read or
@@ -547,15 +530,8 @@ type HostileList = (&'static str, Vec<(u64, u64)>, RegMrSgReq, u32);
 
 /// Writes a `REG_MR_SG` segment list into guest memory at `list`.
 fn write_segments(vmm: &mut Vmm, list: u64, segs: &[(u64, u64)]) {
-    let entries: Vec<MrSgSegment> = segs
-        .iter()
-        .map(|&(addr, len)| MrSgSegment {
-            addr: addr.into(),
-            len: len.into(),
-        })
-        .collect();
     vmm.mem
-        .write_slice(entries.as_bytes(), GuestAddress(list))
+        .write_slice(vmm::sg_list(segs).as_bytes(), GuestAddress(list))
         .expect("segment list");
 }
 

@@ -16,8 +16,9 @@ use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemory
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_spec::config::{DeviceConfig, CONFIG_SIZE};
 use vrdma_spec::control::{
-    CreateCqReq, CreateQpReq, MrHandle, Opcode, PdHandle, QpCap, QpHandle, QueryQpReq, RegMrReq,
-    RequestHeader, ResponseHeader, NO_SRQ,
+    CreateCqReq, CreateEqReq, CreateQpReq, ModifyQpReq, MrHandle, MrSgSegment, Opcode, PdHandle,
+    QpAttr, QpCap, QpHandle, QueryQpReq, RegMrReq, RequestHeader, ResponseHeader, SetDoorbellReq,
+    NO_SRQ,
 };
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
 
@@ -420,6 +421,42 @@ pub fn query_qp(qpn: u32) -> QueryQpReq {
         qpn: qpn.into(),
         attr_mask: 0.into(),
     }
+}
+
+/// SET_DOORBELL: the doorbell page at `addr`.
+pub fn doorbell_req(addr: u64) -> SetDoorbellReq {
+    SetDoorbellReq { addr: addr.into() }
+}
+
+/// CREATE_EQ: completion vector `vector`'s event ring of `depth` events
+/// at `addr`.
+pub fn eq_req(vector: u32, depth: u32, addr: u64) -> CreateEqReq {
+    CreateEqReq {
+        vector: vector.into(),
+        depth: depth.into(),
+        ring_addr: addr.into(),
+    }
+}
+
+/// MODIFY_QP of QP `qpn`: the attributes of `attr` that `attr_mask` names.
+pub fn modify_req(qpn: u32, attr_mask: u32, attr: QpAttr) -> ModifyQpReq {
+    ModifyQpReq {
+        qpn: qpn.into(),
+        attr_mask: attr_mask.into(),
+        attr,
+    }
+}
+
+/// A REG_MR_SG segment list: the `(guest address, length)` pieces in
+/// order, as written to guest memory.
+pub fn sg_list(segments: &[(u64, u64)]) -> Vec<MrSgSegment> {
+    segments
+        .iter()
+        .map(|&(addr, len)| MrSgSegment {
+            addr: addr.into(),
+            len: len.into(),
+        })
+        .collect()
 }
 
 /// REG_MR of `len` bytes at guest address `addr`, iova = addr.

@@ -15,6 +15,7 @@ use vrdma_spec::ring::{self, RING_ALIGN};
 use vrdma_spec::verbs::{access, Mtu, QpState};
 use vrdma_spec::zerocopy::little_endian::U32;
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
+use vrdma_tools::vmm;
 
 use super::*;
 
@@ -55,16 +56,11 @@ fn device() -> RdmaDevice {
 }
 
 fn set_doorbell(dev: &mut RdmaDevice, addr: u64) -> Result<(), i32> {
-    let req = SetDoorbellReq { addr: addr.into() };
-    run_unit(dev, Opcode::SetDoorbell, req.as_bytes())
+    run_unit(dev, Opcode::SetDoorbell, vmm::doorbell_req(addr).as_bytes())
 }
 
 fn create_eq(dev: &mut RdmaDevice, vector: u32, depth: u32, addr: u64) -> Result<(), i32> {
-    let req = CreateEqReq {
-        vector: vector.into(),
-        depth: depth.into(),
-        ring_addr: addr.into(),
-    };
+    let req = vmm::eq_req(vector, depth, addr);
     run_unit(dev, Opcode::CreateEq, req.as_bytes())
 }
 
@@ -113,22 +109,15 @@ fn reg_mr(
     len: u64,
     flags: u32,
 ) -> Result<RegMrResp, i32> {
-    let req = RegMrReq {
-        pdn: pdn.into(),
-        access: flags.into(),
-        addr: addr.into(),
-        length: len.into(),
-        iova: addr.into(),
-    };
-    run(dev, Opcode::RegMr, req.as_bytes())
+    run(
+        dev,
+        Opcode::RegMr,
+        vmm::reg(pdn, addr, len, flags).as_bytes(),
+    )
 }
 
 fn create_cq(dev: &mut RdmaDevice, addr: u64) -> Result<u32, i32> {
-    let req = CreateCqReq {
-        depth: 16.into(),
-        comp_vector: 0.into(),
-        ring_addr: addr.into(),
-    };
+    let req = vmm::cq_req(addr, 16);
     run::<CqHandle>(dev, Opcode::CreateCq, req.as_bytes()).map(|h| h.cqn.get())
 }
 
@@ -163,35 +152,15 @@ fn create_qp_asking(
     sq: u64,
     rq: u64,
 ) -> Result<CreateQpResp, i32> {
-    run(
-        dev,
-        Opcode::CreateQp,
-        qp_req(pdn, cqn, cap, sq, rq).as_bytes(),
-    )
-}
-
-/// CREATE_QP of an RC QP on CQ `cqn` (both ways) asking `cap`, its rings
-/// at `sq` and `rq`.
-fn qp_req(pdn: u32, cqn: u32, cap: QpCap, sq: u64, rq: u64) -> CreateQpReq {
-    CreateQpReq {
-        pdn: pdn.into(),
-        send_cqn: cqn.into(),
-        recv_cqn: cqn.into(),
-        srqn: NO_SRQ.into(),
-        qp_type: 2,
+    let req = CreateQpReq {
         cap,
-        sq_ring_addr: sq.into(),
-        rq_ring_addr: rq.into(),
-        ..CreateQpReq::default()
-    }
+        ..vmm::qp_req(pdn, cqn, sq, rq)
+    };
+    run(dev, Opcode::CreateQp, req.as_bytes())
 }
 
 fn modify(dev: &mut RdmaDevice, qpn: u32, attr_mask: u32, attr: QpAttr) -> Result<(), i32> {
-    let req = ModifyQpReq {
-        qpn: qpn.into(),
-        attr_mask: attr_mask.into(),
-        attr,
-    };
+    let req = vmm::modify_req(qpn, attr_mask, attr);
     run_unit(dev, Opcode::ModifyQp, req.as_bytes())
 }
 
@@ -413,15 +382,8 @@ fn reg_mr_sg(
     len: u64,
     iova: u64,
 ) -> Result<RegMrResp, i32> {
-    let entries: Vec<MrSgSegment> = segs
-        .iter()
-        .map(|&(addr, len)| MrSgSegment {
-            addr: addr.into(),
-            len: len.into(),
-        })
-        .collect();
     dev.mem
-        .write_slice(entries.as_bytes(), GuestAddress(list))
+        .write_slice(vmm::sg_list(segs).as_bytes(), GuestAddress(list))
         .expect("list in memory");
     let req = RegMrSgReq {
         pdn: pdn.into(),

@@ -51,8 +51,11 @@ fn create_qp_validates_and_grants_caps() {
     assert_eq!(stored.sq, (sq, geometry));
 
     let (ud_sq, ud_rq) = (MEM_BASE + 0x30000, MEM_BASE + 0x40000);
-    let mut ud = qp_req(pdn, cqn, qp_cap(1, 0, 0), ud_sq, ud_rq);
-    ud.qp_type = 4;
+    let mut ud = CreateQpReq {
+        qp_type: 4,
+        cap: qp_cap(1, 0, 0),
+        ..vmm::qp_req(pdn, cqn, ud_sq, ud_rq)
+    };
     assert_eq!(
         run::<CreateQpResp>(&mut dev, Opcode::CreateQp, ud.as_bytes()).map(|_| ()),
         Err(libc::EOPNOTSUPP),
