@@ -64,6 +64,28 @@ fn seqpacket_socket() -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// `bind` or `connect`, the calls that take a socket address.
+type AddressCall =
+    unsafe extern "C" fn(libc::c_int, *const libc::sockaddr, libc::socklen_t) -> libc::c_int;
+
+/// A new seqpacket socket, bound or connected (`call`) to `path`.
+fn seqpacket_socket_at(path: &Path, call: AddressCall) -> Result<OwnedFd, ChannelError> {
+    let fd = seqpacket_socket()?;
+    let (addr, len) = sockaddr(path)?;
+    // SAFETY: addr is a valid sockaddr_un of length len; fd is open.
+    let rc = unsafe {
+        call(
+            fd.as_raw_fd(),
+            (&addr as *const libc::sockaddr_un).cast(),
+            len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error().into());
+    }
+    Ok(fd)
+}
+
 /// A listening seqpacket socket.
 #[derive(Debug)]
 pub struct Listener {
@@ -99,19 +121,7 @@ impl Listener {
     }
 
     fn bind_here(path: &Path) -> Result<Self, ChannelError> {
-        let fd = seqpacket_socket()?;
-        let (addr, len) = sockaddr(path)?;
-        // SAFETY: addr is a valid sockaddr_un of length len; fd is open.
-        let rc = unsafe {
-            libc::bind(
-                fd.as_raw_fd(),
-                (&addr as *const libc::sockaddr_un).cast(),
-                len,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error().into());
-        }
+        let fd = seqpacket_socket_at(path, libc::bind)?;
         // SAFETY: fd is a bound socket.
         if unsafe { libc::listen(fd.as_raw_fd(), 64) } != 0 {
             return Err(io::Error::last_os_error().into());
@@ -161,20 +171,10 @@ impl Channel {
 
     /// Connects to a listening channel at `path`.
     pub fn connect(path: &Path) -> Result<Self, ChannelError> {
-        let fd = seqpacket_socket()?;
-        let (addr, len) = sockaddr(path)?;
-        // SAFETY: addr is a valid sockaddr_un of length len; fd is open.
-        let rc = unsafe {
-            libc::connect(
-                fd.as_raw_fd(),
-                (&addr as *const libc::sockaddr_un).cast(),
-                len,
-            )
-        };
-        if rc != 0 {
-            return Err(io::Error::last_os_error().into());
-        }
-        Ok(Channel::from_owned(fd))
+        Ok(Channel::from_owned(seqpacket_socket_at(
+            path,
+            libc::connect,
+        )?))
     }
 
     /// A connected pair (tests, in-process use).

@@ -13,12 +13,12 @@
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use vrdma_hostd_protocol::channel::{Channel, ChannelError, Listener};
 
+use crate::accept::{serve_connections, Connections};
 use crate::seccomp::{Role, Threads};
 use crate::server::Server;
 use crate::stats::{render_prometheus, Stats, KINDS};
@@ -176,32 +176,18 @@ pub fn bind(path: &Path) -> Result<Listener, ChannelError> {
 /// Serves the admin socket on a thread of its own, a thread per client
 /// (all started through `threads`, under the admin role's filter).
 pub fn spawn(server: Arc<Server>, listener: Listener, threads: &Threads) -> io::Result<()> {
-    let active = Arc::new(AtomicUsize::new(0));
     let client_threads = threads.clone();
+    let clients = Connections {
+        peer: "admin",
+        role: Role::Admin,
+        thread: "admin-conn",
+        max: MAX_ADMIN_CONNECTIONS,
+    };
     threads
-        .spawn(Role::Admin, "admin", move || loop {
-            let chan = match listener.accept() {
-                Ok(chan) => chan,
-                Err(e) => {
-                    tracing::warn!("Admin accept failed: {}", vrdma_errors::error_chain(&e));
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                    continue;
-                }
-            };
-            if active.fetch_add(1, Ordering::SeqCst) >= MAX_ADMIN_CONNECTIONS {
-                active.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!("Too many admin connections; closing a new one");
-                continue;
-            }
-            let server = Arc::clone(&server);
-            let active = Arc::clone(&active);
-            let spawned = client_threads.spawn(Role::Admin, "admin-conn", move || {
-                serve_client(&server, &chan);
-                active.fetch_sub(1, Ordering::SeqCst);
-            });
-            if let Err(e) = spawned {
-                tracing::warn!("Cannot start an admin connection thread: {e}");
-            }
+        .spawn(Role::Admin, "admin", move || {
+            serve_connections(&listener, &client_threads, clients, move |chan| {
+                serve_client(&server, &chan)
+            })
         })
         .map(|_| ())
 }

@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use clap::Parser;
 use serde::Deserialize;
 use vrdma_isolation::config::{SandboxArgs, SandboxConfig, SandboxConfigError, SandboxFile};
+use vrdma_isolation::daemon::{parse_config, read_config_file, ConfigFileError};
 use vrdma_tenant_policy::{Policy, PolicyError};
 
 /// The configuration used when no `--config` is given.
@@ -29,18 +30,8 @@ pub const MAX_SPIN_US: u64 = 1_000_000;
 /// Why a configuration is refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("Cannot read config file {path}")]
-    Read {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("Invalid config file {path}")]
-    Parse {
-        path: PathBuf,
-        #[source]
-        source: Box<toml::de::Error>,
-    },
+    #[error(transparent)]
+    File(#[from] ConfigFileError),
     #[error("No socket given (--socket or `socket` in the config file)")]
     NoSocket,
     #[error("Invalid `{key}` ({value}): {reason}")]
@@ -157,9 +148,9 @@ impl TryFrom<Args> for Config {
     type Error = ConfigError;
 
     fn try_from(args: Args) -> Result<Self, ConfigError> {
-        let file = match &args.config {
-            Some(path) => read_file(path)?,
-            None => parse_text(DEFAULT_CONFIG, Path::new("<embedded default.toml>"))?,
+        let file: FileConfig = match &args.config {
+            Some(path) => read_config_file(path)?,
+            None => parse_config(DEFAULT_CONFIG, Path::new("<embedded default.toml>"))?,
         };
         // A relative `policy` in a config file is relative to that file.
         let file_policy =
@@ -212,21 +203,6 @@ impl TryFrom<Args> for Config {
         .map_err(ConfigError::Policy)?;
         Ok(config)
     }
-}
-
-fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
-    parse_text(&text, path)
-}
-
-fn parse_text(text: &str, path: &Path) -> Result<FileConfig, ConfigError> {
-    toml::from_str(text).map_err(|source| ConfigError::Parse {
-        path: path.to_owned(),
-        source: Box::new(source),
-    })
 }
 
 fn invalid(key: &'static str, value: impl ToString, reason: &'static str) -> ConfigError {
@@ -283,27 +259,22 @@ impl Config {
 mod tests {
     use super::*;
     use vrdma_errors::error_chain;
+    use vrdma_isolation::daemon::testing::{arg, parse_command_line, ScratchDir};
 
     fn parse(args: &[&str]) -> Result<Config, ConfigError> {
-        Config::try_from(
-            Args::try_parse_from(std::iter::once("hostd").chain(args.iter().copied()))
-                .expect("clap accepts"),
-        )
+        parse_command_line::<Args, _>("hostd", args)
     }
 
-    fn temp(name: &str, text: &str) -> String {
-        let dir = std::env::temp_dir().join(format!("hostd-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let path = dir.join(name);
-        std::fs::write(&path, text).expect("write file");
-        path.to_str().expect("utf-8 path").to_owned()
-    }
-
-    fn with_file(name: &str, text: &str, extra: &[&str]) -> Result<Config, ConfigError> {
-        let path = temp(name, text);
-        let mut args = vec!["--config", path.as_str()];
-        args.extend_from_slice(extra);
-        parse(&args)
+    /// The config of `--config <file>` and `extra`, the file `name` of
+    /// `dir` holding `text`.
+    fn with_file(
+        dir: &ScratchDir,
+        name: &str,
+        text: &str,
+        extra: &[&str],
+    ) -> Result<Config, ConfigError> {
+        let path = dir.write(name, text);
+        parse(&[&["--config", arg(&path)][..], extra].concat())
     }
 
     #[test]
@@ -336,7 +307,8 @@ mod tests {
 
     #[test]
     fn flags_override_the_file_and_the_policy_is_loaded() {
-        let policy = temp(
+        let dir = ScratchDir::new("hostd-config-override");
+        let policy = dir.write(
             "override-policy.toml",
             "[[tenant]]\nname = \"red\"\nuid = 1000\nreachable = [\"blue\"]\n\
              [[tenant]]\nname = \"blue\"\nphysical_queues = 4\n",
@@ -346,6 +318,7 @@ mod tests {
              policy = {policy:?}\nadmin_socket = \"/tmp/admin\"\n"
         );
         let config = with_file(
+            &dir,
             "override.toml",
             &text,
             &[
@@ -360,7 +333,7 @@ mod tests {
         .expect("valid");
         assert_eq!(config.socket, PathBuf::from("/tmp/file.sock"));
         assert_eq!(config.admin_socket, PathBuf::from("/tmp/admin"));
-        assert_eq!(config.policy_file, Some(PathBuf::from(&policy)));
+        assert_eq!(config.policy_file, Some(policy));
         assert_eq!(
             (config.physical_qps, config.datapath_threads, config.spin_us),
             (16, 2, 0)
@@ -376,10 +349,12 @@ mod tests {
             4
         );
         // --policy wins over the file; a relative `policy` is next to the file.
-        let other = temp("other-policy.toml", "[[tenant]]\nname = \"solo\"\n");
-        let config = with_file("override.toml", &text, &["--policy", &other]).expect("valid");
+        let other = dir.write("other-policy.toml", "[[tenant]]\nname = \"solo\"\n");
+        let config =
+            with_file(&dir, "override.toml", &text, &["--policy", arg(&other)]).expect("valid");
         assert_eq!(config.policy.tenants.len(), 1);
         let config = with_file(
+            &dir,
             "relative.toml",
             "socket = \"/tmp/s\"\npolicy = \"other-policy.toml\"\n",
             &[],
@@ -404,9 +379,10 @@ mod tests {
             ("[[tenant]]\nname = \"a\"", "tenant"),
             ("spin_us = \"big\"", "spin_us"),
         ];
+        let dir = ScratchDir::new("hostd-config-errors");
         for (i, (text, key)) in cases.iter().enumerate() {
-            let err =
-                with_file(&format!("bad{i}.toml"), text, &["--socket", "/tmp/s"]).expect_err(text);
+            let err = with_file(&dir, &format!("bad{i}.toml"), text, &["--socket", "/tmp/s"])
+                .expect_err(text);
             let chain = error_chain(&err);
             assert!(chain.contains(key), "{text:?} gave {chain:?}");
         }
@@ -414,17 +390,18 @@ mod tests {
 
     #[test]
     fn bad_policies_name_file_line_and_key() {
-        let policy = temp(
+        let dir = ScratchDir::new("hostd-config-bad-policies");
+        let policy = dir.write(
             "bad-policy.toml",
             "[[tenant]]\nname = \"a\"\n\n[[tenant]]\nname = \"b\"\npriority = { weight = 0 }\n",
         );
-        let err = parse(&["--socket", "/tmp/s", "--policy", &policy]).expect_err("weight 0");
+        let err = parse(&["--socket", "/tmp/s", "--policy", arg(&policy)]).expect_err("weight 0");
         let chain = error_chain(&err);
         assert!(
             chain.contains("bad-policy.toml:6") && chain.contains("tenant[1].priority.weight"),
             "{chain}"
         );
-        let queues = temp(
+        let queues = dir.write(
             "queues-policy.toml",
             "[[tenant]]\nname = \"a\"\nphysical_queues = 3\n",
         );
@@ -432,7 +409,7 @@ mod tests {
             "--socket",
             "/tmp/s",
             "--policy",
-            &queues,
+            arg(&queues),
             "--physical-qps",
             "2",
         ])
@@ -461,18 +438,20 @@ mod tests {
                 ..SandboxConfig::defaults(DEFAULT_RLIMIT_NOFILE)
             }
         );
+        let dir = ScratchDir::new("hostd-config-sandbox");
         let text = "socket = \"/tmp/s\"\n[sandbox]\nmode = \"namespace\"\nlandlock = false\n";
-        let config = with_file("sandbox.toml", text, &[]).expect("valid");
+        let config = with_file(&dir, "sandbox.toml", text, &[]).expect("valid");
         assert_eq!(config.sandbox.mode, SandboxMode::Namespace);
         assert!(!config.sandbox.landlock);
-        let config = with_file("sandbox.toml", text, &["--landlock", "on"]).expect("valid");
+        let config = with_file(&dir, "sandbox.toml", text, &["--landlock", "on"]).expect("valid");
         assert!(config.sandbox.landlock);
         for (text, key) in [
             ("[sandbox]\nseccomp = \"nope\"", "seccomp"),
             ("[sandbox]\nrlimit_nofile = 3", "Open-file limit 3"),
             ("[sandbox]\nlandlok = true", "landlok"),
         ] {
-            let err = with_file("bad-sandbox.toml", text, &["--socket", "/tmp/s"]).expect_err(text);
+            let err =
+                with_file(&dir, "bad-sandbox.toml", text, &["--socket", "/tmp/s"]).expect_err(text);
             assert!(error_chain(&err).contains(key), "{text:?} gave {err}");
         }
     }
@@ -482,7 +461,7 @@ mod tests {
         assert!(matches!(parse(&[]), Err(ConfigError::NoSocket)));
         assert!(matches!(
             parse(&["--socket", "/tmp/s", "--config", "/nonexistent/hostd.toml"]),
-            Err(ConfigError::Read { .. })
+            Err(ConfigError::File(ConfigFileError::Read { .. }))
         ));
     }
 }

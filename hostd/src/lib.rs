@@ -19,12 +19,14 @@
 //! - [`stats`]: per-tenant counters and usage, Prometheus rendering.
 //! - [`admin`]: the admin socket (`vrdmactl`: stats, metrics, reload) and
 //!   reload on SIGHUP.
+//! - [`accept`]: the accept loop of both sockets, a thread per connection.
 //! - [`ids`]: fast hash maps and slabs for identifiers hostd assigns.
 //! - [`lids`]: device LIDs, stable per device name and bounded per tenant.
 //! - [`sandbox`]: the walls hostd puts up around itself before it serves,
 //!   in the order `main.rs` runs them; [`seccomp`]: hostd's thread roles
 //!   and the system calls each may make.
 
+pub mod accept;
 pub mod admin;
 pub mod config;
 pub mod datapath;

@@ -1,6 +1,7 @@
 //! hostd's sandbox: what its walls are made of. The steps are
-//! `vrdma_isolation::sandbox`'s, the same as vdev's, in the order
-//! `main.rs` runs them (docs/security.md has the threat model):
+//! `vrdma_isolation::sandbox`'s, the same as vdev's, in their
+//! order, step 1 and then steps 2 to 5 as one call, [`Sandbox::enter`], in
+//! `main.rs` (docs/security.md has the threat model):
 //!
 //! 1. [`Sandbox::new`] decides everything up front from the config and the
 //!    process's situation (root or not), and refuses impossible requests
@@ -11,9 +12,9 @@
 //! 3. landlock: reading the files of the policy file's directory, nothing
 //!    else; the sockets are bound before.
 //! 4. privileges — limits (no locked memory), uid/gid, capabilities.
-//! 5. [`Sandbox::install_seccomp`] — the main thread's filter on the main
-//!    thread, and the launcher every other thread is started through, each
-//!    under its role's filter ([`crate::seccomp`] has the rule tables).
+//! 5. seccomp — the main thread's filter on the main thread, and the
+//!    launcher every other thread is started through, each under its
+//!    role's filter ([`crate::seccomp`] has the rule tables).
 
 use std::path::{Path, PathBuf};
 
@@ -79,14 +80,12 @@ impl Sandbox {
         Ok(Sandbox { plan })
     }
 
-    /// The last step: the main role's filter on the calling (main) thread,
-    /// and the launcher that starts every later thread under its own role's
-    /// filter, with the operator's violation action — or, only when
-    /// explicitly asked, no filter at all. Every thread hostd starts from
-    /// now on is started through the returned [`Threads`].
-    pub fn install_seccomp(&self) -> Result<Threads, SandboxError> {
-        Threads::start(self.plan.seccomp(), Role::Main, &Role::SPAWNED, "hostd")
-            .map_err(SandboxError::Seccomp)
+    /// Every step of the sandbox, in its order, on the main thread (see
+    /// `vrdma_isolation::sandbox`); every thread hostd starts from now on
+    /// is started through the returned [`Threads`], under its role's
+    /// filter.
+    pub fn enter(&self) -> Result<Threads, SandboxError> {
+        self.plan.enter(Role::Main, &Role::SPAWNED)
     }
 }
 

@@ -21,7 +21,6 @@ use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -33,6 +32,7 @@ use vrdma_hostd_protocol::messages::{
 use vrdma_hostd_protocol::shm::{SharedMapping, ShmError};
 use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
 
+use crate::accept::{serve_connections, Connections};
 use crate::config::{Config, MAX_QUEUES_PER_DEVICE};
 use crate::datapath::Datapath;
 use crate::engine::{DeviceId, EngineError};
@@ -215,7 +215,6 @@ pub struct Server {
     config: Config,
     datapath: Arc<Datapath>,
     registry: Mutex<Registry>,
-    connections: AtomicUsize,
     /// Reloads run one at a time.
     reloading: Mutex<()>,
     quota_keys: Vec<String>,
@@ -244,7 +243,6 @@ impl Server {
             config,
             datapath,
             registry: Mutex::new(registry),
-            connections: AtomicUsize::new(0),
             reloading: Mutex::new(()),
             quota_keys: quota_keys(),
         })
@@ -272,31 +270,16 @@ impl Server {
     /// Accepts vdevs forever, one thread each (started through `threads`,
     /// under the connection role's filter).
     pub fn serve(self: &Arc<Self>, listener: &Listener, threads: &Threads) {
-        loop {
-            let channel = match listener.accept() {
-                Ok(channel) => channel,
-                Err(e) => {
-                    tracing::warn!("Accept failed: {}", vrdma_errors::error_chain(&e));
-                    // EMFILE and friends: do not spin on them.
-                    std::thread::sleep(std::time::Duration::from_millis(10));
-                    continue;
-                }
-            };
-            if self.connections.fetch_add(1, Ordering::SeqCst) >= MAX_CONNECTIONS {
-                self.connections.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!("Too many vdev connections; closing a new one");
-                continue;
-            }
-            let server = Arc::clone(self);
-            let spawned = threads.spawn(Role::Connection, "vdev-conn", move || {
-                server.connection(Arc::new(channel));
-                server.connections.fetch_sub(1, Ordering::SeqCst);
-            });
-            if let Err(e) = spawned {
-                self.connections.fetch_sub(1, Ordering::SeqCst);
-                tracing::warn!("Cannot start a connection thread: {e}");
-            }
-        }
+        let server = Arc::clone(self);
+        let vdevs = Connections {
+            peer: "vdev",
+            role: Role::Connection,
+            thread: "vdev-conn",
+            max: MAX_CONNECTIONS,
+        };
+        serve_connections(listener, threads, vdevs, move |channel| {
+            server.connection(Arc::new(channel))
+        });
     }
 
     /// Serves one vdev until it disconnects or breaks the protocol, then

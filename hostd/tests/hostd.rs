@@ -185,9 +185,7 @@ fn killing_a_client_mid_traffic_leaves_the_other_working() {
     // Alpha floods writes into beta and vanishes without waiting: its
     // socket, rings and memory all close at once, as when the process is
     // killed.
-    for i in 0..60 {
-        alpha.write(0, i, 0, 4096, IOVA + 0x10000, rkey_b);
-    }
+    alpha.write_many(0, 60, 0, 4096, IOVA + 0x10000, rkey_b);
     drop(alpha);
     std::thread::sleep(Duration::from_millis(50));
     assert!(hostd.alive());
@@ -370,9 +368,7 @@ fn removed_memory_is_never_touched_again() {
     let hostd = Hostd::start("remove", &config(64));
     let (mut alpha, mut beta) = pair(&hostd.socket);
     let (rkey_a, rkey_b, lkey_a) = (alpha.rkey(), beta.rkey(), alpha.lkey());
-    for i in 0..60 {
-        alpha.write(0, i, 0, 4096, IOVA + 0x10000, rkey_b);
-    }
+    alpha.write_many(0, 60, 0, 4096, IOVA + 0x10000, rkey_b);
     let remove = Request::RemoveMemory { slot: 0 };
     alpha.call(&remove).expect("remove");
     // Its QP is lost (in ERR, no completion: there is nowhere to write it).
@@ -445,9 +441,7 @@ fn a_destroyed_qp_does_nothing_more() {
     let (mut alpha, mut beta) = pair_with(&hostd.socket, mem, 1);
     let rkey_b = beta.rkey();
     alpha.driver().fill(0, &vec![0x5a; LEN as usize]);
-    for i in 0..60 {
-        alpha.write(0, i, 0, LEN, IOVA + u64::from(LEN), rkey_b);
-    }
+    alpha.write_many(0, 60, 0, LEN, IOVA + u64::from(LEN), rkey_b);
     let mut done = Vec::new();
     while done.is_empty() {
         done = alpha.driver_mut().poll();

@@ -322,9 +322,7 @@ fn metrics_show_real_counters() {
     let (lkey_a, lkey_b, rkey_b) = (alpha.lkey(), beta.lkey(), beta.rkey());
     // 10 writes of 64 bytes, 3 sends of 100 bytes beta receives, 2 reads
     // of 32 bytes, one atomic, then a write with a key no region has.
-    for i in 0..10 {
-        alpha.write(0, i, 0, 64, IOVA, rkey_b);
-    }
+    alpha.write_many(0, 10, 0, 64, IOVA, rkey_b);
     for i in 0..3 {
         beta.post_recv(0, 100 + i, &[sge(IOVA, 4096, lkey_b)]);
         alpha.post_sges(

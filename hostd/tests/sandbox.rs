@@ -10,169 +10,59 @@
 mod common;
 
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
 
 use common::{config, pair, policy, Client, IOVA};
+use vrdma_isolation::daemon::testing::{
+    attempt, attempt_in, failed, DaemonProcess, NEVER_ALLOWED, SUCCEEDED,
+};
 use vrdma_spec::verbs::WcStatus;
 
 const HOSTD: &str = env!("CARGO_BIN_EXE_hostd");
 
-/// A hostd process in its own scratch directory, logging to a file;
-/// killed on drop.
-struct Sandboxed {
-    child: Child,
-    dir: PathBuf,
-    socket: PathBuf,
-    policy: PathBuf,
-    log: PathBuf,
-}
+/// The files of a sandboxed hostd's scratch directory.
+const SOCKET: &str = "hostd.sock";
+const POLICY: &str = "policy.toml";
 
-impl Sandboxed {
-    fn start(tag: &str, args: &[&str], env: &[(&str, &str)]) -> Sandboxed {
-        use std::sync::atomic::{AtomicU32, Ordering};
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir =
-            std::env::temp_dir().join(format!("hostd-sandbox-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        let socket = dir.join("hostd.sock");
-        let policy_file = dir.join("policy.toml");
-        std::fs::write(&policy_file, policy()).expect("policy");
-        let config_file = dir.join("hostd.toml");
-        std::fs::write(&config_file, config(16)).expect("config");
-        let log = dir.join("hostd.log");
-        let child = Command::new(HOSTD)
-            .arg("--config")
-            .arg(&config_file)
-            .arg("--socket")
-            .arg(&socket)
-            .arg("--policy")
-            .arg(&policy_file)
-            .args(args)
-            .envs(env.iter().copied())
-            .env("VRDMA_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("spawn hostd");
-        Sandboxed {
-            child,
-            dir,
-            socket,
-            policy: policy_file,
-            log,
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits until the log contains `needle` (or hostd exits, or 10 s).
-    fn wait_for_log(&mut self, needle: &str) -> String {
-        self.wait_for_logged(needle, 1)
-    }
-
-    /// Waits until the log contains `needle` `times` times (or hostd
-    /// exits, or 10 s).
-    fn wait_for_logged(&mut self, needle: &str, times: usize) -> String {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let log = self.log();
-            if log.matches(needle).count() >= times {
-                return log;
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("hostd exited ({status}) before logging {needle:?}:\n{log}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "hostd did not log {needle:?} within 10 s:\n{log}"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn sighup(&self) {
-        // SAFETY: kill with the pid of our child and a valid signal.
-        let rc = unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGHUP) };
-        assert_eq!(rc, 0);
-    }
-
-    /// Waits for hostd to exit (at most 10 s).
-    fn wait_exit(&mut self) -> ExitStatus {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "hostd still runs after 10 s:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// A line of `/proc/<hostd>/status`, e.g. `Seccomp`.
-    fn status_field(&self, field: &str) -> String {
-        let status =
-            std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).expect("status");
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{field}:")))
-            .unwrap_or_else(|| panic!("no {field} in /proc status"))
-            .trim()
-            .to_owned()
-    }
-}
-
-impl Drop for Sandboxed {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// A hostd with a config and a policy file of its own, logging at `info`.
+fn start(tag: &str, args: &[&str], env: &[(&str, &str)]) -> DaemonProcess {
+    let dir = DaemonProcess::scratch("hostd", tag);
+    let policy_file = dir.write(POLICY, policy());
+    let config_file = dir.write("hostd.toml", config(16));
+    let mut command = Command::new(HOSTD);
+    command
+        .arg("--config")
+        .arg(&config_file)
+        .arg("--socket")
+        .arg(dir.path().join(SOCKET))
+        .arg("--policy")
+        .arg(&policy_file)
+        .args(args)
+        .envs(env.iter().copied())
+        .env("VRDMA_LOG", "info");
+    DaemonProcess::start("hostd", command, dir)
 }
 
 const SERVING: &str = "hostd serving";
 
 #[test]
 fn forbidden_system_calls_kill_hostd_with_sigsys() {
-    for op in ["execve", "inet-socket"] {
-        let mut hostd = Sandboxed::start(op, &[], &[("VRDMA_TEST_FORBIDDEN", op)]);
-        let status = hostd.wait_exit();
-        assert_eq!(
-            status.signal(),
-            Some(libc::SIGSYS),
-            "{op}: {status}\n{}",
-            hostd.log()
-        );
+    for (op, _) in NEVER_ALLOWED {
+        let mut hostd = start(op, &[], &attempt(op));
+        hostd.assert_killed_by_sigsys(op);
     }
 }
 
 #[test]
 fn under_trap_forbidden_calls_fail_with_eperm_and_hostd_serves_on() {
-    for op in ["execve", "inet-socket"] {
-        let mut hostd = Sandboxed::start(
-            &format!("trap-{op}"),
-            &["--seccomp", "trap"],
-            &[("VRDMA_TEST_FORBIDDEN", op)],
-        );
-        let log = hostd.wait_for_log(&format!("test hook: {op}: "));
-        assert!(
-            log.contains(&format!("test hook: {op}: failed: errno {}", libc::EPERM)),
-            "{log}"
-        );
-        assert!(log.contains("seccomp (trap): blocked system call"), "{log}");
+    for (op, nr) in NEVER_ALLOWED {
+        let trap = ["--seccomp", "trap"];
+        let mut hostd = start(&format!("trap-{op}"), &trap, &attempt(op));
+        hostd.expect_trapped(op, None, nr);
         hostd.wait_for_log(SERVING);
-        Client::hello(&hostd.socket, "alpha", "vm0").expect("hostd still serves");
+        Client::hello(&hostd.path(SOCKET), "alpha", "vm0").expect("hostd still serves");
     }
 }
 
@@ -181,74 +71,38 @@ fn under_trap_forbidden_calls_fail_with_eperm_and_hostd_serves_on() {
 /// may not.
 #[test]
 fn a_thread_cannot_make_a_call_only_another_role_needs() {
-    let op = ("VRDMA_TEST_FORBIDDEN", "unix-socketpair");
+    let op = "unix-socketpair";
     let trap = ["--seccomp", "trap"];
-    let mut hostd = Sandboxed::start(
-        "role-conn",
-        &trap,
-        &[op, ("VRDMA_TEST_FORBIDDEN_IN", "connection")],
-    );
+    let mut hostd = start("role-conn", &trap, &attempt_in(op, "connection"));
     hostd.wait_for_log(SERVING);
     // A vdev connects: a connection thread starts and makes the call.
-    Client::hello(&hostd.socket, "alpha", "vm0").expect("hello");
-    let log = hostd.wait_for_log("test hook (connection): unix-socketpair: ");
-    assert!(
-        log.contains("test hook (connection): unix-socketpair: succeeded"),
-        "{log}"
-    );
+    Client::hello(&hostd.path(SOCKET), "alpha", "vm0").expect("hello");
+    hostd.expect_hook(op, Some("connection"), SUCCEEDED);
     drop(hostd);
 
-    let in_datapath = ("VRDMA_TEST_FORBIDDEN_IN", "datapath");
-    let mut hostd = Sandboxed::start("role-datapath", &trap, &[op, in_datapath]);
-    let log = hostd.wait_for_log("test hook (datapath): unix-socketpair: ");
-    assert!(
-        log.contains(&format!(
-            "test hook (datapath): unix-socketpair: failed: errno {}",
-            libc::EPERM
-        )),
-        "{log}"
-    );
-    assert!(
-        log.contains(&format!(
-            "seccomp (trap): blocked system call {}",
-            libc::SYS_socketpair
-        )),
-        "{log}"
-    );
+    let in_datapath = attempt_in(op, "datapath");
+    let mut hostd = start("role-datapath", &trap, &in_datapath);
+    hostd.expect_trapped(op, Some("datapath"), libc::SYS_socketpair);
     hostd.wait_for_log(SERVING);
-    Client::hello(&hostd.socket, "alpha", "vm0").expect("hostd still serves");
+    Client::hello(&hostd.path(SOCKET), "alpha", "vm0").expect("hostd still serves");
     drop(hostd);
 
     // Enforced, it is the end of hostd.
-    let mut killed = Sandboxed::start("role-datapath-kill", &[], &[op, in_datapath]);
-    let status = killed.wait_exit();
-    assert_eq!(
-        status.signal(),
-        Some(libc::SIGSYS),
-        "{status}\n{}",
-        killed.log()
-    );
+    let mut killed = start("role-datapath-kill", &[], &in_datapath);
+    killed.assert_killed_by_sigsys("socketpair in a datapath thread");
 }
 
 #[test]
 fn landlock_refuses_files_outside_the_policy_file() {
-    let mut hostd = Sandboxed::start("passwd", &[], &[("VRDMA_TEST_FORBIDDEN", "open-passwd")]);
-    let log = hostd.wait_for_log("test hook: open-passwd: ");
-    assert!(
-        log.contains(&format!(
-            "test hook: open-passwd: failed: errno {}",
-            libc::EACCES
-        )),
-        "{log}"
-    );
+    let mut hostd = start("passwd", &[], &attempt("open-passwd"));
+    hostd.expect_hook("open-passwd", None, &failed(libc::EACCES));
     // The wall, not the file's permissions, refused it.
-    let mut open = Sandboxed::start(
+    let mut open = start(
         "passwd-off",
         &["--landlock", "off"],
-        &[("VRDMA_TEST_FORBIDDEN", "open-passwd")],
+        &attempt("open-passwd"),
     );
-    let log = open.wait_for_log("test hook: open-passwd: ");
-    assert!(log.contains("test hook: open-passwd: succeeded"), "{log}");
+    open.expect_hook("open-passwd", None, SUCCEEDED);
 }
 
 /// `--sandbox namespace`, the same mode as vdev's. Started as root, hostd
@@ -258,11 +112,7 @@ fn landlock_refuses_files_outside_the_policy_file() {
 /// user namespace, every vdev's uid would read as the overflow uid.
 #[test]
 fn namespace_mode_keeps_only_the_policy_directory() {
-    let mut hostd = Sandboxed::start(
-        "ns",
-        &["--sandbox", "namespace"],
-        &[("VRDMA_TEST_FORBIDDEN", "open-passwd")],
-    );
+    let mut hostd = start("ns", &["--sandbox", "namespace"], &attempt("open-passwd"));
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         let status = hostd.wait_exit();
@@ -270,22 +120,13 @@ fn namespace_mode_keeps_only_the_policy_directory() {
         assert!(hostd.log().contains("overflow uid"), "{}", hostd.log());
         return;
     }
-    let log = hostd.wait_for_log("test hook: open-passwd: ");
     // /etc is not in the new root at all.
-    assert!(
-        log.contains(&format!(
-            "test hook: open-passwd: failed: errno {}",
-            libc::ENOENT
-        )),
-        "{log}"
-    );
-    let own = std::fs::read_link("/proc/self/ns/net").expect("own netns");
-    let its = std::fs::read_link(format!("/proc/{}/ns/net", hostd.child.id())).expect("netns");
-    assert_ne!(own, its, "hostd has its own network namespace");
+    hostd.expect_hook("open-passwd", None, &failed(libc::ENOENT));
+    assert!(hostd.has_own_network_namespace());
     hostd.wait_for_log(SERVING);
-    Client::hello(&hostd.socket, "alpha", "vm0").expect("hostd serves");
-    std::fs::write(&hostd.policy, policy()).expect("rewrite policy");
-    hostd.sighup();
+    Client::hello(&hostd.path(SOCKET), "alpha", "vm0").expect("hostd serves");
+    std::fs::write(hostd.path(POLICY), policy()).expect("rewrite policy");
+    hostd.signal(libc::SIGHUP);
     let log = hostd.wait_for_logged("Policy reloaded", 1);
     assert!(!log.contains("Policy reload failed"), "{log}");
 }
@@ -293,7 +134,7 @@ fn namespace_mode_keeps_only_the_policy_directory() {
 #[test]
 fn a_kernel_without_landlock_is_refused_unless_allowed() {
     let absent = [("VRDMA_TEST_LANDLOCK", "absent")];
-    let mut refused = Sandboxed::start("no-landlock", &[], &absent);
+    let mut refused = start("no-landlock", &[], &absent);
     let status = refused.wait_exit();
     assert_eq!(status.code(), Some(1), "{}", refused.log());
     assert!(
@@ -301,48 +142,34 @@ fn a_kernel_without_landlock_is_refused_unless_allowed() {
         "{}",
         refused.log()
     );
-    let mut allowed = Sandboxed::start("no-landlock-ok", &["--allow-no-landlock"], &absent);
+    let mut allowed = start("no-landlock-ok", &["--allow-no-landlock"], &absent);
     let log = allowed.wait_for_log(SERVING);
     assert!(log.contains("LANDLOCK NOT ENFORCED"), "{log}");
 }
 
 #[test]
 fn a_sandboxed_hostd_serves_rdma_and_reloads_its_policy() {
-    let mut hostd = Sandboxed::start("serve", &[], &[]);
+    let mut hostd = start("serve", &[], &[]);
     let log = hostd.wait_for_log(SERVING);
     assert!(log.contains("seccomp: a filter per thread role"), "{log}");
     assert!(log.contains("Landlock: no file-system access but reading the policy file"));
-    // Every wall is up, as the kernel sees it.
-    assert_eq!(hostd.status_field("Seccomp"), "2");
-    assert_eq!(hostd.status_field("NoNewPrivs"), "1");
-    assert_eq!(hostd.status_field("CapEff"), "0000000000000000");
-    assert_eq!(hostd.status_field("CapBnd"), "0000000000000000");
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        let uids = hostd.status_field("Uid");
-        assert!(
-            uids.split_whitespace().all(|u| u == "65534"),
-            "started as root, hostd runs as nobody: {uids}"
-        );
-    }
+    hostd.assert_walls_up();
     // Any uid may connect to the vdev socket; only hostd's owner to the
     // admin socket.
-    let mode = |p: &PathBuf| {
+    let mode = |p: &Path| {
         std::fs::metadata(p)
             .expect("socket metadata")
             .permissions()
             .mode()
             & 0o777
     };
-    assert_eq!(mode(&hostd.socket), 0o666);
-    let mut admin = hostd.socket.clone().into_os_string();
-    admin.push(".admin");
-    assert_eq!(mode(&PathBuf::from(admin)), 0o600);
+    assert_eq!(mode(&hostd.path(SOCKET)), 0o666);
+    assert_eq!(mode(&hostd.path("hostd.sock.admin")), 0o600);
 
     // Two tenants set their devices up (a sealed memfd, the doorbell and
     // event ring's eventfds, rings, hostd-assigned keys) and alpha writes
     // into beta's memory through the datapath threads.
-    let (mut alpha, beta) = pair(&hostd.socket);
+    let (mut alpha, beta) = pair(&hostd.path(SOCKET));
     let rkey = beta.rkey();
     for i in 0..10u64 {
         let data = format!("sandboxed write {i}");
@@ -363,14 +190,14 @@ fn a_sandboxed_hostd_serves_rdma_and_reloads_its_policy() {
     // Reload on SIGHUP reads the policy file through landlock's one rule:
     // rewritten in place, and replaced by a rename (a new inode), as
     // editors and configuration managers do.
-    std::fs::write(&hostd.policy, policy()).expect("rewrite policy");
-    hostd.sighup();
+    std::fs::write(hostd.path(POLICY), policy()).expect("rewrite policy");
+    hostd.signal(libc::SIGHUP);
     let log = hostd.wait_for_logged("Policy reloaded", 1);
     assert!(!log.contains("Policy reload failed"), "{log}");
-    let staged = hostd.dir.join(".policy.toml.new");
+    let staged = hostd.dir().join(".policy.toml.new");
     std::fs::write(&staged, policy()).expect("stage policy");
-    std::fs::rename(&staged, &hostd.policy).expect("replace policy");
-    hostd.sighup();
+    std::fs::rename(&staged, hostd.path(POLICY)).expect("replace policy");
+    hostd.signal(libc::SIGHUP);
     let log = hostd.wait_for_logged("Policy reloaded", 2);
     assert!(!log.contains("Policy reload failed"), "{log}");
 }

@@ -193,6 +193,7 @@ fn simulate_absent() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::testing::ScratchDir;
 
     #[test]
     fn no_landlock_is_refused_unless_allowed() {
@@ -222,23 +223,40 @@ mod tests {
         std::thread::spawn(f).join().expect("thread")
     }
 
+    /// What a file-system call gave: its value, or its errno.
+    type Outcome<T> = Result<T, Option<i32>>;
+
+    /// What landlock answers an access it refuses.
+    fn denied<T>() -> Outcome<T> {
+        Err(Some(libc::EACCES))
+    }
+
+    fn read(path: &std::path::Path) -> Outcome<Vec<u8>> {
+        std::fs::read(path).map_err(|e| e.raw_os_error())
+    }
+
+    fn write(path: &std::path::Path) -> Outcome<()> {
+        std::fs::write(path, b"x").map_err(|e| e.raw_os_error())
+    }
+
+    fn list(dir: &std::path::Path) -> Outcome<()> {
+        std::fs::read_dir(dir)
+            .map(drop)
+            .map_err(|e| e.raw_os_error())
+    }
+
     #[test]
     fn a_restricted_thread_opens_only_what_the_policy_names() {
-        let dir = std::env::temp_dir().join(format!("isolation-landlock-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let allowed = dir.join("allowed.txt");
-        std::fs::write(&allowed, b"ok").expect("write");
+        let dir = ScratchDir::new("isolation-landlock");
+        let allowed = dir.write("allowed.txt", b"ok");
         let policy = FsPolicy {
-            paths: vec![(dir.clone(), FsAccess::Read)],
+            paths: vec![(dir.path().to_path_buf(), FsAccess::Read)],
         };
-        let (enforcement, status, passwd, ours, write) = on_thread(move || {
+        let (enforcement, status, passwd, ours, rewrite) = on_thread(move || {
             let (enforcement, status) = restrict(&policy).expect("restrict");
-            let passwd = std::fs::read("/etc/passwd").map_err(|e| e.raw_os_error());
-            let ours = std::fs::read(&allowed).map_err(|e| e.raw_os_error());
-            let write = std::fs::write(&allowed, b"no").map_err(|e| e.raw_os_error());
-            (enforcement, status, passwd, ours, write)
+            let passwd = read("/etc/passwd".as_ref());
+            (enforcement, status, passwd, read(&allowed), write(&allowed))
         });
-        std::fs::remove_dir_all(&dir).ok();
         match enforcement {
             Enforcement::Absent => {
                 // No landlock in this kernel: nothing was restricted, and
@@ -247,54 +265,44 @@ mod tests {
                 assert!(check(enforcement, &status, false).is_err());
             }
             _ => {
-                assert_eq!(passwd, Err(Some(libc::EACCES)), "{status}");
+                assert_eq!(passwd, denied(), "{status}");
                 assert_eq!(ours, Ok(b"ok".to_vec()));
-                assert_eq!(write, Err(Some(libc::EACCES)));
+                assert_eq!(rewrite, denied());
             }
         }
     }
 
     #[test]
     fn a_read_file_rule_allows_that_file_only() {
-        let dir = std::env::temp_dir().join(format!("isolation-readfile-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        let policy_file = dir.join("policy.toml");
-        let sibling = dir.join("other.toml");
-        std::fs::write(&policy_file, b"policy").expect("write");
-        std::fs::write(&sibling, b"other").expect("write");
+        let dir = ScratchDir::new("isolation-readfile");
+        let policy_file = dir.write("policy.toml", b"policy");
+        let sibling = dir.write("other.toml", b"other");
         let policy = FsPolicy {
             paths: vec![(policy_file.clone(), FsAccess::ReadFile)],
         };
-        let (enforcement, ours, other, write, list) = on_thread(move || {
+        let listed = dir.path().to_path_buf();
+        let (enforcement, ours, refused) = on_thread(move || {
             let (enforcement, _) = restrict(&policy).expect("restrict");
-            let ours = std::fs::read(&policy_file).map_err(|e| e.raw_os_error());
-            let other = std::fs::read(&sibling).map_err(|e| e.raw_os_error());
-            let write = std::fs::write(&policy_file, b"x").map_err(|e| e.raw_os_error());
-            let list = std::fs::read_dir(policy_file.parent().expect("dir"))
-                .map(drop)
-                .map_err(|e| e.raw_os_error());
-            (enforcement, ours, other, write, list)
+            let ours = read(&policy_file);
+            let refused = (read(&sibling), write(&policy_file), list(&listed));
+            (enforcement, ours, refused)
         });
-        std::fs::remove_dir_all(&dir).ok();
         if enforcement == Enforcement::Absent {
             return;
         }
         assert_eq!(enforcement, Enforcement::Full);
         assert_eq!(ours, Ok(b"policy".to_vec()));
-        assert_eq!(other, Err(Some(libc::EACCES)));
-        assert_eq!(write, Err(Some(libc::EACCES)));
-        assert_eq!(list, Err(Some(libc::EACCES)));
+        assert_eq!(refused, (denied(), denied(), denied()));
     }
 
     #[test]
     fn a_read_file_rule_on_a_directory_allows_its_files_even_replaced() {
-        let base = std::env::temp_dir().join(format!("isolation-readdir-{}", std::process::id()));
-        let dir = base.join("policy");
+        let base = ScratchDir::new("isolation-readdir");
+        let dir = base.path().join("policy");
         std::fs::create_dir_all(&dir).expect("dir");
         let policy_file = dir.join("policy.toml");
-        let outside = base.join("outside.toml");
         std::fs::write(&policy_file, b"first").expect("write");
-        std::fs::write(&outside, b"outside").expect("write");
+        let outside = base.write("outside.toml", b"outside");
         let policy = FsPolicy {
             paths: vec![(dir.clone(), FsAccess::ReadFile)],
         };
@@ -305,31 +313,24 @@ mod tests {
         let (file, staged) = (policy_file.clone(), dir.join(".new"));
         let restricted = std::thread::spawn(move || {
             let (enforcement, _) = restrict(&policy).expect("restrict");
-            let first = std::fs::read(&policy_file).map_err(|e| e.raw_os_error());
+            let first = read(&policy_file);
             read_once.send(()).expect("signal");
             replaced_rx.recv().expect("replaced");
-            let replaced = std::fs::read(&policy_file).map_err(|e| e.raw_os_error());
-            let write = std::fs::write(&policy_file, b"x").map_err(|e| e.raw_os_error());
-            let list = std::fs::read_dir(&dir)
-                .map(drop)
-                .map_err(|e| e.raw_os_error());
-            let other = std::fs::read(&outside).map_err(|e| e.raw_os_error());
-            (enforcement, first, replaced, write, list, other)
+            let replaced = read(&policy_file);
+            let refused = (write(&policy_file), list(&dir), read(&outside));
+            (enforcement, first, replaced, refused)
         });
         replace.recv().expect("first read");
         std::fs::write(&staged, b"second").expect("stage");
         std::fs::rename(&staged, &file).expect("rename");
         replaced_tx.send(()).expect("signal");
-        let (enforcement, first, replaced, write, list, other) = restricted.join().expect("thread");
-        std::fs::remove_dir_all(&base).ok();
+        let (enforcement, first, replaced, refused) = restricted.join().expect("thread");
         if enforcement == Enforcement::Absent {
             return;
         }
         assert_eq!(enforcement, Enforcement::Full);
         assert_eq!(first, Ok(b"first".to_vec()));
         assert_eq!(replaced, Ok(b"second".to_vec()));
-        assert_eq!(write, Err(Some(libc::EACCES)));
-        assert_eq!(list, Err(Some(libc::EACCES)));
-        assert_eq!(other, Err(Some(libc::EACCES)));
+        assert_eq!(refused, (denied(), denied(), denied()));
     }
 }

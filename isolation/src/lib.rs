@@ -31,9 +31,13 @@
 //! changing uid needs the capabilities the last step drops; and the seccomp
 //! filter forbids every call the earlier steps make.
 //!
+//! Around the walls, the daemons share their frame too ([`daemon`]): the
+//! log, the config file, how `main` ends.
+//!
 //! `docs/security.md` describes the threat model and what each wall stops.
 
 pub mod config;
+pub mod daemon;
 pub mod landlock;
 pub mod namespaces;
 pub mod privileges;

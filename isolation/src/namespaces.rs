@@ -293,6 +293,7 @@ fn mount(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::testing::ScratchDir;
 
     #[test]
     fn invalid_combinations_are_refused_before_anything_changes() {
@@ -330,11 +331,10 @@ mod tests {
             eprintln!("skipped: neither root nor user namespaces");
             return;
         };
-        let dir = std::env::temp_dir().join(format!("isolation-ns-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        std::fs::write(dir.join("kept.txt"), b"kept").expect("write");
-        let keep = vec![dir.clone()];
-        let kept_file = dir.join("kept.txt");
+        let scratch = ScratchDir::new("isolation-ns");
+        let dir = scratch.path();
+        let kept_file = scratch.write("kept.txt", b"kept");
+        let keep = vec![dir.to_path_buf()];
         let hostname_probe = c"/etc/passwd";
         // SAFETY: the child makes system calls and small allocations (glibc
         // resets malloc's locks in the child) and leaves with _exit.
@@ -368,7 +368,6 @@ mod tests {
         let mut status = 0;
         // SAFETY: waits for our own child.
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-        std::fs::remove_dir_all(&dir).ok();
         assert!(libc::WIFEXITED(status), "status {status:#x}");
         assert_eq!(libc::WEXITSTATUS(status), 0, "child step failed");
     }

@@ -420,6 +420,7 @@ impl Identity {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::testing::ScratchDir;
 
     #[test]
     fn root_switches_to_nobody_by_default_and_others_keep_their_identity() {
@@ -450,16 +451,24 @@ mod tests {
         }
     }
 
-    #[test]
-    fn mode_bits_decide_who_may_connect() {
+    fn chmod(path: &Path, mode: u32) {
         use std::os::unix::fs::PermissionsExt;
-        let dir = std::env::temp_dir().join(format!("isolation-connect-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        let sock = dir.join("s.sock");
-        let _ = std::fs::remove_file(&sock);
-        let _listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
-        let meta = std::fs::metadata(&sock).expect("stat");
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode)).expect("chmod");
+    }
+
+    /// `may` (a check of [`Identity`]) on `path`, a socket or file in a
+    /// test directory: its owner passes, and a stranger (another uid and
+    /// gid) passes when `path` has mode `open` but not `closed`, nor once
+    /// the directory above is closed to others.
+    fn assert_mode_bits_decide(
+        path: &Path,
+        may: fn(&Identity, &Path) -> std::io::Result<bool>,
+        closed: u32,
+        open: u32,
+    ) {
+        let dir = path.parent().expect("test dir");
+        chmod(dir, 0o755);
+        let meta = std::fs::metadata(path).expect("stat");
         let owner = Identity {
             uid: meta.uid(),
             gid: meta.gid(),
@@ -468,41 +477,28 @@ mod tests {
             uid: meta.uid().wrapping_add(4242),
             gid: meta.gid().wrapping_add(4242),
         };
-        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        assert!(owner.may_connect(&sock).expect("check"));
-        assert!(!stranger.may_connect(&sock).expect("check"));
-        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o777)).expect("chmod");
-        assert!(stranger.may_connect(&sock).expect("check"));
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
-        assert!(!stranger.may_connect(&sock).expect("check"));
-        std::fs::remove_dir_all(&dir).ok();
+        chmod(path, closed);
+        assert!(may(&owner, path).expect("check"));
+        assert!(!may(&stranger, path).expect("check"));
+        chmod(path, open);
+        assert!(may(&stranger, path).expect("check"));
+        chmod(dir, 0o700);
+        assert!(!may(&stranger, path).expect("check"));
+    }
+
+    #[test]
+    fn mode_bits_decide_who_may_connect() {
+        let dir = ScratchDir::new("isolation-connect");
+        let sock = dir.path().join("s.sock");
+        let _listener = std::os::unix::net::UnixListener::bind(&sock).expect("bind");
+        assert_mode_bits_decide(&sock, Identity::may_connect, 0o755, 0o777);
     }
 
     #[test]
     fn mode_bits_decide_who_may_read() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = std::env::temp_dir().join(format!("isolation-read-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        let file = dir.join("policy.toml");
-        std::fs::write(&file, b"").expect("write");
-        let meta = std::fs::metadata(&file).expect("stat");
-        let owner = Identity {
-            uid: meta.uid(),
-            gid: meta.gid(),
-        };
-        let stranger = Identity {
-            uid: meta.uid().wrapping_add(4242),
-            gid: meta.gid().wrapping_add(4242),
-        };
-        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).expect("chmod");
-        assert!(owner.may_read(&file).expect("check"));
-        assert!(!stranger.may_read(&file).expect("check"));
-        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).expect("chmod");
-        assert!(stranger.may_read(&file).expect("check"));
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700)).expect("chmod");
-        assert!(!stranger.may_read(&file).expect("check"));
-        std::fs::remove_dir_all(&dir).ok();
+        let dir = ScratchDir::new("isolation-read");
+        let file = dir.write("policy.toml", b"");
+        assert_mode_bits_decide(&file, Identity::may_read, 0o600, 0o644);
     }
 
     /// The whole drop, in a child process (it cannot be undone): as root,

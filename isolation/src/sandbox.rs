@@ -4,17 +4,17 @@
 //! still needs, its locked-memory limit, whether a user namespace would
 //! break it); the operator's [`SandboxConfig`] says which walls are up.
 //! [`Plan::new`] decides everything before anything changes and refuses
-//! impossible requests; the steps then run in the fixed order of the
-//! daemon's `main.rs`:
+//! impossible requests; [`Plan::enter`], called by the daemon's `main.rs`
+//! once it has opened what it needs, then runs the steps in their fixed
+//! order:
 //!
-//! 1. [`Plan::enter_namespaces`] — checks that the daemon is still
-//!    single-threaded, then `--sandbox namespace` only: private mount,
-//!    network and IPC namespaces whose root holds only [`Walls::keep`].
-//! 2. [`Plan::restrict_filesystem`] — landlock: [`Walls::fs`] and nothing
-//!    else.
-//! 3. [`Plan::drop_privileges`] — limits, uid/gid, capabilities.
-//! 4. seccomp — [`crate::seccomp::Threads::start`] with
-//!    [`Plan::seccomp`], last, as it forbids what the steps above do.
+//! 1. namespaces — checks that the daemon is still single-threaded, then
+//!    `--sandbox namespace` only: private mount, network and IPC
+//!    namespaces whose root holds only [`Walls::keep`].
+//! 2. landlock — [`Walls::fs`] and nothing else.
+//! 3. privileges — limits, uid/gid, capabilities.
+//! 4. seccomp — [`crate::seccomp::Threads::start`], last, as it forbids
+//!    what the steps above do.
 
 use std::path::PathBuf;
 
@@ -22,7 +22,7 @@ use crate::config::SandboxConfig;
 use crate::landlock::{self, FsPolicy, LandlockError};
 use crate::namespaces::{self, NamespaceError, NamespacePlan, SandboxMode};
 use crate::privileges::{self, Identity, PrivilegeError, ResourceLimits};
-use crate::seccomp::{SeccompError, SeccompMode};
+use crate::seccomp::{SeccompError, ThreadRole, Threads};
 
 /// Why a daemon refused to start its sandbox.
 #[derive(Debug, thiserror::Error)]
@@ -117,16 +117,25 @@ impl Plan {
         self.identity
     }
 
-    /// The operator's seccomp choice, for [`crate::seccomp::Threads::start`].
-    pub fn seccomp(&self) -> SeccompMode {
-        self.config.seccomp
+    /// The sandbox, every step in its order (namespaces, landlock,
+    /// privileges, seccomp), on the daemon's still single-threaded main
+    /// thread. The last step installs `main`'s filter on the calling thread
+    /// and returns the launcher that starts every later thread under its
+    /// own role's filter (one of `spawned`), with the operator's violation
+    /// action — or, only when explicitly asked, no filter at all.
+    pub fn enter<R: ThreadRole>(&self, main: R, spawned: &[R]) -> Result<Threads<R>, SandboxError> {
+        self.enter_namespaces()?;
+        self.restrict_filesystem()?;
+        self.drop_privileges()?;
+        Threads::start(self.config.seccomp, main, spawned, self.walls.daemon)
+            .map_err(SandboxError::Seccomp)
     }
 
     /// Step 1: checks that the daemon is still single-threaded (namespaces,
     /// landlock and the credential changes apply to the calling thread
     /// only), then enters the namespaces of `--sandbox namespace` (nothing
     /// for `none`).
-    pub fn enter_namespaces(&self) -> Result<(), SandboxError> {
+    fn enter_namespaces(&self) -> Result<(), SandboxError> {
         let threads = crate::thread_count().map_err(SandboxError::ThreadCount)?;
         if threads != 1 {
             return Err(SandboxError::Threads {
@@ -153,7 +162,7 @@ impl Plan {
 
     /// Step 2: landlock, with the daemon's paths and nothing else; refuses
     /// a kernel without landlock unless the operator allowed it.
-    pub fn restrict_filesystem(&self) -> Result<(), SandboxError> {
+    fn restrict_filesystem(&self) -> Result<(), SandboxError> {
         let daemon = self.walls.daemon;
         if !self.config.landlock {
             tracing::warn!(
@@ -172,7 +181,7 @@ impl Plan {
 
     /// Step 3: resource limits, the uid/gid switch (when started as root)
     /// and no capabilities, no_new_privs, not dumpable.
-    pub fn drop_privileges(&self) -> Result<(), SandboxError> {
+    fn drop_privileges(&self) -> Result<(), SandboxError> {
         let limits = ResourceLimits {
             nofile: self.config.rlimit_nofile,
             memlock: self.walls.memlock,
@@ -184,6 +193,7 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::seccomp::SeccompMode;
 
     fn walls(no_user_namespace: Option<&'static str>) -> Walls {
         Walls {
@@ -213,6 +223,6 @@ mod tests {
         config.mode = SandboxMode::None;
         let plan = Plan::new(&config, walls(Some("never"))).expect("no namespaces");
         assert_eq!(plan.namespaces, None);
-        assert_eq!(plan.seccomp(), SeccompMode::default());
+        assert_eq!(plan.config.seccomp, SeccompMode::default());
     }
 }

@@ -137,6 +137,18 @@ impl Vdev {
         }
     }
 
+    /// Fails the test unless vdev's log so far holds each of `lines`.
+    #[track_caller]
+    pub fn assert_logged(&self, lines: &[&str]) {
+        let log = self.log();
+        let missing: Vec<_> = lines.iter().filter(|line| !log.contains(*line)).collect();
+        assert!(
+            missing.is_empty(),
+            "vdev logged no {missing:?}:
+{log}"
+        );
+    }
+
     /// Kills vdev (SIGKILL) and starts it again on the same socket.
     pub fn restart(&mut self) {
         must(self.daemon.restart());

@@ -208,6 +208,23 @@ pub fn read_mr(mr: &MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
     out
 }
 
+/// The work request id and status of the next `n` completions on `cq`,
+/// in order.
+#[track_caller]
+pub fn statuses(cq: &CompletionQueue, n: usize) -> Vec<(u64, WcStatus)> {
+    wait_completions(cq, n)
+        .iter()
+        .map(|wc| (wc.wr_id, wc.status))
+        .collect()
+}
+
+/// Writes [`pattern`]`(len, seed)` at the start of `mr`; the bytes.
+pub fn fill(mr: &MemoryRegion, len: usize, seed: u8) -> Vec<u8> {
+    let data = pattern(len, seed);
+    mr.write(0, &data).expect("fill the MR");
+    data
+}
+
 /// `len` bytes that differ with `seed` and along the buffer (no period of
 /// a page or less), to tell one buffer's bytes from another's.
 pub fn pattern(len: usize, seed: u8) -> Vec<u8> {

@@ -125,11 +125,7 @@ impl Qp {
     }
 
     fn modify(&self, vmm: &mut Vmm, attr_mask: u32, attr: QpAttr) {
-        let req = ModifyQpReq {
-            qpn: self.qpn.into(),
-            attr_mask: attr_mask.into(),
-            attr,
-        };
+        let req = vmm::modify_req(self.qpn, attr_mask, attr);
         let errno = vmm.errno(Opcode::ModifyQp, req.as_bytes());
         assert_eq!(errno, 0, "modify_qp to {}", attr.qp_state);
     }
@@ -447,15 +443,9 @@ fn doorbell_and_events(vmm: &mut Vmm) -> (vmm::RawQueue, vmm::RawQueue) {
             .write_slice(&[0u8; 0x1000], GuestAddress(page))
             .expect("clear");
     }
-    let page = SetDoorbellReq {
-        addr: DOORBELL_PAGE.into(),
-    };
+    let page = vmm::doorbell_req(DOORBELL_PAGE);
     assert_eq!(vmm.errno(Opcode::SetDoorbell, page.as_bytes()), 0);
-    let eq = CreateEqReq {
-        vector: 0.into(),
-        depth: EVENT_DEPTH.into(),
-        ring_addr: EVENT_RING.into(),
-    };
+    let eq = vmm::eq_req(0, EVENT_DEPTH, EVENT_RING);
     assert_eq!(vmm.errno(Opcode::CreateEq, eq.as_bytes()), 0);
     (doorbell, events)
 }

@@ -11,8 +11,8 @@ use vrdma_spec::verbs::SendOpcode::{
 use vrdma_spec::verbs::{access, QpState, WcOpcode, WcStatus};
 use vrdma_tests::daemon::{Hostd, Vdev};
 use vrdma_tests::tenant::{
-    assert_no_completion, bring_up, connect, default_caps, one, pattern, policy, rdma, read_mr,
-    signaled, wait_completions, Connection, Pair, Tenant,
+    assert_no_completion, bring_up, connect, default_caps, fill, one, pattern, policy, rdma,
+    read_mr, signaled, statuses, wait_completions, Connection, Pair, Tenant,
 };
 use vrdma_tools::verbs::Opened;
 
@@ -23,8 +23,7 @@ const RW: u32 =
 fn rdma_write_lands_in_the_peers_memory() {
     let s = Pair::start();
     let (src, dst) = s.mrs(64 << 10);
-    let data = pattern(64 << 10, 1);
-    src.write(0, &data).expect("fill");
+    let data = fill(&src, 64 << 10, 1);
     let sge = [src.sge(0, data.len() as u32)];
     s.qa.post_send(&[rdma(7, SendOpcode::RdmaWrite, &sge, dst.iova(), dst.rkey())])
         .expect("post");
@@ -45,8 +44,7 @@ fn rdma_write_lands_in_the_peers_memory() {
 fn write_with_immediate_consumes_a_receive() {
     let s = Pair::start();
     let (src, dst) = s.mrs(4096);
-    let data = pattern(1000, 2);
-    src.write(0, &data).expect("fill");
+    let data = fill(&src, 1000, 2);
     s.recv(99, &[]);
     let sge = [src.sge(0, 1000)];
     let mut wr = rdma(
@@ -143,8 +141,7 @@ fn inline_send_and_unsignaled_work() {
 fn rdma_read_fetches_the_peers_memory() {
     let s = Pair::start();
     let (local, remote) = s.mrs(16 << 10);
-    let data = pattern(16 << 10, 4);
-    remote.write(0, &data).expect("fill");
+    let data = fill(&remote, 16 << 10, 4);
     let sge = [local.sge(0, 8 << 10), local.sge(8 << 10, 8 << 10)];
     let wc = s.post(rdma(11, RdmaRead, &sge, remote.iova(), remote.rkey()));
     assert_eq!(
@@ -195,9 +192,8 @@ fn misaligned_atomic_is_an_invalid_request() {
 fn a_foreign_or_invalid_rkey_is_a_remote_access_error_and_the_victim_is_untouched() {
     let s = Pair::start();
     let (src, victim) = s.mrs(4096);
-    src.write(0, &pattern(4096, 5)).expect("fill");
-    let canary = pattern(4096, 6);
-    victim.write(0, &canary).expect("canary");
+    fill(&src, 4096, 5);
+    let canary = fill(&victim, 4096, 6);
     // A's own MR's rkey used against B: the key is A's, not B's.
     let own = s.a.pd.alloc_mr(4096, RW).expect("own");
     let sge = [src.sge(0, 64)];
@@ -210,8 +206,7 @@ fn a_foreign_or_invalid_rkey_is_a_remote_access_error_and_the_victim_is_untouche
 fn a_guessed_rkey_fails_and_the_qp_flushes_what_follows() {
     let s = Pair::start();
     let (src, victim) = s.mrs(4096);
-    let canary = pattern(4096, 7);
-    victim.write(0, &canary).expect("canary");
+    let canary = fill(&victim, 4096, 7);
     let sge = [src.sge(0, 64)];
     let (iova, rkey) = (victim.iova(), victim.rkey());
     let wrs = [
@@ -220,10 +215,8 @@ fn a_guessed_rkey_fails_and_the_qp_flushes_what_follows() {
         rdma(3, RdmaWrite, &sge, iova, rkey),
     ];
     s.qa.post_send(&wrs).expect("post");
-    let wcs = wait_completions(&s.a.cq, 3);
-    let got: Vec<_> = wcs.iter().map(|wc| (wc.wr_id, wc.status)).collect();
     assert_eq!(
-        got,
+        statuses(&s.a.cq, 3),
         vec![
             (1, WcStatus::RemAccessErr),
             (2, WcStatus::WrFlushErr),
@@ -337,12 +330,8 @@ fn receiver_not_ready_retries_then_succeeds_or_fails() {
         )),
     ];
     s.qa.post_send(&wrs).expect("send");
-    let got: Vec<_> = wait_completions(&s.a.cq, 2)
-        .iter()
-        .map(|wc| (wc.wr_id, wc.status))
-        .collect();
     assert_eq!(
-        got,
+        statuses(&s.a.cq, 2),
         vec![(1, WcStatus::RnrRetryExcErr), (2, WcStatus::WrFlushErr)]
     );
 }
@@ -362,18 +351,8 @@ fn moving_a_qp_to_error_flushes_its_receives() {
     };
     s.qb.modify(&err, vrdma_spec::qp_state::mask::STATE)
         .expect("to ERR");
-    let got: Vec<_> = wait_completions(&s.b.cq, 3)
-        .iter()
-        .map(|wc| (wc.wr_id, wc.status))
-        .collect();
-    assert_eq!(
-        got,
-        vec![
-            (0, WcStatus::WrFlushErr),
-            (1, WcStatus::WrFlushErr),
-            (2, WcStatus::WrFlushErr)
-        ]
-    );
+    let flushed: Vec<_> = (0..3).map(|i| (i, WcStatus::WrFlushErr)).collect();
+    assert_eq!(statuses(&s.b.cq, 3), flushed);
 }
 
 #[test]
@@ -386,7 +365,7 @@ fn many_qps_share_the_physical_queues_and_keep_their_order() {
     }
     let src = s.a.pd.alloc_mr(4096, RW).expect("src");
     let dst = s.b.pd.alloc_mr(64 << 10, RW).expect("dst");
-    src.write(0, &pattern(4096, 8)).expect("fill");
+    fill(&src, 4096, 8);
     let sge = [src.sge(0, 256)];
     for round in 0..8u64 {
         for (i, qa) in qps_a.iter().enumerate() {
@@ -416,6 +395,13 @@ fn assert_completion_event(t: &Tenant) {
     assert_eq!(event.expect("event"), Some(completion));
 }
 
+/// `t`'s CQ raised no completion event within 50 ms.
+#[track_caller]
+fn assert_no_completion_event(t: &Tenant) {
+    let event = t.ctx.get_event(0, Some(Duration::from_millis(50)));
+    assert_eq!(event.expect("poll"), None);
+}
+
 #[test]
 fn completion_events_wake_an_armed_cq_once() {
     let s = Pair::start();
@@ -429,12 +415,7 @@ fn completion_events_wake_an_armed_cq_once() {
     s.recv(2, &[dst.sge(0, 64)]);
     s.send_inline(2, b"again");
     assert_eq!(one(&s.b.cq).wr_id, 2);
-    assert_eq!(
-        s.b.ctx
-            .get_event(0, Some(Duration::from_millis(50)))
-            .expect("poll"),
-        None
-    );
+    assert_no_completion_event(&s.b);
 }
 
 #[test]
@@ -469,8 +450,7 @@ fn a_third_tenant_cannot_use_a_victims_rkey_through_its_own_connection() {
     // alpha also connects to itself (a second QP pair inside alpha); with
     // beta's rkey it aims at beta's memory over a QP whose peer is alpha.
     let victim = s.b.pd.alloc_mr(4096, RW).expect("victim");
-    let canary = pattern(4096, 9);
-    victim.write(0, &canary).expect("canary");
+    let canary = fill(&victim, 4096, 9);
     let q1 = s.a.qp(default_caps());
     let q2 = s.a.qp(default_caps());
     connect(&s.a, &q1, &s.a, &q2, Connection::default());
@@ -572,13 +552,8 @@ fn a_cq_armed_for_solicited_events_ignores_unsolicited_messages() {
     s.b.cq.req_notify(true);
     s.send_inline(1, b"plain");
     assert_eq!(one(&s.b.cq).wr_id, 1);
-    assert_eq!(
-        s.b.ctx
-            .get_event(0, Some(Duration::from_millis(50)))
-            .expect("poll"),
-        None,
-        "not solicited"
-    );
+    // Not solicited: no event.
+    assert_no_completion_event(&s.b);
     let mut solicited = SendWr::new(2, SendOpcode::Send, SendPayload::Inline(b"urgent"));
     solicited.flags |= vrdma_spec::ring::send_flags::SOLICITED;
     s.qa.post_send(&[solicited]).expect("send");
@@ -605,8 +580,7 @@ fn a_memory_region_of_scattered_segments_takes_writes_and_reads() {
             .expect("scattered MR");
     assert_eq!((dst.len(), dst.iova()), (total, iova));
     let src = s.a.pd.alloc_mr(2 * total, RW).expect("source MR");
-    let data = pattern(total, 41);
-    src.write(0, &data).expect("fill");
+    let data = fill(&src, total, 41);
     // A WRITE over all three segments, then one that starts in the middle
     // segment and ends in the last.
     let sge = [src.sge(0, total as u32)];

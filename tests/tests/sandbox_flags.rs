@@ -4,10 +4,10 @@
 //! for the same input. Only the default open-file limit differs (each
 //! daemon's needs).
 
-use std::path::{Path, PathBuf};
-
 use clap::Parser;
 use vrdma_hostd::config::{Args as HostdArgs, Config as HostdConfig, DEFAULT_RLIMIT_NOFILE};
+use vrdma_isolation::config::SandboxConfig;
+use vrdma_isolation::daemon::testing::{arg, ScratchDir};
 use vrdma_vdev::config::{Args as VdevArgs, Config as VdevConfig, DEFAULT_NOFILE};
 
 /// Every sandbox flag, alone and together.
@@ -51,6 +51,22 @@ const REFUSED: &[&[&str]] = &[
     &["--gid", "no-such-group-here"],
 ];
 
+/// `[sandbox]` tables, with the same keys as the flags.
+const ACCEPTED_TABLES: &[&str] = &[
+    "",
+    "[sandbox]\nseccomp = \"trap\"\n",
+    "[sandbox]\nmode = \"namespace\"\nlandlock = false\nallow_no_landlock = true\n",
+    "[sandbox]\nuid = \"nobody\"\ngid = 65534\nrlimit_nofile = 2048\n",
+];
+
+/// Refused by both: a bad value, or a key that is not one.
+const REFUSED_TABLES: &[&str] = &[
+    "[sandbox]\nseccomp = \"nope\"\n",
+    "[sandbox]\nmode = \"chroot\"\n",
+    "[sandbox]\nrlimit_nofile = 3\n",
+    "[sandbox]\nlandlok = true\n",
+];
+
 /// vdev's validated config for `flags`, `None` if it refuses them.
 fn vdev(socket: &str, flags: &[&str]) -> Option<VdevConfig> {
     let line = [&["vdev", "--socket", socket][..], flags].concat();
@@ -81,51 +97,30 @@ fn both_daemons_read_the_sandbox_flags_alike() {
     }
 }
 
-/// A scratch directory for config files, removed on drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new() -> Scratch {
-        let dir = std::env::temp_dir().join(format!("sandbox-flags-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        Scratch(dir)
-    }
-
-    fn write(&self, name: &str, text: &str) -> PathBuf {
-        let path = self.0.join(name);
-        std::fs::write(&path, text).expect("write config");
-        path
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-fn arg(path: &Path) -> &str {
-    path.to_str().expect("utf-8 path")
+/// Both daemons' sandbox settings for a config file holding `table` (after
+/// the daemon's socket) and the flags `extra`, `None` where one refuses.
+fn both_with_table(
+    scratch: &ScratchDir,
+    table: &str,
+    extra: &[&str],
+) -> (Option<SandboxConfig>, Option<SandboxConfig>) {
+    let v = scratch.write("vdev.toml", format!("socket = \"/tmp/v.sock\"\n{table}"));
+    let h = scratch.write("hostd.toml", format!("socket = \"/tmp/h.sock\"\n{table}"));
+    let flags = |file| [&["--config", arg(file)][..], extra].concat();
+    (
+        vdev("/tmp/v.sock", &flags(&v)).map(|config| config.sandbox),
+        hostd("/tmp/h.sock", &flags(&h)).map(|config| config.sandbox),
+    )
 }
 
 #[test]
 fn both_daemons_read_the_sandbox_table_alike() {
-    let scratch = Scratch::new();
-    for table in [
-        "",
-        "[sandbox]\nseccomp = \"trap\"\n",
-        "[sandbox]\nmode = \"namespace\"\nlandlock = false\nallow_no_landlock = true\n",
-        "[sandbox]\nuid = \"nobody\"\ngid = 65534\nrlimit_nofile = 2048\n",
-    ] {
-        let v = scratch.write("vdev.toml", &format!("socket = \"/tmp/v.sock\"\n{table}"));
-        let h = scratch.write("hostd.toml", &format!("socket = \"/tmp/h.sock\"\n{table}"));
+    let scratch = ScratchDir::new("sandbox-flags");
+    for table in ACCEPTED_TABLES {
         for extra in [&[][..], &["--seccomp", "log"]] {
-            let mut vs = vdev("/tmp/v.sock", &[&["--config", arg(&v)][..], extra].concat())
-                .expect("vdev accepts")
-                .sandbox;
-            let mut hs = hostd("/tmp/h.sock", &[&["--config", arg(&h)][..], extra].concat())
-                .expect("hostd accepts")
-                .sandbox;
+            let (vs, hs) = both_with_table(&scratch, table, extra);
+            let mut vs = vs.expect("vdev accepts");
+            let mut hs = hs.expect("hostd accepts");
             if !table.contains("rlimit_nofile") {
                 (vs.rlimit_nofile, hs.rlimit_nofile) = (0, 0);
             }
@@ -136,21 +131,7 @@ fn both_daemons_read_the_sandbox_table_alike() {
             }
         }
     }
-    for bad in [
-        "[sandbox]\nseccomp = \"nope\"\n",
-        "[sandbox]\nmode = \"chroot\"\n",
-        "[sandbox]\nrlimit_nofile = 3\n",
-        "[sandbox]\nlandlok = true\n",
-    ] {
-        let v = scratch.write("vdev.toml", &format!("socket = \"/tmp/v.sock\"\n{bad}"));
-        let h = scratch.write("hostd.toml", &format!("socket = \"/tmp/h.sock\"\n{bad}"));
-        assert!(
-            vdev("/tmp/v.sock", &["--config", arg(&v)]).is_none(),
-            "{bad:?}"
-        );
-        assert!(
-            hostd("/tmp/h.sock", &["--config", arg(&h)]).is_none(),
-            "{bad:?}"
-        );
+    for bad in REFUSED_TABLES {
+        assert_eq!(both_with_table(&scratch, bad, &[]), (None, None), "{bad:?}");
     }
 }

@@ -5,18 +5,19 @@
 //! vdev attached to hostd is tested in `vdev_on_hostd.rs`.
 
 use vhost::vhost_user::VhostUserFrontend;
-use vhost::VhostBackend;
 use vm_memory::{Bytes, GuestAddress};
 use vrdma_spec::config::{DeviceAttr, PortAttr, CONFIG_MAGIC};
 use vrdma_spec::control::*;
 use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::{self, RING_ALIGN};
-use vrdma_spec::verbs::{access, Mtu, QpState};
+use vrdma_spec::verbs::{access, QpState};
 use vrdma_spec::zerocopy::IntoBytes;
 use vrdma_tests::daemon::{TempDir, Vdev};
 use vrdma_tests::vmm::{
-    self, alloc_pd, cq_req, pd, qp_req, reg, Desc, Vmm, FREE, GUEST_BASE, GUEST_SIZE, SCRATCH,
+    self, alloc_pd, cq_req, doorbell_req, eq_req, pd, qp_req, query_qp, reg, Desc, Vmm, FREE,
+    GUEST_BASE, GUEST_SIZE, SCRATCH,
 };
+use vrdma_tools::verbs::{transitions, Connection};
 
 const EINVAL: u32 = libc::EINVAL as u32;
 const EBUSY: u32 = libc::EBUSY as u32;
@@ -30,21 +31,16 @@ fn assert_still_serving(vmm: &mut Vmm) {
     assert_eq!(attr.phys_port_cnt, 1);
 }
 
+/// A PD can be made and removed: no object of what came before is in the
+/// way.
+fn assert_a_new_pd_comes_and_goes(vmm: &mut Vmm) {
+    let pdn = alloc_pd(vmm);
+    assert_eq!(vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
+}
+
 /// Where the tests' drivers keep their doorbell page and event rings.
 const DOORBELL_PAGE: u64 = FREE + (4 << 20);
 const EVENT_RING: u64 = FREE + (5 << 20);
-
-fn doorbell_req(addr: u64) -> SetDoorbellReq {
-    SetDoorbellReq { addr: addr.into() }
-}
-
-fn eq_req(vector: u32, depth: u32, addr: u64) -> CreateEqReq {
-    CreateEqReq {
-        vector: vector.into(),
-        depth: depth.into(),
-        ring_addr: addr.into(),
-    }
-}
 
 #[test]
 fn config_space_and_queries_describe_the_device() {
@@ -72,14 +68,11 @@ fn config_space_and_queries_describe_the_device() {
         attr.max_qp_rd_atom.get() > 0,
         "ib_read_bw needs max_qp_rd_atom > 0"
     );
-    let port: PortAttr = vmm.ok(
-        Opcode::QueryPort,
-        QueryPortReq {
-            port_num: 1,
-            ..Default::default()
-        }
-        .as_bytes(),
-    );
+    let port_req = |port_num| QueryPortReq {
+        port_num,
+        ..Default::default()
+    };
+    let port: PortAttr = vmm.ok(Opcode::QueryPort, port_req(1).as_bytes());
     assert_eq!(port, vmm.config.port);
     assert_eq!(port.state, 4, "port ACTIVE");
     let gid: QueryGidResp = vmm.ok(
@@ -91,17 +84,7 @@ fn config_space_and_queries_describe_the_device() {
         .as_bytes(),
     );
     assert_eq!(gid.gid, vmm.config.gid);
-    assert_eq!(
-        vmm.errno(
-            Opcode::QueryPort,
-            QueryPortReq {
-                port_num: 0,
-                ..Default::default()
-            }
-            .as_bytes()
-        ),
-        EINVAL
-    );
+    assert_eq!(vmm.errno(Opcode::QueryPort, port_req(0).as_bytes()), EINVAL);
 }
 
 #[test]
@@ -118,62 +101,44 @@ fn every_control_verb_and_its_failure_paths() {
     let rw = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
     let mr: RegMrResp = vmm.ok(Opcode::RegMr, reg(pdn, FREE, 1 << 20, rw).as_bytes());
     assert_ne!(mr.lkey.get(), 0);
-    assert_eq!(
-        vmm.errno(
-            Opcode::RegMr,
-            reg(pdn, FREE, 4096, access::REMOTE_WRITE).as_bytes()
-        ),
-        EINVAL,
-        "remote write needs local write"
-    );
-    assert_eq!(
-        vmm.errno(Opcode::RegMr, reg(pdn + 1000, FREE, 4096, rw).as_bytes()),
-        EINVAL,
-        "unknown PD"
-    );
-    assert_eq!(
-        vmm.errno(Opcode::RegMr, reg(pdn, FREE, 0, rw).as_bytes()),
-        EINVAL,
-        "zero length"
-    );
     let end = GUEST_BASE + GUEST_SIZE as u64;
-    assert_eq!(
-        vmm.errno(Opcode::RegMr, reg(pdn, end - 4096, 8192, rw).as_bytes()),
-        EFAULT,
-        "MR spans unmapped memory"
-    );
-    assert_eq!(
-        vmm.errno(
-            Opcode::RegMr,
-            reg(pdn, u64::MAX - 4095, 8192, rw).as_bytes()
+    for (req, errno, what) in [
+        (
+            reg(pdn, FREE, 4096, access::REMOTE_WRITE),
+            EINVAL,
+            "remote write needs local write",
         ),
-        EFAULT,
-        "MR wraps around"
-    );
-    assert_eq!(
-        vmm.errno(Opcode::RegMr, reg(pdn, 0, 4096, rw).as_bytes()),
-        EFAULT,
-        "MR below guest memory"
-    );
+        (reg(pdn + 1000, FREE, 4096, rw), EINVAL, "unknown PD"),
+        (reg(pdn, FREE, 0, rw), EINVAL, "zero length"),
+        (
+            reg(pdn, end - 4096, 8192, rw),
+            EFAULT,
+            "MR spans unmapped memory",
+        ),
+        (
+            reg(pdn, u64::MAX - 4095, 8192, rw),
+            EFAULT,
+            "MR wraps around",
+        ),
+        (reg(pdn, 0, 4096, rw), EFAULT, "MR below guest memory"),
+    ] {
+        assert_eq!(vmm.errno(Opcode::RegMr, req.as_bytes()), errno, "{what}");
+    }
 
     // CQ
     let cq_ring = FREE + (2 << 20);
     let cq: CqHandle = vmm.ok(Opcode::CreateCq, cq_req(cq_ring, 64).as_bytes());
-    assert_eq!(
-        vmm.errno(Opcode::CreateCq, cq_req(cq_ring + 64, 64).as_bytes()),
-        EINVAL,
-        "misaligned CQ ring"
-    );
-    assert_eq!(
-        vmm.errno(Opcode::CreateCq, cq_req(end - RING_ALIGN, 4096).as_bytes()),
-        EINVAL,
-        "CQ ring past guest memory"
-    );
-    assert_eq!(
-        vmm.errno(Opcode::CreateCq, cq_req(cq_ring, 0).as_bytes()),
-        EINVAL,
-        "zero depth"
-    );
+    for (req, what) in [
+        (cq_req(cq_ring + 64, 64), "misaligned CQ ring"),
+        (cq_req(end - RING_ALIGN, 4096), "CQ ring past guest memory"),
+        (cq_req(cq_ring, 0), "zero depth"),
+    ] {
+        assert_eq!(
+            vmm.errno(Opcode::CreateCq, req.as_bytes()),
+            EINVAL,
+            "{what}"
+        );
+    }
 
     // QP: not before the doorbell page.
     let (sq, rq) = (FREE + (3 << 20), FREE + (3 << 20) + 0x10000);
@@ -238,65 +203,39 @@ fn every_control_verb_and_its_failure_paths() {
     let qpn = qp.qpn.get();
     assert_eq!(qp.db_index.get(), 0, "the first QP's doorbell bit");
     assert!(qp.cap.max_send_wr.get() >= 16 && qp.cap.max_inline_data.get() >= 32);
-    assert_eq!(
-        vmm.errno(
-            Opcode::CreateQp,
-            qp_req(pdn, cq.cqn.get() + 77, sq, rq).as_bytes()
-        ),
-        EINVAL,
-        "unknown CQ"
-    );
-    assert_eq!(
-        vmm.errno(
-            Opcode::CreateQp,
-            qp_req(pdn, cq.cqn.get(), end, rq).as_bytes()
-        ),
-        EINVAL,
-        "SQ ring outside memory"
-    );
+    for (req, what) in [
+        (qp_req(pdn, cq.cqn.get() + 77, sq, rq), "unknown CQ"),
+        (qp_req(pdn, cq.cqn.get(), end, rq), "SQ ring outside memory"),
+    ] {
+        assert_eq!(
+            vmm.errno(Opcode::CreateQp, req.as_bytes()),
+            EINVAL,
+            "{what}"
+        );
+    }
 
     // modify_qp through RTS, with a wrong attribute at each step first.
     let modify = |vmm: &mut Vmm, attr_mask: u32, attr: QpAttr| {
         vmm.errno(
             Opcode::ModifyQp,
-            ModifyQpReq {
-                qpn: qpn.into(),
-                attr_mask: attr_mask.into(),
-                attr,
-            }
-            .as_bytes(),
+            vmm::modify_req(qpn, attr_mask, attr).as_bytes(),
         )
     };
-    let init = QpAttr {
-        qp_state: QpState::Init.into(),
-        port_num: 1,
-        qp_access_flags: (access::REMOTE_WRITE | access::REMOTE_READ).into(),
-        ..QpAttr::default()
+    // What the driver sends: to peer QP 0x42 behind LID 3, one read or
+    // atomic in flight each way.
+    let how = Connection {
+        access: access::REMOTE_WRITE | access::REMOTE_READ,
+        min_rnr_timer: 12,
+        rd_atomic: 1,
+        ..Connection::DEFAULT
     };
-    let init_mask = mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS;
+    let [(init, init_mask), (rtr, rtr_mask), (rts, rts_mask)] = transitions(0x42, 3, how);
     assert_eq!(
         modify(&mut vmm, mask::STATE | mask::PORT, init),
         EINVAL,
         "missing pkey_index/access_flags"
     );
     assert_eq!(modify(&mut vmm, init_mask, init), 0);
-    let mut rtr = QpAttr {
-        qp_state: QpState::Rtr.into(),
-        path_mtu: Mtu::Mtu4096.into(),
-        dest_qp_num: 0x42.into(),
-        max_dest_rd_atomic: 1,
-        min_rnr_timer: 12,
-        ..QpAttr::default()
-    };
-    rtr.ah_attr.dlid = 3.into();
-    rtr.ah_attr.port_num = 1;
-    let rtr_mask = mask::STATE
-        | mask::AV
-        | mask::PATH_MTU
-        | mask::DEST_QPN
-        | mask::RQ_PSN
-        | mask::MAX_DEST_RD_ATOMIC
-        | mask::MIN_RNR_TIMER;
     assert_eq!(
         modify(&mut vmm, rtr_mask & !mask::AV, rtr),
         EINVAL,
@@ -308,60 +247,24 @@ fn every_control_verb_and_its_failure_paths() {
         "path MTU above the port's"
     );
     assert_eq!(modify(&mut vmm, rtr_mask, rtr), 0);
-    let rts = QpAttr {
-        qp_state: QpState::Rts.into(),
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        max_rd_atomic: 1,
-        ..QpAttr::default()
-    };
-    let rts_mask = mask::STATE
-        | mask::SQ_PSN
-        | mask::TIMEOUT
-        | mask::RETRY_CNT
-        | mask::RNR_RETRY
-        | mask::MAX_QP_RD_ATOMIC;
     assert_eq!(
         modify(&mut vmm, rts_mask | mask::DEST_QPN, rts),
         EINVAL,
         "dest_qp_num not allowed RTR->RTS"
     );
     assert_eq!(modify(&mut vmm, rts_mask, rts), 0);
-    let q: QueryQpResp = vmm.ok(
-        Opcode::QueryQp,
-        QueryQpReq {
-            qpn: qpn.into(),
-            attr_mask: 0.into(),
-        }
-        .as_bytes(),
-    );
+    let q: QueryQpResp = vmm.ok(Opcode::QueryQp, query_qp(qpn).as_bytes());
     assert_eq!(q.attr.qp_state, u8::from(QpState::Rts));
     assert_eq!(q.attr.dest_qp_num.get(), 0x42);
     assert_eq!(q.attr.cap, qp.cap);
     assert_eq!(q.send_cqn.get(), cq.cqn.get());
-    assert_eq!(
-        modify(
-            &mut vmm,
-            mask::STATE,
-            QpAttr {
-                qp_state: QpState::Sqd.into(),
-                ..QpAttr::default()
-            }
-        ),
-        0
-    );
-    assert_eq!(
-        modify(
-            &mut vmm,
-            mask::STATE,
-            QpAttr {
-                qp_state: QpState::Err.into(),
-                ..QpAttr::default()
-            }
-        ),
-        0
-    );
+    for state in [QpState::Sqd, QpState::Err] {
+        let attr = QpAttr {
+            qp_state: state.into(),
+            ..QpAttr::default()
+        };
+        assert_eq!(modify(&mut vmm, mask::STATE, attr), 0, "to {state:?}");
+    }
     assert_eq!(
         modify(&mut vmm, rts_mask, rts),
         EINVAL,
@@ -379,27 +282,14 @@ fn every_control_verb_and_its_failure_paths() {
         EBUSY,
         "CQ has a QP"
     );
-    let qp_handle = QpHandle {
-        qpn: qpn.into(),
-        reserved: 0.into(),
-    };
+    let qp_handle = vmm::qp(qpn);
     assert_eq!(vmm.errno(Opcode::DestroyQp, qp_handle.as_bytes()), 0);
     assert_eq!(
         vmm.errno(Opcode::DestroyQp, qp_handle.as_bytes()),
         EINVAL,
         "double destroy QP"
     );
-    assert_eq!(
-        vmm.errno(
-            Opcode::QueryQp,
-            QueryQpReq {
-                qpn: qpn.into(),
-                attr_mask: 0.into()
-            }
-            .as_bytes()
-        ),
-        EINVAL
-    );
+    assert_eq!(vmm.errno(Opcode::QueryQp, query_qp(qpn).as_bytes()), EINVAL);
     assert_eq!(vmm.errno(Opcode::DestroyCq, cq.as_bytes()), 0);
     assert_eq!(
         vmm.errno(Opcode::DestroyCq, cq.as_bytes()),
@@ -411,10 +301,7 @@ fn every_control_verb_and_its_failure_paths() {
         EBUSY,
         "PD still has an MR"
     );
-    let mr_handle = MrHandle {
-        handle: mr.handle,
-        reserved: 0.into(),
-    };
+    let mr_handle = vmm::mr(mr.handle.get());
     assert_eq!(vmm.errno(Opcode::DeregMr, mr_handle.as_bytes()), 0);
     assert_eq!(
         vmm.errno(Opcode::DeregMr, mr_handle.as_bytes()),
@@ -462,17 +349,8 @@ fn limits_from_the_config_file_are_enforced() {
         ENOMEM,
         "MR count"
     );
-    assert_eq!(
-        vmm.errno(
-            Opcode::DeregMr,
-            MrHandle {
-                handle: a.handle,
-                reserved: 0.into()
-            }
-            .as_bytes()
-        ),
-        0
-    );
+    let dereg = vmm::mr(a.handle.get());
+    assert_eq!(vmm.errno(Opcode::DeregMr, dereg.as_bytes()), 0);
     let _c: RegMrResp = vmm.ok(Opcode::RegMr, reg(pdn, FREE, 4096, 0).as_bytes());
 }
 
@@ -524,89 +402,24 @@ fn hostile_chains_get_an_error_and_vdev_keeps_serving() {
     let chains: Vec<(&str, Vec<Desc>)> = vec![
         (
             "request outside guest memory",
-            vec![
-                Desc {
-                    addr: end + 4096,
-                    len: 8,
-                    write: false,
-                    next: Some(1),
-                },
-                Desc {
-                    addr: resp,
-                    len: 64,
-                    write: true,
-                    next: None,
-                },
-            ],
+            Desc::command(end + 4096, 8, resp, 64),
         ),
         (
             "request wrapping the address space",
-            vec![
-                Desc {
-                    addr: u64::MAX - 3,
-                    len: 8,
-                    write: false,
-                    next: Some(1),
-                },
-                Desc {
-                    addr: resp,
-                    len: 64,
-                    write: true,
-                    next: None,
-                },
-            ],
+            Desc::command(u64::MAX - 3, 8, resp, 64),
         ),
         (
             "request longer than guest memory",
-            vec![
-                Desc {
-                    addr: SCRATCH,
-                    len: u32::MAX,
-                    write: false,
-                    next: Some(1),
-                },
-                Desc {
-                    addr: resp,
-                    len: 64,
-                    write: true,
-                    next: None,
-                },
-            ],
+            Desc::command(SCRATCH, u32::MAX, resp, 64),
         ),
         (
             "response outside guest memory",
-            vec![
-                Desc {
-                    addr: SCRATCH,
-                    len: 8,
-                    write: false,
-                    next: Some(1),
-                },
-                Desc {
-                    addr: end - 8,
-                    len: 64,
-                    write: true,
-                    next: None,
-                },
-            ],
+            Desc::command(SCRATCH, 8, end - 8, 64),
         ),
-        (
-            "no writable descriptor",
-            vec![Desc {
-                addr: SCRATCH,
-                len: 8,
-                write: false,
-                next: None,
-            }],
-        ),
+        ("no writable descriptor", vec![Desc::read(SCRATCH, 8, None)]),
         (
             "next index beyond the table",
-            vec![Desc {
-                addr: SCRATCH,
-                len: 8,
-                write: false,
-                next: Some(vmm::QUEUE_SIZE + 5),
-            }],
+            vec![Desc::read(SCRATCH, 8, Some(vmm::QUEUE_SIZE + 5))],
         ),
     ];
     vmm.mem
@@ -622,38 +435,19 @@ fn hostile_chains_get_an_error_and_vdev_keeps_serving() {
     }
 
     // Zero-length request descriptor: answered with EINVAL.
-    let used = vmm.submit_chain(&[
-        Desc {
-            addr: SCRATCH,
-            len: 0,
-            write: false,
-            next: Some(1),
-        },
-        Desc {
-            addr: resp,
-            len: 64,
-            write: true,
-            next: None,
-        },
-    ]);
+    let used = vmm.submit_chain(&Desc::command(SCRATCH, 0, resp, 64));
     assert_eq!(used, 8);
     let status: u32 = vmm.mem.read_obj(GuestAddress(resp)).expect("status");
     assert_eq!(status, EINVAL);
 
     // A descriptor loop: the chain ends after a queue's worth of descriptors.
-    let used = vmm.submit_chain(&[Desc {
-        addr: SCRATCH,
-        len: 8,
-        write: false,
-        next: Some(0),
-    }]);
+    let used = vmm.submit_chain(&[Desc::read(SCRATCH, 8, Some(0))]);
     assert_eq!(used, 0, "a loop has no writable descriptor");
     assert_still_serving(&mut vmm);
 
     // None of the hostile chains allocated anything: the first PD handle a
     // valid ALLOC_PD now gets works, and vdev is still running.
-    let pdn = alloc_pd(&mut vmm);
-    assert_eq!(vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
+    assert_a_new_pd_comes_and_goes(&mut vmm);
     let mut vdev = vdev;
     assert!(vdev.is_running(), "vdev died:\n{}", vdev.log());
 }
@@ -684,23 +478,10 @@ fn removed_guest_memory_revokes_shadows_and_is_not_reused() {
     );
     assert_eq!(vmm.errno(Opcode::CreateCq, cq_in_extra.as_bytes()), EINVAL);
     // The revoked MR can still be deregistered, and vdev said what it did.
-    assert_eq!(
-        vmm.errno(
-            Opcode::DeregMr,
-            MrHandle {
-                handle: mr.handle,
-                reserved: 0.into()
-            }
-            .as_bytes()
-        ),
-        0
-    );
+    let dereg = vmm::mr(mr.handle.get());
+    assert_eq!(vmm.errno(Opcode::DeregMr, dereg.as_bytes()), 0);
     assert_still_serving(&mut vmm);
-    let log = vdev.log();
-    assert!(
-        log.contains("shadows are revoked") && log.contains("revoked=1"),
-        "{log}"
-    );
+    vdev.assert_logged(&["shadows are revoked", "revoked=1"]);
 }
 
 #[test]
@@ -719,8 +500,7 @@ fn a_new_frontend_gets_a_fresh_device() {
         EINVAL,
         "old PD does not exist"
     );
-    let pdn = alloc_pd(&mut vmm);
-    assert_eq!(vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
+    assert_a_new_pd_comes_and_goes(&mut vmm);
     let depth = ring::cq_depth(100).expect("depth");
     let _: CqHandle = vmm.ok(Opcode::CreateCq, cq_req(FREE, depth).as_bytes());
 }
@@ -734,27 +514,14 @@ fn a_device_reset_releases_every_object() {
     // The guest resets the virtio device (e.g. it rebooted); the VMM tells vdev.
     vmm.frontend.reset_device().expect("RESET_DEVICE");
     // As after a reboot, the VMM negotiates features and sets up the queue again.
-    let mut vmm_after = vmm;
-    vmm_after
-        .frontend
-        .set_features(vmm::F_VERSION_1 | vmm::F_PROTOCOL_FEATURES)
-        .expect("set_features");
-    vmm_after.control = vmm::RawQueue::setup(
-        &mut vmm_after.frontend,
-        &vmm_after.mem,
-        vrdma_spec::CONTROL_QUEUE,
-        vmm::CONTROL_RING,
-    );
+    vmm.bring_up_again();
     assert_eq!(
-        vmm_after.errno(Opcode::DeallocPd, pd(pdn).as_bytes()),
+        vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()),
         EINVAL,
         "PD went with the reset"
     );
-    let pdn = alloc_pd(&mut vmm_after);
-    assert_eq!(vmm_after.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
-    assert!(vdev
-        .log()
-        .contains("Device reset: all verbs objects released"));
+    assert_a_new_pd_comes_and_goes(&mut vmm);
+    vdev.assert_logged(&["Device reset: all verbs objects released"]);
 }
 
 /// A hostile `REG_MR_SG` case: what it is, the list written, the request,
@@ -763,15 +530,8 @@ type HostileList = (&'static str, Vec<(u64, u64)>, RegMrSgReq, u32);
 
 /// Writes a `REG_MR_SG` segment list into guest memory at `list`.
 fn write_segments(vmm: &mut Vmm, list: u64, segs: &[(u64, u64)]) {
-    let entries: Vec<MrSgSegment> = segs
-        .iter()
-        .map(|&(addr, len)| MrSgSegment {
-            addr: addr.into(),
-            len: len.into(),
-        })
-        .collect();
     vmm.mem
-        .write_slice(entries.as_bytes(), GuestAddress(list))
+        .write_slice(vmm::sg_list(segs).as_bytes(), GuestAddress(list))
         .expect("segment list");
 }
 
@@ -847,17 +607,8 @@ fn hostile_segment_lists_are_refused_and_vdev_keeps_serving() {
     write_segments(&mut vmm, list, &good);
     let mr: RegMrResp = vmm.ok(Opcode::RegMrSg, reg_sg(pdn, list, 2, 0x1800).as_bytes());
     assert_ne!(mr.lkey.get(), 0);
-    assert_eq!(
-        vmm.errno(
-            Opcode::DeregMr,
-            MrHandle {
-                handle: mr.handle,
-                reserved: 0.into()
-            }
-            .as_bytes()
-        ),
-        0
-    );
+    let dereg = vmm::mr(mr.handle.get());
+    assert_eq!(vmm.errno(Opcode::DeregMr, dereg.as_bytes()), 0);
 }
 
 /// Defect 4: an avail-ring entry naming a descriptor head beyond the queue
@@ -874,8 +625,7 @@ fn an_avail_entry_beyond_the_queue_does_not_stop_the_control_queue() {
         vmm.control.submit(&vmm.mem, head, &[]);
         assert_still_serving(&mut vmm);
     }
-    let pdn = alloc_pd(&mut vmm);
-    assert_eq!(vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()), 0);
+    assert_a_new_pd_comes_and_goes(&mut vmm);
     let log = vdev.log();
     assert_eq!(
         log.matches("names a descriptor beyond the queue").count(),

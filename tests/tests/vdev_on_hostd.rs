@@ -19,7 +19,9 @@ use vrdma_spec::verbs::{access, QpState};
 use vrdma_spec::zerocopy::IntoBytes;
 use vrdma_tenant_policy::Policy;
 use vrdma_tests::daemon::{Hostd, TempDir, Vdev};
-use vrdma_tests::vmm::{self, alloc_pd, cq_req, pd, qp_req, reg, Vmm, FREE, GUEST_BASE};
+use vrdma_tests::vmm::{
+    alloc_pd, cq_req, doorbell_req, eq_req, pd, qp_req, reg, Vmm, FREE, GUEST_BASE,
+};
 
 const EINVAL: u32 = libc::EINVAL as u32;
 
@@ -28,19 +30,11 @@ const DOORBELL_PAGE: u64 = FREE + (4 << 20);
 const EVENT_RING: u64 = FREE + (5 << 20);
 
 fn set_doorbell(vmm: &mut Vmm) -> u32 {
-    let req = SetDoorbellReq {
-        addr: DOORBELL_PAGE.into(),
-    };
-    vmm.errno(Opcode::SetDoorbell, req.as_bytes())
+    vmm.errno(Opcode::SetDoorbell, doorbell_req(DOORBELL_PAGE).as_bytes())
 }
 
 fn create_eq(vmm: &mut Vmm, vector: u32, addr: u64) -> u32 {
-    let req = CreateEqReq {
-        vector: vector.into(),
-        depth: 64.into(),
-        ring_addr: addr.into(),
-    };
-    vmm.errno(Opcode::CreateEq, req.as_bytes())
+    vmm.errno(Opcode::CreateEq, eq_req(vector, 64, addr).as_bytes())
 }
 
 /// The doorbell virtqueue's rings, beside the control queue's.
@@ -119,17 +113,8 @@ fn qemus_device_reset_sequence_releases_everything_in_vdev_and_hostd() {
         );
         assert_eq!(hostd.usage("beta"), other_before, "beta is untouched");
 
-        // A fresh driver brings the device up again, as QEMU replays it:
-        // features, then the control queue from index 0.
-        vmm.frontend
-            .set_features(vmm::F_VERSION_1 | vmm::F_PROTOCOL_FEATURES)
-            .expect("SET_FEATURES");
-        vmm.control = vmm::RawQueue::setup(
-            &mut vmm.frontend,
-            &vmm.mem,
-            vrdma_spec::CONTROL_QUEUE,
-            vmm::CONTROL_RING,
-        );
+        // A fresh driver brings the device up again, as QEMU replays it.
+        vmm.bring_up_again();
         assert_eq!(
             vmm.errno(Opcode::DeallocPd, pd(pdn).as_bytes()),
             EINVAL,

@@ -16,7 +16,8 @@ use vm_memory::{Bytes, FileOffset, GuestAddress, GuestMemoryBackend, GuestMemory
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_spec::config::{DeviceConfig, CONFIG_SIZE};
 use vrdma_spec::control::{
-    CreateCqReq, CreateQpReq, Opcode, PdHandle, QpCap, RegMrReq, RequestHeader, ResponseHeader,
+    CreateCqReq, CreateEqReq, CreateQpReq, ModifyQpReq, MrHandle, MrSgSegment, Opcode, PdHandle,
+    QpAttr, QpCap, QpHandle, QueryQpReq, RegMrReq, RequestHeader, ResponseHeader, SetDoorbellReq,
     NO_SRQ,
 };
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
@@ -104,6 +105,36 @@ pub struct Desc {
     pub write: bool,
     /// Index of the next descriptor, or `None` to end the chain.
     pub next: Option<u16>,
+}
+
+impl Desc {
+    /// A device-readable descriptor (request bytes), chained to `next`.
+    pub fn read(addr: u64, len: u32, next: Option<u16>) -> Desc {
+        Desc {
+            addr,
+            len,
+            write: false,
+            next,
+        }
+    }
+
+    /// A device-writable descriptor (room for the response) ending the
+    /// chain.
+    pub fn write(addr: u64, len: u32) -> Desc {
+        Desc {
+            addr,
+            len,
+            write: true,
+            next: None,
+        }
+    }
+
+    /// A command's chain as the control queue expects it, written at slot
+    /// 0: the request (`len` bytes at `addr`), then `room` bytes for the
+    /// response at `response`.
+    pub fn command(addr: u64, len: u32, response: u64, room: u32) -> Vec<Desc> {
+        vec![Desc::read(addr, len, Some(1)), Desc::write(response, room)]
+    }
 }
 
 const F_NEXT: u16 = 1;
@@ -271,6 +302,20 @@ impl Vmm {
         }
     }
 
+    /// After a device reset, a fresh driver brings the device up again, as
+    /// QEMU replays it: the features, then the control queue from index 0.
+    pub fn bring_up_again(&mut self) {
+        self.frontend
+            .set_features(F_VERSION_1 | F_PROTOCOL_FEATURES)
+            .expect("set_features");
+        self.control = RawQueue::setup(
+            &mut self.frontend,
+            &self.mem,
+            vrdma_spec::CONTROL_QUEUE,
+            CONTROL_RING,
+        );
+    }
+
     /// Lays out virtqueue `index` at `base` ([`RawQueue::setup`]).
     pub fn queue(&mut self, index: u16, base: u64) -> RawQueue {
         RawQueue::setup(&mut self.frontend, &self.mem, index, base)
@@ -298,20 +343,7 @@ impl Vmm {
         self.mem
             .write_slice(&vec![0xeeu8; room as usize], GuestAddress(resp_addr))
             .expect("poison");
-        let descs = [
-            Desc {
-                addr: req_addr,
-                len: request.len() as u32,
-                write: false,
-                next: Some(1),
-            },
-            Desc {
-                addr: resp_addr,
-                len: room,
-                write: true,
-                next: None,
-            },
-        ];
+        let descs = Desc::command(req_addr, request.len() as u32, resp_addr, room);
         let used_len = self.submit_chain(&descs);
         assert!(
             used_len as usize >= core::mem::size_of::<ResponseHeader>(),
@@ -365,6 +397,66 @@ pub fn pd(pdn: u32) -> PdHandle {
         pdn: pdn.into(),
         reserved: 0.into(),
     }
+}
+
+/// An MR handle (DEREG_MR).
+pub fn mr(handle: u32) -> MrHandle {
+    MrHandle {
+        handle: handle.into(),
+        reserved: 0.into(),
+    }
+}
+
+/// A QP handle (DESTROY_QP).
+pub fn qp(qpn: u32) -> QpHandle {
+    QpHandle {
+        qpn: qpn.into(),
+        reserved: 0.into(),
+    }
+}
+
+/// QUERY_QP of every attribute.
+pub fn query_qp(qpn: u32) -> QueryQpReq {
+    QueryQpReq {
+        qpn: qpn.into(),
+        attr_mask: 0.into(),
+    }
+}
+
+/// SET_DOORBELL: the doorbell page at `addr`.
+pub fn doorbell_req(addr: u64) -> SetDoorbellReq {
+    SetDoorbellReq { addr: addr.into() }
+}
+
+/// CREATE_EQ: completion vector `vector`'s event ring of `depth` events
+/// at `addr`.
+pub fn eq_req(vector: u32, depth: u32, addr: u64) -> CreateEqReq {
+    CreateEqReq {
+        vector: vector.into(),
+        depth: depth.into(),
+        ring_addr: addr.into(),
+    }
+}
+
+/// MODIFY_QP of QP `qpn`: the attributes of `attr` that `attr_mask` names.
+pub fn modify_req(qpn: u32, attr_mask: u32, attr: QpAttr) -> ModifyQpReq {
+    ModifyQpReq {
+        qpn: qpn.into(),
+        attr_mask: attr_mask.into(),
+        attr,
+    }
+}
+
+/// A REG_MR_SG segment list: the `(guest address, length)` pieces in
+/// order, as written to guest memory.
+pub fn sg_list(segments: &[(u64, u64)]) -> Vec<MrSgSegment> {
+    segments
+        .iter()
+        .map(|&(addr, len)| MrSgSegment {
+            addr: addr.into(),
+            len: len.into(),
+        })
+        .collect()
 }
 
 /// REG_MR of `len` bytes at guest address `addr`, iova = addr.

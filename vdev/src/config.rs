@@ -5,11 +5,12 @@
 //! result is validated into a [`Config`] that derives `PartialEq`, so tests
 //! compare what a command line means with what they expect.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use clap::Parser;
 use serde::Deserialize;
 use vrdma_isolation::config::{SandboxArgs, SandboxConfig, SandboxConfigError, SandboxFile};
+use vrdma_isolation::daemon::{read_config_file, ConfigFileError};
 use vrdma_tenant_policy::{Limits, LimitsError};
 
 /// Largest virtqueue size vdev accepts (the split-ring maximum).
@@ -20,18 +21,8 @@ const MAX_COMP_VECTORS: u16 = 64;
 /// Why a configuration is refused.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("Cannot read config file {path}")]
-    Read {
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("Invalid config file {path}")]
-    Parse {
-        path: PathBuf,
-        #[source]
-        source: Box<toml::de::Error>,
-    },
+    #[error(transparent)]
+    File(#[from] ConfigFileError),
     #[error("Invalid path {}", path.display())]
     Path {
         path: PathBuf,
@@ -134,7 +125,7 @@ impl TryFrom<Args> for Config {
 
     fn try_from(args: Args) -> Result<Self, ConfigError> {
         let file = match &args.config {
-            Some(path) => read_file(path)?,
+            Some(path) => read_config_file(path)?,
             None => FileConfig::default(),
         };
         let sandbox = SandboxConfig::resolve(&args.sandbox, file.sandbox, DEFAULT_NOFILE)
@@ -168,17 +159,6 @@ impl TryFrom<Args> for Config {
     }
 }
 
-fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.to_owned(),
-        source,
-    })?;
-    toml::from_str(&text).map_err(|source| ConfigError::Parse {
-        path: path.to_owned(),
-        source: Box::new(source),
-    })
-}
-
 impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
         let name_ok = (1..=64).contains(&self.tenant.len())
@@ -205,12 +185,10 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use vrdma_isolation::daemon::testing::{arg, parse_command_line, ScratchDir};
 
     fn parse(args: &[&str]) -> Result<Config, ConfigError> {
-        Config::try_from(
-            Args::try_parse_from(std::iter::once("vdev").chain(args.iter().copied()))
-                .expect("clap accepts"),
-        )
+        parse_command_line::<Args, _>("vdev", args)
     }
 
     #[test]
@@ -261,49 +239,41 @@ mod tests {
             Err(ConfigError::Sandbox(_))
         ));
 
-        let dir = std::env::temp_dir().join(format!("vdev-sandbox-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let path = dir.join("vdev.toml");
-        std::fs::write(
-            &path,
-            "socket = \"/s\"\n[sandbox]\nseccomp = \"log\"\nuid = 4000\n",
-        )
-        .expect("write");
-        let file = path.to_str().expect("utf8");
-        let config = parse(&["--config", file]).expect("valid");
+        let dir = ScratchDir::new("vdev-config-sandbox");
+        let text = "socket = \"/s\"\n[sandbox]\nseccomp = \"log\"\nuid = 4000\n";
+        let file = dir.write("vdev.toml", text);
+        let config = parse(&["--config", arg(&file)]).expect("valid");
         assert_eq!(
             config.sandbox.seccomp,
             SeccompMode::Enforce(ViolationAction::Log)
         );
         assert_eq!(config.sandbox.uid, Some(4000));
-        let config = parse(&["--config", file, "--seccomp", "kill"]).expect("valid");
+        let config = parse(&["--config", arg(&file), "--seccomp", "kill"]).expect("valid");
         assert_eq!(config.sandbox.seccomp, SeccompMode::default());
-        std::fs::write(&path, "socket = \"/s\"\n[sandbox]\nseccomp = \"nope\"\n").expect("write");
+        let bad = dir.write(
+            "bad.toml",
+            "socket = \"/s\"\n[sandbox]\nseccomp = \"nope\"\n",
+        );
         assert!(matches!(
-            parse(&["--config", file]),
+            parse(&["--config", arg(&bad)]),
             Err(ConfigError::Sandbox(_))
         ));
-        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
     fn flags_override_the_file() {
-        let dir = std::env::temp_dir().join(format!("vdev-config-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let path = dir.join("vdev.toml");
-        std::fs::write(
-            &path,
+        let dir = ScratchDir::new("vdev-config-override");
+        let file = dir.write(
+            "vdev.toml",
             "socket = \"/run/x.sock\"\ntenant = \"blue\"\nlid = 7\n[limits]\nmax_qp = 4\n",
-        )
-        .expect("write");
-        let config =
-            parse(&["--config", path.to_str().expect("utf8"), "--lid", "9"]).expect("valid");
+        );
+        let config = parse(&["--config", arg(&file), "--lid", "9"]).expect("valid");
         assert_eq!(config.socket, PathBuf::from("/run/x.sock"));
         assert_eq!(config.tenant, "blue");
         assert_eq!(config.lid, 9);
         assert_eq!(config.limits.max_qp, 4);
-        std::fs::write(&path, "socket = \"/x\"\nlimitz = 1\n").expect("write");
-        let err = parse(&["--config", path.to_str().expect("utf8")]).expect_err("unknown key");
+        let file = dir.write("vdev.toml", "socket = \"/x\"\nlimitz = 1\n");
+        let err = parse(&["--config", arg(&file)]).expect_err("unknown key");
         let chain = format!(
             "{err}: {}",
             std::error::Error::source(&err).expect("source")
@@ -312,7 +282,6 @@ mod tests {
             chain.contains("limitz") && chain.contains("vdev.toml"),
             "{chain}"
         );
-        std::fs::remove_dir_all(&dir).ok();
     }
 
     #[test]
@@ -338,14 +307,14 @@ mod tests {
     #[test]
     fn datapath_settings_are_refused() {
         assert!(Args::try_parse_from(["vdev", "--socket", "/s", "--class-cpu-priority"]).is_err());
-        let dir = std::env::temp_dir().join(format!("vdev-datapath-keys-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let path = dir.join("vdev.toml");
+        let dir = ScratchDir::new("vdev-config-datapath-keys");
         for key in ["spin_us = 200", "class_cpu_priority = true"] {
-            std::fs::write(&path, format!("socket = \"/s\"\n{key}\n")).expect("write");
-            let err = parse(&["--config", path.to_str().expect("utf8")]).expect_err(key);
-            assert!(matches!(err, ConfigError::Parse { .. }), "{key}: {err}");
+            let file = dir.write("vdev.toml", format!("socket = \"/s\"\n{key}\n"));
+            let err = parse(&["--config", arg(&file)]).expect_err(key);
+            assert!(
+                matches!(err, ConfigError::File(ConfigFileError::Parse { .. })),
+                "{key}: {err}"
+            );
         }
-        std::fs::remove_dir_all(&dir).ok();
     }
 }

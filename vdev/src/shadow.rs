@@ -168,13 +168,7 @@ impl ShadowRegion {
         }
         let mut segments = Vec::new();
         push_pieces(mem, addr, len, &mut segments)?;
-        Ok(ShadowRegion {
-            iova,
-            len,
-            access,
-            segments,
-            revoked: false,
-        })
+        Ok(ShadowRegion::of_pieces(iova, len, access, segments))
     }
 
     /// Shadows a region made of `ranges` (guest `(addr, len)` pairs, each
@@ -203,13 +197,18 @@ impl ShadowRegion {
         if iova.checked_add(len).is_none() {
             return Err(ShadowError::Overflow { addr: iova, len });
         }
-        Ok(ShadowRegion {
+        Ok(ShadowRegion::of_pieces(iova, len, access, segments))
+    }
+
+    /// A live region of `len` bytes made of `segments`, known as `iova`.
+    fn of_pieces(iova: u64, len: u64, access: u32, segments: Vec<Segment>) -> Self {
+        ShadowRegion {
             iova,
             len,
             access,
             segments,
             revoked: false,
-        })
+        }
     }
 
     /// The pieces of guest memory this region covers.

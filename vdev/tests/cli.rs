@@ -3,48 +3,46 @@
 
 use std::process::Command;
 
-fn vdev(args: &[&str]) -> (i32, String) {
+use vrdma_isolation::daemon::testing::{arg, ScratchDir};
+
+/// Runs vdev with `args`, which it must refuse as a usage error: exit code
+/// 2 and every one of `expected` on stderr.
+#[track_caller]
+fn assert_usage_error(args: &[&str], expected: &[&str]) {
     let out = Command::new(env!("CARGO_BIN_EXE_vdev"))
         .args(args)
         .output()
         .expect("run vdev");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(expected.iter().all(|e| stderr.contains(e)), "{stderr}");
 }
 
 #[test]
 fn missing_socket_is_a_usage_error() {
-    let (code, stderr) = vdev(&[]);
-    assert_eq!(code, 2);
-    assert!(stderr.contains("No vhost-user socket given"), "{stderr}");
+    assert_usage_error(&[], &["No vhost-user socket given"]);
 }
 
 #[test]
 fn config_file_errors_name_file_and_key() {
-    let dir = std::env::temp_dir().join(format!("vdev-cli-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let path = dir.join("bad.toml");
-    std::fs::write(&path, "socket = \"/tmp/x.sock\"\n[limits]\nmax_qp = 0\n").expect("write");
-    let (code, stderr) = vdev(&["--config", path.to_str().expect("utf8")]);
-    assert_eq!(code, 2);
-    assert!(
-        stderr.contains("max_qp") && stderr.contains("at least 1"),
-        "{stderr}"
+    let dir = ScratchDir::new("vdev-cli");
+    for (name, text, expected) in [
+        (
+            "bad.toml",
+            "socket = \"/tmp/x.sock\"\n[limits]\nmax_qp = 0\n",
+            &["max_qp", "at least 1"][..],
+        ),
+        (
+            "bad-type.toml",
+            "socket = 5\n",
+            &["bad-type.toml", "socket"],
+        ),
+    ] {
+        let file = dir.write(name, text);
+        assert_usage_error(&["--config", arg(&file)], expected);
+    }
+    assert_usage_error(
+        &["--config", "/nonexistent/vdev.toml"],
+        &["Cannot read config file /nonexistent/vdev.toml"],
     );
-    std::fs::write(&path, "socket = 5\n").expect("write");
-    let (code, stderr) = vdev(&["--config", path.to_str().expect("utf8")]);
-    assert_eq!(code, 2);
-    assert!(
-        stderr.contains("bad.toml") && stderr.contains("socket"),
-        "{stderr}"
-    );
-    let (code, stderr) = vdev(&["--config", "/nonexistent/vdev.toml"]);
-    assert_eq!(code, 2);
-    assert!(
-        stderr.contains("Cannot read config file /nonexistent/vdev.toml"),
-        "{stderr}"
-    );
-    std::fs::remove_dir_all(&dir).ok();
 }

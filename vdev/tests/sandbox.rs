@@ -7,117 +7,36 @@
 //! Needs the `test-hooks` feature (`required-features` in Cargo.toml);
 //! `cargo test` enables it through vdev's dev-dependency on itself.
 
-use std::os::unix::process::ExitStatusExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::{Context, QpCapabilities, QpInitAttr};
+use vrdma_isolation::daemon::testing::{
+    attempt, attempt_in, failed, DaemonProcess, ScratchDir, NEVER_ALLOWED, SUCCEEDED,
+};
+use vrdma_isolation::privileges::started_as_root as root;
 use vrdma_spec::verbs::{access, QpType};
 
 const VDEV: &str = env!("CARGO_BIN_EXE_vdev");
 /// What vdev logs once its seccomp filters are up.
 const SECCOMP_UP: &str = "seccomp: a filter per thread role";
 
-/// A vdev process in its own scratch directory; killed on drop.
-struct Vdev {
-    child: Child,
-    dir: PathBuf,
-    socket: PathBuf,
-    log: PathBuf,
-}
+/// The socket in a sandboxed vdev's scratch directory.
+const SOCKET: &str = "vdev.sock";
 
-impl Vdev {
-    fn start(tag: &str, args: &[&str], env: &[(&str, &str)]) -> Vdev {
-        use std::sync::atomic::{AtomicU32, Ordering};
-        static NEXT: AtomicU32 = AtomicU32::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let dir =
-            std::env::temp_dir().join(format!("vrdma-sandbox-{tag}-{}-{n}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("scratch dir");
-        let socket = dir.join("vdev.sock");
-        let log = dir.join("vdev.log");
-        let child = Command::new(VDEV)
-            .arg("--socket")
-            .arg(&socket)
-            .args(["--tenant", tag])
-            .args(args)
-            .envs(env.iter().copied())
-            .env("VRDMA_LOG", "debug")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("log file"))
-            .spawn()
-            .expect("spawn vdev");
-        Vdev {
-            child,
-            dir,
-            socket,
-            log,
-        }
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    /// Waits until the log contains `needle` (or vdev exits, or 10 s).
-    fn wait_for_log(&mut self, needle: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let log = self.log();
-            if log.contains(needle) {
-                return log;
-            }
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("vdev exited ({status}) before logging {needle:?}:\n{log}");
-            }
-            assert!(
-                Instant::now() < deadline,
-                "vdev did not log {needle:?} within 10 s:\n{log}"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Waits for vdev to exit (10 s at most).
-    fn wait_exit(&mut self) -> ExitStatus {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                return status;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "vdev still runs after 10 s:\n{}",
-                self.log()
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    fn is_running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    /// A line of /proc/<pid>/status, e.g. `Uid` or `Seccomp`.
-    fn status_field(&self, field: &str) -> String {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
-            .expect("proc status");
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(&format!("{field}:")))
-            .map(|v| v.trim().to_owned())
-            .unwrap_or_else(|| panic!("no {field} in status"))
-    }
-}
-
-impl Drop for Vdev {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// A vdev of the tenant named like its test `tag`, logging at `debug`.
+fn start(tag: &str, args: &[&str], env: &[(&str, &str)]) -> DaemonProcess {
+    let dir = DaemonProcess::scratch("vdev", tag);
+    let mut command = Command::new(VDEV);
+    command
+        .arg("--socket")
+        .arg(dir.path().join(SOCKET))
+        .args(["--tenant", tag])
+        .args(args)
+        .envs(env.iter().copied())
+        .env("VRDMA_LOG", "debug");
+    DaemonProcess::start("vdev", command, dir)
 }
 
 /// Opens the device as an application would and runs the control path:
@@ -179,27 +98,12 @@ fn kernel_has_landlock() -> bool {
     abi >= 1
 }
 
-fn root() -> bool {
-    // SAFETY: geteuid cannot fail.
-    unsafe { libc::geteuid() == 0 }
-}
-
 #[test]
 fn the_sandboxed_vdev_serves_frontends_one_after_another() {
-    let mut vdev = Vdev::start("serve", &[], &[]);
+    let mut vdev = start("serve", &[], &[]);
     let log = vdev.wait_for_log(SECCOMP_UP);
     assert!(log.contains("Privileges dropped"), "{log}");
-    // The walls are up, as the kernel sees them.
-    assert_eq!(vdev.status_field("Seccomp"), "2", "filter mode");
-    assert_eq!(vdev.status_field("NoNewPrivs"), "1");
-    assert_eq!(vdev.status_field("CapEff"), "0000000000000000");
-    assert_eq!(vdev.status_field("CapPrm"), "0000000000000000");
-    assert_eq!(vdev.status_field("CapAmb"), "0000000000000000");
-    if root() {
-        assert_eq!(vdev.status_field("Uid"), "65534\t65534\t65534\t65534");
-        assert_eq!(vdev.status_field("Gid"), "65534\t65534\t65534\t65534");
-        assert_eq!(vdev.status_field("CapBnd"), "0000000000000000");
-    }
+    vdev.assert_walls_up();
     if kernel_has_landlock() {
         assert!(
             log.contains("Landlock: no file-system access at all"),
@@ -208,55 +112,35 @@ fn the_sandboxed_vdev_serves_frontends_one_after_another() {
     }
     // Two applications in turn: each gets a fresh device, inside the
     // sandbox (threads started after it, guest memory mapped, eventfds).
-    serve_one_application(&vdev.socket);
-    serve_one_application(&vdev.socket);
+    serve_one_application(&vdev.path(SOCKET));
+    serve_one_application(&vdev.path(SOCKET));
     assert!(vdev.is_running(), "vdev died:\n{}", vdev.log());
 
     // With --once, vdev ends normally inside its sandbox (the listener's
     // attempt to remove its socket file is refused, not a seccomp kill).
-    let mut once = Vdev::start("serve-once", &["--once"], &[]);
+    let mut once = start("serve-once", &["--once"], &[]);
     once.wait_for_log(SECCOMP_UP);
-    serve_one_application(&once.socket);
+    serve_one_application(&once.path(SOCKET));
     let status = once.wait_exit();
     assert_eq!(status.code(), Some(0), "{status}:\n{}", once.log());
 }
 
 #[test]
 fn forbidden_system_calls_kill_vdev_with_sigsys() {
-    for op in ["execve", "inet-socket"] {
-        let mut vdev = Vdev::start("kill", &[], &[("VRDMA_TEST_FORBIDDEN", op)]);
-        let status = vdev.wait_exit();
-        assert_eq!(
-            status.signal(),
-            Some(libc::SIGSYS),
-            "{op}: {status}:\n{}",
-            vdev.log()
-        );
+    for (op, _) in NEVER_ALLOWED {
+        let mut vdev = start("kill", &[], &attempt(op));
+        vdev.assert_killed_by_sigsys(op);
         assert!(!vdev.log().contains("test hook: "), "{op} returned");
     }
 }
 
 #[test]
 fn trap_makes_a_forbidden_call_fail_with_eperm_and_vdev_goes_on() {
-    for (op, nr) in [
-        ("execve", libc::SYS_execve),
-        ("inet-socket", libc::SYS_socket),
-    ] {
-        let mut vdev = Vdev::start(
-            "trap",
-            &["--seccomp", "trap"],
-            &[("VRDMA_TEST_FORBIDDEN", op)],
-        );
-        let log = vdev.wait_for_log(&format!("test hook: {op}: "));
-        assert!(
-            log.contains(&format!("test hook: {op}: failed: errno {}", libc::EPERM)),
-            "{log}"
-        );
-        assert!(
-            log.contains(&format!("seccomp (trap): blocked system call {nr}")),
-            "{log}"
-        );
-        serve_one_application(&vdev.socket);
+    for (op, nr) in NEVER_ALLOWED {
+        let trap = ["--seccomp", "trap"];
+        let mut vdev = start("trap", &trap, &attempt(op));
+        vdev.expect_trapped(op, None, nr);
+        serve_one_application(&vdev.path(SOCKET));
         assert!(vdev.is_running());
     }
 }
@@ -267,98 +151,47 @@ fn trap_makes_a_forbidden_call_fail_with_eperm_and_vdev_goes_on() {
 /// under the main thread's filter can.
 #[test]
 fn a_thread_cannot_make_a_call_only_another_role_needs() {
-    let op = ("VRDMA_TEST_FORBIDDEN", "unix-socket");
-    let in_vhost_user = ("VRDMA_TEST_FORBIDDEN_IN", "vhost-user");
-    let mut main = Vdev::start("role-main", &["--seccomp", "trap"], &[op]);
-    let log = main.wait_for_log("test hook: unix-socket: ");
-    assert!(log.contains("test hook: unix-socket: succeeded"), "{log}");
+    let op = "unix-socket";
+    let in_vhost_user = attempt_in(op, "vhost-user");
+    let mut main = start("role-main", &["--seccomp", "trap"], &attempt(op));
+    main.expect_hook(op, None, SUCCEEDED);
     drop(main);
 
-    let mut vdev = Vdev::start("role-vhost", &["--seccomp", "trap"], &[op, in_vhost_user]);
-    let log = vdev.wait_for_log("test hook (vhost-user): unix-socket: ");
-    assert!(
-        log.contains(&format!(
-            "test hook (vhost-user): unix-socket: failed: errno {}",
-            libc::EPERM
-        )),
-        "{log}"
-    );
-    assert!(
-        log.contains(&format!(
-            "seccomp (trap): blocked system call {}",
-            libc::SYS_socket
-        )),
-        "{log}"
-    );
-    serve_one_application(&vdev.socket);
+    let mut vdev = start("role-vhost", &["--seccomp", "trap"], &in_vhost_user);
+    vdev.expect_trapped(op, Some("vhost-user"), libc::SYS_socket);
+    serve_one_application(&vdev.path(SOCKET));
     assert!(vdev.is_running());
     drop(vdev);
 
     // Enforced, it is the end of vdev.
-    let mut killed = Vdev::start("role-kill", &[], &[op, in_vhost_user]);
-    let status = killed.wait_exit();
-    assert_eq!(
-        status.signal(),
-        Some(libc::SIGSYS),
-        "{status}:\n{}",
-        killed.log()
-    );
+    let mut killed = start("role-kill", &[], &in_vhost_user);
+    killed.assert_killed_by_sigsys("a socket in the vhost-user thread");
 }
 
 #[test]
 fn log_mode_enforces_nothing_but_the_other_walls_still_hold() {
     // An inet socket is let through (and audit-logged by the kernel).
-    let mut vdev = Vdev::start(
-        "log",
-        &["--seccomp", "log"],
-        &[("VRDMA_TEST_FORBIDDEN", "inet-socket")],
-    );
-    let log = vdev.wait_for_log("test hook: inet-socket: ");
-    assert!(log.contains("test hook: inet-socket: succeeded"), "{log}");
+    let mut vdev = start("log", &["--seccomp", "log"], &attempt("inet-socket"));
+    vdev.expect_hook("inet-socket", None, SUCCEEDED);
     drop(vdev);
     // execve passes seccomp, but landlock refuses to execute anything.
     if kernel_has_landlock() {
-        let mut vdev = Vdev::start(
-            "log-exec",
-            &["--seccomp", "log"],
-            &[("VRDMA_TEST_FORBIDDEN", "execve")],
-        );
-        let log = vdev.wait_for_log("test hook: execve: ");
-        assert!(
-            log.contains(&format!(
-                "test hook: execve: failed: errno {}",
-                libc::EACCES
-            )),
-            "{log}"
-        );
+        let mut vdev = start("log-exec", &["--seccomp", "log"], &attempt("execve"));
+        vdev.expect_hook("execve", None, &failed(libc::EACCES));
         assert!(vdev.is_running());
     }
 }
 
 #[test]
 fn landlock_refuses_to_open_files() {
-    let mut vdev = Vdev::start("landlock", &[], &[("VRDMA_TEST_FORBIDDEN", "open-passwd")]);
+    let mut vdev = start("landlock", &[], &attempt("open-passwd"));
     if kernel_has_landlock() {
-        let log = vdev.wait_for_log("test hook: open-passwd: ");
-        assert!(
-            log.contains(&format!(
-                "test hook: open-passwd: failed: errno {}",
-                libc::EACCES
-            )),
-            "{log}"
-        );
-        serve_one_application(&vdev.socket);
+        vdev.expect_hook("open-passwd", None, &failed(libc::EACCES));
+        serve_one_application(&vdev.path(SOCKET));
         assert!(vdev.is_running());
-        // Without landlock the same open succeeds (nobody may read
-        // /etc/passwd): landlock is the wall that stopped it.
-        let mut off = Vdev::start(
-            "landlock-off",
-            &["--landlock", "off"],
-            &[("VRDMA_TEST_FORBIDDEN", "open-passwd")],
-        );
-        let log = off.wait_for_log("test hook: open-passwd: ");
-        assert!(log.contains("test hook: open-passwd: succeeded"), "{log}");
-        assert!(log.contains("LANDLOCK IS OFF"), "{log}");
+        // Without landlock the same open succeeds (see
+        // walls_turned_off_are_explicit_and_loud): landlock is the wall
+        // that stopped it.
     } else {
         // This kernel has no landlock: vdev refuses to start without it.
         let status = vdev.wait_exit();
@@ -372,30 +205,39 @@ fn a_kernel_without_landlock_is_refused_unless_explicitly_allowed() {
     // Simulated (VRDMA_TEST_LANDLOCK=absent) where the kernel has landlock;
     // real where it has not.
     let absent = [("VRDMA_TEST_LANDLOCK", "absent")];
-    let mut refused = Vdev::start("no-landlock", &[], &absent);
+    let mut refused = start("no-landlock", &[], &absent);
     let status = refused.wait_exit();
     let log = refused.log();
     assert_eq!(status.code(), Some(1), "{log}");
     assert!(log.contains("does not enforce landlock"), "{log}");
     assert!(log.contains("--allow-no-landlock"), "{log}");
 
-    let mut allowed = Vdev::start("no-landlock-ok", &["--allow-no-landlock"], &absent);
+    let mut allowed = start("no-landlock-ok", &["--allow-no-landlock"], &absent);
     let log = allowed.wait_for_log(SECCOMP_UP);
     assert!(log.contains("LANDLOCK NOT ENFORCED"), "{log}");
-    serve_one_application(&allowed.socket);
+    serve_one_application(&allowed.path(SOCKET));
     assert!(allowed.is_running());
 }
 
+/// A wall is only ever off when asked for, and loudly: what it stops then
+/// goes through (nobody may read /etc/passwd), and the log says so.
 #[test]
-fn seccomp_off_is_explicit_and_loud() {
-    let mut vdev = Vdev::start(
-        "seccomp-off",
-        &["--seccomp", "off"],
-        &[("VRDMA_TEST_FORBIDDEN", "inet-socket")],
-    );
-    let log = vdev.wait_for_log("test hook: inet-socket: ");
-    assert!(log.contains("SECCOMP IS OFF"), "{log}");
-    assert!(log.contains("test hook: inet-socket: succeeded"), "{log}");
+fn walls_turned_off_are_explicit_and_loud() {
+    for (wall, op, warning) in [
+        ("--landlock", "open-passwd", "LANDLOCK IS OFF"),
+        ("--seccomp", "inet-socket", "SECCOMP IS OFF"),
+    ] {
+        let tag = format!("{}-off", wall.trim_start_matches('-'));
+        let mut vdev = start(&tag, &[wall, "off"], &attempt(op));
+        let log = vdev.expect_hook(op, None, SUCCEEDED);
+        assert!(log.contains(warning), "{log}");
+    }
+}
+
+#[test]
+fn seccomp_off_installs_no_filter() {
+    let mut vdev = start("no-filter", &["--seccomp", "off"], &[]);
+    vdev.wait_for_log("SECCOMP IS OFF");
     assert_eq!(vdev.status_field("Seccomp"), "0");
 }
 
@@ -407,34 +249,20 @@ fn namespace_mode_leaves_an_empty_root_and_still_serves() {
         );
         return;
     }
-    let mut vdev = Vdev::start(
-        "ns",
-        &["--sandbox", "namespace"],
-        &[("VRDMA_TEST_FORBIDDEN", "open-passwd")],
-    );
-    let log = vdev.wait_for_log("test hook: open-passwd: ");
+    let mut vdev = start("ns", &["--sandbox", "namespace"], &attempt("open-passwd"));
     // /etc is not in the new root at all.
-    assert!(
-        log.contains(&format!(
-            "test hook: open-passwd: failed: errno {}",
-            libc::ENOENT
-        )),
-        "{log}"
-    );
-    let own_ns = std::fs::read_link("/proc/self/ns/net").expect("own netns");
-    let vdev_ns =
-        std::fs::read_link(format!("/proc/{}/ns/net", vdev.child.id())).expect("vdev netns");
-    assert_ne!(own_ns, vdev_ns, "vdev has its own network namespace");
-    serve_one_application(&vdev.socket);
+    vdev.expect_hook("open-passwd", None, &failed(libc::ENOENT));
+    assert!(vdev.has_own_network_namespace());
+    serve_one_application(&vdev.path(SOCKET));
     assert!(vdev.is_running());
 }
 
 #[test]
 fn impossible_sandbox_requests_are_refused_at_start() {
-    let mut vdev = Vdev::start("bad", &["--seccomp", "allow"], &[]);
+    let mut vdev = start("bad", &["--seccomp", "allow"], &[]);
     assert_eq!(vdev.wait_exit().code(), Some(2), "{}", vdev.log());
     if !root() {
-        let mut vdev = Vdev::start("bad-uid", &["--uid", "0"], &[]);
+        let mut vdev = start("bad-uid", &["--uid", "0"], &[]);
         assert_eq!(vdev.wait_exit().code(), Some(1), "{}", vdev.log());
     }
 }
@@ -521,21 +349,19 @@ fn hostd_registration_happens_as_the_unprivileged_uid_when_it_can() {
         (0o755, &[], 0, true),
     ];
     for (n, (mode, extra, expected_uid, early)) in cases.into_iter().enumerate() {
-        let dir =
-            std::env::temp_dir().join(format!("vrdma-sandbox-hostd-{}-{n}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        let path = dir.join("hostd.sock");
+        let dir = ScratchDir::new(&format!("vdev-sandbox-hostd-{n}"));
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod");
+        let path = dir.path().join("hostd.sock");
         let hostd = refusing_hostd(&path);
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).expect("chmod");
         let hostd_arg = path.to_str().expect("utf8").to_owned();
         let mut args = vec!["--hostd", hostd_arg.as_str()];
         args.extend_from_slice(extra);
-        let mut vdev = Vdev::start("registers", &args, &[]);
+        let mut vdev = start("registers", &args, &[]);
         let status = vdev.wait_exit();
         let log = vdev.log();
         let (uid, tenant) = hostd.join().expect("stand-in hostd");
-        std::fs::remove_dir_all(&dir).ok();
         assert_eq!(tenant, "registers");
         // A socket vdev's uid may connect to: vdev registers from inside
         // its sandbox, as uid 65534 (what hostd's peer check sees). One it

@@ -589,6 +589,22 @@ impl Client {
         self.post_sges(qp, &wqe, &[sge(IOVA + local, len, lkey)]);
     }
 
+    /// `count` [`Client::write`]s of the same bytes, work requests 0 to
+    /// `count - 1`, posted without waiting for any.
+    pub fn write_many(
+        &mut self,
+        qp: usize,
+        count: u64,
+        local: u64,
+        len: u32,
+        remote_addr: u64,
+        rkey: u32,
+    ) {
+        for wr_id in 0..count {
+            self.write(qp, wr_id, local, len, remote_addr, rkey);
+        }
+    }
+
     /// Waits (at most [`DEADLINE`]) for `n` completions.
     pub fn poll(&mut self, n: usize) -> Vec<Cqe> {
         let mut out = Vec::new();

@@ -291,11 +291,7 @@ fn an_application_that_exits_without_cleaning_up_leaves_nothing_behind() {
     assert_eq!(pd.pdn(), 1);
     drop((qp, mr, cq, pd));
     // vdev said what the child left behind when it released it.
-    let log = vdev.log();
-    assert!(
-        log.contains("Released all verbs objects") && log.contains("pds=1 mrs=1 cqs=1 qps=1"),
-        "{log}"
-    );
+    vdev.assert_logged(&["Released all verbs objects", "pds=1 mrs=1 cqs=1 qps=1"]);
 }
 
 #[test]

@@ -30,7 +30,7 @@ use vrdma_guest_driver::{Context, DestroyError, Error, PostError, QpCapabilities
 use vrdma_spec::control::QpAttr;
 use vrdma_spec::verbs::{access, Mtu, QpState};
 use vrdma_tests::daemon::Vdev;
-use vrdma_tests::tenant::mask_to;
+use vrdma_tests::tenant::{mask_to, pattern};
 
 const EINVAL: i32 = libc::EINVAL;
 const EBUSY: i32 = libc::EBUSY;
@@ -184,16 +184,17 @@ struct AlignedBuf {
 }
 
 impl AlignedBuf {
-    fn new(len: usize, fill: &[u8]) -> Self {
-        assert_eq!(fill.len(), len);
+    /// `len` bytes holding `pattern(len, seed)`, and those bytes.
+    fn patterned(len: usize, seed: u8) -> (Self, Vec<u8>) {
+        let fill = pattern(len, seed);
         let mut p: *mut libc::c_void = std::ptr::null_mut();
         // SAFETY: `p` is a valid out-pointer; the alignment is a power of
         // two and a multiple of the pointer size.
         let rc = unsafe { libc::posix_memalign(&mut p, PAGE, len) };
         assert_eq!(rc, 0, "posix_memalign");
         let buf = Self { ptr: p.cast(), len };
-        buf.write(0, fill);
-        buf
+        buf.write(0, &fill);
+        (buf, fill)
     }
 
     fn read(&self, offset: usize, len: usize) -> Vec<u8> {

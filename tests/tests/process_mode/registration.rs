@@ -24,8 +24,8 @@ fn viewed(name: &str) -> (Vdev, Arc<DeviceView>, Context, ProtectionDomain) {
 #[test]
 fn reg_mr_shares_page_aligned_application_memory_in_place() {
     let (vdev, view, _ctx, pd) = viewed("pm-regmr");
-    let (len, data) = (1 << 20, pattern(1 << 20, 1));
-    let buf = AlignedBuf::new(len, &data);
+    let len = 1 << 20;
+    let (buf, data) = AlignedBuf::patterned(len, 1);
     assert_eq!(buf.ptr as usize % PAGE, 0);
     let addr = buf.ptr as u64;
     assert!(view.regions_over(addr, len as u64).is_empty());
@@ -133,8 +133,8 @@ fn reg_mr_shares_an_unaligned_vec_in_place() {
 #[test]
 fn overlapping_registrations_share_memory_until_the_last_goes() {
     let (vdev, view, _ctx, pd) = viewed("pm-overlap");
-    let (len, data) = (1 << 20, pattern(1 << 20, 3));
-    let buf = AlignedBuf::new(len, &data);
+    let len = 1 << 20;
+    let (buf, data) = AlignedBuf::patterned(len, 3);
     let addr = buf.ptr as u64;
     let page = PAGE as u64;
 
@@ -197,8 +197,8 @@ fn overlapping_registrations_share_memory_until_the_last_goes() {
 #[test]
 fn refused_registrations_leave_application_memory_alone() {
     let (_vdev, view, _ctx, pd) = viewed("pm-regmr-bad");
-    let (len, data) = (1 << 20, pattern(1 << 20, 4));
-    let buf = AlignedBuf::new(len, &data);
+    let len = 1 << 20;
+    let (buf, data) = AlignedBuf::patterned(len, 4);
     let refused = [
         (
             access::REMOTE_WRITE,

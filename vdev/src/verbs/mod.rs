@@ -329,61 +329,34 @@ impl RdmaDevice {
                 .as_bytes()
                 .to_vec())
             }
-            Opcode::DeallocPd => {
-                let req: control::PdHandle = decode(payload)?;
-                self.dealloc_pd(req.pdn.get()).map(|()| Vec::new())
-            }
-            Opcode::RegMr => {
-                let req: control::RegMrReq = decode(payload)?;
-                self.reg_mr(&req).map(|resp| resp.as_bytes().to_vec())
-            }
-            Opcode::RegMrSg => {
-                let req: control::RegMrSgReq = decode(payload)?;
-                self.reg_mr_sg(&req).map(|resp| resp.as_bytes().to_vec())
-            }
-            Opcode::DeregMr => {
-                let req: control::MrHandle = decode(payload)?;
-                self.dereg_mr(req.handle.get()).map(|()| Vec::new())
-            }
-            Opcode::CreateCq => {
-                let req: control::CreateCqReq = decode(payload)?;
+            Opcode::DeallocPd => respond(payload, |req: control::PdHandle| {
+                self.dealloc_pd(req.pdn.get())
+            }),
+            Opcode::RegMr => respond(payload, |req| self.reg_mr(&req)),
+            Opcode::RegMrSg => respond(payload, |req| self.reg_mr_sg(&req)),
+            Opcode::DeregMr => respond(payload, |req: control::MrHandle| {
+                self.dereg_mr(req.handle.get())
+            }),
+            Opcode::CreateCq => respond(payload, |req| {
                 let cqn = self.create_cq(&req)?;
                 Ok(control::CqHandle {
                     cqn: cqn.into(),
                     reserved: 0.into(),
-                }
-                .as_bytes()
-                .to_vec())
-            }
-            Opcode::DestroyCq => {
-                let req: control::CqHandle = decode(payload)?;
-                self.destroy_cq(req.cqn.get()).map(|()| Vec::new())
-            }
-            Opcode::CreateQp => {
-                let req: control::CreateQpReq = decode(payload)?;
-                self.create_qp(&req).map(|resp| resp.as_bytes().to_vec())
-            }
-            Opcode::ModifyQp => {
-                let req: control::ModifyQpReq = decode(payload)?;
-                self.modify_qp(&req).map(|()| Vec::new())
-            }
-            Opcode::QueryQp => {
-                let req: control::QueryQpReq = decode(payload)?;
+                })
+            }),
+            Opcode::DestroyCq => respond(payload, |req: control::CqHandle| {
+                self.destroy_cq(req.cqn.get())
+            }),
+            Opcode::CreateQp => respond(payload, |req| self.create_qp(&req)),
+            Opcode::ModifyQp => respond(payload, |req| self.modify_qp(&req)),
+            Opcode::QueryQp => respond(payload, |req: control::QueryQpReq| {
                 self.query_qp(req.qpn.get())
-                    .map(|resp| resp.as_bytes().to_vec())
-            }
-            Opcode::DestroyQp => {
-                let req: control::QpHandle = decode(payload)?;
-                self.destroy_qp(req.qpn.get()).map(|()| Vec::new())
-            }
-            Opcode::SetDoorbell => {
-                let req: control::SetDoorbellReq = decode(payload)?;
-                self.set_doorbell(&req).map(|()| Vec::new())
-            }
-            Opcode::CreateEq => {
-                let req: control::CreateEqReq = decode(payload)?;
-                self.create_eq(&req).map(|()| Vec::new())
-            }
+            }),
+            Opcode::DestroyQp => respond(payload, |req: control::QpHandle| {
+                self.destroy_qp(req.qpn.get())
+            }),
+            Opcode::SetDoorbell => respond(payload, |req| self.set_doorbell(&req)),
+            Opcode::CreateEq => respond(payload, |req| self.create_eq(&req)),
         }
     }
 
@@ -496,6 +469,19 @@ fn decode<T: FromBytes + KnownLayout + Immutable>(payload: &[u8]) -> VerbResult<
             core::mem::size_of::<T>()
         ))
     })
+}
+
+/// Runs a command's `verb` on its request, the one `Req` of `payload`; the
+/// response payload is the `Resp` it returns (nothing for `()`).
+fn respond<Req, Resp>(
+    payload: &[u8],
+    verb: impl FnOnce(Req) -> VerbResult<Resp>,
+) -> VerbResult<Vec<u8>>
+where
+    Req: FromBytes + KnownLayout + Immutable,
+    Resp: IntoBytes + Immutable,
+{
+    verb(decode(payload)?).map(|resp| resp.as_bytes().to_vec())
 }
 
 /// The config space of a device with this identity and these limits.

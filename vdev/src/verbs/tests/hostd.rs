@@ -294,13 +294,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
     assert_eq!(qp.cap.max_send_sge.get(), grant.caps.max_send_sge);
 
     // Each transition: the datapath's state first, then the transition.
-    let init = QpAttr {
-        qp_state: QpState::Init.into(),
-        port_num: 1,
-        qp_access_flags: access::REMOTE_WRITE.into(),
-        ..QpAttr::default()
-    };
-    modify(&mut dev, qpn, INIT_MASK, init).expect("INIT");
+    modify(&mut dev, qpn, INIT_MASK, init_attr()).expect("INIT");
     assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: qpn });
     assert_eq!(
         hostd.next_plain(),
@@ -331,12 +325,9 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
         })
     );
     let rts = QpAttr {
-        qp_state: QpState::Rts.into(),
-        timeout: 14,
         retry_cnt: 5,
         rnr_retry: 3,
-        max_rd_atomic: 1,
-        ..QpAttr::default()
+        ..rts_attr()
     };
     modify(&mut dev, qpn, RTS_MASK, rts).expect("RTS");
     assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: qpn });
@@ -389,11 +380,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
         })
     ));
 
-    let handle = QpHandle {
-        qpn: qpn.into(),
-        reserved: 0.into(),
-    };
-    run_unit(&mut dev, Opcode::DestroyQp, handle.as_bytes()).expect("destroy qp");
+    release(&mut dev, Opcode::DestroyQp, qpn).expect("destroy qp");
     assert_eq!(hostd.next_plain(), Request::DestroyQp { vqpn: qpn });
 
     // hostd refuses a QP: its errno reaches the driver, the doorbell bit
@@ -412,22 +399,14 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
     assert_eq!(again.db_index.get(), 0, "the refused QP's bit came back");
     let _ = hostd.next();
 
-    let unknown = CqHandle {
-        cqn: (cqn + 100).into(),
-        reserved: 0.into(),
-    };
     assert_eq!(
-        run_unit(&mut dev, Opcode::DestroyCq, unknown.as_bytes()),
+        release(&mut dev, Opcode::DestroyCq, cqn + 100),
         Err(libc::EINVAL)
     );
     hostd.assert_quiet("destroying an unknown CQ");
     let spare = create_cq(&mut dev, MEM_BASE + 0x30000).expect("cq");
     let _ = hostd.next_plain();
-    let handle = CqHandle {
-        cqn: spare.into(),
-        reserved: 0.into(),
-    };
-    run_unit(&mut dev, Opcode::DestroyCq, handle.as_bytes()).expect("destroy cq");
+    release(&mut dev, Opcode::DestroyCq, spare).expect("destroy cq");
     assert_eq!(hostd.next_plain(), Request::DestroyCq { cqn: spare });
 
     // A reset is one message, whatever is left.
@@ -507,11 +486,7 @@ fn memory_regions_take_the_keys_hostd_assigns() {
     let _ = hostd.next_plain();
     assert_eq!(dev.object_counts().1, 1, "one MR");
 
-    let handle = MrHandle {
-        handle: mr.handle,
-        reserved: 0.into(),
-    };
-    run_unit(&mut dev, Opcode::DeregMr, handle.as_bytes()).expect("dereg");
+    release(&mut dev, Opcode::DeregMr, mr.handle.get()).expect("dereg");
     assert_eq!(hostd.next_plain(), Request::DeregisterMr { lkey: 0x100 });
     assert_eq!(dev.registered_bytes(), 0);
 }

@@ -13,7 +13,9 @@ use vrdma_spec::control::*;
 use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::{self, RING_ALIGN};
 use vrdma_spec::verbs::{access, Mtu, QpState};
+use vrdma_spec::zerocopy::little_endian::U32;
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
+use vrdma_tools::vmm;
 
 use super::*;
 
@@ -54,16 +56,11 @@ fn device() -> RdmaDevice {
 }
 
 fn set_doorbell(dev: &mut RdmaDevice, addr: u64) -> Result<(), i32> {
-    let req = SetDoorbellReq { addr: addr.into() };
-    run_unit(dev, Opcode::SetDoorbell, req.as_bytes())
+    run_unit(dev, Opcode::SetDoorbell, vmm::doorbell_req(addr).as_bytes())
 }
 
 fn create_eq(dev: &mut RdmaDevice, vector: u32, depth: u32, addr: u64) -> Result<(), i32> {
-    let req = CreateEqReq {
-        vector: vector.into(),
-        depth: depth.into(),
-        ring_addr: addr.into(),
-    };
+    let req = vmm::eq_req(vector, depth, addr);
     run_unit(dev, Opcode::CreateEq, req.as_bytes())
 }
 
@@ -86,6 +83,25 @@ fn alloc_pd(dev: &mut RdmaDevice) -> u32 {
         .get()
 }
 
+/// DEALLOC_PD, DEREG_MR, DESTROY_CQ or DESTROY_QP (`op`) of the object
+/// numbered `handle`: each request is the number and a reserved word
+/// ([`PdHandle`], [`MrHandle`], [`CqHandle`], [`QpHandle`]).
+fn release(dev: &mut RdmaDevice, op: Opcode, handle: u32) -> Result<(), i32> {
+    let req: [U32; 2] = [handle.into(), 0.into()];
+    run_unit(dev, op, req.as_bytes())
+}
+
+/// Each `(outcome, what)` of `cases` is a refusal with `errno`.
+#[track_caller]
+fn assert_refused<T: std::fmt::Debug>(
+    errno: i32,
+    cases: impl IntoIterator<Item = (Result<T, i32>, &'static str)>,
+) {
+    for (outcome, what) in cases {
+        assert_eq!(outcome.map(|_| ()), Err(errno), "{what}");
+    }
+}
+
 fn reg_mr(
     dev: &mut RdmaDevice,
     pdn: u32,
@@ -93,22 +109,15 @@ fn reg_mr(
     len: u64,
     flags: u32,
 ) -> Result<RegMrResp, i32> {
-    let req = RegMrReq {
-        pdn: pdn.into(),
-        access: flags.into(),
-        addr: addr.into(),
-        length: len.into(),
-        iova: addr.into(),
-    };
-    run(dev, Opcode::RegMr, req.as_bytes())
+    run(
+        dev,
+        Opcode::RegMr,
+        vmm::reg(pdn, addr, len, flags).as_bytes(),
+    )
 }
 
 fn create_cq(dev: &mut RdmaDevice, addr: u64) -> Result<u32, i32> {
-    let req = CreateCqReq {
-        depth: 16.into(),
-        comp_vector: 0.into(),
-        ring_addr: addr.into(),
-    };
+    let req = vmm::cq_req(addr, 16);
     run::<CqHandle>(dev, Opcode::CreateCq, req.as_bytes()).map(|h| h.cqn.get())
 }
 
@@ -144,34 +153,36 @@ fn create_qp_asking(
     rq: u64,
 ) -> Result<CreateQpResp, i32> {
     let req = CreateQpReq {
-        pdn: pdn.into(),
-        send_cqn: cqn.into(),
-        recv_cqn: cqn.into(),
-        srqn: NO_SRQ.into(),
-        qp_type: 2,
         cap,
-        sq_ring_addr: sq.into(),
-        rq_ring_addr: rq.into(),
-        ..CreateQpReq::default()
+        ..vmm::qp_req(pdn, cqn, sq, rq)
     };
     run(dev, Opcode::CreateQp, req.as_bytes())
 }
 
 fn modify(dev: &mut RdmaDevice, qpn: u32, attr_mask: u32, attr: QpAttr) -> Result<(), i32> {
-    let req = ModifyQpReq {
-        qpn: qpn.into(),
-        attr_mask: attr_mask.into(),
-        attr,
-    };
+    let req = vmm::modify_req(qpn, attr_mask, attr);
     run_unit(dev, Opcode::ModifyQp, req.as_bytes())
 }
 
-fn query_state(dev: &mut RdmaDevice, qpn: u32) -> QpState {
+/// MODIFY_QP to `state` and nothing else.
+fn to_state(dev: &mut RdmaDevice, qpn: u32, state: QpState) -> Result<(), i32> {
+    let attr = QpAttr {
+        qp_state: state.into(),
+        ..QpAttr::default()
+    };
+    modify(dev, qpn, mask::STATE, attr)
+}
+
+fn query_qp(dev: &mut RdmaDevice, qpn: u32) -> Result<QueryQpResp, i32> {
     let req = QueryQpReq {
         qpn: qpn.into(),
         attr_mask: 0.into(),
     };
-    let resp: QueryQpResp = run(dev, Opcode::QueryQp, req.as_bytes()).expect("query");
+    run(dev, Opcode::QueryQp, req.as_bytes())
+}
+
+fn query_state(dev: &mut RdmaDevice, qpn: u32) -> QpState {
+    let resp = query_qp(dev, qpn).expect("query");
     QpState::try_from(resp.attr.qp_state).expect("state")
 }
 
@@ -190,6 +201,16 @@ const RTS_MASK: u32 = mask::STATE
     | mask::RNR_RETRY
     | mask::MAX_QP_RD_ATOMIC;
 
+/// RESET to INIT: port 1, remote writes allowed.
+fn init_attr() -> QpAttr {
+    QpAttr {
+        qp_state: QpState::Init.into(),
+        port_num: 1,
+        qp_access_flags: access::REMOTE_WRITE.into(),
+        ..QpAttr::default()
+    }
+}
+
 fn rtr_attr() -> QpAttr {
     let mut a = QpAttr {
         qp_state: QpState::Rtr.into(),
@@ -204,10 +225,28 @@ fn rtr_attr() -> QpAttr {
     a
 }
 
+/// RTR to RTS: a 14 (67 ms) timeout, 7 retries of each kind, one read
+/// or atomic in flight.
+fn rts_attr() -> QpAttr {
+    QpAttr {
+        qp_state: QpState::Rts.into(),
+        timeout: 14,
+        retry_cnt: 7,
+        rnr_retry: 7,
+        max_rd_atomic: 1,
+        ..QpAttr::default()
+    }
+}
+
+/// A PD and a CQ with its ring at the start of guest memory: (pdn, cqn).
+fn pd_and_cq(dev: &mut RdmaDevice) -> (u32, u32) {
+    let pdn = alloc_pd(dev);
+    (pdn, create_cq(dev, MEM_BASE).expect("cq"))
+}
+
 /// A QP in RESET with its CQ, on fresh rings; returns (pdn, cqn, qpn).
 fn qp_fixture(dev: &mut RdmaDevice) -> (u32, u32, u32) {
-    let pdn = alloc_pd(dev);
-    let cqn = create_cq(dev, MEM_BASE).expect("cq");
+    let (pdn, cqn) = pd_and_cq(dev);
     let qp = create_qp(dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x20000).expect("qp");
     (pdn, cqn, qp.qpn.get())
 }
@@ -219,16 +258,12 @@ fn query_verbs_report_the_configured_device() {
         run(&mut dev, Opcode::QueryDevice, &[]).expect("query");
     assert_eq!(attr.max_qp.get(), Limits::default().max_qp);
     assert_eq!(attr.max_qp_rd_atom.get(), Limits::default().max_rd_atomic);
-    let port: vrdma_spec::config::PortAttr = run(
-        &mut dev,
-        Opcode::QueryPort,
-        QueryPortReq {
-            port_num: 1,
-            ..Default::default()
-        }
-        .as_bytes(),
-    )
-    .expect("port");
+    let port_req = |port_num| QueryPortReq {
+        port_num,
+        ..Default::default()
+    };
+    let port: vrdma_spec::config::PortAttr =
+        run(&mut dev, Opcode::QueryPort, port_req(1).as_bytes()).expect("port");
     assert_eq!(port.lid.get(), 5);
     assert_eq!(port.state, 4, "ACTIVE");
     let gid: QueryGidResp = run(
@@ -243,12 +278,8 @@ fn query_verbs_report_the_configured_device() {
     .expect("gid");
     assert_eq!(&gid.gid[..8], &GID_PREFIX);
     assert_eq!(gid.gid[15], 5, "GUID carries the LID");
-    let bad_port = QueryPortReq {
-        port_num: 2,
-        ..Default::default()
-    };
     assert_eq!(
-        run::<vrdma_spec::config::PortAttr>(&mut dev, Opcode::QueryPort, bad_port.as_bytes()),
+        run::<vrdma_spec::config::PortAttr>(&mut dev, Opcode::QueryPort, port_req(2).as_bytes()),
         Err(libc::EINVAL)
     );
     let bad_gid = QueryGidReq {
@@ -274,13 +305,9 @@ fn pd_limits_and_double_dealloc() {
         run::<PdHandle>(&mut dev, Opcode::AllocPd, &[]).map(|_| ()),
         Err(libc::ENOMEM)
     );
-    let h = PdHandle {
-        pdn: a.into(),
-        reserved: 0.into(),
-    };
-    run_unit(&mut dev, Opcode::DeallocPd, h.as_bytes()).expect("dealloc");
+    release(&mut dev, Opcode::DeallocPd, a).expect("dealloc");
     assert_eq!(
-        run_unit(&mut dev, Opcode::DeallocPd, h.as_bytes()),
+        release(&mut dev, Opcode::DeallocPd, a),
         Err(libc::EINVAL),
         "double dealloc"
     );
@@ -297,45 +324,31 @@ fn mr_checks_and_accounting() {
     });
     let pdn = alloc_pd(&mut dev);
     let rw = access::LOCAL_WRITE | access::REMOTE_WRITE;
-    assert_eq!(
-        reg_mr(&mut dev, pdn, MEM_BASE, 4096, access::REMOTE_WRITE).map(|_| ()),
-        Err(libc::EINVAL),
-        "remote write without local write"
+    let end = MEM_BASE + MEM_SIZE as u64;
+    let mut reg = |pdn, addr, len, flags| reg_mr(&mut dev, pdn, addr, len, flags);
+    assert_refused(
+        libc::EINVAL,
+        [
+            (
+                reg(pdn, MEM_BASE, 4096, access::REMOTE_WRITE),
+                "remote write without local write",
+            ),
+            (reg(pdn, MEM_BASE, 0, rw), "zero length"),
+            (reg(pdn + 100, MEM_BASE, 4096, rw), "unknown PD"),
+            (reg(pdn, MEM_BASE, 4096, 1 << 9), "unknown access flag"),
+        ],
     );
-    assert_eq!(
-        reg_mr(&mut dev, pdn, MEM_BASE, 0, rw).map(|_| ()),
-        Err(libc::EINVAL),
-        "zero length"
+    assert_refused(
+        libc::EFAULT,
+        [
+            (reg(pdn, end - 4096, 8192, rw), "runs past guest memory"),
+            (reg(pdn, u64::MAX - 4095, 8192, rw), "wraps around"),
+            (reg(pdn, 0, 4096, rw), "unmapped"),
+        ],
     );
-    assert_eq!(
-        reg_mr(&mut dev, pdn + 100, MEM_BASE, 4096, rw).map(|_| ()),
-        Err(libc::EINVAL),
-        "unknown PD"
-    );
-    assert_eq!(
-        reg_mr(&mut dev, pdn, MEM_BASE, 4096, 1 << 9).map(|_| ()),
-        Err(libc::EINVAL),
-        "unknown access flag"
-    );
-    assert_eq!(
-        reg_mr(&mut dev, pdn, MEM_BASE + MEM_SIZE as u64 - 4096, 8192, rw).map(|_| ()),
-        Err(libc::EFAULT),
-        "runs past guest memory"
-    );
-    assert_eq!(
-        reg_mr(&mut dev, pdn, u64::MAX - 4095, 8192, rw).map(|_| ()),
-        Err(libc::EFAULT),
-        "wraps around"
-    );
-    assert_eq!(
-        reg_mr(&mut dev, pdn, 0, 4096, rw).map(|_| ()),
-        Err(libc::EFAULT),
-        "unmapped"
-    );
-    assert_eq!(
-        reg_mr(&mut dev, pdn, MEM_BASE, 2 << 20, rw).map(|_| ()),
-        Err(libc::ENOMEM),
-        "above max_mr_bytes"
+    assert_refused(
+        libc::ENOMEM,
+        [(reg(pdn, MEM_BASE, 2 << 20, rw), "above max_mr_bytes")],
     );
 
     let a = reg_mr(&mut dev, pdn, MEM_BASE, 1 << 20, rw).expect("first MiB");
@@ -347,41 +360,17 @@ fn mr_checks_and_accounting() {
         Err(libc::ENOMEM),
         "total bytes reached"
     );
-    run_unit(
-        &mut dev,
-        Opcode::DeregMr,
-        MrHandle {
-            handle: b.handle,
-            reserved: 0.into(),
-        }
-        .as_bytes(),
-    )
-    .expect("dereg");
+    release(&mut dev, Opcode::DeregMr, b.handle.get()).expect("dereg");
     assert_eq!(dev.registered_bytes(), 1 << 20);
     assert_eq!(
-        run_unit(
-            &mut dev,
-            Opcode::DeregMr,
-            MrHandle {
-                handle: b.handle,
-                reserved: 0.into()
-            }
-            .as_bytes()
-        ),
+        release(&mut dev, Opcode::DeregMr, b.handle.get()),
         Err(libc::EINVAL),
         "double dereg"
     );
     reg_mr(&mut dev, pdn, MEM_BASE, 4096, rw).expect("room again after dereg");
 
-    // A PD with an MR cannot go; once the MRs are gone it can.
-    let pd = PdHandle {
-        pdn: pdn.into(),
-        reserved: 0.into(),
-    };
-    assert_eq!(
-        run_unit(&mut dev, Opcode::DeallocPd, pd.as_bytes()),
-        Err(libc::EBUSY)
-    );
+    // A PD with an MR cannot go.
+    assert_eq!(release(&mut dev, Opcode::DeallocPd, pdn), Err(libc::EBUSY));
 }
 
 /// Writes `segs` as a segment list at `list` and registers them.
@@ -393,15 +382,8 @@ fn reg_mr_sg(
     len: u64,
     iova: u64,
 ) -> Result<RegMrResp, i32> {
-    let entries: Vec<MrSgSegment> = segs
-        .iter()
-        .map(|&(addr, len)| MrSgSegment {
-            addr: addr.into(),
-            len: len.into(),
-        })
-        .collect();
     dev.mem
-        .write_slice(entries.as_bytes(), GuestAddress(list))
+        .write_slice(vmm::sg_list(segs).as_bytes(), GuestAddress(list))
         .expect("list in memory");
     let req = RegMrSgReq {
         pdn: pdn.into(),
@@ -461,51 +443,53 @@ fn scattered_mr_checks_list_segments_and_quota() {
     let sg = |dev: &mut RdmaDevice, list: u64, segs: &[(u64, u64)], len: u64| {
         reg_mr_sg(dev, pdn, list, segs, len, 0x1000).map(|_| ())
     };
-    assert_eq!(
-        sg(&mut dev, MEM_BASE, &[], 0x1000),
-        Err(libc::EINVAL),
-        "no segments"
-    );
     let many = vec![(MEM_BASE + 0x4000, 1); MAX_MR_SEGMENTS as usize + 1];
-    assert_eq!(
-        sg(&mut dev, MEM_BASE, &many, many.len() as u64),
-        Err(libc::EINVAL),
-        "too many segments"
+    assert_refused(
+        libc::EINVAL,
+        [
+            (sg(&mut dev, MEM_BASE, &[], 0x1000), "no segments"),
+            (
+                sg(&mut dev, MEM_BASE, &many, many.len() as u64),
+                "too many segments",
+            ),
+            (
+                sg(&mut dev, MEM_BASE, &[seg, seg], 0x1000),
+                "total differs from length",
+            ),
+            (
+                sg(&mut dev, MEM_BASE, &[seg, (MEM_BASE, 0)], 0x1000),
+                "empty segment",
+            ),
+        ],
     );
-    assert_eq!(
-        sg(&mut dev, MEM_BASE, &[seg, (end - 0x800, 0x1000)], 0x2000),
-        Err(libc::EFAULT),
-        "segment past guest memory"
+    assert_refused(
+        libc::EFAULT,
+        [
+            (
+                sg(&mut dev, MEM_BASE, &[seg, (end - 0x800, 0x1000)], 0x2000),
+                "segment past guest memory",
+            ),
+            (
+                sg(
+                    &mut dev,
+                    MEM_BASE,
+                    &[seg, (u64::MAX - 0xff, 0x1000)],
+                    0x2000,
+                ),
+                "segment wraps around",
+            ),
+            (
+                sg(&mut dev, MEM_BASE, &[seg, (MEM_BASE, u64::MAX)], 0x1000),
+                "segment length overflows",
+            ),
+        ],
     );
-    assert_eq!(
-        sg(
-            &mut dev,
-            MEM_BASE,
-            &[seg, (u64::MAX - 0xff, 0x1000)],
-            0x2000
-        ),
-        Err(libc::EFAULT),
-        "segment wraps around"
-    );
-    assert_eq!(
-        sg(&mut dev, MEM_BASE, &[seg, (MEM_BASE, u64::MAX)], 0x1000),
-        Err(libc::EFAULT),
-        "segment length overflows"
-    );
-    assert_eq!(
-        sg(&mut dev, MEM_BASE, &[seg, seg], 0x1000),
-        Err(libc::EINVAL),
-        "total differs from length"
-    );
-    assert_eq!(
-        sg(&mut dev, MEM_BASE, &[seg, (MEM_BASE, 0)], 0x1000),
-        Err(libc::EINVAL),
-        "empty segment"
-    );
-    assert_eq!(
-        sg(&mut dev, MEM_BASE, &[(MEM_BASE, 2 << 20)], 2 << 20),
-        Err(libc::ENOMEM),
-        "above max_mr_bytes"
+    assert_refused(
+        libc::ENOMEM,
+        [(
+            sg(&mut dev, MEM_BASE, &[(MEM_BASE, 2 << 20)], 2 << 20),
+            "above max_mr_bytes",
+        )],
     );
     assert_eq!(dev.registered_bytes(), 0, "no refusal registered anything");
     // A list that is not in guest memory: written in memory, pointed elsewhere.
@@ -518,19 +502,17 @@ fn scattered_mr_checks_list_segments_and_quota() {
         reserved: 0.into(),
         list_addr: (end - 8).into(),
     };
-    assert_eq!(
-        run::<RegMrResp>(&mut dev, Opcode::RegMrSg, req.as_bytes()).map(|_| ()),
-        Err(libc::EFAULT),
-        "list straddles the end of guest memory"
-    );
     let wrapped = RegMrSgReq {
         list_addr: (u64::MAX - 8).into(),
         ..req
     };
-    assert_eq!(
-        run::<RegMrResp>(&mut dev, Opcode::RegMrSg, wrapped.as_bytes()).map(|_| ()),
-        Err(libc::EFAULT),
-        "list wraps around"
+    let mut reg_sg = |req: RegMrSgReq| run::<RegMrResp>(&mut dev, Opcode::RegMrSg, req.as_bytes());
+    assert_refused(
+        libc::EFAULT,
+        [
+            (reg_sg(req), "list straddles the end of guest memory"),
+            (reg_sg(wrapped), "list wraps around"),
+        ],
     );
     sg(&mut dev, MEM_BASE, &[seg, seg], 0x2000).expect("a segment may repeat");
     assert_eq!(dev.registered_bytes(), 0x2000);
@@ -590,53 +572,31 @@ fn local_translation_checks_pd_bounds_and_revocation() {
         ))
     ));
     // The revoked MR can still be deregistered.
-    run_unit(
-        &mut dev,
-        Opcode::DeregMr,
-        MrHandle {
-            handle: mr.handle,
-            reserved: 0.into(),
-        }
-        .as_bytes(),
-    )
-    .expect("dereg");
+    release(&mut dev, Opcode::DeregMr, mr.handle.get()).expect("dereg");
 }
 
 #[test]
 fn cq_checks_and_busy_rules() {
     let mut dev = device();
-    assert_eq!(
-        create_cq(&mut dev, MEM_BASE + 8),
-        Err(libc::EINVAL),
-        "misaligned ring"
-    );
-    let past_end = CreateCqReq {
-        depth: 1024.into(),
-        comp_vector: 0.into(),
-        ring_addr: (MEM_BASE + MEM_SIZE as u64 - RING_ALIGN).into(),
+    let cq_req = |depth: u32, comp_vector: u32, ring_addr: u64| CreateCqReq {
+        depth: depth.into(),
+        comp_vector: comp_vector.into(),
+        ring_addr: ring_addr.into(),
     };
-    assert_eq!(
-        run::<CqHandle>(&mut dev, Opcode::CreateCq, past_end.as_bytes()).map(|_| ()),
-        Err(libc::EINVAL),
-        "ring past memory"
-    );
-    let too_deep = CreateCqReq {
-        depth: (Limits::default().max_cq_depth + 1).into(),
-        comp_vector: 0.into(),
-        ring_addr: MEM_BASE.into(),
-    };
-    assert_eq!(
-        run::<CqHandle>(&mut dev, Opcode::CreateCq, too_deep.as_bytes()).map(|_| ()),
-        Err(libc::EINVAL)
-    );
-    let bad_vector = CreateCqReq {
-        depth: 4.into(),
-        comp_vector: 2.into(),
-        ring_addr: MEM_BASE.into(),
-    };
-    assert_eq!(
-        run::<CqHandle>(&mut dev, Opcode::CreateCq, bad_vector.as_bytes()).map(|_| ()),
-        Err(libc::EINVAL)
+    let end = MEM_BASE + MEM_SIZE as u64;
+    let too_deep = Limits::default().max_cq_depth + 1;
+    let mut create = |req: CreateCqReq| run::<CqHandle>(&mut dev, Opcode::CreateCq, req.as_bytes());
+    assert_refused(
+        libc::EINVAL,
+        [
+            (create(cq_req(16, 0, MEM_BASE + 8)), "misaligned ring"),
+            (
+                create(cq_req(1024, 0, end - RING_ALIGN)),
+                "ring past memory",
+            ),
+            (create(cq_req(too_deep, 0, MEM_BASE)), "too deep"),
+            (create(cq_req(4, 2, MEM_BASE)), "no such vector"),
+        ],
     );
 
     // create_cq resets the device half of the ring header.
@@ -655,54 +615,33 @@ fn cq_checks_and_busy_rules() {
     );
     assert_eq!(dev.cq(cqn).map(|cq| cq.depth), Some(16));
 
-    let cq = CqHandle {
-        cqn: cqn.into(),
-        reserved: 0.into(),
-    };
+    assert_eq!(release(&mut dev, Opcode::DestroyCq, cqn), Err(libc::EBUSY));
+    assert_eq!(release(&mut dev, Opcode::DeallocPd, pdn), Err(libc::EBUSY));
+    release(&mut dev, Opcode::DestroyQp, qpn).expect("destroy qp");
     assert_eq!(
-        run_unit(&mut dev, Opcode::DestroyCq, cq.as_bytes()),
-        Err(libc::EBUSY)
-    );
-    let pd = PdHandle {
-        pdn: pdn.into(),
-        reserved: 0.into(),
-    };
-    assert_eq!(
-        run_unit(&mut dev, Opcode::DeallocPd, pd.as_bytes()),
-        Err(libc::EBUSY)
-    );
-    let qp = QpHandle {
-        qpn: qpn.into(),
-        reserved: 0.into(),
-    };
-    run_unit(&mut dev, Opcode::DestroyQp, qp.as_bytes()).expect("destroy qp");
-    assert_eq!(
-        run_unit(&mut dev, Opcode::DestroyQp, qp.as_bytes()),
+        release(&mut dev, Opcode::DestroyQp, qpn),
         Err(libc::EINVAL),
         "double destroy"
     );
-    run_unit(&mut dev, Opcode::DestroyCq, cq.as_bytes()).expect("destroy cq");
-    run_unit(&mut dev, Opcode::DeallocPd, pd.as_bytes()).expect("dealloc pd");
+    release(&mut dev, Opcode::DestroyCq, cqn).expect("destroy cq");
+    release(&mut dev, Opcode::DeallocPd, pdn).expect("dealloc pd");
     assert_eq!(dev.object_counts(), (0, 0, 0, 0));
 }
 
 #[test]
 fn malformed_payloads_are_refused() {
     let mut dev = device();
-    assert_eq!(
-        run::<PdHandle>(&mut dev, Opcode::AllocPd, &[1]).map(|_| ()),
-        Err(libc::EINVAL),
-        "payload where none belongs"
-    );
-    assert_eq!(
-        run_unit(&mut dev, Opcode::DeallocPd, &[1, 2, 3]),
-        Err(libc::EINVAL),
-        "truncated"
-    );
-    assert_eq!(
-        run_unit(&mut dev, Opcode::DeallocPd, &[0; 9]),
-        Err(libc::EINVAL),
-        "oversized"
+    let alloc = run::<PdHandle>(&mut dev, Opcode::AllocPd, &[1]).map(|_| ());
+    assert_refused(
+        libc::EINVAL,
+        [
+            (alloc, "payload where none belongs"),
+            (
+                run_unit(&mut dev, Opcode::DeallocPd, &[1, 2, 3]),
+                "truncated",
+            ),
+            (run_unit(&mut dev, Opcode::DeallocPd, &[0; 9]), "oversized"),
+        ],
     );
 }
 

@@ -28,63 +28,34 @@ fn grant_of(cap: QpCap, limits: &Limits) -> QpCap {
 #[test]
 fn create_qp_validates_and_grants_caps() {
     let mut dev = device();
-    let pdn = alloc_pd(&mut dev);
-    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
-    assert_eq!(
-        create_qp(
-            &mut dev,
-            pdn,
-            cqn + 50,
-            MEM_BASE + 0x10000,
-            MEM_BASE + 0x20000
-        )
-        .map(|_| ()),
-        Err(libc::EINVAL),
-        "unknown CQ"
+    let (pdn, cqn) = pd_and_cq(&mut dev);
+    let (sq, rq) = (MEM_BASE + 0x10000, MEM_BASE + 0x20000);
+    let mut create = |pdn, cqn, rq| create_qp(&mut dev, pdn, cqn, sq, rq);
+    assert_refused(
+        libc::EINVAL,
+        [
+            (create(pdn, cqn + 50, rq), "unknown CQ"),
+            (create(pdn + 50, cqn, rq), "unknown PD"),
+            (create(pdn, cqn, sq), "overlapping rings"),
+            (create(pdn, cqn, rq + 0x40), "misaligned ring"),
+        ],
     );
-    assert_eq!(
-        create_qp(
-            &mut dev,
-            pdn + 50,
-            cqn,
-            MEM_BASE + 0x10000,
-            MEM_BASE + 0x20000
-        )
-        .map(|_| ()),
-        Err(libc::EINVAL),
-        "unknown PD"
-    );
-    assert_eq!(
-        create_qp(&mut dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x10000).map(|_| ()),
-        Err(libc::EINVAL),
-        "overlapping rings"
-    );
-    assert_eq!(
-        create_qp(&mut dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x20040).map(|_| ()),
-        Err(libc::EINVAL),
-        "misaligned ring"
-    );
-    let qp = create_qp(&mut dev, pdn, cqn, MEM_BASE + 0x10000, MEM_BASE + 0x20000).expect("qp");
+    let qp = create_qp(&mut dev, pdn, cqn, sq, rq).expect("qp");
     assert_eq!(qp.cap, grant_of(qp_cap(10, 2, 64), &Limits::default()));
-    let sq = ring::sq_geometry(10, 2, 64).expect("geometry");
-    assert_eq!(qp.cap.max_send_wr.get(), sq.depth);
+    let geometry = ring::sq_geometry(10, 2, 64).expect("geometry");
+    assert_eq!(qp.cap.max_send_wr.get(), geometry.depth);
     assert!(qp.qpn.get() > 1 && qp.qpn.get() <= 0xff_ffff);
     assert_eq!(qp.db_index.get(), 0, "the first QP's doorbell bit");
     let stored = dev.qp(qp.qpn.get()).expect("recorded");
     assert_eq!((stored.cap, stored.db_index), (qp.cap, 0));
-    assert_eq!(stored.sq, (MEM_BASE + 0x10000, sq));
+    assert_eq!(stored.sq, (sq, geometry));
 
+    let (ud_sq, ud_rq) = (MEM_BASE + 0x30000, MEM_BASE + 0x40000);
     let mut ud = CreateQpReq {
-        pdn: pdn.into(),
-        send_cqn: cqn.into(),
-        recv_cqn: cqn.into(),
-        srqn: NO_SRQ.into(),
         qp_type: 4,
-        ..CreateQpReq::default()
+        cap: qp_cap(1, 0, 0),
+        ..vmm::qp_req(pdn, cqn, ud_sq, ud_rq)
     };
-    ud.cap.max_send_wr = 1.into();
-    ud.sq_ring_addr = (MEM_BASE + 0x30000).into();
-    ud.rq_ring_addr = (MEM_BASE + 0x40000).into();
     assert_eq!(
         run::<CreateQpResp>(&mut dev, Opcode::CreateQp, ud.as_bytes()).map(|_| ()),
         Err(libc::EOPNOTSUPP),
@@ -103,34 +74,19 @@ fn create_qp_validates_and_grants_caps() {
 fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
     let mut dev = device();
     let (_, _, qpn) = qp_fixture(&mut dev);
-    let init = QpAttr {
-        qp_state: QpState::Init.into(),
-        port_num: 1,
-        qp_access_flags: access::REMOTE_WRITE.into(),
-        ..QpAttr::default()
+    let init = init_attr();
+    let bad_port = QpAttr {
+        port_num: 2,
+        ..init
     };
-    assert_eq!(
-        modify(&mut dev, qpn, RTR_MASK, rtr_attr()),
-        Err(libc::EINVAL),
-        "RESET->RTR skips INIT"
-    );
-    assert_eq!(
-        modify(&mut dev, qpn, INIT_MASK & !mask::PORT, init),
-        Err(libc::EINVAL),
-        "missing port"
-    );
-    assert_eq!(
-        modify(
-            &mut dev,
-            qpn,
-            INIT_MASK,
-            QpAttr {
-                port_num: 2,
-                ..init
-            }
-        ),
-        Err(libc::EINVAL),
-        "bad port"
+    let mut to = |attr_mask, attr| modify(&mut dev, qpn, attr_mask, attr);
+    assert_refused(
+        libc::EINVAL,
+        [
+            (to(RTR_MASK, rtr_attr()), "RESET->RTR skips INIT"),
+            (to(INIT_MASK & !mask::PORT, init), "missing port"),
+            (to(INIT_MASK, bad_port), "bad port"),
+        ],
     );
     assert_eq!(
         query_state(&mut dev, qpn),
@@ -139,26 +95,29 @@ fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
     );
     modify(&mut dev, qpn, INIT_MASK, init).expect("INIT");
 
-    let mut too_big_mtu = rtr_attr();
-    too_big_mtu.path_mtu = 6;
-    assert_eq!(
-        modify(&mut dev, qpn, RTR_MASK, too_big_mtu),
-        Err(libc::EINVAL),
-        "MTU beyond the enum"
-    );
-    let mut no_dlid = rtr_attr();
-    no_dlid.ah_attr.dlid = 0.into();
-    assert_eq!(
-        modify(&mut dev, qpn, RTR_MASK, no_dlid),
-        Err(libc::EINVAL),
-        "dlid 0"
-    );
-    let mut greedy = rtr_attr();
-    greedy.max_dest_rd_atomic = 200;
-    assert_eq!(
-        modify(&mut dev, qpn, RTR_MASK, greedy),
-        Err(libc::EINVAL),
-        "rd_atomic above the limit"
+    let rtr = rtr_attr();
+    let no_dlid = AhAttr {
+        dlid: 0.into(),
+        ..rtr.ah_attr
+    };
+    let greedy = QpAttr {
+        max_dest_rd_atomic: 200,
+        ..rtr
+    };
+    let mut to_rtr = |attr| modify(&mut dev, qpn, RTR_MASK, attr);
+    assert_refused(
+        libc::EINVAL,
+        [
+            (to_rtr(QpAttr { path_mtu: 6, ..rtr }), "MTU beyond the enum"),
+            (
+                to_rtr(QpAttr {
+                    ah_attr: no_dlid,
+                    ..rtr
+                }),
+                "dlid 0",
+            ),
+            (to_rtr(greedy), "rd_atomic above the limit"),
+        ],
     );
     assert_eq!(
         modify(&mut dev, qpn, RTR_MASK | mask::ALT_PATH, rtr_attr()),
@@ -168,51 +127,29 @@ fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
     modify(&mut dev, qpn, RTR_MASK, rtr_attr()).expect("RTR");
 
     let rts = QpAttr {
-        qp_state: QpState::Rts.into(),
-        timeout: 14,
-        retry_cnt: 7,
-        rnr_retry: 7,
-        max_rd_atomic: 1,
         sq_psn: 77.into(),
-        ..QpAttr::default()
+        ..rts_attr()
     };
-    assert_eq!(
-        modify(
-            &mut dev,
-            qpn,
-            RTS_MASK,
-            QpAttr {
-                retry_cnt: 8,
-                ..rts
-            }
-        ),
-        Err(libc::EINVAL),
-        "retry_cnt 8"
+    let (eight_retries, wide_psn) = (
+        QpAttr {
+            retry_cnt: 8,
+            ..rts
+        },
+        QpAttr {
+            sq_psn: 0x100_0000.into(),
+            ..rts
+        },
     );
-    assert_eq!(
-        modify(
-            &mut dev,
-            qpn,
-            RTS_MASK,
-            QpAttr {
-                sq_psn: 0x100_0000.into(),
-                ..rts
-            }
-        ),
-        Err(libc::EINVAL),
-        "PSN above 24 bits"
+    let mut to_rts = |attr| modify(&mut dev, qpn, RTS_MASK, attr);
+    assert_refused(
+        libc::EINVAL,
+        [
+            (to_rts(eight_retries), "retry_cnt 8"),
+            (to_rts(wide_psn), "PSN above 24 bits"),
+        ],
     );
     modify(&mut dev, qpn, RTS_MASK, rts).expect("RTS");
-    let resp: QueryQpResp = run(
-        &mut dev,
-        Opcode::QueryQp,
-        QueryQpReq {
-            qpn: qpn.into(),
-            attr_mask: 0.into(),
-        }
-        .as_bytes(),
-    )
-    .expect("query");
+    let resp = query_qp(&mut dev, qpn).expect("query");
     assert_eq!(resp.attr.qp_state, u8::from(QpState::Rts));
     assert_eq!(resp.attr.dest_qp_num.get(), 0x1234);
     assert_eq!(resp.attr.sq_psn.get(), 77);
@@ -229,51 +166,15 @@ fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
         Err(libc::EINVAL),
         "cur_qp_state mismatch"
     );
-    modify(
-        &mut dev,
-        qpn,
-        mask::STATE,
-        QpAttr {
-            qp_state: QpState::Sqd.into(),
-            ..QpAttr::default()
-        },
-    )
-    .expect("SQD");
-    modify(
-        &mut dev,
-        qpn,
-        mask::STATE,
-        QpAttr {
-            qp_state: QpState::Rts.into(),
-            ..QpAttr::default()
-        },
-    )
-    .expect("back to RTS");
-    modify(
-        &mut dev,
-        qpn,
-        mask::STATE,
-        QpAttr {
-            qp_state: QpState::Err.into(),
-            ..QpAttr::default()
-        },
-    )
-    .expect("ERR");
+    to_state(&mut dev, qpn, QpState::Sqd).expect("SQD");
+    to_state(&mut dev, qpn, QpState::Rts).expect("back to RTS");
+    to_state(&mut dev, qpn, QpState::Err).expect("ERR");
     assert_eq!(
         modify(&mut dev, qpn, RTS_MASK, rts),
         Err(libc::EINVAL),
         "ERR->RTS"
     );
-    modify(
-        &mut dev,
-        qpn,
-        mask::STATE,
-        QpAttr {
-            qp_state: QpState::Reset.into(),
-            ..QpAttr::default()
-        },
-    )
-    .expect("RESET");
+    to_state(&mut dev, qpn, QpState::Reset).expect("RESET");
     assert_eq!(query_state(&mut dev, qpn), QpState::Reset);
     assert_eq!(
         modify(&mut dev, qpn + 1, INIT_MASK, init),
@@ -285,8 +186,7 @@ fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
 #[test]
 fn a_refused_create_qp_writes_no_guest_memory() {
     let mut dev = device();
-    let pdn = alloc_pd(&mut dev);
-    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let (pdn, cqn) = pd_and_cq(&mut dev);
     let sq = MEM_BASE + 0x10000;
     dev.mem
         .write_slice(&[0xabu8; 128], GuestAddress(sq))
@@ -309,21 +209,9 @@ fn granted_depth_never_exceeds_the_limit() {
         max_qp_depth: 1000,
         ..Limits::default()
     });
-    let pdn = alloc_pd(&mut dev);
-    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
-    let mut req = CreateQpReq {
-        pdn: pdn.into(),
-        send_cqn: cqn.into(),
-        recv_cqn: cqn.into(),
-        srqn: NO_SRQ.into(),
-        qp_type: 2,
-        ..CreateQpReq::default()
-    };
-    req.cap.max_send_wr = 1000.into();
-    req.cap.max_recv_wr = 1000.into();
-    req.sq_ring_addr = (MEM_BASE + 0x100000).into();
-    req.rq_ring_addr = (MEM_BASE + 0x200000).into();
-    let qp: CreateQpResp = run(&mut dev, Opcode::CreateQp, req.as_bytes()).expect("qp");
+    let (pdn, cqn) = pd_and_cq(&mut dev);
+    let (sq, rq) = (MEM_BASE + 0x100000, MEM_BASE + 0x200000);
+    let qp = create_qp_asking(&mut dev, pdn, cqn, qp_cap(1000, 0, 0), sq, rq).expect("qp");
     assert_eq!(qp.cap.max_send_wr.get(), 1000);
     assert_eq!(qp.cap.max_recv_wr.get(), 1000);
 }
@@ -339,8 +227,7 @@ fn granted_caps_are_the_grant_up_to_the_format_ceilings() {
         ..Limits::default()
     };
     let mut dev = device_with(ceilings);
-    let pdn = alloc_pd(&mut dev);
-    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let (pdn, cqn) = pd_and_cq(&mut dev);
     let widest = qp_with(
         &mut dev,
         pdn,
@@ -372,8 +259,7 @@ fn granted_caps_are_the_grant_up_to_the_format_ceilings() {
         qp_with(&mut dev, pdn, cqn, qp_cap(4, 16, 0), MEM_BASE + 0x50000).expect("16 SGEs");
     assert_eq!(sixteen.cap.max_send_sge.get(), 28);
     let mut limited = device();
-    let pdn = alloc_pd(&mut limited);
-    let cqn = create_cq(&mut limited, MEM_BASE).expect("cq");
+    let (pdn, cqn) = pd_and_cq(&mut limited);
     let qp =
         qp_with(&mut limited, pdn, cqn, qp_cap(4, 16, 0), MEM_BASE + 0x50000).expect("16 SGEs");
     assert_eq!(qp.cap.max_send_sge.get(), 16);
@@ -384,8 +270,7 @@ fn granted_caps_are_the_grant_up_to_the_format_ceilings() {
 #[test]
 fn doorbell_indices_are_dense_and_come_back() {
     let mut dev = device();
-    let pdn = alloc_pd(&mut dev);
-    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let (pdn, cqn) = pd_and_cq(&mut dev);
     let at = |i: u64| MEM_BASE + 0x40000 + i * 0x10000;
     let mut qps: Vec<CreateQpResp> = (0..3)
         .map(|i| qp_with(&mut dev, pdn, cqn, qp_cap(8, 1, 0), at(i)).expect("qp"))
@@ -393,11 +278,7 @@ fn doorbell_indices_are_dense_and_come_back() {
     let indexes: Vec<u32> = qps.iter().map(|q| q.db_index.get()).collect();
     assert_eq!(indexes, [0, 1, 2]);
     let middle = qps.remove(1);
-    let handle = QpHandle {
-        qpn: middle.qpn,
-        reserved: 0.into(),
-    };
-    run_unit(&mut dev, Opcode::DestroyQp, handle.as_bytes()).expect("destroy");
+    release(&mut dev, Opcode::DestroyQp, middle.qpn.get()).expect("destroy");
     let reused = qp_with(&mut dev, pdn, cqn, qp_cap(8, 1, 0), at(1)).expect("qp");
     assert_eq!(reused.db_index.get(), 1, "the freed bit is the lowest free");
     let next = qp_with(&mut dev, pdn, cqn, qp_cap(8, 1, 0), at(3)).expect("qp");
@@ -411,8 +292,7 @@ fn doorbell_indices_are_dense_and_come_back() {
     // A reset frees every bit: the next driver starts at 0 again.
     dev.release_all();
     set_doorbell(&mut dev, DOORBELL).expect("doorbell page");
-    let pdn = alloc_pd(&mut dev);
-    let cqn = create_cq(&mut dev, MEM_BASE).expect("cq");
+    let (pdn, cqn) = pd_and_cq(&mut dev);
     let first = qp_with(&mut dev, pdn, cqn, qp_cap(8, 1, 0), at(0)).expect("qp");
     assert_eq!(first.db_index.get(), 0);
 }
