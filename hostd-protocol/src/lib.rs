@@ -5,8 +5,8 @@
 //!   message per `SOCK_SEQPACKET` datagram, bounded), with file descriptors
 //!   (guest memory, doorbell and interrupt eventfds) passed as `SCM_RIGHTS`.
 //! - [`channel`]: the seqpacket socket itself, peer credentials included.
-//! - [`shm`]: sealed shared memory and its mappings (guest memory slots as
-//!   hostd maps them).
+//! - [`shm`]: guest memory as it is passed: memfds sealed against
+//!   shrinking (hostd maps them in `vrdma_hostd::engine::guest`).
 //!
 //! There is no datapath between the two: hostd reads the guest's rings
 //! itself, as a NIC does by DMA. hostd treats everything a vdev sends —

@@ -29,12 +29,13 @@ use vrdma_hostd_protocol::channel::{Channel, ChannelError, Listener};
 use vrdma_hostd_protocol::messages::{
     Notification, QpConnection, Request, Response, Welcome, PROTOCOL_VERSION,
 };
-use vrdma_hostd_protocol::shm::{SharedMapping, ShmError};
+use vrdma_hostd_protocol::shm::ShmError;
 use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
 
 use crate::accept::{serve_connections, Connections};
 use crate::config::{Config, MAX_QUEUES_PER_DEVICE};
 use crate::datapath::Datapath;
+use crate::engine::guest::SharedMapping;
 use crate::engine::{DeviceId, EngineError};
 use crate::lids::LidTable;
 use crate::seccomp::{Role, Threads};

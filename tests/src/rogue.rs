@@ -13,6 +13,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_hostd::engine::guest::SharedMapping;
 pub use vrdma_hostd::engine::testing::{
     qp_setup, Driver, ALL, CQ, CQN, CQ_DEPTH, DATA, DATA_LEN, DEPTH, DOORBELL, EQ, EQ_DEPTH, IOVA,
     MEM, STRIDE,
@@ -22,7 +23,7 @@ use vrdma_hostd_protocol::messages::{
     MrRegistration, MrSegment, QpConnection, QpModify, QpSetup, Request, Response, Welcome,
     PROTOCOL_VERSION,
 };
-use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
+use vrdma_hostd_protocol::shm::sealed_memfd;
 use vrdma_spec::ring::{Cqe, DRIVER_INDEX_OFFSET};
 use vrdma_spec::verbs::QpState;
 

@@ -10,14 +10,12 @@ use std::time::Instant;
 
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::messages::{MrRegistration, QpModify, QpSetup};
-use vrdma_hostd_protocol::shm::SharedMapping;
 use vrdma_spec::limits::{MAX_QPS, MAX_RING_DEPTH, MAX_WQE_STRIDE};
 use vrdma_spec::ring::{CQE_SIZE, EVENT_SIZE};
 use vrdma_spec::verbs::{access, QpState};
 use vrdma_tenant_policy::TenantPolicy;
 
-use super::guest::{Cq, EventRing};
-use super::guest::{DoorbellPage, GuestRing};
+use super::guest::{Cq, DoorbellPage, EventRing, GuestRing, SharedMapping};
 use super::rc::{Qp, QpRef};
 use super::wqe::{RecvLimits, SendLimits};
 use super::{Device, DeviceId, Doorbell, Engine, EngineError, Pqp, MAX_VECTORS};

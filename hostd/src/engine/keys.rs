@@ -16,11 +16,10 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use vrdma_hostd_protocol::messages::MrRegistration;
-use vrdma_hostd_protocol::shm::SharedMapping;
 use vrdma_spec::ring::Sge;
 use vrdma_spec::verbs::access;
 
-use super::guest::GuestMemory;
+use super::guest::{GuestMemory, SharedMapping};
 use super::{DeviceId, EngineError};
 
 /// Most memory regions on the host (24-bit key index).

@@ -13,7 +13,7 @@ use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_hostd_protocol::messages::{
     MrRegistration, MrSegment, QpConnection, QpModify, QpSetup, WorkRing,
 };
-use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
+use vrdma_hostd_protocol::shm::sealed_memfd;
 use vrdma_spec::ring::{
     doorbell, Cqe, Event, RecvWqe, SendWqe, Sge, CQE_SIZE, DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR,
     DEVICE_INDEX_OFFSET, DRIVER_ARM_OFFSET, DRIVER_INDEX_OFFSET, EVENT_SIZE, RING_HEADER_SIZE,
@@ -22,6 +22,7 @@ use vrdma_spec::verbs::{access, QpState, SendOpcode};
 use vrdma_tenant_policy::{Policy, PriorityClass, TenantPolicy};
 use zerocopy::{FromBytes, IntoBytes};
 
+use super::guest::SharedMapping;
 use super::{DeviceId, Engine, EngineError};
 use crate::scheduler::Scheduler;
 

@@ -19,6 +19,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_hostd::engine::guest::SharedMapping;
 use vrdma_hostd::engine::testing::{
     data_region_in, qp_setup, CAPS, CQ, CQ_DEPTH, DOORBELL, EQ, EQ_DEPTH, STRIDE,
 };
@@ -30,7 +31,7 @@ use vrdma_hostd_protocol::messages::{
     MrRegistration, MrSegment, Notification, QpConnection, QpModify, QpSetup, Request, Response,
     TenantPolicy, PROTOCOL_VERSION,
 };
-use vrdma_hostd_protocol::shm::{sealed_memfd, SharedMapping};
+use vrdma_hostd_protocol::shm::sealed_memfd;
 use vrdma_spec::ring::{doorbell, Cqe, SendWqe, Sge};
 use vrdma_spec::verbs::{access, QpState, SendOpcode, WcStatus};
 
