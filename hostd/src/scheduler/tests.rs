@@ -441,3 +441,30 @@ fn a_class_is_outranked_while_a_higher_one_was_busy_lately() {
     assert!(!s.outranked(0, now), "nothing outranks realtime");
     assert!(!s.outranked(2, now + BUSY_FOR), "realtime went quiet");
 }
+
+#[test]
+fn a_class_books_far_ahead_only_while_no_higher_class_is_busy() {
+    let start = Instant::now();
+    let (realtime, normal) = (0, 2);
+    // 1 MB/s: a quantum is 65.5 ms on the wire.
+    let mut link = Link::new(1_000_000);
+    let quantum = link.wire(QUANTUM);
+    // Alone, the normal class books two quanta ahead, not three.
+    for _ in 0..2 {
+        assert!(link.open(normal, start));
+        link.book(normal, QUANTUM, start);
+    }
+    assert!(link.open(normal, start), "exactly two quanta booked");
+    link.book(normal, QUANTUM, start);
+    assert!(!link.open(normal, start));
+    assert_eq!(link.opens_at(normal, start), start + quantum);
+    // Realtime books: it goes at once, and from then on the normal
+    // class may book only the short backlog ahead.
+    assert!(link.open(realtime, start));
+    link.book(realtime, 1000, start);
+    let busy = start + 3 * quantum + Duration::from_millis(1);
+    assert_eq!(link.opens_at(normal, start), busy - Link::BACKLOG);
+    // Once realtime has been quiet for BUSY_FOR, the long one again.
+    let later = start + BUSY_FOR;
+    assert_eq!(link.opens_at(normal, later), busy - 2 * quantum);
+}
