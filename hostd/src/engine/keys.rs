@@ -92,7 +92,16 @@ pub struct Extent<'k> {
     len: u64,
 }
 
-impl Extent<'_> {
+impl<'k> Extent<'k> {
+    /// Its bytes `[skip, skip + len)`, if they are one run of one mapping.
+    fn contiguous(self, skip: u64, len: u64) -> Option<(&'k SharedMapping, usize)> {
+        if skip.checked_add(len)? > self.len {
+            return None;
+        }
+        let (map, at, avail) = self.mr?.run(self.start + skip)?;
+        (avail >= len).then_some((map, at))
+    }
+
     pub fn len(&self) -> u64 {
         self.len
     }
@@ -354,12 +363,21 @@ pub trait Extents {
     /// Extent `i`, or `None` past the end (or where a key stopped
     /// resolving).
     fn get(&self, i: usize) -> Option<Extent<'_>>;
+
+    /// Bytes `[skip, skip + len)` as one contiguous run of one mapping (its
+    /// offset there), if they are one: the common case of one SGE over a
+    /// region in one piece, which a copy then moves without walking.
+    fn single_run(&self, skip: u64, len: u64) -> Option<(&SharedMapping, usize)>;
 }
 
 /// One extent.
 impl Extents for Extent<'_> {
     fn get(&self, i: usize) -> Option<Extent<'_>> {
         (i == 0).then_some(*self)
+    }
+
+    fn single_run(&self, skip: u64, len: u64) -> Option<(&SharedMapping, usize)> {
+        self.contiguous(skip, len)
     }
 }
 
@@ -407,6 +425,13 @@ impl Extents for SgeList<'_> {
         };
         self.last.set(Some((i, extent)));
         Some(extent)
+    }
+
+    fn single_run(&self, skip: u64, len: u64) -> Option<(&SharedMapping, usize)> {
+        if self.sges.len() != 1 {
+            return None;
+        }
+        self.get(0)?.contiguous(skip, len)
     }
 }
 
@@ -479,6 +504,11 @@ pub fn copy_between<S: Extents + ?Sized, D: Extents + ?Sized>(
 ) -> bool {
     if len == 0 {
         return true;
+    }
+    if let (Some((smap, soff)), Some((dmap, doff))) =
+        (src.single_run(src_skip, len), dst.single_run(dst_skip, len))
+    {
+        return usize::try_from(len).is_ok_and(|n| smap.copy_to(soff, dmap, doff, n));
     }
     let (Some(mut s), Some(mut d)) = (Cursor::seek(src, src_skip), Cursor::seek(dst, dst_skip))
     else {
