@@ -91,7 +91,9 @@ fn check_send(slot: &[u8], limits: &SendLimits) {
                 Local::None => panic!("an accepted WQE has SGEs or inline data"),
             }
         }
-        Err(Malformed::Entry { wr_id: id, status, .. }) => {
+        Err(Malformed::Entry {
+            wr_id: id, status, ..
+        }) => {
             assert_eq!(id, wr_id(slot));
             assert!(
                 matches!(status, WcStatus::LocQpOpErr | WcStatus::LocLenErr),
@@ -113,11 +115,17 @@ fn check_recv(slot: &[u8], limits: &RecvLimits) {
             assert_eq!(work.sges().len(), n);
             let want = &slot[RECV_FIXED..RECV_FIXED + n * SGE_SIZE];
             assert_eq!(work.sges().as_bytes(), want);
-            let sum: u64 = work.sges().iter().map(|s: &Sge| u64::from(s.length.get())).sum();
+            let sum: u64 = work
+                .sges()
+                .iter()
+                .map(|s: &Sge| u64::from(s.length.get()))
+                .sum();
             assert_eq!(work.length, sum);
             assert!(work.length <= u64::from(MAX_MSG_SIZE));
         }
-        Err(Malformed::Entry { wr_id: id, status, .. }) => {
+        Err(Malformed::Entry {
+            wr_id: id, status, ..
+        }) => {
             assert_eq!(id, wr_id(slot));
             assert_eq!(status, WcStatus::LocLenErr);
         }

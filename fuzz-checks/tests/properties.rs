@@ -4,11 +4,18 @@
 use std::path::PathBuf;
 
 use proptest::prelude::*;
-use vrdma_fuzz_checks::{control, hostd, hostd_session, memory, policy, wqe, TARGETS};
+use vrdma_fuzz_checks::{control, hostd, hostd_session, memory, policy, rings, wqe, TARGETS};
 
 fn config() -> ProptestConfig {
+    cases(256)
+}
+
+/// `n` cases: fewer for the checks whose every case builds a lot (an
+/// engine with three devices; a device attached to hostd), so that the
+/// whole file stays a few seconds in a debug build.
+fn cases(n: u32) -> ProptestConfig {
     ProptestConfig {
-        cases: 256,
+        cases: n,
         // Shrinking a failure is worth its time; a pass stays fast.
         max_shrink_iters: 2048,
         failure_persistence: None,
@@ -20,12 +27,7 @@ proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn control_commands(data in proptest::collection::vec(any::<u8>(), 0..2048)) {
-        control::check(&data);
-    }
-
-    #[test]
-    fn wqe_translation(data in proptest::collection::vec(any::<u8>(), 0..4096)) {
+    fn wqe_reader(data in proptest::collection::vec(any::<u8>(), 0..4200)) {
         wqe::check(&data);
     }
 
@@ -52,6 +54,28 @@ proptest! {
     #[test]
     fn memory_changes(data in proptest::collection::vec(any::<u8>(), 0..2048)) {
         memory::check(&data);
+    }
+}
+
+proptest! {
+    // Half the cases attach the device to a real hostd.
+    #![proptest_config(cases(128))]
+
+    #[test]
+    fn control_commands(data in proptest::collection::vec(any::<u8>(), 0..2048)) {
+        control::check(&data);
+    }
+}
+
+proptest! {
+    // Each case builds an engine with three devices of 1 MiB each and
+    // compares a bystander's memory byte for byte (about 40 ms a case in a
+    // debug build).
+    #![proptest_config(cases(32))]
+
+    #[test]
+    fn hostile_rings(data in proptest::collection::vec(any::<u8>(), 0..1024)) {
+        rings::check(&data);
     }
 }
 
