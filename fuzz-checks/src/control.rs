@@ -20,7 +20,7 @@ use vrdma_spec::verbs::QpState;
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
 use vrdma_tenant_policy::Limits;
 use vrdma_vdev::control::process_chain;
-use vrdma_vdev::fabric::{Fabric, FabricError};
+use vrdma_vdev::fabric::Fabric;
 use vrdma_vdev::verbs::{DeviceIdentity, EventRing, FdError, NotifyFds, RdmaDevice};
 
 use crate::input::Input;
@@ -216,7 +216,8 @@ pub fn check(data: &[u8]) {
     let shared = hostd().lock().unwrap_or_else(|e| e.into_inner());
     let (hostd, fds) = &*shared;
     let socket = hostd.socket.as_deref().expect("hostd listens");
-    let fabric = Arc::new(register(socket));
+    let fabric = Fabric::connect(socket, TENANT, "fuzz").expect("hostd registers the device");
+    let fabric = Arc::new(fabric);
     let mut dev = RdmaDevice::with_fabric(identity(), fuzz_limits(), fabric.clone(), fds.clone());
     let mem = guest_memory(true);
     dev.update_memory(mem.clone());
@@ -224,24 +225,6 @@ pub fn check(data: &[u8]) {
     fabric.close();
     drop(dev);
     hostd.await_gone(TENANT);
-}
-
-/// The device's registration with hostd. The previous input's device
-/// may still be leaving hostd's registry (hostd tears down its accounts
-/// first): like vdev, wait out `EBUSY`.
-fn register(socket: &std::path::Path) -> Fabric {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        match Fabric::connect(socket, TENANT, "fuzz") {
-            Ok(fabric) => return fabric,
-            Err(FabricError::Refused { errno, .. })
-                if errno == libc::EBUSY && std::time::Instant::now() < deadline =>
-            {
-                std::thread::sleep(std::time::Duration::from_micros(50));
-            }
-            Err(e) => panic!("hostd refused the device: {e}"),
-        }
-    }
 }
 
 fn run(dev: &mut RdmaDevice, mem: &GuestMemoryMmap, hostd: Option<&Hostd>, input: &mut Input) {

@@ -237,15 +237,9 @@ impl Model {
                 }
             }
             Request::CreateEq { vector, gpa, depth } => {
-                if !one_eventfd || *vector >= MAX_VECTORS {
-                    refuse(libc::EINVAL)
-                } else if self.eqs.contains(vector) {
-                    refuse(libc::EEXIST)
-                } else if self.ring(*gpa, *depth, EVENT_SIZE as u32).is_none() {
-                    refuse(libc::EINVAL)
-                } else {
-                    Expect::Ok
-                }
+                let valid = one_eventfd && *vector < MAX_VECTORS;
+                let exists = self.eqs.contains(vector);
+                self.predict_ring(valid, exists, *gpa, *depth, EVENT_SIZE)
             }
             Request::CreateCq {
                 cqn,
@@ -253,15 +247,8 @@ impl Model {
                 depth,
                 vector,
             } => {
-                if *vector >= MAX_VECTORS {
-                    refuse(libc::EINVAL)
-                } else if self.cqs.contains_key(cqn) {
-                    refuse(libc::EEXIST)
-                } else if self.ring(*gpa, *depth, CQE_SIZE as u32).is_none() {
-                    refuse(libc::EINVAL)
-                } else {
-                    Expect::Ok
-                }
+                let exists = self.cqs.contains_key(cqn);
+                self.predict_ring(*vector < MAX_VECTORS, exists, *gpa, *depth, CQE_SIZE)
             }
             Request::DestroyCq { cqn } => match self.cqs.get(cqn) {
                 None => refuse(libc::ENOENT),
@@ -291,6 +278,28 @@ impl Model {
                     refuse(libc::EINVAL)
                 }
             }
+        }
+    }
+
+    /// An event ring or CQ: its arguments (`EINVAL`), then whether it
+    /// exists (`EEXIST`), then its ring of `depth` entries of `entry`
+    /// bytes at `gpa` (`EINVAL`).
+    fn predict_ring(
+        &self,
+        valid: bool,
+        exists: bool,
+        gpa: u64,
+        depth: u32,
+        entry: usize,
+    ) -> Expect {
+        if !valid {
+            refuse(libc::EINVAL)
+        } else if exists {
+            refuse(libc::EEXIST)
+        } else if self.ring(gpa, depth, entry as u32).is_none() {
+            refuse(libc::EINVAL)
+        } else {
+            Expect::Ok
         }
     }
 
