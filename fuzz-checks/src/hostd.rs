@@ -1,31 +1,58 @@
-//! The vdev→hostd protocol as hostd receives it: the request decoder
-//! (`messages::decode::<Request>`) and the shared rings, whose indices and
-//! entries the other side writes (`shm::Ring`).
+//! What hostd decodes from a less trusted party outside the datapath's
+//! rings: the vdev→hostd request decoder (`messages::decode::<Request>`),
+//! and the doorbell page, which a hostile guest writes as it likes
+//! (`engine::guest::DoorbellPage`: placement and `take`). The WQEs and
+//! rings themselves are the `wqe` and `rings` targets.
 
-use vrdma_hostd_protocol::entries::{PhysCqe, PhysWqe, MAX_PHYS_SGE};
+use std::collections::BTreeSet;
+
+use vrdma_hostd::engine::guest::SharedMapping;
+use vrdma_hostd::engine::guest::{DoorbellPage, GuestMemory};
 use vrdma_hostd_protocol::messages::{self, Request, MAX_MESSAGE};
-use vrdma_hostd_protocol::shm::{self, Ring, RingPlace, SharedMapping, RING_HEADER};
+use vrdma_hostd_protocol::shm::sealed_memfd;
+use vrdma_spec::limits::MAX_QPS;
+use vrdma_spec::ring::doorbell::{
+    self, BITMAP_OFFSET, BITMAP_WORDS, FLAGS_OFFSET, NEED_KICK, PAGE_SIZE, SUMMARY_OFFSET,
+    SUMMARY_WORDS,
+};
 
 use crate::input::Input;
 
-/// Bytes of the shared mapping the ring check uses.
-const MAP_BYTES: usize = 64 * 1024;
-/// Filler of the mapping, so that stray reads and writes show.
+/// Guest-physical address of the one memory slot the page check uses.
+const SLOT_GPA: u64 = 0x10_0000;
+/// Its size: three pages, so a page in the middle has neighbours on both
+/// sides whose bytes must not change.
+const SLOT_BYTES: u64 = 3 * PAGE_SIZE;
+/// Filler of the slot, so that stray writes show.
 const CANARY: u8 = 0xa5;
 
+/// One guest memory slot as hostd maps it, and the test's own view of the
+/// same memfd (what the guest writes).
+struct Slot {
+    mem: GuestMemory,
+    view: SharedMapping,
+}
+
 thread_local! {
-    /// One mapping per thread (property tests run in parallel), reused
-    /// across inputs: creating a memfd per input would dominate.
-    static MAPPING: Option<SharedMapping> = shm::sealed_memfd("fuzz-ring", MAP_BYTES as u64)
-        .ok()
-        .and_then(|file| SharedMapping::map(file, 0, MAP_BYTES as u64).ok());
+    /// One slot per thread (property tests run in parallel), reused across
+    /// inputs: creating a memfd per input would dominate.
+    static SLOT: Option<Slot> = new_slot();
+}
+
+fn new_slot() -> Option<Slot> {
+    let file = sealed_memfd("fuzz-doorbell", SLOT_BYTES).ok()?;
+    let view = SharedMapping::map(file.try_clone().ok()?, 0, SLOT_BYTES).ok()?;
+    let mut mem = GuestMemory::default();
+    mem.add(0, SLOT_GPA, SharedMapping::map(file, 0, SLOT_BYTES).ok()?)
+        .ok()?;
+    Some(Slot { mem, view })
 }
 
 /// The first byte selects the check: even, the rest is a request message;
-/// odd, the rest drives a ring with hostile indices and entries.
+/// odd, the rest is a doorbell page and where the driver placed it.
 pub fn check(data: &[u8]) {
     match data.split_first() {
-        Some((selector, rest)) if selector & 1 == 1 => check_ring(rest),
+        Some((selector, rest)) if selector & 1 == 1 => check_doorbell(rest),
         Some((_, rest)) => check_request(rest),
         None => check_request(data),
     }
@@ -43,150 +70,155 @@ pub fn check_request(data: &[u8]) {
         }
         Err(_) => {
             // A refusal is the expected answer to garbage; hostd answers it
-            // with an error response and keeps the connection's state.
+            // with an error response and hangs up.
         }
     }
 }
 
-/// A ring placed in the mapping with hostile header and entries. Consuming
-/// (hostd's side of the submission ring) yields at most `depth` entries and
-/// reports corruption exactly when the indices are more than `depth` apart;
-/// producing (hostd's side of the completion ring, whose consumer index vdev
-/// writes) never writes outside the ring and never overfills it.
-pub fn check_ring(data: &[u8]) {
-    MAPPING.with(|mapping| {
-        if let Some(mapping) = mapping {
-            check_ring_in(mapping, data);
+/// A doorbell page full of the guest's bytes. Invariants: the page is
+/// accepted exactly where it is page-aligned inside the slot; `take`
+/// reports each bit that is set in a bitmap word its summary names, once,
+/// only indices below `MAX_QPS`, and as many as it says; it clears those
+/// summary and bitmap words and writes nothing else; a second `take` finds
+/// nothing; `pending` tells whether a summary word was set;
+/// `set_need_kick` writes the flags word alone.
+pub fn check_doorbell(data: &[u8]) {
+    SLOT.with(|slot| {
+        if let Some(slot) = slot {
+            check_doorbell_in(slot, data);
         }
     });
 }
 
-fn check_ring_in(mem: &SharedMapping, data: &[u8]) {
+fn check_doorbell_in(slot: &Slot, data: &[u8]) {
     let mut input = Input::new(data);
-    let depth_code = input.u8();
-    // Mostly powers of two up to 64; sometimes anything, which must be refused.
-    let depth = if depth_code & 0x80 != 0 {
-        u32::from(input.u16())
-    } else {
-        1u32 << (depth_code % 7)
+    // Mostly one of the slot's pages; sometimes near them or anywhere.
+    let gpa = match input.u8() % 8 {
+        0..=3 => SLOT_GPA + PAGE_SIZE,
+        4 => SLOT_GPA + u64::from(input.u8() % 4) * PAGE_SIZE,
+        5 => SLOT_GPA + PAGE_SIZE + u64::from(input.u16()),
+        6 => SLOT_GPA.wrapping_sub(u64::from(input.u16())),
+        _ => input.u64(),
     };
-    let offset = if input.bool() {
-        usize::from(input.u16())
-    } else {
-        usize::from(input.u8() % 8) * 64
-    };
-    let place = RingPlace { offset, depth };
-    let producer = input.u32();
-    let consumer = input.u32();
-    let sleeping = input.u32();
-
-    // Fresh mapping contents: canary everywhere, then the hostile ring.
-    let canary = vec![CANARY; MAP_BYTES];
-    assert!(mem.write(0, &canary));
-    let header_fits = offset
-        .checked_add(RING_HEADER)
-        .is_some_and(|e| e <= MAP_BYTES);
-    if header_fits {
-        assert!(mem.write(offset, &producer.to_le_bytes()));
-        assert!(mem.write(offset + 64, &consumer.to_le_bytes()));
-        assert!(mem.write(offset + 128, &sleeping.to_le_bytes()));
-        let n = usize::from(input.u16()) % 4096;
-        let entries = input.bytes(n);
-        let start = offset + RING_HEADER;
-        let room = MAP_BYTES - start;
-        assert!(mem.write(start, &entries[..entries.len().min(room)]));
-    }
-
-    let fits = |bytes: usize| {
-        offset.is_multiple_of(64)
-            && depth.is_power_of_two()
-            && offset.checked_add(bytes).is_some_and(|e| e <= MAP_BYTES)
-    };
-    let used = producer.wrapping_sub(consumer);
-    let corrupt = used > depth;
-
-    // hostd consuming vdev's submissions.
-    match Ring::<PhysWqe>::new(mem, place) {
-        None => assert!(
-            !fits(place.bytes::<PhysWqe>()),
-            "a fitting ring was refused"
-        ),
-        Some(ring) => {
+    let fits = gpa.is_multiple_of(PAGE_SIZE)
+        && gpa >= SLOT_GPA
+        && gpa
+            .checked_add(PAGE_SIZE)
+            .is_some_and(|end| end <= SLOT_GPA + SLOT_BYTES);
+    let page = match DoorbellPage::new(&slot.mem, gpa) {
+        Ok(page) => {
             assert!(
-                fits(place.bytes::<PhysWqe>()),
-                "a ring outside the mapping was accepted"
+                fits,
+                "a doorbell page at {gpa:#x} outside the slot accepted"
             );
-            match ring.pending() {
-                Err(_) => assert!(corrupt, "sane indices reported corrupt"),
-                Ok(n) => {
-                    assert!(!corrupt, "corrupt indices accepted");
-                    assert_eq!(n, used);
+            page
+        }
+        Err(_) => {
+            assert!(!fits, "a doorbell page at {gpa:#x} inside the slot refused");
+            return;
+        }
+    };
+    assert_eq!(page.slot(), 0);
+    let base = usize::try_from(gpa - SLOT_GPA).expect("inside the slot");
+
+    // The guest's page: canary around it, its bytes in it. Summary words
+    // are often sparse, so that the bitmap words they name are reached.
+    let mut before = vec![CANARY; SLOT_BYTES as usize];
+    let bytes = input.bytes(PAGE_SIZE as usize);
+    before[base..base + bytes.len()].copy_from_slice(bytes);
+    let sparse = input.u8();
+    for s in 0..SUMMARY_WORDS {
+        if sparse & (1 << s) != 0 {
+            let at = base + SUMMARY_OFFSET as usize + 8 * s;
+            let word = u64::from_le_bytes(before[at..at + 8].try_into().expect("8 bytes"));
+            let bits = word & u64::from(input.u32()).rotate_left(u32::from(input.u8()));
+            before[at..at + 8].copy_from_slice(&bits.to_le_bytes());
+        }
+    }
+    assert!(slot.view.write(0, &before));
+
+    let word = |bytes: &[u8], offset: u64| {
+        let at = base + offset as usize;
+        u64::from_le_bytes(bytes[at..at + 8].try_into().expect("8 bytes"))
+    };
+    // What a correct take finds and clears.
+    let mut expected = BTreeSet::new();
+    let mut after = before.clone();
+    for s in 0..SUMMARY_WORDS {
+        let offset = SUMMARY_OFFSET + 8 * s as u64;
+        let summary = word(&before, offset);
+        let at = base + offset as usize;
+        after[at..at + 8].fill(0);
+        for bit in 0..64 {
+            let w = s * 64 + bit;
+            if summary & (1 << bit) == 0 || w >= BITMAP_WORDS {
+                continue;
+            }
+            let offset = BITMAP_OFFSET + 8 * w as u64;
+            let bits = word(&before, offset);
+            for b in 0..64 {
+                if bits & (1 << b) != 0 {
+                    expected.insert(w as u32 * 64 + b);
                 }
             }
-            let mut popped = 0u32;
-            loop {
-                match ring.pop() {
-                    Ok(Some(wqe)) => {
-                        popped += 1;
-                        assert!(popped <= depth, "more entries than the ring holds");
-                        if let Some(sges) = wqe.sges() {
-                            assert!(sges.len() <= MAX_PHYS_SGE);
-                            assert_eq!(sges.len(), usize::from(wqe.num_sge));
-                        } else {
-                            assert!(usize::from(wqe.num_sge) > MAX_PHYS_SGE);
-                        }
-                    }
-                    Ok(None) => break,
-                    Err(_) => {
-                        assert!(corrupt && popped == 0, "corruption appeared mid-drain");
-                        break;
-                    }
-                }
-            }
-            if !corrupt {
-                assert_eq!(popped, used, "drain did not take every pending entry");
-                assert_eq!(ring.pending().ok(), Some(0));
-            }
+            let at = base + offset as usize;
+            after[at..at + 8].fill(0);
         }
     }
 
-    // hostd producing completions into a ring whose consumer vdev moves.
-    let cq_place = place;
-    let end = cq_place.offset.saturating_add(cq_place.bytes::<PhysCqe>());
-    // Reset the header (the drain above moved the consumer index).
-    if header_fits {
-        assert!(mem.write(offset, &producer.to_le_bytes()));
-        assert!(mem.write(offset + 64, &consumer.to_le_bytes()));
-    }
-    if let Some(ring) = Ring::<PhysCqe>::new(mem, cq_place) {
-        let mut before = vec![0u8; MAP_BYTES];
-        assert!(mem.read(0, &mut before));
-        let pushes = input.u8() % 80;
-        let mut pushed = 0u32;
-        for i in 0..pushes {
-            let cqe = PhysCqe {
-                token: u64::from(i).into(),
-                ..PhysCqe::default()
-            };
-            match ring.push(&cqe) {
-                Ok(true) => pushed += 1,
-                Ok(false) => break,
-                Err(_) => {
-                    assert!(corrupt, "sane indices reported corrupt");
-                    break;
-                }
-            }
-        }
-        if !corrupt {
-            assert!(pushed <= depth - used, "pushed past a full ring");
-        }
-        // Nothing outside [offset, end) changed.
-        let mut all = vec![0u8; MAP_BYTES];
-        assert!(mem.read(0, &mut all));
-        assert!(
-            all[..cq_place.offset] == before[..cq_place.offset],
-            "ring wrote before its start"
-        );
-        assert!(all[end..] == before[end..], "ring wrote after its end");
+    let announced = (0..SUMMARY_WORDS).any(|s| word(&before, SUMMARY_OFFSET + 8 * s as u64) != 0);
+    assert_eq!(
+        page.pending(),
+        announced,
+        "pending() disagrees with the summary"
+    );
+    let mut seen = BTreeSet::new();
+    let found = page.take(|index| {
+        assert!(index < MAX_QPS, "doorbell index {index} beyond MAX_QPS");
+        assert!(doorbell::bit(index).is_some());
+        assert!(seen.insert(index), "doorbell index {index} reported twice");
+    });
+    assert_eq!(
+        found,
+        seen.len(),
+        "take's count differs from what it reported"
+    );
+    assert_eq!(seen, expected, "take reported other indices than were rung");
+    let mut now = vec![0u8; SLOT_BYTES as usize];
+    assert!(slot.view.read(0, &mut now));
+    assert!(
+        now == after,
+        "take wrote other bytes than the words it read"
+    );
+    assert!(!page.pending(), "work still announced after take");
+    assert_eq!(page.take(|i| panic!("index {i} taken twice")), 0);
+
+    let need = input.bool();
+    page.set_need_kick(need);
+    let flags = base + FLAGS_OFFSET as usize;
+    let value = if need { NEED_KICK } else { 0 };
+    after[flags..flags + 4].copy_from_slice(&value.to_le_bytes());
+    assert!(slot.view.read(0, &mut now));
+    assert!(now == after, "set_need_kick wrote beyond the flags word");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rung_page_is_taken_and_a_misplaced_one_refused() {
+        // Every bit of summary word 0 and of the bitmap words it names.
+        let mut page = vec![0u8; PAGE_SIZE as usize];
+        page[SUMMARY_OFFSET as usize..SUMMARY_OFFSET as usize + 8].fill(0xff);
+        page[BITMAP_OFFSET as usize..].fill(0xff);
+        let mut data = vec![1, 0];
+        data.extend_from_slice(&page);
+        check(&data);
+        // Misplaced, garbage, empty.
+        check(&[1, 5, 0x10, 0]);
+        check(&[1, 7, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]);
+        check(&[1; 5000]);
+        check(&[]);
     }
 }

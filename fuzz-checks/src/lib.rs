@@ -7,13 +7,15 @@
 //! same functions, so a finding of one is a test of the other.
 //!
 //! - [`control`]: control-queue chains through `control::process_chain`
-//!   and commands through `RdmaDevice::execute`.
-//! - [`wqe`]: send/receive WQEs translated against random MR tables.
-//! - [`hostd`]: hostd's request decoder and shared-ring consumption.
+//!   and commands through `RdmaDevice::execute`, on a device alone or
+//!   attached to a real hostd.
+//! - [`wqe`]: hostd's WQE reader over any ring slot.
+//! - [`rings`]: a hostile guest's own rings against hostd's engine.
+//! - [`hostd`]: hostd's request decoder and its reading of doorbell pages.
 //! - [`hostd_session`]: hostd's handling of a compromised vdev's requests,
 //!   through a real `Server` over a socketpair.
 //! - [`policy`]: the tenant policy file parser.
-//! - [`memory`]: memory-table changes interleaved with MRs and WQEs.
+//! - [`memory`]: memory-table changes interleaved with MRs and key lookups.
 
 pub mod control;
 pub mod hostd;
@@ -21,6 +23,8 @@ pub mod hostd_session;
 pub mod input;
 pub mod memory;
 pub mod policy;
+pub mod rings;
+pub mod server;
 pub mod wqe;
 
 /// A check function: panics when `data` breaks an invariant.
@@ -30,6 +34,7 @@ pub type Check = fn(&[u8]);
 pub const TARGETS: &[(&str, Check)] = &[
     ("control", control::check),
     ("wqe", wqe::check),
+    ("rings", rings::check),
     ("hostd_request", hostd::check),
     ("hostd_session", hostd_session::check),
     ("policy", policy::check),

@@ -7,9 +7,11 @@
 
 use std::time::Duration;
 
+use vrdma_hostd::engine::guest::SharedMapping;
 use vrdma_hostd::engine::testing::{
-    remote, send, sge, tenant, Env, Side, CQ, DATA_LEN, DEPTH, DOORBELL, IOVA, MEM, STRIDE,
+    remote, send, sge, tenant, Env, Side, CQ, DATA, DATA_LEN, DEPTH, DOORBELL, IOVA, MEM, STRIDE,
 };
+use vrdma_hostd_protocol::shm::sealed_memfd;
 use vrdma_spec::ring::{send_flags, DRIVER_ARM_OFFSET, DRIVER_INDEX_OFFSET};
 use vrdma_spec::verbs::{QpState, SendOpcode, WcStatus};
 use vrdma_tenant_policy::PriorityClass;
@@ -24,8 +26,10 @@ pub fn check(data: &[u8]) {
     let mut input = Input::new(data);
     let mut env = Env::new();
     let bystander = env.add_side(3, 30, &tenant("tc", PriorityClass::Normal), 300);
-    let pattern: Vec<u8> = (0..MEM).map(|i| (i % 251) as u8 ^ 0x5a).collect();
-    let untouched = snapshot(&bystander, &pattern);
+    let untouched = SCRATCH.with(|scratch| {
+        scratch.fill(&bystander);
+        scratch.copy_of(&bystander)
+    });
     for _ in 0..MAX_OPS {
         if input.is_empty() {
             break;
@@ -39,18 +43,59 @@ pub fn check(data: &[u8]) {
             assert!(WcStatus::try_from(cqe.status).is_ok(), "{cqe:?}");
         }
     }
-    let mut now = vec![0u8; MEM as usize];
-    assert!(bystander.mem.read(0, &mut now));
+    let now = SCRATCH.with(|scratch| scratch.copy_of(&bystander));
     assert!(now == untouched, "the bystander's memory changed");
     assert_eq!(env.engine.query_qp(3, 300), Ok(QpState::Reset));
 }
 
-/// Fills the bystander's data region with `pattern`; returns its memory.
-fn snapshot(side: &Side, pattern: &[u8]) -> Vec<u8> {
-    side.fill(0, &pattern[..DATA_LEN as usize]);
-    let mut all = vec![0u8; MEM as usize];
-    assert!(side.mem.read(0, &mut all));
-    all
+/// Private mappings for copying guest memory in and out at memcpy speed:
+/// a bystander's memory is 1 MiB, and the volatile copies that hostd uses
+/// for what it interprets would dominate every input (more so under the
+/// fuzzer's instrumentation).
+struct Scratch {
+    /// [`MEM`] bytes of `i % 251 ^ 0x5a` at byte `i`: what no write of the
+    /// attacker's would leave.
+    pattern: SharedMapping,
+    /// Where a device's memory is copied to be compared.
+    view: SharedMapping,
+}
+
+thread_local! {
+    /// One per thread (property tests run in parallel), made once.
+    static SCRATCH: Scratch = Scratch::new();
+}
+
+impl Scratch {
+    fn new() -> Self {
+        let map = |name| {
+            let file = sealed_memfd(name, MEM).expect("scratch memfd");
+            SharedMapping::map(file, 0, MEM).expect("scratch mapping")
+        };
+        let (pattern, view) = (map("fuzz-pattern"), map("fuzz-view"));
+        let period: Vec<u8> = (0..251u8).map(|i| i ^ 0x5a).collect();
+        for (n, at) in (0..MEM as usize).step_by(period.len()).enumerate() {
+            let len = period.len().min(MEM as usize - at);
+            assert!(pattern.write(at, &period[..len]), "period {n}");
+        }
+        Scratch { pattern, view }
+    }
+
+    /// Fills `side`'s data region with the pattern.
+    fn fill(&self, side: &Side) {
+        let len = DATA_LEN as usize;
+        assert!(self.pattern.copy_to(0, &side.mem, DATA as usize, len));
+    }
+
+    /// `side`'s memory as it is now.
+    fn copy_of(&self, side: &Side) -> Vec<u8> {
+        assert!(side.mem.copy_to(0, &self.view, 0, MEM as usize));
+        // SAFETY: `view` maps MEM bytes that only this thread writes (its
+        // memfd is this thread's alone, and `copy_to` above has returned),
+        // so nothing changes them while the slice is alive; it ends with
+        // this function.
+        let bytes = unsafe { std::slice::from_raw_parts(self.view.as_ptr(), self.view.len()) };
+        bytes.to_vec()
+    }
 }
 
 fn key(env: &Env, bystander: &Side, input: &mut Input<'_>) -> u32 {
@@ -63,7 +108,7 @@ fn key(env: &Env, bystander: &Side, input: &mut Input<'_>) -> u32 {
         bystander.rkey,
     ];
     match input.pick(&keys) {
-        Some(&k) if input.u8() % 8 != 0 => k,
+        Some(&k) if !input.u8().is_multiple_of(8) => k,
         _ => input.u32(),
     }
 }
@@ -113,9 +158,15 @@ fn attack(env: &mut Env, bystander: &Side, input: &mut Input<'_>) {
             let producer = if input.bool() {
                 input.u32()
             } else {
-                env.a.qps[0].sq_producer.wrapping_add(u32::from(input.u8()) % (2 * DEPTH))
+                env.a.qps[0]
+                    .sq_producer
+                    .wrapping_add(u32::from(input.u8()) % (2 * DEPTH))
             };
-            let ring = if input.bool() { env.a.qps[0].sq } else { env.a.qps[0].rq };
+            let ring = if input.bool() {
+                env.a.qps[0].sq
+            } else {
+                env.a.qps[0].rq
+            };
             poke32(&env.a, ring + DRIVER_INDEX_OFFSET, producer);
             env.a.ring(0);
         }
@@ -124,7 +175,13 @@ fn attack(env: &mut Env, bystander: &Side, input: &mut Input<'_>) {
             // legitimate one on its peer's, for SENDs to land in.
             let n = usize::from(input.u8() % 4);
             let sges: Vec<_> = (0..n)
-                .map(|_| sge(addr(input), u32::from(input.u16()), key(env, bystander, input)))
+                .map(|_| {
+                    sge(
+                        addr(input),
+                        u32::from(input.u16()),
+                        key(env, bystander, input),
+                    )
+                })
                 .collect();
             env.a.post_recv(0, input.u64(), &sges);
             let lkey = env.b.lkey;
@@ -132,7 +189,7 @@ fn attack(env: &mut Env, bystander: &Side, input: &mut Input<'_>) {
         }
         5 => {
             // Garbage in its doorbell page.
-            let at = DOORBELL + u64::from(input.u16() % 4096) & !7;
+            let at = (DOORBELL + u64::from(input.u16() % 4096)) & !7;
             poke64(&env.a, at, input.u64());
         }
         6 => {

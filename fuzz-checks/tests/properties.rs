@@ -4,11 +4,18 @@
 use std::path::PathBuf;
 
 use proptest::prelude::*;
-use vrdma_fuzz_checks::{control, hostd, hostd_session, memory, policy, wqe, TARGETS};
+use vrdma_fuzz_checks::{control, hostd, hostd_session, memory, policy, rings, wqe, TARGETS};
 
 fn config() -> ProptestConfig {
+    cases(256)
+}
+
+/// `n` cases: fewer for the checks whose every case builds a lot (an
+/// engine with three devices; a device attached to hostd), so that the
+/// whole file stays a few seconds in a debug build.
+fn cases(n: u32) -> ProptestConfig {
     ProptestConfig {
-        cases: 256,
+        cases: n,
         // Shrinking a failure is worth its time; a pass stays fast.
         max_shrink_iters: 2048,
         failure_persistence: None,
@@ -20,12 +27,7 @@ proptest! {
     #![proptest_config(config())]
 
     #[test]
-    fn control_commands(data in proptest::collection::vec(any::<u8>(), 0..2048)) {
-        control::check(&data);
-    }
-
-    #[test]
-    fn wqe_translation(data in proptest::collection::vec(any::<u8>(), 0..4096)) {
+    fn wqe_reader(data in proptest::collection::vec(any::<u8>(), 0..4200)) {
         wqe::check(&data);
     }
 
@@ -52,6 +54,27 @@ proptest! {
     #[test]
     fn memory_changes(data in proptest::collection::vec(any::<u8>(), 0..2048)) {
         memory::check(&data);
+    }
+}
+
+proptest! {
+    // Half the cases attach the device to a real hostd.
+    #![proptest_config(cases(128))]
+
+    #[test]
+    fn control_commands(data in proptest::collection::vec(any::<u8>(), 0..2048)) {
+        control::check(&data);
+    }
+}
+
+proptest! {
+    // Each case builds an engine with three devices of 1 MiB each (about
+    // 5 ms a case in a debug build).
+    #![proptest_config(cases(128))]
+
+    #[test]
+    fn hostile_rings(data in proptest::collection::vec(any::<u8>(), 0..1024)) {
+        rings::check(&data);
     }
 }
 
@@ -97,24 +120,39 @@ fn corpus_dir(target: &str) -> PathBuf {
         .join(target)
 }
 
-/// Every committed corpus input of every target passes its check.
+/// Every committed corpus input of every target passes its check. The
+/// targets replay side by side (the corpora hold thousands of inputs).
 #[test]
 fn corpus_replay() {
-    for (target, check) in TARGETS {
-        let dir = corpus_dir(target);
-        let Ok(entries) = std::fs::read_dir(&dir) else {
-            panic!("no corpus for target {target} at {}", dir.display())
-        };
-        let mut n = 0;
-        for entry in entries {
-            let path = entry.expect("corpus entry").path();
-            let data = std::fs::read(&path).expect("corpus file");
-            let outcome = std::panic::catch_unwind(|| check(&data));
-            assert!(outcome.is_ok(), "{target}: {} fails", path.display());
-            n += 1;
+    std::thread::scope(|scope| {
+        let replays: Vec<_> = TARGETS
+            .iter()
+            .map(|&(target, check)| (target, scope.spawn(move || replay(target, check))))
+            .collect();
+        for (target, replay) in replays {
+            let n = replay.join().expect("replay thread");
+            assert!(n > 0, "empty corpus for {target}");
         }
-        assert!(n > 0, "empty corpus for {target}");
+    });
+}
+
+/// Runs every corpus input of `target` through `check`; returns how many.
+fn replay(target: &str, check: fn(&[u8])) -> usize {
+    let dir = corpus_dir(target);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        panic!("no corpus for target {target} at {}", dir.display())
+    };
+    let started = std::time::Instant::now();
+    let mut n = 0;
+    for entry in entries {
+        let path = entry.expect("corpus entry").path();
+        let data = std::fs::read(&path).expect("corpus file");
+        let outcome = std::panic::catch_unwind(|| check(&data));
+        assert!(outcome.is_ok(), "{target}: {} fails", path.display());
+        n += 1;
     }
+    eprintln!("{target}: {n} inputs in {:?}", started.elapsed());
+    n
 }
 
 /// Inputs that once crashed a target or broke an invariant

@@ -207,19 +207,23 @@ impl Engine {
     }
 
     /// Device `id` and a ring in its memory of `depth` entries of `entry`
-    /// bytes at `gpa`, for an object of completion vector `vector`.
+    /// bytes at `gpa`, for a new object of completion vector `vector`;
+    /// refused with `Exists` when `taken` names the object the device
+    /// already has in its place (checked before the ring).
     fn vector_ring(
         &mut self,
         id: DeviceId,
         vector: u32,
-        gpa: u64,
-        depth: u32,
-        entry: usize,
+        (gpa, depth, entry): (u64, u32, usize),
+        taken: impl FnOnce(&Device) -> Option<&'static str>,
     ) -> Result<(&mut Device, GuestRing), EngineError> {
         if vector >= MAX_VECTORS {
             return Err(EngineError::Invalid("completion vector"));
         }
         let dev = self.device_mut(id)?;
+        if let Some(what) = taken(dev) {
+            return Err(EngineError::Exists(what));
+        }
         let ring = GuestRing::new(&dev.mem, gpa, depth, entry as u32, MAX_RING_DEPTH)?;
         Ok((dev, ring))
     }
@@ -234,11 +238,12 @@ impl Engine {
         depth: u32,
         irq: EventFd,
     ) -> Result<(), EngineError> {
-        let (dev, ring) = self.vector_ring(id, vector, gpa, depth, EVENT_SIZE)?;
         let index = vector as usize;
-        if dev.eqs.get(index).is_some_and(Option::is_some) {
-            return Err(EngineError::Exists("event ring of that vector"));
-        }
+        let taken = |dev: &Device| {
+            let has = dev.eqs.get(index).is_some_and(Option::is_some);
+            has.then_some("event ring of that vector")
+        };
+        let (dev, ring) = self.vector_ring(id, vector, (gpa, depth, EVENT_SIZE), taken)?;
         if dev.eqs.len() <= index {
             dev.eqs.resize_with(index + 1, || None);
         }
@@ -255,10 +260,8 @@ impl Engine {
         depth: u32,
         vector: u32,
     ) -> Result<(), EngineError> {
-        let (dev, ring) = self.vector_ring(id, vector, gpa, depth, CQE_SIZE)?;
-        if dev.cq_by_num.contains_key(&cqn) {
-            return Err(EngineError::Exists("CQ"));
-        }
+        let taken = |dev: &Device| dev.cq_by_num.contains_key(&cqn).then_some("CQ");
+        let (dev, ring) = self.vector_ring(id, vector, (gpa, depth, CQE_SIZE), taken)?;
         let index = dev.cqs.insert(Cq::new(cqn, ring, vector));
         dev.cq_by_num.insert(cqn, index);
         Ok(())
