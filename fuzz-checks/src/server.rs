@@ -52,6 +52,7 @@ impl Hostd {
             policy: Some(policy_file.clone()),
             physical_qps: Some(physical_qps),
             datapath_threads: Some(1),
+            datapath_cpus: None,
             spin_us: Some(0),
             line_rate_mbps: None,
             sandbox: Default::default(),

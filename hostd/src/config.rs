@@ -13,6 +13,7 @@ use std::path::{Path, PathBuf};
 use clap::Parser;
 use serde::Deserialize;
 use vrdma_isolation::config::{SandboxArgs, SandboxConfig, SandboxConfigError, SandboxFile};
+use vrdma_isolation::cpus::MAX_CPUS;
 use vrdma_isolation::daemon::{parse_config, read_config_file, ConfigFileError};
 use vrdma_tenant_policy::{Policy, PolicyError};
 
@@ -77,6 +78,10 @@ pub struct Args {
     /// Polling threads of the datapath.
     #[arg(long)]
     pub datapath_threads: Option<u32>,
+    /// CPUs the datapath threads run on, thread `i` on the `i % n`th
+    /// (comma-separated; default: wherever the scheduler puts them).
+    #[arg(long, value_delimiter = ',')]
+    pub datapath_cpus: Option<Vec<usize>>,
     /// Microseconds of busy polling after the last work before sleeping.
     #[arg(long)]
     pub spin_us: Option<u64>,
@@ -97,6 +102,7 @@ struct FileConfig {
     policy: Option<PathBuf>,
     physical_qps: Option<u32>,
     datapath_threads: Option<u32>,
+    datapath_cpus: Option<Vec<usize>>,
     spin_us: Option<u64>,
     line_rate_mbps: Option<u32>,
     #[serde(default)]
@@ -116,6 +122,9 @@ pub struct Config {
     pub policy: Policy,
     pub physical_qps: u32,
     pub datapath_threads: u32,
+    /// CPUs dedicated to the datapath threads (thread `i` on
+    /// `datapath_cpus[i % len]`); empty: not pinned.
+    pub datapath_cpus: Vec<usize>,
     pub spin_us: u64,
     /// Line rate of the NIC's port, Mbit/s.
     pub line_rate_mbps: u32,
@@ -188,6 +197,10 @@ impl TryFrom<Args> for Config {
                 .datapath_threads
                 .or(file.datapath_threads)
                 .unwrap_or(DEFAULT_DATAPATH_THREADS),
+            datapath_cpus: args
+                .datapath_cpus
+                .or(file.datapath_cpus)
+                .unwrap_or_default(),
             spin_us: args.spin_us.or(file.spin_us).unwrap_or(DEFAULT_SPIN_US),
             line_rate_mbps: args
                 .line_rate_mbps
@@ -233,6 +246,9 @@ impl Config {
                 self.datapath_threads,
                 "must be between 1 and 64",
             ));
+        }
+        if let Some(&cpu) = self.datapath_cpus.iter().find(|&&c| c >= MAX_CPUS) {
+            return Err(invalid("datapath_cpus", cpu, "must be below 1024"));
         }
         if self.spin_us > MAX_SPIN_US {
             return Err(invalid("spin_us", self.spin_us, "must be at most 1000000"));
@@ -289,6 +305,7 @@ mod tests {
                 policy: Policy::default_policy(),
                 physical_qps: 64,
                 datapath_threads: 1,
+                datapath_cpus: vec![],
                 spin_us: DEFAULT_SPIN_US,
                 line_rate_mbps: 400_000,
                 sandbox: SandboxConfig::defaults(DEFAULT_RLIMIT_NOFILE),
@@ -328,6 +345,8 @@ mod tests {
                 "0",
                 "--line-rate-mbps",
                 "25",
+                "--datapath-cpus",
+                "1,0",
             ],
         )
         .expect("valid");
@@ -339,6 +358,7 @@ mod tests {
             (16, 2, 0)
         );
         assert_eq!(config.line_rate_mbps, 25);
+        assert_eq!(config.datapath_cpus, [1, 0]);
         assert_eq!(config.line_rate_bytes(), 3_125_000);
         let red = config.policy.tenant("red").expect("red");
         assert_eq!(red.network(), "red");
@@ -370,6 +390,7 @@ mod tests {
             ("physical_qps = 0", "physical_qps"),
             ("datapath_threads = 0", "datapath_threads"),
             ("spin_us = 5000000", "spin_us"),
+            ("datapath_cpus = [1, 4096]", "datapath_cpus"),
             ("device_credits = 256", "device_credits"),
             ("line_rate_mbps = 0", "line_rate_mbps"),
             ("line_rate_mbps = 2000000", "line_rate_mbps"),

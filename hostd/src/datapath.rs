@@ -7,9 +7,15 @@
 //! `id % threads == i`, and any thread runs whatever the scheduler picks.
 //! Control requests take the same lock between rounds.
 //!
+//! With `datapath_cpus`, thread `i` runs only on CPU `datapath_cpus[i %
+//! n]`: the operator has dedicated those cores to the datapath, as to a
+//! NIC's packet cores, and the tenants' threads run elsewhere.
+//!
 //! Polling is adaptive: after its last work a thread keeps polling for
 //! `spin_us`, yielding its core every turn (the work it waits for is
-//! produced by a thread that may need this core). Then it asks its
+//! produced by a thread that may need this core) — every
+//! [`YIELD_EVERY`] turns on a dedicated core, where a yield finds nobody
+//! to run and only delays the next look. Then it asks its
 //! devices' drivers to kick (NEED_KICK in each doorbell page), looks once
 //! more — a driver that rang before it saw the flag is found here — and
 //! sleeps in epoll on the drivers' doorbell eventfds, its wake eventfd
@@ -42,20 +48,28 @@ const YIELD_EVERY: u32 = 64;
 pub struct Datapath {
     engine: Mutex<Engine>,
     wakers: Vec<EventFd>,
+    /// The dedicated CPUs (empty: none).
+    cpus: Vec<usize>,
     spin: Duration,
     stop: AtomicBool,
 }
 
 impl Datapath {
-    /// A datapath over `engine` with `threads` threads spinning `spin`
-    /// after their last work.
-    pub fn new(engine: Engine, threads: u32, spin: Duration) -> io::Result<Arc<Self>> {
+    /// A datapath over `engine` with `threads` threads, on `cpus` if any,
+    /// spinning `spin` after their last work.
+    pub fn new(
+        engine: Engine,
+        threads: u32,
+        cpus: Vec<usize>,
+        spin: Duration,
+    ) -> io::Result<Arc<Self>> {
         let wakers = (0..threads.max(1))
             .map(|_| EventFd::new(EFD_NONBLOCK | EFD_CLOEXEC))
             .collect::<io::Result<Vec<_>>>()?;
         Ok(Arc::new(Datapath {
             engine: Mutex::new(engine),
             wakers,
+            cpus,
             spin,
             stop: AtomicBool::new(false),
         }))
@@ -98,6 +112,13 @@ impl Datapath {
 
     fn run_thread(&self, index: usize) -> io::Result<()> {
         let threads = self.wakers.len() as u64;
+        let dedicated = !self.cpus.is_empty();
+        if dedicated {
+            let cpu = self.cpus[index % self.cpus.len()];
+            vrdma_isolation::cpus::pin_current_thread(&[cpu])?;
+            tracing::info!("Datapath thread {index} runs on CPU {cpu}");
+        }
+        let idle_yield_every = if dedicated { YIELD_EVERY } else { 1 };
         let waker = &self.wakers[index];
         let epoll = Epoll::new()?;
         epoll.ctl(
@@ -134,7 +155,12 @@ impl Datapath {
                 continue;
             }
             if now.duration_since(last_work) < self.spin {
-                std::thread::yield_now();
+                turns = turns.wrapping_add(1);
+                if turns.is_multiple_of(idle_yield_every) {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
                 continue;
             }
             // Sleep: ask for kicks, then look once more, so that a driver

@@ -143,6 +143,9 @@ fn datapath_rules() -> Result<Rules, SeccompError> {
     r.allow(libc::SYS_timerfd_settime);
     // Adaptive polling yields the core every turn.
     r.allow(libc::SYS_sched_yield);
+    // A thread on a dedicated core (`datapath_cpus`) pins itself, and only
+    // itself (pid 0), at start.
+    r.allow_if_eq(libc::SYS_sched_setaffinity, 0, &[0])?;
     // Each thread sleeps on its own duplicates of the drivers' doorbell
     // eventfds (so that it can always remove their registrations), and
     // closes them when a doorbell goes.
@@ -275,6 +278,11 @@ mod tests {
                     [8, 0, 0, 0, 0, 0],
                 ),
                 ("sched_yield", libc::SYS_sched_yield, [0; 6]),
+                (
+                    "sched_setaffinity itself",
+                    libc::SYS_sched_setaffinity,
+                    [0, 128, 0, 0, 0, 0],
+                ),
                 fcntl(libc::F_DUPFD_CLOEXEC),
             ],
             Role::Admin => vec![
@@ -371,6 +379,9 @@ mod tests {
         let datapath = x86_64_filter(Role::Datapath);
         let args = [realtime, 0, 0, 0, 0, 0];
         assert_eq!(run(&datapath, libc::SYS_timerfd_create, args), KILL);
+        // Pinning another thread or process.
+        let other = [1234, 128, 0, 0, 0, 0];
+        assert_eq!(run(&datapath, libc::SYS_sched_setaffinity, other), KILL);
         for role in ROLES {
             let f = x86_64_filter(role);
             let rwx = RW | libc::PROT_EXEC as u64;

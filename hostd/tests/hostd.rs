@@ -246,6 +246,69 @@ fn two_datapath_threads_serve_every_device() {
     }
 }
 
+/// The CPUs this process may run on, from `/proc/self/status`.
+fn allowed_cpus() -> Vec<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").expect("status");
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list")
+        .trim()
+        .to_owned();
+    list.split(',')
+        .flat_map(|range| {
+            let (a, b) = range.split_once('-').unwrap_or((range, range));
+            let (a, b) = (
+                a.parse::<usize>().expect("cpu"),
+                b.parse::<usize>().expect("cpu"),
+            );
+            a..=b
+        })
+        .collect()
+}
+
+/// `datapath_cpus`: the datapath thread pins itself (under its seccomp
+/// filter) to the CPU it is given, runs nowhere else, and serves; a CPU
+/// hostd may not run on is refused at start, naming the key.
+#[test]
+fn datapath_threads_run_on_their_dedicated_cpus() {
+    let cpu = *allowed_cpus().last().expect("a CPU");
+    let config = format!("{}datapath_cpus = [{cpu}]\n", config(64));
+    let hostd = Hostd::start("cpus", &config);
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", hostd.pid())).expect("tasks");
+    let datapath = tasks
+        .map(|t| t.expect("task").path())
+        .find(|t| std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim() == "datapath-0"))
+        .expect("a datapath thread");
+    let status = std::fs::read_to_string(datapath.join("status")).expect("status");
+    let line = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list");
+    assert_eq!(line.trim(), cpu.to_string());
+    let (mut alpha, beta) = pair(&hostd.socket);
+    alpha.driver().fill(0, b"pinned");
+    alpha.write(0, 1, 0, 6, IOVA, beta.rkey());
+    assert_eq!(alpha.poll_one(), WcStatus::Success);
+    assert_eq!(beta.driver().bytes(0, 6), b"pinned");
+
+    let dir = std::env::temp_dir().join(format!("hostd-it-{}-badcpu", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_hostd"))
+        .arg("--socket")
+        .arg(dir.join("h.sock"))
+        .args(["--datapath-cpus", "1023"])
+        .output()
+        .expect("run hostd");
+    let _ = std::fs::remove_dir_all(&dir);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("datapath_cpus: CPU 1023 is not among those hostd may run on"),
+        "{stderr}"
+    );
+}
+
 /// The send ring bounds work in flight (spec 2: its `device.index` counts
 /// completed WQEs): SENDs waiting for receives fill it, the driver can
 /// post no more, hostd waits without spinning, and once receives arrive

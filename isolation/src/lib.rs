@@ -37,6 +37,7 @@
 //! `docs/security.md` describes the threat model and what each wall stops.
 
 pub mod config;
+pub mod cpus;
 pub mod daemon;
 pub mod landlock;
 pub mod namespaces;

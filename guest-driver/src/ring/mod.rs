@@ -152,6 +152,11 @@ pub(crate) struct WorkRing {
     producer: u32,
     /// The producer index last stored in `driver.index`.
     published: u32,
+    /// `device.index` as last read. The device only moves it forward, so
+    /// a stale copy overstates what is outstanding, never understates it:
+    /// posts read the shared word (a cache line the device's core writes)
+    /// only when the copy says the ring is full.
+    completed: u32,
     /// Most entries outstanding at once: the work requests the device
     /// granted, which may be fewer than the ring's power-of-two depth.
     limit: u32,
@@ -168,6 +173,7 @@ impl WorkRing {
             geometry,
             producer: 0,
             published: 0,
+            completed: 0,
             limit: geometry.depth,
         }
     }
@@ -189,18 +195,25 @@ impl WorkRing {
     }
 
     /// Slots whose work the device has not completed (or flushed) yet, and
-    /// so cannot be reused: `device.index` moves at completion.
-    fn outstanding(&self) -> u32 {
+    /// so cannot be reused: `device.index` moves at completion. Below
+    /// `limit` by the last copy of `device.index`, it is below it now.
+    fn outstanding(&mut self) -> u32 {
+        let used = self.producer.wrapping_sub(self.completed);
+        if used < self.limit {
+            return used;
+        }
         let completed = self
             .mem
             .atomic_u32(DEVICE_INDEX_OFFSET as usize)
             .load(Ordering::Acquire);
         let used = self.producer.wrapping_sub(u32::from_le(completed));
         // A device index ahead of the producer is a device bug: treat the
-        // ring as full rather than overwrite work in flight.
+        // ring as full rather than overwrite work in flight (and keep the
+        // old copy).
         if used > self.geometry.depth {
             self.geometry.depth
         } else {
+            self.completed = u32::from_le(completed);
             used
         }
     }

@@ -613,10 +613,11 @@ impl Engine {
             | vrdma_spec::verbs::SendOpcode::AtomicFetchAndAdd => OpKind::Read,
             _ => OpKind::Send,
         };
-        Some(Head {
-            kind,
-            bytes: qp.head.length.saturating_sub(qp.sent),
-        })
+        // A message is charged (fair share, rate limits, the port's wire
+        // time) in full when it first runs; the rest of a message moved in
+        // segments is already paid for.
+        let bytes = if qp.sent == 0 { qp.head.length } else { 0 };
+        Some(Head { kind, bytes })
     }
 
     /// Runs the staged head of `queue`, then its next ones as long as the

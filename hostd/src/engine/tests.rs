@@ -7,7 +7,7 @@ use vrdma_spec::ring::{event_kind, send_flags, wc_flags, Cqe, SendWqe, CQ_ARM_NE
 use vrdma_spec::verbs::{QpState, SendOpcode, WcOpcode, WcStatus};
 use vrdma_tenant_policy::PriorityClass;
 
-use super::testing::{connection, remote, send, sge, Env, CAPS, IOVA};
+use super::testing::{connection, remote, send, sge, tenant, Env, CAPS, IOVA};
 use super::SEGMENT;
 
 fn status(c: &Cqe) -> WcStatus {
@@ -496,6 +496,24 @@ fn a_long_write_moves_in_segments_while_realtime_is_busy() {
         env.b.bytes(SEGMENT, 16),
         &data[SEGMENT as usize..SEGMENT as usize + 16]
     );
+    let (a, _) = env.run();
+    assert_eq!(ids(&a), vec![(1, WcStatus::Success)]);
+    assert_eq!(env.b.bytes(0, data.len()), data);
+}
+
+#[test]
+fn a_message_moved_in_segments_is_charged_once() {
+    // A's send bucket holds one 64 KiB message and barely refills. Charging
+    // what is left again at every segment (as hostd once did: 64 + 48 + 32
+    // + 16 KiB, so a flood beside a busy realtime tenant got 40 % of the
+    // port) leaves the message waiting for the bucket after one segment.
+    let (mut env, data) = long_op_beside_a_busy_realtime_device(SendOpcode::RdmaWrite, 64 * 1024);
+    let mut ta = tenant("ta", PriorityClass::Normal);
+    ta.rate.send.bytes_per_sec = Some(1);
+    ta.rate.send.bytes_burst = Some(64 * 1024);
+    let tb = tenant("tb", PriorityClass::Realtime);
+    env.engine.configure_tenants(&[ta, tb], env.now);
+    assert!(env.engine.round(&[1, 2], env.now).preempted);
     let (a, _) = env.run();
     assert_eq!(ids(&a), vec![(1, WcStatus::Success)]);
     assert_eq!(env.b.bytes(0, data.len()), data);

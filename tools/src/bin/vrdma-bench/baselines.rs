@@ -18,6 +18,7 @@ use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::cores::{self, SHARED_YIELD_EVERY};
 use crate::report::percentiles;
 use crate::{BenchError, Result};
 
@@ -40,10 +41,13 @@ impl Tcp {
                 source,
             })
         };
-        Ok(Tcp {
-            blocking: tcp(false)?,
-            busy_poll: tcp(true)?,
+        cores::on_every_cpu(|| {
+            Ok(Tcp {
+                blocking: tcp(false)?,
+                busy_poll: tcp(true)?,
+            })
         })
+        .map_err(pinning)?
     }
 
     /// The better of the two.
@@ -132,44 +136,74 @@ fn tcp_pingpong(size: usize, iters: usize, spin: bool) -> io::Result<Duration> {
 #[derive(Default)]
 struct Line(AtomicU64);
 
-/// One cache line handed back and forth between two threads: the half
-/// round trip, p50.
-pub fn shared_memory_half_rtt(iters: usize) -> Duration {
+/// One cache line handed back and forth between two threads, wherever the
+/// kernel puts them: the half round trip, p50.
+pub fn shared_memory_half_rtt(iters: usize) -> Result<Duration> {
     let line = Line::default();
     let total = (WARMUP + iters) as u64;
+    let every = SHARED_YIELD_EVERY;
     let mut samples = Vec::with_capacity(iters);
-    std::thread::scope(|scope| {
-        let line = &line;
-        scope.spawn(move || {
+    cores::on_every_cpu(|| {
+        std::thread::scope(|scope| {
+            let line = &line;
+            scope.spawn(move || {
+                for i in 0..total {
+                    // Wait for ping 2i+1, answer 2i+2.
+                    wait_for(&line.0, 2 * i + 1, every);
+                    line.0.store(2 * i + 2, Ordering::Release);
+                }
+            });
             for i in 0..total {
-                // Wait for ping 2i+1, answer 2i+2.
-                wait_for(&line.0, 2 * i + 1);
-                line.0.store(2 * i + 2, Ordering::Release);
+                let start = Instant::now();
+                line.0.store(2 * i + 1, Ordering::Release);
+                wait_for(&line.0, 2 * i + 2, every);
+                if i >= WARMUP as u64 {
+                    samples.push(start.elapsed());
+                }
             }
-        });
-        for i in 0..total {
-            let start = Instant::now();
-            line.0.store(2 * i + 1, Ordering::Release);
-            wait_for(&line.0, 2 * i + 2);
-            if i >= WARMUP as u64 {
-                samples.push(start.elapsed());
-            }
-        }
-    });
-    percentiles(&mut samples).0 / 2
+        })
+    })
+    .map_err(pinning)?;
+    Ok(percentiles(&mut samples).0 / 2)
 }
 
 /// The same ping-pong with a relay thread that copies each value from the
 /// sender's line to the receiver's, in both directions: the half round
-/// trip, p50.
-pub fn relayed_half_rtt(iters: usize) -> Duration {
+/// trip, p50, the better of two layouts — every thread wherever the kernel
+/// puts it, and (with a dedicated core) the relay on hostd's core and the
+/// two ends on the tenants'.
+pub fn relayed_half_rtt(iters: usize) -> Result<Duration> {
+    let shared = cores::on_every_cpu(|| relayed(iters, None)).map_err(pinning)??;
+    Ok(match cores::datapath_cpu() {
+        Some(cpu) => shared.min(relayed(iters, Some(cpu))?),
+        None => shared,
+    })
+}
+
+fn pinning(source: io::Error) -> BenchError {
+    BenchError::Baseline {
+        what: "a baseline on the CPUs it needs",
+        source,
+    }
+}
+
+/// The relayed ping-pong, its relay on `relay_cpu` if given (the ends
+/// then on the calling thread's CPUs).
+fn relayed(iters: usize, relay_cpu: Option<usize>) -> Result<Duration> {
     // a_out → relay → b_in, b_out → relay → a_in.
     let [a_out, b_in, b_out, a_in] = [(); 4].map(|_| Line::default());
     let total = (WARMUP + iters) as u64;
+    let every = match relay_cpu {
+        Some(_) => cores::yield_every(),
+        None => SHARED_YIELD_EVERY,
+    };
     let mut samples = Vec::with_capacity(iters);
-    std::thread::scope(|scope| {
+    std::thread::scope(|scope| -> Result<()> {
         let (a_out, b_in, b_out, a_in) = (&a_out, &b_in, &b_out, &a_in);
-        scope.spawn(move || {
+        let relay = scope.spawn(move || -> io::Result<()> {
+            if let Some(cpu) = relay_cpu {
+                vrdma_isolation::cpus::pin_current_thread(&[cpu])?;
+            }
             let (mut to_b, mut to_a) = (0, 0);
             let mut spins = 0u32;
             while to_a < total {
@@ -184,40 +218,51 @@ pub fn relayed_half_rtt(iters: usize) -> Duration {
                     a_in.0.store(v, Ordering::Release);
                 }
                 spins = spins.wrapping_add(1);
-                pause(spins);
+                pause_every(spins, SHARED_YIELD_EVERY);
             }
+            Ok(())
         });
         scope.spawn(move || {
             for i in 1..=total {
-                wait_for(&b_in.0, i);
+                wait_for(&b_in.0, i, every);
                 b_out.0.store(i, Ordering::Release);
             }
         });
         for i in 1..=total {
             let start = Instant::now();
             a_out.0.store(i, Ordering::Release);
-            wait_for(&a_in.0, i);
+            wait_for(&a_in.0, i, every);
             if i > WARMUP as u64 {
                 samples.push(start.elapsed());
             }
         }
-    });
-    percentiles(&mut samples).0 / 2
+        relay
+            .join()
+            .map_err(|_| BenchError::Panicked)?
+            .map_err(pinning)
+    })?;
+    Ok(percentiles(&mut samples).0 / 2)
 }
 
-/// Spins until `word` holds `value`.
-fn wait_for(word: &AtomicU64, value: u64) {
+/// Spins until `word` holds `value`, yielding every `every` turns.
+fn wait_for(word: &AtomicU64, value: u64, every: u32) {
     let mut spins = 0u32;
     while word.load(Ordering::Acquire) != value {
         spins = spins.wrapping_add(1);
-        pause(spins);
+        pause_every(spins, every);
     }
 }
 
-/// One turn of a spinning wait: a pause, and now and then the core, so
-/// that on a host with fewer free cores than spinners the other side runs.
+/// One turn of a tenant thread's spinning wait: a pause, and now and then
+/// the core ([`cores::yield_every`]), so that on a host with fewer free
+/// cores than spinners the other side runs.
 pub fn pause(spins: u32) {
-    if spins.is_multiple_of(64) {
+    pause_every(spins, cores::yield_every());
+}
+
+/// One turn of a spinning wait that yields every `every` turns.
+pub fn pause_every(spins: u32, every: u32) {
+    if spins.is_multiple_of(every) {
         std::thread::yield_now();
     } else {
         std::hint::spin_loop();

@@ -13,7 +13,7 @@ use vrdma_spec::verbs::{access, WcStatus};
 use vrdma_tools::supervisor::{find_binary, Daemon, Launch, Scratch};
 use vrdma_tools::verbs::{bring_up, Connection, Opened};
 
-use crate::{verbs, BenchError, Result};
+use crate::{cores, verbs, BenchError, Result};
 
 /// Access of every buffer: the peer may write and read it.
 const RW: u32 = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
@@ -47,14 +47,19 @@ impl Host {
             .get()
             .map(Vec::as_slice)
             .unwrap_or_default();
-        let mut launch = Launch::hostd(&hostd, dir.path()).args(args).args(extra);
+        let mut launch = Launch::hostd(&hostd, dir.path())
+            .args(args)
+            .args(cores::hostd_args())
+            .args(extra);
         if let Some(policy) = policy {
             launch = launch
                 .arg("--policy")
                 .arg(dir.write("policy.toml", policy)?);
         }
+        // hostd may run anywhere; it pins its own datapath threads.
+        let hostd = cores::on_every_cpu(|| launch.start()).map_err(BenchError::Cores)??;
         Ok(Self {
-            hostd: launch.start()?,
+            hostd,
             vdev: find_binary("vdev", "vrdma-vdev")?,
             dir,
             vdevs: Cell::new(0),
@@ -73,10 +78,16 @@ impl Host {
         Ok(launch.file(&format!("{tenant}-{n}")).start()?)
     }
 
-    /// A vdev for `tenant` and its device, opened.
+    /// A vdev for `tenant` and its device, opened, with a CQ of
+    /// [`CQ_DEPTH`].
     pub fn tenant(&self, tenant: &str) -> Result<Tenant> {
+        self.tenant_with_cq(tenant, CQ_DEPTH)
+    }
+
+    /// A vdev for `tenant` and its device, opened, with a CQ of `cq_depth`.
+    pub fn tenant_with_cq(&self, tenant: &str, cq_depth: u32) -> Result<Tenant> {
         let vdev = self.vdev(tenant)?;
-        let dev = Opened::open(vdev.socket(), CQ_DEPTH).map_err(|source| BenchError::Open {
+        let dev = Opened::open(vdev.socket(), cq_depth).map_err(|source| BenchError::Open {
             tenant: tenant.into(),
             source,
         })?;

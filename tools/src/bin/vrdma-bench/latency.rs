@@ -10,7 +10,8 @@ use vrdma_guest_driver::{CompletionQueue, QueuePair, RecvWr, SendPayload, SendWr
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::SendOpcode;
 
-use crate::baselines::{self, pause, Tcp};
+use crate::baselines::{self, pause, pause_every, Tcp};
+use crate::cores::{self, SHARED_YIELD_EVERY};
 use crate::host::{poll_ok, Buffer, Link, Tenant};
 use crate::report::{percentiles, us, Bound, Targets};
 use crate::{BenchError, Result};
@@ -44,8 +45,8 @@ pub fn run(
     // nothing.
     std::thread::sleep(Duration::from_millis(20));
     let tcp = Tcp::measure(size, iters.min(10_000))?;
-    let shm = baselines::shared_memory_half_rtt(iters);
-    let relay = baselines::relayed_half_rtt(iters);
+    let shm = baselines::shared_memory_half_rtt(iters)?;
+    let relay = baselines::relayed_half_rtt(iters)?;
     let name = match kind {
         Kind::Write => "write_lat",
         Kind::Send => "send_lat",
@@ -151,7 +152,10 @@ fn ping(kind: Kind, l: &Link<'_>, size: usize, i: usize) -> Result<()> {
             wr.remote_addr = l.mb.iova();
             wr.rkey = l.mb.rkey();
             l.qa.post_send(&[wr]).map_err(BenchError::Post)?;
-            poll(&l.a.cq, 1)?;
+            // Nothing on the tenants' cores produces this completion
+            // (hostd does), so yielding at once would only hand the core
+            // to whatever else runs there.
+            poll_yielding(&l.a.cq, 1, SHARED_YIELD_EVERY)?;
         }
     }
     Ok(())
@@ -223,6 +227,11 @@ fn post_recv(qp: &QueuePair, buf: &Buffer, at: usize, size: usize) -> Result<()>
 
 /// Busy-polls `cq` until `want` successful completions arrived.
 pub fn poll(cq: &CompletionQueue, want: usize) -> Result<()> {
+    poll_yielding(cq, want, cores::yield_every())
+}
+
+/// [`poll`], yielding the core every `every` empty polls.
+fn poll_yielding(cq: &CompletionQueue, want: usize, every: u32) -> Result<()> {
     let mut got = 0;
     let mut wcs = [WorkCompletion::default(); 32];
     let mut spins = 0u32;
@@ -232,7 +241,7 @@ pub fn poll(cq: &CompletionQueue, want: usize) -> Result<()> {
         got += n;
         if n == 0 {
             spins = spins.wrapping_add(1);
-            pause(spins);
+            pause_every(spins, every);
         }
     }
     Ok(())

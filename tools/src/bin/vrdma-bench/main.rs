@@ -10,6 +10,7 @@
 //! frontends in this process, each side of a test on its own thread.
 
 mod baselines;
+mod cores;
 mod host;
 mod latency;
 mod reg_mr;
@@ -92,7 +93,7 @@ struct Args {
     #[arg(long, default_value_t = 16)]
     qps_per_tenant: usize,
     /// Seconds each fleet of the scale test streams.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 2)]
     scale_secs: u64,
     /// Line rate (Mbit/s) of the modelled NIC port in the isolation and
     /// weights tests: below what this host's CPUs can move, so that the
@@ -106,6 +107,10 @@ struct Args {
     /// `--hostd-arg=--datapath-threads=2`.
     #[arg(long, allow_hyphen_values = true)]
     hostd_arg: Vec<String>,
+    /// Where the threads run: hostd's datapath on a core of its own and
+    /// the tenants on the others, or everything where the kernel puts it.
+    #[arg(long, value_enum, default_value_t = cores::Layout::Dedicated)]
+    layout: cores::Layout,
     /// What the flooding tenants send in the isolation and weights tests.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [FloodOp::Write, FloodOp::Send])]
     flood_op: Vec<FloodOp>,
@@ -143,6 +148,8 @@ enum BenchError {
         #[source]
         source: std::io::Error,
     },
+    #[error("Cannot place the bench's threads on their CPUs")]
+    Cores(#[source] std::io::Error),
     #[error("A benchmark thread panicked")]
     Panicked,
 }
@@ -172,6 +179,13 @@ impl From<BenchError> for Failed {
 fn main() -> Result<(), Failed> {
     let args = Args::parse();
     host::set_extra_hostd_args(args.hostd_arg.clone());
+    cores::choose(args.layout).map_err(BenchError::Cores)?;
+    match cores::datapath_cpu() {
+        Some(cpu) => {
+            println!("vrdma-bench: hostd's datapath on CPU {cpu}, the tenants on the others")
+        }
+        None => println!("vrdma-bench: every thread where the kernel puts it"),
+    }
     let tests = if args.test.is_empty() {
         Test::value_variants().to_vec()
     } else {

@@ -25,6 +25,13 @@ const WINDOW: usize = 32;
 const BATCH: usize = 8;
 /// Message size.
 const SIZE: usize = 64;
+/// Each tenant's CQ: room for every signaled request of its QPs (16 × 4),
+/// and no more — as an application sizes it. A far larger ring would
+/// spread each tenant's completions over far more memory than they need,
+/// and 64 of them would measure the caches, not hostd.
+const CQ_DEPTH: u32 = 256;
+/// Trials of each fleet, alternating.
+const TRIALS: usize = 5;
 /// How long the idle daemons are watched.
 const IDLE_FOR: Duration = Duration::from_secs(5);
 
@@ -47,7 +54,7 @@ impl Fleet {
         let host = Host::start(Some(&policy), &["--physical-qps", &physical])?;
         let tenants = names
             .iter()
-            .map(|name| host.tenant(name))
+            .map(|name| host.tenant_with_cq(name, CQ_DEPTH))
             .collect::<Result<Vec<_>>>()?;
         let buffers = tenants
             .iter()
@@ -102,7 +109,24 @@ impl Fleet {
                 list
             })
             .collect();
+        // Every window full, then completion-driven: each completion frees
+        // a list's slots on its QP, which posts the list again at once (no
+        // scan of every QP per turn: the load generator's cost per
+        // operation must not grow with the QPs, or it, not hostd, would
+        // be what the comparison measures).
         let mut in_flight = vec![0usize; self.qps.len()];
+        for ((qp, list), flight) in self
+            .qps
+            .iter()
+            .map(|(_, qp, _)| qp)
+            .zip(&lists)
+            .zip(&mut in_flight)
+        {
+            while *flight + BATCH <= WINDOW {
+                qp.post_send(list).map_err(BenchError::Post)?;
+                *flight += BATCH;
+            }
+        }
         let mut wcs = [WorkCompletion::default(); 64];
         let (mut done, mut spins) = (0usize, 0u32);
         let start = Instant::now();
@@ -117,26 +141,15 @@ impl Fleet {
             if now >= end {
                 break;
             }
-            for ((qp, list), flight) in self
-                .qps
-                .iter()
-                .map(|(_, qp, _)| qp)
-                .zip(&lists)
-                .zip(&mut in_flight)
-            {
-                if *flight + BATCH <= WINDOW {
-                    qp.post_send(list).map_err(BenchError::Post)?;
-                    *flight += BATCH;
-                }
-            }
             let mut polled = 0;
             for tenant in &self.tenants {
                 let n = poll_ok(&tenant.cq, &mut wcs)?;
                 for wc in &wcs[..n] {
-                    let flight = in_flight
-                        .get_mut(wc.wr_id as usize)
-                        .ok_or(BenchError::Panicked)?;
-                    *flight -= BATCH;
+                    let i = wc.wr_id as usize;
+                    let (Some((_, qp, _)), Some(list)) = (self.qps.get(i), lists.get(i)) else {
+                        return Err(BenchError::Panicked);
+                    };
+                    qp.post_send(list).map_err(BenchError::Post)?;
                 }
                 polled += n;
             }
@@ -204,16 +217,31 @@ fn cpu_time(pids: &[u32]) -> Result<Duration> {
 }
 
 /// `tenants` tenants with `qps` QPs each against two tenants with as many,
-/// for `duration` each; then the daemons' idle CPU with all of them.
+/// in [`TRIALS`] alternating trials of `duration` each, the best of each
+/// reported (both fleets stay up; the one not driven sleeps); then the
+/// daemons' idle CPU with all of the many.
 pub fn run(tenants: usize, qps: usize, duration: Duration, targets: &mut Targets) -> Result<()> {
-    let two = Fleet::new(2, qps)?.drive(duration)?;
+    let two_fleet = Fleet::new(2, qps)?;
     let fleet = Fleet::new(tenants, qps)?;
-    let many = fleet.drive(duration)?;
+    let (mut twos, mut manys) = (Vec::new(), Vec::new());
+    for _ in 0..TRIALS {
+        twos.push(two_fleet.drive(duration)? / 1e6);
+        manys.push(fleet.drive(duration)? / 1e6);
+    }
+    drop(two_fleet);
+    let best = |v: &[f64]| v.iter().copied().fold(0.0, f64::max);
+    let (two, many) = (best(&twos), best(&manys));
     let ratio = many / two;
+    let list = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.2}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     println!(
-        "scale      {qps} QPs per tenant streaming 64 B WRITEs: 2 tenants {:.3} Mop/s, {tenants} tenants {:.3} Mop/s, ratio {ratio:.2}",
-        two / 1e6,
-        many / 1e6,
+        "scale      {qps} QPs per tenant streaming 64 B WRITEs, best of {TRIALS}: 2 tenants {two:.3} Mop/s, {tenants} tenants {many:.3} Mop/s, ratio {ratio:.2} (trials: {} | {})",
+        list(&twos),
+        list(&manys),
     );
     let what = format!("{tenants} tenants x {qps} QPs / 2 tenants, op/s");
     targets.check(what, ratio, "", Bound::AtLeast(0.8));

@@ -6,15 +6,17 @@
 //! CPUs can move, so that the port, as on a real NIC, is the resource the
 //! tenants contend for.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 use vrdma_spec::verbs::SendOpcode;
+use vrdma_tenant_policy::PriorityClass::{self, Normal, Realtime};
 
+use crate::cores;
 use crate::host::{policy, Host};
 use crate::latency::{self, Kind};
 use crate::report::{us, Bound, Targets};
-use crate::throughput::{stream, Shape, Until};
+use crate::throughput::{stream, Flood, Shape, Until};
 use crate::{BenchError, Result};
 
 /// hostd on `policy` with a port of `mbps`.
@@ -32,7 +34,9 @@ fn op_name(op: SendOpcode) -> &'static str {
 
 /// A realtime tenant's 64-byte READ latency alone and under a normal
 /// tenant's `flood_size`-byte flood of `op`, with the policy and without
-/// (everyone normal).
+/// (everyone normal). The probe and the flood each run on a thread of
+/// their own at their class's CPU priority ([`cores::run_as`]); the flood's
+/// rate is the one while the probe measured.
 pub fn isolation(
     iters: usize,
     mbps: u32,
@@ -41,36 +45,53 @@ pub fn isolation(
     targets: &mut Targets,
 ) -> Result<()> {
     let setups = [
-        ("policy: probe realtime, flood normal", "realtime", true),
-        ("no policy: everyone normal", "normal", false),
+        ("policy: probe realtime, flood normal", Realtime, true),
+        ("no policy: everyone normal", Normal, false),
     ];
     for (label, probe_class, checked) in setups {
         let classes = [
-            ("probe", probe_class, 1),
+            ("probe", class_name(probe_class), 1),
             ("flood", "normal", 1),
-            ("peer", probe_class, 1),
+            ("peer", class_name(probe_class), 1),
         ];
         let host = hostd_at_line_rate(&policy(classes), mbps)?;
         let probe = host.tenant("probe")?;
         let flooder = host.tenant("flood")?;
         let peer = host.tenant("peer")?;
-        let (alone50, alone99) = latency::ping_pong(Kind::Read, &probe, &peer, 64, iters)?;
-        let stop = AtomicBool::new(false);
-        let shape = Shape::bulk(op, flood_size);
-        let (loaded, flood) = std::thread::scope(|scope| {
-            let f = scope.spawn(|| stream(&flooder, &peer, shape, Until::Stopped(&stop)));
+        let probe_as = |probe_class| {
+            cores::run_as(probe_class)?;
+            latency::ping_pong(Kind::Read, &probe, &peer, 64, iters)
+        };
+        let (alone50, alone99) = std::thread::scope(|scope| {
+            scope
+                .spawn(|| probe_as(probe_class))
+                .join()
+                .map_err(|_| BenchError::Panicked)?
+        })?;
+        let flood = Flood::default();
+        let shape = Shape::flood(op, flood_size);
+        let (probed, flooded) = std::thread::scope(|scope| {
+            let f = scope.spawn(|| {
+                cores::run_as(Normal)?;
+                stream(&flooder, &peer, shape, Until::Stopped(&flood))
+            });
             std::thread::sleep(Duration::from_millis(200));
-            let probed = latency::ping_pong(Kind::Read, &probe, &peer, 64, iters);
-            stop.store(true, Ordering::Relaxed);
-            let flood = f.join().map_err(|_| BenchError::Panicked);
-            (probed, flood)
+            let (done, start) = (flood.done.load(Ordering::Relaxed), Instant::now());
+            let probed = scope
+                .spawn(|| probe_as(probe_class))
+                .join()
+                .map_err(|_| BenchError::Panicked);
+            let during = flood.done.load(Ordering::Relaxed) - done;
+            let rate = during as f64 * flood_size as f64 / start.elapsed().as_secs_f64();
+            flood.stop();
+            let flooded = f.join().map_err(|_| BenchError::Panicked);
+            (probed, flooded.map(|f| f.map(|_| rate)))
         });
-        let ((load50, load99), flood) = (loaded?, flood??);
+        let ((load50, load99), gbps) = (probed??, flooded?? / 1e9);
         let ratio = load99.as_secs_f64() / alone99.as_secs_f64();
-        let gbps = flood.ops_per_sec() * flood_size as f64 / 1e9;
         let op = op_name(op);
         println!(
-            "isolation  port {mbps} Mbit/s, {label}: probe read_lat 64 B alone p50 {} p99 {}; under a {flood_size} B {op} flood ({gbps:.2} GB/s) p50 {} p99 {}; p99 ratio {ratio:.2}",
+            "isolation  port {mbps} Mbit/s, {label}: probe read_lat 64 B alone p50 {} p99 {}; under a {flood_size} B {op} flood ({gbps:.2} GB/s while probing) p50 {} p99 {}; p99 ratio {ratio:.2}",
             us(alone50),
             us(alone99),
             us(load50),
@@ -84,25 +105,37 @@ pub fn isolation(
     Ok(())
 }
 
-/// Two normal tenants weighted 1:3 flooding a third with 64 KiB `op`s for
-/// three seconds: their bandwidth shares.
+fn class_name(class: PriorityClass) -> &'static str {
+    match class {
+        Realtime => "realtime",
+        PriorityClass::Priority => "priority",
+        Normal => "normal",
+    }
+}
+
+/// Two normal tenants weighted 1:3 flooding a sink each with 64 KiB
+/// `op`s for three seconds: their bandwidth shares of the port. (A sink
+/// each: a tenant's receives complete on its one CQ, which one receiving
+/// thread per flooder could not share.)
 pub fn weights(mbps: u32, op: SendOpcode, targets: &mut Targets) -> Result<()> {
     let tenants = [
         ("light", "normal", 1),
         ("heavy", "normal", 3),
-        ("sink", "normal", 1),
+        ("light-sink", "normal", 1),
+        ("heavy-sink", "normal", 1),
     ];
     let host = hostd_at_line_rate(&policy(tenants), mbps)?;
     let light = host.tenant("light")?;
     let heavy = host.tenant("heavy")?;
-    let sink = host.tenant("sink")?;
-    let stop = AtomicBool::new(false);
-    let shape = Shape::bulk(op, 65536);
+    let light_sink = host.tenant("light-sink")?;
+    let heavy_sink = host.tenant("heavy-sink")?;
+    let flood = Flood::default();
+    let shape = Shape::flood(op, 65536);
     let (l, h) = std::thread::scope(|scope| {
-        let l = scope.spawn(|| stream(&light, &sink, shape, Until::Stopped(&stop)));
-        let h = scope.spawn(|| stream(&heavy, &sink, shape, Until::Stopped(&stop)));
+        let l = scope.spawn(|| stream(&light, &light_sink, shape, Until::Stopped(&flood)));
+        let h = scope.spawn(|| stream(&heavy, &heavy_sink, shape, Until::Stopped(&flood)));
         std::thread::sleep(Duration::from_secs(3));
-        stop.store(true, Ordering::Relaxed);
+        flood.stop();
         let join = |t: std::thread::ScopedJoinHandle<'_, Result<_>>| {
             t.join().map_err(|_| BenchError::Panicked)?
         };

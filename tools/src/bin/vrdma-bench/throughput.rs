@@ -40,6 +40,19 @@ impl Shape {
         }
     }
 
+    /// A flood, as `ib_write_bw` and `ib_send_bw` flood by default: one
+    /// work request per post, and a queue deep enough (256) that the port
+    /// stays busy through the milliseconds in which the flooding thread
+    /// does not get a core (here it shares one with other tenants).
+    pub fn flood(opcode: SendOpcode, size: usize) -> Self {
+        Shape {
+            opcode,
+            size,
+            window: 256,
+            batch: 1,
+        }
+    }
+
     /// Small messages as fast as they go: 256 in flight, in lists of 32.
     pub fn rate(opcode: SendOpcode, size: usize) -> Self {
         Shape {
@@ -56,8 +69,23 @@ impl Shape {
 pub enum Until<'a> {
     /// This many work requests.
     Count(usize),
-    /// Until the flag is set.
-    Stopped(&'a AtomicBool),
+    /// Until the flood is stopped.
+    Stopped(&'a Flood),
+}
+
+/// A flood's controls, shared with the thread running it.
+#[derive(Debug, Default)]
+pub struct Flood {
+    /// Set to stop it.
+    pub stop: AtomicBool,
+    /// Work requests completed so far, for rates over part of a flood.
+    pub done: AtomicUsize,
+}
+
+impl Flood {
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
 }
 
 /// Work requests completed and the time they took.
@@ -113,7 +141,7 @@ fn send_stream(
     let start = Instant::now();
     let more = |posted: usize| match until {
         Until::Count(count) => posted < count,
-        Until::Stopped(stop) => !stop.load(Ordering::Relaxed),
+        Until::Stopped(flood) => !flood.stop.load(Ordering::Relaxed),
     };
     let mut elapsed = None;
     while done < posted || more(posted) {
@@ -126,6 +154,9 @@ fn send_stream(
         }
         let n = poll_ok(&l.a.cq, &mut wcs)?;
         done += n * shape.batch;
+        if let Until::Stopped(flood) = until {
+            flood.done.store(done, Ordering::Relaxed);
+        }
         if n == 0 {
             spins = spins.wrapping_add(1);
             pause(spins);
