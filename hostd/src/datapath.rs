@@ -148,8 +148,8 @@ impl Datapath {
                 turns = turns.wrapping_add(1);
                 // Between the segments of a long message that higher-class
                 // work waits for, at once: the threads producing that work
-                // may be waiting for this core.
-                if round.preempted || turns.is_multiple_of(YIELD_EVERY) {
+                // may be waiting for this core (not on a dedicated one).
+                if (round.preempted && !dedicated) || turns.is_multiple_of(YIELD_EVERY) {
                     std::thread::yield_now();
                 }
                 continue;

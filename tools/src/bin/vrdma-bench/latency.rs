@@ -28,6 +28,8 @@ pub enum Kind {
 const SIGNAL_EVERY: usize = 16;
 /// Send slots of each QP.
 const SEND_WR: u32 = 64;
+/// Fewest ping-pongs of warm-up.
+const WARMUP_ITERS: usize = 20_000;
 
 /// Measures `kind` with `size`-byte messages against the baselines and
 /// prints one line; 64-byte WRITEs are checked against their targets.
@@ -86,7 +88,10 @@ pub fn ping_pong(
     iters: usize,
 ) -> Result<(Duration, Duration)> {
     let l = Link::new(a, b, size.max(1), SEND_WR)?;
-    let warmup = iters / 10;
+    // A tenth of the iterations, and at least WARMUP_ITERS (tens of
+    // milliseconds): caches, the vCPUs and hostd's poller all warm before
+    // the first sample, also in the first test after the daemons start.
+    let warmup = (iters / 10).max(WARMUP_ITERS);
     let total = iters + warmup;
     let mut samples = Vec::with_capacity(iters);
     std::thread::scope(|scope| -> Result<()> {
