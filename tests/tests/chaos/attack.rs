@@ -123,8 +123,8 @@ fn an_attacker_never_reaches_the_victim_and_hostd_stays_up() {
             ],
         );
     }
-    // Every device that came and went (killed, restarted, compromised,
-    // dropped for a corrupt ring) gave back its descriptors and mappings.
+    // Every device that came and went (killed, restarted, compromised)
+    // gave back its descriptors and mappings.
     // (hostd closes a connection's descriptors a moment after its usage
     // drops to zero.)
     let deadline = Instant::now() + Duration::from_secs(2);

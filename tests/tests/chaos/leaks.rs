@@ -45,8 +45,8 @@ fn create_destroy_cycles_leak_nothing() {
     /// Growth allowed after the warm-up: no file descriptor, a few
     /// mappings, and 256 KiB of private memory (256 bytes a cycle at the
     /// default 1000 cycles; a leaked object of any kind is bigger). Shared
-    /// memory is not a leak: vdev and hostd touch more pages of the rings
-    /// they share as the ring indices advance, up to the rings' size.
+    /// memory is not a leak: it is the tenant's guest memory, which vdev
+    /// and hostd both map, and grows only as more of it is touched.
     const FD_SLACK: usize = 0;
     const MAPS_SLACK: usize = 4;
     const PRIVATE_SLACK_KIB: u64 = 256;
