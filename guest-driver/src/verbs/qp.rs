@@ -45,9 +45,9 @@ impl ProtectionDomain {
         let (len, align) = WorkRing::alloc_args(rq_geo)?;
         let mut rq = WorkRing::new(dev.alloc(len, align, true)?, rq_geo);
         let req = CreateQpReq {
-            pdn: self.inner.pdn.into(),
-            send_cqn: init.send_cq.inner.cqn.into(),
-            recv_cqn: init.recv_cq.inner.cqn.into(),
+            pdn: self.inner.handle.wire.pdn,
+            send_cqn: init.send_cq.inner.handle.wire.cqn,
+            recv_cqn: init.recv_cq.inner.handle.wire.cqn,
             srqn: NO_SRQ.into(),
             qp_type: init.qp_type.into(),
             sq_sig_all: init.sq_sig_all.into(),
@@ -255,7 +255,7 @@ impl QueuePair {
 
     /// The send and receive CQs' numbers.
     pub fn cq_nums(&self) -> (u32, u32) {
-        (self.send_cq.cqn, self.recv_cq.cqn)
+        (self.send_cq.cqn(), self.recv_cq.cqn())
     }
 
     /// Starts posting on the send queue (see [`SendBatch`]).
