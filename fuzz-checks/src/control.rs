@@ -536,12 +536,8 @@ fn run_chain(
     let mut out = vec![0u8; used as usize];
     mem.read_slice(&mut out, GuestAddress(RESP_ADDR))
         .expect("response");
-    let (header, payload) = ResponseHeader::read_from_prefix(&out).expect("header");
-    assert_eq!(
-        header.payload_len.get() as usize,
-        payload.len(),
-        "response header payload_len disagrees with the used length"
-    );
+    let (header, payload) = ResponseHeader::split(&out)
+        .expect("response header payload_len disagrees with the used length");
     let status = header.status.get() as i32;
     assert!(status >= 0, "negative errno");
     if status != 0 {

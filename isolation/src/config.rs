@@ -305,6 +305,7 @@ mod tests {
     use clap::Parser;
 
     use super::*;
+    use crate::daemon::testing::EVERY_SANDBOX_FLAG;
     use crate::seccomp::ViolationAction;
 
     /// A command line of nothing but the sandbox flags.
@@ -332,23 +333,7 @@ mod tests {
 
     #[test]
     fn flags_and_file_keys() {
-        let config = resolve(
-            &[
-                "--seccomp",
-                "trap",
-                "--landlock",
-                "off",
-                "--allow-no-landlock",
-                "--sandbox",
-                "namespace",
-                "--uid",
-                "nobody",
-                "--rlimit-nofile",
-                "4096",
-            ],
-            "",
-        )
-        .expect("valid");
+        let config = resolve(EVERY_SANDBOX_FLAG, "").expect("valid");
         assert_eq!(
             config,
             SandboxConfig {

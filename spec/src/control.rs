@@ -118,6 +118,18 @@ wire_struct! {
     }
 }
 
+impl ResponseHeader {
+    /// Splits a whole response (the used length the device reported) into
+    /// its header and payload: `None` when it is shorter than a header, or
+    /// when the header's `payload_len` is not the length of the rest, which
+    /// a device never writes.
+    pub fn split(response: &[u8]) -> Option<(ResponseHeader, &[u8])> {
+        use zerocopy::FromBytes;
+        let (header, payload) = ResponseHeader::read_from_prefix(response).ok()?;
+        (header.payload_len.get() as usize == payload.len()).then_some((header, payload))
+    }
+}
+
 wire_struct! {
     /// Request of `QUERY_PORT`; the response is a [`crate::config::PortAttr`].
     pub struct QueryPortReq {
@@ -431,6 +443,25 @@ mod tests {
         assert_eq!(size_of::<QpAttr>(), 104);
         assert_eq!(size_of::<ModifyQpReq>(), 112);
         assert_eq!(core::mem::offset_of!(QpAttr, ah_attr), 44);
+    }
+
+    #[test]
+    fn a_response_splits_where_its_header_says() {
+        use zerocopy::IntoBytes;
+        let header = ResponseHeader {
+            status: 0.into(),
+            payload_len: 3.into(),
+        };
+        let mut bytes = header.as_bytes().to_vec();
+        bytes.extend_from_slice(&[1, 2, 3]);
+        assert_eq!(
+            ResponseHeader::split(&bytes),
+            Some((header, &[1u8, 2, 3][..]))
+        );
+        assert_eq!(ResponseHeader::split(&bytes[..10]), None, "payload cut");
+        bytes.push(4);
+        assert_eq!(ResponseHeader::split(&bytes), None, "payload longer");
+        assert_eq!(ResponseHeader::split(&bytes[..7]), None, "no header");
     }
 
     #[test]

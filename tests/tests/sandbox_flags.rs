@@ -7,7 +7,7 @@
 use clap::Parser;
 use vrdma_hostd::config::{Args as HostdArgs, Config as HostdConfig, DEFAULT_RLIMIT_NOFILE};
 use vrdma_isolation::config::SandboxConfig;
-use vrdma_isolation::daemon::testing::{arg, ScratchDir};
+use vrdma_isolation::daemon::testing::{arg, ScratchDir, EVERY_SANDBOX_FLAG};
 use vrdma_vdev::config::{Args as VdevArgs, Config as VdevConfig, DEFAULT_NOFILE};
 
 /// Every sandbox flag, alone and together.
@@ -23,21 +23,8 @@ const ACCEPTED: &[&[&str]] = &[
     &["--uid", "nobody", "--gid", "nogroup"],
     &["--uid", "4000", "--gid", "4001"],
     &["--rlimit-nofile", "4096"],
-    &[
-        "--seccomp",
-        "trap",
-        "--landlock",
-        "off",
-        "--allow-no-landlock",
-        "--sandbox",
-        "namespace",
-        "--uid",
-        "0",
-        "--gid",
-        "0",
-        "--rlimit-nofile",
-        "64",
-    ],
+    &["--uid", "0", "--gid", "0", "--rlimit-nofile", "64"],
+    EVERY_SANDBOX_FLAG,
 ];
 
 /// Refused by both, by clap (a bad value) or by the check after it.

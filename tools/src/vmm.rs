@@ -353,12 +353,8 @@ impl Vmm {
         self.mem
             .read_slice(&mut bytes, GuestAddress(resp_addr))
             .expect("response");
-        let (header, rest) = ResponseHeader::read_from_prefix(&bytes).expect("header");
-        assert_eq!(
-            header.payload_len.get() as usize,
-            rest.len(),
-            "payload_len matches used length"
-        );
+        let (header, rest) =
+            ResponseHeader::split(&bytes).expect("payload_len matches used length");
         (header.status.get(), rest.to_vec())
     }
 

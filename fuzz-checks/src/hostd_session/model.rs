@@ -193,32 +193,12 @@ impl Model {
         let one_eventfd = matches!(fds, [Fd::Eventfd]);
         match request {
             Request::Hello { .. } => Expect::Either,
-            Request::AddMemory {
+            &Request::AddMemory {
                 slot,
                 gpa,
                 len,
                 file_offset,
-            } => {
-                let [Fd::Sealed(i)] = fds else {
-                    return refuse(libc::EINVAL);
-                };
-                let maps = *len > 0
-                    && file_offset.is_multiple_of(page)
-                    && file_offset
-                        .checked_add(*len)
-                        .is_some_and(|end| end <= MEMFD_SIZES[*i]);
-                if !maps {
-                    refuse(libc::EINVAL)
-                } else if *slot >= MAX_SLOTS {
-                    refuse(libc::ENOSPC)
-                } else if gpa.checked_add(*len).is_none() {
-                    refuse(libc::EINVAL)
-                } else if self.slots.contains_key(slot) {
-                    refuse(libc::EEXIST)
-                } else {
-                    Expect::Ok
-                }
-            }
+            } => self.predict_memory(slot, gpa, len, file_offset, fds, page),
             Request::RemoveMemory { slot } => self.exists(self.slots.contains_key(slot)),
             Request::RegisterMr(mr) => self.predict_mr(mr),
             Request::DeregisterMr { lkey } => self.exists(self.mrs.contains_key(lkey)),
@@ -241,14 +221,14 @@ impl Model {
                 let exists = self.eqs.contains(vector);
                 self.predict_ring(valid, exists, *gpa, *depth, EVENT_SIZE)
             }
-            Request::CreateCq {
+            &Request::CreateCq {
                 cqn,
                 gpa,
                 depth,
                 vector,
             } => {
-                let exists = self.cqs.contains_key(cqn);
-                self.predict_ring(*vector < MAX_VECTORS, exists, *gpa, *depth, CQE_SIZE)
+                let exists = self.cqs.contains_key(&cqn);
+                self.predict_ring(vector < MAX_VECTORS, exists, gpa, depth, CQE_SIZE)
             }
             Request::DestroyCq { cqn } => match self.cqs.get(cqn) {
                 None => refuse(libc::ENOENT),
@@ -278,6 +258,39 @@ impl Model {
                     refuse(libc::EINVAL)
                 }
             }
+        }
+    }
+
+    /// A memory slot: the memfd's range (`EINVAL`), the slot number
+    /// (`ENOSPC`), the guest range (`EINVAL`), then whether the slot is
+    /// taken (`EEXIST`).
+    fn predict_memory(
+        &self,
+        slot: u32,
+        gpa: u64,
+        len: u64,
+        file_offset: u64,
+        fds: &[Fd],
+        page: u64,
+    ) -> Expect {
+        let [Fd::Sealed(i)] = fds else {
+            return refuse(libc::EINVAL);
+        };
+        let maps = len > 0
+            && file_offset.is_multiple_of(page)
+            && file_offset
+                .checked_add(len)
+                .is_some_and(|end| end <= MEMFD_SIZES[*i]);
+        if !maps {
+            refuse(libc::EINVAL)
+        } else if slot >= MAX_SLOTS {
+            refuse(libc::ENOSPC)
+        } else if gpa.checked_add(len).is_none() {
+            refuse(libc::EINVAL)
+        } else if self.slots.contains_key(&slot) {
+            refuse(libc::EEXIST)
+        } else {
+            Expect::Ok
         }
     }
 
@@ -430,20 +443,20 @@ impl Model {
     pub fn apply(&mut self, request: &Request, fds: &[Fd], keys: Option<(u32, u32)>) {
         match request {
             Request::Hello { .. } | Request::QuotaRejected { .. } | Request::QueryQp { .. } => {}
-            Request::AddMemory {
+            &Request::AddMemory {
                 slot,
                 gpa,
                 len,
                 file_offset,
             } => {
-                if let [Fd::Sealed(file)] = fds {
+                if let [Fd::Sealed(file)] = *fds {
                     let s = Slot {
-                        gpa: *gpa,
-                        len: *len,
-                        file: *file,
-                        file_offset: *file_offset,
+                        gpa,
+                        len,
+                        file,
+                        file_offset,
                     };
-                    self.slots.insert(*slot, s);
+                    self.slots.insert(slot, s);
                 }
             }
             Request::RemoveMemory { slot } => {

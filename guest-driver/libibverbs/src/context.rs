@@ -154,8 +154,8 @@ fn fill(vctx: &mut verbs_context, shared: &Shared) {
     ops.post_recv = Some(datapath::post_recv);
     ops.poll_cq = Some(datapath::poll_cq);
     ops.req_notify_cq = Some(datapath::req_notify_cq);
-    ops.post_srq_recv = Some(datapath::post_srq_recv);
-    // Memory windows: refused explicitly (the inlines call these).
+    // SRQs and memory windows: refused explicitly (the inlines call these).
+    ops.post_srq_recv = Some(unsupported::post_srq_recv);
     ops.alloc_mw = Some(unsupported::alloc_mw);
     ops.bind_mw = Some(unsupported::bind_mw);
     ops.dealloc_mw = Some(unsupported::dealloc_mw);

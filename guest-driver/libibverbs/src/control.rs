@@ -282,35 +282,50 @@ fn ah_from_wire(a: &AhAttr) -> ibv_ah_attr {
     }
 }
 
-fn cap_to_wire(c: &ibv_qp_cap) -> QpCap {
-    QpCapabilities {
-        max_send_wr: c.max_send_wr,
-        max_recv_wr: c.max_recv_wr,
-        max_send_sge: c.max_send_sge,
-        max_recv_sge: c.max_recv_sge,
-        max_inline_data: c.max_inline_data,
-    }
-    .into()
-}
-
-fn cap_from(c: QpCapabilities) -> ibv_qp_cap {
-    ibv_qp_cap {
-        max_send_wr: c.max_send_wr,
-        max_recv_wr: c.max_recv_wr,
-        max_send_sge: c.max_send_sge,
-        max_recv_sge: c.max_recv_sge,
-        max_inline_data: c.max_inline_data,
-    }
+/// `$ty` (`struct ibv_qp_cap` or [`QpCapabilities`]) with the capacities
+/// of `$c`, the other one: the two have the same `u32` fields.
+macro_rules! qp_cap {
+    ($ty:ident, $c:expr) => {{
+        let c = $c;
+        $ty {
+            max_send_wr: c.max_send_wr,
+            max_recv_wr: c.max_recv_wr,
+            max_send_sge: c.max_send_sge,
+            max_recv_sge: c.max_recv_sge,
+            max_inline_data: c.max_inline_data,
+        }
+    }};
 }
 
 fn u8_of(v: u32) -> VResult<u8> {
     u8::try_from(v).map_err(|_| libc::EINVAL)
 }
 
+/// `$ty` (`struct ibv_qp_attr` or [`QpAttr`]) with the fields given and
+/// the attributes both hold as the same `u8` copied from `$a`, the other
+/// one; the rest default (reserved bytes zero).
+macro_rules! qp_attr {
+    ($ty:ident from $a:ident { $($field:ident: $value:expr,)* }) => {
+        $ty {
+            $($field: $value,)*
+            en_sqd_async_notify: $a.en_sqd_async_notify,
+            sq_draining: $a.sq_draining,
+            max_rd_atomic: $a.max_rd_atomic,
+            max_dest_rd_atomic: $a.max_dest_rd_atomic,
+            min_rnr_timer: $a.min_rnr_timer,
+            port_num: $a.port_num,
+            timeout: $a.timeout,
+            retry_cnt: $a.retry_cnt,
+            rnr_retry: $a.rnr_retry,
+            ..Default::default()
+        }
+    };
+}
+
 /// The wire form of `struct ibv_qp_attr` (every field; the mask says which
 /// ones the device applies).
 pub(crate) fn qp_attr_to_wire(a: &ibv_qp_attr) -> VResult<QpAttr> {
-    Ok(QpAttr {
+    Ok(qp_attr!(QpAttr from a {
         qp_state: u8_of(a.qp_state)?,
         cur_qp_state: u8_of(a.cur_qp_state)?,
         path_mtu: u8_of(a.path_mtu)?,
@@ -322,25 +337,15 @@ pub(crate) fn qp_attr_to_wire(a: &ibv_qp_attr) -> VResult<QpAttr> {
         // LOCAL_WRITE means nothing on a QP; programs pass it and every
         // provider ignores it (the device accepts only the REMOTE_* bits).
         qp_access_flags: (a.qp_access_flags & !IBV_ACCESS_LOCAL_WRITE).into(),
-        cap: cap_to_wire(&a.cap),
+        cap: QpCap::from(qp_cap!(QpCapabilities, a.cap)),
         ah_attr: ah_to_wire(&a.ah_attr),
         pkey_index: a.pkey_index.into(),
-        en_sqd_async_notify: a.en_sqd_async_notify,
-        sq_draining: a.sq_draining,
-        max_rd_atomic: a.max_rd_atomic,
-        max_dest_rd_atomic: a.max_dest_rd_atomic,
-        min_rnr_timer: a.min_rnr_timer,
-        port_num: a.port_num,
-        timeout: a.timeout,
-        retry_cnt: a.retry_cnt,
-        rnr_retry: a.rnr_retry,
-        reserved: [0; 9],
-    })
+    }))
 }
 
 /// `struct ibv_qp_attr` from the device's stored attributes.
 pub(crate) fn qp_attr_from_wire(a: &QpAttr) -> ibv_qp_attr {
-    ibv_qp_attr {
+    qp_attr!(ibv_qp_attr from a {
         qp_state: u32::from(a.qp_state),
         cur_qp_state: u32::from(a.cur_qp_state),
         path_mtu: u32::from(a.path_mtu),
@@ -350,20 +355,10 @@ pub(crate) fn qp_attr_from_wire(a: &QpAttr) -> ibv_qp_attr {
         sq_psn: a.sq_psn.get(),
         dest_qp_num: a.dest_qp_num.get(),
         qp_access_flags: a.qp_access_flags.get(),
-        cap: cap_from(QpCapabilities::from(a.cap)),
+        cap: qp_cap!(ibv_qp_cap, QpCapabilities::from(a.cap)),
         ah_attr: ah_from_wire(&a.ah_attr),
         pkey_index: a.pkey_index.get(),
-        en_sqd_async_notify: a.en_sqd_async_notify,
-        sq_draining: a.sq_draining,
-        max_rd_atomic: a.max_rd_atomic,
-        max_dest_rd_atomic: a.max_dest_rd_atomic,
-        min_rnr_timer: a.min_rnr_timer,
-        port_num: a.port_num,
-        timeout: a.timeout,
-        retry_cnt: a.retry_cnt,
-        rnr_retry: a.rnr_retry,
-        ..Default::default()
-    }
+    })
 }
 
 /// `ibv_create_qp`: RC only (UC/UD are refused by the device with
@@ -404,12 +399,12 @@ pub unsafe extern "C" fn ibv_create_qp(
             .create_qp(&QpInitAttr {
                 send_cq: cq_of(init.send_cq)?,
                 recv_cq: cq_of(init.recv_cq)?,
-                cap: QpCapabilities::from(cap_to_wire(&init.cap)),
+                cap: qp_cap!(QpCapabilities, init.cap),
                 qp_type,
                 sq_sig_all: init.sq_sig_all != 0,
             })
             .map_err(|e| errno_of(&e))?;
-        init.cap = cap_from(qp.cap());
+        init.cap = qp_cap!(ibv_qp_cap, qp.cap());
         let qpn = qp.qp_num();
         let raw = Box::new(Qp {
             ibv: ibv_qp {
@@ -534,13 +529,14 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
         // SAFETY: the caller passes a live QP it no longer uses elsewhere.
         let this = unsafe { Qp::from_raw_mut(qp)? };
         let ctx = ctx_of(this.ibv.context)?;
-        let qpn = this.inner.as_ref().ok_or(libc::EINVAL)?.qp_num();
         destroy_inner(&mut this.inner, QueuePair::destroy)?;
+        // Its route is kept under the number `ibv_qp` shows (as
+        // `ibv_modify_qp` finds it).
         ctx.shared
             .qps
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&qpn);
+            .remove(&this.ibv.qp_num);
         events::remove_qp(&ctx.shared, qp);
         // SAFETY: the QP box is no longer referenced.
         unsafe { Qp::free(qp) };

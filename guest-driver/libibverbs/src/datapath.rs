@@ -1,7 +1,7 @@
 //! The data path: the functions the inline `ibv_post_send`, `ibv_post_recv`,
-//! `ibv_poll_cq`, `ibv_req_notify_cq` and `ibv_post_srq_recv` call through
-//! `context->ops`, translating libibverbs' structures to the guest driver's
-//! work requests and completions.
+//! `ibv_poll_cq` and `ibv_req_notify_cq` call through `context->ops`,
+//! translating libibverbs' structures to the guest driver's work requests
+//! and completions (`ibv_post_srq_recv`'s is a refusal, in `unsupported`).
 //!
 //! - `ibv_send_wr`/`ibv_recv_wr` lists are posted in order; at the first
 //!   work request that fails, `*bad_wr` names it and its errno is returned
@@ -34,7 +34,7 @@ use vrdma_guest_driver::{
 };
 
 use crate::abi::{
-    ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_srq, ibv_wc, ibv_wc__bindgen_ty_1,
+    ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_wc, ibv_wc__bindgen_ty_1,
     IBV_SEND_INLINE,
 };
 use crate::context::Ctx;
@@ -262,7 +262,9 @@ unsafe fn post_list<'q, W: WorkRequest, B>(
     })
 }
 
-fn fail_at<T>(bad_wr: *mut *mut T, at: *mut T, errno: c_int) -> c_int {
+/// Names `at` in the application's `*bad_wr` (when given) and returns
+/// `errno`.
+pub(crate) fn fail_at<T>(bad_wr: *mut *mut T, at: *mut T, errno: c_int) -> c_int {
     if !bad_wr.is_null() {
         // SAFETY: a non-null bad_wr is writable (the verbs contract).
         unsafe { *bad_wr = at };
@@ -314,19 +316,6 @@ pub(crate) unsafe extern "C" fn post_recv(
     };
     // SAFETY: the caller's promise.
     unsafe { post_list("ibv_post_recv", qp, wr, bad_wr, QueuePair::recv_batch, push) }
-}
-
-/// `ops.post_srq_recv`: vrdma has no SRQs, so no SRQ can reach this.
-///
-/// # Safety
-///
-/// `bad_wr` is NULL or writable.
-pub(crate) unsafe extern "C" fn post_srq_recv(
-    _srq: *mut ibv_srq,
-    wr: *mut ibv_recv_wr,
-    bad_wr: *mut *mut ibv_recv_wr,
-) -> c_int {
-    fail_at(bad_wr, wr, crate::ffi::unsupported("ibv_post_srq_recv"))
 }
 
 /// Fills an `ibv_wc` from a completion; `path` is the QP's (dlid, sl).

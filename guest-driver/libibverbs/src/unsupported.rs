@@ -16,10 +16,11 @@ use crate::abi::{
     ibv_alloc_dm_attr, ibv_context, ibv_counters, ibv_counters_init_attr, ibv_cq_ex,
     ibv_cq_init_attr_ex, ibv_dm, ibv_ece, ibv_flow, ibv_flow_attr, ibv_gid, ibv_mr, ibv_mw,
     ibv_mw_bind, ibv_mw_type, ibv_parent_domain_init_attr, ibv_pd, ibv_qp, ibv_qp_ex,
-    ibv_qp_init_attr_ex, ibv_qp_open_attr, ibv_rwq_ind_table, ibv_rwq_ind_table_init_attr, ibv_srq,
-    ibv_srq_attr, ibv_srq_init_attr, ibv_srq_init_attr_ex, ibv_td, ibv_td_init_attr, ibv_wq,
-    ibv_wq_init_attr, ibv_xrcd, ibv_xrcd_init_attr,
+    ibv_qp_init_attr_ex, ibv_qp_open_attr, ibv_recv_wr, ibv_rwq_ind_table,
+    ibv_rwq_ind_table_init_attr, ibv_srq, ibv_srq_attr, ibv_srq_init_attr, ibv_srq_init_attr_ex,
+    ibv_td, ibv_td_init_attr, ibv_wq, ibv_wq_init_attr, ibv_xrcd, ibv_xrcd_init_attr,
 };
+use crate::datapath::fail_at;
 use crate::ffi::{int_verb, ptr_verb, set_errno, unsupported};
 
 /// Defines context-op refusals that return NULL with `errno = EOPNOTSUPP`.
@@ -94,6 +95,20 @@ pub unsafe extern "C" fn ibv_create_srq(
     ptr_verb("ibv_create_srq", || {
         Err(unsupported("SRQs (ibv_create_srq)"))
     })
+}
+
+/// `ops.post_srq_recv`: vrdma has no SRQs, so no SRQ can reach this;
+/// `EOPNOTSUPP` at the first work request.
+///
+/// # Safety
+///
+/// `bad_wr` is NULL or writable.
+pub(crate) unsafe extern "C" fn post_srq_recv(
+    _srq: *mut ibv_srq,
+    wr: *mut ibv_recv_wr,
+    bad_wr: *mut *mut ibv_recv_wr,
+) -> c_int {
+    fail_at(bad_wr, wr, unsupported("ibv_post_srq_recv"))
 }
 
 /// `ibv_qp_to_qp_ex`: no QP is created with the extended interface, so

@@ -22,7 +22,7 @@ use vrdma_spec::control::{
     QueryPortReq, RegMrReq, RegMrResp, RegMrSgReq, MAX_MR_SEGMENTS,
 };
 use vrdma_spec::ring::cq_depth;
-use zerocopy::IntoBytes;
+use zerocopy::{Immutable, IntoBytes};
 
 use crate::device::{Device, DeviceEvent, DeviceOptions};
 use crate::dma::{DmaBuf, PAGE_SIZE};
@@ -119,8 +119,7 @@ impl Context {
         Ok(ProtectionDomain {
             inner: Arc::new(PdInner {
                 dev: Arc::clone(&self.dev),
-                pdn: handle.pdn.get(),
-                live: AtomicBool::new(true),
+                handle: Handle::new(Opcode::DeallocPd, handle),
             }),
         })
     }
@@ -140,11 +139,10 @@ impl Context {
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
                 dev: Arc::clone(&self.dev),
-                cqn: handle.cqn.get(),
+                handle: Handle::new(Opcode::DestroyCq, handle),
                 comp_vector,
                 depth,
                 ring: Arc::new(Mutex::new(ring)),
-                live: AtomicBool::new(true),
             }),
         })
     }
@@ -173,32 +171,51 @@ impl Context {
     }
 }
 
+/// A PD's or CQ's handle as the device gave it (`ALLOC_PD`'s and
+/// `CREATE_CQ`'s response), which is also the request of the command that
+/// destroys the object. The object is
+/// destroyed once: by an explicit destroy or, failing that, when the last
+/// reference to it drops.
 #[derive(Debug)]
-struct PdInner {
-    dev: Arc<Device>,
-    pdn: u32,
+struct Handle<H> {
+    /// `DEALLOC_PD` or `DESTROY_CQ`.
+    opcode: Opcode,
+    wire: H,
+    /// The device still has the object.
     live: AtomicBool,
 }
 
-impl PdInner {
-    fn dealloc(&self) -> Result<()> {
-        let req = PdHandle {
-            pdn: self.pdn.into(),
-            ..Default::default()
-        };
-        self.dev
-            .command_no_reply(Opcode::DeallocPd, req.as_bytes())?;
-        self.live.store(false, Ordering::Release);
+impl<H: IntoBytes + Immutable> Handle<H> {
+    fn new(opcode: Opcode, wire: H) -> Self {
+        Self {
+            opcode,
+            wire,
+            live: AtomicBool::new(true),
+        }
+    }
+
+    /// Destroys the object on `dev` unless that was done already; it is
+    /// gone once the device agrees.
+    fn destroy(&self, dev: &Device) -> Result<()> {
+        if self.live.load(Ordering::Acquire) {
+            dev.command_no_reply(self.opcode, self.wire.as_bytes())?;
+            self.live.store(false, Ordering::Release);
+        }
         Ok(())
     }
 }
 
+#[derive(Debug)]
+struct PdInner {
+    dev: Arc<Device>,
+    handle: Handle<PdHandle>,
+}
+
 impl Drop for PdInner {
     fn drop(&mut self) {
-        if self.live.load(Ordering::Acquire) {
-            if let Err(e) = self.dealloc() {
-                tracing::warn!(error = %e, pdn = self.pdn, "Cannot deallocate a PD");
-            }
+        if let Err(e) = self.handle.destroy(&self.dev) {
+            let pdn = self.handle.wire.pdn.get();
+            tracing::warn!(error = %e, pdn, "Cannot deallocate a PD");
         }
     }
 }
@@ -212,7 +229,7 @@ pub struct ProtectionDomain {
 impl ProtectionDomain {
     /// The device's PD number.
     pub fn pdn(&self) -> u32 {
-        self.inner.pdn
+        self.inner.handle.wire.pdn.get()
     }
 
     /// Allocates `len` bytes of zeroed, page-aligned DMA memory and registers
@@ -363,7 +380,7 @@ impl ProtectionDomain {
         let resp: RegMrResp = match placement {
             Placement::Contiguous(device_addr) => {
                 let req = RegMrReq {
-                    pdn: self.inner.pdn.into(),
+                    pdn: self.inner.handle.wire.pdn,
                     access: access.into(),
                     addr: device_addr.into(),
                     length: (len as u64).into(),
@@ -388,7 +405,7 @@ impl ProtectionDomain {
                 let list_buf = dev.alloc(list.as_bytes().len(), 64, false)?;
                 list_buf.write_at(0, list.as_bytes());
                 let req = RegMrSgReq {
-                    pdn: self.inner.pdn.into(),
+                    pdn: self.inner.handle.wire.pdn,
                     access: access.into(),
                     iova: iova.into(),
                     length: (len as u64).into(),
@@ -412,7 +429,7 @@ impl ProtectionDomain {
     /// `ibv_dealloc_pd`, returning the device's errno (`EBUSY` while MRs or
     /// QPs use the PD). On failure the PD is handed back.
     pub fn destroy(self) -> Result<(), DestroyError<Self>> {
-        let result = self.inner.dealloc();
+        let result = self.inner.handle.destroy(&self.inner.dev);
         DestroyError::hand_back(self, result)
     }
 }
@@ -579,33 +596,25 @@ impl Drop for MemoryRegion {
 #[derive(Debug)]
 struct CqInner {
     dev: Arc<Device>,
-    cqn: u32,
+    handle: Handle<CqHandle>,
     comp_vector: u16,
     depth: u32,
     ring: Arc<Mutex<CqRing>>,
-    live: AtomicBool,
 }
 
 impl CqInner {
-    fn destroy(&self) -> Result<()> {
-        let req = CqHandle {
-            cqn: self.cqn.into(),
-            ..Default::default()
-        };
-        self.dev
-            .command_no_reply(Opcode::DestroyCq, req.as_bytes())?;
-        self.live.store(false, Ordering::Release);
-        Ok(())
+    /// The device's CQ number.
+    fn cqn(&self) -> u32 {
+        self.handle.wire.cqn.get()
     }
 }
 
 impl Drop for CqInner {
     fn drop(&mut self) {
-        if self.live.load(Ordering::Acquire) {
-            if let Err(e) = self.destroy() {
-                tracing::warn!(error = %e, cqn = self.cqn, "Cannot destroy a CQ");
-                self.dev.quarantine(Arc::clone(&self.ring));
-            }
+        if let Err(e) = self.handle.destroy(&self.dev) {
+            tracing::warn!(error = %e, cqn = self.cqn(), "Cannot destroy a CQ");
+            // The device may still write the ring.
+            self.dev.quarantine(Arc::clone(&self.ring));
         }
     }
 }
@@ -619,7 +628,7 @@ pub struct CompletionQueue {
 impl CompletionQueue {
     /// The device's CQ number (what completion events name).
     pub fn cqn(&self) -> u32 {
-        self.inner.cqn
+        self.inner.cqn()
     }
 
     /// Number of CQEs the ring holds (the requested count rounded up to a
@@ -649,7 +658,7 @@ impl CompletionQueue {
     /// `ibv_destroy_cq`, returning the device's errno (`EBUSY` while QPs use
     /// it); on failure the CQ is handed back.
     pub fn destroy(self) -> Result<(), DestroyError<Self>> {
-        let result = self.inner.destroy();
+        let result = self.inner.handle.destroy(&self.inner.dev);
         DestroyError::hand_back(self, result)
     }
 }

@@ -5,7 +5,7 @@
 //! NIC's burst post does; [`SendBatch`] and [`RecvBatch`] let a caller that
 //! translates work requests one at a time (libibverbs) do the same.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use vrdma_spec::control::{
     CreateQpReq, CreateQpResp, ModifyQpReq, Opcode, QpAttr, QpCap, QpHandle, QueryQpReq,
@@ -45,9 +45,9 @@ impl ProtectionDomain {
         let (len, align) = WorkRing::alloc_args(rq_geo)?;
         let mut rq = WorkRing::new(dev.alloc(len, align, true)?, rq_geo);
         let req = CreateQpReq {
-            pdn: self.inner.pdn.into(),
-            send_cqn: init.send_cq.inner.cqn.into(),
-            recv_cqn: init.recv_cq.inner.cqn.into(),
+            pdn: self.inner.handle.wire.pdn,
+            send_cqn: init.send_cq.inner.handle.wire.cqn,
+            recv_cqn: init.recv_cq.inner.handle.wire.cqn,
             srqn: NO_SRQ.into(),
             qp_type: init.qp_type.into(),
             sq_sig_all: init.sq_sig_all.into(),
@@ -170,12 +170,49 @@ fn destroy(dev: &Device, qpn: u32) -> Result<()> {
     dev.command_no_reply(Opcode::DestroyQp, req.as_bytes())
 }
 
-/// Publishes what a batch wrote on `ring` and rings the QP's doorbell
-/// once; the doorbell queue is kicked only if the device sleeps.
-fn finish(ring: &mut WorkRing, doorbell: &Doorbell, dev: &Device) {
-    if ring.publish() && doorbell.ring() {
-        dev.kick_doorbell();
+/// A QP's send or receive ring, as a batch posts on it.
+trait PostRing {
+    /// The work ring a batch writes and the doorbell it rings.
+    fn parts(&mut self) -> (&mut WorkRing, &Doorbell);
+}
+
+impl PostRing for SendRing {
+    fn parts(&mut self) -> (&mut WorkRing, &Doorbell) {
+        (&mut self.ring, &self.doorbell)
     }
+}
+
+impl PostRing for RecvRing {
+    fn parts(&mut self) -> (&mut WorkRing, &Doorbell) {
+        (&mut self.ring, &self.doorbell)
+    }
+}
+
+/// What [`SendBatch`] and [`RecvBatch`] share: the locked ring and, when
+/// dropped, everything written published and the doorbell rung once (the
+/// doorbell queue kicked only if the device sleeps).
+#[derive(Debug)]
+struct Batch<'q, R: PostRing> {
+    ring: MutexGuard<'q, R>,
+    dev: &'q Device,
+}
+
+impl<R: PostRing> Drop for Batch<'_, R> {
+    fn drop(&mut self) {
+        let (ring, doorbell) = self.ring.parts();
+        if ring.publish() && doorbell.ring() {
+            self.dev.kick_doorbell();
+        }
+    }
+}
+
+/// Pushes `wrs` in order up to the first that fails, whose index is the
+/// error's `bad_wr`.
+fn push_all<W>(wrs: &[W], mut push: impl FnMut(&W) -> Result<()>) -> Result<(), PostError> {
+    for (bad_wr, wr) in wrs.iter().enumerate() {
+        push(wr).map_err(|error| PostError { bad_wr, error })?;
+    }
+    Ok(())
 }
 
 /// Send work requests being posted: each [`SendBatch::push`] writes one WQE
@@ -183,45 +220,25 @@ fn finish(ring: &mut WorkRing, doorbell: &Doorbell, dev: &Device) {
 /// written is published and the doorbell rung once. The QP's send queue is
 /// locked meanwhile.
 #[derive(Debug)]
-pub struct SendBatch<'q> {
-    ring: std::sync::MutexGuard<'q, SendRing>,
-    dev: &'q Device,
-}
+pub struct SendBatch<'q>(Batch<'q, SendRing>);
 
 impl SendBatch<'_> {
     /// Writes `wr` into the next slot: `ENOMEM` ([`Error::QueueFull`]) when
     /// the work in flight fills the queue, `EINVAL` for a request beyond
     /// the QP's capacities.
     pub fn push(&mut self, wr: &SendWr<'_>) -> Result<()> {
-        self.ring.push(wr)
-    }
-}
-
-impl Drop for SendBatch<'_> {
-    fn drop(&mut self) {
-        let SendRing { ring, doorbell, .. } = &mut *self.ring;
-        finish(ring, doorbell, self.dev);
+        self.0.ring.push(wr)
     }
 }
 
 /// Receive work requests being posted, like [`SendBatch`].
 #[derive(Debug)]
-pub struct RecvBatch<'q> {
-    ring: std::sync::MutexGuard<'q, RecvRing>,
-    dev: &'q Device,
-}
+pub struct RecvBatch<'q>(Batch<'q, RecvRing>);
 
 impl RecvBatch<'_> {
     /// Writes `wr` into the next slot (errors as [`SendBatch::push`]).
     pub fn push(&mut self, wr: &RecvWr<'_>) -> Result<()> {
-        self.ring.push(wr)
-    }
-}
-
-impl Drop for RecvBatch<'_> {
-    fn drop(&mut self) {
-        let RecvRing { ring, doorbell, .. } = &mut *self.ring;
-        finish(ring, doorbell, self.dev);
+        self.0.ring.push(wr)
     }
 }
 
@@ -238,23 +255,23 @@ impl QueuePair {
 
     /// The send and receive CQs' numbers.
     pub fn cq_nums(&self) -> (u32, u32) {
-        (self.send_cq.cqn, self.recv_cq.cqn)
+        (self.send_cq.cqn(), self.recv_cq.cqn())
     }
 
     /// Starts posting on the send queue (see [`SendBatch`]).
     pub fn send_batch(&self) -> SendBatch<'_> {
-        SendBatch {
+        SendBatch(Batch {
             ring: lock(&self.sq),
             dev: &self.pd.dev,
-        }
+        })
     }
 
     /// Starts posting on the receive queue (see [`RecvBatch`]).
     pub fn recv_batch(&self) -> RecvBatch<'_> {
-        RecvBatch {
+        RecvBatch(Batch {
             ring: lock(&self.rq),
             dev: &self.pd.dev,
-        }
+        })
     }
 
     /// `ibv_post_send`: writes the WQEs into the send ring in order up to
@@ -263,23 +280,13 @@ impl QueuePair {
     /// slots.
     pub fn post_send(&self, wrs: &[SendWr<'_>]) -> Result<(), PostError> {
         let mut batch = self.send_batch();
-        for (bad_wr, wr) in wrs.iter().enumerate() {
-            batch
-                .push(wr)
-                .map_err(|error| PostError { bad_wr, error })?;
-        }
-        Ok(())
+        push_all(wrs, |wr| batch.push(wr))
     }
 
     /// `ibv_post_recv`: like [`QueuePair::post_send`] for the receive ring.
     pub fn post_recv(&self, wrs: &[RecvWr<'_>]) -> Result<(), PostError> {
         let mut batch = self.recv_batch();
-        for (bad_wr, wr) in wrs.iter().enumerate() {
-            batch
-                .push(wr)
-                .map_err(|error| PostError { bad_wr, error })?;
-        }
-        Ok(())
+        push_all(wrs, |wr| batch.push(wr))
     }
 
     /// Whether the device flagged the send or receive ring as in error.
@@ -423,6 +430,23 @@ mod tests {
         }
     }
 
+    /// A QP of 16 work requests per queue on a fresh `device(db_index)`,
+    /// and its CQ of `cqe` entries.
+    fn queue_pair(db_index: u32, cqe: u32) -> (Arc<StubTransport>, CompletionQueue, QueuePair) {
+        let (stub, ctx) = device(db_index);
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(cqe, 0).unwrap();
+        let qp = pd.create_qp(&init(&cq, 16)).unwrap();
+        (stub, cq, qp)
+    }
+
+    /// The address of the ring of the (first) CQ created on `stub`.
+    fn cq_ring(stub: &StubTransport) -> u64 {
+        stub.requests::<CreateCqReq>(Opcode::CreateCq)[0]
+            .ring_addr
+            .get()
+    }
+
     fn read_u32(stub: &StubTransport, addr: u64) -> u32 {
         let mut raw = [0u8; 4];
         stub.read(addr, &mut raw);
@@ -449,17 +473,12 @@ mod tests {
 
     #[test]
     fn a_full_send_queue_is_enomem_until_the_device_completes_work() {
-        let (stub, ctx) = device(0);
-        let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(16, 0).unwrap();
-        let qp = pd.create_qp(&init(&cq, 16)).unwrap();
+        let (stub, cq, qp) = queue_pair(0, 16);
         assert_eq!(qp.cap().max_send_wr, 16);
         let sq = stub.requests::<CreateQpReq>(Opcode::CreateQp)[0]
             .sq_ring_addr
             .get();
-        let cq_ring = stub.requests::<CreateCqReq>(Opcode::CreateCq)[0]
-            .ring_addr
-            .get();
+        let cq_ring = cq_ring(&stub);
         let wrs = sends(18);
 
         qp.post_send(&wrs[..16]).unwrap();
@@ -502,10 +521,7 @@ mod tests {
     #[test]
     fn each_post_call_rings_the_doorbell_once_and_kicks_only_when_asked() {
         let db_index = 64 + 13;
-        let (stub, ctx) = device(db_index);
-        let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(16, 0).unwrap();
-        let qp = pd.create_qp(&init(&cq, 16)).unwrap();
+        let (stub, _cq, qp) = queue_pair(db_index, 16);
         let page = stub.requests::<SetDoorbellReq>(Opcode::SetDoorbell)[0]
             .addr
             .get();
@@ -560,13 +576,8 @@ mod tests {
 
     #[test]
     fn posting_and_polling_allocate_nothing() {
-        let (stub, ctx) = device(5);
-        let pd = ctx.alloc_pd().unwrap();
-        let cq = ctx.create_cq(64, 0).unwrap();
-        let qp = pd.create_qp(&init(&cq, 16)).unwrap();
-        let cq_ring = stub.requests::<CreateCqReq>(Opcode::CreateCq)[0]
-            .ring_addr
-            .get();
+        let (stub, cq, qp) = queue_pair(5, 64);
+        let cq_ring = cq_ring(&stub);
         let cqe = Cqe {
             wr_id: 7.into(),
             ..Default::default()

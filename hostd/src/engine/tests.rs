@@ -484,6 +484,13 @@ fn long_op_beside_a_busy_realtime_device(op: SendOpcode, len: u32) -> (Env, Vec<
     (env, data)
 }
 
+/// Runs `env` to the end: A's long op (WQE 1) completed and B holds `data`.
+fn assert_the_long_op_completes(env: &mut Env, data: &[u8]) {
+    let (a, _) = env.run();
+    assert_eq!(ids(&a), vec![(1, WcStatus::Success)]);
+    assert_eq!(env.b.bytes(0, data.len()), data);
+}
+
 #[test]
 fn a_long_write_moves_in_segments_while_realtime_is_busy() {
     let (mut env, data) = long_op_beside_a_busy_realtime_device(SendOpcode::RdmaWrite, 64 * 1024);
@@ -496,9 +503,7 @@ fn a_long_write_moves_in_segments_while_realtime_is_busy() {
         env.b.bytes(SEGMENT, 16),
         &data[SEGMENT as usize..SEGMENT as usize + 16]
     );
-    let (a, _) = env.run();
-    assert_eq!(ids(&a), vec![(1, WcStatus::Success)]);
-    assert_eq!(env.b.bytes(0, data.len()), data);
+    assert_the_long_op_completes(&mut env, &data);
 }
 
 #[test]
@@ -514,9 +519,7 @@ fn a_message_moved_in_segments_is_charged_once() {
     let tb = tenant("tb", PriorityClass::Realtime);
     env.engine.configure_tenants(&[ta, tb], env.now);
     assert!(env.engine.round(&[1, 2], env.now).preempted);
-    let (a, _) = env.run();
-    assert_eq!(ids(&a), vec![(1, WcStatus::Success)]);
-    assert_eq!(env.b.bytes(0, data.len()), data);
+    assert_the_long_op_completes(&mut env, &data);
 }
 
 #[test]

@@ -10,6 +10,22 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+/// Every sandbox flag at once, each away from its default (a daemon's
+/// tests parse it as the daemon's own flags).
+pub const EVERY_SANDBOX_FLAG: &[&str] = &[
+    "--seccomp",
+    "trap",
+    "--landlock",
+    "off",
+    "--allow-no-landlock",
+    "--sandbox",
+    "namespace",
+    "--uid",
+    "nobody",
+    "--rlimit-nofile",
+    "4096",
+];
+
 /// `daemon`'s command line `args` (after the program's name), which clap
 /// must accept (a test helper: it panics otherwise), validated into the
 /// daemon's configuration `C`.

@@ -10,6 +10,7 @@ use vrdma_guest_driver::{
 };
 use vrdma_spec::control::QpAttr;
 use vrdma_spec::verbs::QpState;
+use vrdma_tenant_policy::Limits;
 use vrdma_tests::daemon::Vdev;
 use vrdma_tests::tenant::{mask_to, rc_qp};
 
@@ -40,25 +41,10 @@ fn limits_from_the_config_file_are_advertised_and_enforced() {
     assert_eq!(ctx.config().name(), Some("vrdma_7"), "lid from the file");
     assert_eq!(ctx.num_comp_vectors(), 2);
     let dev = ctx.query_device().expect("query_device");
-    assert_eq!(
-        (
-            dev.max_pd.get(),
-            dev.max_qp.get(),
-            dev.max_cq.get(),
-            dev.max_mr.get()
-        ),
-        (2, 2, 3, 3)
-    );
-    assert_eq!((dev.max_cqe.get(), dev.max_qp_wr.get()), (256, 64));
-    assert_eq!((dev.max_sge.get(), dev.max_inline_data.get()), (4, 128));
-    assert_eq!(
-        (dev.max_qp_rd_atom.get(), dev.max_qp_init_rd_atom.get()),
-        (4, 4)
-    );
-    assert_eq!(
-        (dev.max_mr_size.get(), dev.max_total_mr_bytes.get()),
-        (65536, 131072)
-    );
+    let table: toml::Table = toml::from_str(LIMITS_TOML).expect("valid TOML");
+    let limits: Limits = table["limits"].clone().try_into().expect("limits");
+    assert_eq!((limits.max_pd, limits.max_total_mr_bytes), (2, 131072));
+    assert_advertises(&dev, &limits);
 
     // QPs: the third fails with ENOMEM; freeing one makes room.
     let pd = ctx.alloc_pd().expect("alloc_pd");

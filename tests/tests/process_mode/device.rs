@@ -53,19 +53,7 @@ fn queries_match_the_config_space() {
     );
     assert_eq!((dev.max_pkeys.get(), dev.phys_port_cnt), (1, 1));
     // No config file: the default tenant limits.
-    let l = Limits::default();
-    assert_eq!(dev.max_qp.get(), l.max_qp);
-    assert_eq!(dev.max_qp_wr.get(), l.max_qp_depth);
-    assert_eq!(dev.max_sge.get(), l.max_sge);
-    assert_eq!(dev.max_cq.get(), l.max_cq);
-    assert_eq!(dev.max_cqe.get(), l.max_cq_depth);
-    assert_eq!(dev.max_mr.get(), l.max_mr);
-    assert_eq!(dev.max_pd.get(), l.max_pd);
-    assert_eq!(dev.max_qp_rd_atom.get(), l.max_rd_atomic);
-    assert_eq!(dev.max_qp_init_rd_atom.get(), l.max_rd_atomic);
-    assert_eq!(dev.max_inline_data.get(), l.max_inline_data);
-    assert_eq!(dev.max_mr_size.get(), l.max_mr_bytes);
-    assert_eq!(dev.max_total_mr_bytes.get(), l.max_total_mr_bytes);
+    assert_advertises(&dev, &Limits::default());
 
     let port = ctx.query_port(1).expect("query_port");
     assert_eq!(port, config.port);

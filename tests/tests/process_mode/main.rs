@@ -27,8 +27,10 @@ mod rings;
 use std::fmt::Debug;
 
 use vrdma_guest_driver::{Context, DestroyError, Error, PostError, QpCapabilities, QueuePair};
+use vrdma_spec::config::DeviceAttr;
 use vrdma_spec::control::QpAttr;
 use vrdma_spec::verbs::{access, Mtu, QpState};
+use vrdma_tenant_policy::Limits;
 use vrdma_tests::daemon::Vdev;
 use vrdma_tests::tenant::{mask_to, pattern};
 
@@ -90,6 +92,45 @@ fn post_failure(result: Result<(), PostError>) -> (usize, i32, bool) {
         Err(e) => (e.bad_wr, e.errno(), matches!(e.error, Error::QueueFull)),
         Ok(()) => panic!("expected the post to fail"),
     }
+}
+
+/// Checks the device advertises the tenant limits `l` (`ibv_query_device`).
+#[track_caller]
+fn assert_advertises(dev: &DeviceAttr, l: &Limits) {
+    assert_eq!(
+        (
+            dev.max_pd.get(),
+            dev.max_qp.get(),
+            dev.max_cq.get(),
+            dev.max_mr.get()
+        ),
+        (l.max_pd, l.max_qp, l.max_cq, l.max_mr),
+        "objects"
+    );
+    assert_eq!(
+        (
+            dev.max_cqe.get(),
+            dev.max_qp_wr.get(),
+            dev.max_sge.get(),
+            dev.max_inline_data.get(),
+            dev.max_qp_rd_atom.get(),
+            dev.max_qp_init_rd_atom.get()
+        ),
+        (
+            l.max_cq_depth,
+            l.max_qp_depth,
+            l.max_sge,
+            l.max_inline_data,
+            l.max_rd_atomic,
+            l.max_rd_atomic
+        ),
+        "queues and work requests"
+    );
+    assert_eq!(
+        (dev.max_mr_size.get(), dev.max_total_mr_bytes.get()),
+        (l.max_mr_bytes, l.max_total_mr_bytes),
+        "registered memory"
+    );
 }
 
 // ---------------------------------------------------------------------------

@@ -21,31 +21,42 @@ fn viewed(name: &str) -> (Vdev, Arc<DeviceView>, Context, ProtectionDomain) {
     (vdev, view, ctx, pd)
 }
 
+/// Application memory the tests register: large enough for glibc to map it
+/// privately (see [`AlignedBuf`]).
+const LEN: usize = 1 << 20;
+
+/// The end of a test: frees the application's `memory` (its MRs are gone),
+/// destroys `pd`, and checks that vdev revoked no memory under a live MR.
+fn release(vdev: &Vdev, pd: ProtectionDomain, memory: impl Sized) {
+    drop(memory);
+    destroyed(pd.destroy());
+    assert_no_revocation(vdev);
+}
+
 #[test]
 fn reg_mr_shares_page_aligned_application_memory_in_place() {
     let (vdev, view, _ctx, pd) = viewed("pm-regmr");
-    let len = 1 << 20;
-    let (buf, data) = AlignedBuf::patterned(len, 1);
+    let (buf, data) = AlignedBuf::patterned(LEN, 1);
     assert_eq!(buf.ptr as usize % PAGE, 0);
     let addr = buf.ptr as u64;
-    assert!(view.regions_over(addr, len as u64).is_empty());
+    assert!(view.regions_over(addr, LEN as u64).is_empty());
 
     // SAFETY: `buf` is this test's mapped allocation; no other thread uses
     // it; the MR is deregistered before `buf` is freed.
-    let mr = unsafe { pd.reg_mr(buf.ptr, len, RW) }.expect("reg_mr");
-    assert_eq!((mr.as_ptr(), mr.len(), mr.iova()), (buf.ptr, len, addr));
+    let mr = unsafe { pd.reg_mr(buf.ptr, LEN, RW) }.expect("reg_mr");
+    assert_eq!((mr.as_ptr(), mr.len(), mr.iova()), (buf.ptr, LEN, addr));
     assert_ne!(mr.lkey(), mr.rkey());
     // Exactly the buffer's pages were handed to the device.
     assert_eq!(
-        view.regions_over(addr, len as u64),
-        vec![(addr, len as u64)]
+        view.regions_over(addr, LEN as u64),
+        vec![(addr, LEN as u64)]
     );
     // The application's pointer still reads what it had ...
-    assert_eq!(buf.read(0, len), data);
-    assert_eq!(read_mr(&mr, 0, len), data);
+    assert_eq!(buf.read(0, LEN), data);
+    assert_eq!(read_mr(&mr, 0, LEN), data);
     // ... and so does the device, through the fd it was given.
     let mem = view.memory();
-    assert_eq!(read_vec(&mem, addr, len), data);
+    assert_eq!(read_vec(&mem, addr, LEN), data);
     // Application writes reach MemoryRegion::read and the device ...
     buf.write(4095, b"written by the application");
     assert_eq!(read_mr(&mr, 4095, 26), b"written by the application");
@@ -56,21 +67,19 @@ fn reg_mr_shares_page_aligned_application_memory_in_place() {
     // ... and device writes (what an RDMA WRITE will do) reach the application.
     mem.write_slice(
         b"written by the device",
-        GuestAddress(addr + len as u64 - 21),
+        GuestAddress(addr + LEN as u64 - 21),
     )
     .expect("device write");
-    assert_eq!(buf.read(len - 21, 21), b"written by the device");
+    assert_eq!(buf.read(LEN - 21, 21), b"written by the device");
 
     destroyed(mr.dereg());
-    assert_eq!(view.seen().removed, vec![(addr, len as u64)]);
-    assert!(view.regions_over(addr, len as u64).is_empty());
+    assert_eq!(view.seen().removed, vec![(addr, LEN as u64)]);
+    assert!(view.regions_over(addr, LEN as u64).is_empty());
     // The memory stays the application's, contents and all.
     assert_eq!(buf.read(4095, 26), b"written by the application");
     buf.write(0, b"still writable");
     assert_eq!(buf.read(0, 14), b"still writable");
-    drop(buf);
-    destroyed(pd.destroy());
-    assert_no_revocation(&vdev);
+    release(&vdev, pd, buf);
 }
 
 #[test]
@@ -125,16 +134,13 @@ fn reg_mr_shares_an_unaligned_vec_in_place() {
     assert_eq!(now[skip + 506..], expected[skip + 506..]);
     vec[skip + 1] = 0xee;
     assert_eq!(vec[skip + 1], 0xee);
-    drop(vec);
-    destroyed(pd.destroy());
-    assert_no_revocation(&vdev);
+    release(&vdev, pd, vec);
 }
 
 #[test]
 fn overlapping_registrations_share_memory_until_the_last_goes() {
     let (vdev, view, _ctx, pd) = viewed("pm-overlap");
-    let len = 1 << 20;
-    let (buf, data) = AlignedBuf::patterned(len, 3);
+    let (buf, data) = AlignedBuf::patterned(LEN, 3);
     let addr = buf.ptr as u64;
     let page = PAGE as u64;
 
@@ -142,7 +148,7 @@ fn overlapping_registrations_share_memory_until_the_last_goes() {
     // thread touches (the same holds for the two registrations below).
     let middle = unsafe { pd.reg_mr(buf.ptr.add(PAGE), 2 * PAGE, RW) }.expect("middle");
     // SAFETY: as above.
-    let whole = unsafe { pd.reg_mr(buf.ptr, len, access::LOCAL_WRITE) }.expect("whole");
+    let whole = unsafe { pd.reg_mr(buf.ptr, LEN, access::LOCAL_WRITE) }.expect("whole");
     // SAFETY: as above.
     let again = unsafe { pd.reg_mr(buf.ptr.add(PAGE + 7), 100, 0) }.expect("same pages");
     let keys: std::collections::HashSet<u32> = [&middle, &whole, &again]
@@ -152,17 +158,17 @@ fn overlapping_registrations_share_memory_until_the_last_goes() {
     assert_eq!(keys.len(), 6);
     // The whole buffer is covered by: the first page, the shared middle,
     // and the rest — one region each, no page twice.
-    let mut regions = view.regions_over(addr, len as u64);
+    let mut regions = view.regions_over(addr, LEN as u64);
     regions.sort_unstable();
     assert_eq!(
         regions,
         vec![
             (addr, page),
             (addr + page, 2 * page),
-            (addr + 3 * page, len as u64 - 3 * page)
+            (addr + 3 * page, LEN as u64 - 3 * page)
         ]
     );
-    assert_eq!(buf.read(0, len), data);
+    assert_eq!(buf.read(0, LEN), data);
 
     destroyed(middle.dereg());
     destroyed(again.dereg());
@@ -176,7 +182,7 @@ fn overlapping_registrations_share_memory_until_the_last_goes() {
 
     destroyed(whole.dereg());
     assert_eq!(view.seen().removed.len(), 3);
-    assert!(view.regions_over(addr, len as u64).is_empty());
+    assert!(view.regions_over(addr, LEN as u64).is_empty());
 
     // Registering driver memory again (another access mode) adds no region.
     let dma = pd.alloc_mr(2 * PAGE, RW).expect("alloc_mr");
@@ -189,16 +195,13 @@ fn overlapping_registrations_share_memory_until_the_last_goes() {
     assert_eq!(read_mr(&alias, 0, 5), b"alias");
     destroyed(alias.dereg());
     destroyed(dma.dereg());
-    drop(buf);
-    destroyed(pd.destroy());
-    assert_no_revocation(&vdev);
+    release(&vdev, pd, buf);
 }
 
 #[test]
 fn refused_registrations_leave_application_memory_alone() {
     let (_vdev, view, _ctx, pd) = viewed("pm-regmr-bad");
-    let len = 1 << 20;
-    let (buf, data) = AlignedBuf::patterned(len, 4);
+    let (buf, data) = AlignedBuf::patterned(LEN, 4);
     let refused = [
         (
             access::REMOTE_WRITE,
@@ -209,11 +212,11 @@ fn refused_registrations_leave_application_memory_alone() {
     ];
     for (flags, errno, what) in refused {
         // SAFETY: `buf` is this test's allocation and outlives the call.
-        let result = unsafe { pd.reg_mr(buf.ptr, len, flags) };
+        let result = unsafe { pd.reg_mr(buf.ptr, LEN, flags) };
         assert_eq!(device_errno(result), errno, "{what}");
         // What was shared for the attempt was taken back.
-        assert!(view.regions_over(buf.ptr as u64, len as u64).is_empty());
-        assert_eq!(buf.read(0, len), data, "{what}: contents intact");
+        assert!(view.regions_over(buf.ptr as u64, LEN as u64).is_empty());
+        assert_eq!(buf.read(0, LEN), data, "{what}: contents intact");
     }
     let (added, removed) = {
         let seen = view.seen();

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use rand::Rng;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vrdma_spec::config::{DeviceAttr, DeviceConfig, PortAttr, CONFIG_MAGIC, CONFIG_SIZE};
-use vrdma_spec::control::{self, Opcode};
+use vrdma_spec::control::{self, CqHandle, MrHandle, Opcode, PdHandle, QpHandle, QueryQpReq};
 use vrdma_spec::ring::{self, RING_ALIGN};
 use vrdma_spec::verbs::{atomic_cap, device_cap, LinkLayer, Mtu, PortState};
 use vrdma_spec::zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
@@ -322,39 +322,29 @@ impl RdmaDevice {
             Opcode::AllocPd => {
                 expect_empty(payload)?;
                 let pdn = self.alloc_pd()?;
-                Ok(control::PdHandle {
+                Ok(PdHandle {
                     pdn: pdn.into(),
                     reserved: 0.into(),
                 }
                 .as_bytes()
                 .to_vec())
             }
-            Opcode::DeallocPd => respond(payload, |req: control::PdHandle| {
-                self.dealloc_pd(req.pdn.get())
-            }),
+            Opcode::DeallocPd => respond(payload, |req: PdHandle| self.dealloc_pd(req.pdn.get())),
             Opcode::RegMr => respond(payload, |req| self.reg_mr(&req)),
             Opcode::RegMrSg => respond(payload, |req| self.reg_mr_sg(&req)),
-            Opcode::DeregMr => respond(payload, |req: control::MrHandle| {
-                self.dereg_mr(req.handle.get())
-            }),
+            Opcode::DeregMr => respond(payload, |req: MrHandle| self.dereg_mr(req.handle.get())),
             Opcode::CreateCq => respond(payload, |req| {
                 let cqn = self.create_cq(&req)?;
-                Ok(control::CqHandle {
+                Ok(CqHandle {
                     cqn: cqn.into(),
                     reserved: 0.into(),
                 })
             }),
-            Opcode::DestroyCq => respond(payload, |req: control::CqHandle| {
-                self.destroy_cq(req.cqn.get())
-            }),
+            Opcode::DestroyCq => respond(payload, |req: CqHandle| self.destroy_cq(req.cqn.get())),
             Opcode::CreateQp => respond(payload, |req| self.create_qp(&req)),
             Opcode::ModifyQp => respond(payload, |req| self.modify_qp(&req)),
-            Opcode::QueryQp => respond(payload, |req: control::QueryQpReq| {
-                self.query_qp(req.qpn.get())
-            }),
-            Opcode::DestroyQp => respond(payload, |req: control::QpHandle| {
-                self.destroy_qp(req.qpn.get())
-            }),
+            Opcode::QueryQp => respond(payload, |req: QueryQpReq| self.query_qp(req.qpn.get())),
+            Opcode::DestroyQp => respond(payload, |req: QpHandle| self.destroy_qp(req.qpn.get())),
             Opcode::SetDoorbell => respond(payload, |req| self.set_doorbell(&req)),
             Opcode::CreateEq => respond(payload, |req| self.create_eq(&req)),
         }
