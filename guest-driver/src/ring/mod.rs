@@ -393,7 +393,9 @@ impl RecvRing {
 /// copy, before its slot is handed back.
 #[derive(Debug)]
 pub(crate) struct ConsumerRing {
-    mem: DmaBuf,
+    /// Shared with [`RingIndices`], which reads the two indices without
+    /// the ring's owner.
+    mem: Arc<DmaBuf>,
     depth: u32,
     stride: usize,
     /// Next entry to read (the shadow of `driver.index`).
@@ -409,11 +411,16 @@ impl ConsumerRing {
         debug_assert!(mem.len() >= RING_HEADER_SIZE + depth as usize * stride);
         debug_assert!(mem.device_addr() & (RING_ALIGN - 1) == 0);
         Self {
-            mem,
+            mem: Arc::new(mem),
             depth,
             stride,
             consumer: 0,
         }
+    }
+
+    /// The ring's two indices, readable without `&mut` to the ring.
+    pub(crate) fn indices(&self) -> RingIndices {
+        RingIndices(Arc::clone(&self.mem))
     }
 
     /// Length and alignment of the memory of a ring of `bytes`.
@@ -492,6 +499,30 @@ impl ConsumerRing {
     }
 }
 
+/// A consumer ring's header, read from another thread than the one
+/// consuming: whether the ring has nothing unread, without its lock.
+#[derive(Debug)]
+pub(crate) struct RingIndices(Arc<DmaBuf>);
+
+impl RingIndices {
+    /// Whether every entry the device had produced when this was called
+    /// has been consumed and handed back. The consumer index is read
+    /// first: it only trails what was consumed, and the device's index
+    /// only moves ahead, so equal indices cannot hide an unread entry
+    /// (an answer of `false` may still find nothing).
+    pub(crate) fn drained(&self) -> bool {
+        let consumed = self
+            .0
+            .atomic_u32(DRIVER_INDEX_OFFSET as usize)
+            .load(Ordering::Acquire);
+        let produced = self
+            .0
+            .atomic_u32(DEVICE_INDEX_OFFSET as usize)
+            .load(Ordering::Acquire);
+        consumed == produced
+    }
+}
+
 /// A completion ring the driver consumes.
 #[derive(Debug)]
 pub(crate) struct CqRing {
@@ -517,6 +548,11 @@ impl CqRing {
 
     pub(crate) fn device_addr(&self) -> u64 {
         self.ring.device_addr()
+    }
+
+    /// Its indices, for lock-free emptiness checks.
+    pub(crate) fn indices(&self) -> RingIndices {
+        self.ring.indices()
     }
 
     /// Moves up to `out.len()` completions into `out`; returns how many.

@@ -296,6 +296,29 @@ fn cqe(wr_id: u64, status: u8, opcode: u8, flags: u8) -> Cqe {
 }
 
 #[test]
+fn a_cq_is_drained_exactly_when_every_produced_cqe_was_handed_back() {
+    let mut cq = cq_ring(4);
+    let indices = cq.indices();
+    let mut producer = 0;
+    let mut wc = [WorkCompletion::default(); 8];
+    assert!(indices.drained());
+    device_completes(&cq, &mut producer, &[cqe(1, 0, 0, 0), cqe(2, 0, 0, 0)]);
+    assert!(!indices.drained(), "two CQEs unread");
+    assert_eq!(cq.poll(&mut wc[..1]).unwrap(), 1);
+    assert!(!indices.drained(), "one CQE unread");
+    assert_eq!(cq.poll(&mut wc).unwrap(), 1);
+    assert!(indices.drained());
+    // Through a wrap of the ring.
+    for round in 0..3u64 {
+        let batch: Vec<_> = (0..4).map(|i| cqe(10 * round + i, 0, 0, 0)).collect();
+        device_completes(&cq, &mut producer, &batch);
+        assert!(!indices.drained());
+        assert_eq!(cq.poll(&mut wc).unwrap(), 4);
+        assert!(indices.drained());
+    }
+}
+
+#[test]
 fn poll_reads_device_cqes_and_advances_the_consumer() {
     let mut cq = cq_ring(4);
     let mut producer = 0;
