@@ -49,6 +49,24 @@ pub enum PriorityClass {
     Normal,
 }
 
+impl PriorityClass {
+    /// Every class, highest first.
+    pub const ALL: [PriorityClass; 3] = [
+        PriorityClass::Realtime,
+        PriorityClass::Priority,
+        PriorityClass::Normal,
+    ];
+
+    /// The class's name in policy files (`class = "realtime"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            PriorityClass::Realtime => "realtime",
+            PriorityClass::Priority => "priority",
+            PriorityClass::Normal => "normal",
+        }
+    }
+}
+
 /// A tenant's class, and its weight among the tenants of that class.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

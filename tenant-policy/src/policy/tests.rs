@@ -635,3 +635,15 @@ fn dangling_references() {
     parse("[[tenant]]\nname = \"a\"\nreachable = [\"later\"]\n[[tenant]]\nname = \"b\"\nnetwork = \"later\"\n")
     .expect("forward reference");
 }
+
+#[test]
+fn a_class_name_is_its_name_in_policy_files() {
+    #[derive(serde::Serialize)]
+    struct Entry {
+        class: PriorityClass,
+    }
+    for class in PriorityClass::ALL {
+        let text = toml::to_string(&Entry { class }).expect("serialize");
+        assert_eq!(text.trim(), format!("class = \"{}\"", class.name()));
+    }
+}

@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use vrdma_spec::verbs::SendOpcode;
-use vrdma_tenant_policy::PriorityClass::{self, Normal, Realtime};
+use vrdma_tenant_policy::PriorityClass::{Normal, Realtime};
 
 use crate::cores;
 use crate::host::{policy, Host};
@@ -50,21 +50,21 @@ pub fn isolation(
     ];
     for (label, probe_class, checked) in setups {
         let classes = [
-            ("probe", class_name(probe_class), 1),
+            ("probe", probe_class.name(), 1),
             ("flood", "normal", 1),
-            ("peer", class_name(probe_class), 1),
+            ("peer", probe_class.name(), 1),
         ];
         let host = hostd_at_line_rate(&policy(classes), mbps)?;
         let probe = host.tenant("probe")?;
         let flooder = host.tenant("flood")?;
         let peer = host.tenant("peer")?;
-        let probe_as = |probe_class| {
+        let probe_as = || {
             cores::run_as(probe_class)?;
             latency::ping_pong(Kind::Read, &probe, &peer, 64, iters)
         };
         let (alone50, alone99) = std::thread::scope(|scope| {
             scope
-                .spawn(|| probe_as(probe_class))
+                .spawn(probe_as)
                 .join()
                 .map_err(|_| BenchError::Panicked)?
         })?;
@@ -78,7 +78,7 @@ pub fn isolation(
             std::thread::sleep(Duration::from_millis(200));
             let (done, start) = (flood.done.load(Ordering::Relaxed), Instant::now());
             let probed = scope
-                .spawn(|| probe_as(probe_class))
+                .spawn(probe_as)
                 .join()
                 .map_err(|_| BenchError::Panicked);
             let during = flood.done.load(Ordering::Relaxed) - done;
@@ -103,14 +103,6 @@ pub fn isolation(
         }
     }
     Ok(())
-}
-
-fn class_name(class: PriorityClass) -> &'static str {
-    match class {
-        Realtime => "realtime",
-        PriorityClass::Priority => "priority",
-        Normal => "normal",
-    }
 }
 
 /// Two normal tenants weighted 1:3 flooding a sink each with 64 KiB
