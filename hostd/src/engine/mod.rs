@@ -386,7 +386,8 @@ impl Engine {
         while ops < ROUND_OPS && bytes < ROUND_BYTES {
             match self.sched.pick(now) {
                 Pick::Run(queue) => {
-                    let (n, moved, preempted) = self.run_queue(queue, now);
+                    let room = ROUND_BYTES.saturating_sub(bytes);
+                    let (n, moved, preempted) = self.run_queue(queue, now, room);
                     ops += n.max(1);
                     bytes += moved;
                     round.worked = true;
@@ -622,9 +623,10 @@ impl Engine {
 
     /// Runs the staged head of `queue`, then its next ones as long as the
     /// scheduler lets the same tenant go on ([`Scheduler::budget`]);
-    /// stages what is left. Returns WQEs completed, bytes moved and whether
-    /// a long message was preempted.
-    fn run_queue(&mut self, queue: QueueId, now: Instant) -> (usize, u64, bool) {
+    /// stages what is left; after the first WQE, `room` bytes at most.
+    /// Returns WQEs completed, bytes moved and whether a long message was
+    /// preempted.
+    fn run_queue(&mut self, queue: QueueId, now: Instant, room: u64) -> (usize, u64, bool) {
         let (device, number) = queue;
         let Some(di) = self.devices.index(&device) else {
             return (0, 0, false);
@@ -638,7 +640,7 @@ impl Engine {
         let Some(mut qref) = self.pqp_mut(di, pos).and_then(|p| p.staged.take()) else {
             return (0, 0, false);
         };
-        let mut budget = self.sched.budget(queue, now);
+        let mut budget = self.sched.budget(queue, now, room);
         let preempted = loop {
             let outcome = self.execute(qref, now);
             bytes += outcome.moved;

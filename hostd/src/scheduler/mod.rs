@@ -374,11 +374,13 @@ impl Scheduler {
     }
 
     /// What `queue`'s tenant, just served by a pick, may run right away
-    /// without another pick: while its deficit covers its WQEs, its
-    /// buckets allow them, its class's port is open and no higher class
-    /// has work — what picks would give it now. [`Budget::admit`] takes
-    /// from it WQE by WQE; [`Scheduler::spend`] charges what was used.
-    pub fn budget(&self, queue: QueueId, now: Instant) -> Budget {
+    /// without another pick, `bytes` at most: while its deficit covers its
+    /// WQEs, its buckets allow them, its class's port is open and no
+    /// higher class has work — what picks would give it now. A tenant
+    /// alone with work in its class is not held to its deficit: every
+    /// pick would choose it again. [`Budget::admit`] takes from it WQE by
+    /// WQE; [`Scheduler::spend`] charges what was used.
+    pub fn budget(&self, queue: QueueId, now: Instant, bytes: u64) -> Budget {
         let tenant = self
             .devices
             .get(&queue.0)
@@ -390,10 +392,14 @@ impl Scheduler {
         if self.heads_above(t.class) {
             return Budget::default();
         }
+        let alone = (self.rings[t.class].iter())
+            .all(|&i| i == ti || self.tenants.get(i).is_none_or(|o| o.staged.is_empty()));
         Budget {
             tenant: Some(ti),
             ops: BURST - 1,
-            deficit: t.deficit,
+            bytes,
+            alone,
+            deficit: if alone { u64::MAX } else { t.deficit },
             limiters: t.limiters,
             port: self
                 .link
@@ -411,7 +417,9 @@ impl Scheduler {
         let Some(t) = self.tenants.get_mut(ti) else {
             return;
         };
-        t.deficit = budget.deficit;
+        if !budget.alone {
+            t.deficit = budget.deficit;
+        }
         t.limiters = budget.limiters;
         for k in 0..2 {
             if budget.kinds & (1 << k) != 0 {
@@ -562,6 +570,11 @@ pub struct Budget {
     tenant: Option<usize>,
     /// WQEs left.
     ops: u32,
+    /// Bytes left.
+    bytes: u64,
+    /// No other tenant of its class has work: its deficit does not bound
+    /// it (and is left as it was).
+    alone: bool,
     /// Its deficit left.
     deficit: u64,
     /// Its buckets as the burst leaves them.
@@ -579,7 +592,12 @@ impl Budget {
     /// if a pick would not let it run now.
     pub fn admit(&mut self, head: &Head, now: Instant) -> bool {
         let cost = head.cost();
-        if self.tenant.is_none() || self.ops == 0 || cost > self.deficit || self.port == 0 {
+        if self.tenant.is_none()
+            || self.ops == 0
+            || cost > self.deficit
+            || head.bytes > self.bytes
+            || self.port == 0
+        {
             return false;
         }
         let limiter = &mut self.limiters[head.kind as usize];
@@ -589,6 +607,7 @@ impl Budget {
         }
         limiter.take(head.bytes);
         self.ops -= 1;
+        self.bytes -= head.bytes;
         self.deficit -= cost;
         self.port = self.port.saturating_sub(cost);
         self.used += 1;

@@ -367,7 +367,7 @@ fn a_burst_goes_on_only_while_a_pick_would_choose_the_same() {
     };
     // The same tenant's next WQEs ride on its turn: 16 of 4 KiB fill a
     // 64 KiB quantum, the first one included.
-    let mut budget = s.budget(first, now);
+    let mut budget = s.budget(first, now, u64::MAX);
     let mut burst = 1;
     while budget.admit(&send(4096), now) {
         burst += 1;
@@ -378,14 +378,37 @@ fn a_burst_goes_on_only_while_a_pick_would_choose_the_same() {
     // The other tenant's turn now, through a pick.
     let other = (3 - first.0, 0);
     assert!(
-        !s.budget(other, now).admit(&send(64), now),
+        !s.budget(other, now, u64::MAX).admit(&send(64), now),
         "not the tenant served last"
     );
     assert_eq!(s.pick(now), Pick::Run(other));
     // Work of a higher class ends a burst at once.
     s.stage((3, 0), send(64), now);
-    assert!(!s.budget(other, now).admit(&send(64), now));
+    assert!(!s.budget(other, now, u64::MAX).admit(&send(64), now));
     assert_eq!(s.pick(now), Pick::Run((3, 0)));
+}
+
+#[test]
+fn a_tenant_alone_in_its_class_bursts_past_its_quantum_up_to_the_bytes_given() {
+    let now = Instant::now();
+    let mut s = classes(now, &[(Normal, 1), (Normal, 1)]);
+    s.stage((1, 0), send(65536), now);
+    assert_eq!(s.pick(now), Pick::Run((1, 0)));
+    // Nobody else has work: 64 KiB messages go on past the 64 KiB
+    // quantum, as long as the bytes given last.
+    let mut budget = s.budget((1, 0), now, 3 * 65536);
+    let mut more = 0;
+    while budget.admit(&send(65536), now) {
+        more += 1;
+    }
+    assert_eq!(more, 3, "bounded by the bytes, not the deficit");
+    s.spend(&budget, now);
+    // Once the other tenant has work, the deficit bounds the burst again
+    // and the next pick is the other tenant's.
+    s.stage((1, 0), send(65536), now);
+    s.stage((2, 0), send(65536), now);
+    assert!(!s.budget((1, 0), now, u64::MAX).admit(&send(65536), now));
+    assert_eq!(s.pick(now), Pick::Run((2, 0)));
 }
 
 #[test]
@@ -415,7 +438,7 @@ fn a_burst_is_charged_like_the_picks_it_replaces() {
     // 1 MB/s: the port closes after a few WQEs too.
     s.stage((1, 0), send(64), now);
     assert_eq!(s.pick(now), Pick::Run((1, 0)));
-    let mut budget = s.budget((1, 0), now);
+    let mut budget = s.budget((1, 0), now, u64::MAX);
     let mut more = 0;
     while budget.admit(&send(64), now) {
         more += 1;
