@@ -275,11 +275,21 @@ fn datapath_threads_run_on_their_dedicated_cpus() {
     let cpu = *allowed_cpus().last().expect("a CPU");
     let config = format!("{}datapath_cpus = [{cpu}]\n", config(64));
     let hostd = Hostd::start("cpus", &config);
-    let tasks = std::fs::read_dir(format!("/proc/{}/task", hostd.pid())).expect("tasks");
-    let datapath = tasks
-        .map(|t| t.expect("task").path())
-        .find(|t| std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim() == "datapath-0"))
-        .expect("a datapath thread");
+    // A new thread names itself once it runs: look until it has.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    let datapath = loop {
+        let tasks = std::fs::read_dir(format!("/proc/{}/task", hostd.pid())).expect("tasks");
+        let found = tasks.map(|t| t.expect("task").path()).find(|t| {
+            std::fs::read_to_string(t.join("comm")).is_ok_and(|c| c.trim() == "datapath-0")
+        });
+        match found {
+            Some(task) => break task,
+            None if std::time::Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(10))
+            }
+            None => panic!("no datapath thread within 5 s"),
+        }
+    };
     let status = std::fs::read_to_string(datapath.join("status")).expect("status");
     let line = status
         .lines()

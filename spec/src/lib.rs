@@ -54,8 +54,10 @@ pub const VIRTIO_ID_RDMA: u32 = 42;
 /// incompatibly; a driver refuses a device whose major number it does not know.
 /// 2: hostd reads the rings itself — one doorbell page per device
 /// (`SET_DOORBELL`), events in event rings (`CREATE_EQ`), send and receive
-/// slots freed at completion.
-pub const SPEC_VERSION_MAJOR: u16 = 2;
+/// slots freed at completion. 3: the send WQE's fixed part is 48 bytes
+/// (SGEs and inline data at slot offset 48, not 64), so that a one-SGE WQE
+/// is one cache line.
+pub const SPEC_VERSION_MAJOR: u16 = 3;
 /// Minor version: additions that an older driver may ignore.
 pub const SPEC_VERSION_MINOR: u16 = 0;
 

@@ -165,7 +165,7 @@ mod tests {
 
     #[test]
     fn grants_never_exceed_the_limits_or_the_format() {
-        // 16 SGEs fill a 512-byte slot that would hold 28: only 16 are granted
+        // 16 SGEs fill a 512-byte slot that would hold 29: only 16 are granted
         // when the limit is 16, and never more than MAX_SGE.
         let g = QpGrant::compute(caps(16, 16, 0), cap_limits(4096, 16, 256)).expect("fits");
         assert_eq!(g.sq.stride, 512);
@@ -173,7 +173,7 @@ mod tests {
         assert_eq!(g.caps.max_inline_data, 256);
         let g = QpGrant::compute(caps(16, 16, 0), ALL).expect("fits");
         assert_eq!(
-            g.caps.max_send_sge, 28,
+            g.caps.max_send_sge, 29,
             "what the slot holds, within MAX_SGE"
         );
         let g = QpGrant::compute(caps(1, MAX_SGE, MAX_INLINE_DATA), ALL).expect("fits");

@@ -129,7 +129,9 @@ pub mod send_flags {
 
 wire_struct! {
     /// Fixed part of a send WQE; `num_sge` [`Sge`]s or `inline_len` inline bytes
-    /// follow it in the same slot.
+    /// follow it in the same slot. 48 bytes, so that a WQE with one SGE (the
+    /// common case) is one cache line: one line for the driver to write and
+    /// the device to fetch, as a NIC's 64-byte WQE basic block.
     pub struct SendWqe {
         pub wr_id: U64,
         /// A [`crate::verbs::SendOpcode`].
@@ -149,7 +151,6 @@ wire_struct! {
         pub compare_add: U64,
         /// Atomics: swap value (CAS).
         pub swap: U64,
-        pub reserved2: [u8; 16],
     }
 }
 
@@ -359,7 +360,7 @@ mod tests {
         assert_eq!(RING_HEADER_SIZE, 128);
         assert_eq!(DEVICE_INDEX_OFFSET, 64);
         assert_eq!(DRIVER_ARM_OFFSET, 4);
-        assert_eq!(size_of::<SendWqe>(), 64);
+        assert_eq!(size_of::<SendWqe>(), 48);
         assert_eq!(size_of::<RecvWqe>(), 16);
         assert_eq!(SGE_SIZE, 16);
         assert_eq!(CQE_SIZE, 32);
@@ -395,7 +396,9 @@ mod tests {
         );
         assert_eq!(sq.ring_bytes(), 128 + 128 * 128);
         let sq_inline = sq_geometry(1, 1, 200).expect("fits");
-        assert_eq!(sq_inline.stride, 512);
+        assert_eq!(sq_inline.stride, 256);
+        // A WQE with one SGE is one cache line.
+        assert_eq!(sq_geometry(1, 1, 16).expect("fits").stride, 64);
         let rq = rq_geometry(0, 1).expect("fits");
         assert_eq!(
             rq,

@@ -92,7 +92,8 @@ fn send_wqe_bytes_match_the_spec() {
     );
     let stride = geo.stride as usize;
     let slot0 = read(mem, RING_HEADER_SIZE, stride);
-    let wqe = SendWqe::read_from_bytes(&slot0[..64]).unwrap();
+    let fixed = size_of::<SendWqe>();
+    let wqe = SendWqe::read_from_bytes(&slot0[..fixed]).unwrap();
     assert_eq!(wqe.wr_id.get(), 0xabcd);
     assert_eq!(wqe.opcode, u8::from(SendOpcode::RdmaWriteWithImm));
     assert_eq!(wqe.flags, send_flags::SIGNALED | send_flags::SOLICITED);
@@ -105,20 +106,20 @@ fn send_wqe_bytes_match_the_spec() {
     sge0.extend_from_slice(&0x1111_2222_3333_4444u64.to_le_bytes());
     sge0.extend_from_slice(&100u32.to_le_bytes());
     sge0.extend_from_slice(&7u32.to_le_bytes());
-    assert_eq!(&slot0[64..80], &sge0[..]);
-    let sge1 = spec::Sge::read_from_bytes(&slot0[80..96]).unwrap();
+    assert_eq!(&slot0[fixed..fixed + 16], &sge0[..]);
+    let sge1 = spec::Sge::read_from_bytes(&slot0[fixed + 16..fixed + 32]).unwrap();
     assert_eq!(
         (sge1.addr.get(), sge1.length.get(), sge1.lkey.get()),
         (0x5000, 8, 9)
     );
 
     let slot1 = read(mem, RING_HEADER_SIZE + stride, stride);
-    let wqe = SendWqe::read_from_bytes(&slot1[..64]).unwrap();
+    let wqe = SendWqe::read_from_bytes(&slot1[..fixed]).unwrap();
     assert_eq!(wqe.wr_id.get(), 5);
     assert_eq!(wqe.flags, send_flags::INLINE);
     assert_eq!(wqe.num_sge, 0);
     assert_eq!(wqe.inline_len.get(), 14);
-    assert_eq!(&slot1[64..78], b"inline payload");
+    assert_eq!(&slot1[fixed..fixed + 14], b"inline payload");
 }
 
 #[test]
@@ -198,7 +199,7 @@ fn full_ring_is_enomem_until_the_device_completes() {
         post(&mut sq, &wrs[..1]).unwrap_err().1.errno(),
         libc::ENOMEM
     );
-    let slot0 = read(&sq.ring.mem, RING_HEADER_SIZE, 64);
+    let slot0 = read(&sq.ring.mem, RING_HEADER_SIZE, size_of::<SendWqe>());
     assert_eq!(SendWqe::read_from_bytes(&slot0).unwrap().wr_id.get(), 0);
     // Many wraps of the u32-free-running index modulo depth.
     for round in 0..100u32 {

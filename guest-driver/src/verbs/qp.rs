@@ -562,8 +562,8 @@ mod tests {
         // that fails, a full queue.
         stub.write(word, &0u64.to_le_bytes());
         qp.post_send(&[]).unwrap();
-        let too_many = [SGE[0]; 5];
-        assert_eq!(qp.cap().max_send_sge, 4, "what a 128-byte slot holds");
+        let too_many = [SGE[0]; 2];
+        assert_eq!(qp.cap().max_send_sge, 1, "what a 64-byte slot holds");
         let bad = SendWr::new(9, SendOpcode::Send, SendPayload::Sges(&too_many));
         assert_eq!(qp.post_send(&[bad]).unwrap_err().errno(), libc::EINVAL);
         let mut batch = qp.send_batch();

@@ -338,6 +338,7 @@ impl Engine {
             conn: None,
             access: 0,
             sq_done: 0,
+            sq_seen: 0,
             head: Box::default(),
             has_head: false,
             sent: 0,
@@ -452,6 +453,7 @@ impl Engine {
         if !qp.lost {
             qp.sq_done = qp.sq.driver_index().unwrap_or(qp.sq_done);
             qp.rq_done = qp.rq.driver_index().unwrap_or(qp.rq_done);
+            qp.sq_seen = qp.sq_done;
             qp.sq.restart_device_line(qp.sq_done);
             qp.rq.restart_device_line(qp.rq_done);
         }

@@ -579,12 +579,18 @@ impl Engine {
             return None;
         }
         if !qp.has_head {
-            let Some(pending) = qp.sq_pending() else {
-                self.fail_qp(qref, true, "send ring producer index beyond the ring");
-                return None;
-            };
-            if pending == 0 {
-                return None;
+            // Posted WQEs known from the last read of the producer index
+            // (none, or a stale index after a flush passed it: read again).
+            let known = qp.sq_seen.wrapping_sub(qp.sq_done);
+            if known == 0 || known > qp.sq.depth() {
+                let Some(pending) = qp.sq_pending() else {
+                    self.fail_qp(qref, true, "send ring producer index beyond the ring");
+                    return None;
+                };
+                if pending == 0 {
+                    return None;
+                }
+                qp.sq_seen = qp.sq_done.wrapping_add(pending);
             }
             match wqe::read_send(&qp.sq, qp.sq_done, &qp.send_limits, &mut qp.head) {
                 Ok(()) => {

@@ -96,6 +96,10 @@ pub struct Qp {
     pub access: u32,
     /// Send WQEs completed (the send ring's `device.index`).
     pub sq_done: u32,
+    /// The driver's producer index as last read: the WQEs before it are
+    /// posted, so the next ones are read without reading the index again
+    /// (a line the driver's core writes) until `sq_done` reaches it.
+    pub sq_seen: u32,
     /// The send WQE at `sq_done`, when `has_head`.
     pub head: Box<SendWork>,
     pub has_head: bool,
