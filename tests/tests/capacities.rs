@@ -118,12 +118,12 @@ fn the_caps_a_qp_is_granted_are_carried_by_the_datapath() {
     }
 
     // Under the limit of 64, a QP asking 16 SGEs is granted what its
-    // 512-byte slot holds, 28 (device spec §5.4), and a WRITE gathering
-    // all 28 succeeds (the defect's report: granted 28, refused past 16).
+    // 512-byte slot holds, 29 (device spec §6.2), and a WRITE gathering
+    // all 29 succeeds (the defect's report: granted 28, refused past 16).
     let (qa, qb) = (a.qp(caps(16, 16, 0)), b.qp(caps(16, 16, 0)));
-    assert_eq!(qa.cap().max_send_sge, 28, "{:?}", qa.cap());
+    assert_eq!(qa.cap().max_send_sge, 29, "{:?}", qa.cap());
     connect(&a, &qa, &b, &qb, Connection::default());
-    let sges: Vec<Sge> = (0..28).map(|i| src.sge(at(i), 1)).collect();
+    let sges: Vec<Sge> = (0..29).map(|i| src.sge(at(i), 1)).collect();
     let wr = rdma(
         5,
         SendOpcode::RdmaWrite,
@@ -131,13 +131,13 @@ fn the_caps_a_qp_is_granted_are_carried_by_the_datapath() {
         dst.iova() + 6000,
         dst.rkey(),
     );
-    qa.post_send(&[wr]).expect("post a 28-SGE WRITE");
+    qa.post_send(&[wr]).expect("post a 29-SGE WRITE");
     let wc = one(&a.cq);
     assert_eq!((wc.wr_id, wc.status), (5, WcStatus::Success), "{wc:?}");
-    assert_eq!(read_mr(&dst, 6000, 28), message[..28], "the 28 bytes");
+    assert_eq!(read_mr(&dst, 6000, 29), message[..29], "the 29 bytes");
 
     // Under vdev's default limit of 16 SGEs (and 256 inline bytes), a QP
-    // asking for them is granted exactly that (its slot would hold 28).
+    // asking for them is granted exactly that (its slot would hold 29).
     let narrow = Tenant::start(&hostd, "alpha");
     let asked = caps(16, 16, 256);
     assert_eq!(narrow.qp(asked).cap(), asked, "granted exactly the limit");
