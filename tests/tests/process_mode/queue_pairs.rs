@@ -29,16 +29,17 @@ fn queue_pair_creation_grants_and_refusals() {
     let granted = qp.cap();
     assert_eq!(granted.max_send_wr, sq.depth);
     assert_eq!(granted.max_recv_wr, rq.depth);
-    assert_eq!(granted.max_send_sge, (sq.stride - 64) / 16);
+    let fixed = std::mem::size_of::<ring::SendWqe>() as u32;
+    assert_eq!(granted.max_send_sge, (sq.stride - fixed) / 16);
     assert_eq!(granted.max_recv_sge, (rq.stride - 16) / 16);
-    assert_eq!(granted.max_inline_data, sq.stride - 64);
+    assert_eq!(granted.max_inline_data, sq.stride - fixed);
     assert_eq!(
         (
             granted.max_send_wr,
             granted.max_recv_wr,
             granted.max_send_sge
         ),
-        (128, 16, 4)
+        (128, 16, 5)
     );
 
     // A new QP: RESET, creation attributes, defaults.

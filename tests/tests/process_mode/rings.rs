@@ -45,11 +45,13 @@ fn posting_writes_wqes_into_the_rings_the_device_was_given() {
             granted.max_send_sge,
             granted.max_inline_data
         ),
-        (8, 4, 64)
+        (8, 5, 80)
     );
     assert_eq!((granted.max_recv_wr, granted.max_recv_sge), (4, 3));
     let mem = view.memory();
     let slot = |ring: u64, stride: u64, index: u64| ring + RING_HEADER_SIZE as u64 + index * stride;
+    // Where SGEs and inline data start in a send slot.
+    let fixed = std::mem::size_of::<SendWqe>() as u64;
     assert_eq!(read_u32(&mem, sq + DRIVER_INDEX_OFFSET), 0);
     assert_eq!(read_vec(&mem, sq + DEVICE_INDEX_OFFSET, 64), vec![0; 64]);
     view.take_notified();
@@ -78,7 +80,7 @@ fn posting_writes_wqes_into_the_rings_the_device_was_given() {
     assert_eq!(wqe.flags, send_flags::SIGNALED);
     assert_eq!((wqe.num_sge, wqe.inline_len.get()), (2, 0));
     for (i, sge) in sges.iter().enumerate() {
-        let wire: ring::Sge = read_at(&mem, slot(sq, sq_stride, 0) + 64 + (i * SGE_SIZE) as u64);
+        let wire: ring::Sge = read_at(&mem, slot(sq, sq_stride, 0) + fixed + (i * SGE_SIZE) as u64);
         assert_eq!(
             (wire.addr.get(), wire.length.get(), wire.lkey.get()),
             (sge.addr, sge.length, mr.lkey())
@@ -95,7 +97,7 @@ fn posting_writes_wqes_into_the_rings_the_device_was_given() {
     );
     assert_eq!(wqe.imm_data, [9, 8, 7, 6]);
     assert_eq!(
-        read_vec(&mem, slot(sq, sq_stride, 1) + 64, 19),
+        read_vec(&mem, slot(sq, sq_stride, 1) + fixed, 19),
         b"hello, inline world"
     );
     assert!(
@@ -165,10 +167,11 @@ fn posting_writes_wqes_into_the_rings_the_device_was_given() {
 
     // Work requests the driver refuses (EINVAL) with the ring not full.
     write_u32(&mem, sq + DEVICE_INDEX_OFFSET, 11);
-    let five = [mr.sge(0, 1); 5];
-    let too_many = SendWr::new(1, SendOpcode::Send, SendPayload::Sges(&five));
+    // One more than granted (5 SGEs, 80 inline bytes).
+    let six = [mr.sge(0, 1); 6];
+    let too_many = SendWr::new(1, SendOpcode::Send, SendPayload::Sges(&six));
     assert_eq!(post_failure(qp.post_send(&[too_many])), (0, EINVAL, false));
-    let long = [0u8; 65];
+    let long = [0u8; 81];
     let too_long = SendWr::new(2, SendOpcode::Send, SendPayload::Inline(&long));
     assert_eq!(post_failure(qp.post_send(&[too_long])), (0, EINVAL, false));
     let read_inline = SendWr::new(3, SendOpcode::RdmaRead, SendPayload::Inline(b"no"));
