@@ -253,11 +253,11 @@ fn granted_caps_are_the_grant_up_to_the_format_ceilings() {
             "{what}"
         );
     }
-    // 16 SGEs take a 512-byte slot, which holds 28: a tenant limited to
+    // 16 SGEs take a 512-byte slot, which holds 29: a tenant limited to
     // 16 is granted 16, one allowed 64 is granted what the slot holds.
     let sixteen =
         qp_with(&mut dev, pdn, cqn, qp_cap(4, 16, 0), MEM_BASE + 0x50000).expect("16 SGEs");
-    assert_eq!(sixteen.cap.max_send_sge.get(), 28);
+    assert_eq!(sixteen.cap.max_send_sge.get(), 29);
     let mut limited = device();
     let (pdn, cqn) = pd_and_cq(&mut limited);
     let qp =
