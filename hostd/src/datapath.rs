@@ -33,6 +33,7 @@ use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 use vmm_sys_util::eventfd::{EventFd, EFD_CLOEXEC, EFD_NONBLOCK};
 use vmm_sys_util::timerfd::TimerFd;
 
+use crate::engine::guest::SummaryHint;
 use crate::engine::{DeviceId, Engine};
 use crate::seccomp::{Role, Threads};
 
@@ -141,7 +142,8 @@ impl Datapath {
             let round = {
                 let mut engine = self.lock();
                 mine.sync(&engine, &epoll, index as u64, threads)?;
-                engine.round(&mine.ids, now)
+                mine.find_rung();
+                engine.round(&mine.rung, now)
             };
             if round.worked || round.busy {
                 last_work = now;
@@ -220,6 +222,11 @@ impl Datapath {
 struct Mine {
     generation: Option<u64>,
     ids: Vec<DeviceId>,
+    /// A look at each device's doorbell summary (`None`: none to look at;
+    /// the engine decides).
+    hints: Vec<(DeviceId, Option<SummaryHint>)>,
+    /// The devices whose doorbells the next round takes.
+    rung: Vec<DeviceId>,
     /// (device, doorbell serial, our duplicate of its kick eventfd), each
     /// registered with the thread's epoll.
     kicks: Vec<(DeviceId, u64, EventFd)>,
@@ -268,7 +275,20 @@ impl Mine {
             self.kicks.push((id, serial, fd));
         }
         self.ids = now.into_iter().map(|(id, _)| id).collect();
+        self.hints = (self.ids.iter())
+            .map(|&id| (id, engine.doorbell_hint(id)))
+            .collect();
         Ok(())
+    }
+
+    /// The devices a round should take doorbells of: those whose summary
+    /// shows a bit, and those without a page to look at.
+    fn find_rung(&mut self) {
+        self.rung.clear();
+        let rung = (self.hints.iter())
+            .filter(|(_, hint)| hint.as_ref().is_none_or(SummaryHint::rung))
+            .map(|&(id, _)| id);
+        self.rung.extend(rung);
     }
 
     /// Takes the kick the thread woke for (on its own duplicate, which is

@@ -343,6 +343,14 @@ impl Engine {
         out
     }
 
+    /// A look at device `id`'s doorbell summary that a datapath thread can
+    /// take without the engine ([`guest::SummaryHint`]); `None` without a
+    /// usable doorbell page.
+    pub fn doorbell_hint(&self, id: DeviceId) -> Option<guest::SummaryHint> {
+        let bell = self.devices.get(&id)?.doorbell.as_ref()?;
+        (!bell.lost).then(|| bell.page.hint())?
+    }
+
     /// Asks the drivers of `mine` to kick when they ring (the thread is
     /// about to sleep), or stops asking.
     pub fn set_need_kick(&self, mine: &[DeviceId], need: bool) {
@@ -454,8 +462,9 @@ impl Engine {
             return;
         }
         // A receive posted: its requester (the QP it is connected to: RC
-        // peers are each other's) need not sit out its RNR timer.
-        if qp.conn.is_some() {
+        // peers are each other's) need not sit out its RNR timer. (A QP
+        // that waits has a timer: with none, the peer is not looked up.)
+        if qp.conn.is_some() && !self.timers.is_empty() {
             if let Some(peer) = self.peer_of(qref) {
                 if let Some(p) = self.qps.get_mut(peer).filter(|p| p.waiting) {
                     if let Some(w) = p.wait.as_mut().filter(|w| w.kind == WaitKind::Rnr) {
@@ -591,6 +600,7 @@ impl Engine {
                     return None;
                 }
                 qp.sq_seen = qp.sq_done.wrapping_add(pending);
+                qp.sq.prefetch_entries(qp.sq_done, pending);
             }
             match wqe::read_send(&qp.sq, qp.sq_done, &qp.send_limits, &mut qp.head) {
                 Ok(()) => {

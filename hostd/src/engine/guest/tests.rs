@@ -188,16 +188,24 @@ mod rings {
                 .expect("summary");
             summary.fetch_or(bit.summary_mask.to_le(), Ordering::SeqCst);
         };
+        let hint = page.hint().expect("a hint on the page");
         assert!(!page.pending());
+        assert!(!hint.rung());
         for db in [0, 63, 64, 4097, 16383] {
             ring(db);
         }
         assert!(page.pending());
+        assert!(hint.rung(), "the hint sees what the page shows");
         let mut seen = Vec::new();
         assert_eq!(page.take(|db| seen.push(db)), 5);
         seen.sort_unstable();
         assert_eq!(seen, vec![0, 63, 64, 4097, 16383]);
         assert!(!page.pending());
+        assert!(!hint.rung());
+        // Only the last summary word rung: the hint covers every word.
+        ring(16383);
+        assert!(hint.rung());
+        assert_eq!(page.take(|_| {}), 1);
         assert_eq!(page.take(|_| panic!("nothing rang")), 0);
         page.set_need_kick(true);
         let flags = view.atomic_u32(0).expect("flags").load(Ordering::SeqCst);
