@@ -377,8 +377,8 @@ impl Scheduler {
     /// without another pick, `bytes` at most: while its deficit covers its
     /// WQEs, its buckets allow them, its class's port is open and no
     /// higher class has work — what picks would give it now. A tenant
-    /// alone with work in its class is not held to its deficit: every
-    /// pick would choose it again. [`Budget::admit`] takes from it WQE by
+    /// alone with work in its class, with no higher class busy lately, is
+    /// not held to its deficit: every pick would choose it again. [`Budget::admit`] takes from it WQE by
     /// WQE; [`Scheduler::spend`] charges what was used.
     pub fn budget(&self, queue: QueueId, now: Instant, bytes: u64) -> Budget {
         let tenant = self
@@ -392,8 +392,12 @@ impl Scheduler {
         if self.heads_above(t.class) {
             return Budget::default();
         }
-        let alone = (self.rings[t.class].iter())
-            .all(|&i| i == ti || self.tenants.get(i).is_none_or(|o| o.staged.is_empty()));
+        // Alone: nobody else of its class has work, and no higher class
+        // was busy lately (whose next WQE must not find a long burst of
+        // this one in its way).
+        let alone = !self.outranked(t.class as u8, now)
+            && (self.rings[t.class].iter())
+                .all(|&i| i == ti || self.tenants.get(i).is_none_or(|o| o.staged.is_empty()));
         Budget {
             tenant: Some(ti),
             ops: BURST - 1,

@@ -409,6 +409,23 @@ fn a_tenant_alone_in_its_class_bursts_past_its_quantum_up_to_the_bytes_given() {
     s.stage((2, 0), send(65536), now);
     assert!(!s.budget((1, 0), now, u64::MAX).admit(&send(65536), now));
     assert_eq!(s.pick(now), Pick::Run((2, 0)));
+
+    // Alone in its class, but a higher class was busy lately: the deficit
+    // bounds it (the next realtime WQE must not wait behind a long burst).
+    let mut s = classes(now, &[(Normal, 1), (Realtime, 1)]);
+    s.stage((2, 0), send(64), now);
+    assert_eq!(s.pick(now), Pick::Run((2, 0)));
+    s.stage((1, 0), send(65536), now);
+    assert_eq!(s.pick(now), Pick::Run((1, 0)));
+    let mut budget = s.budget((1, 0), now, u64::MAX);
+    assert!(!budget.admit(&send(65536), now), "one quantum, used");
+    let later = now + BUSY_FOR;
+    s.stage((1, 0), send(65536), later);
+    assert_eq!(s.pick(later), Pick::Run((1, 0)));
+    assert!(
+        s.budget((1, 0), later, u64::MAX).admit(&send(65536), later),
+        "realtime went quiet: alone again"
+    );
 }
 
 #[test]
