@@ -396,16 +396,26 @@ fn a_rate_limited_tenant_stays_within_ten_percent_while_another_floods() {
         (limited - LIMIT).abs() <= LIMIT * 0.10,
         "alpha ran at {limited:.0} ops/s, limit {LIMIT}"
     );
+    // Beta, without a limit, runs past alpha's (its rate is what a debug
+    // build copies 64 KiB at, 4,000-6,000 ops/s here, less on a loaded
+    // machine) and is never throttled, while alpha is.
     assert!(
-        unlimited > 2.0 * LIMIT,
+        unlimited > 1.5 * LIMIT,
         "beta is not limited: {unlimited:.0} ops/s"
     );
     let (code, metrics, err) = hostd.ctl(&["metrics"]);
     assert_eq!(code, 0, "{err}");
-    assert!(
-        metrics.contains("vrdma_tenant_throttled_seconds_total{tenant=\"alpha\""),
-        "{metrics}"
-    );
+    let throttled = |tenant: &str| -> f64 {
+        let prefix = format!("vrdma_tenant_throttled_seconds_total{{tenant=\"{tenant}\"");
+        let values: Vec<f64> = (metrics.lines())
+            .filter(|l| l.starts_with(&prefix))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .collect();
+        assert_eq!(values.len(), 2, "{tenant}'s send and read lines: {metrics}");
+        values.iter().sum()
+    };
+    assert!(throttled("alpha") > 0.5, "alpha was throttled: {metrics}");
+    assert_eq!(throttled("beta"), 0.0, "beta never was: {metrics}");
     assert!(
         metrics.contains("vrdma_tenant_ops_total{tenant=\"beta\""),
         "{metrics}"
