@@ -222,9 +222,9 @@ impl Datapath {
 struct Mine {
     generation: Option<u64>,
     ids: Vec<DeviceId>,
-    /// A look at each device's doorbell summary (`None`: none to look at;
-    /// the engine decides).
-    hints: Vec<(DeviceId, Option<SummaryHint>)>,
+    /// A look at the doorbell summary of each device of `ids`, in the same
+    /// order (`None`: none to look at; the engine decides).
+    hints: Vec<Option<SummaryHint>>,
     /// The devices whose doorbells the next round takes.
     rung: Vec<DeviceId>,
     /// (device, doorbell serial, our duplicate of its kick eventfd), each
@@ -275,8 +275,10 @@ impl Mine {
             self.kicks.push((id, serial, fd));
         }
         self.ids = now.into_iter().map(|(id, _)| id).collect();
-        self.hints = (self.ids.iter())
-            .map(|&id| (id, engine.doorbell_hint(id)))
+        self.hints = self
+            .ids
+            .iter()
+            .map(|&id| engine.doorbell_hint(id))
             .collect();
         Ok(())
     }
@@ -285,9 +287,9 @@ impl Mine {
     /// shows a bit, and those without a page to look at.
     fn find_rung(&mut self) {
         self.rung.clear();
-        let rung = (self.hints.iter())
+        let rung = (self.ids.iter().zip(&self.hints))
             .filter(|(_, hint)| hint.as_ref().is_none_or(SummaryHint::rung))
-            .map(|&(id, _)| id);
+            .map(|(&id, _)| id);
         self.rung.extend(rung);
     }
 

@@ -476,8 +476,10 @@ impl Engine {
         let Some(qp) = self.qps.get_mut(qref) else {
             return;
         };
-        let has_work = qp.has_head || qp.sq_pending().is_none_or(|n| n > 0);
-        if qp.sends() && has_work && !qp.waiting && !qp.queued {
+        // A producer index beyond the ring counts as work: the head's
+        // load fails the QP.
+        let has_work = qp.sends() && (qp.has_head || qp.sq_posted().is_none_or(|n| n > 0));
+        if has_work && !qp.waiting && !qp.queued {
             qp.queued = true;
             qp.turn_left = QP_TURN;
             let (di, pqp) = (qp.dev, qp.pqp);
@@ -588,19 +590,12 @@ impl Engine {
             return None;
         }
         if !qp.has_head {
-            // Posted WQEs known from the last read of the producer index
-            // (none, or a stale index after a flush passed it: read again).
-            let known = qp.sq_seen.wrapping_sub(qp.sq_done);
-            if known == 0 || known > qp.sq.depth() {
-                let Some(pending) = qp.sq_pending() else {
-                    self.fail_qp(qref, true, "send ring producer index beyond the ring");
-                    return None;
-                };
-                if pending == 0 {
-                    return None;
-                }
-                qp.sq_seen = qp.sq_done.wrapping_add(pending);
-                qp.sq.prefetch_entries(qp.sq_done, pending);
+            let Some(pending) = qp.sq_posted() else {
+                self.fail_qp(qref, true, "send ring producer index beyond the ring");
+                return None;
+            };
+            if pending == 0 {
+                return None;
             }
             match wqe::read_send(&qp.sq, qp.sq_done, &qp.send_limits, &mut qp.head) {
                 Ok(()) => {

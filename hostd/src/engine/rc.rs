@@ -98,7 +98,8 @@ pub struct Qp {
     pub sq_done: u32,
     /// The driver's producer index as last read: the WQEs before it are
     /// posted, so the next ones are read without reading the index again
-    /// (a line the driver's core writes) until `sq_done` reaches it.
+    /// (a line the driver's core writes) until `sq_done` reaches it
+    /// ([`Qp::sq_posted`]).
     pub sq_seen: u32,
     /// The send WQE at `sq_done`, when `has_head`.
     pub head: Box<SendWork>,
@@ -146,6 +147,24 @@ impl Qp {
     /// Send WQEs posted and not completed, if the producer index is sane.
     pub fn sq_pending(&self) -> Option<u32> {
         pending(&self.sq, self.sq_done)
+    }
+
+    /// Send WQEs posted and not yet run, as far as the datapath needs to
+    /// know: those announced by the producer index as last read
+    /// (`sq_seen`), and only when they have all run (or a flush passed
+    /// the stale index) the index read again and the newly announced
+    /// slots prefetched together. `None` if the index is beyond the ring.
+    pub fn sq_posted(&mut self) -> Option<u32> {
+        let known = self.sq_seen.wrapping_sub(self.sq_done);
+        if known != 0 && known <= self.sq.depth() {
+            return Some(known);
+        }
+        let pending = self.sq_pending()?;
+        if pending > 0 {
+            self.sq_seen = self.sq_done.wrapping_add(pending);
+            self.sq.prefetch_entries(self.sq_done, pending);
+        }
+        Some(pending)
     }
 
     /// Receive WQEs posted and not completed, if the producer index is sane.

@@ -355,6 +355,11 @@ fn the_port_is_shared_by_weight_and_realtime_overtakes_booked_work() {
     assert!(link.busy_until[2] > link.busy_until[0]);
 }
 
+/// How many WQEs of `head` `budget` admits before it refuses one.
+fn admitted(budget: &mut Budget, head: Head, now: Instant) -> usize {
+    std::iter::from_fn(|| budget.admit(&head, now).then_some(())).count()
+}
+
 #[test]
 fn a_burst_goes_on_only_while_a_pick_would_choose_the_same() {
     let now = Instant::now();
@@ -368,11 +373,11 @@ fn a_burst_goes_on_only_while_a_pick_would_choose_the_same() {
     // The same tenant's next WQEs ride on its turn: 16 of 4 KiB fill a
     // 64 KiB quantum, the first one included.
     let mut budget = s.budget(first, now, u64::MAX);
-    let mut burst = 1;
-    while budget.admit(&send(4096), now) {
-        burst += 1;
-    }
-    assert_eq!(burst, 16, "one quantum");
+    assert_eq!(
+        1 + admitted(&mut budget, send(4096), now),
+        16,
+        "one quantum"
+    );
     s.spend(&budget, now);
     s.stage(first, send(4096), now);
     // The other tenant's turn now, through a pick.
@@ -397,11 +402,11 @@ fn a_tenant_alone_in_its_class_bursts_past_its_quantum_up_to_the_bytes_given() {
     // Nobody else has work: 64 KiB messages go on past the 64 KiB
     // quantum, as long as the bytes given last.
     let mut budget = s.budget((1, 0), now, 3 * 65536);
-    let mut more = 0;
-    while budget.admit(&send(65536), now) {
-        more += 1;
-    }
-    assert_eq!(more, 3, "bounded by the bytes, not the deficit");
+    assert_eq!(
+        admitted(&mut budget, send(65536), now),
+        3,
+        "bounded by the bytes, not the deficit"
+    );
     s.spend(&budget, now);
     // Once the other tenant has work, the deficit bounds the burst again
     // and the next pick is the other tenant's.
@@ -456,11 +461,11 @@ fn a_burst_is_charged_like_the_picks_it_replaces() {
     s.stage((1, 0), send(64), now);
     assert_eq!(s.pick(now), Pick::Run((1, 0)));
     let mut budget = s.budget((1, 0), now, u64::MAX);
-    let mut more = 0;
-    while budget.admit(&send(64), now) {
-        more += 1;
-    }
-    assert_eq!(more, 3, "the bucket held 4 operations");
+    assert_eq!(
+        admitted(&mut budget, send(64), now),
+        3,
+        "the bucket held 4 operations"
+    );
     s.spend(&budget, now);
     s.stage((1, 0), send(64), now);
     assert!(
