@@ -33,6 +33,7 @@ pub mod datapath;
 pub mod engine;
 pub mod ids;
 pub mod lids;
+pub mod net;
 pub mod policy;
 pub mod sandbox;
 pub mod scheduler;

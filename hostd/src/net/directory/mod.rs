@@ -1,0 +1,1 @@
+//! The directory of which host serves which GID (placeholder).

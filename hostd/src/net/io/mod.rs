@@ -1,0 +1,1 @@
+//! Packet I/O: the physical queues hostd sends RoCEv2 packets through (placeholder).

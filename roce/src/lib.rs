@@ -1,0 +1,1 @@
+//! The RoCEv2 wire format (placeholder).
