@@ -31,8 +31,10 @@ pub enum AdminRequest {
     Stats,
     /// The same, in the Prometheus text exposition format.
     Metrics,
-    /// Re-read the policy file.
+    /// Re-read the policy file (and a static cluster file).
     Reload,
+    /// Per peer host counters of the RoCEv2 transport.
+    Peers,
 }
 
 /// hostd's answer.
@@ -40,6 +42,7 @@ pub enum AdminRequest {
 #[serde(deny_unknown_fields, rename_all = "snake_case")]
 pub enum AdminResponse {
     Stats(Stats),
+    Peers(Vec<crate::engine::wire::PeerStats>),
     Metrics {
         text: String,
     },
@@ -147,6 +150,7 @@ pub fn answer(server: &Server, request: AdminRequest) -> AdminResponse {
         AdminRequest::Metrics => AdminResponse::Metrics {
             text: render_prometheus(&server.stats()),
         },
+        AdminRequest::Peers => AdminResponse::Peers(server.stats().peers),
         AdminRequest::Reload => match server.reload() {
             Ok(r) => AdminResponse::Reloaded {
                 file: r.file.display().to_string(),
@@ -310,6 +314,42 @@ fn table(out: &mut String, rows: &[Vec<String>]) {
 /// The stats as tables for people: one row per tenant (usage against
 /// quotas, throttled time), one per tenant and kind (operations, bytes),
 /// then errors and quota rejections.
+pub fn render_peers(peers: &[crate::engine::wire::PeerStats]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "{:<16} {:>10} {:>12} {:>10} {:>12} {:>8} {:>8} {:>10}  naks sent / received; drops",
+        "host", "tx pkts", "tx bytes", "rx pkts", "rx bytes", "retrans", "timeout", "rtt us"
+    );
+    let join = |m: &std::collections::BTreeMap<String, u64>| {
+        m.iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    for p in peers {
+        let host = if p.host.is_empty() { "(unknown)" } else { &p.host };
+        let _ = writeln!(
+            out,
+            "{:<16} {:>10} {:>12} {:>10} {:>12} {:>8} {:>8} {:>10.1}  {} / {}; {}",
+            host,
+            p.tx_packets,
+            p.tx_bytes,
+            p.rx_packets,
+            p.rx_bytes,
+            p.retransmissions,
+            p.timeouts,
+            p.rtt_ns as f64 / 1000.0,
+            join(&p.naks_sent),
+            join(&p.naks_received),
+            join(&p.drops),
+        );
+    }
+    out
+}
+
+/// The `vrdmactl stats` tables.
 pub fn render_table(stats: &Stats) -> String {
     let mut out = String::new();
     let get = |m: &std::collections::BTreeMap<String, u64>, k: &str| m.get(k).copied().unwrap_or(0);
@@ -412,6 +452,7 @@ mod tests {
         acc.quota_rejected("alpha", "max_qp");
         let account = acc.snapshot()["alpha"].clone();
         Stats {
+            peers: Vec::new(),
             tenants: (0..tenants)
                 .map(|i| {
                     let mut t = TenantStats::new(

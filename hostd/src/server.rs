@@ -795,14 +795,15 @@ impl Server {
             (Arc::clone(&reg.policy), reg.known.clone())
         };
         let now = Instant::now();
-        let (accounts, throttled) = {
+        let (accounts, throttled, peers) = {
             let engine = self.datapath.lock();
             let accounts = engine.accounts_snapshot();
             let throttled: HashMap<String, [std::time::Duration; 2]> = known
                 .keys()
                 .map(|name| (name.clone(), engine.scheduler().throttled(name, now)))
                 .collect();
-            (accounts, throttled)
+            let peers = engine.wire().map(|w| w.peers.snapshot()).unwrap_or_default();
+            (accounts, throttled, peers)
         };
         let names: BTreeSet<&str> = policy
             .tenants
@@ -823,7 +824,7 @@ impl Server {
                 ))
             })
             .collect();
-        Stats { tenants }
+        Stats { tenants, peers }
     }
 }
 

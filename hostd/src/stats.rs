@@ -374,6 +374,10 @@ impl Accounts {
 #[serde(deny_unknown_fields)]
 pub struct Stats {
     pub tenants: Vec<TenantStats>,
+    /// The RoCEv2 transport's counters per peer host (none without a
+    /// fabric); the first entry counts what no known host sent.
+    #[serde(default)]
+    pub peers: Vec<crate::engine::wire::PeerStats>,
 }
 
 /// One tenant's counters, usage and quotas.
@@ -564,7 +568,53 @@ pub fn render_prometheus(stats: &Stats) -> String {
         "resource",
         each(|t| &t.quota),
     );
+    render_peers(&mut out, &stats.peers);
     out
+}
+
+/// The per peer host families: `vrdma_peer_*{host="..."}`.
+fn render_peers(out: &mut String, peers: &[crate::engine::wire::PeerStats]) {
+    use crate::engine::wire::PeerStats;
+    if peers.is_empty() {
+        return;
+    }
+    let host = |p: &PeerStats| label(if p.host.is_empty() { "(unknown)" } else { &p.host });
+    let scalars: [(&str, &str, &str, fn(&PeerStats) -> u64); 8] = [
+        ("vrdma_peer_tx_packets_total", "counter", "RoCEv2 packets sent to the host.", |p| p.tx_packets),
+        ("vrdma_peer_tx_bytes_total", "counter", "Bytes (UDP payload) sent to the host.", |p| p.tx_bytes),
+        ("vrdma_peer_rx_packets_total", "counter", "RoCEv2 packets received from the host.", |p| p.rx_packets),
+        ("vrdma_peer_rx_bytes_total", "counter", "Bytes received from the host.", |p| p.rx_bytes),
+        ("vrdma_peer_retransmissions_total", "counter", "Go-back-N retransmissions towards the host.", |p| p.retransmissions),
+        ("vrdma_peer_timeouts_total", "counter", "ACK timeouts that expired towards the host.", |p| p.timeouts),
+        ("vrdma_peer_duplicates_total", "counter", "Duplicate requests from the host answered again.", |p| p.duplicates),
+        ("vrdma_peer_rtt_seconds", "gauge", "Smoothed round-trip time to the host.", |p| p.rtt_ns),
+    ];
+    for (name, kind, help, pick) in scalars {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} {kind}");
+        for p in peers {
+            let v = pick(p);
+            if name == "vrdma_peer_rtt_seconds" {
+                let _ = writeln!(out, "{name}{{host=\"{}\"}} {}", host(p), v as f64 / 1e9);
+            } else {
+                let _ = writeln!(out, "{name}{{host=\"{}\"}} {v}", host(p));
+            }
+        }
+    }
+    let maps: [(&str, &str, &str, fn(&PeerStats) -> &BTreeMap<String, u64>); 3] = [
+        ("vrdma_peer_naks_sent_total", "kind", "NAKs sent to the host, by kind.", |p| &p.naks_sent),
+        ("vrdma_peer_naks_received_total", "kind", "NAKs received from the host, by kind.", |p| &p.naks_received),
+        ("vrdma_peer_drops_total", "reason", "Packets from the host dropped, by reason.", |p| &p.drops),
+    ];
+    for (name, label_name, help, pick) in maps {
+        let _ = writeln!(out, "# HELP {name} {help}");
+        let _ = writeln!(out, "# TYPE {name} counter");
+        for p in peers {
+            for (k, v) in pick(p) {
+                let _ = writeln!(out, "{name}{{host=\"{}\",{label_name}=\"{}\"}} {v}", host(p), label(k));
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -712,6 +762,7 @@ mod tests {
                 true,
                 [Duration::from_millis(1500), Duration::ZERO],
             )],
+            peers: Vec::new(),
         };
         let text = render_prometheus(&stats);
         for line in [

@@ -34,6 +34,13 @@ enum Command {
     },
     /// The same in the Prometheus text exposition format.
     Metrics,
+    /// The RoCEv2 transport's counters per peer host: packets, bytes,
+    /// retransmissions, timeouts, NAKs by kind, RTT, drops by reason.
+    Peers {
+        /// Print hostd's JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Re-read the policy file; prints what changed, or why the file was
     /// refused (the policy in force then stays).
     Reload,
@@ -44,6 +51,7 @@ fn main() -> ExitCode {
     let request = match args.command {
         Command::Stats { .. } => AdminRequest::Stats,
         Command::Metrics => AdminRequest::Metrics,
+        Command::Peers { .. } => AdminRequest::Peers,
         Command::Reload => AdminRequest::Reload,
     };
     let response = match admin::call(&args.admin_socket, request) {
@@ -67,6 +75,18 @@ fn main() -> ExitCode {
             print!("{}", admin::render_table(&stats));
         }
         (AdminResponse::Metrics { text }, Command::Metrics) => print!("{text}"),
+        (AdminResponse::Peers(peers), Command::Peers { json: true }) => {
+            match serde_json::to_string_pretty(&peers) {
+                Ok(text) => println!("{text}"),
+                Err(e) => {
+                    eprintln!("vrdmactl: {e}");
+                    return ExitCode::from(2);
+                }
+            }
+        }
+        (AdminResponse::Peers(peers), Command::Peers { json: false }) => {
+            print!("{}", admin::render_peers(&peers));
+        }
         (AdminResponse::Reloaded { file, changes }, Command::Reload) => {
             if changes.is_empty() {
                 println!("Reloaded {file}: no changes");

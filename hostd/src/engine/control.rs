@@ -352,6 +352,8 @@ impl Engine {
             has_rq_head: false,
             rq_taken: 0,
             peer: None,
+            issued: 0,
+            remote: None,
         };
         for index in [send_cq, recv_cq] {
             if let Some(cq) = dev.cqs.get_mut(index) {
@@ -445,6 +447,10 @@ impl Engine {
         qp.waiting = false;
         qp.has_head = false;
         qp.sent = 0;
+        // What was on the wire is forgotten with the connection: the
+        // slots it held are the driver's again (the rings restart below).
+        qp.issued = 0;
+        qp.remote = None;
         if qp.has_rq_head {
             qp.has_rq_head = false;
         }

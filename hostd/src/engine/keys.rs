@@ -536,7 +536,35 @@ pub fn copy_between<S: Extents + ?Sized, D: Extents + ?Sized>(
 
 /// Writes `data` into `dst` from its first byte.
 pub fn write_bytes<D: Extents + ?Sized>(data: &[u8], dst: &D) -> bool {
-    let Some(mut d) = Cursor::seek(dst, 0) else {
+    scatter(data, dst, 0)
+}
+
+/// Reads `out.len()` bytes of `src` from byte `skip` into `out` (a packet
+/// being built); false if `src` runs out or a key stopped resolving.
+pub fn gather<S: Extents + ?Sized>(src: &S, skip: u64, out: &mut [u8]) -> bool {
+    let Some(mut s) = Cursor::seek(src, skip) else {
+        return out.is_empty();
+    };
+    let mut rest = out;
+    while !rest.is_empty() {
+        let Some((map, off, avail)) = s.run(src) else {
+            return false;
+        };
+        let n = usize::try_from(avail).unwrap_or(usize::MAX).min(rest.len());
+        let (now, later) = rest.split_at_mut(n);
+        if !map.read(off, now) {
+            return false;
+        }
+        s.offset += n as u64;
+        rest = later;
+    }
+    true
+}
+
+/// Writes `data` into `dst` from byte `skip` (a packet's payload landing
+/// in a message); false if `dst` runs out or a key stopped resolving.
+pub fn scatter<D: Extents + ?Sized>(data: &[u8], dst: &D, skip: u64) -> bool {
+    let Some(mut d) = Cursor::seek(dst, skip) else {
         return data.is_empty();
     };
     let mut rest = data;

@@ -34,6 +34,7 @@ pub mod keys;
 mod rc;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;
+pub mod wire;
 pub mod wqe;
 
 use std::collections::{HashMap, VecDeque};
@@ -265,6 +266,8 @@ pub struct Engine {
     spare: Option<Box<SendWork>>,
     /// Doorbell indices taken in one round.
     rung: Vec<u32>,
+    /// The network, for QPs connected to other hosts.
+    wire: Option<Box<wire::Wire>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -293,6 +296,7 @@ impl Engine {
             generation: 0,
             spare: Some(Box::default()),
             rung: Vec::new(),
+            wire: None,
         }
     }
 
@@ -384,6 +388,7 @@ impl Engine {
     /// [`ROUND_OPS`] WQEs and [`ROUND_BYTES`] bytes.
     pub fn round(&mut self, mine: &[DeviceId], now: Instant) -> Round {
         let mut round = Round::default();
+        round.worked |= self.wire_receive(now);
         for &id in mine {
             round.worked |= self.take_doorbells(id, now);
         }
@@ -411,9 +416,14 @@ impl Engine {
                 Pick::Idle => break,
             }
         }
+        let (wire_due, wire_busy) = self.wire_send(now);
         round.busy = round.preempted
             || ((ops >= ROUND_OPS || bytes >= ROUND_BYTES) && self.sched.has_work())
-            || !self.flushing.is_empty();
+            || !self.flushing.is_empty()
+            || wire_busy;
+        if let Some(due) = wire_due {
+            round.next_due = Some(round.next_due.map_or(due, |d| d.min(due)));
+        }
         if let Some(due) = self.timers.iter().map(|t| t.0).min() {
             round.next_due = Some(round.next_due.map_or(due, |d| d.min(due)));
         }
@@ -589,6 +599,10 @@ impl Engine {
         if !qp.sends() || qp.waiting {
             return None;
         }
+        if !qp.has_head && qp.remote.as_ref().is_some_and(|r| !r.has_room_any()) {
+            // Its window is full: an answer from the peer activates it.
+            return None;
+        }
         if !qp.has_head {
             let Some(pending) = qp.sq_posted() else {
                 self.fail_qp(qref, true, "send ring producer index beyond the ring");
@@ -597,7 +611,7 @@ impl Engine {
             if pending == 0 {
                 return None;
             }
-            match wqe::read_send(&qp.sq, qp.sq_done, &qp.send_limits, &mut qp.head) {
+            match wqe::read_send(&qp.sq, qp.sq_read(), &qp.send_limits, &mut qp.head) {
                 Ok(()) => {
                     qp.has_head = true;
                     qp.sent = 0;
@@ -619,6 +633,10 @@ impl Engine {
             }
         }
         let qp = self.qps.get(qref)?;
+        if qp.remote.as_ref().is_some_and(|r| !r.has_room(qp.head.opcode)) {
+            // A READ or atomic beyond `max_rd_atomic` waits for an answer.
+            return None;
+        }
         let kind = match qp.head.opcode {
             vrdma_spec::verbs::SendOpcode::RdmaRead
             | vrdma_spec::verbs::SendOpcode::AtomicCmpAndSwp
@@ -811,11 +829,31 @@ impl Engine {
     /// Flushes up to `budget` WQEs of errored QP `qref` with WR_FLUSH_ERR;
     /// true when nothing is left.
     fn flush_qp(&mut self, qref: QpRef, mut budget: u32) -> bool {
-        let Some(qp) = self.qps.get_mut(qref) else {
+        let Some(mut qp) = self.qps.get_mut(qref) else {
             return true;
         };
         if qp.lost || !qp.failed() {
             return true;
+        }
+        // What is on the wire is older than the head: it is flushed first.
+        while budget > 0 {
+            let Some(m) = qp.remote.as_mut().and_then(|r| r.inflight.pop_front()) else {
+                break;
+            };
+            qp.issued = qp.issued.saturating_sub(1);
+            let (wr_id, opcode) = (m.work.wr_id, m.work.wc_opcode());
+            if let Some(r) = qp.remote.as_mut() {
+                r.pool.push(m.work);
+            }
+            self.complete_send(qref, wr_id, opcode, WcStatus::WrFlushErr, 0, true);
+            budget -= 1;
+            let Some(again) = self.qps.get_mut(qref) else {
+                return true;
+            };
+            qp = again;
+        }
+        if budget == 0 {
+            return false;
         }
         if qp.has_head {
             qp.has_head = false;

@@ -126,6 +126,11 @@ pub struct Qp {
     pub rq_taken: u64,
     /// The peer QP, as last resolved (its ref and serial).
     pub peer: Option<(QpRef, u64)>,
+    /// Send WQEs on the wire and not completed (a remote QP's window):
+    /// the next WQE to read is at `sq_done + issued`.
+    pub issued: u32,
+    /// The transport state, when the peer is on another host.
+    pub remote: Option<Box<super::wire::state::RemoteQp>>,
 }
 
 impl Qp {
@@ -155,16 +160,23 @@ impl Qp {
     /// the stale index) the index read again and the newly announced
     /// slots prefetched together. `None` if the index is beyond the ring.
     pub fn sq_posted(&mut self) -> Option<u32> {
-        let known = self.sq_seen.wrapping_sub(self.sq_done);
+        let read = self.sq_read();
+        let known = self.sq_seen.wrapping_sub(read);
         if known != 0 && known <= self.sq.depth() {
             return Some(known);
         }
-        let pending = self.sq_pending()?;
+        let pending = self.sq_pending()?.checked_sub(self.issued)?;
         if pending > 0 {
-            self.sq_seen = self.sq_done.wrapping_add(pending);
-            self.sq.prefetch_entries(self.sq_done, pending);
+            self.sq_seen = read.wrapping_add(pending);
+            self.sq.prefetch_entries(read, pending);
         }
         Some(pending)
+    }
+
+    /// The send WQE the datapath reads next: after those completed and
+    /// those on the wire.
+    pub fn sq_read(&self) -> u32 {
+        self.sq_done.wrapping_add(self.issued)
     }
 
     /// Receive WQEs posted and not completed, if the producer index is sane.
@@ -243,7 +255,7 @@ pub struct Outcome {
 }
 
 /// What executing (one segment of) a send WQE came to.
-enum Step {
+pub(super) enum Step {
     Complete {
         status: WcStatus,
         /// The responder QP to move to ERR after the requester completion.
@@ -291,6 +303,9 @@ impl Engine {
         };
         if !qp.has_head || !qp.sends() {
             return Outcome::default();
+        }
+        if qp.remote.is_some() {
+            return self.issue_remote(qref, now);
         }
         // The head is swapped out (not copied: no allocation) so that the
         // step may borrow the engine freely.
@@ -570,7 +585,7 @@ impl Engine {
 
     /// Whether responder `peer` has a receive for the next message (reading
     /// its ring's producer index; a broken ring fails it).
-    fn has_receive(&mut self, peer: QpRef) -> bool {
+    pub(super) fn has_receive(&mut self, peer: QpRef) -> bool {
         let Some(p) = self.qps.get(peer) else {
             return false;
         };
@@ -589,7 +604,7 @@ impl Engine {
     /// Makes sure responder `peer` holds the receive at the head of its
     /// ring, read once. `Err` carries the step the requester gets when it
     /// cannot: RNR without one, the receive's own failure otherwise.
-    fn head_receive(&mut self, peer: QpRef, rnr: Duration) -> Result<(), Step> {
+    pub(super) fn head_receive(&mut self, peer: QpRef, rnr: Duration) -> Result<(), Step> {
         if !self.has_receive(peer) {
             return Err(Step::Rnr(rnr));
         }
@@ -618,7 +633,7 @@ impl Engine {
     /// too short, fail their checks, or it is malformed): it completes so
     /// there, the responder goes to ERR after the requester completes, and
     /// the requester gets REM_INV_REQ_ERR (length) or REM_OP_ERR.
-    fn refuse_receive(&mut self, peer: QpRef, wr_id: u64, status: WcStatus) -> Step {
+    pub(super) fn refuse_receive(&mut self, peer: QpRef, wr_id: u64, status: WcStatus) -> Step {
         let Some(vqpn) = self.qps.get(peer).map(|p| p.vqpn) else {
             return Step::Dropped;
         };

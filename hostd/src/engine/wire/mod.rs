@@ -1,0 +1,548 @@
+//! RC service between a QP of this host and one on another host, as
+//! RoCEv2 packets: hostd is the NIC's transport. [`requester`] puts send
+//! WQEs on the wire and completes them when answered; [`responder`] takes
+//! request packets in PSN order; this module owns the packet queues (the
+//! [`PacketIo`] a NIC's physical queues stand for), receives and
+//! dispatches, and keeps the per-peer counters.
+//!
+//! A packet is accepted only if it parses (ICRC included), is addressed
+//! to a GID of a device here, names a QP of that device that is connected
+//! to exactly the packet's source GID, and that source is a GID the
+//! directory knows. Tenants never build packets: hostd does, from WQEs it
+//! checked.
+
+mod peers;
+mod requester;
+mod responder;
+pub mod state;
+
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vrdma_roce::{Bth, Headers, Ipv4Meta, Psn, ROCE_V2_PORT};
+
+use crate::net::directory::Directory;
+use crate::net::io::{InPacket, OutPacket, PacketIo};
+pub use peers::{PeerStats, Peers};
+use state::{Path, RemoteQp};
+
+use super::rc::QpRef;
+use super::Engine;
+
+/// Packets queued for sending before the queue is handed to the kernel.
+pub const TX_BATCH: usize = 64;
+/// Packets received per call.
+pub const RX_BATCH: usize = 64;
+/// Receive calls per round at most (then the round does other work).
+const RX_CALLS: usize = 8;
+/// The AETH credit code for "no credit information" (IBA 9.7.5.1.3).
+pub const NO_CREDITS: u8 = 31;
+/// The default P_Key, the only one vrdma's port has.
+pub const DEFAULT_PKEY: u16 = 0xffff;
+
+/// RC opcodes (IBA table 37: transport RC is 000).
+pub mod op {
+    use vrdma_roce::Opcode;
+
+    pub const SEND_FIRST: u8 = 0x00;
+    pub const SEND_MIDDLE: u8 = 0x01;
+    pub const SEND_LAST: u8 = 0x02;
+    pub const SEND_LAST_IMM: u8 = 0x03;
+    pub const SEND_ONLY: u8 = 0x04;
+    pub const SEND_ONLY_IMM: u8 = 0x05;
+    pub const WRITE_FIRST: u8 = 0x06;
+    pub const WRITE_MIDDLE: u8 = 0x07;
+    pub const WRITE_LAST: u8 = 0x08;
+    pub const WRITE_LAST_IMM: u8 = 0x09;
+    pub const WRITE_ONLY: u8 = 0x0a;
+    pub const WRITE_ONLY_IMM: u8 = 0x0b;
+    pub const READ_REQUEST: u8 = 0x0c;
+    pub const READ_RESPONSE_FIRST: u8 = 0x0d;
+    pub const READ_RESPONSE_MIDDLE: u8 = 0x0e;
+    pub const READ_RESPONSE_LAST: u8 = 0x0f;
+    pub const READ_RESPONSE_ONLY: u8 = 0x10;
+    pub const ACK: u8 = 0x11;
+    pub const ATOMIC_ACK: u8 = 0x12;
+    pub const CMP_SWAP: u8 = 0x13;
+    pub const FETCH_ADD: u8 = 0x14;
+
+    /// The opcode of `code` (one of the constants above).
+    pub fn opcode(code: u8) -> Opcode {
+        Opcode::try_from(code).unwrap_or(Opcode::try_from(SEND_ONLY).unwrap_or_else(|_| {
+            unreachable!("SEND_ONLY is an opcode")
+        }))
+    }
+
+    pub fn is_send(code: u8) -> bool {
+        code <= SEND_ONLY_IMM
+    }
+
+    pub fn is_write(code: u8) -> bool {
+        (WRITE_FIRST..=WRITE_ONLY_IMM).contains(&code)
+    }
+
+    pub fn is_send_or_write(code: u8) -> bool {
+        code <= WRITE_ONLY_IMM
+    }
+
+    /// A request the requester sends (the rest are responses).
+    pub fn is_request(code: u8) -> bool {
+        code <= READ_REQUEST || code == CMP_SWAP || code == FETCH_ADD
+    }
+
+    pub fn is_middle_or_last(code: u8) -> bool {
+        matches!(
+            code,
+            SEND_MIDDLE | SEND_LAST | SEND_LAST_IMM | WRITE_MIDDLE | WRITE_LAST | WRITE_LAST_IMM
+        )
+    }
+
+    pub fn is_first_or_middle(code: u8) -> bool {
+        matches!(code, SEND_FIRST | SEND_MIDDLE | WRITE_FIRST | WRITE_MIDDLE)
+    }
+
+    pub fn is_last_or_only(code: u8) -> bool {
+        matches!(
+            code,
+            SEND_LAST
+                | SEND_LAST_IMM
+                | SEND_ONLY
+                | SEND_ONLY_IMM
+                | WRITE_LAST
+                | WRITE_LAST_IMM
+                | WRITE_ONLY
+                | WRITE_ONLY_IMM
+        )
+    }
+}
+
+/// A BTH with vrdma's constant fields.
+pub fn bth(code: u8, dest_qp: u32, psn: Psn) -> Bth {
+    Bth {
+        opcode: op::opcode(code),
+        solicited: false,
+        migreq: true,
+        pad: 0,
+        pkey: DEFAULT_PKEY,
+        fecn: false,
+        becn: false,
+        dest_qp,
+        ack_req: false,
+        psn,
+    }
+}
+
+/// Headers of a packet with `bth` and no extension header yet.
+pub fn headers(bth: Bth) -> Headers {
+    Headers {
+        bth,
+        reth: None,
+        aeth: None,
+        atomic: None,
+        atomic_ack: None,
+        imm: None,
+    }
+}
+
+/// What queueing a packet came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Emit {
+    Sent,
+    /// The packet queue is full (the kernel's too): try again later.
+    Full,
+    /// Its payload could not be read from local memory.
+    LocalError,
+}
+
+/// The engine's network side: the packet queues, the directory, the
+/// counters and which QPs have transport work.
+pub struct Wire {
+    io: Box<dyn PacketIo>,
+    directory: Arc<dyn Directory>,
+    tx: Vec<OutPacket>,
+    tx_len: usize,
+    rx: Vec<InPacket>,
+    /// QPs with packets to send, responses owed or timers running.
+    active: Vec<QpRef>,
+    /// QPs owing a coalesced acknowledgement.
+    acks: Vec<QpRef>,
+    /// When some QP's RNR wait ends.
+    wakes: Vec<(Instant, QpRef)>,
+    pub peers: Peers,
+}
+
+impl std::fmt::Debug for Wire {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Wire")
+            .field("active", &self.active.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Wire {
+    /// The wire over `io`, accepting peers `directory` knows.
+    pub fn new(io: Box<dyn PacketIo>, directory: Arc<dyn Directory>) -> Self {
+        Wire {
+            io,
+            directory,
+            tx: (0..TX_BATCH).map(|_| OutPacket::default()).collect(),
+            tx_len: 0,
+            rx: (0..RX_BATCH).map(|_| InPacket::default()).collect(),
+            active: Vec::new(),
+            acks: Vec::new(),
+            wakes: Vec::new(),
+            peers: Peers::default(),
+        }
+    }
+
+    /// The fd the datapath sleeps on for packets.
+    pub fn rx_fd(&self) -> std::os::fd::RawFd {
+        self.io.rx_fd()
+    }
+
+    /// The directory.
+    pub fn directory(&self) -> &Arc<dyn Directory> {
+        &self.directory
+    }
+
+    /// Queues a packet with headers `h` and `len` payload bytes written by
+    /// `fill` (false: the local memory failed), for `path`.
+    pub fn emit(
+        &mut self,
+        path: &Path,
+        h: &Headers,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> bool,
+    ) -> Emit {
+        if self.tx_len == self.tx.len() {
+            self.flush();
+            if self.tx_len == self.tx.len() {
+                return Emit::Full;
+            }
+        }
+        let meta = Ipv4Meta {
+            src: path.src,
+            dst: path.dst,
+            id: 0,
+            flags_frag: 0x4000,
+            src_port: self.io.src_port(),
+            dst_port: ROCE_V2_PORT,
+        };
+        let slot = &mut self.tx[self.tx_len];
+        let start = vrdma_roce::header_len(h);
+        let Some(payload) = slot.buf.get_mut(start..start + len) else {
+            return Emit::LocalError;
+        };
+        if !fill(payload) {
+            return Emit::LocalError;
+        }
+        let Ok(n) = vrdma_roce::finish_in_place(&mut slot.buf[..], h, len, &meta) else {
+            return Emit::LocalError;
+        };
+        slot.len = n;
+        slot.src = path.src;
+        slot.dst = path.dst;
+        slot.tos = path.tos;
+        self.tx_len += 1;
+        Emit::Sent
+    }
+
+    /// Hands the queued packets to the kernel; what it cannot take now
+    /// stays queued (a send error drops the packet it names: the
+    /// transport's retransmission covers it as any loss).
+    pub fn flush(&mut self) {
+        while self.tx_len > 0 {
+            match self.io.send(&self.tx[..self.tx_len]) {
+                Ok(0) => return,
+                Ok(n) => {
+                    self.count_sent(n);
+                    self.tx[..self.tx_len].rotate_left(n);
+                    self.tx_len -= n;
+                }
+                Err(e) => {
+                    tracing::debug!("Packet send failed: {e}");
+                    self.peers.global.send_errors += 1;
+                    self.tx[..self.tx_len].rotate_left(1);
+                    self.tx_len -= 1;
+                }
+            }
+        }
+    }
+
+    fn count_sent(&mut self, n: usize) {
+        for p in &self.tx[..n] {
+            let i = self.peers.of_gid(&*self.directory, p.dst).unwrap_or(0);
+            self.peers.sent(i, p.len);
+        }
+    }
+
+    /// Whether packets wait to be handed to the kernel.
+    pub fn backlog(&self) -> bool {
+        self.tx_len > 0
+    }
+
+    fn mark_active(&mut self, qref: QpRef) {
+        if !self.active.contains(&qref) {
+            self.active.push(qref);
+        }
+    }
+
+    fn ack_due(&mut self, qref: QpRef, remote: &mut RemoteQp) {
+        if !remote.ack_due {
+            remote.ack_due = true;
+            self.acks.push(qref);
+        }
+    }
+
+    fn wake_at(&mut self, qref: QpRef, at: Instant) {
+        self.wakes.push((at, qref));
+        self.mark_active(qref);
+    }
+
+    fn note_sent(&mut self, remote: &mut RemoteQp, psn: Psn, now: Instant) {
+        if remote.probe.is_none() {
+            remote.probe = Some((psn, now));
+        }
+    }
+
+    fn drop_packet(&mut self, peer: usize, why: &'static str) {
+        self.peers.dropped(peer, why);
+    }
+
+    fn retransmission(&mut self, peer: usize) {
+        self.peers.at(peer).retransmissions += 1;
+    }
+
+    fn timeout(&mut self, peer: usize) {
+        self.peers.at(peer).timeouts += 1;
+    }
+
+    fn duplicate(&mut self, peer: usize) {
+        self.peers.at(peer).duplicates += 1;
+    }
+
+    fn nak_sent(&mut self, peer: usize, kind: &'static str) {
+        peers::bump(&mut self.peers.at(peer).naks_sent, kind);
+    }
+
+    fn nak_received(&mut self, peer: usize, kind: &'static str) {
+        peers::bump(&mut self.peers.at(peer).naks_received, kind);
+    }
+
+    fn rtt_sample(&mut self, peer: usize, rtt: Duration) {
+        self.peers.at(peer).rtt(rtt);
+    }
+}
+
+impl Engine {
+    /// Puts the engine on the network: remote QPs send and receive through
+    /// `wire`.
+    pub fn attach_wire(&mut self, wire: Wire) {
+        self.wire = Some(Box::new(wire));
+    }
+
+    /// The wire, if the engine has one.
+    pub fn wire(&self) -> Option<&Wire> {
+        self.wire.as_deref()
+    }
+
+    /// Receives and handles what the network brought; then sends the
+    /// acknowledgements the packets made due (one per QP: coalesced).
+    pub(super) fn wire_receive(&mut self, now: Instant) -> bool {
+        let Some(mut w) = self.wire.take() else {
+            return false;
+        };
+        let mut worked = false;
+        let mut rx = std::mem::take(&mut w.rx);
+        for _ in 0..RX_CALLS {
+            let n = match w.io.recv(&mut rx) {
+                Ok(n) => n,
+                Err(e) => {
+                    tracing::debug!("Packet receive failed: {e}");
+                    w.peers.global.receive_errors += 1;
+                    0
+                }
+            };
+            if n == 0 {
+                break;
+            }
+            worked = true;
+            for p in &rx[..n] {
+                let bytes = p.buf.get(..p.len).unwrap_or(&[]);
+                self.dispatch(&mut w, bytes, now);
+            }
+            if n < rx.len() {
+                break;
+            }
+        }
+        w.rx = rx;
+        let acks = std::mem::take(&mut w.acks);
+        for &qref in &acks {
+            let Some(remote) = self.qps.get_mut(qref).and_then(|q| q.remote.as_deref_mut()) else {
+                continue;
+            };
+            remote.ack_due = false;
+            let psn = remote.epsn.sub(1);
+            let aeth = vrdma_roce::Aeth::Ack {
+                credits: NO_CREDITS,
+                msn: remote.msn,
+            };
+            let path = remote.conn.path;
+            responder::send_ack(&mut w, &path, psn, aeth);
+        }
+        w.acks = acks;
+        w.acks.clear();
+        self.wire = Some(w);
+        worked
+    }
+
+    /// One received IPv4 packet: checked, then given to the QP's responder
+    /// or requester.
+    fn dispatch(&mut self, w: &mut Wire, bytes: &[u8], now: Instant) {
+        let (meta, pkt) = match vrdma_roce::parse_ipv4(bytes) {
+            Ok(parsed) => parsed,
+            Err(reason) => {
+                let peer = source_peer(w, bytes);
+                w.peers.dropped(peer, reason.name());
+                return;
+            }
+        };
+        let Some(peer) = w.peers.of_gid(&*w.directory, meta.src) else {
+            w.peers.dropped(0, "unknown_source");
+            return;
+        };
+        w.peers.received(peer, bytes.len());
+        if pkt.bth.pkey != DEFAULT_PKEY {
+            w.drop_packet(peer, "bad_pkey");
+            return;
+        }
+        let code = pkt.bth.opcode as u8;
+        if code > op::FETCH_ADD {
+            w.drop_packet(peer, "unsupported_opcode");
+            return;
+        }
+        let Some(qref) = self.remote_qp_for(meta.dst, pkt.bth.dest_qp) else {
+            w.drop_packet(peer, "unknown_qp");
+            return;
+        };
+        let Some(qp) = self.qps.get(qref) else {
+            return;
+        };
+        let Some(remote) = qp.remote.as_deref() else {
+            w.drop_packet(peer, "not_connected");
+            return;
+        };
+        if remote.conn.path.dst != meta.src {
+            w.drop_packet(peer, "not_connected");
+            return;
+        }
+        if op::is_request(code) {
+            if !qp.receives() {
+                w.drop_packet(peer, "qp_not_ready");
+                return;
+            }
+            self.request(w, qref, &pkt, now);
+        } else {
+            if !qp.sends() {
+                w.drop_packet(peer, "qp_not_ready");
+                return;
+            }
+            self.response(w, qref, &pkt, now);
+        }
+    }
+
+    /// Sends what remote QPs have to send (new packets, retransmissions,
+    /// READ responses) and runs their timers; then hands the packets to
+    /// the kernel. Returns the earliest time a timer is due and whether
+    /// work is left for the next round.
+    pub(super) fn wire_send(&mut self, now: Instant) -> (Option<Instant>, bool) {
+        let Some(mut w) = self.wire.take() else {
+            return (None, false);
+        };
+        let mut wakes = std::mem::take(&mut w.wakes);
+        wakes.retain(|&(at, qref)| {
+            if at <= now {
+                w.mark_active(qref);
+                false
+            } else {
+                true
+            }
+        });
+        w.wakes = wakes;
+        let mut active = std::mem::take(&mut w.active);
+        let mut next_due: Option<Instant> = w.wakes.iter().map(|&(at, _)| at).min();
+        let mut left = false;
+        let mut i = 0;
+        while i < active.len() {
+            let qref = active[i];
+            self.requester_timer(&mut w, qref, now);
+            let more = self.pump(&mut w, qref, now) | self.pump_reads(&mut w, qref, now);
+            left |= more;
+            let Some(remote) = self.qps.get(qref).and_then(|q| q.remote.as_deref()) else {
+                active.swap_remove(i);
+                continue;
+            };
+            if let Some(due) = remote.due {
+                next_due = Some(next_due.map_or(due, |d| d.min(due)));
+            }
+            if let Some(t) = remote.rnr_until {
+                next_due = Some(next_due.map_or(t, |d| d.min(t)));
+            }
+            let idle = remote.inflight.is_empty() && remote.reads.is_empty();
+            if idle && !more {
+                active.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        // QPs made active while this ran join the list.
+        for qref in std::mem::take(&mut w.active) {
+            if !active.contains(&qref) {
+                active.push(qref);
+            }
+        }
+        w.active = active;
+        w.flush();
+        let backlog = w.backlog();
+        self.wire = Some(w);
+        (next_due, left || backlog)
+    }
+
+    /// The remote-connected QP `qpn` of the device whose GID is `gid`.
+    fn remote_qp_for(&self, gid: Ipv4Addr, qpn: u32) -> Option<QpRef> {
+        let di = self.device_by_gid(gid)?;
+        self.devices.at(di)?.qps.get(&qpn).copied()
+    }
+
+    /// Connects QP `qref` to a peer on another host (RTR; again at RTS),
+    /// or disconnects it (`None`).
+    pub(super) fn connect_remote(&mut self, qref: QpRef, conn: Option<state::Connection>) {
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return;
+        };
+        match (conn, qp.remote.as_deref_mut()) {
+            (None, _) => qp.remote = None,
+            (Some(c), Some(r)) => r.reconnect(c),
+            (Some(c), None) => qp.remote = Some(Box::new(RemoteQp::new(c))),
+        }
+    }
+
+    /// The peer index counters of `gid`'s host are kept under.
+    pub(super) fn peer_index(&mut self, gid: Ipv4Addr) -> usize {
+        match self.wire.as_deref_mut() {
+            Some(w) => w.peers.of_gid(&*w.directory, gid).unwrap_or(0),
+            None => 0,
+        }
+    }
+}
+
+/// The peer a packet that failed to parse came from, if its IPv4 source
+/// is readable and known.
+fn source_peer(w: &mut Wire, bytes: &[u8]) -> usize {
+    let Some(src) = bytes.get(12..16) else {
+        return 0;
+    };
+    let ip = Ipv4Addr::new(src[0], src[1], src[2], src[3]);
+    w.peers.of_gid(&*w.directory, ip).unwrap_or(0)
+}
