@@ -124,11 +124,9 @@ pub struct IoCounters {
     /// Sends stopped because the device queue was full (ENOBUFS): the
     /// packets stay with the caller.
     pub send_no_buffers: u64,
-    /// Packets dropped because their source is not an address of this
-    /// host (EADDRNOTAVAIL): a GID not configured.
-    pub send_bad_source: u64,
-    /// Packets dropped because no route leads to their destination
-    /// (ENETUNREACH, EHOSTUNREACH).
+    /// Packets dropped because no route leads to their destination, or
+    /// because their source is not an address of this host (a GID not
+    /// configured): Linux answers both with ENETUNREACH (EHOSTUNREACH too).
     pub send_unreachable: u64,
     /// Packets dropped because they exceed the path MTU (EMSGSIZE).
     pub send_too_big: u64,
@@ -153,7 +151,7 @@ pub struct IoCounters {
 pub trait PacketIo: Send {
     /// Sends what it can of `batch`, in order, and returns how many of its
     /// first packets it is done with: sent, or dropped because the kernel
-    /// refused them for good (no such source address, no route, too big;
+    /// refused them for good (no route, a source not of this host, too big;
     /// counted, as a NIC drops them). The rest could not be sent now (the
     /// socket's or the device's queue is full): try again later. Never
     /// blocks.

@@ -266,7 +266,6 @@ impl UdpIo {
             _ => {
                 let dropped = counts[0] as u64;
                 let counter = match errno {
-                    libc::EADDRNOTAVAIL => &mut self.counters.send_bad_source,
                     libc::ENETUNREACH | libc::EHOSTUNREACH => &mut self.counters.send_unreachable,
                     libc::EMSGSIZE => &mut self.counters.send_too_big,
                     _ => &mut self.counters.send_other_errors,
