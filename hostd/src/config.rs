@@ -7,7 +7,13 @@
 //! into a [`Config`] deriving `PartialEq`, so tests compare what a command
 //! line means with what they expect, and every error names the offending
 //! key (for the policy: file, line and key).
+//!
+//! The optional `[fabric]` table puts hostd in a cluster (RoCEv2 across
+//! hosts): this host's name, the cluster file (validated here, see
+//! [`crate::net::directory::cluster`]) and the directory (`static` or
+//! `etcd`). Without it hostd runs single-host.
 
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
@@ -15,7 +21,10 @@ use serde::Deserialize;
 use vrdma_isolation::config::{SandboxArgs, SandboxConfig, SandboxConfigError, SandboxFile};
 use vrdma_isolation::cpus::MAX_CPUS;
 use vrdma_isolation::daemon::{parse_config, read_config_file, ConfigFileError};
-use vrdma_tenant_policy::{Policy, PolicyError};
+use vrdma_isolation::namespaces::SandboxMode;
+use vrdma_tenant_policy::{is_valid_name, Policy, PolicyError};
+
+use crate::net::directory::{Cluster, DirectoryError};
 
 /// The configuration used when no `--config` is given.
 pub const DEFAULT_CONFIG: &str = include_str!("default.toml");
@@ -45,6 +54,8 @@ pub enum ConfigError {
     Policy(#[source] PolicyError),
     #[error("Invalid sandbox settings")]
     Sandbox(#[source] SandboxConfigError),
+    #[error("Invalid [fabric] cluster file")]
+    Cluster(#[source] DirectoryError),
     #[error("Invalid path {}", path.display())]
     Path {
         path: PathBuf,
@@ -107,7 +118,60 @@ struct FileConfig {
     line_rate_mbps: Option<u32>,
     #[serde(default)]
     sandbox: SandboxFile,
+    fabric: Option<FabricFile>,
 }
+
+/// The `[fabric]` table of the config file.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FabricFile {
+    host: String,
+    cluster: PathBuf,
+    #[serde(default)]
+    directory: DirectoryName,
+    etcd_endpoints: Option<Vec<String>>,
+    lease_seconds: Option<u64>,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum DirectoryName {
+    #[default]
+    Static,
+    Etcd,
+}
+
+/// Which directory says where GIDs live.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DirectoryKind {
+    /// The cluster file is the whole directory.
+    Static,
+    /// etcd: this host's GIDs published under a lease, the others watched.
+    Etcd {
+        /// etcd's client URLs (`http://IPv4:port`), as addresses.
+        endpoints: Vec<SocketAddr>,
+        /// TTL of this host's lease: how long its entries outlive it.
+        lease_seconds: u64,
+    },
+}
+
+/// A validated `[fabric]`: hostd in a cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FabricConfig {
+    /// This host's name in the cluster file.
+    pub host: String,
+    /// The cluster file (absolute: reloads read it again).
+    pub cluster_file: PathBuf,
+    /// Its content as read at start.
+    pub cluster: Cluster,
+    pub directory: DirectoryKind,
+}
+
+pub const DEFAULT_LEASE_SECONDS: u64 = 5;
+/// etcd's shortest lease: 1.5 election timeouts of its default 1 s, rounded up.
+pub const MIN_LEASE_SECONDS: u64 = 2;
+/// A lease longer than an hour keeps a dead host's GIDs for too long.
+pub const MAX_LEASE_SECONDS: u64 = 3600;
 
 /// A validated hostd configuration.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -130,6 +194,8 @@ pub struct Config {
     pub line_rate_mbps: u32,
     /// The walls hostd puts up around itself.
     pub sandbox: SandboxConfig,
+    /// The cluster this hostd is part of; `None`: single host.
+    pub fabric: Option<FabricConfig>,
 }
 
 pub const DEFAULT_PHYSICAL_QPS: u32 = 64;
@@ -168,6 +234,10 @@ impl TryFrom<Args> for Config {
                     Some(dir) if p.is_relative() => dir.join(p),
                     _ => p,
                 });
+        let fabric = file
+            .fabric
+            .map(|f| fabric(f, args.config.as_deref()))
+            .transpose()?;
         let socket = args.socket.or(file.socket).ok_or(ConfigError::NoSocket)?;
         let physical_qps = args
             .physical_qps
@@ -207,6 +277,7 @@ impl TryFrom<Args> for Config {
                 .or(file.line_rate_mbps)
                 .unwrap_or(DEFAULT_LINE_RATE_MBPS),
             sandbox,
+            fabric,
         };
         config.validate()?;
         config.policy = match &config.policy_file {
@@ -260,6 +331,17 @@ impl Config {
                 "must be between 1 and 1600000 (1.6 Tbit/s)",
             ));
         }
+        if let Some(DirectoryKind::Etcd { .. }) = self.fabric.as_ref().map(|f| &f.directory) {
+            if self.sandbox.mode == SandboxMode::Namespace {
+                return Err(invalid(
+                    "fabric.directory",
+                    "etcd",
+                    "cannot be used with sandbox mode `namespace`: hostd's own network \
+                     namespace cannot reach etcd (use the process sandbox, or the static \
+                     directory)",
+                ));
+            }
+        }
         if self.admin_socket == self.socket {
             return Err(invalid(
                 "admin_socket",
@@ -269,6 +351,103 @@ impl Config {
         }
         Ok(())
     }
+}
+
+/// Validates `[fabric]` (`config`: the config file, which a relative
+/// `cluster` path is relative to).
+fn fabric(f: FabricFile, config: Option<&Path>) -> Result<FabricConfig, ConfigError> {
+    if !is_valid_name(&f.host) {
+        return Err(invalid(
+            "fabric.host",
+            &f.host,
+            "must be 1 to 64 letters, digits, '_', '.' or '-'",
+        ));
+    }
+    let cluster = match config.and_then(Path::parent) {
+        Some(dir) if f.cluster.is_relative() => dir.join(&f.cluster),
+        _ => f.cluster,
+    };
+    let cluster_file = std::path::absolute(&cluster).map_err(|source| ConfigError::Path {
+        path: cluster.clone(),
+        source,
+    })?;
+    let parsed = Cluster::load(&cluster_file).map_err(ConfigError::Cluster)?;
+    if parsed.host(&f.host).is_none() {
+        return Err(ConfigError::Cluster(DirectoryError::UnknownHost {
+            host: f.host,
+            path: cluster_file,
+        }));
+    }
+    let directory = match f.directory {
+        DirectoryName::Static => {
+            if let Some(e) = &f.etcd_endpoints {
+                return Err(invalid(
+                    "fabric.etcd_endpoints",
+                    format!("{e:?}"),
+                    "only with directory = \"etcd\"",
+                ));
+            }
+            if let Some(l) = f.lease_seconds {
+                return Err(invalid(
+                    "fabric.lease_seconds",
+                    l,
+                    "only with directory = \"etcd\"",
+                ));
+            }
+            DirectoryKind::Static
+        }
+        DirectoryName::Etcd => {
+            let urls = f.etcd_endpoints.unwrap_or_default();
+            if urls.is_empty() {
+                return Err(invalid(
+                    "fabric.etcd_endpoints",
+                    "[]",
+                    "directory = \"etcd\" needs at least one endpoint",
+                ));
+            }
+            let endpoints = urls
+                .iter()
+                .map(|u| {
+                    endpoint(u).ok_or_else(|| {
+                        invalid(
+                            "fabric.etcd_endpoints",
+                            u,
+                            "must be http://IPv4:PORT (no TLS, no host names, no IPv6)",
+                        )
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let lease_seconds = f.lease_seconds.unwrap_or(DEFAULT_LEASE_SECONDS);
+            if !(MIN_LEASE_SECONDS..=MAX_LEASE_SECONDS).contains(&lease_seconds) {
+                return Err(invalid(
+                    "fabric.lease_seconds",
+                    lease_seconds,
+                    "must be between 2 and 3600",
+                ));
+            }
+            DirectoryKind::Etcd {
+                endpoints,
+                lease_seconds,
+            }
+        }
+    };
+    Ok(FabricConfig {
+        host: f.host,
+        cluster_file,
+        cluster: parsed,
+        directory,
+    })
+}
+
+/// `http://a.b.c.d:port[/]` as an address. Host names would need DNS,
+/// which hostd's sandbox does not reach.
+fn endpoint(url: &str) -> Option<SocketAddr> {
+    let rest = url.strip_prefix("http://")?;
+    let rest = rest.strip_suffix('/').unwrap_or(rest);
+    let (ip, port) = rest.rsplit_once(':')?;
+    let ip: IpAddr = ip.parse().ok()?;
+    let port: u16 = port.parse().ok().filter(|&p| p != 0)?;
+    ip.is_ipv4().then_some(SocketAddr::new(ip, port))
 }
 
 #[cfg(test)]
@@ -309,6 +488,7 @@ mod tests {
                 spin_us: DEFAULT_SPIN_US,
                 line_rate_mbps: 400_000,
                 sandbox: SandboxConfig::defaults(DEFAULT_RLIMIT_NOFILE),
+                fabric: None,
             }
         );
         assert_eq!(config.line_rate_bytes(), 50_000_000_000);
@@ -474,6 +654,159 @@ mod tests {
             let err =
                 with_file(&dir, "bad-sandbox.toml", text, &["--socket", "/tmp/s"]).expect_err(text);
             assert!(error_chain(&err).contains(key), "{text:?} gave {err}");
+        }
+    }
+
+    const CLUSTER: &str = "[[host]]\nname = \"h1\"\naddress = \"10.200.0.1\"\n\
+        [[host]]\nname = \"h2\"\naddress = \"10.200.0.2\"\n\
+        [[gid]]\naddress = \"10.200.1.1\"\nhost = \"h1\"\ntenant = \"alpha\"\n";
+
+    #[test]
+    fn fabric_table_is_validated() {
+        use crate::net::directory::{ClusterGid, HostEntry};
+        use std::net::Ipv4Addr;
+        let dir = ScratchDir::new("hostd-config-fabric");
+        let cluster_path = dir.write("cluster.toml", CLUSTER);
+        // A relative cluster file is next to the config file.
+        let config = with_file(
+            &dir,
+            "static.toml",
+            "socket = \"/tmp/s\"\n[fabric]\nhost = \"h1\"\ncluster = \"cluster.toml\"\n",
+            &[],
+        )
+        .expect("valid");
+        let cluster = Cluster {
+            hosts: vec![
+                HostEntry {
+                    name: "h1".into(),
+                    address: Ipv4Addr::new(10, 200, 0, 1),
+                },
+                HostEntry {
+                    name: "h2".into(),
+                    address: Ipv4Addr::new(10, 200, 0, 2),
+                },
+            ],
+            gids: vec![ClusterGid {
+                gid: Ipv4Addr::new(10, 200, 1, 1),
+                host: "h1".into(),
+                tenant: "alpha".into(),
+                network: None,
+            }],
+        };
+        assert_eq!(
+            config.fabric,
+            Some(FabricConfig {
+                host: "h1".into(),
+                cluster_file: cluster_path.clone(),
+                cluster: cluster.clone(),
+                directory: DirectoryKind::Static,
+            })
+        );
+        let text = format!(
+            "socket = \"/tmp/s\"\n[fabric]\nhost = \"h2\"\ncluster = {cluster_path:?}\n\
+             directory = \"etcd\"\netcd_endpoints = [\"http://127.0.0.1:2379\", \
+             \"http://10.0.0.9:23790/\"]\n"
+        );
+        let config = with_file(&dir, "etcd.toml", &text, &[]).expect("valid");
+        assert_eq!(
+            config.fabric,
+            Some(FabricConfig {
+                host: "h2".into(),
+                cluster_file: cluster_path.clone(),
+                cluster,
+                directory: DirectoryKind::Etcd {
+                    endpoints: vec![
+                        "127.0.0.1:2379".parse().expect("addr"),
+                        "10.0.0.9:23790".parse().expect("addr"),
+                    ],
+                    lease_seconds: DEFAULT_LEASE_SECONDS,
+                },
+            })
+        );
+        let config = with_file(
+            &dir,
+            "lease.toml",
+            &format!("{text}lease_seconds = 2\n"),
+            &[],
+        )
+        .expect("valid");
+        assert!(matches!(
+            config.fabric.map(|f| f.directory),
+            Some(DirectoryKind::Etcd {
+                lease_seconds: 2,
+                ..
+            })
+        ));
+        dir.write(
+            "bad-cluster.toml",
+            "[[host]]\nname = \"h1\"\naddress = \"fd00::1\"\n",
+        );
+        let table = |rest: &str| {
+            format!(
+                "socket = \"/tmp/s\"\n[fabric]\nhost = \"h1\"\ncluster = \"cluster.toml\"\n{rest}"
+            )
+        };
+        let etcd = "directory = \"etcd\"\netcd_endpoints = [\"http://127.0.0.1:2379\"]\n";
+        let cases: Vec<(String, &str)> =
+            vec![
+            (table("bogus = 1\n"), "bogus"),
+            (table("directory = \"zk\"\n"), "zk"),
+            (
+                table("etcd_endpoints = [\"http://127.0.0.1:2379\"]\n"),
+                "fabric.etcd_endpoints",
+            ),
+            (table("lease_seconds = 5\n"), "fabric.lease_seconds"),
+            (table("directory = \"etcd\"\n"), "needs at least one endpoint"),
+            (table(&format!("{etcd}lease_seconds = 1\n")), "fabric.lease_seconds"),
+            (table(&format!("{etcd}lease_seconds = 7200\n")), "fabric.lease_seconds"),
+            (
+                table(&format!("{etcd}[sandbox]\nmode = \"namespace\"\n")),
+                "fabric.directory",
+            ),
+            (
+                "socket = \"/tmp/s\"\n[fabric]\nhost = \"h3\"\ncluster = \"cluster.toml\"\n"
+                    .to_owned(),
+                "Host \"h3\" is not in the cluster file",
+            ),
+            (
+                "socket = \"/tmp/s\"\n[fabric]\nhost = \"h/1\"\ncluster = \"cluster.toml\"\n"
+                    .to_owned(),
+                "fabric.host",
+            ),
+            (
+                "socket = \"/tmp/s\"\n[fabric]\nhost = \"h1\"\ncluster = \"bad-cluster.toml\"\n"
+                    .to_owned(),
+                "bad-cluster.toml: host[0] (h1): address fd00::1: IPv6",
+            ),
+            (
+                "socket = \"/tmp/s\"\n[fabric]\nhost = \"h1\"\ncluster = \"none.toml\"\n"
+                    .to_owned(),
+                "none.toml",
+            ),
+            ("socket = \"/tmp/s\"\n[fabric]\nhost = \"h1\"\n".to_owned(), "cluster"),
+        ];
+        for (i, (text, wanted)) in cases.iter().enumerate() {
+            let err = with_file(&dir, &format!("bad-fabric{i}.toml"), text, &[]).expect_err(text);
+            let chain = error_chain(&err);
+            assert!(chain.contains(wanted), "{text:?} gave {chain:?}");
+        }
+        for url in [
+            "https://127.0.0.1:2379",
+            "http://etcd.local:2379",
+            "http://[::1]:2379",
+            "http://127.0.0.1",
+            "http://127.0.0.1:0",
+            "127.0.0.1:2379",
+        ] {
+            let text = table(&format!(
+                "directory = \"etcd\"\netcd_endpoints = [\"{url}\"]\n"
+            ));
+            let err = with_file(&dir, "bad-url.toml", &text, &[]).expect_err(url);
+            let chain = error_chain(&err);
+            assert!(
+                chain.contains("fabric.etcd_endpoints") && chain.contains(url),
+                "{url}: {chain}"
+            );
         }
     }
 

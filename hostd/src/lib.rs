@@ -69,16 +69,33 @@ pub enum Error {
     Signals(#[source] std::io::Error),
     #[error("Cannot start the admin socket's thread")]
     Admin(#[source] std::io::Error),
+    #[error("Cannot open the directory of the cluster")]
+    Directory(#[source] net::directory::DirectoryError),
 }
 
 /// What hostd opens before entering its sandbox: the SIGHUP signalfd and
 /// both listeners (the only steps that need the file system by path,
-/// besides reading the policy file on reload).
-#[derive(Debug)]
+/// besides reading the policy and cluster files on reload), and the
+/// directory of the cluster (`[fabric]`; etcd registered and read).
 pub struct Opened {
     sighup: std::os::fd::OwnedFd,
     admin_listener: Listener,
     listener: Listener,
+    directory: Option<Arc<dyn net::directory::Directory>>,
+}
+
+impl std::fmt::Debug for Opened {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Opened")
+            .field("sighup", &self.sighup)
+            .field("admin_listener", &self.admin_listener)
+            .field("listener", &self.listener)
+            .field(
+                "directory",
+                &self.directory.as_ref().map(|d| d.cluster_file()),
+            )
+            .finish()
+    }
 }
 
 /// Mode of the vdev socket: every uid may connect. hostd authenticates
@@ -109,10 +126,18 @@ pub fn open(config: &Config) -> Result<Opened, Error> {
         path: config.socket.clone(),
         source: source.into(),
     })?;
+    let directory = config
+        .fabric
+        .as_ref()
+        .map(|fabric| net::directory::open_directory(fabric, &config.policy))
+        .transpose()
+        .map_err(Error::Directory)?
+        .map(Arc::from);
     Ok(Opened {
         sighup,
         admin_listener,
         listener,
+        directory,
     })
 }
 
@@ -131,10 +156,15 @@ pub fn serve(config: &Config, opened: Opened, threads: &Threads) -> Result<(), E
         sighup,
         admin_listener,
         listener,
+        directory,
     } = opened;
     let datapath = datapath(config).map_err(Error::Datapath)?;
     datapath.start(threads).map_err(Error::Datapath)?;
     let server = Server::new(config.clone(), datapath);
+    if let Some(directory) = directory {
+        directory.start(threads).map_err(Error::Directory)?;
+        server.set_directory(directory);
+    }
     admin::spawn(Arc::clone(&server), admin_listener, threads).map_err(Error::Admin)?;
     admin::spawn_sighup(Arc::clone(&server), sighup, threads).map_err(Error::Admin)?;
     tracing::info!(

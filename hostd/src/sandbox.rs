@@ -41,11 +41,21 @@ impl Sandbox {
     /// Decides the sandbox of `config`; refuses impossible requests. Warns
     /// when the policy file will not be readable after the uid change.
     pub fn new(config: &Config) -> Result<Sandbox, SandboxError> {
-        let readable = config.policy_file.as_deref().map(policy_directory);
-        let summary = readable.as_ref().map_or_else(
-            || "nothing".to_owned(),
-            |dir| format!("files in {}", dir.display()),
-        );
+        // The policy's directory, and the cluster file's (`[fabric]`).
+        let mut readable: Vec<PathBuf> = config
+            .policy_file
+            .as_deref()
+            .into_iter()
+            .chain(config.fabric.as_ref().map(|f| f.cluster_file.as_path()))
+            .map(policy_directory)
+            .collect();
+        readable.dedup();
+        let summary = if readable.is_empty() {
+            "nothing".to_owned()
+        } else {
+            let dirs: Vec<String> = readable.iter().map(|d| d.display().to_string()).collect();
+            format!("files in {}", dirs.join(", "))
+        };
         let walls = Walls {
             daemon: "hostd",
             keep: readable.iter().cloned().collect(),
@@ -56,7 +66,8 @@ impl Sandbox {
                     .collect(),
             },
             fs_summary: format!(
-                "no file-system access but reading the policy file (readable: {summary})"
+                "no file-system access but reading the policy and cluster files \
+                 (readable: {summary})"
             ),
             // hostd locks no memory.
             memlock: 0,

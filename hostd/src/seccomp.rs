@@ -18,11 +18,15 @@
 //! - [`Role::Admin`] — the admin socket's listener and its clients
 //!   (`vrdmactl`: stats, metrics, reload).
 //! - [`Role::Sighup`] — reload on SIGHUP, read from a signalfd.
+//! - [`Role::Directory`] — the etcd directory's threads (`vrdma-directory`:
+//!   lease keepalive and writes; `vrdma-dir-watch`: the watch), only with
+//!   `[fabric] directory = "etcd"`: TCP connections to etcd.
 //!
 //! Each role's function lists its calls with the reason beside each;
 //! [`common_rules`] holds what every thread of a Rust program on glibc
-//! needs. No role has `socket`, `connect`, `bind` or `listen` (hostd's
-//! sockets are bound before the sandbox and it connects nowhere), nor
+//! needs. No role but [`Role::Directory`] has `socket` or `connect` (and
+//! it only `AF_INET` stream sockets, to etcd); none has `bind` or `listen`
+//! (hostd's sockets are bound before the sandbox), nor
 //! `execve`, `fork`, `ptrace`, `kill`, `ioctl`, `unlink`, `chmod`, `bpf`,
 //! `memfd_create` or `seccomp`.
 
@@ -43,12 +47,20 @@ pub enum Role {
     Admin,
     /// Policy reload on SIGHUP.
     Sighup,
+    /// The etcd directory's threads: keepalive, writes, watch.
+    Directory,
 }
 
 impl Role {
     /// The roles of the threads hostd starts after its main thread has
     /// installed [`Role::Main`]'s filter.
-    pub const SPAWNED: [Role; 4] = [Role::Connection, Role::Datapath, Role::Admin, Role::Sighup];
+    pub const SPAWNED: [Role; 5] = [
+        Role::Connection,
+        Role::Datapath,
+        Role::Admin,
+        Role::Sighup,
+        Role::Directory,
+    ];
 }
 
 impl ThreadRole for Role {
@@ -59,6 +71,7 @@ impl ThreadRole for Role {
             Role::Datapath => datapath_rules()?,
             Role::Admin => admin_rules()?,
             Role::Sighup => sighup_rules()?,
+            Role::Directory => directory_rules()?,
         };
         Ok(common_rules()?.merge(own))
     }
@@ -72,6 +85,7 @@ impl fmt::Display for Role {
             Role::Datapath => "datapath",
             Role::Admin => "admin",
             Role::Sighup => "sighup",
+            Role::Directory => "directory",
         })
     }
 }
@@ -176,9 +190,49 @@ fn sighup_rules() -> Result<Rules, SeccompError> {
     policy_reload_rules()
 }
 
-/// A policy reload, from the admin socket or SIGHUP: the policy file
-/// opened read-only (common rule; landlock allows the files of its
-/// directory only) and sized from its descriptor, and the new policy sent
+/// The etcd directory's threads (`net::directory::etcd`): plain HTTP to
+/// etcd over TCP, each request on a fresh non-blocking connection
+/// (`net::directory::http` makes it by hand so that no `ioctl(FIONBIO)` is
+/// needed).
+fn directory_rules() -> Result<Rules, SeccompError> {
+    let mut r = Rules::new();
+    // IPv4 TCP sockets only (no UDP, raw, netlink or unix sockets).
+    r.allow_if_all(
+        libc::SYS_socket,
+        &[
+            (0, Op::Eq, libc::AF_INET as u64),
+            (1, Op::MaskedEq(SOCK_TYPE_MASK), libc::SOCK_STREAM as u64),
+        ],
+    )?;
+    r.allow(libc::SYS_connect);
+    // The outcome of a non-blocking connect, and nothing else.
+    r.allow_if_all(
+        libc::SYS_getsockopt,
+        &[
+            (1, Op::Eq, libc::SOL_SOCKET as u64),
+            (2, Op::Eq, libc::SO_ERROR as u64),
+        ],
+    )?;
+    // Every wait for etcd is a poll with a timeout (glibc's poll is poll
+    // or ppoll, depending on its version).
+    r.allow(libc::SYS_poll);
+    r.allow(libc::SYS_ppoll);
+    // std's TcpStream reads and writes with recv/send.
+    r.allow(libc::SYS_recvfrom);
+    r.allow(libc::SYS_sendto);
+    // Backoff between attempts to reach etcd again.
+    r.allow(libc::SYS_clock_nanosleep);
+    Ok(r)
+}
+
+/// `SOCK_TYPE_MASK` of `<linux/net.h>`: the type bits of socket()'s second
+/// argument, without SOCK_CLOEXEC/SOCK_NONBLOCK.
+const SOCK_TYPE_MASK: u64 = 0xf;
+
+/// A policy reload, from the admin socket or SIGHUP: the policy file and
+/// the cluster file (`[fabric]`) opened read-only (common rule; landlock
+/// allows the files of their directories only) and sized from their
+/// descriptors (an etcd directory's writes are handed to its own thread), and the new policy sent
 /// to each connected vdev whose tenant's policy changed.
 fn policy_reload_rules() -> Result<Rules, SeccompError> {
     let mut r = Rules::new();
@@ -198,13 +252,22 @@ mod tests {
     use super::*;
 
     /// Every role, the main thread's first.
-    const ROLES: [Role; 5] = [
+    const ROLES: [Role; 6] = [
         Role::Main,
         Role::Connection,
         Role::Datapath,
         Role::Admin,
         Role::Sighup,
+        Role::Directory,
     ];
+
+    /// `socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0)`:
+    /// a connection to etcd.
+    fn tcp_socket() -> Call {
+        let flags = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+        let args = [libc::AF_INET as u64, flags as u64, 0, 0, 0, 0];
+        ("socket(AF_INET, SOCK_STREAM)", libc::SYS_socket, args)
+    }
 
     const SEQPACKET: u64 = (libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC) as u64;
     const UNIX: u64 = libc::AF_UNIX as u64;
@@ -296,6 +359,20 @@ mod tests {
                 statx_by_descriptor(),
                 ("sendmsg", libc::SYS_sendmsg, [9, 0, 0x4040, 0, 0, 0]),
             ],
+            Role::Directory => vec![
+                tcp_socket(),
+                ("connect", libc::SYS_connect, [9, 0, 16, 0, 0, 0]),
+                (
+                    "getsockopt SO_ERROR",
+                    libc::SYS_getsockopt,
+                    [9, libc::SOL_SOCKET as u64, libc::SO_ERROR as u64, 0, 0, 0],
+                ),
+                ("poll", libc::SYS_poll, [0, 1, 500, 0, 0, 0]),
+                ("ppoll", libc::SYS_ppoll, [0, 1, 0, 0, 8, 0]),
+                ("sendto", libc::SYS_sendto, [9, 0, 200, 0x4000, 0, 0]),
+                ("recvfrom", libc::SYS_recvfrom, [9, 0, 16384, 0, 0, 0]),
+                nanosleep,
+            ],
         }
     }
 
@@ -316,7 +393,13 @@ mod tests {
             &ROLES,
             &[
                 (any("accept4", libc::SYS_accept4), &[Main, Admin]),
-                (any("nanosleep", libc::SYS_clock_nanosleep), &[Main, Admin]),
+                (
+                    any("nanosleep", libc::SYS_clock_nanosleep),
+                    &[Main, Admin, Directory],
+                ),
+                (tcp_socket(), &[Directory]),
+                (any("connect", libc::SYS_connect), &[Directory]),
+                (any("recvfrom", libc::SYS_recvfrom), &[Directory]),
                 (any("eventfd2", libc::SYS_eventfd2), &[Main]),
                 (any("recvmsg", libc::SYS_recvmsg), &[Connection, Admin]),
                 (
@@ -338,13 +421,20 @@ mod tests {
     #[test]
     fn dangerous_calls_are_in_no_role() {
         // Besides the calls no daemon may make: hostd's sockets are bound
-        // before the sandbox; it connects nowhere, creates no socket but a
-        // socketpair, removes no file and changes no mode or priority.
+        // before the sandbox; it connects nowhere but to etcd (the
+        // directory's role), creates no socket but a socketpair otherwise,
+        // removes no file and changes no mode or priority.
+        let not_directory: Vec<Role> = ROLES
+            .into_iter()
+            .filter(|&r| r != Role::Directory)
+            .collect();
+        assert_no_role_allows(
+            &not_directory,
+            &[("socket", libc::SYS_socket), ("connect", libc::SYS_connect)],
+        );
         assert_no_role_allows(
             &ROLES,
             &[
-                ("socket", libc::SYS_socket),
-                ("connect", libc::SYS_connect),
                 ("unlink", libc::SYS_unlink),
                 ("unlinkat", libc::SYS_unlinkat),
                 ("chmod", libc::SYS_chmod),
@@ -374,6 +464,26 @@ mod tests {
             (libc::SYS_statx, [cwd, 0, 0, 0xfff, 0, 0]),
         ] {
             assert_eq!(run(&conn, nr, args), KILL, "{nr} {args:?}");
+        }
+        // The directory: IPv4 TCP sockets only, SO_ERROR only.
+        let dir = x86_64_filter(Role::Directory);
+        let dgram = libc::SOCK_DGRAM as u64;
+        let raw = libc::SOCK_RAW as u64;
+        for (nr, args) in [
+            (libc::SYS_socket, [inet, dgram, 0, 0, 0, 0]),
+            (libc::SYS_socket, [inet, raw, 17, 0, 0, 0]),
+            (libc::SYS_socket, [UNIX, stream, 0, 0, 0, 0]),
+            (
+                libc::SYS_socket,
+                [libc::AF_INET6 as u64, stream, 0, 0, 0, 0],
+            ),
+            (libc::SYS_socket, [libc::AF_NETLINK as u64, raw, 0, 0, 0, 0]),
+            (libc::SYS_getsockopt, [3, sol, peercred, 0, 0, 0]),
+            (libc::SYS_setsockopt, [3, sol, rcvbuf, 0, 0, 0]),
+            (libc::SYS_bind, [3, 0, 16, 0, 0, 0]),
+            (libc::SYS_ioctl, [3, libc::FIONBIO, 0, 0, 0, 0]),
+        ] {
+            assert_eq!(run(&dir, nr, args), KILL, "directory: {nr} {args:?}");
         }
         let realtime = libc::CLOCK_REALTIME as u64;
         let datapath = x86_64_filter(Role::Datapath);

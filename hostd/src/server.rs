@@ -15,13 +15,14 @@
 //! The policy can be replaced while hostd runs ([`Server::reload`]): the
 //! new one applies to new devices and objects at once, to the scheduler at
 //! once, and each connected vdev whose tenant's policy changed is sent
-//! [`Notification::Policy`] on its notification channel.
+//! [`Notification::Policy`] on its notification channel. The same reload
+//! re-reads the cluster file of the directory (`[fabric]`), if any.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fs::File;
 use std::os::fd::{AsRawFd, RawFd};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use std::time::Instant;
 
 use vmm_sys_util::eventfd::EventFd;
@@ -38,6 +39,7 @@ use crate::datapath::Datapath;
 use crate::engine::guest::SharedMapping;
 use crate::engine::{DeviceId, EngineError};
 use crate::lids::LidTable;
+use crate::net::directory::Directory;
 use crate::seccomp::{Role, Threads};
 use crate::stats::{Stats, TenantStats};
 
@@ -219,6 +221,8 @@ pub struct Server {
     /// Reloads run one at a time.
     reloading: Mutex<()>,
     quota_keys: Vec<String>,
+    /// The directory of the cluster (`[fabric]`), once set.
+    directory: OnceLock<Arc<dyn Directory>>,
 }
 
 impl Server {
@@ -246,7 +250,21 @@ impl Server {
             registry: Mutex::new(registry),
             reloading: Mutex::new(()),
             quota_keys: quota_keys(),
+            directory: OnceLock::new(),
         })
+    }
+
+    /// Puts hostd in a cluster: `directory` says where remote GIDs live,
+    /// and is reloaded with the policy. Set once, before serving.
+    pub fn set_directory(&self, directory: Arc<dyn Directory>) {
+        if self.directory.set(directory).is_err() {
+            tracing::error!("The directory was set twice: the first one stays");
+        }
+    }
+
+    /// The directory of the cluster, if hostd is in one.
+    pub fn directory(&self) -> Option<&Arc<dyn Directory>> {
+        self.directory.get()
     }
 
     fn registry(&self) -> MutexGuard<'_, Registry> {
@@ -711,14 +729,65 @@ impl Server {
     /// removed tenant's devices keep running on its last policy. If the
     /// file is invalid, the policy in force stays and the error (file,
     /// line, key) is returned.
+    ///
+    /// Then the directory's cluster file is re-read too (if hostd is in a
+    /// cluster), with GIDs without a network resolved through the policy
+    /// now in force; its changes follow the policy's, each line starting
+    /// with `directory:`. A bad cluster file keeps the directory's view
+    /// and fails the reload (the policy, if valid, is in force).
     pub fn reload(&self) -> Result<Reloaded, String> {
         let _one_at_a_time = self.reloading.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(file) = self.config.policy_file.clone() else {
-            let why = "hostd runs the built-in default policy (no policy file configured): \
-                       nothing to reload";
-            tracing::error!("Policy reload refused: {why}");
-            return Err(why.to_owned());
+        let directory = self.directory.get();
+        let policy = match &self.config.policy_file {
+            Some(file) => Some(self.reload_policy(file.clone())),
+            None if directory.is_some() => None,
+            None => {
+                let why = "hostd runs the built-in default policy (no policy file configured): \
+                           nothing to reload";
+                tracing::error!("Policy reload refused: {why}");
+                return Err(why.to_owned());
+            }
         };
+        let Some(directory) = directory else {
+            return policy.unwrap_or_else(|| Err("nothing to reload".to_owned()));
+        };
+        let cluster_file = directory.cluster_file();
+        let in_force = self.policy();
+        let dir = directory.reload(&in_force).map_err(|e| {
+            let why = vrdma_errors::error_chain(&e);
+            tracing::error!("Directory reload failed, the directory's view stays: {why}");
+            why
+        });
+        if let Ok(changes) = &dir {
+            tracing::info!(
+                file = %cluster_file.display(),
+                changes = changes.len(),
+                "Directory reloaded"
+            );
+            for change in changes {
+                tracing::info!("Directory change: {change}");
+            }
+        }
+        match (policy, dir) {
+            (Some(Err(p)), Err(d)) => Err(format!("{p}; {d}")),
+            (Some(Err(why)), Ok(_)) | (_, Err(why)) => Err(why),
+            (Some(Ok(mut r)), Ok(changes)) => {
+                r.changes
+                    .extend(changes.into_iter().map(|c| format!("directory: {c}")));
+                Ok(r)
+            }
+            (None, Ok(changes)) => Ok(Reloaded {
+                file: cluster_file,
+                changes: changes
+                    .into_iter()
+                    .map(|c| format!("directory: {c}"))
+                    .collect(),
+            }),
+        }
+    }
+
+    /// The policy half of [`Server::reload`].
+    fn reload_policy(&self, file: PathBuf) -> Result<Reloaded, String> {
         let new = match crate::policy::load(&file, self.config.physical_qps) {
             Ok(policy) => Arc::new(policy),
             Err(e) => {
