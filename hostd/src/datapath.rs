@@ -19,8 +19,9 @@
 //! devices' drivers to kick (NEED_KICK in each doorbell page), looks once
 //! more — a driver that rang before it saw the flag is found here — and
 //! sleeps in epoll on the drivers' doorbell eventfds, its wake eventfd
-//! (devices came or went, a control request made work) and a timerfd for
-//! the earliest RNR or retry timer, rate limit or port slot.
+//! (devices came or went, a control request made work), a timerfd for
+//! the earliest RNR or retry timer, rate limit or port slot, and (thread
+//! 0, in a cluster) the network's receive queue.
 
 use std::io;
 use std::os::fd::AsRawFd;
@@ -40,6 +41,7 @@ use crate::seccomp::{Role, Threads};
 /// epoll tokens that are not device ids (device ids start at 1).
 const WAKE_TOKEN: u64 = u64::MAX;
 const TIMER_TOKEN: u64 = u64::MAX - 1;
+const PACKETS_TOKEN: u64 = u64::MAX - 2;
 /// Busy turns between two yields of a thread that has work: often enough
 /// that tenants' threads sharing its core get it, rarely enough to cost
 /// nothing.
@@ -133,6 +135,17 @@ impl Datapath {
             timer.as_raw_fd(),
             EpollEvent::new(EventSet::IN, TIMER_TOKEN),
         )?;
+        // Thread 0 also sleeps on the network's receive queue (any thread's
+        // round takes packets; one watcher is enough to be woken).
+        if index == 0 {
+            if let Some(fd) = self.lock().wire().map(|w| w.rx_fd()) {
+                epoll.ctl(
+                    ControlOperation::Add,
+                    fd,
+                    EpollEvent::new(EventSet::IN, PACKETS_TOKEN),
+                )?;
+            }
+        }
         let mut mine = Mine::default();
         let mut last_work = Instant::now();
         let mut turns: u32 = 0;
@@ -198,6 +211,8 @@ impl Datapath {
                     TIMER_TOKEN => {
                         let _ = timer.clear();
                     }
+                    // The next round reads them.
+                    PACKETS_TOKEN => {}
                     id => mine.clear(id),
                 }
             }

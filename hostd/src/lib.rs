@@ -71,6 +71,12 @@ pub enum Error {
     Admin(#[source] std::io::Error),
     #[error("Cannot open the directory of the cluster")]
     Directory(#[source] net::directory::DirectoryError),
+    #[error("Cannot open the RoCEv2 packet queues (UDP port {port})")]
+    PacketIo {
+        port: u16,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// What hostd opens before entering its sandbox: the SIGHUP signalfd and
@@ -82,6 +88,8 @@ pub struct Opened {
     admin_listener: Listener,
     listener: Listener,
     directory: Option<Arc<dyn net::directory::Directory>>,
+    /// The packet queues RoCEv2 goes through (with a directory).
+    packet_io: Option<Box<dyn net::io::PacketIo>>,
 }
 
 impl std::fmt::Debug for Opened {
@@ -133,11 +141,21 @@ pub fn open(config: &Config) -> Result<Opened, Error> {
         .transpose()
         .map_err(Error::Directory)?
         .map(Arc::from);
+    let packet_io = match &directory {
+        Some(_) => {
+            let port = net::io::ROCE_V2_PORT;
+            let io = net::io::UdpIo::open(std::net::Ipv4Addr::UNSPECIFIED, port)
+                .map_err(|source| Error::PacketIo { port, source })?;
+            Some(Box::new(io) as Box<dyn net::io::PacketIo>)
+        }
+        None => None,
+    };
     Ok(Opened {
         sighup,
         admin_listener,
         listener,
         directory,
+        packet_io,
     })
 }
 
@@ -157,8 +175,13 @@ pub fn serve(config: &Config, opened: Opened, threads: &Threads) -> Result<(), E
         admin_listener,
         listener,
         directory,
+        packet_io,
     } = opened;
     let datapath = datapath(config).map_err(Error::Datapath)?;
+    if let (Some(io), Some(directory)) = (packet_io, &directory) {
+        let wire = engine::wire::Wire::new(io, Arc::clone(directory));
+        datapath.lock().attach_wire(wire);
+    }
     datapath.start(threads).map_err(Error::Datapath)?;
     let server = Server::new(config.clone(), datapath);
     if let Some(directory) = directory {

@@ -20,7 +20,7 @@ use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use vrdma_roce::{Bth, Headers, Ipv4Meta, Psn, ROCE_V2_PORT};
+use vrdma_roce::{Bth, Headers, Ipv4Meta, Psn};
 
 use crate::net::directory::Directory;
 use crate::net::io::{InPacket, OutPacket, PacketIo};
@@ -39,7 +39,7 @@ const RX_CALLS: usize = 8;
 /// The AETH credit code for "no credit information" (IBA 9.7.5.1.3).
 pub const NO_CREDITS: u8 = 31;
 /// The default P_Key, the only one vrdma's port has.
-pub const DEFAULT_PKEY: u16 = 0xffff;
+pub use vrdma_roce::DEFAULT_PKEY;
 
 /// RC opcodes (IBA table 37: transport RC is 000).
 pub mod op {
@@ -67,11 +67,9 @@ pub mod op {
     pub const CMP_SWAP: u8 = 0x13;
     pub const FETCH_ADD: u8 = 0x14;
 
-    /// The opcode of `code` (one of the constants above).
+    /// The opcode of `code` (one of the constants above, all RC opcodes).
     pub fn opcode(code: u8) -> Opcode {
-        Opcode::try_from(code).unwrap_or(Opcode::try_from(SEND_ONLY).unwrap_or_else(|_| {
-            unreachable!("SEND_ONLY is an opcode")
-        }))
+        Opcode::from_u8(code).unwrap_or(Opcode::RcSendOnly)
     }
 
     pub fn is_send(code: u8) -> bool {
@@ -135,14 +133,7 @@ pub fn bth(code: u8, dest_qp: u32, psn: Psn) -> Bth {
 
 /// Headers of a packet with `bth` and no extension header yet.
 pub fn headers(bth: Bth) -> Headers {
-    Headers {
-        bth,
-        reth: None,
-        aeth: None,
-        atomic: None,
-        atomic_ack: None,
-        imm: None,
-    }
+    Headers::new(bth)
 }
 
 /// What queueing a packet came to.
@@ -221,14 +212,7 @@ impl Wire {
                 return Emit::Full;
             }
         }
-        let meta = Ipv4Meta {
-            src: path.src,
-            dst: path.dst,
-            id: 0,
-            flags_frag: 0x4000,
-            src_port: self.io.src_port(),
-            dst_port: ROCE_V2_PORT,
-        };
+        let meta = Ipv4Meta::outgoing(path.src, path.dst, self.io.src_port());
         let slot = &mut self.tx[self.tx_len];
         let start = vrdma_roce::header_len(h);
         let Some(payload) = slot.buf.get_mut(start..start + len) else {

@@ -1,0 +1,185 @@
+//! An in-memory network between engines, for the transport's unit tests:
+//! a [`PacketIo`] whose sends become whole IPv4 datagrams (the headers a
+//! kernel would write: ID 0, DF) in the queue of the engine whose GIDs
+//! they are addressed to, with faults a test asks for. The real queues
+//! (UDP and raw sockets) are tested in `hostd/tests/packet_io.rs` and the
+//! multi-host tests; this one makes loss, duplication, reordering and
+//! corruption deterministic.
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::Ipv4Addr;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_roce::{write_ipv4_udp_header, Ipv4Meta};
+
+use crate::net::io::{InPacket, IoCounters, OutPacket, PacketIo, MAX_IN_PACKET};
+
+/// What the network does to the packets it carries.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Faults {
+    /// Drop every `n`th packet (0: none).
+    pub drop_every: u32,
+    /// Send every `n`th packet twice.
+    pub dup_every: u32,
+    /// Hold every `n`th packet back behind the next one.
+    pub swap_every: u32,
+    /// Flip a bit in every `n`th packet's UDP payload.
+    pub corrupt_every: u32,
+}
+
+/// One end's inbox and the addresses it owns.
+#[derive(Debug)]
+struct Port {
+    gids: Vec<Ipv4Addr>,
+    inbox: VecDeque<Vec<u8>>,
+    ready: EventFd,
+}
+
+/// The shared medium.
+#[derive(Debug, Default)]
+struct Medium {
+    ports: Vec<Port>,
+    faults: Faults,
+    count: u64,
+    held: Option<(usize, Vec<u8>)>,
+    /// Packets carried, and packets the faults harmed.
+    pub carried: u64,
+    pub harmed: u64,
+}
+
+/// The network: hand out one end per engine.
+#[derive(Debug, Clone, Default)]
+pub struct Link(Arc<Mutex<Medium>>);
+
+impl Link {
+    fn medium(&self) -> MutexGuard<'_, Medium> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// An end owning `gids`.
+    pub fn end(&self, gids: &[Ipv4Addr]) -> LinkIo {
+        let mut m = self.medium();
+        let ready = EventFd::new(EFD_NONBLOCK).unwrap_or_else(|e| panic!("eventfd: {e}"));
+        let fd = ready.as_raw_fd();
+        m.ports.push(Port {
+            gids: gids.to_vec(),
+            inbox: VecDeque::new(),
+            ready,
+        });
+        LinkIo {
+            link: self.clone(),
+            port: m.ports.len() - 1,
+            fd,
+        }
+    }
+
+    /// From now on, `faults` apply.
+    pub fn set_faults(&self, faults: Faults) {
+        self.medium().faults = faults;
+    }
+
+    /// Packets harmed by faults so far.
+    pub fn harmed(&self) -> u64 {
+        self.medium().harmed
+    }
+}
+
+/// One engine's end of the [`Link`].
+#[derive(Debug)]
+pub struct LinkIo {
+    link: Link,
+    port: usize,
+    fd: RawFd,
+}
+
+impl Medium {
+    fn deliver(&mut self, dst: Ipv4Addr, datagram: Vec<u8>) {
+        if let Some(p) = self.ports.iter_mut().find(|p| p.gids.contains(&dst)) {
+            p.inbox.push_back(datagram);
+            let _ = p.ready.write(1);
+        }
+    }
+
+    fn carry(&mut self, dst: Ipv4Addr, mut datagram: Vec<u8>) {
+        self.count += 1;
+        self.carried += 1;
+        let n = self.count;
+        let every = |k: u32| k != 0 && n.is_multiple_of(u64::from(k));
+        let f = self.faults;
+        if every(f.drop_every) {
+            self.harmed += 1;
+            return;
+        }
+        if every(f.corrupt_every) && datagram.len() > 40 {
+            self.harmed += 1;
+            let i = 28 + (n as usize * 7) % (datagram.len() - 28);
+            datagram[i] ^= 1 << (n % 8);
+        }
+        if every(f.dup_every) {
+            self.harmed += 1;
+            self.deliver(dst, datagram.clone());
+        }
+        if every(f.swap_every) && self.held.is_none() {
+            self.harmed += 1;
+            self.held = Some((self.count as usize, datagram));
+            // Kept for after the next packet.
+            let _ = dst;
+            return;
+        }
+        self.deliver(dst, datagram);
+        if let Some((_, held)) = self.held.take() {
+            let to = Ipv4Addr::new(held[16], held[17], held[18], held[19]);
+            self.deliver(to, held);
+        }
+    }
+}
+
+impl PacketIo for LinkIo {
+    fn send(&mut self, batch: &[OutPacket]) -> io::Result<usize> {
+        let mut m = self.link.medium();
+        for p in batch {
+            let payload = p.payload();
+            let mut datagram = vec![0u8; 28 + payload.len()];
+            let meta = Ipv4Meta::outgoing(p.src, p.dst, self.src_port());
+            write_ipv4_udp_header(&mut datagram, &meta, p.tos, 64, payload.len())
+                .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e.to_string()))?;
+            datagram[28..].copy_from_slice(payload);
+            m.carry(p.dst, datagram);
+        }
+        Ok(batch.len())
+    }
+
+    fn recv(&mut self, bufs: &mut [InPacket]) -> io::Result<usize> {
+        let mut m = self.link.medium();
+        let Some(port) = m.ports.get_mut(self.port) else {
+            return Ok(0);
+        };
+        let _ = port.ready.read();
+        let mut n = 0;
+        while n < bufs.len() {
+            let Some(d) = port.inbox.pop_front() else {
+                break;
+            };
+            let len = d.len().min(MAX_IN_PACKET);
+            bufs[n].buf[..len].copy_from_slice(&d[..len]);
+            bufs[n].len = len;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    fn rx_fd(&self) -> RawFd {
+        self.fd
+    }
+
+    fn src_port(&self) -> u16 {
+        0xc000 + self.port as u16
+    }
+
+    fn counters(&self) -> IoCounters {
+        IoCounters::default()
+    }
+}
