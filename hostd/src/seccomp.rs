@@ -14,7 +14,9 @@
 //! - [`Role::Datapath`] — the polling threads: epoll on their own
 //!   duplicates of the doorbell eventfds, a monotonic timerfd,
 //!   `sched_yield`; they read and write the tenants' mapped memory (rings,
-//!   buffers) and the eventfds.
+//!   buffers) and the eventfds, and send and receive RoCEv2 packets
+//!   (`sendmmsg`, `recvmmsg`, never waiting) on the sockets of
+//!   `net::io::UdpIo`, opened before the sandbox.
 //! - [`Role::Admin`] — the admin socket's listener and its clients
 //!   (`vrdmactl`: stats, metrics, reload).
 //! - [`Role::Sighup`] — reload on SIGHUP, read from a signalfd.
@@ -168,6 +170,11 @@ fn datapath_rules() -> Result<Rules, SeccompError> {
         1,
         &[libc::F_DUPFD_CLOEXEC as u64, libc::F_GETFD as u64],
     )?;
+    // RoCEv2 packets (net::io::UdpIo) on the sockets opened before the
+    // sandbox: batches sent and received, never waiting (MSG_DONTWAIT).
+    let dontwait = libc::MSG_DONTWAIT as u64;
+    r.allow_if_eq(libc::SYS_sendmmsg, 3, &[dontwait])?;
+    r.allow_if_eq(libc::SYS_recvmmsg, 3, &[dontwait])?;
     Ok(r)
 }
 
@@ -347,6 +354,8 @@ mod tests {
                     [0, 128, 0, 0, 0, 0],
                 ),
                 fcntl(libc::F_DUPFD_CLOEXEC),
+                ("sendmmsg", libc::SYS_sendmmsg, [9, 0, 64, 0x40, 0, 0]),
+                ("recvmmsg", libc::SYS_recvmmsg, [10, 0, 64, 0x40, 0, 0]),
             ],
             Role::Admin => vec![
                 ("accept4", libc::SYS_accept4, [4, 0, 0, 0o2000000, 0, 0]),
@@ -414,6 +423,14 @@ mod tests {
                 (any("epoll_wait", libc::SYS_epoll_wait), &[Datapath]),
                 (monotonic_timer(), &[Datapath]),
                 (any("sched_yield", libc::SYS_sched_yield), &[Datapath]),
+                (
+                    ("sendmmsg", libc::SYS_sendmmsg, [9, 0, 64, 0x40, 0, 0]),
+                    &[Datapath],
+                ),
+                (
+                    ("recvmmsg", libc::SYS_recvmmsg, [9, 0, 64, 0x40, 0, 0]),
+                    &[Datapath],
+                ),
             ],
         );
     }
@@ -492,6 +509,10 @@ mod tests {
         // Pinning another thread or process.
         let other = [1234, 128, 0, 0, 0, 0];
         assert_eq!(run(&datapath, libc::SYS_sched_setaffinity, other), KILL);
+        // Packets never wait: a blocking send or receive is refused.
+        for nr in [libc::SYS_sendmmsg, libc::SYS_recvmmsg] {
+            assert_eq!(run(&datapath, nr, [9, 0, 64, 0, 0, 0]), KILL, "{nr}");
+        }
         for role in ROLES {
             let f = x86_64_filter(role);
             let rwx = RW | libc::PROT_EXEC as u64;

@@ -155,10 +155,12 @@ impl UdpIo {
     /// One `sendmmsg` of the first packets of `batch` (not empty): how
     /// many packets it is done with, or `None` when the queue is full.
     fn send_some(&mut self, batch: &[OutPacket]) -> Option<usize> {
-        // SAFETY (all three): all-zero is a valid value of these C structs
-        // (null pointers, zero lengths).
+        // SAFETY: all-zero is a valid value of these C structs (null
+        // pointers, zero lengths).
         let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
         let mut iovs: [libc::iovec; 2 * BATCH] = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
         let mut addrs: [libc::sockaddr_in; BATCH] = unsafe { std::mem::zeroed() };
         let mut cmsgs = [Cmsgs([0; CMSG_ROOM]); BATCH];
         let mut icrcs = [[0u8; ICRC_LEN]; BATCH];
@@ -426,7 +428,7 @@ fn put_cmsg(buf: &mut [u8], at: usize, level: c_int, kind: c_int, data: &[u8]) -
     buf[at + 8..at + 12].copy_from_slice(&level.to_ne_bytes());
     buf[at + 12..at + 16].copy_from_slice(&kind.to_ne_bytes());
     buf[at + HDR..at + len].copy_from_slice(data);
-    at + (len + ALIGN - 1) / ALIGN * ALIGN
+    at + len.div_ceil(ALIGN) * ALIGN
 }
 
 /// A message's control messages: its source address (`IP_PKTINFO`'s
