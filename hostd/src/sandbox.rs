@@ -58,7 +58,7 @@ impl Sandbox {
         };
         let walls = Walls {
             daemon: "hostd",
-            keep: readable.iter().cloned().collect(),
+            keep: readable.clone(),
             fs: FsPolicy {
                 paths: readable
                     .iter()
@@ -66,8 +66,12 @@ impl Sandbox {
                     .collect(),
             },
             fs_summary: format!(
-                "no file-system access but reading the policy and cluster files \
-                 (readable: {summary})"
+                "no file-system access but reading the {} (readable: {summary})",
+                if config.fabric.is_some() {
+                    "policy and cluster files"
+                } else {
+                    "policy file"
+                }
             ),
             // hostd locks no memory.
             memlock: 0,
