@@ -16,7 +16,10 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Welcome included, so that a vdev and a hostd of different builds meet a
 /// clear EPROTO instead of a decoding error. 3: hostd reads the guest's
 /// rings itself (doorbell page, event rings, CQs and QPs by their rings).
-pub const PROTOCOL_VERSION: u32 = 3;
+/// 4: devices are addressed by GID (RoCEv2): the Welcome carries the
+/// device's GID, a connection names its peer by GID and carries every
+/// attribute of the connection.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// A request from vdev to hostd.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -24,7 +27,7 @@ pub const PROTOCOL_VERSION: u32 = 3;
 pub enum Request {
     /// First message: who this vdev serves. hostd checks the tenant against
     /// its policy and the peer's credentials, assigns the device's LID and
-    /// grants physical queues. The response carries one fd: the
+    /// GID and grants physical queues. The response carries one fd: the
     /// notification channel (a seqpacket socket on which hostd sends
     /// [`Notification`]s).
     Hello {
@@ -137,21 +140,33 @@ pub struct QpModify {
     pub vqpn: u32,
     /// The new state, a [`vrdma_spec::verbs::QpState`].
     pub state: u8,
-    /// At RTR: the peer and how the QP behaves as requester and responder.
-    /// hostd checks the peer is reachable for this tenant.
+    /// At RTR, and again at RTS: the peer and how the QP behaves as
+    /// requester and responder (at RTS complete: the requester's
+    /// attributes are known). hostd checks the peer is reachable for this
+    /// tenant.
     pub connection: Option<QpConnection>,
     /// The QP's remote access flags, when they changed
     /// ([`vrdma_spec::verbs::access`]).
     pub access: Option<u32>,
 }
 
-/// Where a virtual QP sends, and how it behaves as RC requester/responder.
+/// Where a virtual QP sends, and how it behaves as RC requester/responder:
+/// the whole connection, as the application gave it across `modify_qp`
+/// calls (vdev keeps the attributes of earlier calls, so the connection
+/// sent at RTS holds what RTR set).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QpConnection {
-    /// The peer's LID and QP number.
-    pub dest_lid: u16,
+    /// The peer's GID (an IPv4-mapped address, [`vrdma_spec::gid`]).
+    pub dgid: [u8; 16],
+    /// The peer's QP number (24 bits).
     pub dest_qpn: u32,
+    /// GRH flow label (20 bits).
+    pub flow_label: u32,
+    /// GRH hop limit (the IP TTL).
+    pub hop_limit: u8,
+    /// GRH traffic class (the IP TOS).
+    pub traffic_class: u8,
     /// Remote access this QP grants its peer ([`vrdma_spec::verbs::access`]).
     pub access: u32,
     /// RNR retries of this QP as requester (7 = infinite).
@@ -160,6 +175,18 @@ pub struct QpConnection {
     pub retry_cnt: u8,
     /// RNR timer code this QP advertises as responder (IBA table).
     pub min_rnr_timer: u8,
+    /// Local ACK timeout exponent (4.096 µs × 2^timeout; 0 = infinite).
+    pub timeout: u8,
+    /// Path MTU in bytes (256, 512, 1024, 2048 or 4096).
+    pub path_mtu: u32,
+    /// First PSN this QP sends (24 bits).
+    pub sq_psn: u32,
+    /// First PSN this QP expects (24 bits).
+    pub rq_psn: u32,
+    /// READs and atomics this QP may have outstanding as requester.
+    pub max_rd_atomic: u8,
+    /// READs and atomics it accepts outstanding as responder.
+    pub max_dest_rd_atomic: u8,
 }
 
 /// One piece of a memory region: `len` bytes at `offset` in memory slot `slot`.
@@ -203,8 +230,12 @@ pub enum Response {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Welcome {
-    /// The device's LID on hostd's fabric.
+    /// The device's LID on this host (it names the device; the port
+    /// reports no LID, its link layer being Ethernet).
     pub lid: u16,
+    /// The device's GID: what its peers' connections name it by, and
+    /// entry 0 of its port's GID table (an IPv4-mapped address).
+    pub gid: [u8; 16],
     /// Physical QPs of hostd's NIC the device's virtual QPs are
     /// multiplexed onto.
     pub physical_queues: u32,
@@ -303,12 +334,21 @@ mod tests {
             vqpn: 1,
             state: 2,
             connection: Some(QpConnection {
-                dest_lid: 2,
+                dgid: vrdma_spec::gid::ipv4_mapped([10, 200, 1, 2]),
                 dest_qpn: 9,
+                flow_label: 0xfffff,
+                hop_limit: 64,
+                traffic_class: 0x20,
                 access: 7,
                 rnr_retry: 7,
                 retry_cnt: 3,
                 min_rnr_timer: 12,
+                timeout: 14,
+                path_mtu: 4096,
+                sq_psn: 0xff_ffff,
+                rq_psn: 1,
+                max_rd_atomic: 16,
+                max_dest_rd_atomic: 4,
             }),
             access: None,
         });

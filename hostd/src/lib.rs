@@ -22,6 +22,8 @@
 //! - [`accept`]: the accept loop of both sockets, a thread per connection.
 //! - [`ids`]: fast hash maps and slabs for identifiers hostd assigns.
 //! - [`lids`]: device LIDs, stable per device name and bounded per tenant.
+//! - [`gids`]: device GIDs (what connections name a peer by) and what a
+//!   destination GID resolves to.
 //! - [`sandbox`]: the walls hostd puts up around itself before it serves,
 //!   in the order `main.rs` runs them; [`seccomp`]: hostd's thread roles
 //!   and the system calls each may make.
@@ -31,6 +33,7 @@ pub mod admin;
 pub mod config;
 pub mod datapath;
 pub mod engine;
+pub mod gids;
 pub mod ids;
 pub mod lids;
 pub mod net;

@@ -6,8 +6,8 @@
 //! must be in the policy, the peer's kernel-reported uid must match the
 //! tenant's, its devices get the tenant's `physical_queues`, its memory
 //! registrations stay within its memory quotas (over all its devices), and
-//! a QP may only be connected to a device whose tenant's network this
-//! tenant reaches. Every request is validated before the NIC sees it and
+//! a QP may only be connected to a GID whose device's tenant's network
+//! this tenant reaches. Every request is validated before the NIC sees it and
 //! refused with a real errno. A vdev that breaks the protocol (undecodable
 //! message) is disconnected; on any disconnect everything it had — QPs,
 //! keys, memory, pQPs — is torn down while other vdevs keep running.
@@ -38,6 +38,7 @@ use crate::config::{Config, MAX_QUEUES_PER_DEVICE};
 use crate::datapath::Datapath;
 use crate::engine::guest::SharedMapping;
 use crate::engine::{DeviceId, EngineError};
+use crate::gids::{self, Gid, Peer};
 use crate::lids::LidTable;
 use crate::net::directory::Directory;
 use crate::seccomp::{Role, Threads};
@@ -133,6 +134,8 @@ struct Registry {
     lids: LidTable,
     /// Connected devices by LID.
     connected: HashMap<u16, Connected>,
+    /// The LIDs of connected devices by GID.
+    by_gid: HashMap<Gid, u16>,
     free_pqps: BTreeSet<u32>,
     next_device: DeviceId,
     /// The policy in force: who may connect, with what.
@@ -143,6 +146,15 @@ struct Registry {
 }
 
 impl Registry {
+    /// What a connection towards `dgid` reaches: a device of this host,
+    /// one of another host, or nothing known.
+    fn resolve_peer(&self, dgid: &Gid) -> Peer<&Connected> {
+        match self.by_gid.get(dgid).and_then(|lid| self.connected.get(lid)) {
+            Some(device) => Peer::Local(device),
+            None => Peer::Unknown,
+        }
+    }
+
     /// Devices of `tenant` connected now.
     fn devices_of(&self, tenant: &str) -> usize {
         self.connected
@@ -190,6 +202,7 @@ impl Registry {
 struct Session {
     id: DeviceId,
     lid: u16,
+    gid: Gid,
     tenant: String,
     device: String,
     pqps: Vec<u32>,
@@ -235,6 +248,7 @@ impl Server {
         let registry = Registry {
             lids: LidTable::default(),
             connected: HashMap::new(),
+            by_gid: HashMap::new(),
             free_pqps: (0..config.physical_qps).collect(),
             next_device: 1,
             known: policy
@@ -368,11 +382,13 @@ impl Server {
         self.datapath.wake();
         let mut reg = self.registry();
         reg.connected.remove(&s.lid);
+        reg.by_gid.remove(&s.gid);
         reg.free_pqps.extend(s.pqps.iter().copied());
         tracing::info!(
             tenant = %s.tenant,
             device = %s.device,
             lid = s.lid,
+            gid = %gids::show(&s.gid),
             "vdev disconnected"
         );
     }
@@ -544,17 +560,21 @@ impl Server {
         }
     }
 
-    /// Refuses a connection towards a device outside the networks the
-    /// session's tenant may reach (`EACCES`), or to no device (`ENOENT`).
+    /// Refuses a connection towards a GID whose device is outside the
+    /// networks the session's tenant may reach (`EACCES`), or towards a GID
+    /// no device of this host has (`ENOENT`).
     fn check_reachable(&self, s: &Session, conn: &QpConnection) -> Result<(), Refusal> {
         let (mine, theirs) = {
             let reg = self.registry();
-            let dest = reg.connected.get(&conn.dest_lid).ok_or_else(|| {
-                refuse(
-                    libc::ENOENT,
-                    format!("No device with LID {:#x} is connected", conn.dest_lid),
-                )
-            })?;
+            let dest = match reg.resolve_peer(&conn.dgid) {
+                Peer::Local(dest) => dest,
+                Peer::Remote | Peer::Unknown => {
+                    return Err(refuse(
+                        libc::ENOENT,
+                        format!("No device with GID {} is connected", gids::show(&conn.dgid)),
+                    ))
+                }
+            };
             (
                 reg.known.get(&s.tenant).cloned(),
                 reg.known.get(&dest.tenant).cloned(),
@@ -568,15 +588,16 @@ impl Server {
             return Err(refuse(
                 libc::EACCES,
                 format!(
-                    "LID {:#x} is outside the networks tenant {} may reach",
-                    conn.dest_lid, s.tenant
+                    "GID {} is outside the networks tenant {} may reach",
+                    gids::show(&conn.dgid),
+                    s.tenant
                 ),
             ));
         }
         Ok(())
     }
 
-    /// Checks a Hello, assigns the LID, grants pQPs and starts serving
+    /// Checks a Hello, assigns the LID and GID, grants pQPs and starts serving
     /// the device's rings. Returns the session, the Welcome and the vdev's
     /// end of the notification channel to send.
     fn hello(
@@ -606,7 +627,7 @@ impl Server {
         let (ours, theirs) =
             Channel::pair().map_err(|e| refuse(libc::ENOMEM, vrdma_errors::error_chain(&e)))?;
         set_nonblocking(&ours).map_err(|e| refuse(libc::ENOMEM, e.to_string()))?;
-        let (id, lid, pqps, policy) = {
+        let (id, lid, gid, pqps, policy) = {
             let mut reg = self.registry();
             // Read under the registry lock: a reload either happened before
             // (this device gets the new policy) or notifies it afterwards.
@@ -637,6 +658,13 @@ impl Server {
                 return Err(refuse(
                     libc::EBUSY,
                     format!("Device {device} of tenant {tenant} is already connected"),
+                ));
+            }
+            let gid = gids::assign(tenant, device, lid);
+            if reg.by_gid.get(&gid).is_some_and(|other| *other != lid) {
+                return Err(refuse(
+                    libc::EBUSY,
+                    format!("GID {} is taken by another device", gids::show(&gid)),
                 ));
             }
             let devices = reg.devices_of(tenant);
@@ -672,6 +700,7 @@ impl Server {
                 reg.free_pqps.remove(pqp);
             }
             reg.lids.commit(assignment);
+            reg.by_gid.insert(gid, lid);
             reg.connected.insert(
                 lid,
                 Connected {
@@ -682,11 +711,12 @@ impl Server {
             );
             let id = reg.next_device;
             reg.next_device += 1;
-            (id, lid, pqps, policy)
+            (id, lid, gid, pqps, policy)
         };
         let session = Session {
             id,
             lid,
+            gid,
             tenant: tenant.to_owned(),
             device: device.to_owned(),
             pqps,
@@ -697,6 +727,7 @@ impl Server {
                     tenant,
                     device,
                     lid,
+                    gid = %gids::show(&gid),
                     pqps = ?session.pqps,
                     "vdev connected"
                 );
@@ -712,10 +743,11 @@ impl Server {
     fn start_device(&self, s: &Session, policy: TenantPolicy) -> Result<Welcome, Refusal> {
         self.datapath
             .lock()
-            .attach_device(s.id, &s.tenant, s.lid, &s.pqps, &policy)?;
+            .attach_device(s.id, &s.tenant, s.gid, &s.pqps, &policy)?;
         self.datapath.wake();
         Ok(Welcome {
             lid: s.lid,
+            gid: s.gid,
             physical_queues: s.pqps.len() as u32,
             policy,
         })

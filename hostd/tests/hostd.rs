@@ -55,11 +55,14 @@ fn hello_is_checked() {
     // One device per (tenant, device) at a time.
     let dup = Client::hello(&hostd.socket, "alpha", "vm0").map(|_| ());
     assert_eq!(dup.map_err(|e| e.0), Err(libc::EBUSY));
-    // The LID is stable for (tenant, device) across reconnects.
-    let lid = alpha.lid;
+    // The LID and GID are stable for (tenant, device) across reconnects;
+    // without a fabric the GID is 127.100.x.y, x.y the LID.
+    let (lid, gid) = (alpha.lid, alpha.gid);
+    let [x, y] = lid.to_be_bytes();
+    assert_eq!(vrdma_spec::gid::ipv4_of(&gid), Some([127, 100, x, y]));
     drop(alpha);
     let again = retry(|| Client::hello(&hostd.socket, "alpha", "vm0"));
-    assert_eq!(again.lid, lid);
+    assert_eq!((again.lid, again.gid), (lid, gid));
     // Garbage is a protocol violation: refused, then the vdev is hung up on.
     again.chan.send(&"garbage", &[]).expect("send");
     let (resp, _): (Response, _) = again.chan.recv().expect("refusal");
@@ -161,16 +164,19 @@ fn networks_keep_tenants_apart() {
     gamma.create_qp(1);
     delta.create_qp(1);
     // Reachability is checked when the QP gets its peer (RTR).
-    assert_eq!(errno(alpha.connect_qp(1, gamma.lid, 1)), Err(libc::EACCES));
-    assert_eq!(errno(gamma.connect_qp(1, alpha.lid, 1)), Err(libc::EACCES));
-    let rtr = |c: &Client, lid| errno(c.modify(1, QpState::Rtr, Some(connection(lid, 1))));
-    assert_eq!(rtr(&gamma, alpha.lid), Err(libc::EACCES));
+    // The destination GID resolves to a local device, whose tenant's
+    // network is checked.
+    assert_eq!(errno(alpha.connect_qp(1, gamma.gid, 1)), Err(libc::EACCES));
+    assert_eq!(errno(gamma.connect_qp(1, alpha.gid, 1)), Err(libc::EACCES));
+    let rtr = |c: &Client, gid| errno(c.modify(1, QpState::Rtr, Some(connection(gid, 1))));
+    assert_eq!(rtr(&gamma, alpha.gid), Err(libc::EACCES));
     // delta reaches "demo", but alpha does not reach "edge".
-    assert_eq!(errno(delta.connect_qp(1, alpha.lid, 1)), Ok(()));
-    assert_eq!(errno(alpha.connect_qp(1, delta.lid, 1)), Err(libc::EACCES));
-    // Unknown LIDs and QPs.
-    assert_eq!(errno(alpha.connect_qp(1, 0x1234, 1)), Err(libc::ENOENT));
-    assert_eq!(errno(alpha.connect_qp(77, alpha.lid, 1)), Err(libc::ENOENT));
+    assert_eq!(errno(delta.connect_qp(1, alpha.gid, 1)), Ok(()));
+    assert_eq!(errno(alpha.connect_qp(1, delta.gid, 1)), Err(libc::EACCES));
+    // Unknown GIDs (no local device, no directory) and QPs.
+    let nobody = vrdma_spec::gid::ipv4_mapped([10, 9, 8, 7]);
+    assert_eq!(errno(alpha.connect_qp(1, nobody, 1)), Err(libc::ENOENT));
+    assert_eq!(errno(alpha.connect_qp(77, alpha.gid, 1)), Err(libc::ENOENT));
     // The refusals changed nothing: alpha's QP has no peer, delta's is
     // ready to send.
     assert_eq!(alpha.query_qp(1), Ok(QpState::Init));

@@ -177,9 +177,9 @@ fn notifications_are_checked(alpha: &Client) {
 }
 
 /// State changes out of range, for a QP alpha has.
-fn modifies_are_checked(alpha: &Client, beta_lid: u16) {
+fn modifies_are_checked(alpha: &Client, beta_gid: [u8; 16]) {
     let rtr = |change: &dyn Fn(&mut QpConnection)| {
-        let mut conn = connection(beta_lid, QP_BETA);
+        let mut conn = connection(beta_gid, QP_BETA);
         change(&mut conn);
         errno(alpha.modify(QP_ALPHA, QpState::Rtr, Some(conn)))
     };
@@ -188,7 +188,12 @@ fn modifies_are_checked(alpha: &Client, beta_lid: u16) {
     assert_eq!(rtr(&|c| c.min_rnr_timer = 32), Err(libc::EINVAL));
     assert_eq!(rtr(&|c| c.access = 1 << 30), Err(libc::EINVAL));
     assert_eq!(rtr(&|c| c.dest_qpn = 1 << 24), Err(libc::EINVAL));
-    assert_eq!(rtr(&|c| c.dest_lid = 0), Err(libc::ENOENT), "no device");
+    assert_eq!(rtr(&|c| c.timeout = 32), Err(libc::EINVAL));
+    assert_eq!(rtr(&|c| c.sq_psn = 1 << 24), Err(libc::EINVAL));
+    assert_eq!(rtr(&|c| c.rq_psn = 1 << 24), Err(libc::EINVAL));
+    assert_eq!(rtr(&|c| c.path_mtu = 1000), Err(libc::EINVAL));
+    assert_eq!(rtr(&|c| c.flow_label = 1 << 20), Err(libc::EINVAL));
+    assert_eq!(rtr(&|c| c.dgid = [0; 16]), Err(libc::ENOENT), "no device");
     let state = Request::ModifyQp(QpModify {
         vqpn: QP_ALPHA,
         state: 99,
@@ -223,11 +228,11 @@ fn objects_are_the_owners(alpha: &Client, beta: &Client) {
 
 /// Alpha's WRITE on QP `qp` (index) from `(addr, lkey)` to `(raddr,
 /// rkey)`: its status. A failed QP is moved back to RTS towards
-/// `(lid, dest)` for the next try.
+/// `(gid, dest)` for the next try.
 fn attempt(
     alpha: &mut Client,
     (qp, local, remote): (usize, (u64, u32), (u64, u32)),
-    (lid, dest): (u16, u32),
+    (gid, dest): ([u8; 16], u32),
 ) -> WcStatus {
     let wqe = common::remote(send(0xbad, SendOpcode::RdmaWrite), remote.0, remote.1);
     alpha.post_sges(qp, &wqe, &[sge(local.0, 8, local.1)]);
@@ -235,7 +240,7 @@ fn attempt(
     let vqpn = alpha.driver().qps[qp].vqpn;
     if result != WcStatus::Success {
         assert_eq!(alpha.query_qp(vqpn), Ok(QpState::Err));
-        alpha.reconnect(vqpn, lid, dest);
+        alpha.reconnect(vqpn, gid, dest);
     }
     result
 }
@@ -250,12 +255,12 @@ fn hostile_client_is_contained() {
     qps_are_checked(&alpha);
     notifications_are_checked(&alpha);
     objects_are_the_owners(&alpha, &beta);
-    modifies_are_checked(&alpha, beta.lid);
+    modifies_are_checked(&alpha, beta.gid);
 
     // Keys alpha makes up or takes from beta miss: as local keys a local
     // protection error, as remote keys a remote access error.
     let (lkey_a, rkey_a, lkey_b, rkey_b) = (alpha.lkey(), alpha.rkey(), beta.lkey(), beta.rkey());
-    let to_beta = (beta.lid, QP_BETA);
+    let to_beta = (beta.gid, QP_BETA);
     let mine = (IOVA, lkey_a);
     for lkey in [lkey_b, rkey_b, rkey_a, MADE_UP_KEYS[0], MADE_UP_KEYS[1]] {
         let result = attempt(&mut alpha, (0, (IOVA, lkey), (IOVA, rkey_b)), to_beta);
@@ -283,9 +288,9 @@ fn hostile_client_is_contained() {
     let mut other = Client::ready(&hostd.socket, "beta", "vm1");
     other.create_qp(30);
     let qp31 = alpha.create_qp(31);
-    alpha.connect_qp(31, other.lid, 30).expect("connect");
-    other.connect_qp(30, alpha.lid, 31).expect("connect");
-    let to_other = (other.lid, 30);
+    alpha.connect_qp(31, other.gid, 30).expect("connect");
+    other.connect_qp(30, alpha.gid, 31).expect("connect");
+    let to_other = (other.gid, 30);
     let result = attempt(&mut alpha, (qp31, mine, (IOVA, rkey_b)), to_other);
     assert_eq!(result, WcStatus::RemAccessErr);
     assert_eq!(memory_of(&beta), before_b, "beta's memory untouched");
@@ -315,7 +320,7 @@ fn hostile_client_is_contained() {
     // Only RESET leads out of ERR; from there the QP works again.
     let rts = errno(alpha.modify(33, QpState::Rts, None));
     assert_eq!(rts, Err(libc::EINVAL), "an errored QP does not send");
-    alpha.reconnect(33, alpha.lid, 34);
+    alpha.reconnect(33, alpha.gid, 34);
     alpha.loopback_write_works(bad, 0x200, 0x5555);
     // A receive ring's producer far beyond the ring fails its QP (34) when
     // a message arrives for it; the sender finds nobody ready.

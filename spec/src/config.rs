@@ -65,7 +65,8 @@ wire_struct! {
         pub port_cap_flags: U32,
         pub max_msg_sz: U32,
         pub pkey_tbl_len: U16,
-        /// The port's LID: hostd plays the subnet manager and assigns it.
+        /// 0: the port's link layer is Ethernet (RoCEv2), which has no
+        /// LIDs; devices are addressed by their GID.
         pub lid: U16,
         pub sm_lid: U16,
         pub lmc: u8,
@@ -96,7 +97,8 @@ wire_struct! {
         pub device: DeviceAttr,
         /// Port 1, the only port.
         pub port: PortAttr,
-        /// GID table entry 0 of port 1.
+        /// GID table entry 0 of port 1 (type RoCEv2, an IPv4-mapped
+        /// address: [`crate::gid`]); the same GID QUERY_GID returns.
         pub gid: [u8; 16],
         /// NUL-padded device name the verbs library shows (`ibv_get_device_name`).
         pub name: [u8; 32],

@@ -7,6 +7,7 @@
 //! endianness, and decoding untrusted bytes is a bounds-checked copy.
 //!
 //! - [`config`]: the virtio config space (device capabilities and limits).
+//! - [`gid`]: the port's GID (an IPv4-mapped RoCEv2 address).
 //! - [`control`]: control-queue commands and their payloads.
 //! - [`limits`]: what the format carries (SGEs, inline bytes, depths, QPs)
 //!   and the arithmetic of what a QP is granted: one source for every side.
@@ -18,6 +19,7 @@
 
 pub mod config;
 pub mod control;
+pub mod gid;
 pub mod limits;
 pub mod qp_state;
 pub mod ring;
@@ -58,8 +60,11 @@ pub const VIRTIO_ID_RDMA: u32 = 42;
 /// (SGEs and inline data at slot offset 48, not 64), so that a one-SGE WQE
 /// is one cache line.
 pub const SPEC_VERSION_MAJOR: u16 = 3;
-/// Minor version: additions that an older driver may ignore.
-pub const SPEC_VERSION_MINOR: u16 = 0;
+/// Minor version: changes that keep every layout, so an older driver of
+/// the same major version works unchanged. 1: the port is RoCEv2 — link
+/// layer Ethernet, LID 0, GID 0 an IPv4-mapped address of type RoCEv2 —
+/// and MODIFY_QP's address vector must carry a GRH naming the peer's GID.
+pub const SPEC_VERSION_MINOR: u16 = 1;
 
 /// Index of the control virtqueue (verbs control path).
 pub const CONTROL_QUEUE: u16 = 0;

@@ -52,8 +52,11 @@ impl FabricError {
 #[derive(Debug)]
 pub struct Fabric {
     channel: Mutex<Channel>,
-    /// The LID hostd assigned this device.
+    /// The LID hostd assigned this device (it names the device).
     pub lid: u16,
+    /// The GID hostd assigned this device: its port's GID 0, what peers
+    /// connect to.
+    pub gid: [u8; 16],
     /// Physical QPs of hostd's NIC the device's virtual QPs share.
     pub physical_queues: u32,
     /// The tenant's policy as hostd sent it at registration.
@@ -95,6 +98,7 @@ impl Fabric {
         Ok(Fabric {
             channel: Mutex::new(channel),
             lid: welcome.lid,
+            gid: welcome.gid,
             physical_queues: welcome.physical_queues,
             policy: welcome.policy,
             notifications: Mutex::new(Some(notifications)),

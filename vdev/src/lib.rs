@@ -151,6 +151,8 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
     let identity = DeviceIdentity {
         tenant: Arc::from(config.tenant.as_str()),
         lid: config.lid,
+        // Without hostd the device is alone: its GID only names it.
+        gid: vrdma_spec::gid::loopback_gid(config.lid),
         comp_vectors: config.comp_vectors,
         max_queue_size: config.queue_size,
     };
@@ -167,6 +169,7 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
         };
         if let Some(fabric) = &fabric {
             tracing::info!(tenant = %config.tenant, lid = fabric.lid,
+                gid = %std::net::Ipv6Addr::from(fabric.gid),
                 physical_queues = fabric.physical_queues, "Registered with hostd");
         }
         let backend = VrdmaBackend::new(identity.clone(), config.limits, fabric);

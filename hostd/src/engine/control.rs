@@ -19,24 +19,25 @@ use super::guest::{Cq, DoorbellPage, EventRing, GuestRing, SharedMapping};
 use super::rc::{Qp, QpRef};
 use super::wqe::{RecvLimits, SendLimits};
 use super::{Device, DeviceId, Doorbell, Engine, EngineError, Pqp, MAX_VECTORS};
+use crate::gids::Gid;
 use crate::ids::Slab;
 
 /// Smallest stride of a work ring (a cache line holds the fixed part).
 const MIN_WQE_STRIDE: u32 = 64;
 
 impl Engine {
-    /// A vdev connected: device `id` of `tenant` with `lid`, its virtual
+    /// A vdev connected: device `id` of `tenant` with `gid`, its virtual
     /// QPs multiplexed onto physical QPs `pqps` (at least one).
     pub fn attach_device(
         &mut self,
         id: DeviceId,
         tenant: &str,
-        lid: u16,
+        gid: Gid,
         pqps: &[u32],
         policy: &TenantPolicy,
     ) -> Result<(), EngineError> {
-        if self.devices.contains_key(&id) || self.lids.contains_key(&lid) {
-            return Err(EngineError::Invalid("device or LID already attached"));
+        if self.devices.contains_key(&id) || self.gids.contains_key(&gid) {
+            return Err(EngineError::Invalid("device or GID already attached"));
         }
         if pqps.is_empty() {
             return Err(EngineError::Invalid("a device needs a physical QP"));
@@ -46,11 +47,11 @@ impl Engine {
         }
         self.sched.add_device(id, tenant);
         let rank = self.sched.rank(id).unwrap_or(u8::MAX);
-        self.lids.insert(lid, id);
+        self.gids.insert(gid, id);
         self.devices.insert(Device {
             id,
             tenant: Arc::from(tenant),
-            lid,
+            gid,
             mem: Default::default(),
             doorbell: None,
             eqs: Vec::new(),
@@ -78,7 +79,7 @@ impl Engine {
         self.reset_device(id);
         let di = self.devices.index(&id);
         if let Some(dev) = self.devices.remove(&id) {
-            self.lids.remove(&dev.lid);
+            self.gids.remove(&dev.gid);
             self.accounts.add_device_counters(id, &dev.counters);
         }
         self.sched.remove_device(id);
@@ -285,7 +286,7 @@ impl Engine {
         let serial = self.next_serial;
         let di = self.devices.index(&id).ok_or(EngineError::UnknownDevice)?;
         let dev = self.device_mut(id)?;
-        let lid = dev.lid;
+        let gid = dev.gid;
         if s.vqpn > 0x00ff_ffff {
             return Err(EngineError::Invalid("QP number exceeds 24 bits"));
         }
@@ -316,7 +317,7 @@ impl Engine {
         let qp = Qp {
             device: id,
             dev: di,
-            lid,
+            gid,
             vqpn: s.vqpn,
             serial,
             pd: s.pd,
@@ -383,9 +384,6 @@ impl Engine {
         let qref = self.qp_ref(id, m.vqpn)?;
         let to = QpState::try_from(m.state).map_err(|_| EngineError::Invalid("QP state"))?;
         if let Some(c) = &m.connection {
-            if !(1..=0xbfff).contains(&c.dest_lid) {
-                return Err(EngineError::Invalid("destination LID is not unicast"));
-            }
             if c.dest_qpn > 0x00ff_ffff {
                 return Err(EngineError::Invalid(
                     "destination QP number exceeds 24 bits",
@@ -394,10 +392,19 @@ impl Engine {
             if c.access & !access::QP_SUPPORTED != 0 {
                 return Err(EngineError::Invalid("unknown QP access flags"));
             }
-            if c.rnr_retry > 7 || c.retry_cnt > 7 || c.min_rnr_timer > 31 {
+            if c.rnr_retry > 7 || c.retry_cnt > 7 || c.min_rnr_timer > 31 || c.timeout > 31 {
                 return Err(EngineError::Invalid(
-                    "retry counts or RNR timer out of range",
+                    "retry counts, RNR timer or timeout out of range",
                 ));
+            }
+            if c.sq_psn > 0x00ff_ffff || c.rq_psn > 0x00ff_ffff {
+                return Err(EngineError::Invalid("PSN exceeds 24 bits"));
+            }
+            if !matches!(c.path_mtu, 256 | 512 | 1024 | 2048 | 4096) {
+                return Err(EngineError::Invalid("path MTU is not 256-4096 bytes"));
+            }
+            if c.flow_label > 0x000f_ffff {
+                return Err(EngineError::Invalid("flow label exceeds 20 bits"));
             }
         }
         if m.access.is_some_and(|a| a & !access::QP_SUPPORTED != 0) {

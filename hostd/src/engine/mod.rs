@@ -45,6 +45,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vrdma_spec::ring::{event_kind, Cqe, DEVICE_FLAG_ERROR};
 use vrdma_spec::verbs::{QpState, WcOpcode, WcStatus};
 
+use crate::gids::Gid;
 use crate::ids::{IdMap, Slab};
 use crate::scheduler::{Head, OpKind, Pick, QueueId, Scheduler};
 use crate::stats::Accounts;
@@ -150,7 +151,8 @@ struct Pqp {
 pub struct Device {
     pub id: DeviceId,
     pub tenant: Arc<str>,
-    pub lid: u16,
+    /// Its GID: what connections towards it name.
+    pub gid: Gid,
     mem: GuestMemory,
     doorbell: Option<Doorbell>,
     eqs: Vec<Option<EventRing>>,
@@ -246,7 +248,9 @@ pub struct Round {
 /// The engine. See the module documentation.
 pub struct Engine {
     devices: Devices,
-    lids: IdMap<u16, DeviceId>,
+    /// Local devices by GID (hostd assigns GIDs; a vdev only looks them
+    /// up).
+    gids: IdMap<Gid, DeviceId>,
     keys: keys::KeyTable,
     qps: Slab<Qp>,
     sched: Scheduler,
@@ -284,7 +288,7 @@ impl Engine {
     pub fn new(sched: Scheduler) -> Self {
         Engine {
             devices: Devices::default(),
-            lids: IdMap::default(),
+            gids: IdMap::default(),
             keys: keys::KeyTable::new(),
             qps: Slab::default(),
             sched,
@@ -899,7 +903,8 @@ impl Engine {
     }
 
     /// Allocation-free lookup of the responder of `qref`: its cached peer if
-    /// that is still the same QP, else through the LID and QP number.
+    /// that is still the same QP, else through the destination GID (a
+    /// device of this host) and QP number.
     fn peer_of(&mut self, qref: QpRef) -> Option<QpRef> {
         let qp = self.qps.get(qref)?;
         if let Some((peer, serial)) = qp.peer {
@@ -908,7 +913,7 @@ impl Engine {
             }
         }
         let conn = qp.conn?;
-        let device = *self.lids.get(&conn.dest_lid)?;
+        let device = *self.gids.get(&conn.dgid)?;
         let peer = self.qp_of(device, conn.dest_qpn)?;
         let serial = self.qps.get(peer)?.serial;
         if let Some(qp) = self.qps.get_mut(qref) {

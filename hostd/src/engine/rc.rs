@@ -44,6 +44,7 @@ use super::guest::GuestRing;
 use super::keys::{self, SgeList};
 use super::wqe::{self, Local, Malformed, RecvLimits, RecvWork, SendLimits, SendWork};
 use super::{rnr_timer, DeviceId, Engine, RETRY_STEP, SEGMENT, STEP};
+use crate::gids::Gid;
 
 /// A QP's index in the engine's slab.
 pub type QpRef = usize;
@@ -72,8 +73,8 @@ pub struct Qp {
     pub device: DeviceId,
     /// Its device's index in the engine's device slab.
     pub dev: usize,
-    /// Its device's LID (the source of what it sends).
-    pub lid: u16,
+    /// Its device's GID (the source of what it sends).
+    pub gid: Gid,
     pub vqpn: u32,
     /// Unique over the engine's life: a reference cached elsewhere checks
     /// it to know the slab slot still holds this QP.
@@ -184,10 +185,10 @@ impl Qp {
         pending(&self.rq, self.rq_done)
     }
 
-    /// Whether it is connected back to QP `vqpn` of LID `lid`.
-    pub fn connected_to(&self, lid: u16, vqpn: u32) -> bool {
+    /// Whether it is connected back to QP `vqpn` of GID `gid`.
+    pub fn connected_to(&self, gid: &Gid, vqpn: u32) -> bool {
         self.conn
-            .is_some_and(|c| c.dest_lid == lid && c.dest_qpn == vqpn)
+            .is_some_and(|c| c.dgid == *gid && c.dest_qpn == vqpn)
     }
 }
 
@@ -425,13 +426,13 @@ impl Engine {
 
     /// The responder of `qref`, if it is there, ready and connected back.
     fn responder(&mut self, qref: QpRef) -> Option<Responder> {
-        let (my_lid, vqpn) = {
+        let (my_gid, vqpn) = {
             let qp = self.qps.get(qref)?;
-            (qp.lid, qp.vqpn)
+            (qp.gid, qp.vqpn)
         };
         let peer = self.peer_of(qref)?;
         let p = self.qps.get(peer)?;
-        if !p.receives() || !p.connected_to(my_lid, vqpn) {
+        if !p.receives() || !p.connected_to(&my_gid, vqpn) {
             return None;
         }
         Some(Responder {

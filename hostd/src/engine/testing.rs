@@ -24,6 +24,7 @@ use zerocopy::{FromBytes, IntoBytes};
 
 use super::guest::SharedMapping;
 use super::{DeviceId, Engine, EngineError};
+use crate::gids::Gid;
 use crate::scheduler::Scheduler;
 
 /// Bytes of each device's guest memory (one slot at guest address 0).
@@ -78,7 +79,7 @@ pub struct Driver {
 #[derive(Debug)]
 pub struct Side {
     pub id: DeviceId,
-    pub lid: u16,
+    pub gid: Gid,
     pub driver: Driver,
     pub lkey: u32,
     pub rkey: u32,
@@ -145,7 +146,8 @@ pub fn qp_setup(n: usize, vqpn: u32, caps: (u32, u32, u32), depth: u32, stride: 
     }
 }
 
-/// Two devices on one engine, A (id 1, LID 10) and B (id 2, LID 20), each
+/// Two devices on one engine, A (id 1, GID `gid(10)`) and B (id 2, GID
+/// `gid(20)`), each
 /// with its doorbell page, event ring, CQ, a registered data region and
 /// one QP connected to the other's.
 pub struct Env {
@@ -172,16 +174,31 @@ pub fn sge(addr: u64, length: u32, lkey: u32) -> Sge {
     }
 }
 
+/// The GID of the test device numbered `n` (hostd's GID of LID `n`).
+pub fn gid(n: u16) -> Gid {
+    vrdma_spec::gid::loopback_gid(n)
+}
+
 /// The connection [`Env::connect`] gives a QP: to `dest_qpn` at
-/// `dest_lid`, every access, RNR retries for ever, 3 transport retries.
-pub fn connection(dest_lid: u16, dest_qpn: u32) -> QpConnection {
+/// `dest_gid`, every access, RNR retries for ever, 3 transport retries,
+/// MTU 4096, PSNs 0.
+pub fn connection(dest_gid: Gid, dest_qpn: u32) -> QpConnection {
     QpConnection {
-        dest_lid,
+        dgid: dest_gid,
         dest_qpn,
+        flow_label: 0,
+        hop_limit: 64,
+        traffic_class: 0,
         access: access::QP_SUPPORTED,
         rnr_retry: 7,
         retry_cnt: 3,
         min_rnr_timer: 1,
+        timeout: 14,
+        path_mtu: 4096,
+        sq_psn: 0,
+        rq_psn: 0,
+        max_rd_atomic: 16,
+        max_dest_rd_atomic: 16,
     }
 }
 
@@ -236,11 +253,12 @@ fn set_word(mem: &SharedMapping, at: u64, v: u32) {
 }
 
 impl Side {
-    fn new(engine: &mut Engine, id: DeviceId, lid: u16, policy: &TenantPolicy) -> Self {
+    fn new(engine: &mut Engine, id: DeviceId, n: u16, policy: &TenantPolicy) -> Self {
+        let gid = gid(n);
         let file = sealed_memfd("engine-test", MEM).expect("memfd");
         let mem = SharedMapping::map(file.try_clone().expect("dup"), 0, MEM).expect("map");
         engine
-            .attach_device(id, &policy.name, lid, &[id as u32 - 1], policy)
+            .attach_device(id, &policy.name, gid, &[id as u32 - 1], policy)
             .expect("attach");
         engine
             .add_memory(id, 0, 0, SharedMapping::map(file, 0, MEM).expect("map"))
@@ -257,7 +275,7 @@ impl Side {
         let (lkey, rkey) = engine.register_mr(id, &data_region()).expect("mr");
         Side {
             id,
-            lid,
+            gid,
             driver: Driver::new(mem),
             lkey,
             rkey,
@@ -498,10 +516,10 @@ impl Env {
         env
     }
 
-    /// One more device (id `id`, LID `lid`) on the engine, with its own
+    /// One more device (id `id`, GID `gid(n)`) on the engine, with its own
     /// data region and a QP `vqpn` in RESET.
-    pub fn add_side(&mut self, id: DeviceId, lid: u16, policy: &TenantPolicy, vqpn: u32) -> Side {
-        let mut side = Side::new(&mut self.engine, id, lid, policy);
+    pub fn add_side(&mut self, id: DeviceId, n: u16, policy: &TenantPolicy, vqpn: u32) -> Side {
+        let mut side = Side::new(&mut self.engine, id, n, policy);
         side.add_qp(&mut self.engine, vqpn, CAPS);
         side
     }
@@ -510,9 +528,9 @@ impl Env {
     /// to RTS.
     pub fn connect(&mut self, qa: usize, qb: usize) {
         let (a, b) = (self.a.qps[qa].vqpn, self.b.qps[qb].vqpn);
-        for (id, vqpn, lid, dest) in [(1, a, 20, b), (2, b, 10, a)] {
+        for (id, vqpn, n, dest) in [(1, a, 20, b), (2, b, 10, a)] {
             for state in [QpState::Init, QpState::Rtr, QpState::Rts] {
-                let connection = (state != QpState::Init).then(|| connection(lid, dest));
+                let connection = (state != QpState::Init).then(|| connection(gid(n), dest));
                 self.modify(id, vqpn, state, connection).expect("modify");
             }
         }

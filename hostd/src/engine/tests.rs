@@ -7,7 +7,7 @@ use vrdma_spec::ring::{event_kind, send_flags, wc_flags, Cqe, SendWqe, CQ_ARM_NE
 use vrdma_spec::verbs::{QpState, SendOpcode, WcOpcode, WcStatus};
 use vrdma_tenant_policy::PriorityClass;
 
-use super::testing::{connection, remote, send, sge, tenant, Env, CAPS, IOVA};
+use super::testing::{connection, gid, remote, send, sge, tenant, Env, CAPS, IOVA};
 use super::SEGMENT;
 
 fn status(c: &Cqe) -> WcStatus {
@@ -261,7 +261,7 @@ fn rnr_waits_for_a_receive_then_succeeds() {
 fn rnr_retries_run_out() {
     let mut env = Env::new();
     // rnr_retry 2 on A this time.
-    let mut to_b = connection(20, 200);
+    let mut to_b = connection(gid(20), 200);
     to_b.rnr_retry = 2;
     env.modify(1, 100, QpState::Rts, Some(to_b)).expect("rts");
     let mut wqe = send(1, SendOpcode::Send);
@@ -604,4 +604,47 @@ fn wqes_of_a_bad_send_ring_slot_fail_alone() {
     assert_eq!(ids(&a), vec![(5, WcStatus::LocQpOpErr)]);
     assert_eq!(env.engine.query_qp(1, 100), Ok(QpState::Err));
     let _ = SendWqe::default();
+}
+
+#[test]
+fn the_whole_connection_is_kept_and_peers_are_found_by_gid() {
+    let mut env = Env::new();
+    // A's QP back to RESET, then connected with every attribute set to a
+    // value of its own: what RTS carries is what the QP keeps.
+    env.modify(1, 100, QpState::Reset, None).expect("reset");
+    let full = vrdma_hostd_protocol::messages::QpConnection {
+        flow_label: 0xabcde,
+        hop_limit: 17,
+        traffic_class: 0x28,
+        rnr_retry: 6,
+        retry_cnt: 5,
+        min_rnr_timer: 9,
+        timeout: 18,
+        path_mtu: 1024,
+        sq_psn: 0x12_3456,
+        rq_psn: 0xfe_dcba,
+        max_rd_atomic: 3,
+        max_dest_rd_atomic: 2,
+        ..connection(gid(20), 200)
+    };
+    env.modify(1, 100, QpState::Init, None).expect("init");
+    env.modify(1, 100, QpState::Rtr, Some(full)).expect("rtr");
+    env.modify(1, 100, QpState::Rts, Some(full)).expect("rts");
+    let qref = env.engine.qp_of(1, 100).expect("A's QP");
+    let kept = env.engine.qps.get(qref).and_then(|qp| qp.conn);
+    assert_eq!(kept, Some(full));
+    // The peer is B's QP, found through B's GID; it works.
+    let peer = env.engine.peer_of(qref).expect("B's QP by GID");
+    assert_eq!(env.engine.qps.get(peer).map(|p| p.vqpn), Some(200));
+    let rkey = env.b.rkey;
+    write(&mut env, 1, 8, 0, rkey);
+    let (a, _) = env.run();
+    assert_eq!(ids(&a), vec![(1, WcStatus::Success)]);
+    // A GID no device of this engine has leads nowhere.
+    let elsewhere = connection(vrdma_spec::gid::ipv4_mapped([10, 0, 0, 1]), 200);
+    env.modify(1, 100, QpState::Reset, None).expect("reset");
+    env.modify(1, 100, QpState::Init, None).expect("init");
+    env.modify(1, 100, QpState::Rtr, Some(elsewhere))
+        .expect("rtr");
+    assert_eq!(env.engine.peer_of(qref), None);
 }

@@ -232,6 +232,8 @@ struct Device {
 pub struct Client {
     pub chan: Channel,
     pub lid: u16,
+    /// The device's GID (what peers connect to).
+    pub gid: [u8; 16],
     pub physical_queues: u32,
     /// The notification channel (hostd → vdev).
     pub notify: Channel,
@@ -269,6 +271,7 @@ impl Client {
         Ok(Client {
             chan,
             lid: welcome.lid,
+            gid: welcome.gid,
             physical_queues: welcome.physical_queues,
             notify,
             policy: welcome.policy,
@@ -491,10 +494,10 @@ impl Client {
         }))
     }
 
-    /// INIT, RTR and RTS towards QP `dest_qpn` of LID `dest_lid`, with
+    /// INIT, RTR and RTS towards QP `dest_qpn` of GID `dest_gid`, with
     /// infinite RNR retries, 2 transport retries and a 10 µs RNR timer.
-    pub fn connect_qp(&self, vqpn: u32, dest_lid: u16, dest_qpn: u32) -> Result<(), Refused> {
-        self.connect_with(vqpn, connection(dest_lid, dest_qpn))
+    pub fn connect_qp(&self, vqpn: u32, dest_gid: [u8; 16], dest_qpn: u32) -> Result<(), Refused> {
+        self.connect_with(vqpn, connection(dest_gid, dest_qpn))
     }
 
     /// INIT, RTR and RTS with `conn`.
@@ -505,9 +508,9 @@ impl Client {
     }
 
     /// RESET, then connected again as [`Client::connect_qp`] does.
-    pub fn reconnect(&self, vqpn: u32, dest_lid: u16, dest_qpn: u32) {
+    pub fn reconnect(&self, vqpn: u32, dest_gid: [u8; 16], dest_qpn: u32) {
         self.modify(vqpn, QpState::Reset, None).expect("reset");
-        self.connect_qp(vqpn, dest_lid, dest_qpn)
+        self.connect_qp(vqpn, dest_gid, dest_qpn)
             .expect("reconnect");
     }
 
@@ -643,8 +646,8 @@ impl Client {
     pub fn loopback(&mut self, a: u32, b: u32) -> usize {
         let qa = self.create_qp(a);
         self.create_qp(b);
-        self.connect_qp(a, self.lid, b).expect("connect loopback");
-        self.connect_qp(b, self.lid, a).expect("connect loopback");
+        self.connect_qp(a, self.gid, b).expect("connect loopback");
+        self.connect_qp(b, self.gid, a).expect("connect loopback");
         qa
     }
 
@@ -700,7 +703,7 @@ pub const QP_BETA: u32 = 2;
 /// alpha and beta (in the standard [`policy`]), set up, each with one QP
 /// (index 0: [`QP_ALPHA`], [`QP_BETA`]) connected to the other's.
 pub fn pair(socket: &Path) -> (Client, Client) {
-    pair_with(socket, MEM, connection(0, 0).min_rnr_timer)
+    pair_with(socket, MEM, connection([0; 16], 0).min_rnr_timer)
 }
 
 /// [`pair`] with `mem` bytes of memory each ([`Client::setup_sized`]) and
@@ -713,13 +716,13 @@ pub fn pair_with(socket: &Path, mem: u64, beta_rnr_timer: u8) -> (Client, Client
         c
     };
     let (mut alpha, mut beta) = (ready("alpha"), ready("beta"));
-    assert_ne!(alpha.lid, beta.lid);
+    assert_ne!(alpha.gid, beta.gid);
     alpha.create_qp(QP_ALPHA);
     beta.create_qp(QP_BETA);
-    (alpha.connect_qp(QP_ALPHA, beta.lid, QP_BETA)).expect("connect alpha");
+    (alpha.connect_qp(QP_ALPHA, beta.gid, QP_BETA)).expect("connect alpha");
     let responder = QpConnection {
         min_rnr_timer: beta_rnr_timer,
-        ..connection(alpha.lid, QP_ALPHA)
+        ..connection(alpha.gid, QP_ALPHA)
     };
     (beta.connect_with(QP_BETA, responder)).expect("connect beta");
     (alpha, beta)
@@ -727,10 +730,10 @@ pub fn pair_with(socket: &Path, mem: u64, beta_rnr_timer: u8) -> (Client, Client
 
 /// How the tests connect QPs: the engine tests' connection (infinite RNR
 /// retries, a 10 µs RNR timer) with 2 transport retries.
-pub fn connection(dest_lid: u16, dest_qpn: u32) -> QpConnection {
+pub fn connection(dest_gid: [u8; 16], dest_qpn: u32) -> QpConnection {
     QpConnection {
         retry_cnt: 2,
-        ..vrdma_hostd::engine::testing::connection(dest_lid, dest_qpn)
+        ..vrdma_hostd::engine::testing::connection(dest_gid, dest_qpn)
     }
 }
 

@@ -42,14 +42,16 @@ pub const VENDOR_ID: u32 = 0x1af4;
 pub const VENDOR_PART_ID: u32 = 0x1040 + vrdma_spec::VIRTIO_ID_RDMA;
 /// The port's MTU.
 pub const PORT_MTU: Mtu = Mtu::Mtu4096;
-/// Subnet prefix of the GIDs hostd's fabric hands out (the IB default).
-pub const GID_PREFIX: [u8; 8] = [0xfe, 0x80, 0, 0, 0, 0, 0, 0];
 
-/// Static identity of a device, from the vdev configuration.
+/// Static identity of a device, from the vdev configuration (and hostd's
+/// Welcome).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceIdentity {
     pub tenant: Arc<str>,
+    /// Names the device (`vrdma_<lid>`, its GUID); the port reports no LID.
     pub lid: u16,
+    /// Its port's GID 0 (RoCEv2, IPv4-mapped: `vrdma_spec::gid`).
+    pub gid: [u8; 16],
     pub comp_vectors: u16,
     pub max_queue_size: u16,
 }
@@ -122,7 +124,7 @@ impl RdmaDevice {
         }
     }
 
-    /// A device attached to hostd's fabric: its LID is hostd's, and memory,
+    /// A device attached to hostd's fabric: its LID and GID are hostd's, and memory,
     /// keys, the doorbell, event rings, CQs and QPs are mirrored to hostd,
     /// with the eventfds `fds` lends.
     /// Both vdev's configured limits and hostd's policy are the operator's
@@ -134,6 +136,7 @@ impl RdmaDevice {
         fds: Arc<dyn NotifyFds>,
     ) -> Self {
         identity.lid = fabric.lid;
+        identity.gid = fabric.gid;
         let mut device = RdmaDevice::new(identity, local.stricter(&fabric.policy.quotas));
         device.local_limits = local;
         device.fabric = Some(fabric);
@@ -314,7 +317,7 @@ impl RdmaDevice {
                 }
                 let resp = control::QueryGidResp {
                     gid: self.config.gid,
-                    gid_type: control::gid_type::IB.into(),
+                    gid_type: control::gid_type::ROCE_V2.into(),
                     reserved: 0.into(),
                 };
                 Ok(resp.as_bytes().to_vec())
@@ -479,9 +482,6 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
     // The GUID is derived from the LID, so it is unique wherever the LID is
     // (hostd assigns LIDs per host); the top bytes say "vrdma".
     let guid = u64::from_be_bytes([b'v', b'r', 0, 0, 0, 0, 0, 0]) | u64::from(identity.lid);
-    let mut gid = [0u8; 16];
-    gid[..8].copy_from_slice(&GID_PREFIX);
-    gid[8..].copy_from_slice(&guid.to_be_bytes());
     let mut name = [0u8; 32];
     let dev_name = format!("vrdma_{}", identity.lid);
     name[..dev_name.len().min(31)].copy_from_slice(&dev_name.as_bytes()[..dev_name.len().min(31)]);
@@ -531,13 +531,15 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
             state: PortState::Active.into(),
             max_mtu: PORT_MTU.into(),
             active_mtu: PORT_MTU.into(),
-            link_layer: LinkLayer::Infiniband.into(),
+            // RoCEv2: devices are addressed by GID, there are no LIDs and
+            // no subnet manager.
+            link_layer: LinkLayer::Ethernet.into(),
             gid_tbl_len: 1.into(),
             port_cap_flags: 0.into(),
             max_msg_sz: vrdma_spec::limits::MAX_MSG_SIZE.into(),
             pkey_tbl_len: 1.into(),
-            lid: identity.lid.into(),
-            sm_lid: 1.into(),
+            lid: 0.into(),
+            sm_lid: 0.into(),
             lmc: 0,
             max_vl_num: 1,
             sm_sl: 0,
@@ -548,7 +550,7 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
             phys_state: 5,
             reserved: [0; 4],
         },
-        gid,
+        gid: identity.gid,
         name,
     }
 }

@@ -23,9 +23,8 @@ const MAX_PSN: u32 = 0x00ff_ffff;
 const MAX_TIMER: u8 = 31;
 /// Largest retry count (3 bits).
 const MAX_RETRY: u8 = 7;
-/// Retry count meaning "retry for ever" (`rnr_retry` 7), what a QP that is
-/// not yet a requester (RTR) is described with.
-const RETRY_FOREVER: u8 = 7;
+/// Largest GRH flow label (20 bits).
+const MAX_FLOW_LABEL: u32 = 0x000f_ffff;
 /// `IBV_MIG_MIGRATED`: automatic path migration is not supported, so the
 /// only path-migration state is "migrated".
 const MIG_MIGRATED: u8 = 0;
@@ -334,37 +333,48 @@ fn reset_attr(cap: QpCap) -> QpAttr {
 }
 
 /// What hostd is told of a transition `from` → `to` with the QP's
-/// attributes `attr` (the request applied): the new state; the peer and
-/// its behaviour when the QP connects (INIT → RTR) and again when it
-/// becomes a requester (RTR → RTS), the first time its retry counts are
-/// known; its access flags when the mask changes them.
+/// attributes `attr` (the request applied to what earlier calls set): the
+/// new state; the whole connection when the QP connects (INIT → RTR) and
+/// again when it becomes a requester (RTR → RTS), complete then, since the
+/// requester's attributes (retries, timeout, send PSN, outstanding READs)
+/// come with RTS; its access flags when the mask changes them.
 fn transition(qpn: u32, from: QpState, to: QpState, attr: &QpAttr, attr_mask: u32) -> QpModify {
-    let requester = to == QpState::Rts;
     let connection = matches!(
         (from, to),
         (QpState::Init, QpState::Rtr) | (QpState::Rtr, QpState::Rts)
     )
-    .then(|| QpConnection {
-        dest_lid: attr.ah_attr.dlid.get(),
-        dest_qpn: attr.dest_qp_num.get(),
-        access: attr.qp_access_flags.get(),
-        rnr_retry: if requester {
-            attr.rnr_retry
-        } else {
-            RETRY_FOREVER
-        },
-        retry_cnt: if requester {
-            attr.retry_cnt
-        } else {
-            RETRY_FOREVER
-        },
-        min_rnr_timer: attr.min_rnr_timer,
-    });
+    .then(|| connection_of(attr));
     QpModify {
         vqpn: qpn,
         state: to.into(),
         connection,
         access: (attr_mask & mask::ACCESS_FLAGS != 0).then(|| attr.qp_access_flags.get()),
+    }
+}
+
+/// The connection the QP's stored attributes describe (the peer named by
+/// the address vector's GRH).
+fn connection_of(attr: &QpAttr) -> QpConnection {
+    let av = &attr.ah_attr;
+    // The stored path MTU is always valid (checked when set, 4096 at
+    // creation and RESET).
+    let path_mtu = Mtu::try_from(attr.path_mtu).unwrap_or(PORT_MTU);
+    QpConnection {
+        dgid: av.dgid,
+        dest_qpn: attr.dest_qp_num.get(),
+        flow_label: av.flow_label.get(),
+        hop_limit: av.hop_limit,
+        traffic_class: av.traffic_class,
+        access: attr.qp_access_flags.get(),
+        rnr_retry: attr.rnr_retry,
+        retry_cnt: attr.retry_cnt,
+        min_rnr_timer: attr.min_rnr_timer,
+        timeout: attr.timeout,
+        path_mtu: path_mtu.bytes(),
+        sq_psn: attr.sq_psn.get(),
+        rq_psn: attr.rq_psn.get(),
+        max_rd_atomic: attr.max_rd_atomic,
+        max_dest_rd_atomic: attr.max_dest_rd_atomic,
     }
 }
 
@@ -416,13 +426,32 @@ fn validate_attr(a: &QpAttr, attr_mask: u32, port_mtu: u8, max_rd_atomic: u32) -
         if av.port_num != 1 {
             return bad(format!("ah_attr.port_num {}", av.port_num));
         }
-        if av.dlid.get() == 0 || av.dlid.get() >= 0xc000 {
-            return bad(format!("ah_attr.dlid {:#x} is not a unicast LID", av.dlid));
+        // RoCE: the peer is named by its GID in the GRH (the LID is
+        // ignored), as on rxe.
+        if av.is_global == 0 {
+            return bad(
+                "ah_attr.is_global 0: the port's link layer is Ethernet (RoCEv2), so the \
+                 address vector needs a GRH with the peer's GID (rc_pingpong -g 0, \
+                 perftest -x 0)"
+                    .into(),
+            );
         }
-        if av.is_global != 0 && av.sgid_index != 0 {
+        if av.sgid_index != 0 {
             return bad(format!(
                 "ah_attr.grh.sgid_index {} (the GID table has 1 entry)",
                 av.sgid_index
+            ));
+        }
+        if vrdma_spec::gid::ipv4_of(&av.dgid).is_none() {
+            return bad(format!(
+                "ah_attr.grh.dgid {} is not an IPv4-mapped GID (IPv6 GIDs are not supported)",
+                std::net::Ipv6Addr::from(av.dgid)
+            ));
+        }
+        if av.flow_label.get() > MAX_FLOW_LABEL {
+            return bad(format!(
+                "ah_attr.grh.flow_label {:#x} is not 20 bits",
+                av.flow_label
             ));
         }
     }

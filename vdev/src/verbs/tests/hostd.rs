@@ -21,6 +21,9 @@ use vrdma_tenant_policy::Policy;
 use super::*;
 use crate::fabric::Fabric;
 
+/// The GID the stand-in hostd assigns.
+const HOSTD_GID: [u8; 16] = vrdma_spec::gid::ipv4_mapped([10, 200, 0, 9]);
+
 /// The test's own eventfds, lent as the device's: the test can then tell
 /// whether what hostd received is the same eventfd.
 #[derive(Debug)]
@@ -139,6 +142,7 @@ fn serve(listener: Listener, script: Arc<Script>, tx: mpsc::Sender<(Request, Vec
     let (_notifications, theirs) = Channel::pair().expect("pair");
     let welcome = Response::Welcome(Box::new(Welcome {
         lid: 9,
+        gid: HOSTD_GID,
         physical_queues: 4,
         policy: Policy::default_policy().tenants[0].clone(),
     }));
@@ -201,7 +205,20 @@ fn attached(tag: &str) -> (FakeHostd, RdmaDevice, Arc<TestFds>) {
 #[test]
 fn the_doorbell_and_event_rings_reach_hostd_with_their_eventfds() {
     let (hostd, mut dev, fds) = attached("notify");
-    assert_eq!(dev.config().port.lid.get(), 9, "hostd's LID");
+    assert_eq!(dev.config().gid, HOSTD_GID, "hostd's GID");
+    let gid: vrdma_spec::control::QueryGidResp = run(
+        &mut dev,
+        Opcode::QueryGid,
+        vrdma_spec::control::QueryGidReq {
+            port_num: 1,
+            ..Default::default()
+        }
+        .as_bytes(),
+    )
+    .expect("QUERY_GID");
+    assert_eq!(gid.gid, HOSTD_GID, "QUERY_GID returns the Welcome's GID");
+    assert_eq!(gid.gid_type.get(), vrdma_spec::control::gid_type::ROCE_V2);
+    assert_eq!(dev.config().name().map(str::to_owned), Some("vrdma_9".into()));
 
     set_doorbell(&mut dev, DOORBELL).expect("doorbell");
     let (request, mut files) = hostd.next();
@@ -307,13 +324,24 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
     );
     modify(&mut dev, qpn, RTR_MASK, rtr_attr()).expect("RTR");
     assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: qpn });
+    // At RTR: the peer (GRH), the responder's attributes, and the
+    // requester's as they stand (not set yet).
     let at_rtr = QpConnection {
-        dest_lid: 7,
+        dgid: PEER_GID,
         dest_qpn: 0x1234,
+        flow_label: 0x1_2345,
+        hop_limit: 64,
+        traffic_class: 0x20,
         access: access::REMOTE_WRITE,
-        rnr_retry: 7,
-        retry_cnt: 7,
+        rnr_retry: 0,
+        retry_cnt: 0,
         min_rnr_timer: 12,
+        timeout: 0,
+        path_mtu: 1024,
+        sq_psn: 0,
+        rq_psn: 0x42,
+        max_rd_atomic: 0,
+        max_dest_rd_atomic: 4,
     };
     assert_eq!(
         hostd.next_plain(),
@@ -327,6 +355,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
     let rts = QpAttr {
         retry_cnt: 5,
         rnr_retry: 3,
+        sq_psn: 0xab_cdef.into(),
         ..rts_attr()
     };
     modify(&mut dev, qpn, RTS_MASK, rts).expect("RTS");
@@ -339,11 +368,14 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
             connection: Some(QpConnection {
                 rnr_retry: 3,
                 retry_cnt: 5,
+                timeout: 14,
+                sq_psn: 0xab_cdef,
+                max_rd_atomic: 1,
                 ..at_rtr
             }),
             access: None,
         }),
-        "at RTS the requester's retry counts are known"
+        "at RTS the whole connection: what RTR set and the requester's attributes"
     );
 
     // The QP fails in the datapath: vdev takes the ERR over.

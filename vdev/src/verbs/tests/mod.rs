@@ -28,6 +28,7 @@ fn identity() -> DeviceIdentity {
     DeviceIdentity {
         tenant: Arc::from("t1"),
         lid: 5,
+        gid: vrdma_spec::gid::loopback_gid(5),
         comp_vectors: 2,
         max_queue_size: 256,
     }
@@ -201,6 +202,9 @@ const RTS_MASK: u32 = mask::STATE
     | mask::RNR_RETRY
     | mask::MAX_QP_RD_ATOMIC;
 
+/// The GID of the tests' peer device.
+const PEER_GID: [u8; 16] = vrdma_spec::gid::ipv4_mapped([10, 200, 1, 7]);
+
 /// RESET to INIT: port 1, remote writes allowed.
 fn init_attr() -> QpAttr {
     QpAttr {
@@ -218,8 +222,13 @@ fn rtr_attr() -> QpAttr {
         ..QpAttr::default()
     };
     a.dest_qp_num = 0x1234.into();
-    a.ah_attr.dlid = 7.into();
+    a.rq_psn = 0x42.into();
     a.ah_attr.port_num = 1;
+    a.ah_attr.is_global = 1;
+    a.ah_attr.dgid = PEER_GID;
+    a.ah_attr.hop_limit = 64;
+    a.ah_attr.traffic_class = 0x20;
+    a.ah_attr.flow_label = 0x1_2345.into();
     a.max_dest_rd_atomic = 4;
     a.min_rnr_timer = 12;
     a
@@ -264,8 +273,10 @@ fn query_verbs_report_the_configured_device() {
     };
     let port: vrdma_spec::config::PortAttr =
         run(&mut dev, Opcode::QueryPort, port_req(1).as_bytes()).expect("port");
-    assert_eq!(port.lid.get(), 5);
     assert_eq!(port.state, 4, "ACTIVE");
+    assert_eq!(port.link_layer, u8::from(vrdma_spec::verbs::LinkLayer::Ethernet));
+    assert_eq!((port.lid.get(), port.sm_lid.get()), (0, 0), "RoCE: no LIDs");
+    assert_eq!(port.gid_tbl_len.get(), 1);
     let gid: QueryGidResp = run(
         &mut dev,
         Opcode::QueryGid,
@@ -276,8 +287,9 @@ fn query_verbs_report_the_configured_device() {
         .as_bytes(),
     )
     .expect("gid");
-    assert_eq!(&gid.gid[..8], &GID_PREFIX);
-    assert_eq!(gid.gid[15], 5, "GUID carries the LID");
+    assert_eq!(gid.gid, vrdma_spec::gid::loopback_gid(5), "the identity's GID");
+    assert_eq!(gid.gid, dev.config().gid, "the config space's GID 0");
+    assert_eq!(gid.gid_type.get(), vrdma_spec::control::gid_type::ROCE_V2);
     assert_eq!(
         run::<vrdma_spec::config::PortAttr>(&mut dev, Opcode::QueryPort, port_req(2).as_bytes()),
         Err(libc::EINVAL)

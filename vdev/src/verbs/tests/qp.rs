@@ -96,9 +96,10 @@ fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
     modify(&mut dev, qpn, INIT_MASK, init).expect("INIT");
 
     let rtr = rtr_attr();
-    let no_dlid = AhAttr {
-        dlid: 0.into(),
-        ..rtr.ah_attr
+    let av = |change: &dyn Fn(&mut AhAttr)| {
+        let mut ah_attr = rtr.ah_attr;
+        change(&mut ah_attr);
+        QpAttr { ah_attr, ..rtr }
     };
     let greedy = QpAttr {
         max_dest_rd_atomic: 200,
@@ -109,13 +110,10 @@ fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
         libc::EINVAL,
         [
             (to_rtr(QpAttr { path_mtu: 6, ..rtr }), "MTU beyond the enum"),
-            (
-                to_rtr(QpAttr {
-                    ah_attr: no_dlid,
-                    ..rtr
-                }),
-                "dlid 0",
-            ),
+            (to_rtr(av(&|a| a.is_global = 0)), "no GRH on RoCE"),
+            (to_rtr(av(&|a| a.sgid_index = 1)), "sgid_index 1"),
+            (to_rtr(av(&|a| a.dgid[0] = 0xfe)), "an IPv6 GID"),
+            (to_rtr(av(&|a| a.flow_label = 0x10_0000.into())), "flow label"),
             (to_rtr(greedy), "rd_atomic above the limit"),
         ],
     );
@@ -124,7 +122,8 @@ fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
         Err(libc::EOPNOTSUPP),
         "APM"
     );
-    modify(&mut dev, qpn, RTR_MASK, rtr_attr()).expect("RTR");
+    // The LID is ignored on RoCE: a dlid of 0 is fine.
+    modify(&mut dev, qpn, RTR_MASK, av(&|a| a.dlid = 0.into())).expect("RTR");
 
     let rts = QpAttr {
         sq_psn: 77.into(),
@@ -154,7 +153,8 @@ fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
     assert_eq!(resp.attr.dest_qp_num.get(), 0x1234);
     assert_eq!(resp.attr.sq_psn.get(), 77);
     assert_eq!(resp.attr.path_mtu, u8::from(Mtu::Mtu1024));
-    assert_eq!(resp.attr.ah_attr.dlid.get(), 7);
+    assert_eq!(resp.attr.ah_attr.dgid, PEER_GID);
+    assert_eq!(resp.attr.ah_attr.is_global, 1);
 
     let wrong_cur = QpAttr {
         qp_state: QpState::Sqd.into(),
