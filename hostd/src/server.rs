@@ -383,6 +383,18 @@ impl Server {
         let mut reg = self.registry();
         reg.connected.remove(&s.lid);
         reg.by_gid.remove(&s.gid);
+        drop(reg);
+        if let (Some(directory), Some(ip)) = (self.directory(), vrdma_spec::gid::ipv4_of(&s.gid)) {
+            if let Err(e) = directory.withdraw(ip.into()) {
+                tracing::warn!(
+                    tenant = %s.tenant,
+                    device = %s.device,
+                    "The directory did not take the GID back: {}",
+                    vrdma_errors::error_chain(&e)
+                );
+            }
+        }
+        let mut reg = self.registry();
         reg.free_pqps.extend(s.pqps.iter().copied());
         tracing::info!(
             tenant = %s.tenant,
@@ -566,22 +578,33 @@ impl Server {
     fn check_reachable(&self, s: &Session, conn: &QpConnection) -> Result<(), Refusal> {
         let (mine, theirs) = {
             let reg = self.registry();
-            let dest = match reg.resolve_peer(&conn.dgid) {
-                Peer::Local(dest) => dest,
+            let theirs = match reg.resolve_peer(&conn.dgid) {
+                Peer::Local(dest) => reg.known.get(&dest.tenant).map(|t| t.network().to_owned()),
                 Peer::Remote | Peer::Unknown => {
-                    return Err(refuse(
-                        libc::ENOENT,
-                        format!("No device with GID {} is connected", gids::show(&conn.dgid)),
-                    ))
+                    // Another host's device, if the directory knows it.
+                    let entry = (self.directory())
+                        .zip(vrdma_spec::gid::ipv4_of(&conn.dgid))
+                        .and_then(|(d, ip)| d.lookup(ip.into()))
+                        .filter(|e| self.config.fabric.as_ref().is_some_and(|f| e.host != f.host));
+                    match entry {
+                        Some(e) => Some(e.network),
+                        None => {
+                            return Err(refuse(
+                                libc::ENOENT,
+                                format!(
+                                    "No device with GID {} is connected here or known to the \
+                                     directory",
+                                    gids::show(&conn.dgid)
+                                ),
+                            ))
+                        }
+                    }
                 }
             };
-            (
-                reg.known.get(&s.tenant).cloned(),
-                reg.known.get(&dest.tenant).cloned(),
-            )
+            (reg.known.get(&s.tenant).cloned(), theirs)
         };
         let reaches = match (&mine, &theirs) {
-            (Some(mine), Some(theirs)) => mine.may_reach(theirs.network()),
+            (Some(mine), Some(theirs)) => mine.may_reach(theirs),
             _ => false,
         };
         if !reaches {
@@ -660,7 +683,25 @@ impl Server {
                     format!("Device {device} of tenant {tenant} is already connected"),
                 ));
             }
-            let gid = gids::assign(tenant, device, lid);
+            let gid = match &self.config.fabric {
+                Some(fabric) => {
+                    (fabric.cluster.gids.iter())
+                        .filter(|e| e.host == fabric.host && e.tenant == tenant)
+                        .map(|e| vrdma_spec::gid::ipv4_mapped(e.gid.octets()))
+                        .find(|g| !reg.by_gid.contains_key(g))
+                        .ok_or_else(|| {
+                            refuse(
+                                libc::ENOSPC,
+                                format!(
+                                    "No address of tenant {tenant} is left on host {} \
+                                     (the cluster file's pool)",
+                                    fabric.host
+                                ),
+                            )
+                        })?
+                }
+                None => gids::assign(tenant, device, lid),
+            };
             if reg.by_gid.get(&gid).is_some_and(|other| *other != lid) {
                 return Err(refuse(
                     libc::EBUSY,
@@ -741,6 +782,7 @@ impl Server {
     }
 
     fn start_device(&self, s: &Session, policy: TenantPolicy) -> Result<Welcome, Refusal> {
+        self.publish(s, &policy)?;
         self.datapath
             .lock()
             .attach_device(s.id, &s.tenant, s.gid, &s.pqps, &policy)?;
@@ -750,6 +792,35 @@ impl Server {
             gid: s.gid,
             physical_queues: s.pqps.len() as u32,
             policy,
+        })
+    }
+
+    /// Tells the directory that this host serves `s`'s GID (in a cluster).
+    fn publish(&self, s: &Session, policy: &TenantPolicy) -> Result<(), Refusal> {
+        let (Some(directory), Some(fabric)) = (self.directory(), &self.config.fabric) else {
+            return Ok(());
+        };
+        let Some(ip) = vrdma_spec::gid::ipv4_of(&s.gid).map(std::net::Ipv4Addr::from) else {
+            return Ok(());
+        };
+        let network = (fabric.cluster.gids.iter())
+            .find(|g| g.gid == ip)
+            .and_then(|g| g.network.clone())
+            .unwrap_or_else(|| policy.network().to_owned());
+        let entry = crate::net::directory::GidEntry {
+            gid: ip,
+            host: fabric.host.clone(),
+            tenant: s.tenant.clone(),
+            network,
+        };
+        directory.publish(&entry).map_err(|e| {
+            refuse(
+                libc::EADDRINUSE,
+                format!(
+                    "The directory refused GID {ip}: {}",
+                    vrdma_errors::error_chain(&e)
+                ),
+            )
         })
     }
 

@@ -421,7 +421,14 @@ impl Engine {
             qp.conn = Some(c);
             qp.access = c.access;
             qp.peer = None;
+            // A peer on another host is served by the RC transport over
+            // the wire; one of this host by the local path.
+            let remote = self.wire_connection(qref, &c);
+            self.connect_remote(qref, remote);
         }
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return Err(EngineError::UnknownQp(m.vqpn));
+        };
         if let Some(a) = m.access {
             qp.access = a;
         }

@@ -493,10 +493,45 @@ impl Engine {
         (next_due, left || backlog)
     }
 
-    /// The remote-connected QP `qpn` of the device whose GID is `gid`.
+    /// The QP `qpn` of the device of this host whose GID is `gid`.
     fn remote_qp_for(&self, gid: Ipv4Addr, qpn: u32) -> Option<QpRef> {
-        let di = self.device_by_gid(gid)?;
-        self.devices.at(di)?.qps.get(&qpn).copied()
+        let device = self.gids.get(&vrdma_spec::gid::ipv4_mapped(gid.octets()))?;
+        self.devices.get(device)?.qps.get(&qpn).copied()
+    }
+
+    /// The transport's view of connection `c` of QP `qref`, if its peer is
+    /// on another host: the engine has a wire and no device here has the
+    /// destination GID.
+    pub(super) fn wire_connection(
+        &mut self,
+        qref: QpRef,
+        c: &vrdma_hostd_protocol::messages::QpConnection,
+    ) -> Option<state::Connection> {
+        self.wire.as_ref()?;
+        if self.gids.contains_key(&c.dgid) {
+            return None;
+        }
+        let dst = Ipv4Addr::from(vrdma_spec::gid::ipv4_of(&c.dgid)?);
+        let qp = self.qps.get(qref)?;
+        let src = Ipv4Addr::from(vrdma_spec::gid::ipv4_of(&self.devices.at(qp.dev)?.gid)?);
+        let peer = self.peer_index(dst);
+        Some(state::Connection {
+            path: Path {
+                src,
+                dst,
+                tos: c.traffic_class,
+                dest_qpn: c.dest_qpn,
+                mtu: c.path_mtu,
+            },
+            sq_psn: c.sq_psn,
+            rq_psn: c.rq_psn,
+            timeout: c.timeout,
+            retry_cnt: c.retry_cnt,
+            rnr_retry: c.rnr_retry,
+            min_rnr_timer: c.min_rnr_timer,
+            max_rd_atomic: c.max_rd_atomic,
+            peer,
+        })
     }
 
     /// Connects QP `qref` to a peer on another host (RTR; again at RTS),
