@@ -166,7 +166,7 @@ impl PacketSocket {
                 cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
             }
         }
-        if from.sll_pkttype == libc::PACKET_OUTGOING as u8 {
+        if from.sll_pkttype == libc::PACKET_OUTGOING {
             return Ok(None);
         }
         Ok(Some(Received {
