@@ -162,6 +162,9 @@ pub struct Stats {
     pub corrupted: u64,
     /// Frames the kernel refused to send (e.g. larger than the MTU).
     pub send_errors: u64,
+    /// Frames the kernel dropped before the relay read them (its sockets'
+    /// receive buffers were full): lost by the relay, not by a fault.
+    pub socket_drops: u64,
 }
 
 impl Stats {
@@ -492,6 +495,7 @@ pub fn run(
         let now = Instant::now();
         if let Some(path) = stats_file {
             if now >= next_stats {
+                count_socket_drops(&sockets, &mut engine.stats);
                 write_stats(path, &engine.stats)?;
                 next_stats = now + STATS_EVERY;
             }
@@ -537,10 +541,17 @@ pub fn run(
         engine.due(Instant::now(), &mut out);
         send_all(&sockets, &mut out, &mut engine.stats, &mut reported_error);
     }
+    count_socket_drops(&sockets, &mut engine.stats);
     if let Some(path) = stats_file {
         write_stats(path, &engine.stats)?;
     }
     Ok(engine.stats)
+}
+
+fn count_socket_drops(sockets: &[PacketSocket], stats: &mut Stats) {
+    // A socket whose count cannot be read has dropped nothing we know of.
+    let dropped: u64 = sockets.iter().filter_map(|s| s.take_drops().ok()).sum();
+    stats.socket_drops += dropped;
 }
 
 fn send_all(sockets: &[PacketSocket], out: &mut Output, stats: &mut Stats, reported: &mut bool) {

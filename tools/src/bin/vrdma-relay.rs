@@ -119,7 +119,7 @@ fn main() -> ExitCode {
             eprintln!(
                 "vrdma-relay: {} frames in, {} out ({} flooded), {} RoCE: {} dropped, {} \
                  duplicated, {} reordered, {} delayed, {} truncated, {} corrupted; {} checksums \
-                 completed, {} send errors",
+                 completed, {} send errors, {} lost in socket buffers",
                 stats.frames_in,
                 stats.frames_out,
                 stats.flooded,
@@ -131,7 +131,8 @@ fn main() -> ExitCode {
                 stats.truncated,
                 stats.corrupted,
                 stats.checksums_completed,
-                stats.send_errors
+                stats.send_errors,
+                stats.socket_drops
             );
             println!("{}", stats.to_json());
             ExitCode::SUCCESS

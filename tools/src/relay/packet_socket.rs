@@ -175,6 +175,26 @@ impl PacketSocket {
         }))
     }
 
+    /// Frames the kernel dropped because this socket's receive buffer was
+    /// full, since the last call (the kernel resets its count when read).
+    pub fn take_drops(&self) -> io::Result<u64> {
+        // SAFETY: all-zero is a valid tpacket_stats.
+        let mut stats: libc::tpacket_stats = unsafe { zeroed() };
+        let mut len = size_of::<libc::tpacket_stats>() as libc::socklen_t;
+        // SAFETY: `stats` and `len` are live and describe a buffer of that
+        // length, which getsockopt fills.
+        check(unsafe {
+            libc::getsockopt(
+                self.fd.as_raw_fd(),
+                libc::SOL_PACKET,
+                libc::PACKET_STATISTICS,
+                (&mut stats as *mut libc::tpacket_stats).cast(),
+                &mut len,
+            )
+        })?;
+        Ok(u64::from(stats.tp_drops))
+    }
+
     /// Sends `frame` out of the interface.
     pub fn send(&self, frame: &[u8]) -> io::Result<()> {
         // SAFETY: `frame` is a live buffer of the length given.
