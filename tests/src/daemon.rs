@@ -100,12 +100,14 @@ impl Vdev {
         Self::start_in(TempDir::new(&format!("vdev-{tenant}")), tenant, args)
     }
 
-    /// Starts vdev for `tenant` attached to `hostd`.
+    /// Starts vdev for `tenant` attached to `hostd` (in hostd's network
+    /// namespace, if it runs in one).
     pub fn on_hostd(hostd: &Hostd, tenant: &str, args: &[&str]) -> Self {
         let path = hostd.socket.to_str().expect("UTF-8 socket path").to_owned();
         let mut all = vec!["--hostd", path.as_str()];
         all.extend_from_slice(args);
-        Self::start(tenant, &all)
+        let dir = TempDir::new(&format!("vdev-{tenant}"));
+        Self::launch(dir, tenant, &all, hostd.netns.as_deref())
     }
 
     /// Like [`Vdev::start`], with `config` (TOML) written to a config file
@@ -122,12 +124,19 @@ impl Vdev {
     /// Like [`Vdev::start`], with socket and log in `dir` (e.g. a
     /// directory a chrooted VMM can reach: [`crate::vm::VmImage::temp_dir`]).
     pub fn start_in(dir: TempDir, tenant: &str, args: &[&str]) -> Self {
-        let launch = Launch::new(
+        Self::launch(dir, tenant, args, None)
+    }
+
+    fn launch(dir: TempDir, tenant: &str, args: &[&str], netns: Option<&Path>) -> Self {
+        let mut launch = Launch::new(
             format!("vdev {tenant}"),
             &binary("vdev"),
             dir.path(),
             "vdev",
         );
+        if let Some(netns) = netns {
+            launch = launch.netns(netns);
+        }
         let daemon = start(launch.args(["--tenant", tenant]).args(args));
         Vdev {
             socket: daemon.socket().to_owned(),
@@ -172,6 +181,9 @@ pub struct Hostd {
     // Dropped in order: the process before its directory.
     daemon: Daemon,
     pub socket: PathBuf,
+    /// The network namespace it runs in, if not the test's (its vdevs
+    /// run there too).
+    pub netns: Option<PathBuf>,
     dir: TempDir,
 }
 
@@ -184,8 +196,18 @@ impl Hostd {
 
     /// [`Hostd::start`] with more command-line arguments.
     pub fn start_with(policy: Option<&str>, extra: &[&str]) -> Self {
+        Hostd::start_in_netns(None, policy, extra)
+    }
+
+    /// [`Hostd::start_with`] inside network namespace `netns` (a name or
+    /// path: `vrdma_tools::supervisor::Launch::netns`), e.g. a host of a
+    /// `crate::netns::Cluster`; [`Vdev::on_hostd`] starts its vdevs there.
+    pub fn start_in_netns(netns: Option<&Path>, policy: Option<&str>, extra: &[&str]) -> Self {
         let dir = TempDir::new("hostd");
         let mut launch = Launch::hostd(&binary("hostd"), dir.path());
+        if let Some(netns) = netns {
+            launch = launch.netns(netns);
+        }
         if let Some(text) = policy {
             launch = launch
                 .arg("--policy")
@@ -194,6 +216,7 @@ impl Hostd {
         let daemon = start(launch.args(extra));
         Hostd {
             socket: daemon.socket().to_owned(),
+            netns: netns.map(supervisor::netns_path),
             daemon,
             dir,
         }

@@ -8,12 +8,15 @@
 //! ([`vmm`]), or as a compromised vdev speaking hostd's protocol by hand
 //! ([`rogue`]); and they boot real guests under QEMU with vdev attached
 //! ([`vm`]), recording what QEMU says to vdev on the way ([`vhost_tap`]).
+//! [`netns`] builds a cluster of hosts (network namespaces) joined by a
+//! bridge or by the hostile relay, for the multi-host tests.
 //! [`need`] makes a missing tool a failure that says what to install.
 
 pub use vrdma_tools::{app_memory, vmm};
 
 pub mod daemon;
 pub mod need;
+pub mod netns;
 pub mod rng;
 pub mod rogue;
 pub mod tenant;

@@ -9,6 +9,8 @@
 //! - [`supervisor`]: hostd and vdevs as separate processes on unix
 //!   sockets in a scratch directory, started, watched and stopped with
 //!   every failure an error (the tests use it through `vrdma_tests::daemon`);
+//! - [`relay`]: the hostile network between hosts of a multi-host test
+//!   (`vrdma-relay`): a learning switch that harms RoCEv2 frames;
 //! - [`verbs`]: opening a device, RC queue pairs and their connection,
 //!   signaled RDMA work requests, polling for completions;
 //! - [`app_memory`]: memory as an application owns it, for `reg_mr`;
@@ -18,6 +20,7 @@
 //!   test fixture, it panics on what it does not expect.
 
 pub mod app_memory;
+pub mod relay;
 pub mod supervisor;
 pub mod verbs;
 pub mod vmm;

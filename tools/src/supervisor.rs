@@ -8,10 +8,17 @@
 //! exited, and kills it on drop. [`Scratch`] is the directory the daemons
 //! live in. Every failure is an [`Error`]; nothing here panics, so the
 //! demo can print what went wrong and the tests can `expect` it.
+//!
+//! A daemon may be started inside a network namespace ([`Launch::netns`],
+//! [`enter_netns`]): a multi-host test runs one hostd per namespace, its
+//! vdevs and tenants beside it. Unix sockets live in the file system and
+//! are reached across namespaces as before.
 
 use std::ffi::{OsStr, OsString};
 use std::fs::File;
 use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -47,6 +54,12 @@ pub enum Error {
     },
     #[error("Cannot write {}", path.display())]
     Write {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("Cannot open network namespace {}", path.display())]
+    Netns {
         path: PathBuf,
         #[source]
         source: io::Error,
@@ -216,6 +229,7 @@ pub struct Launch {
     log: PathBuf,
     args: Vec<OsString>,
     log_level: String,
+    netns: Option<PathBuf>,
 }
 
 impl Launch {
@@ -229,6 +243,7 @@ impl Launch {
             log: dir.join(format!("{file}.log")),
             args: Vec::new(),
             log_level: "info".into(),
+            netns: None,
         }
     }
 
@@ -277,6 +292,19 @@ impl Launch {
         self
     }
 
+    /// Runs it inside network namespace `netns`: a name (`ip netns`'s, a
+    /// file in `/run/netns`) or the path of a namespace file
+    /// (`/proc/PID/ns/net`). Without it, it runs in this process's.
+    pub fn netns(mut self, netns: impl AsRef<Path>) -> Self {
+        self.netns = Some(netns_path(netns.as_ref()));
+        self
+    }
+
+    /// The network namespace it runs in, if not this process's.
+    pub fn netns_file(&self) -> Option<&Path> {
+        self.netns.as_deref()
+    }
+
     /// The socket it will listen on.
     pub fn socket(&self) -> &Path {
         &self.socket
@@ -302,7 +330,11 @@ impl Launch {
                 path: self.log.clone(),
                 source,
             })?;
-        Command::new(&self.binary)
+        let mut command = Command::new(&self.binary);
+        if let Some(netns) = &self.netns {
+            enter_netns(&mut command, netns)?;
+        }
+        command
             .arg("--socket")
             .arg(&self.socket)
             .args(&self.args)
@@ -389,7 +421,13 @@ impl Daemon {
     /// (its file exists a moment before that).
     fn wait_listening(&mut self) -> Result<(), Error> {
         let deadline = Instant::now() + TIMEOUT;
-        while !unix_listening(&self.launch.socket) {
+        // A socket made in another network namespace is listed in that
+        // namespace's table, which the daemon's /proc shows.
+        let table = match self.launch.netns {
+            Some(_) => PathBuf::from(format!("/proc/{}/net/unix", self.child.id())),
+            None => PathBuf::from("/proc/net/unix"),
+        };
+        while !unix_listening_in(&self.launch.socket, &table) {
             if let Some(status) = self.poll_exit()? {
                 return Err(Error::ExitedEarly {
                     name: self.launch.name.clone(),
@@ -525,11 +563,17 @@ impl Drop for Daemon {
 /// a temporary name and renames it into place once it listens; a socket
 /// made in another network namespace) listens once its file exists.
 pub fn unix_listening(path: &Path) -> bool {
+    unix_listening_in(path, Path::new("/proc/net/unix"))
+}
+
+/// [`unix_listening`], looking the socket up in `table` (the
+/// `/proc/PID/net/unix` of a process in another network namespace).
+pub fn unix_listening_in(path: &Path, table: &Path) -> bool {
     const ACCEPTING: u32 = 0x0001_0000;
     if !path.exists() {
         return false;
     }
-    let table = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    let table = std::fs::read_to_string(table).unwrap_or_default();
     // Num RefCount Protocol Flags Type St Inode Path
     let flags = table.lines().skip(1).find_map(|line| {
         let fields: Vec<&str> = line.split_whitespace().collect();
@@ -540,6 +584,44 @@ pub fn unix_listening(path: &Path) -> bool {
         Some(flags) => flags.unwrap_or(0) & ACCEPTING != 0,
         None => true,
     }
+}
+
+/// The file of network namespace `netns`: `/run/netns/<netns>` for a bare
+/// name (as `ip netns add` makes them), else `netns` itself.
+pub fn netns_path(netns: &Path) -> PathBuf {
+    if netns.components().count() == 1 && !netns.is_absolute() {
+        Path::new("/run/netns").join(netns)
+    } else {
+        netns.to_owned()
+    }
+}
+
+/// Makes `command` run inside network namespace `netns` (a name or a path,
+/// as [`Launch::netns`]): the namespace file is opened now (an error if it
+/// does not exist), and the child joins it with `setns(2)` between fork and
+/// exec. Everything else about the child is unchanged.
+pub fn enter_netns(command: &mut Command, netns: &Path) -> Result<(), Error> {
+    let path = netns_path(netns);
+    let file = File::open(&path).map_err(|source| Error::Netns {
+        path: path.clone(),
+        source,
+    })?;
+    // SAFETY: the hook runs in the child between fork and exec, where only
+    // async-signal-safe calls are allowed: it makes one system call,
+    // setns(2), on the fd of `file`, which the closure owns (the Command
+    // keeps it, so the fd is open in the parent when it forks and thus in
+    // the child; it is close-on-exec, so the program does not inherit it).
+    // It allocates nothing, takes no lock and touches no memory but the
+    // integer fd and errno. A failure makes spawn return the error.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -556,6 +638,21 @@ mod tests {
         drop(listener);
         let _ = std::fs::remove_file(&path);
         assert!(!unix_listening(&path));
+    }
+
+    #[test]
+    fn a_network_namespace_is_a_name_in_run_netns_or_a_path() {
+        assert_eq!(netns_path(Path::new("h1")), Path::new("/run/netns/h1"));
+        let proc = Path::new("/proc/1/ns/net");
+        assert_eq!(netns_path(proc), proc);
+        assert_eq!(netns_path(Path::new("./h1")), Path::new("./h1"));
+        let dir = Scratch::new("supervisor-netns").expect("scratch");
+        let launch = Launch::new("true", Path::new("/bin/true"), dir.path(), "true")
+            .netns(dir.path().join("no-such-namespace"));
+        match launch.start() {
+            Err(Error::Netns { path, .. }) => assert!(path.ends_with("no-such-namespace")),
+            other => panic!("expected Netns, got {other:?}"),
+        }
     }
 
     #[test]
