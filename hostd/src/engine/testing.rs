@@ -253,7 +253,9 @@ fn set_word(mem: &SharedMapping, at: u64, v: u32) {
 }
 
 impl Side {
-    fn new(engine: &mut Engine, id: DeviceId, n: u16, policy: &TenantPolicy) -> Self {
+    /// A device `id` with GID `gid(n)` attached to `engine`: memory, doorbell,
+    /// event ring, CQ and the data region registered.
+    pub fn new(engine: &mut Engine, id: DeviceId, n: u16, policy: &TenantPolicy) -> Self {
         let gid = gid(n);
         let file = sealed_memfd("engine-test", MEM).expect("memfd");
         let mem = SharedMapping::map(file.try_clone().expect("dup"), 0, MEM).expect("map");

@@ -17,17 +17,19 @@ use vrdma_roce::{write_ipv4_udp_header, Ipv4Meta};
 
 use crate::net::io::{InPacket, IoCounters, OutPacket, PacketIo, MAX_IN_PACKET};
 
-/// What the network does to the packets it carries.
+/// What the network does to the packets it carries: each fault hits a
+/// packet with probability 1/n (0: never), drawn from a seeded generator
+/// (periodic faults could hit the same packet of every retransmission).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Faults {
-    /// Drop every `n`th packet (0: none).
-    pub drop_every: u32,
-    /// Send every `n`th packet twice.
-    pub dup_every: u32,
-    /// Hold every `n`th packet back behind the next one.
-    pub swap_every: u32,
-    /// Flip a bit in every `n`th packet's UDP payload.
-    pub corrupt_every: u32,
+    pub drop_one_in: u32,
+    /// Sent twice.
+    pub dup_one_in: u32,
+    /// Held back behind the next packet.
+    pub swap_one_in: u32,
+    /// A bit of its UDP payload flipped.
+    pub corrupt_one_in: u32,
+    pub seed: u64,
 }
 
 /// One end's inbox and the addresses it owns.
@@ -103,30 +105,41 @@ impl Medium {
         }
     }
 
+    /// The next number of the seeded generator (xorshift64*).
+    fn next(&mut self) -> u64 {
+        let mut x = self.count ^ self.faults.seed ^ 0x9e37_79b9_7f4a_7c15;
+        x ^= x >> 12;
+        x ^= x << 25;
+        x ^= x >> 27;
+        self.count = x;
+        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn hits(&mut self, one_in: u32) -> bool {
+        one_in != 0 && self.next().is_multiple_of(u64::from(one_in))
+    }
+
     fn carry(&mut self, dst: Ipv4Addr, mut datagram: Vec<u8>) {
-        self.count += 1;
         self.carried += 1;
-        let n = self.count;
-        let every = |k: u32| k != 0 && n.is_multiple_of(u64::from(k));
         let f = self.faults;
-        if every(f.drop_every) {
+        if self.hits(f.drop_one_in) {
             self.harmed += 1;
             return;
         }
-        if every(f.corrupt_every) && datagram.len() > 40 {
+        if self.hits(f.corrupt_one_in) && datagram.len() > 40 {
             self.harmed += 1;
-            let i = 28 + (n as usize * 7) % (datagram.len() - 28);
-            datagram[i] ^= 1 << (n % 8);
+            let r = self.next() as usize;
+            let i = 28 + r % (datagram.len() - 28);
+            datagram[i] ^= 1 << (r % 8);
         }
-        if every(f.dup_every) {
+        if self.hits(f.dup_one_in) {
             self.harmed += 1;
             self.deliver(dst, datagram.clone());
         }
-        if every(f.swap_every) && self.held.is_none() {
-            self.harmed += 1;
-            self.held = Some((self.count as usize, datagram));
+        if self.held.is_none() && self.hits(f.swap_one_in) {
             // Kept for after the next packet.
-            let _ = dst;
+            self.harmed += 1;
+            self.held = Some((0, datagram));
             return;
         }
         self.deliver(dst, datagram);

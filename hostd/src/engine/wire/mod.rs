@@ -284,7 +284,15 @@ impl Wire {
         self.mark_active(qref);
     }
 
-    fn note_sent(&mut self, remote: &mut RemoteQp, psn: Psn, now: Instant) {
+    /// Packet `psn` of `remote`, whose answer ends before PSN `end`, was
+    /// queued: a retransmission if it was sent before; otherwise the RTT
+    /// probe if none is running.
+    fn note_sent(&mut self, remote: &mut RemoteQp, psn: Psn, end: Psn, now: Instant) {
+        if psn.diff(remote.high) < 0 {
+            self.peers.at(remote.conn.peer).retransmissions += 1;
+            return;
+        }
+        remote.high = end;
         if remote.probe.is_none() {
             remote.probe = Some((psn, now));
         }
@@ -292,10 +300,6 @@ impl Wire {
 
     fn drop_packet(&mut self, peer: usize, why: &'static str) {
         self.peers.dropped(peer, why);
-    }
-
-    fn retransmission(&mut self, peer: usize) {
-        self.peers.at(peer).retransmissions += 1;
     }
 
     fn timeout(&mut self, peer: usize) {
@@ -565,3 +569,8 @@ fn source_peer(w: &mut Wire, bytes: &[u8]) -> usize {
     let ip = Ipv4Addr::new(src[0], src[1], src[2], src[3]);
     w.peers.of_gid(&*w.directory, ip).unwrap_or(0)
 }
+
+#[cfg(test)]
+mod link;
+#[cfg(test)]
+mod tests;

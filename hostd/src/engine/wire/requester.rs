@@ -81,6 +81,7 @@ impl Engine {
                     npkts: 0,
                     sent: 0,
                     got: 0,
+                    ahead: 0,
                     answered: false,
                     failed: Some(status),
                 });
@@ -117,6 +118,7 @@ impl Engine {
             npkts,
             sent: 0,
             got: 0,
+            ahead: 0,
             answered: false,
             failed: None,
         });
@@ -127,6 +129,9 @@ impl Engine {
         qp.sent = 0;
         qp.issued += 1;
         if let Some(mut w) = self.wire.take() {
+            // Its timer runs from now; the rest of it goes out in later
+            // rounds if the window or the queue is full.
+            w.mark_active(qref);
             self.pump(&mut w, qref, now);
             self.wire = Some(w);
         }
@@ -165,7 +170,8 @@ impl Engine {
             let Some(m) = remote.inflight.get(i) else {
                 return false;
             };
-            if m.all_sent() || m.failed.is_some() {
+            // Answered (or acknowledged) messages are never sent again.
+            if m.all_sent() || m.failed.is_some() || m.answered {
                 i += 1;
                 continue;
             }
@@ -193,7 +199,13 @@ impl Engine {
                 continue;
             }
             m.sent = if m.reads() { m.npkts } else { k + 1 };
-            w.note_sent(remote, psn, now);
+            // A READ request takes the PSNs of all its responses.
+            let (psn, end) = if m.reads() {
+                (m.first.add(m.got), m.first.add(m.npkts))
+            } else {
+                (psn, psn.add(1))
+            };
+            w.note_sent(remote, psn, end, now);
         }
     }
 
@@ -243,8 +255,7 @@ impl Engine {
             return;
         };
         // An acknowledgement of a PSN never sent is not believed.
-        let sent_end = remote.sent_end();
-        if psn.diff(front.first) < -1 || psn.diff(sent_end) >= 0 {
+        if psn.diff(front.first) < -1 || psn.diff(remote.high) >= 0 {
             w.drop_packet(remote.conn.peer, "ack_out_of_window");
             return;
         }
@@ -264,17 +275,20 @@ impl Engine {
                 break;
             }
             if m.reads() {
-                if !m.answered {
+                // Its response was lost (the responder is past it): asked
+                // again from the first packet missing.
+                if !m.answered && ask_again.is_none() {
                     ask_again = Some(m.first.add(m.got));
-                    break;
                 }
-            } else if m.all_sent() {
+            } else {
+                // The responder has every packet of it, even if some are
+                // being sent again.
                 m.answered = true;
             }
         }
         if let Some(from) = ask_again {
             remote.rewind(from);
-            w.retransmission(remote.conn.peer);
+            w.mark_active(qref);
         }
         self.retire(w, qref, now);
     }
@@ -311,7 +325,6 @@ impl Engine {
                 };
                 if remote.inflight.iter().any(|m| m.holds(psn)) {
                     remote.rewind(psn);
-                    w.retransmission(peer);
                     w.mark_active(qref);
                 }
                 return;
@@ -372,19 +385,23 @@ impl Engine {
             return;
         };
         let m = &remote.inflight[i];
-        if m.answered || m.failed.is_some() || psn != m.first.add(m.got) {
-            w.drop_packet(peer, "response_out_of_order");
+        // Packet `k` of the response: taken in any order within the
+        // window of `got` and `ahead` (a reordered network costs no
+        // retransmission), each once.
+        let k = u32::try_from(psn.diff(m.first)).unwrap_or(u32::MAX);
+        let beyond = k.wrapping_sub(m.got).wrapping_sub(1);
+        let fresh = k == m.got || (k > m.got && beyond < 64 && m.ahead & (1 << beyond) == 0);
+        if m.answered || m.failed.is_some() || !fresh {
+            w.drop_packet(peer, "response_duplicate");
             return;
         }
-        let first = m.got == 0;
-        let last = m.got + 1 == m.npkts;
-        let position_ok = match opcode {
-            op::READ_RESPONSE_ONLY => first && last,
-            op::READ_RESPONSE_FIRST => first && !last,
-            op::READ_RESPONSE_MIDDLE => !first && !last,
-            _ => !first && last,
-        };
-        let offset = u64::from(m.got) * mtu;
+        let first = k == 0;
+        let last = k + 1 == m.npkts;
+        // A READ asked again from packet `got` is answered from a FIRST
+        // (or ONLY) there: only the last packet's position is fixed.
+        let ends = matches!(opcode, op::READ_RESPONSE_LAST | op::READ_RESPONSE_ONLY);
+        let position_ok = ends == last && (first || opcode != op::READ_RESPONSE_ONLY || last);
+        let offset = u64::from(k) * mtu;
         let expect = if last {
             m.work.length.saturating_sub(offset)
         } else {
@@ -407,7 +424,16 @@ impl Engine {
         let Some(m) = remote.inflight.iter_mut().find(|m| m.first == first_psn) else {
             return;
         };
-        m.got += 1;
+        if k == m.got {
+            m.got += 1;
+            while m.ahead & 1 != 0 {
+                m.ahead >>= 1;
+                m.got += 1;
+            }
+            m.ahead >>= 1;
+        } else {
+            m.ahead |= 1 << (k - m.got - 1);
+        }
         if !landed {
             m.failed = Some(WcStatus::LocProtErr);
         } else if m.got == m.npkts {
@@ -526,7 +552,8 @@ impl Engine {
         if due > now || remote.rnr_until.is_some() {
             return;
         }
-        let Some(front) = remote.inflight.front() else {
+        // Sent again from the oldest message not answered.
+        let Some(front) = remote.inflight.iter().find(|m| !m.answered && m.failed.is_none()) else {
             remote.due = None;
             return;
         };
@@ -547,7 +574,6 @@ impl Engine {
         remote.due = ack_timeout(remote.conn.timeout).map(|t| now + t);
         let peer = remote.conn.peer;
         w.timeout(peer);
-        w.retransmission(peer);
         w.mark_active(qref);
     }
 }
@@ -601,7 +627,6 @@ fn send_packet(
                 swap_add: if cas { work.swap } else { work.compare_add },
                 compare: if cas { work.compare_add } else { 0 },
             });
-            bth.ack_req = true;
             h.bth.ack_req = true;
             return w.emit(&path, &h, 0, |_| true);
         }

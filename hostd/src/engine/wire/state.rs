@@ -78,8 +78,10 @@ pub struct Issued {
     /// Packets sent in the current pass (a READ request counts as
     /// `npkts` once sent; retransmission rewinds it).
     pub sent: u32,
-    /// READ: response packets received, in order.
+    /// READ: response packets received from the first on, without a gap.
     pub got: u32,
+    /// READ: response packets `got + 1 + i` received ahead of a gap (bit i).
+    pub ahead: u64,
     /// A READ or atomic has its whole response.
     pub answered: bool,
     /// The status it completes with, when the peer failed it.
@@ -170,6 +172,9 @@ pub struct RemoteQp {
     pub next_psn: Psn,
     /// The last PSN the responder acknowledged.
     pub acked: Psn,
+    /// One past the highest PSN ever sent (what an acknowledgement may
+    /// name; below it, a packet sent again is a retransmission).
+    pub high: Psn,
     /// Messages on the wire, oldest first.
     pub inflight: VecDeque<Issued>,
     /// Spare WQE copies (allocated when the QP connects, reused).
@@ -207,6 +212,7 @@ impl RemoteQp {
         RemoteQp {
             next_psn: Psn::new(conn.sq_psn),
             acked: Psn::new(conn.sq_psn).sub(1),
+            high: Psn::new(conn.sq_psn),
             inflight: VecDeque::with_capacity(WINDOW_MESSAGES),
             pool: (0..WINDOW_MESSAGES).map(|_| Box::default()).collect(),
             retry_left: conn.retry_cnt,
@@ -232,6 +238,7 @@ impl RemoteQp {
         if self.inflight.is_empty() {
             self.next_psn = Psn::new(conn.sq_psn);
             self.acked = self.next_psn.sub(1);
+            self.high = self.next_psn;
         }
         self.retry_left = conn.retry_cnt;
         self.rnr_left = conn.rnr_retry;
@@ -295,7 +302,7 @@ impl RemoteQp {
 
     /// Whether some message has packets not sent in this pass.
     pub fn has_unsent(&self) -> bool {
-        self.inflight.iter().any(|m| !m.all_sent())
+        (self.inflight.iter()).any(|m| !m.all_sent() && !m.answered && m.failed.is_none())
     }
 
     /// Remembers the result of the atomic at `psn`.
@@ -316,13 +323,17 @@ impl RemoteQp {
     /// Rewinds transmission to `psn` (go-back-N): every packet from it on
     /// is sent again.
     pub fn rewind(&mut self, psn: Psn) {
-        for m in &mut self.inflight {
+        for m in self.inflight.iter_mut().filter(|m| !m.answered) {
             let d = psn.diff(m.first);
             if d <= 0 {
                 m.sent = 0;
             } else if (d as u32) < m.npkts {
-                // A READ is asked again for what has not come back.
+                // A READ is asked again for what has not come back (from
+                // its first gap: what came ahead of it is asked again too).
                 m.sent = if m.reads() { 0 } else { d as u32 };
+                if m.reads() {
+                    m.ahead = 0;
+                }
             }
         }
         self.probe = None;
