@@ -239,7 +239,10 @@ fn rc_pingpong(args: &[&str]) {
             text.contains("local address:  LID 0x0000,") && text.contains("GID ::ffff:127.100."),
             "{side}:\n{text}"
         );
-        assert!(text.contains("remote address: LID 0x0000,"), "{side}:\n{text}");
+        assert!(
+            text.contains("remote address: LID 0x0000,"),
+            "{side}:\n{text}"
+        );
         assert!(
             text.contains(" bytes in ") && text.contains(" iters in "),
             "{side}:\n{text}"

@@ -230,7 +230,8 @@ fn every_control_verb_and_its_failure_paths() {
         rd_atomic: 1,
         ..Connection::DEFAULT
     };
-    let [(init, init_mask), (rtr, rtr_mask), (rts, rts_mask)] = transitions(0x42, vrdma_spec::gid::loopback_gid(3), how);
+    let [(init, init_mask), (rtr, rtr_mask), (rts, rts_mask)] =
+        transitions(0x42, vrdma_spec::gid::loopback_gid(3), how);
     assert_eq!(
         modify(&mut vmm, mask::STATE | mask::PORT, init),
         EINVAL,

@@ -244,9 +244,16 @@ fn hostd_is_lent_the_doorbell_kick_and_the_event_interrupts() {
         "{request:?}"
     );
     assert_eq!(files.len(), 1, "the guest memory's memfd");
-    assert_eq!(vmm.config.gid, STAND_IN_GID, "hostd's GID is the port's GID 0");
+    assert_eq!(
+        vmm.config.gid, STAND_IN_GID,
+        "hostd's GID is the port's GID 0"
+    );
     assert_eq!(vmm.config.port.lid.get(), 0, "RoCE: no LID");
-    assert_eq!(vmm.config.name(), Some("vrdma_32"), "named after hostd's LID");
+    assert_eq!(
+        vmm.config.name(),
+        Some("vrdma_32"),
+        "named after hostd's LID"
+    );
 
     let doorbell = vmm.queue(vrdma_spec::DOORBELL_QUEUE, DOORBELL_RING);
     let events = vmm.queue(vrdma_spec::FIRST_EVENT_QUEUE, EVENT_QUEUE_RING);

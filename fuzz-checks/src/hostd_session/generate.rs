@@ -298,7 +298,7 @@ impl Session<'_> {
                 2 => BETA_QP,
                 _ => u32::from(input.u8() % 4) + 1,
             },
-            flow_label: if input.u8() % 16 == 0 {
+            flow_label: if input.u8().is_multiple_of(16) {
                 0x0010_0000
             } else {
                 input.u32() & 0x000f_ffff

@@ -216,7 +216,12 @@ impl App {
         let port = dev.ctx.query_port(1).doing("query_port")?;
         let state = PortState::try_from(port.state).map_or_else(|v| v.to_string(), ib_name);
         let device = dev.ctx.config().name().unwrap_or("?").to_owned();
-        let (gid, pd, cq, qpn) = (Ipv6Addr::from(dev.gid), dev.pd.pdn(), dev.cq.cqn(), qp.qp_num());
+        let (gid, pd, cq, qpn) = (
+            Ipv6Addr::from(dev.gid),
+            dev.pd.pdn(),
+            dev.cq.cqn(),
+            qp.qp_num(),
+        );
         println!(
             "    {name:<10} {device}: port 1 {state}, GID {gid}, PD {pd}, CQ {cq}, QP {qpn:#x}"
         );

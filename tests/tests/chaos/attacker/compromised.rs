@@ -238,7 +238,10 @@ impl Attacker<'_> {
         );
         self.expect_answer(
             "a GID nobody has",
-            rogue.connect(vqpn, connection(vrdma_spec::gid::ipv4_mapped([10, 9, 8, 7]), 1)),
+            rogue.connect(
+                vqpn,
+                connection(vrdma_spec::gid::ipv4_mapped([10, 9, 8, 7]), 1),
+            ),
             Answer::Refused(libc::ENOENT),
         );
         let exposed = self.victim.accept(vqpn, rogue.gid());
