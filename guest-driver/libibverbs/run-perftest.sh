@@ -57,12 +57,12 @@ for prog in "${programs[@]}"; do
         start_fabric
         port=$((port + 1))
         LD_LIBRARY_PATH="$work" VRDMA_DEVICES="$work/alpha.sock" \
-            "$prog" -p "$port" -s "$size" -n "$iters" -F >"$work/server.out" 2>&1 &
+            "$prog" -p "$port" -s "$size" -n "$iters" -F -x 0 >"$work/server.out" 2>&1 &
         server=$!
         sleep 0.5
         status=0
         LD_LIBRARY_PATH="$work" VRDMA_DEVICES="$work/beta.sock" \
-            "$prog" -p "$port" -s "$size" -n "$iters" -F localhost >"$work/client.out" 2>&1 || status=$?
+            "$prog" -p "$port" -s "$size" -n "$iters" -F -x 0 localhost >"$work/client.out" 2>&1 || status=$?
         wait "$server" || status=$?
         if [ "$status" -ne 0 ]; then
             echo "$prog -s $size FAILED ($status):" >&2

@@ -149,7 +149,11 @@ impl Registry {
     /// What a connection towards `dgid` reaches: a device of this host,
     /// one of another host, or nothing known.
     fn resolve_peer(&self, dgid: &Gid) -> Peer<&Connected> {
-        match self.by_gid.get(dgid).and_then(|lid| self.connected.get(lid)) {
+        match self
+            .by_gid
+            .get(dgid)
+            .and_then(|lid| self.connected.get(lid))
+        {
             Some(device) => Peer::Local(device),
             None => Peer::Unknown,
         }

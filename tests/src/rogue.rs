@@ -114,6 +114,11 @@ impl RogueVdev {
         self.welcome.lid
     }
 
+    /// The GID hostd assigned (what connections towards it name).
+    pub fn gid(&self) -> [u8; 16] {
+        self.welcome.gid
+    }
+
     /// Sends `request` with `fds` and returns hostd's answer.
     pub fn call(&self, request: &Request, fds: &[RawFd]) -> Answer {
         match self.channel.call::<_, Response>(request, fds) {

@@ -26,8 +26,8 @@ pub struct Tenant {
     pub cq: CompletionQueue,
     pub pd: ProtectionDomain,
     pub ctx: Context,
-    /// The port's LID (assigned by hostd).
-    pub lid: u16,
+    /// The port's GID 0, what peers connect to (assigned by hostd).
+    pub gid: [u8; 16],
     pub vdev: Vdev,
 }
 
@@ -45,13 +45,13 @@ impl Tenant {
     /// Opens the device `vdev` serves (a new frontend connection), with a
     /// CQ of 1024 entries.
     pub fn open(vdev: Vdev) -> Self {
-        let Opened { cq, pd, ctx, lid } = Opened::open(&vdev.socket, 1024)
+        let Opened { cq, pd, ctx, gid } = Opened::open(&vdev.socket, 1024)
             .unwrap_or_else(|e| panic!("open the device: {e}\n{}", vdev.log()));
         Tenant {
             cq,
             pd,
             ctx,
-            lid,
+            gid,
             vdev,
         }
     }
@@ -63,7 +63,7 @@ impl Tenant {
             cq,
             pd,
             ctx,
-            lid: _,
+            gid: _,
             vdev,
         } = self;
         drop((cq, pd, ctx));
@@ -78,8 +78,8 @@ impl Tenant {
 
 /// Connects `qa` (of `a`) and `qb` (of `b`) to each other.
 pub fn connect(a: &Tenant, qa: &QueuePair, b: &Tenant, qb: &QueuePair, how: Connection) {
-    bring_up(qa, qb.qp_num(), b.lid, how).expect("bring up the first QP");
-    bring_up(qb, qa.qp_num(), a.lid, how).expect("bring up the second QP");
+    bring_up(qa, qb.qp_num(), b.gid, how).expect("bring up the first QP");
+    bring_up(qb, qa.qp_num(), a.gid, how).expect("bring up the second QP");
 }
 
 /// A QP of `a` and a QP of `b` (default capacities), connected to each
@@ -113,7 +113,7 @@ impl Pair {
         let hostd = Hostd::start(None);
         let a = Tenant::start(&hostd, "alpha");
         let b = Tenant::start(&hostd, "beta");
-        assert_ne!(a.lid, b.lid, "hostd gives each device its own LID");
+        assert_ne!(a.gid, b.gid, "hostd gives each device its own GID");
         let (qa, qb) = qp_pair(&a, &b, how);
         Pair {
             qa,

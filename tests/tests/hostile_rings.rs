@@ -130,10 +130,10 @@ impl Qp {
         assert_eq!(errno, 0, "modify_qp to {}", attr.qp_state);
     }
 
-    /// INIT → RTR → RTS towards QP `dest_qpn` on the port `dlid`, with
+    /// INIT → RTR → RTS towards QP `dest_qpn` at GID `dgid`, with
     /// every remote access, and one RNR retry so that a SEND without a
     /// receive ends.
-    fn connect(&self, vmm: &mut Vmm, dlid: u16, dest_qpn: u32) {
+    fn connect(&self, vmm: &mut Vmm, dgid: [u8; 16], dest_qpn: u32) {
         let how = Connection {
             access: access::QP_SUPPORTED,
             rnr_retry: 1,
@@ -142,7 +142,7 @@ impl Qp {
             retry_cnt: 1,
             rd_atomic: 1,
         };
-        for (attr, attr_mask) in transitions(dest_qpn, dlid, how) {
+        for (attr, attr_mask) in transitions(dest_qpn, dgid, how) {
             self.modify(vmm, attr_mask, attr);
         }
     }
@@ -525,7 +525,7 @@ fn garbage_in_a_guests_own_rings_reaches_nothing_beyond_its_memory_regions() {
         consumer: 0,
     };
     let mut kicks = 0;
-    let lid = vmm.config.port.lid.get();
+    let gid = vmm.config.gid;
     let keys = Keys {
         lkey: mr.lkey.get(),
         rkey: mr.rkey.get(),
@@ -539,8 +539,8 @@ fn garbage_in_a_guests_own_rings_reaches_nothing_beyond_its_memory_regions() {
     for round in 0..rounds {
         let a = Qp::create(&mut vmm, pdn, cq.cqn, QP_RINGS);
         let b = Qp::create(&mut vmm, pdn, cq.cqn, QP_RINGS + 0x10000);
-        a.connect(&mut vmm, lid, b.qpn);
-        b.connect(&mut vmm, lid, a.qpn);
+        a.connect(&mut vmm, gid, b.qpn);
+        b.connect(&mut vmm, gid, a.qpn);
         qpns.extend([a.qpn, b.qpn]);
         let wr_id = |side: u64, i: u64| (side << 63) | (round << 8) | i;
         let stride = a.sq_geometry.stride;

@@ -2,7 +2,9 @@
 //! perftest), unmodified, on vrdma through the drop-in `libibverbs.so.1`
 //! (`guest-driver/libibverbs`), between two process-mode tenants of one
 //! hostd. The server side runs on tenant alpha's vdev, the client on
-//! beta's; they exchange QP numbers over TCP on 127.0.0.1.
+//! beta's; they exchange QP numbers and GIDs over TCP on 127.0.0.1. The
+//! port is RoCEv2, so the programs address each other by GID
+//! (`ibv_rc_pingpong -g 0`, perftest `-x 0` or its own choice).
 //!
 //! The programs come from Debian packages (ibverbs-utils, perftest,
 //! libibverbs-dev) that `scripts/test` installs; where one is missing, the
@@ -170,18 +172,21 @@ fn ibv_devinfo_lists_the_vrdma_device_with_an_active_port() {
         "phys_port_cnt:\t\t\t1",
         "state:\t\t\tPORT_ACTIVE (4)",
         "active_mtu:\t\t4096 (5)",
-        "link_layer:\t\tInfiniBand",
-        "GID[  0]:\t\tfe80:0000:0000:0000:7672:",
+        "link_layer:\t\tEthernet",
+        // hostd's GID (no fabric: 127.100.x.y, x.y the device's LID), of
+        // type RoCE v2.
+        "GID[  0]:\t\t::ffff:127.100.",
+        ", RoCE v2",
     ] {
         assert!(text.contains(expected), "no {expected:?} in:\n{text}");
     }
-    // hostd assigned the port a LID (rc_pingpong needs one on InfiniBand).
+    // RoCE has no LIDs.
     let lid = text
         .lines()
         .find_map(|l| l.trim().strip_prefix("port_lid:"))
         .and_then(|v| v.trim().parse::<u32>().ok())
         .expect("port_lid line");
-    assert!(lid > 0, "{text}");
+    assert_eq!(lid, 0, "{text}");
 }
 
 #[test]
@@ -226,9 +231,18 @@ fn rc_pingpong(args: &[&str]) {
     let shim = IbverbsShim::new();
     // A fresh fabric per pair: each program is a new vhost-user frontend.
     let fabric = Fabric::start();
-    let run = run_pair(&shim, &fabric, "ibv_rc_pingpong", args);
+    // RoCE: the GRH names the peer by GID index 0.
+    let args = [&["-g", "0"], args].concat();
+    let run = run_pair(&shim, &fabric, "ibv_rc_pingpong", &args);
     for (side, text) in [("server", run.server_text()), ("client", run.client_text())] {
-        assert!(text.contains("local address:  LID 0x"), "{side}:\n{text}");
+        assert!(
+            text.contains("local address:  LID 0x0000,") && text.contains("GID ::ffff:127.100."),
+            "{side}:\n{text}"
+        );
+        assert!(
+            text.contains("remote address: LID 0x0000,"),
+            "{side}:\n{text}"
+        );
         assert!(
             text.contains(" bytes in ") && text.contains(" iters in "),
             "{side}:\n{text}"
@@ -258,19 +272,28 @@ fn ibv_rc_pingpong_inline_sends_arrive_intact() {
     rc_pingpong(&["-n", "500", "-s", "64", "-c"]);
 }
 
-/// One perftest program at a small and a large message size.
+/// One perftest program at a small and a large message size, with GID
+/// index 0 (`-x 0`).
 fn perftest(program: &str, iters: &str) {
+    perftest_with(program, iters, &["-x", "0"]);
+}
+
+/// The same with `gid_args` choosing the GID (none: perftest's own
+/// choice on a RoCE port).
+fn perftest_with(program: &str, iters: &str, gid_args: &[&str]) {
     need::program(program, "perftest");
     let _serial = serial();
     let shim = IbverbsShim::new();
     for size in ["64", "65536"] {
         let fabric = Fabric::start();
-        let run = run_pair(&shim, &fabric, program, &["-s", size, "-n", iters, "-F"]);
+        let args = [&["-s", size, "-n", iters, "-F"], gid_args].concat();
+        let run = run_pair(&shim, &fabric, program, &args);
         // Both sides connected; the client reports the results (the
         // passive side of a READ test prints none).
         let server = run.server_text();
         assert!(
-            server.contains(" local address: LID "),
+            server.contains(" local address: LID ")
+                && server.contains("GID: 00:00:00:00:00:00:00:00:00:00:255:255:127:100:"),
             "{program} server:\n{server}"
         );
         let client = run.client_text();
@@ -294,9 +317,10 @@ fn perftest(program: &str, iters: &str) {
     }
 }
 
+/// Without `-x`: perftest picks the GID itself on a RoCE port.
 #[test]
 fn perftest_ib_write_bw() {
-    perftest("ib_write_bw", "2000");
+    perftest_with("ib_write_bw", "2000", &[]);
 }
 
 #[test]
@@ -337,7 +361,7 @@ fn perftest_with_completion_events() {
             &shim,
             &fabric,
             program,
-            &["-e", "-s", "64", "-n", "500", "-F"],
+            &["-e", "-s", "64", "-n", "500", "-F", "-x", "0"],
         );
         let client = run.client_text();
         assert!(

@@ -431,7 +431,7 @@ fn connecting_outside_the_tenant_network_fails_at_rtr() {
     let c = Tenant::start(&hostd, "gamma");
     let qa = a.qp(default_caps());
     let qc = c.qp(default_caps());
-    let err = bring_up(&qa, qc.qp_num(), c.lid, Connection::default())
+    let err = bring_up(&qa, qc.qp_num(), c.gid, Connection::default())
         .expect_err("alpha cannot reach gamma");
     assert_eq!(err.errno(), libc::EACCES, "{err:?}");
     assert_eq!(
@@ -643,10 +643,10 @@ fn one_vdev_serves_frontend_after_frontend_on_hostd() {
     for round in 0..3u8 {
         let dev = Opened::open(&alpha.socket, 16)
             .unwrap_or_else(|e| panic!("frontend {round}: open: {e}\n{}", alpha.log()));
-        let (qp, lid) = (dev.rc_qp(default_caps()).expect("create_qp"), dev.lid);
+        let (qp, gid) = (dev.rc_qp(default_caps()).expect("create_qp"), dev.gid);
         let peer = beta.qp(default_caps());
-        bring_up(&qp, peer.qp_num(), beta.lid, Connection::default()).expect("bring up");
-        bring_up(&peer, qp.qp_num(), lid, Connection::default()).expect("bring up the peer");
+        bring_up(&qp, peer.qp_num(), beta.gid, Connection::default()).expect("bring up");
+        bring_up(&peer, qp.qp_num(), gid, Connection::default()).expect("bring up the peer");
         let src = dev.pd.alloc_mr(4096, RW).expect("src");
         let dst = beta.pd.alloc_mr(4096, RW).expect("dst");
         let data = vec![round + 1; 4096];

@@ -52,7 +52,8 @@ fn config_space_and_queries_describe_the_device() {
         vrdma_spec::SPEC_VERSION_MAJOR
     );
     assert_eq!(vmm.config.num_comp_vectors.get(), 2);
-    assert_eq!(vmm.config.port.lid.get(), 9);
+    assert_eq!(vmm.config.port.lid.get(), 0, "RoCE: no LID");
+    assert_eq!(vmm.config.gid, vrdma_spec::gid::loopback_gid(9));
     assert_eq!(vmm.config.name(), Some("vrdma_9"));
     assert_eq!(
         vmm.frontend.get_queue_num().expect("get_queue_num"),
@@ -221,15 +222,16 @@ fn every_control_verb_and_its_failure_paths() {
             vmm::modify_req(qpn, attr_mask, attr).as_bytes(),
         )
     };
-    // What the driver sends: to peer QP 0x42 behind LID 3, one read or
-    // atomic in flight each way.
+    // What the driver sends: to peer QP 0x42 at GID ::ffff:127.100.0.3,
+    // one read or atomic in flight each way.
     let how = Connection {
         access: access::REMOTE_WRITE | access::REMOTE_READ,
         min_rnr_timer: 12,
         rd_atomic: 1,
         ..Connection::DEFAULT
     };
-    let [(init, init_mask), (rtr, rtr_mask), (rts, rts_mask)] = transitions(0x42, 3, how);
+    let [(init, init_mask), (rtr, rtr_mask), (rts, rts_mask)] =
+        transitions(0x42, vrdma_spec::gid::loopback_gid(3), how);
     assert_eq!(
         modify(&mut vmm, mask::STATE | mask::PORT, init),
         EINVAL,
@@ -245,6 +247,13 @@ fn every_control_verb_and_its_failure_paths() {
         modify(&mut vmm, rtr_mask, QpAttr { path_mtu: 7, ..rtr }),
         EINVAL,
         "path MTU above the port's"
+    );
+    let mut no_grh = rtr;
+    no_grh.ah_attr.is_global = 0;
+    assert_eq!(
+        modify(&mut vmm, rtr_mask, no_grh),
+        EINVAL,
+        "an address vector without a GRH on the RoCE port"
     );
     assert_eq!(modify(&mut vmm, rtr_mask, rtr), 0);
     assert_eq!(

@@ -28,6 +28,8 @@ const EINVAL: u32 = libc::EINVAL as u32;
 /// Where the tests' drivers keep their doorbell page and event rings.
 const DOORBELL_PAGE: u64 = FREE + (4 << 20);
 const EVENT_RING: u64 = FREE + (5 << 20);
+/// The GID the stand-in hostd assigns.
+const STAND_IN_GID: [u8; 16] = vrdma_spec::gid::ipv4_mapped([10, 200, 0, 32]);
 
 fn set_doorbell(vmm: &mut Vmm) -> u32 {
     vmm.errno(Opcode::SetDoorbell, doorbell_req(DOORBELL_PAGE).as_bytes())
@@ -183,6 +185,7 @@ fn serve_vdev(channel: Channel, tx: mpsc::Sender<(Request, Vec<File>)>) {
     let (_notifications, theirs) = Channel::pair().expect("notification channel");
     let welcome = Response::Welcome(Box::new(Welcome {
         lid: 0x20,
+        gid: STAND_IN_GID,
         physical_queues: 2,
         policy: Policy::default_policy().tenants[0].clone(),
     }));
@@ -241,7 +244,16 @@ fn hostd_is_lent_the_doorbell_kick_and_the_event_interrupts() {
         "{request:?}"
     );
     assert_eq!(files.len(), 1, "the guest memory's memfd");
-    assert_eq!(vmm.config.port.lid.get(), 0x20, "hostd's LID");
+    assert_eq!(
+        vmm.config.gid, STAND_IN_GID,
+        "hostd's GID is the port's GID 0"
+    );
+    assert_eq!(vmm.config.port.lid.get(), 0, "RoCE: no LID");
+    assert_eq!(
+        vmm.config.name(),
+        Some("vrdma_32"),
+        "named after hostd's LID"
+    );
 
     let doorbell = vmm.queue(vrdma_spec::DOORBELL_QUEUE, DOORBELL_RING);
     let events = vmm.queue(vrdma_spec::FIRST_EVENT_QUEUE, EVENT_QUEUE_RING);

@@ -705,7 +705,8 @@ impl Rig {
     ) -> (Duration, String, String) {
         let port = free_port();
         let mut server = self.host_pingpong(port, iters);
-        let command = format!("ibv_rc_pingpong -p {port} -n {iters}{guest_flags} 10.0.2.2");
+        // -g 0: the port is RoCE, peers are addressed by GID.
+        let command = format!("ibv_rc_pingpong -g 0 -p {port} -n {iters}{guest_flags} 10.0.2.2");
         let sent = Instant::now();
         self.guest_run(name, &command);
         let took = sent.elapsed();
@@ -762,7 +763,7 @@ impl Rig {
         let child = self
             .shim
             .command("ibv_rc_pingpong", &self.host_vdev.socket)
-            .args(["-p", &port.to_string(), "-n", &iters.to_string()])
+            .args(["-g", "0", "-p", &port.to_string(), "-n", &iters.to_string()])
             .spawn()
             .expect("start ibv_rc_pingpong on the host");
         let deadline = Instant::now() + Duration::from_secs(20);
@@ -784,7 +785,7 @@ impl Rig {
         let server = self.host_pingpong(port, 1_000_000);
         let ops = self.hostd.ops("vm");
         self.guest_do(&format!(
-            "ibv_rc_pingpong -p {port} -n 1000000 10.0.2.2 & {then}pass {verdict}"
+            "ibv_rc_pingpong -g 0 -p {port} -n 1000000 10.0.2.2 & {then}pass {verdict}"
         ));
         let started = self.guest.verdict(verdict, STEP);
         self.ok(started);

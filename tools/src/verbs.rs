@@ -17,14 +17,14 @@ use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, Mtu, QpState, QpType, SendOpcode};
 
 /// A device opened the way most programs start: one PD and one CQ, and
-/// the LID of port 1. Fields drop in order: the objects before the device.
+/// GID 0 of port 1. Fields drop in order: the objects before the device.
 #[derive(Debug)]
 pub struct Opened {
     pub cq: CompletionQueue,
     pub pd: ProtectionDomain,
     pub ctx: Context,
-    /// Port 1's LID (hostd assigns it).
-    pub lid: u16,
+    /// Port 1's GID 0, what peers connect to (hostd assigns it).
+    pub gid: [u8; 16],
 }
 
 impl Opened {
@@ -32,10 +32,10 @@ impl Opened {
     /// and a CQ of `cq_depth` entries on vector 0.
     pub fn open(socket: &Path, cq_depth: u32) -> Result<Self, Error> {
         let ctx = Context::open_vhost_user(socket)?;
-        let lid = ctx.query_port(1)?.lid.get();
+        let gid = ctx.query_gid(1, 0)?.gid;
         let pd = ctx.alloc_pd()?;
         let cq = ctx.create_cq(cq_depth, 0)?;
-        Ok(Self { cq, pd, ctx, lid })
+        Ok(Self { cq, pd, ctx, gid })
     }
 
     /// A new RC QP on this device's PD whose work completes on its CQ.
@@ -120,9 +120,10 @@ impl Default for Connection {
     }
 }
 
-/// The three transitions that connect a QP to `dest_qpn` behind LID
-/// `dlid` on port 1 (path MTU 4096, PSNs 0), each with its mask.
-pub fn transitions(dest_qpn: u32, dlid: u16, how: Connection) -> [(QpAttr, u32); 3] {
+/// The three transitions that connect a QP to `dest_qpn` at GID `dgid`
+/// on port 1 (a GRH from GID index 0, as RoCE wants; path MTU 4096, PSNs
+/// 0), each with its mask.
+pub fn transitions(dest_qpn: u32, dgid: [u8; 16], how: Connection) -> [(QpAttr, u32); 3] {
     let init = QpAttr {
         qp_state: QpState::Init.into(),
         port_num: 1,
@@ -137,8 +138,11 @@ pub fn transitions(dest_qpn: u32, dlid: u16, how: Connection) -> [(QpAttr, u32);
         min_rnr_timer: how.min_rnr_timer,
         ..QpAttr::default()
     };
-    rtr.ah_attr.dlid = dlid.into();
     rtr.ah_attr.port_num = 1;
+    rtr.ah_attr.is_global = 1;
+    rtr.ah_attr.dgid = dgid;
+    rtr.ah_attr.sgid_index = 0;
+    rtr.ah_attr.hop_limit = 64;
     let rts = QpAttr {
         qp_state: QpState::Rts.into(),
         timeout: how.timeout,
@@ -151,9 +155,14 @@ pub fn transitions(dest_qpn: u32, dlid: u16, how: Connection) -> [(QpAttr, u32);
     [(init, to[0]), (rtr, to[1]), (rts, to[2])].map(|(attr, to)| (attr, mask_to(to)))
 }
 
-/// RESET → INIT → RTR → RTS towards `dest_qpn` behind `dlid`.
-pub fn bring_up(qp: &QueuePair, dest_qpn: u32, dlid: u16, how: Connection) -> Result<(), Error> {
-    for (attr, attr_mask) in transitions(dest_qpn, dlid, how) {
+/// RESET → INIT → RTR → RTS towards `dest_qpn` at GID `dgid`.
+pub fn bring_up(
+    qp: &QueuePair,
+    dest_qpn: u32,
+    dgid: [u8; 16],
+    how: Connection,
+) -> Result<(), Error> {
+    for (attr, attr_mask) in transitions(dest_qpn, dgid, how) {
         qp.modify(&attr, attr_mask)?;
     }
     Ok(())

@@ -177,10 +177,13 @@ fn aim_modify(payload: &mut [u8], handles: &Handles, dev: &RdmaDevice, input: &m
     let rule = rc_transition(from, to);
     let (required, optional) = rule.map_or((0, 0), |r| (r.required, r.optional));
     let attr_mask = mask::STATE | required | (input.u32() & optional & !mask::ALT_PATH);
-    let lid = dev.config().port.lid.get();
+    // The device's own GID: a connection hostd (when attached) accepts.
+    let dgid = dev.config().gid;
     let dest_qpn = *input.pick(&handles.qps).unwrap_or(&qpn);
     let ah_attr = AhAttr {
-        dlid: lid.into(),
+        dgid,
+        is_global: 1,
+        hop_limit: 64,
         port_num: 1,
         ..AhAttr::default()
     };

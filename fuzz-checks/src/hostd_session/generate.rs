@@ -6,6 +6,7 @@ use vrdma_hostd_protocol::messages::{
     MrRegistration, MrSegment, QpConnection, QpModify, QpSetup, Request, WorkRing, MAX_MESSAGE,
     PROTOCOL_VERSION,
 };
+use vrdma_spec::gid::loopback_gid;
 use vrdma_spec::limits::MAX_QPS;
 use vrdma_spec::verbs::access;
 
@@ -290,17 +291,30 @@ impl Session<'_> {
             b => b % 7,
         };
         let connection = input.bool().then(|| QpConnection {
-            dest_lid: self.lid(input),
+            dgid: self.gid(input),
             dest_qpn: match input.u8() % 5 {
                 0 => 0x0100_0000,
                 1 => input.u32(),
                 2 => BETA_QP,
                 _ => u32::from(input.u8() % 4) + 1,
             },
+            flow_label: if input.u8().is_multiple_of(16) {
+                0x0010_0000
+            } else {
+                input.u32() & 0x000f_ffff
+            },
+            hop_limit: input.u8(),
+            traffic_class: input.u8(),
             access: self.qp_access(input),
             rnr_retry: input.u8() % 9,
             retry_cnt: input.u8() % 9,
             min_rnr_timer: input.u8() % 33,
+            timeout: input.u8() % 33,
+            path_mtu: [256, 1024, 4096, 4096, 0, 1000, 8192][usize::from(input.u8() % 7)],
+            sq_psn: self.psn(input),
+            rq_psn: self.psn(input),
+            max_rd_atomic: input.u8(),
+            max_dest_rd_atomic: input.u8(),
         });
         let access = input.u8().is_multiple_of(4).then(|| self.qp_access(input));
         QpModify {
@@ -405,14 +419,32 @@ impl Session<'_> {
         }
     }
 
-    fn lid(&self, input: &mut Input) -> u16 {
+    /// A destination GID: alpha's, beta's, delta's (as hostd assigns
+    /// them without a fabric, from their LIDs), or one of nobody's.
+    fn gid(&self, input: &mut Input) -> [u8; 16] {
         let b = input.u8();
-        match b % 6 {
+        let lid = match b % 7 {
             0 | 1 => self.model.greeted.unwrap_or(0),
             2 => self.h.beta_lid,
             3 => self.h.delta_lid,
             4 => [0, 0xffff, 0xc000][usize::from(b >> 6) % 3],
+            5 => {
+                let mut raw = [0u8; 16];
+                for byte in &mut raw {
+                    *byte = input.u8();
+                }
+                return raw;
+            }
             _ => input.u16(),
+        };
+        loopback_gid(lid)
+    }
+
+    /// A PSN: mostly 24 bits, sometimes wider.
+    fn psn(&self, input: &mut Input) -> u32 {
+        match input.u8() % 8 {
+            0 => input.u32(),
+            _ => input.u32() & 0x00ff_ffff,
         }
     }
 

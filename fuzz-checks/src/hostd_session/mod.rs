@@ -415,7 +415,7 @@ impl Session<'_> {
         let mut keys = None;
         let accepted = match (&response, expect) {
             (Response::Welcome(w), Expect::Welcome | Expect::Either) => {
-                self.welcomed(w.lid, w.physical_queues, &files);
+                self.welcomed(w.lid, w.gid, w.physical_queues, &files);
                 true
             }
             (Response::Ok, Expect::Ok | Expect::OkOrErr) => true,
@@ -459,8 +459,8 @@ impl Session<'_> {
     }
 
     /// A Welcome: alpha's queues, the notification channel, a LID of its
-    /// own.
-    fn welcomed(&mut self, lid: u16, queues: u32, files: &[File]) {
+    /// own and the GID hostd derives from it (no fabric).
+    fn welcomed(&mut self, lid: u16, gid: [u8; 16], queues: u32, files: &[File]) {
         assert_eq!(queues as usize, ALPHA_QUEUES, "alpha's physical queues");
         let [notify] = files else {
             panic!("Welcome with {} descriptors, not 1", files.len());
@@ -471,6 +471,7 @@ impl Session<'_> {
             ![0, self.h.beta_lid, self.h.delta_lid].contains(&lid),
             "alpha got LID {lid:#x}"
         );
+        assert_eq!(gid, vrdma_spec::gid::loopback_gid(lid), "alpha's GID");
         self.model.greeted = Some(lid);
     }
 
@@ -671,12 +672,21 @@ fn modify(state: QpState, connection: Option<QpConnection>, access: Option<u32>)
 
 fn beta_connection(lid: u16) -> QpConnection {
     QpConnection {
-        dest_lid: lid,
+        dgid: vrdma_spec::gid::loopback_gid(lid),
         dest_qpn: BETA_QP,
+        flow_label: 0,
+        hop_limit: 64,
+        traffic_class: 0,
         access: access::REMOTE_READ | access::REMOTE_WRITE,
         rnr_retry: 7,
         retry_cnt: 7,
         min_rnr_timer: 12,
+        timeout: 14,
+        path_mtu: 4096,
+        sq_psn: 0,
+        rq_psn: 0,
+        max_rd_atomic: 1,
+        max_dest_rd_atomic: 1,
     }
 }
 

@@ -9,6 +9,7 @@ use vrdma_hostd_protocol::messages::{
     MrRegistration, MrSegment, QpModify, QpSetup, Request, WorkRing,
 };
 use vrdma_spec::control::MAX_MR_PIECES;
+use vrdma_spec::gid::loopback_gid;
 use vrdma_spec::limits::{MAX_QPS, MAX_RING_DEPTH, MAX_WQE_STRIDE};
 use vrdma_spec::ring::{doorbell, CQE_SIZE, EVENT_SIZE, RING_ALIGN, RING_HEADER_SIZE};
 use vrdma_spec::verbs::{access, QpState};
@@ -397,10 +398,11 @@ impl Model {
     /// Reachability (the server), then the engine's checks.
     fn predict_modify(&self, m: &QpModify, lid: u16, (beta, delta): (u16, u16)) -> Expect {
         if let Some(c) = &m.connection {
-            if c.dest_lid == delta {
+            // Without a fabric a device's GID is derived from its LID.
+            if c.dgid == loopback_gid(delta) {
                 return refuse(libc::EACCES);
             }
-            if c.dest_lid != lid && c.dest_lid != beta {
+            if c.dgid != loopback_gid(lid) && c.dgid != loopback_gid(beta) {
                 return refuse(libc::ENOENT);
             }
         }
@@ -411,12 +413,16 @@ impl Model {
             return refuse(libc::EINVAL);
         };
         if let Some(c) = &m.connection {
-            let valid = (1..=0xbfff).contains(&c.dest_lid)
-                && c.dest_qpn <= 0x00ff_ffff
+            let valid = c.dest_qpn <= 0x00ff_ffff
                 && c.access & !access::QP_SUPPORTED == 0
                 && c.rnr_retry <= 7
                 && c.retry_cnt <= 7
-                && c.min_rnr_timer <= 31;
+                && c.min_rnr_timer <= 31
+                && c.timeout <= 31
+                && c.sq_psn <= 0x00ff_ffff
+                && c.rq_psn <= 0x00ff_ffff
+                && [256, 512, 1024, 2048, 4096].contains(&c.path_mtu)
+                && c.flow_label <= 0x000f_ffff;
             if !valid {
                 return refuse(libc::EINVAL);
             }

@@ -546,7 +546,9 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
 
 /// `ibv_create_ah`: an address handle is a local record (vrdma's RC QPs
 /// carry their path themselves); the attributes are checked as `modify_qp`
-/// checks a path.
+/// checks a path: the port is RoCE, so the path needs a GRH naming GID
+/// index 0 as its source (EINVAL otherwise, as the kernel answers for a
+/// RoCE port).
 ///
 /// # Safety
 ///
@@ -558,8 +560,7 @@ pub unsafe extern "C" fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) 
         let ctx = ctx_of(our.ibv.context)?;
         // SAFETY: the caller passes a valid attribute structure.
         let attr = unsafe { *attr };
-        let unicast = (0x0001..=0xbfff).contains(&attr.dlid);
-        if attr.port_num != 1 || !(unicast || attr.is_global != 0) {
+        if attr.port_num != 1 || attr.is_global == 0 || attr.grh.sgid_index != 0 {
             return Err(libc::EINVAL);
         }
         let ahs = &ctx.shared.ahs;
@@ -600,8 +601,9 @@ pub unsafe extern "C" fn ibv_destroy_ah(ah: *mut ibv_ah) -> c_int {
     })
 }
 
-/// `ibv_init_ah_from_wc`: the path back to a completion's sender. Only
-/// paths without a GRH exist on vrdma's InfiniBand port.
+/// `ibv_init_ah_from_wc`: the path back to a completion's sender. vrdma's
+/// completions carry no GRH (RC only: the path is the QP's), so a GRH
+/// flag is refused; without one the path has only the sender's LID.
 ///
 /// # Safety
 ///

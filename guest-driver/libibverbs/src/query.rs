@@ -403,13 +403,16 @@ mod tests {
         p.state = 4;
         p.max_mtu = 5;
         p.active_mtu = 5;
-        p.link_layer = 1;
+        p.link_layer = 2;
         p.gid_tbl_len = 1.into();
         p.max_msg_sz = (1 << 31).into();
         p.pkey_tbl_len = 1.into();
         p.lid = 17.into();
         let a = port_attr(&p);
-        assert_eq!((a.state, a.active_mtu, a.lid, a.link_layer), (4, 5, 17, 1));
+        assert_eq!(
+            (a.state, a.active_mtu, a.lid, a.link_layer, a.gid_tbl_len),
+            (4, 5, 17, 2, 1)
+        );
         let mut small = [0xaau8; 60];
         // SAFETY: the buffer has 60 bytes.
         unsafe { copy_sized(&a, small.as_mut_ptr().cast(), 60) };
@@ -418,7 +421,7 @@ mod tests {
         let mut compat = [0xaau8; 50];
         // SAFETY: 48 of the 50 bytes are written.
         unsafe { copy_sized(&a, compat.as_mut_ptr().cast(), COMPAT_PORT_ATTR_SIZE) };
-        assert_eq!(compat[46], 1);
+        assert_eq!(compat[46], 2, "link layer Ethernet");
         assert_eq!(compat[48..], [0xaa, 0xaa], "nothing past 48 bytes");
     }
 }

@@ -383,8 +383,8 @@ impl<'v> Attacker<'v> {
         if beta.link.is_none() {
             let cq = beta.t.ctx.create_cq(256, 0).expect("attacker CQ");
             let q = rc_qp(&beta.t.pd, &cq);
-            let exposed = victim.accept(q.qp_num(), beta.t.lid);
-            bring_up(&q, exposed, victim.t.lid, ATTACKER).expect("connect the link");
+            let exposed = victim.accept(q.qp_num(), beta.t.gid);
+            bring_up(&q, exposed, victim.t.gid, ATTACKER).expect("connect the link");
             beta.link = Some(Channel { qps: vec![q], cq });
         }
         beta.link.as_ref().expect("just made")

@@ -166,7 +166,7 @@ fn a_vdev_on_hostd_serves_the_next_frontend() {
     let _serial = serial();
     let hostd = Hostd::start(None);
     let first = Tenant::start(&hostd, "alpha");
-    let lid = first.lid;
+    let gid = first.gid;
     let started = Instant::now();
     let mut vdev = first.close();
     let second = Tenant::open(vdev);
@@ -175,7 +175,7 @@ fn a_vdev_on_hostd_serves_the_next_frontend() {
         "the next frontend waited {:?}",
         started.elapsed()
     );
-    assert_eq!(second.lid, lid, "same device, same LID");
+    assert_eq!(second.gid, gid, "same device, same GID");
     cycle(&second, 1);
     vdev = second.close();
     assert!(vdev.is_running(), "vdev serves on:\n{}", vdev.log());

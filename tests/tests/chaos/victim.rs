@@ -90,7 +90,7 @@ impl Victim {
     pub(crate) fn secrets(&self) -> Secrets {
         let key = |mr: &MemoryRegion| (mr.iova(), mr.lkey(), mr.rkey());
         Secrets {
-            lid: self.t.lid,
+            gid: self.t.gid,
             canary: key(&self.canary),
             traffic: [key(&self.src), key(&self.dst)],
             qpns: [
@@ -104,13 +104,13 @@ impl Victim {
         }
     }
 
-    /// Resets the exposed QP and connects it to `peer_qpn` behind `peer_lid`.
-    pub(crate) fn accept(&self, peer_qpn: u32, peer_lid: u16) -> u32 {
+    /// Resets the exposed QP and connects it to `peer_qpn` at `peer_gid`.
+    pub(crate) fn accept(&self, peer_qpn: u32, peer_gid: [u8; 16]) -> u32 {
         let exposed = self.exposed.lock().unwrap_or_else(|e| e.into_inner());
         exposed
             .modify(&to_state(QpState::Reset), mask::STATE)
             .expect("reset the exposed QP");
-        bring_up(&exposed, peer_qpn, peer_lid, EXPOSED).expect("connect the exposed QP");
+        bring_up(&exposed, peer_qpn, peer_gid, EXPOSED).expect("connect the exposed QP");
         exposed.qp_num()
     }
 }
@@ -199,7 +199,8 @@ pub(crate) fn victim_traffic(v: &Victim, seed: u64, stop: &AtomicBool) -> Traffi
 /// What the attacker knows of the victim: (iova, lkey, rkey) of its MRs.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Secrets {
-    pub(crate) lid: u16,
+    /// Its GID (what a connection towards it names).
+    pub(crate) gid: [u8; 16],
     pub(crate) canary: (u64, u32, u32),
     pub(crate) traffic: [(u64, u32, u32); 2],
     /// The traffic QPs `qa`, `qb` and the exposed QP.

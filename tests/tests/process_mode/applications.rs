@@ -9,6 +9,7 @@ use vrdma_guest_driver::{
     CompletionQueue, Context, Error, MemoryRegion, ProtectionDomain, QueuePair, VhostUserTransport,
 };
 use vrdma_spec::control::QpAttr;
+use vrdma_spec::gid::loopback_gid;
 use vrdma_spec::verbs::QpState;
 use vrdma_tenant_policy::Limits;
 use vrdma_tests::daemon::Vdev;
@@ -293,9 +294,9 @@ fn two_applications_on_two_devices_at_once() {
         a.query_gid(1, 0).expect("gid A").gid,
         b.query_gid(1, 0).expect("gid B").gid,
     );
-    assert_ne!(gid_a, gid_b);
-    assert_eq!(a.query_port(1).expect("port A").lid.get(), 3);
-    assert_eq!(b.query_port(1).expect("port B").lid.get(), 4);
+    // Without hostd a device's GID spells its LID; the RoCE port has none.
+    assert_eq!((gid_a, gid_b), (loopback_gid(3), loopback_gid(4)));
+    assert_eq!(a.query_port(1).expect("port A").lid.get(), 0);
 
     // Each device has its own objects and limits.
     let pd_a = a.alloc_pd().expect("PD on A");
@@ -308,26 +309,26 @@ fn two_applications_on_two_devices_at_once() {
     assert_eq!(device_errno(a.create_cq(16, 1)), EINVAL, "A has one vector");
     let qp_a = rc_qp(&pd_a, &cq_a, caps(8, 8, 1, 16)).expect("QP on A");
     let qp_b = rc_qp(&pd_b, &cq_b, caps(8, 8, 1, 16)).expect("QP on B");
-    // Connected to each other, as two applications exchanging QPN and LID.
+    // Connected to each other, as two applications exchanging QPN and GID.
     connect(&qp_a, qp_b.qp_num(), 4);
     connect(&qp_b, qp_a.qp_num(), 3);
     let qa = qp_a.query(0).expect("query A");
     let qb = qp_b.query(0).expect("query B");
     assert_eq!(
-        (qa.attr.dest_qp_num.get(), qa.attr.ah_attr.dlid.get()),
-        (qp_b.qp_num(), 4)
+        (qa.attr.dest_qp_num.get(), qa.attr.ah_attr.dgid),
+        (qp_b.qp_num(), gid_b)
     );
     assert_eq!(
-        (qb.attr.dest_qp_num.get(), qb.attr.ah_attr.dlid.get()),
-        (qp_a.qp_num(), 3)
+        (qb.attr.dest_qp_num.get(), qb.attr.ah_attr.dgid),
+        (qp_a.qp_num(), gid_a)
     );
 
     // Both devices serve concurrently.
     std::thread::scope(|s| {
-        for (ctx, lid) in [(&a, 3u16), (&b, 4u16)] {
+        for (ctx, gid) in [(&a, gid_a), (&b, gid_b)] {
             s.spawn(move || {
                 for _ in 0..50 {
-                    assert_eq!(ctx.query_port(1).expect("query_port").lid.get(), lid);
+                    assert_eq!(ctx.query_gid(1, 0).expect("query_gid").gid, gid);
                     let cq = ctx.create_cq(8, 0).expect("create_cq");
                     destroyed(cq.destroy());
                 }

@@ -26,8 +26,8 @@ fn queries_match_the_config_space() {
     assert_eq!(dev.sys_image_guid.get(), guid);
     assert_eq!(
         dev.fw_ver.get(),
-        3 << 32,
-        "(major << 32) | minor of spec 3.0"
+        3 << 32 | 1,
+        "(major << 32) | minor of spec 3.1"
     );
     assert_eq!(
         (dev.vendor_id.get(), dev.vendor_part_id.get()),
@@ -58,10 +58,10 @@ fn queries_match_the_config_space() {
     let port = ctx.query_port(1).expect("query_port");
     assert_eq!(port, config.port);
     assert_eq!(port.state, u8::from(PortState::Active));
-    assert_eq!(port.lid.get(), 9);
+    assert_eq!((port.lid.get(), port.sm_lid.get()), (0, 0), "RoCE: no LIDs");
     assert_eq!(port.max_mtu, u8::from(Mtu::Mtu4096));
     assert_eq!(port.active_mtu, u8::from(Mtu::Mtu4096));
-    assert_eq!(port.link_layer, u8::from(LinkLayer::Infiniband));
+    assert_eq!(port.link_layer, u8::from(LinkLayer::Ethernet));
     assert_eq!(port.gid_tbl_len.get(), 1);
     assert_eq!(port.pkey_tbl_len.get(), 1);
     assert_eq!(port.max_msg_sz.get(), 1 << 31);
@@ -69,9 +69,9 @@ fn queries_match_the_config_space() {
 
     let gid = ctx.query_gid(1, 0).expect("query_gid");
     assert_eq!(gid.gid, config.gid);
-    assert_eq!(gid.gid[..8], [0xfe, 0x80, 0, 0, 0, 0, 0, 0]);
-    assert_eq!(gid.gid[8..], guid.to_be_bytes());
-    assert_eq!(gid.gid_type.get(), 0, "IB");
+    // A vdev without hostd: ::ffff:127.100.0.9 for its LID 9.
+    assert_eq!(gid.gid, vrdma_spec::gid::loopback_gid(9));
+    assert_eq!(gid.gid_type.get(), vrdma_spec::control::gid_type::ROCE_V2);
 
     for bad_port in [0, 2, 255] {
         assert_eq!(

@@ -163,7 +163,10 @@ fn init_attr() -> QpAttr {
     }
 }
 
-fn rtr_attr(dest_qpn: u32, dlid: u16) -> QpAttr {
+/// INIT → RTR towards QP `dest_qpn` of the standalone vdev with LID
+/// `peer_lid`, named by its GID as RoCE wants (a vdev without hostd has
+/// GID `::ffff:127.100.x.y`, `x.y` its LID).
+fn rtr_attr(dest_qpn: u32, peer_lid: u16) -> QpAttr {
     let mut attr = QpAttr {
         qp_state: QpState::Rtr.into(),
         path_mtu: Mtu::Mtu1024.into(),
@@ -173,9 +176,11 @@ fn rtr_attr(dest_qpn: u32, dlid: u16) -> QpAttr {
         min_rnr_timer: 12,
         ..QpAttr::default()
     };
-    attr.ah_attr.dlid = dlid.into();
     attr.ah_attr.port_num = 1;
     attr.ah_attr.sl = 3;
+    attr.ah_attr.is_global = 1;
+    attr.ah_attr.dgid = vrdma_spec::gid::loopback_gid(peer_lid);
+    attr.ah_attr.hop_limit = 64;
     attr
 }
 
@@ -198,11 +203,12 @@ fn to_state(state: QpState) -> QpAttr {
     }
 }
 
-/// RESET → INIT → RTR → RTS towards `dest_qpn` behind LID `dlid`.
-fn connect(qp: &QueuePair, dest_qpn: u32, dlid: u16) {
+/// RESET → INIT → RTR → RTS towards `dest_qpn` of the vdev with LID
+/// `peer_lid` (by its GID).
+fn connect(qp: &QueuePair, dest_qpn: u32, peer_lid: u16) {
     qp.modify(&init_attr(), mask_to(QpState::Init))
         .expect("to INIT");
-    qp.modify(&rtr_attr(dest_qpn, dlid), mask_to(QpState::Rtr))
+    qp.modify(&rtr_attr(dest_qpn, peer_lid), mask_to(QpState::Rtr))
         .expect("to RTR");
     qp.modify(&rts_attr(), mask_to(QpState::Rts))
         .expect("to RTS");

@@ -179,8 +179,9 @@ fn queue_pair_walks_the_rc_state_machine() {
         (with(|a| a.path_mtu = 6), "path_mtu above the port's"),
         (with(|a| a.path_mtu = 0), "path_mtu 0"),
         (rtr_attr(0x100_0000, 7), "dest_qp_num wider than 24 bits"),
-        (rtr_attr(peer, 0xc000), "multicast dlid"),
-        (rtr_attr(peer, 0), "dlid 0"),
+        (with(|a| a.ah_attr.is_global = 0), "no GRH on a RoCE port"),
+        (with(|a| a.ah_attr.sgid_index = 1), "sgid_index 1"),
+        (with(|a| a.ah_attr.dgid[0] = 0xfe), "an IPv6 dgid"),
         (
             with(|a| a.rq_psn = 0x100_0000.into()),
             "rq_psn wider than 24 bits",

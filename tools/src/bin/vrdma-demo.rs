@@ -16,6 +16,7 @@
 //! once, with the end of the daemons' logs, and exits with status 1.
 
 use std::fmt::{self, Debug, Display};
+use std::net::Ipv6Addr;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -215,9 +216,14 @@ impl App {
         let port = dev.ctx.query_port(1).doing("query_port")?;
         let state = PortState::try_from(port.state).map_or_else(|v| v.to_string(), ib_name);
         let device = dev.ctx.config().name().unwrap_or("?").to_owned();
-        let (lid, pd, cq, qpn) = (dev.lid, dev.pd.pdn(), dev.cq.cqn(), qp.qp_num());
+        let (gid, pd, cq, qpn) = (
+            Ipv6Addr::from(dev.gid),
+            dev.pd.pdn(),
+            dev.cq.cqn(),
+            qp.qp_num(),
+        );
         println!(
-            "    {name:<10} {device}: port 1 {state}, LID {lid}, PD {pd}, CQ {cq}, QP {qpn:#x}"
+            "    {name:<10} {device}: port 1 {state}, GID {gid}, PD {pd}, CQ {cq}, QP {qpn:#x}"
         );
         let (on, all) = vdev.seccomp_threads();
         println!("    sandbox    its vdev runs under a seccomp filter on {on} of {all} threads");
@@ -261,8 +267,12 @@ fn one(cq: &CompletionQueue, whose: &str) -> Result<WorkCompletion> {
 fn applications(alpha: &Daemon, beta: &Daemon) -> Result<()> {
     println!("[2] Open both devices: this process is each vdev's vhost-user frontend");
     let (mut a, b) = (App::open(alpha, ALPHA)?, App::open(beta, BETA)?);
-    let gid = a.dev.ctx.query_gid(1, 0).doing("query_gid")?.gid;
-    println!("    GID 0      {gid:02x?}");
+    let gid = a.dev.ctx.query_gid(1, 0).doing("query_gid")?;
+    let kind = match gid.gid_type.get() {
+        vrdma_spec::control::gid_type::ROCE_V2 => "RoCE v2",
+        _ => "not RoCE v2",
+    };
+    println!("    GID 0      {} ({kind})", Ipv6Addr::from(gid.gid));
 
     println!("[3] Register alpha's application memory in place; beta allocates an MR");
     let buffer = AppMemory::new(LEN).doing("mapping a buffer")?;
@@ -285,14 +295,15 @@ fn applications(alpha: &Daemon, beta: &Daemon) -> Result<()> {
 
     println!("[4] Connect the QPs: RESET -> INIT -> RTR -> RTS, as queried back from vdev");
     println!("    {:<10} alpha's QP, as created", a.state()?);
-    let (qpn, lid) = (b.qp.qp_num(), b.dev.lid);
-    for (attr, mask) in verbs::transitions(qpn, lid, Connection::DEFAULT) {
+    let (qpn, gid) = (b.qp.qp_num(), b.dev.gid);
+    for (attr, mask) in verbs::transitions(qpn, gid, Connection::DEFAULT) {
         a.qp.modify(&attr, mask).doing("alpha's modify_qp")?;
         let state = a.state()?;
-        println!("    {state:<10} towards beta's QP {qpn:#08x} at LID {lid}");
+        let at = Ipv6Addr::from(gid);
+        println!("    {state:<10} towards beta's QP {qpn:#08x} at GID {at}");
     }
-    let (qpn, lid) = (a.qp.qp_num(), a.dev.lid);
-    verbs::bring_up(&b.qp, qpn, lid, Connection::DEFAULT).doing("beta's modify_qp")?;
+    let (qpn, gid) = (a.qp.qp_num(), a.dev.gid);
+    verbs::bring_up(&b.qp, qpn, gid, Connection::DEFAULT).doing("beta's modify_qp")?;
     println!("    beta       its QP went the same way to {}", b.state()?);
 
     println!("[5] An operation the device refuses");

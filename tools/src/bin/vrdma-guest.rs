@@ -18,7 +18,7 @@
 //! ```
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{TcpListener, TcpStream};
+use std::net::{Ipv6Addr, TcpListener, TcpStream};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
@@ -73,7 +73,8 @@ fn main() -> ExitCode {
 /// What a peer tells the other: where its MR is and how to reach its QP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct PeerInfo {
-    lid: u16,
+    /// Its port's GID 0 (what the QP connects to).
+    gid: Ipv6Addr,
     qpn: u32,
     rkey: u32,
     addr: u64,
@@ -81,17 +82,17 @@ struct PeerInfo {
 
 impl PeerInfo {
     fn line(&self) -> String {
-        format!("{} {} {} {}\n", self.lid, self.qpn, self.rkey, self.addr)
+        format!("{} {} {} {}\n", self.gid, self.qpn, self.rkey, self.addr)
     }
 
     fn parse(line: &str) -> Result<Self, String> {
         let f: Vec<&str> = line.split_whitespace().collect();
-        let bad = || format!("peer sent {line:?}, not `lid qpn rkey addr`");
+        let bad = || format!("peer sent {line:?}, not `gid qpn rkey addr`");
         if f.len() != 4 {
             return Err(bad());
         }
         Ok(Self {
-            lid: f[0].parse().map_err(|_| bad())?,
+            gid: f[0].parse().map_err(|_| bad())?,
             qpn: f[1].parse().map_err(|_| bad())?,
             rkey: f[2].parse().map_err(|_| bad())?,
             addr: f[3].parse().map_err(|_| bad())?,
@@ -206,11 +207,10 @@ fn run(args: &Args) -> Result<String, String> {
     }
     // The device first: a device that cannot be opened fails at once.
     let ctx = open(args)?;
-    let lid = ctx
-        .query_port(1)
-        .map_err(|e| format!("query_port: {e}"))?
-        .lid
-        .get();
+    let gid = ctx
+        .query_gid(1, 0)
+        .map_err(|e| format!("query_gid: {e}"))?
+        .gid;
     let pd = ctx.alloc_pd().map_err(|e| format!("alloc_pd: {e}"))?;
     let cq = ctx
         .create_cq(64, 0)
@@ -255,14 +255,14 @@ fn run(args: &Args) -> Result<String, String> {
     mr.write(size, &pattern(size, seed + 100))
         .map_err(|e| e.to_string())?;
     let me = PeerInfo {
-        lid,
+        gid: Ipv6Addr::from(gid),
         qpn: qp.qp_num(),
         rkey: mr.rkey(),
         addr: mr.iova(),
     };
     peer_channel.send(&me.line())?;
     let peer = PeerInfo::parse(&peer_channel.recv()?)?;
-    bring_up(&qp, peer.qpn, peer.lid, Connection::default())
+    bring_up(&qp, peer.qpn, peer.gid.octets(), Connection::default())
         .map_err(|e| format!("connecting the QP: {}", error_chain(&e)))?;
     let landing = 3 * size as u64;
     let recv_sge = [mr.sge(landing, size as u32)];
@@ -370,7 +370,7 @@ mod tests {
     #[test]
     fn peer_info_round_trips_and_refuses_garbage() {
         let info = PeerInfo {
-            lid: 3,
+            gid: Ipv6Addr::from(vrdma_spec::gid::ipv4_mapped([10, 0, 2, 15])),
             qpn: 0xabcdef,
             rkey: 0xdead_beef,
             addr: 0x7f00_1234_5000,
@@ -378,6 +378,10 @@ mod tests {
         assert_eq!(PeerInfo::parse(info.line().trim()).unwrap(), info);
         assert!(PeerInfo::parse("1 2 3").is_err());
         assert!(PeerInfo::parse("1 2 3 x").is_err());
-        assert!(PeerInfo::parse("70000 2 3 4").is_err());
+        assert_eq!(
+            info.line(),
+            "::ffff:10.0.2.15 11259375 3735928559 139638282145792\n"
+        );
+        assert!(PeerInfo::parse("70000 2 3 4").is_err(), "a LID is no GID");
     }
 }

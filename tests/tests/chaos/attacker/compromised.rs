@@ -19,14 +19,23 @@ use crate::*;
 const QP: usize = 0;
 
 /// Its QPs fail fast: one retry of each kind.
-fn connection(dest_lid: u16, dest_qpn: u32) -> QpConnection {
+fn connection(dgid: [u8; 16], dest_qpn: u32) -> QpConnection {
     QpConnection {
-        dest_lid,
+        dgid,
         dest_qpn,
+        flow_label: 0,
+        hop_limit: 64,
+        traffic_class: 0,
         access: 0,
         rnr_retry: 1,
         retry_cnt: 1,
         min_rnr_timer: 1,
+        timeout: 1,
+        path_mtu: 4096,
+        sq_psn: 0,
+        rq_psn: 0,
+        max_rd_atomic: 1,
+        max_dest_rd_atomic: 1,
     }
 }
 
@@ -228,11 +237,14 @@ impl Attacker<'_> {
             Answer::Refused(libc::EINVAL),
         );
         self.expect_answer(
-            "a LID nobody has",
-            rogue.connect(vqpn, connection(0xbffe, 1)),
+            "a GID nobody has",
+            rogue.connect(
+                vqpn,
+                connection(vrdma_spec::gid::ipv4_mapped([10, 9, 8, 7]), 1),
+            ),
             Answer::Refused(libc::ENOENT),
         );
-        let exposed = self.victim.accept(vqpn, rogue.lid());
+        let exposed = self.victim.accept(vqpn, rogue.gid());
         // The victim now talks to the compromised vdev, not to beta's link.
         self.discard(true);
         self.reconnect(rogue, vqpn, exposed);
@@ -241,7 +253,7 @@ impl Attacker<'_> {
 
     /// RESET and connected again to the victim's exposed QP.
     fn reconnect(&mut self, rogue: &RogueVdev, vqpn: u32, exposed: u32) {
-        let conn = connection(self.secrets.lid, exposed);
+        let conn = connection(self.secrets.gid, exposed);
         self.expect_answer("connect", rogue.connect(vqpn, conn), Answer::Ok);
     }
 

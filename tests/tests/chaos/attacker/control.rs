@@ -68,11 +68,11 @@ impl Attacker<'_> {
 
     /// Random walks through the state machine: each step aims at a random
     /// state with the usual attribute mask for it (sometimes a bit off) and
-    /// random values, towards the victim's or beta's own LID and QPs. A
+    /// random values, towards the victim's or beta's own GID and QPs. A
     /// refused step changes nothing; an accepted one reaches its state.
     pub(super) fn random_modify(&mut self) {
         let qp = self.fresh_qp();
-        let beta_lid = self.beta().t.lid;
+        let beta_gid = self.beta().t.gid;
         for _ in 0..6 {
             let target = [
                 QpState::Reset,
@@ -109,9 +109,9 @@ impl Attacker<'_> {
                 rnr_retry: self.rng.below(10) as u8,
                 ..QpAttr::default()
             };
-            attr.ah_attr.dlid = [self.secrets.lid, beta_lid, self.rng.next_u64() as u16]
-                [self.rng.below(3) as usize]
-                .into();
+            let nobody = vrdma_spec::gid::ipv4_mapped((self.rng.next_u64() as u32).to_be_bytes());
+            attr.ah_attr.dgid = [self.secrets.gid, beta_gid, nobody][self.rng.below(3) as usize];
+            attr.ah_attr.is_global = u8::from(!self.rng.chance(8));
             attr.ah_attr.port_num = 1;
             let before = qp_state(&qp);
             let result = qp.modify(&attr, attr_mask);
@@ -223,14 +223,14 @@ impl Attacker<'_> {
     pub(super) fn hijack(&mut self) {
         let ctx = self.context();
         let target = self.secrets.qpns[self.rng.below(3) as usize];
-        let victim_lid = self.secrets.lid;
+        let victim_gid = self.secrets.gid;
         let (iova, _, rkey) = self.secrets.traffic[1];
         let id = self.wr_id();
         let write = self.rng.chance(2);
         let beta = self.beta();
         let cq = beta.t.ctx.create_cq(16, 0).expect("CQ");
         let qp = rc_qp(&beta.t.pd, &cq);
-        bring_up(&qp, target, victim_lid, ATTACKER)
+        bring_up(&qp, target, victim_gid, ATTACKER)
             .unwrap_or_else(|e| panic!("{ctx}: connect towards the victim: {e}"));
         let wr = if write {
             let mut wr = SendWr::new(id, SendOpcode::RdmaWrite, SendPayload::Inline(b"hijack"));

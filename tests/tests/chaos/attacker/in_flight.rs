@@ -237,8 +237,8 @@ impl Attacker<'_> {
                     })
                 };
                 let (q1, q2) = (make(&cq)?, make(&cq)?);
-                bring_up(&q1, q2.qp_num(), beta.t.lid, ATTACKER)?;
-                bring_up(&q2, q1.qp_num(), beta.t.lid, ATTACKER)?;
+                bring_up(&q1, q2.qp_num(), beta.t.gid, ATTACKER)?;
+                bring_up(&q2, q1.qp_num(), beta.t.gid, ATTACKER)?;
                 q1.destroy().map_err(|e| e.error)?;
                 q2.destroy().map_err(|e| e.error)?;
                 mr.dereg().map_err(|e| e.error)?;
@@ -279,7 +279,7 @@ impl Attacker<'_> {
     /// the same socket and opens the device again.
     pub(super) fn restart(&mut self, beta: Beta) {
         let ctx = self.context();
-        let lid = beta.t.lid;
+        let gid = beta.t.gid;
         let Beta {
             pair,
             link,
@@ -291,7 +291,7 @@ impl Attacker<'_> {
         let mut vdev = t.close();
         vdev.restart();
         let t = Tenant::open(vdev);
-        assert_eq!(t.lid, lid, "{ctx}: a restarted vdev keeps its LID");
+        assert_eq!(t.gid, gid, "{ctx}: a restarted vdev keeps its GID");
         self.beta = Some(Beta::new(t));
     }
 

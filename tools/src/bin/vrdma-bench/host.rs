@@ -153,8 +153,8 @@ pub fn poll_ok(cq: &CompletionQueue, wcs: &mut [WorkCompletion]) -> Result<usize
 
 /// `a`'s `qa` and `b`'s `qb`, connected to each other.
 pub fn connect(a: &Tenant, qa: &QueuePair, b: &Tenant, qb: &QueuePair) -> Result<()> {
-    bring_up(qa, qb.qp_num(), b.lid, Connection::default()).map_err(verbs("connect a QP"))?;
-    bring_up(qb, qa.qp_num(), a.lid, Connection::default()).map_err(verbs("connect a QP"))
+    bring_up(qa, qb.qp_num(), b.gid, Connection::default()).map_err(verbs("connect a QP"))?;
+    bring_up(qb, qa.qp_num(), a.gid, Connection::default()).map_err(verbs("connect a QP"))
 }
 
 /// A registered buffer from the driver's DMA memory: one contiguous piece,

@@ -205,8 +205,9 @@ fn run(args: &Args, tests: &[Test], targets: &mut Targets) -> Result<()> {
         let a = host.tenant("alpha")?;
         let b = host.tenant("beta")?;
         println!(
-            "vrdma-bench: hostd + 2 vdevs (separate processes), tenants alpha (LID {}) and beta (LID {})",
-            a.lid, b.lid
+            "vrdma-bench: hostd + 2 vdevs (separate processes), tenants alpha (GID {}) and beta (GID {})",
+            std::net::Ipv6Addr::from(a.gid),
+            std::net::Ipv6Addr::from(b.gid)
         );
         for &test in tests.iter().filter(|t| two_tenant(t)) {
             let latency = match test {

@@ -218,7 +218,10 @@ fn the_doorbell_and_event_rings_reach_hostd_with_their_eventfds() {
     .expect("QUERY_GID");
     assert_eq!(gid.gid, HOSTD_GID, "QUERY_GID returns the Welcome's GID");
     assert_eq!(gid.gid_type.get(), vrdma_spec::control::gid_type::ROCE_V2);
-    assert_eq!(dev.config().name().map(str::to_owned), Some("vrdma_9".into()));
+    assert_eq!(
+        dev.config().name().map(str::to_owned),
+        Some("vrdma_9".into())
+    );
 
     set_doorbell(&mut dev, DOORBELL).expect("doorbell");
     let (request, mut files) = hostd.next();

@@ -274,7 +274,10 @@ fn query_verbs_report_the_configured_device() {
     let port: vrdma_spec::config::PortAttr =
         run(&mut dev, Opcode::QueryPort, port_req(1).as_bytes()).expect("port");
     assert_eq!(port.state, 4, "ACTIVE");
-    assert_eq!(port.link_layer, u8::from(vrdma_spec::verbs::LinkLayer::Ethernet));
+    assert_eq!(
+        port.link_layer,
+        u8::from(vrdma_spec::verbs::LinkLayer::Ethernet)
+    );
     assert_eq!((port.lid.get(), port.sm_lid.get()), (0, 0), "RoCE: no LIDs");
     assert_eq!(port.gid_tbl_len.get(), 1);
     let gid: QueryGidResp = run(
@@ -287,7 +290,11 @@ fn query_verbs_report_the_configured_device() {
         .as_bytes(),
     )
     .expect("gid");
-    assert_eq!(gid.gid, vrdma_spec::gid::loopback_gid(5), "the identity's GID");
+    assert_eq!(
+        gid.gid,
+        vrdma_spec::gid::loopback_gid(5),
+        "the identity's GID"
+    );
     assert_eq!(gid.gid, dev.config().gid, "the config space's GID 0");
     assert_eq!(gid.gid_type.get(), vrdma_spec::control::gid_type::ROCE_V2);
     assert_eq!(

@@ -113,7 +113,10 @@ fn the_rc_state_machine_runs_and_rejects_bad_attributes() {
             (to_rtr(av(&|a| a.is_global = 0)), "no GRH on RoCE"),
             (to_rtr(av(&|a| a.sgid_index = 1)), "sgid_index 1"),
             (to_rtr(av(&|a| a.dgid[0] = 0xfe)), "an IPv6 GID"),
-            (to_rtr(av(&|a| a.flow_label = 0x10_0000.into())), "flow label"),
+            (
+                to_rtr(av(&|a| a.flow_label = 0x10_0000.into())),
+                "flow label",
+            ),
             (to_rtr(greedy), "rd_atomic above the limit"),
         ],
     );
