@@ -5,7 +5,8 @@
 //!
 //! One boot shows:
 //! - the host side of the tap (10.99.0.1, in the namespace) and the guest
-//!   (10.99.0.2) exchange UDP datagrams both ways;
+//!   (10.99.0.2) exchange UDP datagrams both ways, also with a second
+//!   address added to the tap;
 //! - `rdma link add rxe0 type rxe netdev eth0` works; `ibv_devinfo -v`
 //!   shows rxe0's port active, link layer Ethernet, and the RoCEv2 GID
 //!   `::ffff:10.99.0.2`;
@@ -125,7 +126,6 @@ fn a_soft_roce_guest_on_a_tap_runs_rxe_and_debians_rdma_programs() {
 /// netcat, and one from the guest to a socket in the namespace.
 fn udp_both_ways(guest: &RxeGuest, netns: &Netns) {
     let socket = ok(netns.run(|| UdpSocket::bind((HOST_ADDR, 0)))).expect("UDP socket on the tap");
-    let port = socket.local_addr().expect("address").port();
     socket
         .set_read_timeout(Some(Duration::from_millis(500)))
         .expect("timeout");
@@ -151,22 +151,36 @@ fn udp_both_ways(guest: &RxeGuest, netns: &Netns) {
     assert!(heard.success(), "netcat in the guest: {heard}");
     assert_eq!(heard.stdout, "host to guest\n");
 
-    // Guest to host.
-    let sent = ok(guest.run_ok(
-        &format!("echo guest to host | nc.openbsd -u -w 1 {HOST_ADDR} {port}"),
-        STEP,
-    ));
-    let mut buf = [0u8; 256];
-    let deadline = Instant::now() + STEP;
-    let (n, from) = loop {
-        match socket.recv_from(&mut buf) {
-            Ok(got) => break got,
-            Err(_) if Instant::now() < deadline => {}
-            Err(e) => panic!("no datagram from the guest ({e}); its netcat: {sent}"),
-        }
-    };
-    assert_eq!(&buf[..n], b"guest to host\n");
-    assert_eq!(from, SocketAddr::from((GUEST_ADDR, from.port())));
+    // Guest to host: to the tap's address, and to one more address added
+    // to the tap (as a vrdma device's GID would be).
+    let extra = Ipv4Addr::new(10, 99, 0, 10);
+    ok(guest.add_host_address(extra));
+    let other = ok(netns.run(|| UdpSocket::bind((extra, 0)))).expect("UDP socket on 10.99.0.10");
+    for socket in [&socket, &other] {
+        let to = socket.local_addr().expect("address");
+        socket
+            .set_read_timeout(Some(Duration::from_millis(500)))
+            .expect("timeout");
+        let sent = ok(guest.run_ok(
+            &format!(
+                "echo guest to {to} | nc.openbsd -u -w 1 {} {}",
+                to.ip(),
+                to.port()
+            ),
+            STEP,
+        ));
+        let mut buf = [0u8; 256];
+        let deadline = Instant::now() + STEP;
+        let (n, from) = loop {
+            match socket.recv_from(&mut buf) {
+                Ok(got) => break got,
+                Err(_) if Instant::now() < deadline => {}
+                Err(e) => panic!("no datagram from the guest to {to} ({e}); its netcat: {sent}"),
+            }
+        };
+        assert_eq!(&buf[..n], format!("guest to {to}\n").as_bytes());
+        assert_eq!(from, SocketAddr::from((GUEST_ADDR, from.port())));
+    }
 }
 
 /// `command` as a server and as a client of 10.99.0.2 in the guest (both

@@ -215,6 +215,18 @@ impl RxeGuest {
         &self.netns
     }
 
+    /// Adds `address`/24 to the host side of the tap, next to
+    /// [`HOST_ADDR`]: a local address the guest reaches directly (e.g. the
+    /// GID of a vrdma device whose hostd runs in the namespace). It goes
+    /// with the tap.
+    pub fn add_host_address(&self, address: Ipv4Addr) -> Result<(), VmError> {
+        let cidr = format!("{address}/{PREFIX_LEN}");
+        ip(
+            &self.netns,
+            &["-n", &self.netns, "addr", "add", &cidr, "dev", TAP],
+        )
+    }
+
     /// Starts shell command `command` in the guest (`sh` runs it, with
     /// stdin from /dev/null, in a session of its own).
     pub fn spawn(&self, command: &str) -> GuestProcess {
