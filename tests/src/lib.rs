@@ -7,9 +7,10 @@
 //! the `vhost` crate's vhost-user frontend over memfd guest memory
 //! ([`vmm`]), or as a compromised vdev speaking hostd's protocol by hand
 //! ([`rogue`]); and they boot real guests under QEMU with vdev attached
-//! ([`vm`]), recording what QEMU says to vdev on the way ([`vhost_tap`]).
-//! [`netns`] builds a cluster of hosts (network namespaces) joined by a
-//! bridge or by the hostile relay, for the multi-host tests.
+//! ([`vm`]), recording what QEMU says to vdev on the way ([`vhost_tap`]),
+//! and a guest running Linux Soft-RoCE on a tap in a network namespace
+//! ([`vm::rxe`]). [`netns`] builds a cluster of hosts (network namespaces)
+//! joined by a bridge or by the hostile relay, for the multi-host tests.
 //! [`need`] makes a missing tool a failure that says what to install.
 
 pub use vrdma_tools::{app_memory, vmm};

@@ -7,7 +7,11 @@
 //!   shared libraries, and the caller's init script, as a newc cpio.
 //! - [`Guest`]: QEMU running in the root through chroot, with the serial
 //!   console in a file, a QMP socket and user networking (the guest reaches
-//!   the host as 10.0.2.2).
+//!   the host as 10.0.2.2) or a tap device in a network namespace
+//!   ([`Nic::Tap`]).
+//! - [`rxe`]: a guest running Linux Soft-RoCE (`rdma_rxe`) on its NIC,
+//!   a tap in a network namespace, with Debian's RDMA programs, driven by
+//!   commands from the host.
 //!
 //! QEMU runs chrooted, so every path it is given — the vhost-user socket
 //! above all — must lie inside the root: [`VmImage::temp_dir`] makes
@@ -65,6 +69,10 @@ pub enum VmError {
     },
     #[error("ldd {binary} failed: {output}")]
     Ldd { binary: PathBuf, output: String },
+    #[error("Guest tree file {path}: {reason}")]
+    GuestTree { path: String, reason: String },
+    #[error("Network namespace {netns}: {what}")]
+    Netns { netns: String, what: String },
     #[error("{0} is outside the VM root, where the chrooted QEMU cannot see it")]
     OutsideRoot(PathBuf),
     #[error("QMP: {0}")]
@@ -88,6 +96,7 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> VmError + '_ {
 #[derive(Debug, Clone)]
 pub struct VmImage {
     root: PathBuf,
+    guest: PathBuf,
     kernel: PathBuf,
     modules: PathBuf,
     busybox: PathBuf,
@@ -142,6 +151,7 @@ impl VmImage {
             .ok_or_else(|| VmError::Incomplete(root.into(), "a static busybox"))?;
         Ok(VmImage {
             root: root.into(),
+            guest,
             kernel,
             modules,
             busybox,
@@ -151,6 +161,12 @@ impl VmImage {
     /// The root QEMU runs in.
     pub fn root(&self) -> &Path {
         &self.root
+    }
+
+    /// The guest tree: the Debian packages unpacked for the guest
+    /// (kernel, modules, busybox, the RDMA userland), a merged-/usr layout.
+    pub fn guest_tree(&self) -> &Path {
+        &self.guest
     }
 
     /// The guest kernel.
@@ -199,7 +215,9 @@ fn first_entry(dir: &Path, prefix: &str) -> Option<PathBuf> {
     found.pop()
 }
 
+mod elf;
 mod initramfs;
+pub mod rxe;
 
 pub use initramfs::{Initramfs, GUEST_LIB_DIR};
 
@@ -229,9 +247,24 @@ impl VrdmaDevice {
     }
 }
 
+/// The guest's network interface (a virtio-net-pci function, eth0).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum Nic {
+    /// QEMU's user networking: the guest reaches the host's loopback as
+    /// 10.0.2.2, and nothing else reaches the guest.
+    #[default]
+    User,
+    /// Tap device `ifname`, which must exist in network namespace `netns`
+    /// (a name under /run/netns, as `ip netns add` makes): QEMU runs in
+    /// that namespace, so the guest's frames never leave it.
+    Tap { netns: String, ifname: String },
+}
+
 /// How to run a guest.
 #[derive(Debug, Clone)]
 pub struct GuestConfig {
+    /// The guest's NIC.
+    pub nic: Nic,
     /// Guest RAM, MiB (a shared memfd, so vdev can map it).
     pub memory_mib: u32,
     /// The vrdma device, if the guest has one.
@@ -250,6 +283,7 @@ pub struct GuestConfig {
 impl Default for GuestConfig {
     fn default() -> Self {
         GuestConfig {
+            nic: Nic::User,
             memory_mib: 512,
             device: None,
             allow_reboot: false,
@@ -287,7 +321,11 @@ impl Guest {
         let qmp = dir.path().join("qmp.sock");
         let args = qemu_args(image, config, &initrd, &console, &qmp)?;
         let log = std::fs::File::create(&stderr).map_err(io_err(&stderr))?;
-        let child = Command::new("chroot")
+        let mut command = Command::new("chroot");
+        if let Nic::Tap { netns, .. } = &config.nic {
+            enter_netns_on_exec(&mut command, netns)?;
+        }
+        let child = command
             .arg(image.root())
             .args(&args)
             .stdin(Stdio::null())
@@ -477,6 +515,35 @@ impl Drop for Guest {
     }
 }
 
+/// The path of network namespace `name` (as `ip netns add` mounts it).
+pub fn netns_path(name: &str) -> PathBuf {
+    Path::new("/run/netns").join(name)
+}
+
+/// Makes `command` enter network namespace `netns` before it runs.
+fn enter_netns_on_exec(command: &mut Command, netns: &str) -> Result<(), VmError> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let path = netns_path(netns);
+    let file = std::fs::File::open(&path).map_err(|e| VmError::Netns {
+        netns: netns.into(),
+        what: format!("cannot open {}: {e}", path.display()),
+    })?;
+    // SAFETY: the closure runs in the forked child before exec and only
+    // calls setns(2), which is async-signal-safe; `file` is moved into the
+    // closure, so the descriptor stays open until the child has used it.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    Ok(())
+}
+
 /// QEMU's command line, with paths as the chrooted QEMU sees them.
 fn qemu_args(
     image: &VmImage,
@@ -526,10 +593,19 @@ fn qemu_args(
         "none".into(),
         "-qmp".into(),
         format!("unix:{},server=on,wait=off", view(qmp)?),
-        // User networking: the guest reaches the host as 10.0.2.2. No
-        // option ROM: the guest boots its kernel directly.
-        "-netdev".into(),
-        "user,id=net0".into(),
+    ]);
+    match &config.nic {
+        // User networking: the guest reaches the host as 10.0.2.2.
+        Nic::User => args.extend(["-netdev".into(), "user,id=net0".into()]),
+        // QEMU runs in the tap's namespace (Guest::boot) and only attaches
+        // to it: the test configures its host side.
+        Nic::Tap { ifname, .. } => args.extend([
+            "-netdev".into(),
+            format!("tap,id=net0,ifname={ifname},script=no,downscript=no"),
+        ]),
+    }
+    // No option ROM: the guest boots its kernel directly.
+    args.extend([
         "-device".into(),
         "virtio-net-pci,netdev=net0,romfile=".into(),
     ]);

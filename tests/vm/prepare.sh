@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Prepares, and caches between runs, what vrdma's VM tests need (docs/vm.md):
 # a Debian trixie root holding QEMU 11 from trixie-backports (the VMM runs
-# in it through chroot), plus the guest's Debian kernel, its modules and a
-# static busybox, unpacked under <root>/guest.
+# in it through chroot), plus the guest's Debian kernel, its modules, a
+# static busybox and Debian's RDMA userland (rdma-core's libibverbs with the
+# rxe provider, ibverbs-utils, perftest, rdmacm-utils, iproute2's rdma,
+# netcat-openbsd) with every shared library they need, unpacked under
+# <root>/guest.
 #
 # Usage: tests/vm/prepare.sh        (as root; prints the prepared root's path)
 # Environment:
@@ -16,7 +19,7 @@
 set -euo pipefail
 
 # Bump when the steps below change in a way the package lists do not show.
-readonly RECIPE_VERSION=1
+readonly RECIPE_VERSION=2
 readonly SUITE=trixie
 # kmod: depmod for the unpacked guest modules (the initramfs builder reads
 # modules.dep for load order).
@@ -24,6 +27,12 @@ readonly ROOT_PACKAGES=(qemu-system-x86 kmod)
 # Unpacked, not installed: the guest's files, which the host never runs
 # (installing linux-image would also build an initramfs nobody uses).
 readonly GUEST_PACKAGES=(linux-image-amd64 busybox-static)
+# The Soft-RoCE guest's userland (tests/src/vm/rxe.rs), unpacked the same
+# way with its whole dependency closure (libc6, libnl-3, libnl-route-3, ...)
+# as apt resolves it for an empty system: the initramfs builder picks the
+# programs' shared libraries from there. netcat-openbsd: busybox's nc has
+# no UDP.
+readonly RDMA_GUEST_PACKAGES=(ibverbs-utils ibverbs-providers perftest rdmacm-utils iproute2 netcat-openbsd)
 
 cache=${VRDMA_VM_CACHE:-/var/cache/vrdma-vm}
 mirror=${VRDMA_VM_MIRROR:-http://deb.debian.org/debian}
@@ -41,7 +50,8 @@ for tool in debootstrap chroot flock sha256sum mount umount; do
     command -v "$tool" >/dev/null || die "$tool is missing (apt-get install debootstrap util-linux coreutils)"
 done
 
-key=$(printf '%s\n' "$RECIPE_VERSION" "$SUITE" "$mirror" "${ROOT_PACKAGES[*]}" "${GUEST_PACKAGES[*]}" |
+key=$(printf '%s\n' "$RECIPE_VERSION" "$SUITE" "$mirror" "${ROOT_PACKAGES[*]}" "${GUEST_PACKAGES[*]}" \
+    "${RDMA_GUEST_PACKAGES[*]}" |
     sha256sum | cut -c1-16)
 root="$cache/root-$key"
 
@@ -130,13 +140,37 @@ for deb in "$build"/var/tmp/guest-debs/*.deb; do
     dpkg-deb -x "$deb" "$build/guest" || die "cannot unpack $deb"
 done
 rm -rf "$build/var/tmp/guest-debs"
-# Merged /usr like a trixie system, so tools looking in /lib/modules find them.
-ln -s usr/lib "$build/guest/lib"
+
+log "unpacking ${RDMA_GUEST_PACKAGES[*]} and their dependencies into /guest"
+# apt resolves the closure against an empty package database, as for a
+# system with nothing installed, and only downloads.
+mkdir -p "$build/var/tmp/rdma-debs/partial" "$build/var/tmp/empty-dpkg"
+: >"$build/var/tmp/empty-dpkg/status"
+run_logged "downloading ${RDMA_GUEST_PACKAGES[*]} with their dependencies" \
+    apt-get install -y --download-only \
+    -o Dir::State::status=/var/tmp/empty-dpkg/status \
+    -o Dir::Cache::archives=/var/tmp/rdma-debs \
+    "${RDMA_GUEST_PACKAGES[@]}"
+for deb in "$build"/var/tmp/rdma-debs/*.deb; do
+    dpkg-deb -x "$deb" "$build/guest" || die "cannot unpack $deb"
+done
+rm -rf "$build/var/tmp/rdma-debs" "$build/var/tmp/empty-dpkg"
+
+# Merged /usr like a trixie system, so tools looking in /lib/modules find
+# them and the programs' loader (/lib64/ld-linux-x86-64.so.2) resolves.
+for link in lib lib64 bin sbin; do
+    [ -e "$build/guest/$link" ] && die "a guest package ships /$link outside /usr"
+    ln -s "usr/$link" "$build/guest/$link"
+done
 kernel_version=$(basename "$(ls -d "$build"/guest/usr/lib/modules/*)")
 run_logged "depmod for the guest kernel $kernel_version" depmod -b /guest "$kernel_version"
 in_root apt-get clean
 
 umount "$build/dev" "$build/proc"
+# QEMU opens a tap netdev (-netdev tap,ifname=...) through /dev/net/tun,
+# which the root's minimal /dev lacks.
+mkdir -p "$build/dev/net"
+mknod -m 600 "$build/dev/net/tun" c 10 200 || die "cannot create $build/dev/net/tun"
 
 # Fail here, not in the first test, when the recipe no longer gives what
 # the fixture expects.
@@ -145,6 +179,11 @@ in_root qemu-system-x86_64 -device help 2>/dev/null | grep -q vhost-user-test-de
     die "this QEMU has no vhost-user-test-device-pci"
 ls "$build"/guest/boot/vmlinuz-* >/dev/null 2>&1 || die "no guest kernel in $build/guest/boot"
 [ -x "$build/guest/usr/bin/busybox" ] || die "no static busybox at $build/guest/usr/bin/busybox"
+for file in usr/bin/ibv_rc_pingpong usr/bin/ibv_devinfo usr/bin/ib_write_bw usr/bin/rdma \
+    usr/bin/nc.openbsd usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so \
+    etc/libibverbs.d/rxe.driver usr/lib64/ld-linux-x86-64.so.2; do
+    [ -e "$build/guest/$file" ] || die "no /$file in the guest tree"
+done
 
 printf '%s\n' "$key" >"$build/.vrdma-ready"
 mv -T "$build" "$root"

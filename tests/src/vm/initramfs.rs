@@ -1,6 +1,7 @@
 //! [`Initramfs`]: the guest's initramfs, built here as a newc cpio:
 //! busybox, kernel modules in dependency order, host binaries with their
-//! shared libraries, and the caller's init script.
+//! shared libraries, Debian programs from the prepared guest tree with
+//! theirs, and the caller's init script.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
@@ -8,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+use super::elf;
 use super::{io_err, VmError, VmImage, VERDICT};
 
 /// One file of the initramfs.
@@ -27,6 +29,9 @@ enum Source {
     Xz(PathBuf),
     /// A host ELF file without its debug sections (`strip --strip-debug`).
     Stripped(PathBuf),
+    /// A file of the prepared guest tree (a trixie program or library):
+    /// packed as it is, never given to the host's `ldd` or `strip`.
+    Guest(PathBuf),
 }
 
 /// Where shared libraries go in the guest (a directory the guest's
@@ -34,6 +39,9 @@ enum Source {
 pub const GUEST_LIB_DIR: &str = "/lib/x86_64-linux-gnu";
 /// Where kernel modules go in the guest.
 const GUEST_MODULE_DIR: &str = "/lib/modules";
+/// Where the guest tree's programs look for shared libraries (Debian's
+/// multiarch directory first, as its loader does), relative to the tree.
+const GUEST_TREE_LIB_DIRS: &[&str] = &["usr/lib/x86_64-linux-gnu", "usr/lib"];
 
 /// Builds a guest initramfs: busybox as the userland, kernel modules
 /// loaded by `/init` in dependency order, host binaries with the shared
@@ -47,6 +55,12 @@ pub struct Initramfs {
     library_path: Vec<PathBuf>,
     script: String,
     strip_debug: bool,
+    /// The prepared guest tree (`<root>/guest`).
+    guest_tree: PathBuf,
+    /// Guest-tree programs and libraries to pack with what they need.
+    guest_programs: Vec<String>,
+    /// eth0's address (CIDR) and default gateway.
+    eth0: (String, Option<String>),
 }
 
 /// Modules every guest loads: uio_pci_generic to take the vrdma function
@@ -63,6 +77,9 @@ impl Initramfs {
             library_path: Vec::new(),
             script: String::new(),
             strip_debug: false,
+            guest_tree: image.guest.clone(),
+            guest_programs: Vec::new(),
+            eth0: ("10.0.2.15/24".into(), Some("10.0.2.2".into())),
         };
         for dir in [
             "/bin", "/dev", "/etc", "/proc", "/sys", "/tmp", "/lib64", "/root",
@@ -130,6 +147,41 @@ impl Initramfs {
         self
     }
 
+    /// Places program (or shared library) `path` of the prepared guest
+    /// tree — Debian trixie's, e.g. `/usr/bin/ibv_devinfo` — at the same
+    /// path, with its loader and every shared library it needs (read from
+    /// its ELF dynamic section, recursively) from the same tree, the
+    /// libraries under `/usr/lib/x86_64-linux-gnu`. A shell script is
+    /// packed alone. Building fails if a host binary of
+    /// [`Initramfs::binary`] needs a different loader or library at the
+    /// same path: a guest runs one glibc.
+    pub fn guest_program(mut self, path: &str) -> Self {
+        self.guest_programs.push(path.into());
+        self
+    }
+
+    /// Places file `path` of the prepared guest tree (e.g.
+    /// `/etc/libibverbs.d/rxe.driver`) at the same path.
+    pub fn guest_file(mut self, path: &str) -> Self {
+        let host = resolve_in_tree(&self.guest_tree, path);
+        self.add(
+            path,
+            Entry::File {
+                data: Source::Guest(host),
+                mode: 0o644,
+            },
+        );
+        self
+    }
+
+    /// Configures eth0 with `address` (CIDR, e.g. `10.99.0.2/24`) and,
+    /// if given, a default route via `gateway`, instead of QEMU user
+    /// networking's 10.0.2.15/24 via 10.0.2.2.
+    pub fn eth0(mut self, address: &str, gateway: Option<&str>) -> Self {
+        self.eth0 = (address.into(), gateway.map(str::to_owned));
+        self
+    }
+
     /// Places `data` at `guest` with permission bits `mode`.
     pub fn file(mut self, guest: &str, data: &[u8], mode: u32) -> Self {
         self.add(
@@ -187,8 +239,11 @@ impl Initramfs {
                 );
             }
         }
+        for program in std::mem::take(&mut self.guest_programs) {
+            self.add_guest_program(&program)?;
+        }
         let names: Vec<&str> = modules.iter().map(|(n, _)| n.as_str()).collect();
-        let init = init_script(&names);
+        let init = init_script(&names, &self.eth0.0, self.eth0.1.as_deref());
         let script = std::mem::take(&mut self.script);
         self.add(
             "/init",
@@ -227,6 +282,75 @@ impl Initramfs {
             writer.entry(path, entry).map_err(io_err(out))?;
         }
         writer.finish().map_err(io_err(out))
+    }
+
+    /// Adds guest-tree program `path`, its loader and its libraries
+    /// (transitively).
+    fn add_guest_program(&mut self, path: &str) -> Result<(), VmError> {
+        let mut pending = vec![(path.to_owned(), resolve_in_tree(&self.guest_tree, path))];
+        let mut seen = BTreeSet::new();
+        while let Some((guest, host)) = pending.pop() {
+            if !seen.insert(guest.clone()) {
+                continue;
+            }
+            let data = std::fs::read(&host).map_err(io_err(&host))?;
+            self.add_guest_entry(&guest, &host)?;
+            if !elf::is_elf(&data) {
+                continue;
+            }
+            let dynamic = elf::dynamic(&data).map_err(|e| VmError::GuestTree {
+                path: guest.clone(),
+                reason: e.to_string(),
+            })?;
+            if let Some(interp) = dynamic.interp {
+                let file = resolve_in_tree(&self.guest_tree, &interp);
+                pending.push((interp, file));
+            }
+            for soname in dynamic.needed {
+                let (lib_guest, lib_host) = GUEST_TREE_LIB_DIRS
+                    .iter()
+                    .map(|dir| {
+                        let guest = format!("/{dir}/{soname}");
+                        let host = resolve_in_tree(&self.guest_tree, &guest);
+                        (guest, host)
+                    })
+                    .find(|(_, host)| host.is_file())
+                    .ok_or_else(|| VmError::GuestTree {
+                        path: guest.clone(),
+                        reason: format!("needs {soname}, which the guest tree lacks"),
+                    })?;
+                pending.push((lib_guest, lib_host));
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds guest-tree file `host` at `guest`, refusing to replace a
+    /// different file there (a host binary's loader or library).
+    fn add_guest_entry(&mut self, guest: &str, host: &Path) -> Result<(), VmError> {
+        match self.entries.get(guest) {
+            None => {}
+            Some(Entry::File {
+                data: Source::Guest(existing),
+                ..
+            }) if existing == host => return Ok(()),
+            Some(other) => {
+                return Err(VmError::GuestTree {
+                    path: guest.into(),
+                    reason: format!(
+                        "the initramfs already holds {other:?} there (host binaries and guest-tree programs need one loader and libc)"
+                    ),
+                })
+            }
+        }
+        self.add(
+            guest,
+            Entry::File {
+                data: Source::Guest(host.into()),
+                mode: 0o755,
+            },
+        );
+        Ok(())
     }
 
     /// The modules to load, dependencies first: (name, file).
@@ -284,6 +408,53 @@ fn visit(
     }
     order.push(name.into());
     Ok(())
+}
+
+/// The file that guest path `path` names in the guest tree `tree`,
+/// following symbolic links inside the tree (an absolute link target is
+/// taken from the tree's root, as the guest would see it; `..` stops at
+/// the root). A missing file resolves to where it would be.
+fn resolve_in_tree(tree: &Path, path: &str) -> PathBuf {
+    let mut done: Vec<String> = Vec::new();
+    let mut todo: Vec<String> = path
+        .split('/')
+        .rev()
+        .filter(|c| !c.is_empty())
+        .map(str::to_owned)
+        .collect();
+    let mut hops = 0;
+    while let Some(part) = todo.pop() {
+        match part.as_str() {
+            "." => continue,
+            ".." => {
+                done.pop();
+                continue;
+            }
+            _ => {}
+        }
+        done.push(part);
+        let here = tree.join(done.join("/"));
+        let Ok(target) = std::fs::read_link(&here) else {
+            continue;
+        };
+        hops += 1;
+        if hops > 40 {
+            break;
+        }
+        done.pop();
+        let target = target.to_string_lossy().into_owned();
+        if target.starts_with('/') {
+            done.clear();
+        }
+        todo.extend(
+            target
+                .split('/')
+                .rev()
+                .filter(|c| !c.is_empty())
+                .map(str::to_owned),
+        );
+    }
+    tree.join(done.join("/"))
 }
 
 /// `kernel/drivers/uio/uio_pci_generic.ko.xz` -> `uio_pci_generic`.
@@ -346,12 +517,15 @@ fn shared_libraries(binary: &Path, search: &[PathBuf]) -> Result<Vec<(String, Pa
 }
 
 /// The guest's `/init`.
-fn init_script(modules: &[&str]) -> String {
+fn init_script(modules: &[&str], address: &str, gateway: Option<&str>) -> String {
     let modules = modules.join(" ");
+    let route = gateway
+        .map(|g| format!(" && ip route add default via {g}"))
+        .unwrap_or_default();
     format!(
         r#"#!/bin/sh
 # Generated by vrdma-tests (tests/src/vm.rs).
-export PATH=/bin
+export PATH=/bin:/usr/bin:/usr/sbin
 /bin/busybox --install -s /bin
 mount -t proc proc /proc
 mount -t sysfs sysfs /sys
@@ -361,7 +535,7 @@ for m in {modules}; do
 done
 ip link set lo up
 if [ -e /sys/class/net/eth0 ]; then
-    ip link set eth0 up && ip addr add 10.0.2.15/24 dev eth0 && ip route add default via 10.0.2.2 \
+    ip link set eth0 up && ip addr add {address} dev eth0{route} \
         || echo "VRDMA-INIT eth0 setup failed"
 fi
 export LD_LIBRARY_PATH={GUEST_LIB_DIR}
@@ -444,7 +618,7 @@ impl<W: Write> CpioWriter<W> {
 fn read_source(source: &Source) -> std::io::Result<Vec<u8>> {
     match source {
         Source::Bytes(bytes) => Ok(bytes.clone()),
-        Source::Host(path) => std::fs::read(path)
+        Source::Host(path) | Source::Guest(path) => std::fs::read(path)
             .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
         Source::Xz(path) => {
             let out = Command::new("xz").arg("-dc").arg(path).output()?;
@@ -483,5 +657,48 @@ fn read_source(source: &Source) -> std::io::Result<Vec<u8>> {
             let _ = std::fs::remove_file(&copy);
             data
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn guest_paths_resolve_through_links_inside_the_tree() {
+        let tree = crate::daemon::TempDir::new("guest-tree");
+        let root = tree.path();
+        let lib = root.join("usr/lib/x86_64-linux-gnu");
+        std::fs::create_dir_all(&lib).expect("mkdir");
+        std::fs::create_dir_all(root.join("usr/lib64")).expect("mkdir");
+        std::fs::write(lib.join("libfoo.so.1.2"), b"foo").expect("write");
+        std::fs::write(lib.join("ld.so"), b"ld").expect("write");
+        let link = |target: &str, at: &str| {
+            std::os::unix::fs::symlink(target, root.join(at)).expect("symlink")
+        };
+        link("usr/lib", "lib");
+        link("usr/lib64", "lib64");
+        link("libfoo.so.1.2", "usr/lib/x86_64-linux-gnu/libfoo.so.1");
+        link("../lib/x86_64-linux-gnu/ld.so", "usr/lib64/ld-linux.so");
+        // Absolute targets mean the guest's root, never the host's.
+        link("/usr/lib/x86_64-linux-gnu/libfoo.so.1", "usr/lib/abs.so");
+        let foo = lib.join("libfoo.so.1.2");
+        assert_eq!(
+            resolve_in_tree(root, "/lib/x86_64-linux-gnu/libfoo.so.1"),
+            foo
+        );
+        assert_eq!(resolve_in_tree(root, "/usr/lib/abs.so"), foo);
+        assert_eq!(
+            resolve_in_tree(root, "/lib64/ld-linux.so"),
+            lib.join("ld.so")
+        );
+        assert_eq!(
+            resolve_in_tree(root, "/../../lib/x86_64-linux-gnu/ld.so"),
+            lib.join("ld.so")
+        );
+        assert_eq!(
+            resolve_in_tree(root, "/usr/missing"),
+            root.join("usr/missing")
+        );
     }
 }
