@@ -16,6 +16,7 @@
 //!   through a real `Server` over a socketpair.
 //! - [`policy`]: the tenant policy file parser.
 //! - [`memory`]: memory-table changes interleaved with MRs and key lookups.
+//! - [`roce`]: the RoCEv2 packet parser (what a peer host sends).
 
 pub mod control;
 pub mod hostd;
@@ -24,6 +25,7 @@ pub mod input;
 pub mod memory;
 pub mod policy;
 pub mod rings;
+pub mod roce;
 pub mod server;
 pub mod wqe;
 
@@ -39,4 +41,5 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("hostd_session", hostd_session::check),
     ("policy", policy::check),
     ("memory", memory::check),
+    ("roce_packet", roce::check),
 ];

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use proptest::prelude::*;
-use vrdma_fuzz_checks::{control, hostd, hostd_session, memory, policy, rings, wqe, TARGETS};
+use vrdma_fuzz_checks::{control, hostd, hostd_session, memory, policy, rings, roce, wqe, TARGETS};
 
 fn config() -> ProptestConfig {
     cases(256)
@@ -54,6 +54,21 @@ proptest! {
     #[test]
     fn memory_changes(data in proptest::collection::vec(any::<u8>(), 0..2048)) {
         memory::check(&data);
+    }
+
+    #[test]
+    fn roce_packets(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+        roce::check(&data);
+    }
+
+    /// Each of the modes with its ICRC made valid or built from fields,
+    /// so that the header checks are reached (random bytes alone stop at
+    /// the ICRC).
+    #[test]
+    fn roce_packets_sealed(mode in prop_oneof![Just(1u8), Just(3), 4u8..8], rest in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let mut data = vec![mode];
+        data.extend_from_slice(&rest);
+        roce::check(&data);
     }
 }
 
