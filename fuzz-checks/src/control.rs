@@ -72,6 +72,7 @@ fn identity() -> DeviceIdentity {
         gid: vrdma_spec::gid::loopback_gid(1),
         comp_vectors: COMP_VECTORS,
         max_queue_size: 256,
+        active_mtu: vrdma_spec::verbs::Mtu::Mtu4096,
     }
 }
 

@@ -175,6 +175,7 @@ pub fn check(data: &[u8]) {
         gid: vrdma_spec::gid::loopback_gid(1),
         comp_vectors: 1,
         max_queue_size: 256,
+        active_mtu: vrdma_spec::verbs::Mtu::Mtu4096,
     };
     let limits = limits();
     let mut dev = RdmaDevice::new(identity, limits);

@@ -241,6 +241,9 @@ pub struct Welcome {
     pub physical_queues: u32,
     /// The tenant's policy in force: vdev enforces its quotas.
     pub policy: TenantPolicy,
+    /// The port's active MTU in bytes (256-4096): what fits the packets of
+    /// hostd's network (a RoCE port's MTU follows its netdev's).
+    pub active_mtu: u32,
 }
 
 /// Why a message cannot be decoded or encoded.

@@ -131,6 +131,7 @@ struct FabricFile {
     directory: DirectoryName,
     etcd_endpoints: Option<Vec<String>>,
     lease_seconds: Option<u64>,
+    ip_mtu: Option<u32>,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -165,7 +166,25 @@ pub struct FabricConfig {
     /// Its content as read at start.
     pub cluster: Cluster,
     pub directory: DirectoryKind,
+    /// The IP MTU between the hosts (the interfaces' MTU, 1500 by default):
+    /// it decides the ports' active MTU.
+    pub ip_mtu: u32,
 }
+
+impl FabricConfig {
+    /// The largest RoCE path MTU whose packets fit `ip_mtu`: IPv4 (20),
+    /// UDP (8), BTH (12), the largest extension header a payload packet
+    /// has (RETH 16 + ImmDt 4) and the ICRC (4) around the payload.
+    pub fn active_mtu(&self) -> u32 {
+        let room = self.ip_mtu.saturating_sub(20 + 8 + 12 + 16 + 4 + 4);
+        vrdma_spec::verbs::Mtu::at_most(room).map_or(256, |m| m.bytes())
+    }
+}
+
+/// Default, smallest and largest `ip_mtu`.
+pub const DEFAULT_IP_MTU: u32 = 1500;
+pub const MIN_IP_MTU: u32 = 576;
+pub const MAX_IP_MTU: u32 = 9216;
 
 pub const DEFAULT_LEASE_SECONDS: u64 = 5;
 /// etcd's shortest lease: 1.5 election timeouts of its default 1 s, rounded up.
@@ -431,11 +450,20 @@ fn fabric(f: FabricFile, config: Option<&Path>) -> Result<FabricConfig, ConfigEr
             }
         }
     };
+    let ip_mtu = f.ip_mtu.unwrap_or(DEFAULT_IP_MTU);
+    if !(MIN_IP_MTU..=MAX_IP_MTU).contains(&ip_mtu) {
+        return Err(invalid(
+            "fabric.ip_mtu",
+            ip_mtu,
+            "must be between 576 and 9216",
+        ));
+    }
     Ok(FabricConfig {
         host: f.host,
         cluster_file,
         cluster: parsed,
         directory,
+        ip_mtu,
     })
 }
 
@@ -700,7 +728,27 @@ mod tests {
                 cluster_file: cluster_path.clone(),
                 cluster: cluster.clone(),
                 directory: DirectoryKind::Static,
+                ip_mtu: DEFAULT_IP_MTU,
             })
+        );
+        // The ports' MTU follows the network's: 1024 at 1500, 4096 jumbo.
+        let fabric = config.fabric.clone().expect("fabric");
+        assert_eq!(fabric.active_mtu(), 1024);
+        assert_eq!(
+            FabricConfig {
+                ip_mtu: 9000,
+                ..fabric.clone()
+            }
+            .active_mtu(),
+            4096
+        );
+        assert_eq!(
+            FabricConfig {
+                ip_mtu: 2200,
+                ..fabric
+            }
+            .active_mtu(),
+            2048
         );
         let text = format!(
             "socket = \"/tmp/s\"\n[fabric]\nhost = \"h2\"\ncluster = {cluster_path:?}\n\
@@ -721,6 +769,7 @@ mod tests {
                     ],
                     lease_seconds: DEFAULT_LEASE_SECONDS,
                 },
+                ip_mtu: DEFAULT_IP_MTU,
             })
         );
         let config = with_file(

@@ -71,6 +71,19 @@ impl Mtu {
     pub fn bytes(self) -> u32 {
         128 << (self as u32)
     }
+
+    /// The largest MTU of at most `bytes` bytes (`None` below 256).
+    pub fn at_most(bytes: u32) -> Option<Mtu> {
+        [
+            Mtu::Mtu4096,
+            Mtu::Mtu2048,
+            Mtu::Mtu1024,
+            Mtu::Mtu512,
+            Mtu::Mtu256,
+        ]
+        .into_iter()
+        .find(|m| m.bytes() <= bytes)
+    }
 }
 
 wire_enum! {

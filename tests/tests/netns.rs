@@ -265,7 +265,7 @@ fn hostd_its_vdevs_and_tenants_run_inside_a_host() {
     assert_ne!(netns_of(std::process::id()), inode, "the test does not");
     // The tenant reached hostd through vdev over unix sockets across the
     // namespaces: its device has a port.
-    assert_ne!(tenant.lid, 0);
+    assert_ne!(tenant.gid, [0; 16], "hostd gave its device a GID");
     drop(tenant);
     drop(hostd);
 }

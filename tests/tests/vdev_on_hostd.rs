@@ -188,6 +188,7 @@ fn serve_vdev(channel: Channel, tx: mpsc::Sender<(Request, Vec<File>)>) {
         gid: STAND_IN_GID,
         physical_queues: 2,
         policy: Policy::default_policy().tenants[0].clone(),
+        active_mtu: 4096,
     }));
     if channel.send(&welcome, &[theirs.as_raw_fd()]).is_err() {
         return;

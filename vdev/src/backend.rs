@@ -453,6 +453,7 @@ mod tests {
             gid: vrdma_spec::gid::loopback_gid(1),
             comp_vectors: 1,
             max_queue_size: 256,
+            active_mtu: vrdma_spec::verbs::Mtu::Mtu4096,
         }
     }
 

@@ -57,6 +57,8 @@ pub struct Fabric {
     /// The GID hostd assigned this device: its port's GID 0, what peers
     /// connect to.
     pub gid: [u8; 16],
+    /// Its port's active MTU, as hostd's network allows.
+    pub active_mtu: vrdma_spec::verbs::Mtu,
     /// Physical QPs of hostd's NIC the device's virtual QPs share.
     pub physical_queues: u32,
     /// The tenant's policy as hostd sent it at registration.
@@ -99,6 +101,9 @@ impl Fabric {
             channel: Mutex::new(channel),
             lid: welcome.lid,
             gid: welcome.gid,
+            // A hostd that says less than 256 gets the smallest MTU.
+            active_mtu: vrdma_spec::verbs::Mtu::at_most(welcome.active_mtu)
+                .unwrap_or(vrdma_spec::verbs::Mtu::Mtu256),
             physical_queues: welcome.physical_queues,
             policy: welcome.policy,
             notifications: Mutex::new(Some(notifications)),

@@ -155,6 +155,7 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
         gid: vrdma_spec::gid::loopback_gid(config.lid),
         comp_vectors: config.comp_vectors,
         max_queue_size: config.queue_size,
+        active_mtu: verbs::PORT_MTU,
     };
     let device_name = device_name(&config.socket);
     loop {

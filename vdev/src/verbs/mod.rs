@@ -54,6 +54,9 @@ pub struct DeviceIdentity {
     pub gid: [u8; 16],
     pub comp_vectors: u16,
     pub max_queue_size: u16,
+    /// Its port's active MTU (hostd's network decides; [`PORT_MTU`]
+    /// without hostd).
+    pub active_mtu: Mtu,
 }
 
 /// A protection domain.
@@ -137,6 +140,7 @@ impl RdmaDevice {
     ) -> Self {
         identity.lid = fabric.lid;
         identity.gid = fabric.gid;
+        identity.active_mtu = fabric.active_mtu;
         let mut device = RdmaDevice::new(identity, local.stricter(&fabric.policy.quotas));
         device.local_limits = local;
         device.fabric = Some(fabric);
@@ -530,7 +534,7 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
         port: PortAttr {
             state: PortState::Active.into(),
             max_mtu: PORT_MTU.into(),
-            active_mtu: PORT_MTU.into(),
+            active_mtu: identity.active_mtu.into(),
             // RoCEv2: devices are addressed by GID, there are no LIDs and
             // no subnet manager.
             link_layer: LinkLayer::Ethernet.into(),

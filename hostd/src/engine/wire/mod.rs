@@ -411,6 +411,7 @@ impl Engine {
             return;
         }
         let Some(qref) = self.remote_qp_for(meta.dst, pkt.bth.dest_qp) else {
+            tracing::debug!(dst = %meta.dst, qpn = pkt.bth.dest_qp, src = %meta.src, "Packet for an unknown QP dropped");
             w.drop_packet(peer, "unknown_qp");
             return;
         };

@@ -145,6 +145,7 @@ fn serve(listener: Listener, script: Arc<Script>, tx: mpsc::Sender<(Request, Vec
         gid: HOSTD_GID,
         physical_queues: 4,
         policy: Policy::default_policy().tenants[0].clone(),
+        active_mtu: 1024,
     }));
     channel
         .send(&welcome, &[theirs.as_raw_fd()])

@@ -31,6 +31,7 @@ fn identity() -> DeviceIdentity {
         gid: vrdma_spec::gid::loopback_gid(5),
         comp_vectors: 2,
         max_queue_size: 256,
+        active_mtu: vrdma_spec::verbs::Mtu::Mtu4096,
     }
 }
 

@@ -1,0 +1,498 @@
+//! RDMA across hosts: three hostds in three network namespaces joined by a
+//! kernel bridge (real veths, real UDP/IP), each serving tenants whose
+//! GIDs are addresses of its namespace; Debian's unmodified
+//! `ibv_rc_pingpong` and perftest between tenants on different hosts. The
+//! programs' own out-of-band exchange runs over the test's loopback; every
+//! RDMA byte crosses the bridge as RoCEv2.
+//!
+//! The cluster: h1 serves alpha (10.200.1.1) and gamma (10.200.1.3), h2
+//! alpha (10.200.2.1) and gamma (10.200.2.3), h3 alpha (10.200.3.1) and
+//! beta (10.200.3.2). alpha and gamma share network "blue"; beta is alone
+//! in "red".
+
+use std::path::Path;
+use std::process::{Child, Command, Output};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use vrdma_tests::daemon::{tcp_listening, Hostd, IbverbsShim, TempDir, Vdev};
+use vrdma_tests::netns::Cluster;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// One cluster at a time: the machine has two cores.
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn next_port() -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 30000 + (std::process::id() % 20000) as u16;
+    base + NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+const POLICY: &str = r#"
+[[tenant]]
+name = "alpha"
+network = "blue"
+
+[[tenant]]
+name = "gamma"
+network = "blue"
+
+[[tenant]]
+name = "beta"
+network = "red"
+"#;
+
+/// The tenants' GIDs, by host (1-based) and tenant.
+const GIDS: [(usize, &str, &str); 6] = [
+    (1, "alpha", "10.200.1.1"),
+    (1, "gamma", "10.200.1.3"),
+    (2, "alpha", "10.200.2.1"),
+    (2, "gamma", "10.200.2.3"),
+    (3, "alpha", "10.200.3.1"),
+    (3, "beta", "10.200.3.2"),
+];
+
+fn cluster_file() -> String {
+    let mut text = String::new();
+    for i in 1..=3 {
+        text.push_str(&format!(
+            "[[host]]\nname = \"h{i}\"\naddress = \"10.200.0.{i}\"\n\n"
+        ));
+    }
+    for (host, tenant, gid) in GIDS {
+        text.push_str(&format!(
+            "[[gid]]\naddress = \"{gid}\"\nhost = \"h{host}\"\ntenant = \"{tenant}\"\n\n"
+        ));
+    }
+    text
+}
+
+/// Three hosts, a hostd on each, and a vdev per tenant GID.
+struct Fabric {
+    // Dropped in order: vdevs, hostds, then the namespaces.
+    vdevs: Vec<(usize, String, Vdev)>,
+    hostds: Vec<Option<Hostd>>,
+    _files: TempDir,
+    cluster: Cluster,
+}
+
+impl Fabric {
+    fn start() -> Self {
+        let cluster = Cluster::bridged(3);
+        let files = TempDir::new("roce");
+        let cluster_path = files.path().join("cluster.toml");
+        std::fs::write(&cluster_path, cluster_file()).expect("cluster file");
+        for (host, _, gid) in GIDS {
+            cluster.add_address(host, gid.parse().expect("address"));
+        }
+        resolve_neighbours(&cluster);
+        let hostds: Vec<Option<Hostd>> = (1..=3)
+            .map(|i| {
+                let config = files.path().join(format!("h{i}.toml"));
+                std::fs::write(
+                    &config,
+                    format!(
+                        "[fabric]\nhost = \"h{i}\"\ncluster = \"{}\"\ndirectory = \"static\"\n",
+                        cluster_path.display()
+                    ),
+                )
+                .expect("config");
+                let config = config.to_str().expect("UTF-8").to_owned();
+                Some(Hostd::start_in_netns(
+                    Some(&cluster.host(i).netns_path()),
+                    Some(POLICY),
+                    &["--config", &config],
+                ))
+            })
+            .collect();
+        let vdevs = GIDS
+            .iter()
+            .map(|&(host, tenant, _)| {
+                let hostd = hostds[host - 1].as_ref().expect("hostd");
+                (host, tenant.to_owned(), Vdev::on_hostd(hostd, tenant, &[]))
+            })
+            .collect();
+        Fabric {
+            vdevs,
+            hostds,
+            _files: files,
+            cluster,
+        }
+    }
+
+    /// The vdev socket of `tenant` on host `host`.
+    fn device(&self, host: usize, tenant: &str) -> &Path {
+        let (_, _, vdev) = (self.vdevs.iter())
+            .find(|(h, t, _)| *h == host && t == tenant)
+            .expect("a device of the cluster");
+        &vdev.socket
+    }
+
+    fn hostd(&self, host: usize) -> &Hostd {
+        self.hostds[host - 1].as_ref().expect("hostd running")
+    }
+
+    /// Every hostd's log and peers table, for a failure message.
+    fn logs(&self) -> String {
+        let mut out = String::new();
+        for (i, h) in self.hostds.iter().enumerate() {
+            if let Some(h) = h {
+                let (_, peers, _) = h.ctl(&["peers"]);
+                out.push_str(&format!(
+                    "--- hostd h{} peers:\n{peers}\n--- log:\n{}\n",
+                    i + 1,
+                    tail(&h.log(), 60)
+                ));
+            }
+        }
+        for i in 1..=3 {
+            let host = self.cluster.host(i);
+            for args in [&["-s", "link", "show", "eth0"][..], &["neigh"][..]] {
+                let o = host.command("ip").args(args).output().expect("ip");
+                out.push_str(&format!(
+                    "--- h{i} ip {args:?}:\n{}",
+                    String::from_utf8_lossy(&o.stdout)
+                ));
+            }
+            let o = host
+                .command("cat")
+                .arg("/proc/net/snmp")
+                .output()
+                .expect("snmp");
+            let snmp = String::from_utf8_lossy(&o.stdout);
+            out.push_str(&format!(
+                "--- h{i} snmp:\n{}\n",
+                snmp.lines()
+                    .filter(|l| l.starts_with("Udp:") || l.starts_with("Ip:"))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            ));
+        }
+        out
+    }
+}
+
+/// Waits until every GID answers a UDP echo from every GID of the other
+/// hosts: ARP resolved and the bridge forwarding (a fresh bridge port can
+/// take a second, longer than rc_pingpong's whole retry budget; a RoCE
+/// NIC likewise resolves a GID's MAC when its QP is connected).
+fn resolve_neighbours(cluster: &Cluster) {
+    use std::net::{Ipv4Addr, SocketAddrV4, UdpSocket};
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Arc;
+    const PORT: u16 = 9999;
+    let stop = Arc::new(AtomicBool::new(false));
+    let echoes: Vec<_> = GIDS
+        .iter()
+        .map(|&(host, _, gid)| {
+            let stop = Arc::clone(&stop);
+            let ip: Ipv4Addr = gid.parse().expect("address");
+            let socket = cluster
+                .host(host)
+                .run(move || UdpSocket::bind(SocketAddrV4::new(ip, PORT)).expect("bind echo"));
+            std::thread::spawn(move || {
+                let _ = socket.set_read_timeout(Some(Duration::from_millis(50)));
+                let mut buf = [0u8; 64];
+                while !stop.load(Ordering::Relaxed) {
+                    if let Ok((n, from)) = socket.recv_from(&mut buf) {
+                        let _ = socket.send_to(&buf[..n], from);
+                    }
+                }
+            })
+        })
+        .collect();
+    for &(from, _, src) in &GIDS {
+        for &(to, _, dst) in &GIDS {
+            if to == from {
+                continue;
+            }
+            let (src, dst): (Ipv4Addr, Ipv4Addr) =
+                (src.parse().expect("ip"), dst.parse().expect("ip"));
+            let answered = cluster.host(from).run(move || {
+                let socket = UdpSocket::bind(SocketAddrV4::new(src, 0)).expect("bind probe");
+                let _ = socket.set_read_timeout(Some(Duration::from_millis(100)));
+                let mut buf = [0u8; 64];
+                (0..100).any(|_| {
+                    let _ = socket.send_to(b"probe", SocketAddrV4::new(dst, PORT));
+                    socket.recv_from(&mut buf).is_ok()
+                })
+            });
+            assert!(answered, "{src} (h{from}) cannot reach {dst} (h{to})");
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    for e in echoes {
+        let _ = e.join();
+    }
+}
+
+/// Packets `hostd` has sent to peer host `host`.
+fn packets_to(hostd: &Hostd, host: &str) -> u64 {
+    let (_, json, _) = hostd.ctl(&["peers", "--json"]);
+    let peers: serde_json::Value = serde_json::from_str(&json).unwrap_or_default();
+    (peers.as_array().into_iter().flatten())
+        .find(|p| p["host"] == host)
+        .and_then(|p| p["tx_packets"].as_u64())
+        .unwrap_or(0)
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Waits for `child` up to `timeout`, killing it if it takes longer.
+fn wait_output(mut child: Child, timeout: Duration) -> Output {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if Instant::now() >= deadline => {
+                let _ = child.kill();
+                break;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("wait: {e}"),
+        }
+    }
+    child.wait_with_output().expect("output")
+}
+
+/// `program args` as server on `server`, then as client on `client`
+/// (both `-p port`), over loopback; returns (server, client) outputs.
+fn pair(
+    shim: &IbverbsShim,
+    server: &Path,
+    client: &Path,
+    program: &str,
+    args: &[&str],
+    timeout: Duration,
+) -> (Output, Output) {
+    let port = next_port();
+    let p = port.to_string();
+    let s = spawn(shim, server, program, &p, args, None);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !tcp_listening(port) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let c = spawn(shim, client, program, &p, args, Some("127.0.0.1"));
+    let c = wait_output(c, timeout);
+    let s = wait_output(s, Duration::from_secs(5));
+    (s, c)
+}
+
+fn spawn(
+    shim: &IbverbsShim,
+    device: &Path,
+    program: &str,
+    port: &str,
+    args: &[&str],
+    server: Option<&str>,
+) -> Child {
+    let mut cmd: Command = shim.command(program, device);
+    cmd.args(["-p", port]).args(args);
+    if let Some(s) = server {
+        cmd.arg(s);
+    }
+    cmd.spawn()
+        .unwrap_or_else(|e| panic!("spawn {program}: {e}"))
+}
+
+fn assert_ok(fabric: &Fabric, what: &str, (s, c): &(Output, Output)) {
+    assert!(
+        s.status.success() && c.status.success(),
+        "{what}: server {:?}, client {:?}\n--- server:\n{}\n--- client:\n{}\n{}",
+        s.status.code(),
+        c.status.code(),
+        text(s),
+        text(c),
+        fabric.logs()
+    );
+}
+
+#[test]
+fn unmodified_programs_run_between_tenants_on_different_hosts() {
+    let _one = serial();
+    vrdma_tests::need::root("network namespaces");
+    let shim = IbverbsShim::new();
+    let fabric = Fabric::start();
+    let (h1, h2) = (fabric.device(1, "alpha"), fabric.device(2, "alpha"));
+    let long = Duration::from_secs(60);
+    // rc_pingpong validates every message's bytes (-c).
+    let r = pair(
+        &shim,
+        h1,
+        h2,
+        "ibv_rc_pingpong",
+        &["-g", "0", "-n", "500", "-s", "4096", "-c"],
+        long,
+    );
+    assert_ok(&fabric, "ibv_rc_pingpong", &r);
+    assert!(
+        text(&r.1).contains("500 iters"),
+        "the client ran every exchange:\n{}",
+        text(&r.1)
+    );
+    let perftest: [(&str, &[&str]); 5] = [
+        ("ib_write_bw", &["-x", "0", "-s", "65536", "-n", "500"]),
+        ("ib_read_bw", &["-x", "0", "-s", "65536", "-n", "300"]),
+        ("ib_send_bw", &["-x", "0", "-s", "8192", "-n", "500"]),
+        ("ib_write_lat", &["-x", "0", "-s", "64", "-n", "500"]),
+        ("ib_atomic_bw", &["-x", "0", "-n", "500"]),
+    ];
+    for (program, args) in perftest {
+        let r = pair(&shim, h1, h2, program, args, long);
+        assert_ok(&fabric, program, &r);
+    }
+    // The bytes crossed the bridge: hostd h1 counted packets both ways
+    // with peer h2.
+    let (code, peers, _) = fabric.hostd(1).ctl(&["peers", "--json"]);
+    assert_eq!(code, 0);
+    let peers: serde_json::Value = serde_json::from_str(&peers).expect("peers JSON");
+    let h2 = (peers.as_array().expect("list").iter())
+        .find(|p| p["host"] == "h2")
+        .expect("peer h2 counted");
+    assert!(h2["tx_packets"].as_u64().unwrap_or(0) > 10_000, "{h2}");
+    assert!(h2["rx_packets"].as_u64().unwrap_or(0) > 10_000, "{h2}");
+    let metrics = fabric.hostd(1).ctl(&["metrics"]).1;
+    assert!(
+        metrics.contains("vrdma_peer_tx_packets_total{host=\"h2\"}"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn a_tenant_cannot_connect_to_another_network_on_another_host() {
+    let _one = serial();
+    vrdma_tests::need::root("network namespaces");
+    let shim = IbverbsShim::new();
+    let fabric = Fabric::start();
+    // beta (red, on h3) towards alpha (blue, on h1): refused at RTR on
+    // beta's side.
+    let (s, c) = pair(
+        &shim,
+        fabric.device(1, "alpha"),
+        fabric.device(3, "beta"),
+        "ibv_rc_pingpong",
+        &["-g", "0", "-n", "10"],
+        Duration::from_secs(20),
+    );
+    // The server (alpha) connects first, towards beta's GID: refused at
+    // RTR (alpha may not reach red); the client then loses its peer.
+    assert!(
+        !s.status.success() && !c.status.success(),
+        "beta and alpha connected:\n{}\n{}",
+        text(&s),
+        text(&c)
+    );
+    assert!(
+        text(&s).contains("Failed to modify QP to RTR"),
+        "refused at RTR:\n{}",
+        text(&s)
+    );
+    // gamma (blue, on h2) may reach alpha on h1.
+    let r = pair(
+        &shim,
+        fabric.device(1, "alpha"),
+        fabric.device(2, "gamma"),
+        "ibv_rc_pingpong",
+        &["-g", "0", "-n", "50", "-c"],
+        Duration::from_secs(30),
+    );
+    assert_ok(&fabric, "gamma to alpha", &r);
+}
+
+#[test]
+fn a_dead_host_fails_its_peers_with_retry_exceeded_while_others_run_on() {
+    let _one = serial();
+    vrdma_tests::need::root("network namespaces");
+    let shim = IbverbsShim::new();
+    let mut fabric = Fabric::start();
+    // h1 streams RDMA WRITEs to h2 (ib_write_bw's client is the sender),
+    // and an unrelated exchange runs between h1 and h3.
+    let (p12, p13) = (next_port(), next_port());
+    // (A process-mode device serves one process at a time: the stream
+    // runs between gamma's devices, the exchange between alpha's.)
+    let (g1, g2, a1, a3) = (
+        fabric.device(1, "gamma").to_owned(),
+        fabric.device(2, "gamma").to_owned(),
+        fabric.device(1, "alpha").to_owned(),
+        fabric.device(3, "alpha").to_owned(),
+    );
+    let stream = ["-x", "0", "-s", "4096", "-n", "100000000"];
+    let exchange = ["-g", "0", "-n", "3000", "-s", "64"];
+    let s12 = spawn(&shim, &g2, "ib_write_bw", &p12.to_string(), &stream, None);
+    let s13 = spawn(
+        &shim,
+        &a1,
+        "ibv_rc_pingpong",
+        &p13.to_string(),
+        &exchange,
+        None,
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !(tcp_listening(p12) && tcp_listening(p13)) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let c12 = spawn(
+        &shim,
+        &g1,
+        "ib_write_bw",
+        &p12.to_string(),
+        &stream,
+        Some("127.0.0.1"),
+    );
+    // The stream runs: h1 has sent h2 thousands of packets.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while packets_to(fabric.hostd(1), "h2") < 5000 {
+        assert!(
+            Instant::now() < deadline,
+            "the stream never ran:\n{}",
+            fabric.logs()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let c13 = spawn(
+        &shim,
+        &a3,
+        "ibv_rc_pingpong",
+        &p13.to_string(),
+        &exchange,
+        Some("127.0.0.1"),
+    );
+    // h2's hostd dies: its peers' packets go unanswered.
+    let killed = Instant::now();
+    fabric.hostds[1] = None;
+    // perftest's QPs: timeout 14 (67 ms), retry_cnt 7: about 0.5 s.
+    let c12 = wait_output(c12, Duration::from_secs(10));
+    let took = killed.elapsed();
+    let _ = wait_output(s12, Duration::from_secs(2));
+    let out = text(&c12);
+    assert!(!c12.status.success(), "h1's sender failed:\n{out}");
+    assert!(
+        out.contains("Failed status 12"),
+        "RETRY_EXC_ERR (status 12):\n{out}"
+    );
+    assert!(
+        took < Duration::from_secs(5),
+        "within its timeout: {took:?}"
+    );
+    // The unrelated pair ran to its end.
+    let r = (
+        wait_output(s13, Duration::from_secs(60)),
+        wait_output(c13, Duration::from_secs(60)),
+    );
+    assert_ok(&fabric, "h1 <-> h3 while h2 died", &r);
+}
