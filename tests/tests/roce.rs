@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use vrdma_tests::daemon::{tcp_listening, Hostd, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::netns::Cluster;
+use vrdma_tools::relay::Faults;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -82,7 +83,11 @@ struct Fabric {
 
 impl Fabric {
     fn start() -> Self {
-        let cluster = Cluster::bridged(3);
+        Fabric::on(Cluster::bridged(3))
+    }
+
+    /// The fabric on `cluster`'s three hosts.
+    fn on(cluster: Cluster) -> Self {
         let files = TempDir::new("roce");
         let cluster_path = files.path().join("cluster.toml");
         std::fs::write(&cluster_path, cluster_file()).expect("cluster file");
@@ -495,4 +500,73 @@ fn a_dead_host_fails_its_peers_with_retry_exceeded_while_others_run_on() {
         wait_output(c13, Duration::from_secs(60)),
     );
     assert_ok(&fabric, "h1 <-> h3 while h2 died", &r);
+}
+
+#[test]
+fn a_hostile_network_loses_no_byte_and_hangs_nothing() {
+    let _one = serial();
+    vrdma_tests::need::root("network namespaces");
+    let shim = IbverbsShim::new();
+    let faults = Faults {
+        drop: 0.02,
+        dup: 0.02,
+        reorder: 0.02,
+        delay: Duration::from_micros(300),
+        delay_rate: 0.02,
+        truncate: 0.01,
+        corrupt: 0.01,
+        seed: 7,
+        ..Faults::default()
+    };
+    let fabric = Fabric::on(Cluster::relayed(3, &faults));
+    let (h1, h2) = (fabric.device(1, "alpha"), fabric.device(2, "alpha"));
+    let long = Duration::from_secs(90);
+    // Every message's bytes checked by rc_pingpong (-c); READs and WRITEs
+    // by the transport's own counters below.
+    let r = pair(
+        &shim,
+        h1,
+        h2,
+        "ibv_rc_pingpong",
+        &["-g", "0", "-n", "300", "-s", "4096", "-c"],
+        long,
+    );
+    assert_ok(&fabric, "ibv_rc_pingpong through the relay", &r);
+    for (program, args) in [
+        ("ib_write_bw", &["-x", "0", "-s", "65536", "-n", "200"][..]),
+        ("ib_read_bw", &["-x", "0", "-s", "65536", "-n", "200"][..]),
+        ("ib_atomic_bw", &["-x", "0", "-n", "300"][..]),
+    ] {
+        let r = pair(&shim, h1, h2, program, args, long);
+        assert_ok(&fabric, program, &r);
+    }
+    let stats = fabric.cluster.relay_stats();
+    let harmed = serde_json::to_value(&stats).expect("stats");
+    for fault in ["dropped", "duplicated", "corrupted", "truncated"] {
+        assert!(
+            harmed[fault].as_u64().unwrap_or(0) > 0,
+            "the relay {fault} packets: {harmed}"
+        );
+    }
+    // The hosts saw the harm: retransmissions, and damaged packets dropped
+    // by the ICRC or length checks (never written anywhere).
+    let peers = |host: usize| {
+        let (_, json, _) = fabric.hostd(host).ctl(&["peers", "--json"]);
+        serde_json::from_str::<serde_json::Value>(&json).expect("peers")
+    };
+    let (p1, p2) = (peers(1), peers(2));
+    let sum = |v: &serde_json::Value, key: &str| -> u64 {
+        (v.as_array().into_iter().flatten())
+            .map(|p| p[key].as_u64().unwrap_or(0))
+            .sum()
+    };
+    assert!(sum(&p1, "retransmissions") + sum(&p2, "retransmissions") > 0, "{p1} {p2}");
+    let drops = |v: &serde_json::Value| -> u64 {
+        (v.as_array().into_iter().flatten())
+            .flat_map(|p| p["drops"].as_object().into_iter().flatten())
+            .filter(|(k, _)| ["bad_icrc", "truncated", "bad_length"].contains(&k.as_str()))
+            .map(|(_, v)| v.as_u64().unwrap_or(0))
+            .sum()
+    };
+    assert!(drops(&p1) + drops(&p2) > 0, "damaged packets dropped: {p1} {p2}");
 }
