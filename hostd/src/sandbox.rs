@@ -64,6 +64,13 @@ impl Sandbox {
                     .iter()
                     .map(|dir| (dir.clone(), FsAccess::ReadFile))
                     .collect(),
+                // The directory thread keeps talking to etcd.
+                tcp_connect: match config.fabric.as_ref().map(|f| &f.directory) {
+                    Some(crate::config::DirectoryKind::Etcd { endpoints, .. }) => {
+                        endpoints.iter().map(|e| e.port()).collect()
+                    }
+                    _ => Vec::new(),
+                },
             },
             fs_summary: format!(
                 "no file-system access but reading the {} (readable: {summary})",

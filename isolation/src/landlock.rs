@@ -20,7 +20,8 @@
 use std::path::PathBuf;
 
 use ::landlock::{
-    Access, AccessFs, AccessNet, CompatLevel, Compatible, LandlockStatus, PathBeneath, PathFd,
+    Access, AccessFs, AccessNet, CompatLevel, Compatible, LandlockStatus, NetPort, PathBeneath,
+    PathFd,
     Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetError, RulesetStatus, Scope, ABI,
 };
 
@@ -41,10 +42,12 @@ pub enum FsAccess {
     ReadWrite,
 }
 
-/// The paths a sandboxed process keeps, each with its access.
+/// The paths a sandboxed process keeps, each with its access, and the TCP
+/// ports it may still connect to (hostd's etcd endpoints; none for vdev).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct FsPolicy {
     pub paths: Vec<(PathBuf, FsAccess)>,
+    pub tcp_connect: Vec<u16>,
 }
 
 /// How much of the ruleset the running kernel enforces.
@@ -101,6 +104,11 @@ pub fn restrict(policy: &FsPolicy) -> Result<(Enforcement, String), LandlockErro
         })?;
         ruleset = ruleset
             .add_rule(PathBeneath::new(fd, rights))
+            .map_err(LandlockError::Ruleset)?;
+    }
+    for &port in &policy.tcp_connect {
+        ruleset = ruleset
+            .add_rule(NetPort::new(port, AccessNet::ConnectTcp))
             .map_err(LandlockError::Ruleset)?;
     }
     let status = ruleset.restrict_self().map_err(LandlockError::Ruleset)?;
@@ -251,6 +259,7 @@ mod tests {
         let allowed = dir.write("allowed.txt", b"ok");
         let policy = FsPolicy {
             paths: vec![(dir.path().to_path_buf(), FsAccess::Read)],
+            tcp_connect: Vec::new(),
         };
         let (enforcement, status, passwd, ours, rewrite) = on_thread(move || {
             let (enforcement, status) = restrict(&policy).expect("restrict");
@@ -273,12 +282,38 @@ mod tests {
     }
 
     #[test]
+    fn a_restricted_thread_connects_over_tcp_only_to_the_ports_listed() {
+        use std::net::{TcpListener, TcpStream};
+        let allowed = TcpListener::bind("127.0.0.1:0").expect("listen");
+        let other = TcpListener::bind("127.0.0.1:0").expect("listen");
+        let (a, o) = (
+            allowed.local_addr().expect("addr"),
+            other.local_addr().expect("addr"),
+        );
+        let policy = FsPolicy {
+            paths: Vec::new(),
+            tcp_connect: vec![a.port()],
+        };
+        let (enforcement, to_allowed, to_other) = on_thread(move || {
+            let (enforcement, _) = restrict(&policy).expect("restrict");
+            let to_allowed = TcpStream::connect(a).map(|_| ());
+            let to_other = TcpStream::connect(o).map_err(|e| e.raw_os_error());
+            (enforcement, to_allowed.is_ok(), to_other)
+        });
+        if enforcement != Enforcement::Absent {
+            assert!(to_allowed, "the listed port (etcd's) stays reachable");
+            assert_eq!(to_other.err(), Some(Some(libc::EACCES)), "any other is not");
+        }
+    }
+
+    #[test]
     fn a_read_file_rule_allows_that_file_only() {
         let dir = ScratchDir::new("isolation-readfile");
         let policy_file = dir.write("policy.toml", b"policy");
         let sibling = dir.write("other.toml", b"other");
         let policy = FsPolicy {
             paths: vec![(policy_file.clone(), FsAccess::ReadFile)],
+            tcp_connect: Vec::new(),
         };
         let listed = dir.path().to_path_buf();
         let (enforcement, ours, refused) = on_thread(move || {
@@ -305,6 +340,7 @@ mod tests {
         let outside = base.write("outside.toml", b"outside");
         let policy = FsPolicy {
             paths: vec![(dir.clone(), FsAccess::ReadFile)],
+            tcp_connect: Vec::new(),
         };
         // The restricted thread reads, then this (unrestricted) one
         // replaces the file by a rename (a new inode), then it reads again.
