@@ -329,7 +329,11 @@ pub fn render_peers(peers: &[crate::engine::wire::PeerStats]) -> String {
             .join(",")
     };
     for p in peers {
-        let host = if p.host.is_empty() { "(unknown)" } else { &p.host };
+        let host = if p.host.is_empty() {
+            "(unknown)"
+        } else {
+            &p.host
+        };
         let _ = writeln!(
             out,
             "{:<16} {:>10} {:>12} {:>10} {:>12} {:>8} {:>8} {:>10.1}  {} / {}; {}",

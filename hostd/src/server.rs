@@ -589,7 +589,12 @@ impl Server {
                     let entry = (self.directory())
                         .zip(vrdma_spec::gid::ipv4_of(&conn.dgid))
                         .and_then(|(d, ip)| d.lookup(ip.into()))
-                        .filter(|e| self.config.fabric.as_ref().is_some_and(|f| e.host != f.host));
+                        .filter(|e| {
+                            self.config
+                                .fabric
+                                .as_ref()
+                                .is_some_and(|f| e.host != f.host)
+                        });
                     match entry {
                         Some(e) => Some(e.network),
                         None => {
@@ -688,22 +693,20 @@ impl Server {
                 ));
             }
             let gid = match &self.config.fabric {
-                Some(fabric) => {
-                    (fabric.cluster.gids.iter())
-                        .filter(|e| e.host == fabric.host && e.tenant == tenant)
-                        .map(|e| vrdma_spec::gid::ipv4_mapped(e.gid.octets()))
-                        .find(|g| !reg.by_gid.contains_key(g))
-                        .ok_or_else(|| {
-                            refuse(
-                                libc::ENOSPC,
-                                format!(
-                                    "No address of tenant {tenant} is left on host {} \
+                Some(fabric) => (fabric.cluster.gids.iter())
+                    .filter(|e| e.host == fabric.host && e.tenant == tenant)
+                    .map(|e| vrdma_spec::gid::ipv4_mapped(e.gid.octets()))
+                    .find(|g| !reg.by_gid.contains_key(g))
+                    .ok_or_else(|| {
+                        refuse(
+                            libc::ENOSPC,
+                            format!(
+                                "No address of tenant {tenant} is left on host {} \
                                      (the cluster file's pool)",
-                                    fabric.host
-                                ),
-                            )
-                        })?
-                }
+                                fabric.host
+                            ),
+                        )
+                    })?,
                 None => gids::assign(tenant, device, lid),
             };
             if reg.by_gid.get(&gid).is_some_and(|other| *other != lid) {
@@ -978,7 +981,10 @@ impl Server {
                 .keys()
                 .map(|name| (name.clone(), engine.scheduler().throttled(name, now)))
                 .collect();
-            let peers = engine.wire().map(|w| w.peers.snapshot()).unwrap_or_default();
+            let peers = engine
+                .wire()
+                .map(|w| w.peers.snapshot())
+                .unwrap_or_default();
             (accounts, throttled, peers)
         };
         let names: BTreeSet<&str> = policy

@@ -578,16 +578,62 @@ fn render_peers(out: &mut String, peers: &[crate::engine::wire::PeerStats]) {
     if peers.is_empty() {
         return;
     }
-    let host = |p: &PeerStats| label(if p.host.is_empty() { "(unknown)" } else { &p.host });
+    let host = |p: &PeerStats| {
+        label(if p.host.is_empty() {
+            "(unknown)"
+        } else {
+            &p.host
+        })
+    };
     let scalars: [(&str, &str, &str, fn(&PeerStats) -> u64); 8] = [
-        ("vrdma_peer_tx_packets_total", "counter", "RoCEv2 packets sent to the host.", |p| p.tx_packets),
-        ("vrdma_peer_tx_bytes_total", "counter", "Bytes (UDP payload) sent to the host.", |p| p.tx_bytes),
-        ("vrdma_peer_rx_packets_total", "counter", "RoCEv2 packets received from the host.", |p| p.rx_packets),
-        ("vrdma_peer_rx_bytes_total", "counter", "Bytes received from the host.", |p| p.rx_bytes),
-        ("vrdma_peer_retransmissions_total", "counter", "Go-back-N retransmissions towards the host.", |p| p.retransmissions),
-        ("vrdma_peer_timeouts_total", "counter", "ACK timeouts that expired towards the host.", |p| p.timeouts),
-        ("vrdma_peer_duplicates_total", "counter", "Duplicate requests from the host answered again.", |p| p.duplicates),
-        ("vrdma_peer_rtt_seconds", "gauge", "Smoothed round-trip time to the host.", |p| p.rtt_ns),
+        (
+            "vrdma_peer_tx_packets_total",
+            "counter",
+            "RoCEv2 packets sent to the host.",
+            |p| p.tx_packets,
+        ),
+        (
+            "vrdma_peer_tx_bytes_total",
+            "counter",
+            "Bytes (UDP payload) sent to the host.",
+            |p| p.tx_bytes,
+        ),
+        (
+            "vrdma_peer_rx_packets_total",
+            "counter",
+            "RoCEv2 packets received from the host.",
+            |p| p.rx_packets,
+        ),
+        (
+            "vrdma_peer_rx_bytes_total",
+            "counter",
+            "Bytes received from the host.",
+            |p| p.rx_bytes,
+        ),
+        (
+            "vrdma_peer_retransmissions_total",
+            "counter",
+            "Go-back-N retransmissions towards the host.",
+            |p| p.retransmissions,
+        ),
+        (
+            "vrdma_peer_timeouts_total",
+            "counter",
+            "ACK timeouts that expired towards the host.",
+            |p| p.timeouts,
+        ),
+        (
+            "vrdma_peer_duplicates_total",
+            "counter",
+            "Duplicate requests from the host answered again.",
+            |p| p.duplicates,
+        ),
+        (
+            "vrdma_peer_rtt_seconds",
+            "gauge",
+            "Smoothed round-trip time to the host.",
+            |p| p.rtt_ns,
+        ),
     ];
     for (name, kind, help, pick) in scalars {
         let _ = writeln!(out, "# HELP {name} {help}");
@@ -602,16 +648,36 @@ fn render_peers(out: &mut String, peers: &[crate::engine::wire::PeerStats]) {
         }
     }
     let maps: [(&str, &str, &str, fn(&PeerStats) -> &BTreeMap<String, u64>); 3] = [
-        ("vrdma_peer_naks_sent_total", "kind", "NAKs sent to the host, by kind.", |p| &p.naks_sent),
-        ("vrdma_peer_naks_received_total", "kind", "NAKs received from the host, by kind.", |p| &p.naks_received),
-        ("vrdma_peer_drops_total", "reason", "Packets from the host dropped, by reason.", |p| &p.drops),
+        (
+            "vrdma_peer_naks_sent_total",
+            "kind",
+            "NAKs sent to the host, by kind.",
+            |p| &p.naks_sent,
+        ),
+        (
+            "vrdma_peer_naks_received_total",
+            "kind",
+            "NAKs received from the host, by kind.",
+            |p| &p.naks_received,
+        ),
+        (
+            "vrdma_peer_drops_total",
+            "reason",
+            "Packets from the host dropped, by reason.",
+            |p| &p.drops,
+        ),
     ];
     for (name, label_name, help, pick) in maps {
         let _ = writeln!(out, "# HELP {name} {help}");
         let _ = writeln!(out, "# TYPE {name} counter");
         for p in peers {
             for (k, v) in pick(p) {
-                let _ = writeln!(out, "{name}{{host=\"{}\",{label_name}=\"{}\"}} {v}", host(p), label(k));
+                let _ = writeln!(
+                    out,
+                    "{name}{{host=\"{}\",{label_name}=\"{}\"}} {v}",
+                    host(p),
+                    label(k)
+                );
             }
         }
     }

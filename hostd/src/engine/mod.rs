@@ -637,7 +637,11 @@ impl Engine {
             }
         }
         let qp = self.qps.get(qref)?;
-        if qp.remote.as_ref().is_some_and(|r| !r.has_room(qp.head.opcode)) {
+        if qp
+            .remote
+            .as_ref()
+            .is_some_and(|r| !r.has_room(qp.head.opcode))
+        {
             // A READ or atomic beyond `max_rd_atomic` waits for an answer.
             return None;
         }

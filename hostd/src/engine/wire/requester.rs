@@ -184,8 +184,7 @@ impl Engine {
                 Emit::Full => return true,
                 Emit::Sent | Emit::LocalError => {}
             }
-            let Some(remote) = self.qps.get_mut(qref).and_then(|q| q.remote.as_deref_mut())
-            else {
+            let Some(remote) = self.qps.get_mut(qref).and_then(|q| q.remote.as_deref_mut()) else {
                 return false;
             };
             let Some(m) = remote.inflight.get_mut(i) else {
@@ -553,7 +552,11 @@ impl Engine {
             return;
         }
         // Sent again from the oldest message not answered.
-        let Some(front) = remote.inflight.iter().find(|m| !m.answered && m.failed.is_none()) else {
+        let Some(front) = remote
+            .inflight
+            .iter()
+            .find(|m| !m.answered && m.failed.is_none())
+        else {
             remote.due = None;
             return;
         };

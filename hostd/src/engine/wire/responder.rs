@@ -276,7 +276,15 @@ impl Engine {
         let rnr = rnr_timer(remote.conn.min_rnr_timer);
         let src_qp = remote.conn.path.dest_qpn;
         let (va, rkey, len, offset) = match (remote.receiving, pkt.reth) {
-            (Receiving::Write { va, rkey, len, offset }, None) => (va, rkey, len, offset),
+            (
+                Receiving::Write {
+                    va,
+                    rkey,
+                    len,
+                    offset,
+                },
+                None,
+            ) => (va, rkey, len, offset),
             (Receiving::Nothing, Some(r)) => (r.va, r.rkey, u64::from(r.dma_len), 0),
             _ => {
                 return Verdict::Nak {
@@ -505,10 +513,7 @@ impl Engine {
                 remote
                     .reads
                     .retain(|r| r.first.add(r.npkts(mtu)).diff(psn) <= 0);
-                if self
-                    .check_read(qref, reth.va, reth.rkey, len)
-                    .is_some()
-                {
+                if self.check_read(qref, reth.va, reth.rkey, len).is_some() {
                     w.drop_packet(peer, "bad_duplicate");
                     return;
                 }

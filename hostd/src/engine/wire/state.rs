@@ -284,7 +284,10 @@ impl RemoteQp {
 
     /// Packets sent and not acknowledged.
     pub fn unacked_packets(&self) -> u32 {
-        let from = later(self.acked.add(1), self.inflight.front().map_or(self.next_psn, |m| m.first));
+        let from = later(
+            self.acked.add(1),
+            self.inflight.front().map_or(self.next_psn, |m| m.first),
+        );
         u32::try_from(self.sent_end().diff(from).max(0)).unwrap_or(0)
     }
 

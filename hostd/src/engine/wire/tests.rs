@@ -201,7 +201,11 @@ fn every_rc_operation_moves_the_right_bytes_between_hosts() {
         h.sa.post_sges(0, &r, &[sge(IOVA + 0x20000, 6000, lkey_a)]);
         // Atomics on a counter of B's.
         h.sb.fill(0x30000, &40u64.to_le_bytes());
-        let mut fa = remote(send(4, SendOpcode::AtomicFetchAndAdd), IOVA + 0x30000, rkey_b);
+        let mut fa = remote(
+            send(4, SendOpcode::AtomicFetchAndAdd),
+            IOVA + 0x30000,
+            rkey_b,
+        );
         fa.compare_add = 2.into();
         h.sa.post_sges(0, &fa, &[sge(IOVA + 0x30000, 8, lkey_a)]);
         let mut cs = remote(send(5, SendOpcode::AtomicCmpAndSwp), IOVA + 0x30000, rkey_b);
@@ -224,9 +228,21 @@ fn every_rc_operation_moves_the_right_bytes_between_hosts() {
         assert_eq!((b[0].qp_num.get(), b[0].src_qp.get()), (200, 100));
         assert_eq!(h.sb.bytes(0x8000, 5000), data[..5000]);
         assert_eq!(h.sa.bytes(0x20000, 6000), theirs, "READ, mtu {mtu}");
-        assert_eq!(h.sa.bytes(0x30000, 8), 40u64.to_le_bytes(), "fetch-add's original");
-        assert_eq!(h.sa.bytes(0x30008, 8), 42u64.to_le_bytes(), "cmp-swap's original");
-        assert_eq!(h.sb.bytes(0x30000, 8), 7u64.to_le_bytes(), "40 + 2, then swapped");
+        assert_eq!(
+            h.sa.bytes(0x30000, 8),
+            40u64.to_le_bytes(),
+            "fetch-add's original"
+        );
+        assert_eq!(
+            h.sa.bytes(0x30008, 8),
+            42u64.to_le_bytes(),
+            "cmp-swap's original"
+        );
+        assert_eq!(
+            h.sb.bytes(0x30000, 8),
+            7u64.to_le_bytes(),
+            "40 + 2, then swapped"
+        );
     }
 }
 
@@ -258,9 +274,17 @@ fn hostile_run(seed: u64) {
     let mut expect = Vec::new();
     for i in 0..20u64 {
         let wr = 10 * i;
-        let w = remote(send(wr, SendOpcode::RdmaWrite), IOVA + 0x1000 + i * 4096, rkey_b);
+        let w = remote(
+            send(wr, SendOpcode::RdmaWrite),
+            IOVA + 0x1000 + i * 4096,
+            rkey_b,
+        );
         h.sa.post_sges(0, &w, &[sge(IOVA, 3000, lkey_a)]);
-        let mut fa = remote(send(wr + 1, SendOpcode::AtomicFetchAndAdd), IOVA + 0x30000, rkey_b);
+        let mut fa = remote(
+            send(wr + 1, SendOpcode::AtomicFetchAndAdd),
+            IOVA + 0x30000,
+            rkey_b,
+        );
         fa.compare_add = 1.into();
         h.sa.post_sges(0, &fa, &[sge(IOVA + 0x40000 + i * 8, 8, lkey_a)]);
         let r = remote(send(wr + 2, SendOpcode::RdmaRead), IOVA + 0x60000, rkey_b);
@@ -281,20 +305,37 @@ fn hostile_run(seed: u64) {
                     if let Some(r) = qp.remote.as_deref() {
                         eprintln!("A: next {:?} acked {:?} high {:?} due {:?} rnr {:?} retry {} issued {} has_head {}", r.next_psn, r.acked, r.high, r.due.map(|d| d.saturating_duration_since(h.now)), r.rnr_until, r.retry_left, qp.issued, qp.has_head);
                         for m in &r.inflight {
-                            eprintln!("  {:?} first {:?} n {} sent {} got {} ahead {} ans {} failed {:?}", m.work.opcode, m.first, m.npkts, m.sent, m.got, m.ahead, m.answered, m.failed);
+                            eprintln!(
+                                "  {:?} first {:?} n {} sent {} got {} ahead {} ans {} failed {:?}",
+                                m.work.opcode,
+                                m.first,
+                                m.npkts,
+                                m.sent,
+                                m.got,
+                                m.ahead,
+                                m.answered,
+                                m.failed
+                            );
                         }
                     }
                 }
                 for (_, qp) in h.b.qps.iter() {
                     if let Some(r) = qp.remote.as_deref() {
-                        eprintln!("B: epsn {:?} msn {} recv {:?} reads {:?} nak_sent {}", r.epsn, r.msn, r.receiving, r.reads, r.nak_sent);
+                        eprintln!(
+                            "B: epsn {:?} msn {} recv {:?} reads {:?} nak_sent {}",
+                            r.epsn, r.msn, r.receiving, r.reads, r.nak_sent
+                        );
                     }
                 }
             }
             assert_eq!(got, want, "completions in posting order");
         }
     }
-    assert!(h.link.harmed() > 20, "faults were applied: {}", h.link.harmed());
+    assert!(
+        h.link.harmed() > 20,
+        "faults were applied: {}",
+        h.link.harmed()
+    );
     for i in 0..20u64 {
         assert!(h.sb.bytes(0x1000 + i * 4096, 3000) == data, "WRITE {i}");
         assert!(h.sa.bytes(0x50000 + i * 4096, 2500) == theirs, "READ {i}");
@@ -310,7 +351,10 @@ fn hostile_run(seed: u64) {
     seen.sort_unstable();
     assert_eq!(seen, (0..20).collect::<Vec<_>>());
     let peers = h.a.wire().map(|w| w.peers.snapshot()).unwrap_or_default();
-    let hb = peers.iter().find(|p| p.host == "hb").expect("peer hb counted");
+    let hb = peers
+        .iter()
+        .find(|p| p.host == "hb")
+        .expect("peer hb counted");
     assert!(hb.retransmissions > 0 && hb.tx_packets > 100, "{hb:?}");
     let peers_b = h.b.wire().map(|w| w.peers.snapshot()).unwrap_or_default();
     let bad_icrc: u64 = peers_b.iter().filter_map(|p| p.drops.get("bad_icrc")).sum();
@@ -329,7 +373,8 @@ fn a_send_without_a_receive_waits_for_one_rnr_nak_by_rnr_nak() {
     assert!(a.is_empty(), "no receive yet: the SEND waits");
     let nak = h.b.wire().map(|w| w.peers.snapshot()).unwrap_or_default();
     assert!(
-        nak.iter().any(|p| p.naks_sent.get("rnr").is_some_and(|&n| n > 0)),
+        nak.iter()
+            .any(|p| p.naks_sent.get("rnr").is_some_and(|&n| n > 0)),
         "{nak:?}"
     );
     let lkey_b = h.sb.lkey;
