@@ -21,8 +21,7 @@ use std::path::PathBuf;
 
 use ::landlock::{
     Access, AccessFs, AccessNet, CompatLevel, Compatible, LandlockStatus, NetPort, PathBeneath,
-    PathFd,
-    Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetError, RulesetStatus, Scope, ABI,
+    PathFd, Ruleset, RulesetAttr, RulesetCreatedAttr, RulesetError, RulesetStatus, Scope, ABI,
 };
 
 /// The landlock ABI whose rights vdev asks for: the newest one this code

@@ -16,9 +16,12 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use vrdma_guest_driver::verbs::QpCapabilities;
 use vrdma_tests::daemon::{tcp_listening, Hostd, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::netns::Cluster;
+use vrdma_tests::tenant::Tenant;
 use vrdma_tools::relay::Faults;
+use vrdma_tools::verbs::{bring_up, Connection};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -72,22 +75,79 @@ fn cluster_file() -> String {
     text
 }
 
+/// Where the hostds learn where GIDs live.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Directory {
+    /// The cluster file is the whole directory.
+    File,
+    /// A real etcd (Debian's etcd-server) in h1's namespace; each hostd
+    /// publishes its devices' GIDs under a 2-second lease.
+    Etcd,
+}
+
+/// etcd's client port in h1's namespace (10.200.0.1).
+const ETCD_PORT: u16 = 23790;
+
 /// Three hosts, a hostd on each, and a vdev per tenant GID.
 struct Fabric {
-    // Dropped in order: vdevs, hostds, then the namespaces.
+    // Dropped in order: vdevs, hostds, etcd, then the namespaces.
     vdevs: Vec<(usize, String, Vdev)>,
     hostds: Vec<Option<Hostd>>,
+    etcd: Option<Child>,
     _files: TempDir,
     cluster: Cluster,
 }
 
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        self.vdevs.clear();
+        self.hostds.clear();
+        if let Some(mut etcd) = self.etcd.take() {
+            let _ = etcd.kill();
+            let _ = etcd.wait();
+        }
+    }
+}
+
+/// Starts etcd in host 1's namespace on 10.200.0.1 and waits for it.
+fn start_etcd(cluster: &Cluster, data: &Path) -> Child {
+    let etcd = vrdma_tests::need::program("etcd", "etcd-server");
+    let client = format!("http://10.200.0.1:{ETCD_PORT}");
+    let peer = format!("http://127.0.0.1:{}", ETCD_PORT + 1);
+    let child = (cluster.host(1).command(etcd))
+        .args(["--name", "roce", "--data-dir"])
+        .arg(data)
+        .args(["--listen-client-urls", &client])
+        .args(["--advertise-client-urls", &client])
+        .args(["--listen-peer-urls", &peer])
+        .args(["--initial-advertise-peer-urls", &peer])
+        .args(["--initial-cluster", &format!("roce={peer}")])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start etcd");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let up = || {
+        cluster
+            .host(1)
+            .run(|| std::net::TcpStream::connect(("10.200.0.1", ETCD_PORT)).is_ok())
+    };
+    while !up() {
+        assert!(Instant::now() < deadline, "etcd did not come up in 20 s");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Its gateway answers once the member is elected.
+    std::thread::sleep(Duration::from_millis(500));
+    child
+}
+
 impl Fabric {
     fn start() -> Self {
-        Fabric::on(Cluster::bridged(3))
+        Fabric::on(Cluster::bridged(3), Directory::File)
     }
 
     /// The fabric on `cluster`'s three hosts.
-    fn on(cluster: Cluster) -> Self {
+    fn on(cluster: Cluster, directory: Directory) -> Self {
         let files = TempDir::new("roce");
         let cluster_path = files.path().join("cluster.toml");
         std::fs::write(&cluster_path, cluster_file()).expect("cluster file");
@@ -95,13 +155,22 @@ impl Fabric {
             cluster.add_address(host, gid.parse().expect("address"));
         }
         resolve_neighbours(&cluster);
+        let etcd = (directory == Directory::Etcd)
+            .then(|| start_etcd(&cluster, &files.path().join("etcd")));
+        let table = match directory {
+            Directory::File => "directory = \"static\"\n".to_owned(),
+            Directory::Etcd => format!(
+                "directory = \"etcd\"\netcd_endpoints = [\"http://10.200.0.1:{ETCD_PORT}\"]\n\
+                 lease_seconds = 2\n"
+            ),
+        };
         let hostds: Vec<Option<Hostd>> = (1..=3)
             .map(|i| {
                 let config = files.path().join(format!("h{i}.toml"));
                 std::fs::write(
                     &config,
                     format!(
-                        "[fabric]\nhost = \"h{i}\"\ncluster = \"{}\"\ndirectory = \"static\"\n",
+                        "[fabric]\nhost = \"h{i}\"\ncluster = \"{}\"\n{table}",
                         cluster_path.display()
                     ),
                 )
@@ -124,6 +193,7 @@ impl Fabric {
         Fabric {
             vdevs,
             hostds,
+            etcd,
             _files: files,
             cluster,
         }
@@ -518,7 +588,7 @@ fn a_hostile_network_loses_no_byte_and_hangs_nothing() {
         seed: 7,
         ..Faults::default()
     };
-    let fabric = Fabric::on(Cluster::relayed(3, &faults));
+    let fabric = Fabric::on(Cluster::relayed(3, &faults), Directory::File);
     let (h1, h2) = (fabric.device(1, "alpha"), fabric.device(2, "alpha"));
     let long = Duration::from_secs(90);
     // Every message's bytes checked by rc_pingpong (-c); READs and WRITEs
@@ -560,7 +630,10 @@ fn a_hostile_network_loses_no_byte_and_hangs_nothing() {
             .map(|p| p[key].as_u64().unwrap_or(0))
             .sum()
     };
-    assert!(sum(&p1, "retransmissions") + sum(&p2, "retransmissions") > 0, "{p1} {p2}");
+    assert!(
+        sum(&p1, "retransmissions") + sum(&p2, "retransmissions") > 0,
+        "{p1} {p2}"
+    );
     let drops = |v: &serde_json::Value| -> u64 {
         (v.as_array().into_iter().flatten())
             .flat_map(|p| p["drops"].as_object().into_iter().flatten())
@@ -568,5 +641,85 @@ fn a_hostile_network_loses_no_byte_and_hangs_nothing() {
             .map(|(_, v)| v.as_u64().unwrap_or(0))
             .sum()
     };
-    assert!(drops(&p1) + drops(&p2) > 0, "damaged packets dropped: {p1} {p2}");
+    assert!(
+        drops(&p1) + drops(&p2) > 0,
+        "damaged packets dropped: {p1} {p2}"
+    );
+}
+
+#[test]
+fn with_the_directory_in_etcd_hosts_find_each_other_and_a_dead_host_disappears() {
+    let _one = serial();
+    vrdma_tests::need::root("network namespaces");
+    let shim = IbverbsShim::new();
+    let mut fabric = Fabric::on(Cluster::bridged(3), Directory::Etcd);
+    let (h1, h2) = (fabric.device(1, "alpha"), fabric.device(2, "alpha"));
+    let long = Duration::from_secs(60);
+    let r = pair(
+        &shim,
+        h1,
+        h2,
+        "ibv_rc_pingpong",
+        &["-g", "0", "-n", "300", "-s", "4096", "-c"],
+        long,
+    );
+    assert_ok(&fabric, "ibv_rc_pingpong (etcd)", &r);
+    for (program, args) in [
+        ("ib_write_bw", &["-x", "0", "-s", "65536", "-n", "300"][..]),
+        ("ib_read_bw", &["-x", "0", "-s", "65536", "-n", "200"][..]),
+        ("ib_atomic_bw", &["-x", "0", "-n", "300"][..]),
+    ] {
+        let r = pair(&shim, h1, h2, program, args, long);
+        assert_ok(&fabric, program, &r);
+    }
+    // Another network stays out of reach, through etcd's view too.
+    let (s, _) = pair(
+        &shim,
+        fabric.device(1, "alpha"),
+        fabric.device(3, "beta"),
+        "ibv_rc_pingpong",
+        &["-g", "0", "-n", "10"],
+        Duration::from_secs(20),
+    );
+    assert!(
+        text(&s).contains("Failed to modify QP to RTR"),
+        "{}",
+        text(&s)
+    );
+    // A QP of h1's gamma may connect to h2's gamma (its GID is in etcd);
+    // once h2 dies, its lease (2 s) expires, its GIDs leave h1's view and
+    // the same connection is refused at RTR: no such GID (ENOENT).
+    let i = (fabric.vdevs.iter())
+        .position(|(h, t, _)| *h == 1 && t == "gamma")
+        .expect("h1's gamma");
+    let (_, _, vdev) = fabric.vdevs.remove(i);
+    let tenant = Tenant::open(vdev);
+    let h2_gamma = vrdma_spec::gid::ipv4_mapped([10, 200, 2, 3]);
+    let connect = || {
+        let qp = tenant.qp(QpCapabilities {
+            max_send_wr: 4,
+            max_recv_wr: 4,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        });
+        bring_up(&qp, 0x42, h2_gamma, Connection::default())
+    };
+    assert!(connect().is_ok(), "h2's gamma is in the directory");
+    fabric.vdevs.retain(|(host, _, _)| *host != 2);
+    fabric.hostds[1] = None;
+    let gone = Instant::now();
+    let refused = loop {
+        match connect() {
+            Err(e) if e.errno() == libc::ENOENT => break gone.elapsed(),
+            _ if gone.elapsed() > Duration::from_secs(10) => {
+                panic!("h2's GIDs never left h1's view:\n{}", fabric.logs())
+            }
+            _ => std::thread::sleep(Duration::from_millis(200)),
+        }
+    };
+    assert!(
+        refused < Duration::from_secs(5),
+        "lease 2 s, refused after {refused:?}"
+    );
 }

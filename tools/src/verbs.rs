@@ -132,7 +132,10 @@ pub fn transitions(dest_qpn: u32, dgid: [u8; 16], how: Connection) -> [(QpAttr, 
     };
     let mut rtr = QpAttr {
         qp_state: QpState::Rtr.into(),
-        path_mtu: Mtu::Mtu4096.into(),
+        // What every port of a cluster takes (a 1500-byte network's; a
+        // port's active MTU follows its hostd's network): packets on the
+        // wire carry 1 KiB, a QP between devices of one host ignores it.
+        path_mtu: Mtu::Mtu1024.into(),
         dest_qp_num: dest_qpn.into(),
         max_dest_rd_atomic: how.rd_atomic,
         min_rnr_timer: how.min_rnr_timer,

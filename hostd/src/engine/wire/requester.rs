@@ -13,7 +13,7 @@ use vrdma_roce::{Aeth, AtomicEth, NakCode, Packet, Psn, Reth};
 use vrdma_spec::ring::send_flags;
 use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
 
-use super::state::{ack_timeout, later, packets, Issued, RemoteQp, ACK_EVERY, WINDOW_PACKETS};
+use super::state::{ack_timeout, later, packets, Issued, RemoteQp, ACK_EVERY};
 use super::{op, Emit, Wire};
 use crate::engine::keys::{self, SgeList};
 use crate::engine::rc::{Outcome, QpRef};
@@ -175,7 +175,7 @@ impl Engine {
                 i += 1;
                 continue;
             }
-            if remote.unacked_packets() >= WINDOW_PACKETS {
+            if remote.unacked_packets() >= remote.window {
                 return true;
             }
             let k = m.sent;
@@ -573,6 +573,7 @@ impl Engine {
             return;
         }
         remote.retry_left -= 1;
+        remote.window = ACK_EVERY;
         remote.rewind(from);
         remote.due = ack_timeout(remote.conn.timeout).map(|t| now + t);
         let peer = remote.conn.peer;

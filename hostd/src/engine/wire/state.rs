@@ -188,6 +188,11 @@ pub struct RemoteQp {
     pub rnr_until: Option<Instant>,
     /// A PSN whose acknowledgement is timed, and when it was sent.
     pub probe: Option<(Psn, Instant)>,
+    /// Packets it may have unacknowledged now: [`WINDOW_PACKETS`], cut to
+    /// [`ACK_EVERY`] by a timeout and doubled back by each acknowledged
+    /// step (a slow peer must not get the whole window again at every
+    /// timeout, which would keep it slow).
+    pub window: u32,
     // Responder.
     /// The PSN it expects next.
     pub epsn: Psn,
@@ -220,6 +225,7 @@ impl RemoteQp {
             due: None,
             rnr_until: None,
             probe: None,
+            window: WINDOW_PACKETS,
             epsn: Psn::new(conn.rq_psn),
             msn: 0,
             receiving: Receiving::Nothing,
@@ -294,6 +300,7 @@ impl RemoteQp {
     /// The responder moved on: retries count afresh and the timeout
     /// restarts.
     pub fn progress(&mut self, now: Instant) {
+        self.window = self.window.saturating_mul(2).min(WINDOW_PACKETS);
         self.retry_left = self.conn.retry_cnt;
         self.rnr_left = self.conn.rnr_retry;
         self.due = if self.inflight.is_empty() {

@@ -933,9 +933,10 @@ impl Directory for EtcdDirectory {
         if !running.is_empty() {
             return Ok(());
         }
-        // The view read at open is current as of now's revision: a
-        // resync first, so that nothing between open and start is lost.
-        let revision = self.shared.resync().ok();
+        // The watch thread starts with a resync (a range read), so that
+        // nothing between open and start is lost; the calling thread (under
+        // the main role, after the sandbox) opens no socket.
+        let revision = None;
         let (sender, receiver) = mpsc::channel();
         let shared = Arc::clone(&self.shared);
         running.push(
