@@ -16,8 +16,10 @@
 //! - 64 B WRITEs on 8 QPs, operations per second.
 //!
 //! Two hostds, two tenants' threads and the kernel's softirq work share
-//! this machine's CPUs, so every thread runs wherever the kernel puts it
-//! (no dedicated datapath core: there would be one per hostd).
+//! this machine's CPUs. With `--layout dedicated` (the default) both
+//! hostds run on the last CPU and the tenants on the others; with
+//! `--layout shared` everything runs where the kernel puts it. TCP runs
+//! on every CPU either way.
 
 use std::io::{self, ErrorKind, Read, Write};
 use std::net::{SocketAddrV4, TcpListener, TcpStream};
@@ -31,10 +33,10 @@ use vrdma_spec::verbs::SendOpcode;
 
 use crate::baselines::{pause, read_all, tune, write_all, WARMUP};
 use crate::host::{connect, poll_ok, Host, Tenant};
-use crate::latency;
 use crate::netns::{NetHost, Pair};
 use crate::report::{percentiles, us, Bound, Targets};
 use crate::throughput::{self, Shape, Until};
+use crate::{cores, latency};
 use crate::{BenchError, Result};
 
 /// The TCP port of the baselines, on h2's underlay address.
@@ -290,33 +292,36 @@ fn between<T: Send>(
 ) -> io::Result<T> {
     let addr = SocketAddrV4::new(h2.underlay, TCP_PORT);
     let (ready, listening) = mpsc::channel();
-    std::thread::scope(|scope| {
-        let srv = scope.spawn(move || -> io::Result<()> {
-            let listener = (|| {
-                h2.enter()?;
-                TcpListener::bind(addr)
-            })();
-            let ok = listener.is_ok();
-            let _ = ready.send(ok);
-            let (s, _) = listener?.accept()?;
-            server(s)
-        });
-        let cli = scope.spawn(move || -> io::Result<T> {
-            if !listening.recv().unwrap_or(false) {
-                return Err(io::Error::other("the TCP server could not listen"));
-            }
-            h1.enter()?;
-            client(TcpStream::connect(addr)?)
-        });
-        let got = cli
-            .join()
-            .map_err(|_| io::Error::other("the TCP client panicked"))?;
-        let served = srv
-            .join()
-            .map_err(|_| io::Error::other("the TCP server panicked"))?;
-        let got = got?;
-        served.map(|()| got)
-    })
+    // TCP at its best: on every CPU, whatever the layout.
+    cores::on_every_cpu(|| {
+        std::thread::scope(|scope| {
+            let srv = scope.spawn(move || -> io::Result<()> {
+                let listener = (|| {
+                    h2.enter()?;
+                    TcpListener::bind(addr)
+                })();
+                let ok = listener.is_ok();
+                let _ = ready.send(ok);
+                let (s, _) = listener?.accept()?;
+                server(s)
+            });
+            let cli = scope.spawn(move || -> io::Result<T> {
+                if !listening.recv().unwrap_or(false) {
+                    return Err(io::Error::other("the TCP server could not listen"));
+                }
+                h1.enter()?;
+                client(TcpStream::connect(addr)?)
+            });
+            let got = cli
+                .join()
+                .map_err(|_| io::Error::other("the TCP client panicked"))?;
+            let served = srv
+                .join()
+                .map_err(|_| io::Error::other("the TCP server panicked"))?;
+            let got = got?;
+            served.map(|()| got)
+        })
+    })?
 }
 
 /// p50 of the half round trip of a `size`-byte TCP ping-pong from h1 to

@@ -68,7 +68,8 @@ impl Host {
 
     /// hostd inside network namespace `netns`, in a cluster: its config
     /// file `[fabric] host = "<host>"` on the static cluster file
-    /// `cluster`, its datapath unpinned (two hostds share this machine).
+    /// `cluster`; the whole process on the datapath CPU if one is
+    /// dedicated (two hostds share it), else anywhere.
     pub fn start_in_cluster(netns: &Path, host: &str, cluster: &str) -> Result<Self> {
         let dir = Scratch::new(&format!("bench-{host}"))?;
         let hostd = find_binary("hostd", "vrdma-hostd")?;
@@ -86,7 +87,7 @@ impl Host {
             .arg(config)
             .args(extra)
             .netns(netns);
-        let hostd = cores::on_every_cpu(|| launch.start()).map_err(BenchError::Cores)??;
+        let hostd = cores::on_datapath_cpu(|| launch.start()).map_err(BenchError::Cores)??;
         Ok(Self {
             hostd,
             vdev: find_binary("vdev", "vrdma-vdev")?,

@@ -118,7 +118,7 @@ struct Args {
     flood_op: Vec<FloodOp>,
     /// Measures across hosts instead: two network namespaces joined by a
     /// veth pair, a hostd in each ([fabric]), against TCP between them
-    /// (needs root). `--iters` applies; the layout is always shared.
+    /// (needs root). `--iters` and `--layout` apply.
     #[arg(long)]
     cross_host: bool,
     /// Bytes each 64 KiB WRITE trial across hosts moves.
@@ -197,9 +197,13 @@ fn main() -> Result<(), Failed> {
     let command: Vec<String> = std::env::args().collect();
     println!("vrdma-bench: {}", command.join(" "));
     if args.cross_host {
-        // Two hostds on this machine: no core is dedicated to either.
-        cores::choose(cores::Layout::Shared).map_err(BenchError::Cores)?;
-        println!("vrdma-bench: across hosts; every thread where the kernel puts it");
+        cores::choose(args.layout).map_err(BenchError::Cores)?;
+        match cores::datapath_cpu() {
+            Some(cpu) => println!(
+                "vrdma-bench: across hosts; both hostds on CPU {cpu} (not told it is theirs), the tenants on the others"
+            ),
+            None => println!("vrdma-bench: across hosts; every thread where the kernel puts it"),
+        }
         let mut targets = Targets::default();
         let params = cross::Params {
             iters: args.iters,
