@@ -23,7 +23,7 @@ use crate::report::percentiles;
 use crate::{BenchError, Result};
 
 /// Round trips run before measuring (sockets, caches and CPUs warm).
-const WARMUP: usize = 2000;
+pub const WARMUP: usize = 2000;
 
 /// TCP's half round trip (p50) of `size`-byte messages.
 #[derive(Debug, Clone, Copy)]
@@ -58,7 +58,7 @@ impl Tcp {
 
 /// Reads exactly `buf.len()` bytes; with `spin`, from a non-blocking
 /// socket, retrying at once on EAGAIN.
-fn read_all(s: &mut TcpStream, buf: &mut [u8], spin: bool) -> io::Result<()> {
+pub fn read_all(s: &mut TcpStream, buf: &mut [u8], spin: bool) -> io::Result<()> {
     if !spin {
         return s.read_exact(buf);
     }
@@ -76,7 +76,7 @@ fn read_all(s: &mut TcpStream, buf: &mut [u8], spin: bool) -> io::Result<()> {
 }
 
 /// Writes all of `buf`; with `spin`, retrying at once on EAGAIN.
-fn write_all(s: &mut TcpStream, buf: &[u8], spin: bool) -> io::Result<()> {
+pub fn write_all(s: &mut TcpStream, buf: &[u8], spin: bool) -> io::Result<()> {
     if !spin {
         return s.write_all(buf);
     }
@@ -93,7 +93,7 @@ fn write_all(s: &mut TcpStream, buf: &[u8], spin: bool) -> io::Result<()> {
 }
 
 /// One side of a ping-pong: nodelay, and non-blocking when it spins.
-fn tune(s: &TcpStream, spin: bool) -> io::Result<()> {
+pub fn tune(s: &TcpStream, spin: bool) -> io::Result<()> {
     s.set_nodelay(true)?;
     s.set_nonblocking(spin)
 }

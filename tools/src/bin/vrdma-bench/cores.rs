@@ -104,6 +104,25 @@ pub fn on_every_cpu<T>(f: impl FnOnce() -> T) -> std::io::Result<T> {
     Ok(out)
 }
 
+/// Runs `f` with the calling thread (and what it starts: a daemon and all
+/// its threads) on the datapath's CPU if one is dedicated, else on every
+/// CPU. For hostds that share that core (one per host of the cross-host
+/// test): pinned from outside, each still yields its core on every idle
+/// turn as an unpinned hostd does, where `--datapath-cpus` would make
+/// each believe it has the core to itself.
+pub fn on_datapath_cpu<T>(f: impl FnOnce() -> T) -> std::io::Result<T> {
+    let Some(c) = cores() else {
+        return Ok(f());
+    };
+    match c.datapath {
+        Some(cpu) => cpus::pin_current_thread(&[cpu])?,
+        None => cpus::pin_current_thread(&c.all)?,
+    }
+    let out = f();
+    enter_tenant_cores()?;
+    Ok(out)
+}
+
 /// Spinning turns between two yields of a thread that waits, on cores
 /// it shares with the thread it waits for (more spinners than cores).
 pub const SHARED_YIELD_EVERY: u32 = 64;

@@ -4,7 +4,7 @@
 //! with a buffer on each side.
 
 use std::cell::Cell;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use vrdma_guest_driver::{
     CompletionQueue, MemoryRegion, QpCapabilities, QueuePair, WorkCompletion,
@@ -58,6 +58,36 @@ impl Host {
         }
         // hostd may run anywhere; it pins its own datapath threads.
         let hostd = cores::on_every_cpu(|| launch.start()).map_err(BenchError::Cores)??;
+        Ok(Self {
+            hostd,
+            vdev: find_binary("vdev", "vrdma-vdev")?,
+            dir,
+            vdevs: Cell::new(0),
+        })
+    }
+
+    /// hostd inside network namespace `netns`, in a cluster: its config
+    /// file `[fabric] host = "<host>"` on the static cluster file
+    /// `cluster`; the whole process on the datapath CPU if one is
+    /// dedicated (two hostds share it), else anywhere.
+    pub fn start_in_cluster(netns: &Path, host: &str, cluster: &str) -> Result<Self> {
+        let dir = Scratch::new(&format!("bench-{host}"))?;
+        let hostd = find_binary("hostd", "vrdma-hostd")?;
+        dir.write("cluster.toml", cluster)?;
+        let config = format!(
+            "[fabric]\nhost = \"{host}\"\ncluster = \"cluster.toml\"\ndirectory = \"static\"\n"
+        );
+        let config = dir.write("hostd.toml", &config)?;
+        let extra = EXTRA_HOSTD_ARGS
+            .get()
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        let launch = Launch::hostd(&hostd, dir.path())
+            .arg("--config")
+            .arg(config)
+            .args(extra)
+            .netns(netns);
+        let hostd = cores::on_datapath_cpu(|| launch.start()).map_err(BenchError::Cores)??;
         Ok(Self {
             hostd,
             vdev: find_binary("vdev", "vrdma-vdev")?,

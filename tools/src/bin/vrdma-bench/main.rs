@@ -11,8 +11,10 @@
 
 mod baselines;
 mod cores;
+mod cross;
 mod host;
 mod latency;
+mod netns;
 mod reg_mr;
 mod report;
 mod scale;
@@ -114,6 +116,17 @@ struct Args {
     /// What the flooding tenants send in the isolation and weights tests.
     #[arg(long, value_enum, value_delimiter = ',', default_values_t = [FloodOp::Write, FloodOp::Send])]
     flood_op: Vec<FloodOp>,
+    /// Measures across hosts instead: two network namespaces joined by a
+    /// veth pair, a hostd in each ([fabric]), against TCP between them
+    /// (needs root). `--iters` and `--layout` apply.
+    #[arg(long)]
+    cross_host: bool,
+    /// Bytes each 64 KiB WRITE trial across hosts moves.
+    #[arg(long, default_value_t = 2 << 30)]
+    cross_bytes: usize,
+    /// Seconds each TCP stream and message-rate trial across hosts runs.
+    #[arg(long, default_value_t = 2)]
+    cross_secs: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -150,6 +163,8 @@ enum BenchError {
     },
     #[error("Cannot place the bench's threads on their CPUs")]
     Cores(#[source] std::io::Error),
+    #[error("Cannot {what}: {detail}")]
+    Setup { what: String, detail: String },
     #[error("A benchmark thread panicked")]
     Panicked,
 }
@@ -179,6 +194,26 @@ impl From<BenchError> for Failed {
 fn main() -> Result<(), Failed> {
     let args = Args::parse();
     host::set_extra_hostd_args(args.hostd_arg.clone());
+    let command: Vec<String> = std::env::args().collect();
+    println!("vrdma-bench: {}", command.join(" "));
+    if args.cross_host {
+        cores::choose(args.layout).map_err(BenchError::Cores)?;
+        match cores::datapath_cpu() {
+            Some(cpu) => println!(
+                "vrdma-bench: across hosts; both hostds on CPU {cpu} (not told it is theirs), the tenants on the others"
+            ),
+            None => println!("vrdma-bench: across hosts; every thread where the kernel puts it"),
+        }
+        let mut targets = Targets::default();
+        let params = cross::Params {
+            iters: args.iters,
+            bytes: args.cross_bytes,
+            secs: Duration::from_secs(args.cross_secs),
+        };
+        cross::run(params, &mut targets)?;
+        print!("{}", targets.summary());
+        return Ok(());
+    }
     cores::choose(args.layout).map_err(BenchError::Cores)?;
     match cores::datapath_cpu() {
         Some(cpu) => {

@@ -1,0 +1,436 @@
+//! Across hosts (`--cross-host`): two hosts as network namespaces joined
+//! by a veth pair ([`crate::netns`]), one hostd in each in a cluster of
+//! the two (`[fabric]`, a static cluster file), tenant alpha's device on
+//! h1 and beta's on h2, so that every byte between them is a RoCEv2
+//! packet through both hostds' packet queues and the kernel's IPv4 stack
+//! and veth. Against TCP between the same two namespaces in the same run,
+//! at its best:
+//!
+//! - 64 B WRITE latency, the ping-pong of `ib_write_lat` (the same-host
+//!   latency test's), against a 64 B TCP ping-pong's half round trip
+//!   (`TCP_NODELAY`, busy-polling non-blocking sockets, and blocking ones:
+//!   the better; warm);
+//! - one QP's 64 KiB WRITE bandwidth against one TCP stream's (1 MiB
+//!   writes; the kernel's buffer autotuning and 8 MiB fixed buffers: the
+//!   better; warm);
+//! - 64 B WRITEs on 8 QPs, operations per second.
+//!
+//! Two hostds, two tenants' threads and the kernel's softirq work share
+//! this machine's CPUs. With `--layout dedicated` (the default) both
+//! hostds run on the last CPU and the tenants on the others; with
+//! `--layout shared` everything runs where the kernel puts it. TCP runs
+//! on every CPU either way.
+
+use std::io::{self, ErrorKind, Read, Write};
+use std::net::{SocketAddrV4, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use vrdma_guest_driver::{QueuePair, SendPayload, SendWr, Sge, WorkCompletion};
+use vrdma_spec::ring::send_flags::SIGNALED;
+use vrdma_spec::verbs::SendOpcode;
+
+use crate::baselines::{pause, read_all, tune, write_all, WARMUP};
+use crate::host::{connect, poll_ok, Host, Tenant};
+use crate::netns::{NetHost, Pair};
+use crate::report::{percentiles, us, Bound, Targets};
+use crate::throughput::{self, Shape, Until};
+use crate::{cores, latency};
+use crate::{BenchError, Result};
+
+/// The TCP port of the baselines, on h2's underlay address.
+const TCP_PORT: u16 = 7471;
+/// Bandwidth trials of each side; the best is reported.
+const TRIALS: usize = 3;
+/// QPs of the message-rate test.
+const RATE_QPS: usize = 8;
+/// Work requests in flight per QP of the message-rate test, and per post.
+const RATE_WINDOW: usize = 128;
+const RATE_BATCH: usize = 16;
+
+/// What `--cross-host` measures.
+#[derive(Debug, Clone, Copy)]
+pub struct Params {
+    /// Iterations of the latency ping-pongs.
+    pub iters: usize,
+    /// Bytes each 64 KiB WRITE trial moves.
+    pub bytes: usize,
+    /// How long each TCP stream and message-rate trial runs.
+    pub secs: Duration,
+}
+
+/// The two hosts, their hostds and tenants (fields drop in order: the
+/// tenants, the hostds, then the namespaces).
+struct Setup {
+    a: Tenant,
+    b: Tenant,
+    _hosts: [Host; 2],
+    pair: Pair,
+}
+
+impl Setup {
+    fn new() -> Result<Self> {
+        let pair = Pair::new()?;
+        let cluster = pair.cluster_file(["alpha", "beta"]);
+        let [h1, h2] = &pair.hosts;
+        let hosts = [
+            Host::start_in_cluster(&h1.netns_path(), &h1.name, &cluster)?,
+            Host::start_in_cluster(&h2.netns_path(), &h2.name, &cluster)?,
+        ];
+        let a = hosts[0].tenant("alpha")?;
+        let b = hosts[1].tenant("beta")?;
+        Ok(Setup {
+            a,
+            b,
+            _hosts: hosts,
+            pair,
+        })
+    }
+}
+
+/// Runs the three measurements and checks their targets.
+pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
+    let s = Setup::new()?;
+    let [h1, h2] = &s.pair.hosts;
+    println!(
+        "vrdma-bench: hosts {} ({}) and {} ({}) joined by a veth pair (MTU 9000), one hostd each ([fabric], static cluster file); tenant alpha on {} (GID {}), beta on {} (GID {})",
+        h1.name,
+        h1.underlay,
+        h2.name,
+        h2.underlay,
+        h1.name,
+        std::net::Ipv6Addr::from(s.a.gid),
+        h2.name,
+        std::net::Ipv6Addr::from(s.b.gid),
+    );
+    latency_vs_tcp(&s, params.iters, targets)?;
+    bandwidth_vs_tcp(&s, params, targets)?;
+    message_rate(&s, params.secs, targets)
+}
+
+fn baseline(what: &'static str) -> impl FnOnce(io::Error) -> BenchError {
+    move |source| BenchError::Baseline { what, source }
+}
+
+/// 64 B WRITE p50 against TCP's half round trip.
+fn latency_vs_tcp(s: &Setup, iters: usize, targets: &mut Targets) -> Result<()> {
+    let (p50, p99) = latency::ping_pong(latency::Kind::Write, &s.a, &s.b, 64, iters)?;
+    // hostd's pollers fall asleep: the TCP threads get the cores.
+    std::thread::sleep(Duration::from_millis(20));
+    let [h1, h2] = &s.pair.hosts;
+    let iters = iters.min(20_000);
+    let blocking = tcp_pingpong(h1, h2, 64, iters, false).map_err(baseline("TCP ping-pong"))?;
+    let busy = tcp_pingpong(h1, h2, 64, iters, true).map_err(baseline("TCP ping-pong"))?;
+    let best = blocking.min(busy);
+    let ratio = p50.as_secs_f64() / best.as_secs_f64();
+    println!(
+        "cross write_lat      64 B  p50 {} p99 {}  | tcp h1<->h2 blocking {} busy-poll {}  | vrdma/tcp-best {ratio:.2}",
+        us(p50),
+        us(p99),
+        us(blocking),
+        us(busy),
+    );
+    let what = "across hosts: 64 B WRITE p50 / TCP half round trip";
+    targets.check(what, ratio, "", Bound::AtMost(0.5));
+    Ok(())
+}
+
+/// One QP's 64 KiB WRITE bandwidth against one TCP stream's.
+fn bandwidth_vs_tcp(s: &Setup, params: Params, targets: &mut Targets) -> Result<()> {
+    let shape = Shape::bulk(SendOpcode::RdmaWrite, 65536);
+    let count = (params.bytes / shape.size)
+        .max(shape.window * 16)
+        .next_multiple_of(shape.batch);
+    throughput::stream(&s.a, &s.b, shape, Until::Count(count / 8))?;
+    let mut trials = Vec::new();
+    for _ in 0..TRIALS {
+        let done = throughput::stream(&s.a, &s.b, shape, Until::Count(count))?;
+        trials.push(done.ops_per_sec() * shape.size as f64 / 1e9);
+    }
+    let rdma = trials.iter().copied().fold(0.0, f64::max);
+    std::thread::sleep(Duration::from_millis(20));
+    let [h1, h2] = &s.pair.hosts;
+    let mut tcp = Vec::new();
+    for fixed in [false, true] {
+        for _ in 0..TRIALS {
+            let rate = tcp_stream(h1, h2, params.secs, fixed).map_err(baseline("TCP stream"))?;
+            tcp.push((fixed, rate / 1e9));
+        }
+    }
+    let best = |fixed: bool| {
+        tcp.iter()
+            .filter(|t| t.0 == fixed)
+            .map(|t| t.1)
+            .fold(0.0, f64::max)
+    };
+    let (auto, fixed) = (best(false), best(true));
+    let tcp_best = auto.max(fixed);
+    let ratio = rdma / tcp_best;
+    println!(
+        "cross write_bw    65536 B  {rdma:.2} GB/s (trials {})  | tcp h1->h2 one stream: autotuned {auto:.2} GB/s, 8 MiB buffers {fixed:.2} GB/s  | vrdma/tcp-best {ratio:.2}",
+        list(&trials),
+    );
+    let what = "across hosts: 64 KiB WRITE bandwidth / one TCP stream";
+    targets.check(what, ratio, "", Bound::AtLeast(1.0));
+    Ok(())
+}
+
+/// 64 B WRITEs on [`RATE_QPS`] QPs from alpha to beta, the best of
+/// [`TRIALS`] runs of `secs` (after a tenth as long of warm-up).
+fn message_rate(s: &Setup, secs: Duration, targets: &mut Targets) -> Result<()> {
+    let buf_a = s.a.buffer(RATE_QPS * 64)?;
+    let buf_b = s.b.buffer(RATE_QPS * 64)?;
+    let mut qps: Vec<(QueuePair, QueuePair)> = Vec::new();
+    for _ in 0..RATE_QPS {
+        let (qa, qb) = (s.a.qp(RATE_WINDOW as u32)?, s.b.qp(RATE_WINDOW as u32)?);
+        connect(&s.a, &qa, &s.b, &qb)?;
+        qps.push((qa, qb));
+    }
+    let sges: Vec<[Sge; 1]> = (0..RATE_QPS)
+        .map(|i| [buf_a.sge((i * 64) as u64, 64)])
+        .collect();
+    let lists: Vec<Vec<SendWr<'_>>> = sges
+        .iter()
+        .enumerate()
+        .map(|(i, sge)| {
+            let mut wr = SendWr::new(i as u64, SendOpcode::RdmaWrite, SendPayload::Sges(sge));
+            wr.remote_addr = buf_b.iova() + (i * 64) as u64;
+            wr.rkey = buf_b.rkey();
+            let mut list = vec![wr; RATE_BATCH];
+            if let Some(last) = list.last_mut() {
+                last.flags = SIGNALED;
+            }
+            list
+        })
+        .collect();
+    let mut trials = Vec::new();
+    for _ in 0..TRIALS {
+        trials.push(drive(&s.a, &qps, &lists, secs)? / 1e6);
+    }
+    let best = trials.iter().copied().fold(0.0, f64::max);
+    println!(
+        "cross msg_rate       64 B  {RATE_QPS} QPs, {RATE_WINDOW} in flight each in lists of {RATE_BATCH}: {best:.3} Mop/s (trials {})",
+        list(&trials)
+    );
+    let what = format!("across hosts: {RATE_QPS} QPs of 64 B WRITEs, Mop/s");
+    targets.check(what, best, " Mop/s", Bound::AtLeast(1.0));
+    Ok(())
+}
+
+/// Streams on every QP for `duration` after a tenth as long of warm-up,
+/// each completion reposting its list; operations per second. Returns
+/// once everything posted has completed.
+fn drive(
+    a: &Tenant,
+    qps: &[(QueuePair, QueuePair)],
+    lists: &[Vec<SendWr<'_>>],
+    duration: Duration,
+) -> Result<f64> {
+    let mut in_flight = vec![0usize; qps.len()];
+    for (((qa, _), list), flight) in qps.iter().zip(lists).zip(&mut in_flight) {
+        while *flight + RATE_BATCH <= RATE_WINDOW {
+            qa.post_send(list).map_err(BenchError::Post)?;
+            *flight += RATE_BATCH;
+        }
+    }
+    let mut wcs = [WorkCompletion::default(); 64];
+    let (mut done, mut spins) = (0usize, 0u32);
+    let start = Instant::now();
+    let warm = start + duration / 10;
+    let end = warm + duration;
+    let mut counted_from = None;
+    let mut rate = None;
+    while in_flight.iter().any(|&f| f > 0) {
+        let now = Instant::now();
+        if counted_from.is_none() && now >= warm {
+            counted_from = Some((now, done));
+        }
+        if rate.is_none() && now >= end {
+            if let Some((from, before)) = counted_from {
+                rate = Some((done - before) as f64 / now.duration_since(from).as_secs_f64());
+            }
+        }
+        let n = poll_ok(&a.cq, &mut wcs)?;
+        for wc in &wcs[..n] {
+            let i = wc.wr_id as usize;
+            let (Some((qa, _)), Some(list), Some(flight)) =
+                (qps.get(i), lists.get(i), in_flight.get_mut(i))
+            else {
+                return Err(BenchError::Panicked);
+            };
+            if rate.is_none() {
+                qa.post_send(list).map_err(BenchError::Post)?;
+            } else {
+                *flight -= RATE_BATCH;
+            }
+        }
+        done += n * RATE_BATCH;
+        if n == 0 {
+            spins = spins.wrapping_add(1);
+            pause(spins);
+        }
+    }
+    rate.ok_or(BenchError::Panicked)
+}
+
+fn list(v: &[f64]) -> String {
+    v.iter()
+        .map(|x| format!("{x:.2}"))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// A listener on h2's underlay address (on a thread that joined h2) and
+/// a client connected to it from h1, each then run by `server` and
+/// `client` on their threads; returns what the client returns.
+fn between<T: Send>(
+    h1: &NetHost,
+    h2: &NetHost,
+    server: impl FnOnce(TcpStream) -> io::Result<()> + Send,
+    client: impl FnOnce(TcpStream) -> io::Result<T> + Send,
+) -> io::Result<T> {
+    let addr = SocketAddrV4::new(h2.underlay, TCP_PORT);
+    let (ready, listening) = mpsc::channel();
+    // TCP at its best: on every CPU, whatever the layout.
+    cores::on_every_cpu(|| {
+        std::thread::scope(|scope| {
+            let srv = scope.spawn(move || -> io::Result<()> {
+                let listener = (|| {
+                    h2.enter()?;
+                    TcpListener::bind(addr)
+                })();
+                let ok = listener.is_ok();
+                let _ = ready.send(ok);
+                let (s, _) = listener?.accept()?;
+                server(s)
+            });
+            let cli = scope.spawn(move || -> io::Result<T> {
+                if !listening.recv().unwrap_or(false) {
+                    return Err(io::Error::other("the TCP server could not listen"));
+                }
+                h1.enter()?;
+                client(TcpStream::connect(addr)?)
+            });
+            let got = cli
+                .join()
+                .map_err(|_| io::Error::other("the TCP client panicked"))?;
+            let served = srv
+                .join()
+                .map_err(|_| io::Error::other("the TCP server panicked"))?;
+            let got = got?;
+            served.map(|()| got)
+        })
+    })?
+}
+
+/// p50 of the half round trip of a `size`-byte TCP ping-pong from h1 to
+/// h2, after [`WARMUP`] round trips; `spin`: non-blocking sockets spun on.
+fn tcp_pingpong(
+    h1: &NetHost,
+    h2: &NetHost,
+    size: usize,
+    iters: usize,
+    spin: bool,
+) -> io::Result<Duration> {
+    let total = WARMUP + iters;
+    between(
+        h1,
+        h2,
+        |mut s| {
+            tune(&s, spin)?;
+            let mut buf = vec![0u8; size];
+            for _ in 0..total {
+                read_all(&mut s, &mut buf, spin)?;
+                write_all(&mut s, &buf, spin)?;
+            }
+            Ok(())
+        },
+        |mut c| {
+            tune(&c, spin)?;
+            let mut buf = vec![1u8; size];
+            let mut samples = Vec::with_capacity(iters);
+            for i in 0..total {
+                let start = Instant::now();
+                write_all(&mut c, &buf, spin)?;
+                read_all(&mut c, &mut buf, spin)?;
+                if i >= WARMUP {
+                    samples.push(start.elapsed());
+                }
+            }
+            Ok(percentiles(&mut samples).0 / 2)
+        },
+    )
+}
+
+/// Sets a socket buffer (`SO_SNDBUFFORCE` / `SO_RCVBUFFORCE`: root may
+/// exceed the sysctl maxima) to `bytes`.
+fn force_buffer(s: &TcpStream, option: libc::c_int, bytes: libc::c_int) -> io::Result<()> {
+    // SAFETY: setsockopt reads a live c_int of the size given.
+    let r = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            option,
+            (&bytes as *const libc::c_int).cast(),
+            size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// One TCP stream from h1 to h2 for `secs` after a tenth as long of
+/// warm-up, 1 MiB writes: bytes per second the receiver got. `fixed`:
+/// 8 MiB socket buffers on both ends, else the kernel's autotuning.
+fn tcp_stream(h1: &NetHost, h2: &NetHost, secs: Duration, fixed: bool) -> io::Result<f64> {
+    const CHUNK: usize = 1 << 20;
+    const BUFFER: libc::c_int = 8 << 20;
+    let (tx, rx) = mpsc::channel();
+    between(
+        h1,
+        h2,
+        move |mut s| {
+            if fixed {
+                force_buffer(&s, libc::SO_RCVBUFFORCE, BUFFER)?;
+            }
+            let mut buf = vec![0u8; CHUNK];
+            let start = Instant::now();
+            let warm = start + secs / 10;
+            let (mut from, mut got) = (None, 0usize);
+            loop {
+                let n = match s.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => n,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e),
+                };
+                match from {
+                    Some(_) => got += n,
+                    None if Instant::now() >= warm => from = Some(Instant::now()),
+                    None => {}
+                }
+            }
+            let rate = from.map_or(0.0, |f| got as f64 / f.elapsed().as_secs_f64());
+            let _ = tx.send(rate);
+            Ok(())
+        },
+        move |mut c| {
+            c.set_nodelay(true)?;
+            if fixed {
+                force_buffer(&c, libc::SO_SNDBUFFORCE, BUFFER)?;
+            }
+            let buf = vec![0x5au8; CHUNK];
+            let end = Instant::now() + secs + secs / 10;
+            while Instant::now() < end {
+                c.write_all(&buf)?;
+            }
+            c.shutdown(std::net::Shutdown::Write)?;
+            Ok(())
+        },
+    )?;
+    rx.recv()
+        .map_err(|_| io::Error::other("the TCP receiver did not report"))
+}
