@@ -75,7 +75,7 @@ impl Host {
         let hostd = find_binary("hostd", "vrdma-hostd")?;
         dir.write("cluster.toml", cluster)?;
         let config = format!(
-            "[fabric]\nhost = \"{host}\"\ncluster = \"cluster.toml\"\ndirectory = \"static\"\n"
+            "[fabric]\nhost = \"{host}\"\ncluster = \"cluster.toml\"\ndirectory = \"static\"\nip_mtu = 9000\n"
         );
         let config = dir.write("hostd.toml", &config)?;
         let extra = EXTRA_HOSTD_ARGS
