@@ -345,6 +345,27 @@ impl IbverbsShim {
     }
 }
 
+/// Waits for `child` up to `timeout`, killing it if it takes longer;
+/// returns its output and whether it was killed.
+pub fn wait_output(
+    mut child: std::process::Child,
+    timeout: Duration,
+) -> (std::process::Output, bool) {
+    let deadline = std::time::Instant::now() + timeout;
+    let late = loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break false,
+            Ok(None) if std::time::Instant::now() >= deadline => {
+                let _ = child.kill();
+                break true;
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => panic!("wait: {e}"),
+        }
+    };
+    (child.wait_with_output().expect("collect output"), late)
+}
+
 /// Whether something listens on TCP `port` (read from /proc, so that a
 /// server's single accept is not used up by a probe).
 pub fn tcp_listening(port: u16) -> bool {

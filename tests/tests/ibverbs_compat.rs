@@ -12,12 +12,12 @@
 
 use std::io::Write;
 use std::path::Path;
-use std::process::{Child, Command, Output};
+use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use vrdma_tests::daemon::{tcp_listening, Hostd, IbverbsShim, TempDir, Vdev};
+use vrdma_tests::daemon::{tcp_listening, wait_output, Hostd, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::need;
 
 /// The tests share two cores with the daemons: one program pair at a time.
@@ -58,23 +58,6 @@ impl Fabric {
             self.beta.log()
         )
     }
-}
-
-/// Waits for `child` up to `timeout`; kills it if it takes longer.
-fn wait_output(mut child: Child, timeout: Duration) -> (Output, bool) {
-    let deadline = Instant::now() + timeout;
-    let timed_out = loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break false,
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                break true;
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => panic!("wait: {e}"),
-        }
-    };
-    (child.wait_with_output().expect("collect output"), timed_out)
 }
 
 struct Run {

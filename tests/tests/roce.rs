@@ -17,7 +17,7 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::verbs::QpCapabilities;
-use vrdma_tests::daemon::{tcp_listening, Hostd, IbverbsShim, TempDir, Vdev};
+use vrdma_tests::daemon::{tcp_listening, wait_output, Hostd, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::netns::Cluster;
 use vrdma_tests::tenant::Tenant;
 use vrdma_tools::relay::Faults;
@@ -315,6 +315,11 @@ fn packets_to(hostd: &Hostd, host: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Waits for `child` up to `timeout` (killed then) and returns its output.
+fn wait(child: Child, timeout: Duration) -> Output {
+    wait_output(child, timeout).0
+}
+
 fn tail(text: &str, lines: usize) -> String {
     let all: Vec<&str> = text.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
@@ -326,23 +331,6 @@ fn text(o: &Output) -> String {
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     )
-}
-
-/// Waits for `child` up to `timeout`, killing it if it takes longer.
-fn wait_output(mut child: Child, timeout: Duration) -> Output {
-    let deadline = Instant::now() + timeout;
-    loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break,
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                break;
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => panic!("wait: {e}"),
-        }
-    }
-    child.wait_with_output().expect("output")
 }
 
 /// `program args` as server on `server`, then as client on `client`
@@ -363,8 +351,8 @@ fn pair(
         std::thread::sleep(Duration::from_millis(20));
     }
     let c = spawn(shim, client, program, &p, args, Some("127.0.0.1"));
-    let c = wait_output(c, timeout);
-    let s = wait_output(s, Duration::from_secs(5));
+    let c = wait(c, timeout);
+    let s = wait(s, Duration::from_secs(5));
     (s, c)
 }
 
@@ -385,6 +373,25 @@ fn spawn(
         .unwrap_or_else(|e| panic!("spawn {program}: {e}"))
 }
 
+/// Runs each of `programs` (name, arguments) as a pair between alpha on
+/// h1 (server) and alpha on h2 (client); each must exit 0 on both sides.
+/// Returns the outputs of the first.
+fn run_between_h1_and_h2(
+    fabric: &Fabric,
+    shim: &IbverbsShim,
+    programs: &[(&str, &[&str])],
+    timeout: Duration,
+) -> (Output, Output) {
+    let (h1, h2) = (fabric.device(1, "alpha"), fabric.device(2, "alpha"));
+    let mut first = None;
+    for &(program, args) in programs {
+        let r = pair(shim, h1, h2, program, args, timeout);
+        assert_ok(fabric, program, &r);
+        first.get_or_insert(r);
+    }
+    first.expect("at least one program")
+}
+
 fn assert_ok(fabric: &Fabric, what: &str, (s, c): &(Output, Output)) {
     assert!(
         s.status.success() && c.status.success(),
@@ -403,34 +410,28 @@ fn unmodified_programs_run_between_tenants_on_different_hosts() {
     vrdma_tests::need::root("network namespaces");
     let shim = IbverbsShim::new();
     let fabric = Fabric::start();
-    let (h1, h2) = (fabric.device(1, "alpha"), fabric.device(2, "alpha"));
-    let long = Duration::from_secs(60);
     // rc_pingpong validates every message's bytes (-c).
-    let r = pair(
+    let r = run_between_h1_and_h2(
+        &fabric,
         &shim,
-        h1,
-        h2,
-        "ibv_rc_pingpong",
-        &["-g", "0", "-n", "500", "-s", "4096", "-c"],
-        long,
+        &[
+            (
+                "ibv_rc_pingpong",
+                &["-g", "0", "-n", "500", "-s", "4096", "-c"],
+            ),
+            ("ib_write_bw", &["-x", "0", "-s", "65536", "-n", "500"]),
+            ("ib_read_bw", &["-x", "0", "-s", "65536", "-n", "300"]),
+            ("ib_send_bw", &["-x", "0", "-s", "8192", "-n", "500"]),
+            ("ib_write_lat", &["-x", "0", "-s", "64", "-n", "500"]),
+            ("ib_atomic_bw", &["-x", "0", "-n", "500"]),
+        ],
+        Duration::from_secs(60),
     );
-    assert_ok(&fabric, "ibv_rc_pingpong", &r);
     assert!(
         text(&r.1).contains("500 iters"),
         "the client ran every exchange:\n{}",
         text(&r.1)
     );
-    let perftest: [(&str, &[&str]); 5] = [
-        ("ib_write_bw", &["-x", "0", "-s", "65536", "-n", "500"]),
-        ("ib_read_bw", &["-x", "0", "-s", "65536", "-n", "300"]),
-        ("ib_send_bw", &["-x", "0", "-s", "8192", "-n", "500"]),
-        ("ib_write_lat", &["-x", "0", "-s", "64", "-n", "500"]),
-        ("ib_atomic_bw", &["-x", "0", "-n", "500"]),
-    ];
-    for (program, args) in perftest {
-        let r = pair(&shim, h1, h2, program, args, long);
-        assert_ok(&fabric, program, &r);
-    }
     // The bytes crossed the bridge: hostd h1 counted packets both ways
     // with peer h2.
     let (code, peers, _) = fabric.hostd(1).ctl(&["peers", "--json"]);
@@ -551,9 +552,9 @@ fn a_dead_host_fails_its_peers_with_retry_exceeded_while_others_run_on() {
     let killed = Instant::now();
     fabric.hostds[1] = None;
     // perftest's QPs: timeout 14 (67 ms), retry_cnt 7: about 0.5 s.
-    let c12 = wait_output(c12, Duration::from_secs(10));
+    let c12 = wait(c12, Duration::from_secs(10));
     let took = killed.elapsed();
-    let _ = wait_output(s12, Duration::from_secs(2));
+    let _ = wait(s12, Duration::from_secs(2));
     let out = text(&c12);
     assert!(!c12.status.success(), "h1's sender failed:\n{out}");
     assert!(
@@ -566,8 +567,8 @@ fn a_dead_host_fails_its_peers_with_retry_exceeded_while_others_run_on() {
     );
     // The unrelated pair ran to its end.
     let r = (
-        wait_output(s13, Duration::from_secs(60)),
-        wait_output(c13, Duration::from_secs(60)),
+        wait(s13, Duration::from_secs(60)),
+        wait(c13, Duration::from_secs(60)),
     );
     assert_ok(&fabric, "h1 <-> h3 while h2 died", &r);
 }
@@ -589,27 +590,26 @@ fn a_hostile_network_loses_no_byte_and_hangs_nothing() {
         ..Faults::default()
     };
     let fabric = Fabric::on(Cluster::relayed(3, &faults), Directory::File);
-    let (h1, h2) = (fabric.device(1, "alpha"), fabric.device(2, "alpha"));
-    let long = Duration::from_secs(90);
-    // Every message's bytes checked by rc_pingpong (-c); READs and WRITEs
-    // by the transport's own counters below.
-    let r = pair(
+    // Every message's bytes checked by rc_pingpong (-c). Go-back-N sends a
+    // whole window again per loss: messages of a few packets keep the run
+    // short at these loss rates.
+    run_between_h1_and_h2(
+        &fabric,
         &shim,
-        h1,
-        h2,
-        "ibv_rc_pingpong",
-        &["-g", "0", "-n", "300", "-s", "4096", "-c"],
-        long,
+        &[
+            (
+                "ibv_rc_pingpong",
+                &["-g", "0", "-n", "300", "-s", "4096", "-c"],
+            ),
+            ("ib_write_bw", &["-x", "0", "-s", "8192", "-n", "300"]),
+            (
+                "ib_read_bw",
+                &["-x", "0", "-s", "8192", "-n", "300", "-o", "4"],
+            ),
+            ("ib_atomic_bw", &["-x", "0", "-n", "300"]),
+        ],
+        Duration::from_secs(90),
     );
-    assert_ok(&fabric, "ibv_rc_pingpong through the relay", &r);
-    for (program, args) in [
-        ("ib_write_bw", &["-x", "0", "-s", "65536", "-n", "200"][..]),
-        ("ib_read_bw", &["-x", "0", "-s", "65536", "-n", "200"][..]),
-        ("ib_atomic_bw", &["-x", "0", "-n", "300"][..]),
-    ] {
-        let r = pair(&shim, h1, h2, program, args, long);
-        assert_ok(&fabric, program, &r);
-    }
     let stats = fabric.cluster.relay_stats();
     let harmed = serde_json::to_value(&stats).expect("stats");
     for fault in ["dropped", "duplicated", "corrupted", "truncated"] {
@@ -653,25 +653,20 @@ fn with_the_directory_in_etcd_hosts_find_each_other_and_a_dead_host_disappears()
     vrdma_tests::need::root("network namespaces");
     let shim = IbverbsShim::new();
     let mut fabric = Fabric::on(Cluster::bridged(3), Directory::Etcd);
-    let (h1, h2) = (fabric.device(1, "alpha"), fabric.device(2, "alpha"));
-    let long = Duration::from_secs(60);
-    let r = pair(
+    run_between_h1_and_h2(
+        &fabric,
         &shim,
-        h1,
-        h2,
-        "ibv_rc_pingpong",
-        &["-g", "0", "-n", "300", "-s", "4096", "-c"],
-        long,
+        &[
+            (
+                "ibv_rc_pingpong",
+                &["-g", "0", "-n", "300", "-s", "4096", "-c"],
+            ),
+            ("ib_write_bw", &["-x", "0", "-s", "65536", "-n", "300"]),
+            ("ib_read_bw", &["-x", "0", "-s", "65536", "-n", "200"]),
+            ("ib_atomic_bw", &["-x", "0", "-n", "300"]),
+        ],
+        Duration::from_secs(60),
     );
-    assert_ok(&fabric, "ibv_rc_pingpong (etcd)", &r);
-    for (program, args) in [
-        ("ib_write_bw", &["-x", "0", "-s", "65536", "-n", "300"][..]),
-        ("ib_read_bw", &["-x", "0", "-s", "65536", "-n", "200"][..]),
-        ("ib_atomic_bw", &["-x", "0", "-n", "300"][..]),
-    ] {
-        let r = pair(&shim, h1, h2, program, args, long);
-        assert_ok(&fabric, program, &r);
-    }
     // Another network stays out of reach, through etcd's view too.
     let (s, _) = pair(
         &shim,

@@ -30,10 +30,10 @@
 
 use std::fmt::Write as _;
 use std::path::Path;
-use std::process::{Child, Command, Output};
+use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
-use vrdma_tests::daemon::{Hostd, IbverbsShim, TempDir, Vdev};
+use vrdma_tests::daemon::{wait_output, Hostd, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::need;
 use vrdma_tests::vm::rxe::{self, Netns, RxeGuest, GUEST_ADDR, HOST_ADDR, RXE_DEVICE};
 use vrdma_tests::vm::{self, VmError};
@@ -399,23 +399,6 @@ fn listening(pid: u32, port: u16) -> bool {
             local_port == Some(port) && fields.get(3) == Some(&"0A")
         })
     })
-}
-
-/// Waits for `child` up to `timeout`; kills it if it takes longer.
-fn wait_output(mut child: Child, timeout: Duration) -> (Output, bool) {
-    let deadline = Instant::now() + timeout;
-    let late = loop {
-        match child.try_wait() {
-            Ok(Some(_)) => break false,
-            Ok(None) if Instant::now() >= deadline => {
-                let _ = child.kill();
-                break true;
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => panic!("wait: {e}"),
-        }
-    };
-    (child.wait_with_output().expect("collect output"), late)
 }
 
 /// The value of `key` (e.g. `active_mtu`) in `ibv_devinfo -v` output.

@@ -82,6 +82,7 @@ impl Engine {
                     sent: 0,
                     got: 0,
                     ahead: 0,
+                    asked: None,
                     answered: false,
                     failed: Some(status),
                 });
@@ -119,6 +120,7 @@ impl Engine {
             sent: 0,
             got: 0,
             ahead: 0,
+            asked: None,
             answered: false,
             failed: None,
         });
@@ -198,6 +200,9 @@ impl Engine {
                 continue;
             }
             m.sent = if m.reads() { m.npkts } else { k + 1 };
+            if m.reads() {
+                m.asked = Some(m.got);
+            }
             // A READ request takes the PSNs of all its responses.
             let (psn, end) = if m.reads() {
                 (m.first.add(m.got), m.first.add(m.npkts))
@@ -268,16 +273,20 @@ impl Engine {
                 remote.probe = None;
             }
         }
-        let mut ask_again = None;
+        let mut asked = false;
         for m in remote.inflight.iter_mut() {
             if psn.diff(m.last()) < 0 {
                 break;
             }
             if m.reads() {
-                // Its response was lost (the responder is past it): asked
-                // again from the first packet missing.
-                if !m.answered && ask_again.is_none() {
-                    ask_again = Some(m.first.add(m.got));
+                // The responder is past it and part of its answer is
+                // missing: lost. It alone is asked again, from the first
+                // packet missing, once per gap (the packets behind it are
+                // answered as they come).
+                if !m.answered && m.failed.is_none() && m.asked != Some(m.got) {
+                    m.sent = 0;
+                    m.ahead = 0;
+                    asked = true;
                 }
             } else {
                 // The responder has every packet of it, even if some are
@@ -285,8 +294,7 @@ impl Engine {
                 m.answered = true;
             }
         }
-        if let Some(from) = ask_again {
-            remote.rewind(from);
+        if asked {
             w.mark_active(qref);
         }
         self.retire(w, qref, now);
@@ -323,6 +331,9 @@ impl Engine {
                     return;
                 };
                 if remote.inflight.iter().any(|m| m.holds(psn)) {
+                    // Go back to the gap with a small window: what was
+                    // lost is sent again first, not behind a full window.
+                    remote.window = ACK_EVERY;
                     remote.rewind(psn);
                     w.mark_active(qref);
                 }

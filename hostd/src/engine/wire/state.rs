@@ -82,6 +82,9 @@ pub struct Issued {
     pub got: u32,
     /// READ: response packets `got + 1 + i` received ahead of a gap (bit i).
     pub ahead: u64,
+    /// READ: `got` when it was last asked for (an implicit NAK asks again
+    /// only after progress since).
+    pub asked: Option<u32>,
     /// A READ or atomic has its whole response.
     pub answered: bool,
     /// The status it completes with, when the peer failed it.
@@ -251,12 +254,12 @@ impl RemoteQp {
         self.conn = conn;
     }
 
-    /// READs and atomics on the wire without their whole response.
+    /// READs and atomics on the wire and not completed — answered ones
+    /// waiting behind an older message count too: the responder must still
+    /// be able to replay the oldest one, and keeps [`ATOMIC_REPLAY`]
+    /// results (IBA's `max_rd_atomic` counts until completion).
     pub fn reads_out(&self) -> usize {
-        self.inflight
-            .iter()
-            .filter(|m| m.reads() && !m.answered)
-            .count()
+        self.inflight.iter().filter(|m| m.reads()).count()
     }
 
     /// Whether a new message of any kind may go on the wire now.
