@@ -121,9 +121,19 @@ impl Default for Connection {
 }
 
 /// The three transitions that connect a QP to `dest_qpn` at GID `dgid`
-/// on port 1 (a GRH from GID index 0, as RoCE wants; path MTU 4096, PSNs
-/// 0), each with its mask.
+/// on port 1 (a GRH from GID index 0, as RoCE wants; path MTU 1024, what
+/// every port of a cluster takes; PSNs 0), each with its mask.
 pub fn transitions(dest_qpn: u32, dgid: [u8; 16], how: Connection) -> [(QpAttr, u32); 3] {
+    transitions_at(dest_qpn, dgid, how, Mtu::Mtu1024)
+}
+
+/// [`transitions`] with path MTU `mtu` (at most the port's active MTU).
+pub fn transitions_at(
+    dest_qpn: u32,
+    dgid: [u8; 16],
+    how: Connection,
+    mtu: Mtu,
+) -> [(QpAttr, u32); 3] {
     let init = QpAttr {
         qp_state: QpState::Init.into(),
         port_num: 1,
@@ -132,10 +142,8 @@ pub fn transitions(dest_qpn: u32, dgid: [u8; 16], how: Connection) -> [(QpAttr, 
     };
     let mut rtr = QpAttr {
         qp_state: QpState::Rtr.into(),
-        // What every port of a cluster takes (a 1500-byte network's; a
-        // port's active MTU follows its hostd's network): packets on the
-        // wire carry 1 KiB, a QP between devices of one host ignores it.
-        path_mtu: Mtu::Mtu1024.into(),
+        // A QP between devices of one host ignores it.
+        path_mtu: mtu.into(),
         dest_qp_num: dest_qpn.into(),
         max_dest_rd_atomic: how.rd_atomic,
         min_rnr_timer: how.min_rnr_timer,
@@ -165,7 +173,18 @@ pub fn bring_up(
     dgid: [u8; 16],
     how: Connection,
 ) -> Result<(), Error> {
-    for (attr, attr_mask) in transitions(dest_qpn, dgid, how) {
+    bring_up_at(qp, dest_qpn, dgid, how, Mtu::Mtu1024)
+}
+
+/// [`bring_up`] with path MTU `mtu`.
+pub fn bring_up_at(
+    qp: &QueuePair,
+    dest_qpn: u32,
+    dgid: [u8; 16],
+    how: Connection,
+    mtu: Mtu,
+) -> Result<(), Error> {
+    for (attr, attr_mask) in transitions_at(dest_qpn, dgid, how, mtu) {
         qp.modify(&attr, attr_mask)?;
     }
     Ok(())

@@ -9,9 +9,10 @@ use std::path::{Path, PathBuf};
 use vrdma_guest_driver::{
     CompletionQueue, MemoryRegion, QpCapabilities, QueuePair, WorkCompletion,
 };
+use vrdma_spec::verbs::Mtu;
 use vrdma_spec::verbs::{access, WcStatus};
 use vrdma_tools::supervisor::{find_binary, Daemon, Launch, Scratch};
-use vrdma_tools::verbs::{bring_up, Connection, Opened};
+use vrdma_tools::verbs::{bring_up_at, Connection, Opened};
 
 use crate::{cores, verbs, BenchError, Result};
 
@@ -181,10 +182,13 @@ pub fn poll_ok(cq: &CompletionQueue, wcs: &mut [WorkCompletion]) -> Result<usize
     }
 }
 
-/// `a`'s `qa` and `b`'s `qb`, connected to each other.
+/// `a`'s `qa` and `b`'s `qb`, connected to each other, path MTU 4096 (the
+/// cross-host hosts' jumbo link fits it; between devices of one host it
+/// does not matter).
 pub fn connect(a: &Tenant, qa: &QueuePair, b: &Tenant, qb: &QueuePair) -> Result<()> {
-    bring_up(qa, qb.qp_num(), b.gid, Connection::default()).map_err(verbs("connect a QP"))?;
-    bring_up(qb, qa.qp_num(), a.gid, Connection::default()).map_err(verbs("connect a QP"))
+    let how = Connection::default();
+    bring_up_at(qa, qb.qp_num(), b.gid, how, Mtu::Mtu4096).map_err(verbs("connect a QP"))?;
+    bring_up_at(qb, qa.qp_num(), a.gid, how, Mtu::Mtu4096).map_err(verbs("connect a QP"))
 }
 
 /// A registered buffer from the driver's DMA memory: one contiguous piece,
