@@ -416,4 +416,55 @@ fn packets_from_strangers_are_dropped_and_counted() {
     assert_eq!(h.sb.bytes(0, 4), b"good", "nothing written");
     let peers = h.b.wire().map(|w| w.peers.snapshot()).unwrap_or_default();
     assert_eq!(peers[0].drops.get("unknown_source"), Some(&1), "{peers:?}");
+    // From a known GID (A's) to a QP number B does not have: dropped and
+    // counted under A's host.
+    let bth = super::bth(super::op::WRITE_ONLY, 0x999, vrdma_roce::Psn::new(0));
+    hd.bth = bth;
+    let meta = vrdma_roce::Ipv4Meta::outgoing(ip(10), ip(20), 0xc002);
+    pkt.len = vrdma_roce::build(&mut pkt.buf[..], &hd, b"evil", &meta).expect("build");
+    pkt.src = meta.src;
+    stranger.send(std::slice::from_ref(&pkt)).expect("send");
+    let _ = h.run_for(Duration::from_millis(5));
+    assert_eq!(h.sb.bytes(0, 4), b"good", "nothing written");
+    let peers = h.b.wire().map(|w| w.peers.snapshot()).unwrap_or_default();
+    let ha = peers.iter().find(|p| p.host == "ha").expect("host ha");
+    assert_eq!(ha.drops.get("unknown_qp"), Some(&1), "{ha:?}");
+}
+
+#[test]
+fn a_rate_limit_holds_what_a_tenant_puts_on_the_wire() {
+    let mut h = Hosts::new(4096);
+    // A may send 1 MB/s after a 64 KiB burst.
+    let mut t = tenant("t", PriorityClass::Normal);
+    t.rate.send.bytes_per_sec = Some(1_000_000);
+    t.rate.send.bytes_burst = Some(64 * 1024);
+    h.a.configure_tenants(&[t], h.now);
+    let (lkey_a, rkey_b) = (h.sa.lkey, h.sb.rkey);
+    h.sa.fill(0, &pattern(16 * 1024, 5));
+    for i in 0..20u64 {
+        let w = remote(
+            send(i, SendOpcode::RdmaWrite),
+            IOVA + 0x1000 + i * 0x4000,
+            rkey_b,
+        );
+        h.sa.post_sges(0, &w, &[sge(IOVA, 16 * 1024, lkey_a)]);
+    }
+    // 100 ms: the burst (4 WRITEs) and 100 KB of refill (6 more) at most.
+    let (a, _) = h.run_for(Duration::from_millis(100));
+    assert!(
+        (5..=11).contains(&a.len()),
+        "{} of 20 WRITEs of 16 KiB within 100 ms at 1 MB/s",
+        a.len()
+    );
+    let peers = h.a.wire().map(|w| w.peers.snapshot()).unwrap_or_default();
+    let sent: u64 = peers.iter().map(|p| p.tx_bytes).sum();
+    assert!(
+        sent < 64 * 1024 + 100_000 + 32 * 1024,
+        "{sent} bytes on the wire in 100 ms"
+    );
+    // Given time, every one goes, with the right bytes.
+    let (rest, _) = h.run_for(Duration::from_millis(400));
+    assert_eq!(a.len() + rest.len(), 20);
+    assert!((a.iter().chain(&rest)).all(|c| status(c) == WcStatus::Success));
+    assert!(h.sb.bytes(0x1000 + 19 * 0x4000, 16 * 1024) == pattern(16 * 1024, 5));
 }
