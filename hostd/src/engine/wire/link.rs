@@ -45,11 +45,13 @@ struct Port {
 struct Medium {
     ports: Vec<Port>,
     faults: Faults,
+    /// The fault generator's state.
     count: u64,
-    held: Option<(usize, Vec<u8>)>,
+    /// A packet held back, sent after the next one.
+    held: Option<Vec<u8>>,
     /// Packets carried, and packets the faults harmed.
-    pub carried: u64,
-    pub harmed: u64,
+    carried: u64,
+    harmed: u64,
 }
 
 /// The network: hand out one end per engine.
@@ -139,11 +141,11 @@ impl Medium {
         if self.held.is_none() && self.hits(f.swap_one_in) {
             // Kept for after the next packet.
             self.harmed += 1;
-            self.held = Some((0, datagram));
+            self.held = Some(datagram);
             return;
         }
         self.deliver(dst, datagram);
-        if let Some((_, held)) = self.held.take() {
+        if let Some(held) = self.held.take() {
             let to = Ipv4Addr::new(held[16], held[17], held[18], held[19]);
             self.deliver(to, held);
         }
