@@ -718,3 +718,132 @@ fn with_the_directory_in_etcd_hosts_find_each_other_and_a_dead_host_disappears()
         "lease 2 s, refused after {refused:?}"
     );
 }
+
+#[test]
+fn every_rc_operation_is_byte_exact_between_hosts() {
+    use vrdma_guest_driver::{SendPayload, SendWr};
+    use vrdma_spec::verbs::{SendOpcode, WcOpcode, WcStatus};
+    use vrdma_tests::tenant::{fill, one, qp_pair, rdma, read_mr, signaled, Pair};
+    let _one = serial();
+    vrdma_tests::need::root("network namespaces");
+    let mut fabric = Fabric::start();
+    // alpha's devices on h1 and h2, opened by this process.
+    let mut take = |host: usize| {
+        let i = (fabric.vdevs.iter())
+            .position(|(h, t, _)| *h == host && t == "alpha")
+            .expect("alpha's device");
+        Tenant::open(fabric.vdevs.remove(i).2)
+    };
+    let (a, b) = (take(1), take(2));
+    let (qa, qb) = qp_pair(&a, &b, Connection::default());
+    let hostd = fabric.hostds[0].take().expect("h1's hostd");
+    let s = Pair {
+        qa,
+        qb,
+        a,
+        b,
+        hostd,
+    };
+    let (src, dst) = s.mrs(256 << 10);
+    // WRITE of 100 KiB: 100 packets at the path MTU of 1 KiB.
+    let data = fill(&src, 100 << 10, 3);
+    let sge = [src.sge(0, data.len() as u32)];
+    assert_eq!(
+        s.rdma(SendOpcode::RdmaWrite, &sge, dst.iova(), dst.rkey()),
+        WcStatus::Success
+    );
+    assert!(read_mr(&dst, 0, data.len()) == data, "WRITE's bytes on h2");
+    // WRITE with immediate: the bytes and a receive completion.
+    s.recv(9, &[]);
+    let mut wr = rdma(
+        2,
+        SendOpcode::RdmaWriteWithImm,
+        &sge[..],
+        dst.iova() + 0x20000,
+        dst.rkey(),
+    );
+    wr.imm_data = [9, 8, 7, 6];
+    assert_eq!(s.post(wr).status, WcStatus::Success);
+    let wc = one(&s.b.cq);
+    assert_eq!(
+        (wc.wr_id, wc.opcode, wc.imm_data),
+        (9, Some(WcOpcode::RecvRdmaWithImm), Some([9, 8, 7, 6]))
+    );
+    assert!(read_mr(&dst, 0x20000, data.len()) == data);
+    // SEND of 5000 bytes with immediate into a receive.
+    s.recv(10, &[dst.sge(0x3_8000, 8192)]);
+    let gather = [src.sge(0, 5000)];
+    let mut send = signaled(SendWr::new(
+        3,
+        SendOpcode::SendWithImm,
+        SendPayload::Sges(&gather),
+    ));
+    send.imm_data = [1, 2, 3, 4];
+    assert_eq!(s.post(send).status, WcStatus::Success);
+    let wc = one(&s.b.cq);
+    assert_eq!(
+        (wc.wr_id, wc.byte_len, wc.imm_data),
+        (10, 5000, Some([1, 2, 3, 4]))
+    );
+    assert_eq!(wc.src_qp, s.qa.qp_num());
+    assert!(read_mr(&dst, 0x3_8000, 5000) == data[..5000]);
+    // READ of 60 KiB back from h2.
+    let theirs = pattern_on(&dst, 0x3_0000, 60 << 10);
+    let into = [src.sge(0x2_0000, 60 << 10)];
+    assert_eq!(
+        s.rdma(
+            SendOpcode::RdmaRead,
+            &into,
+            dst.iova() + 0x3_0000,
+            dst.rkey()
+        ),
+        WcStatus::Success
+    );
+    assert!(
+        read_mr(&src, 0x2_0000, 60 << 10) == theirs,
+        "READ's bytes on h1"
+    );
+    // Atomics on h2's memory.
+    dst.write(0x3_f000, &100u64.to_le_bytes()).expect("init");
+    let word = [src.sge(0x3_f000, 8)];
+    let mut fa = rdma(
+        4,
+        SendOpcode::AtomicFetchAndAdd,
+        &word,
+        dst.iova() + 0x3_f000,
+        dst.rkey(),
+    );
+    fa.compare_add = 5;
+    assert_eq!(s.post(fa).status, WcStatus::Success);
+    assert_eq!(read_mr(&src, 0x3_f000, 8), 100u64.to_le_bytes());
+    let mut cs = rdma(
+        5,
+        SendOpcode::AtomicCmpAndSwp,
+        &word,
+        dst.iova() + 0x3_f000,
+        dst.rkey(),
+    );
+    (cs.compare_add, cs.swap) = (105, 7);
+    assert_eq!(s.post(cs).status, WcStatus::Success);
+    assert_eq!(read_mr(&src, 0x3_f000, 8), 105u64.to_le_bytes());
+    assert_eq!(read_mr(&dst, 0x3_f000, 8), 7u64.to_le_bytes());
+    // A bad rkey is a remote access error; h2's memory is untouched.
+    let before = read_mr(&dst, 0, 64);
+    assert_eq!(
+        s.rdma(
+            SendOpcode::RdmaWrite,
+            &[src.sge(0x2_0000, 64)],
+            dst.iova(),
+            0xdead
+        ),
+        WcStatus::RemAccessErr
+    );
+    assert_eq!(read_mr(&dst, 0, 64), before);
+}
+
+/// Writes a pattern of `len` bytes at `offset` of `mr`; the bytes.
+fn pattern_on(mr: &vrdma_guest_driver::verbs::MemoryRegion, offset: usize, len: usize) -> Vec<u8> {
+    let data = vrdma_tests::tenant::pattern(len, 11);
+    mr.write(offset, &data).expect("fill");
+    data
+}
