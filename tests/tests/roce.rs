@@ -392,6 +392,31 @@ fn run_between_h1_and_h2(
     first.expect("at least one program")
 }
 
+/// alpha (blue, on h1) serving beta (red, on h3): the server connects
+/// first, towards beta's GID, and is refused at RTR (blue may not reach
+/// red); the client then loses its peer. Neither exits 0.
+fn assert_another_network_is_refused(fabric: &Fabric, shim: &IbverbsShim) {
+    let (s, c) = pair(
+        shim,
+        fabric.device(1, "alpha"),
+        fabric.device(3, "beta"),
+        "ibv_rc_pingpong",
+        &["-g", "0", "-n", "10"],
+        Duration::from_secs(20),
+    );
+    assert!(
+        !s.status.success() && !c.status.success(),
+        "beta and alpha connected:\n{}\n{}",
+        text(&s),
+        text(&c)
+    );
+    assert!(
+        text(&s).contains("Failed to modify QP to RTR"),
+        "refused at RTR:\n{}",
+        text(&s)
+    );
+}
+
 fn assert_ok(fabric: &Fabric, what: &str, (s, c): &(Output, Output)) {
     assert!(
         s.status.success() && c.status.success(),
@@ -455,29 +480,7 @@ fn a_tenant_cannot_connect_to_another_network_on_another_host() {
     vrdma_tests::need::root("network namespaces");
     let shim = IbverbsShim::new();
     let fabric = Fabric::start();
-    // beta (red, on h3) towards alpha (blue, on h1): refused at RTR on
-    // beta's side.
-    let (s, c) = pair(
-        &shim,
-        fabric.device(1, "alpha"),
-        fabric.device(3, "beta"),
-        "ibv_rc_pingpong",
-        &["-g", "0", "-n", "10"],
-        Duration::from_secs(20),
-    );
-    // The server (alpha) connects first, towards beta's GID: refused at
-    // RTR (alpha may not reach red); the client then loses its peer.
-    assert!(
-        !s.status.success() && !c.status.success(),
-        "beta and alpha connected:\n{}\n{}",
-        text(&s),
-        text(&c)
-    );
-    assert!(
-        text(&s).contains("Failed to modify QP to RTR"),
-        "refused at RTR:\n{}",
-        text(&s)
-    );
+    assert_another_network_is_refused(&fabric, &shim);
     // gamma (blue, on h2) may reach alpha on h1.
     let r = pair(
         &shim,
@@ -668,19 +671,7 @@ fn with_the_directory_in_etcd_hosts_find_each_other_and_a_dead_host_disappears()
         Duration::from_secs(60),
     );
     // Another network stays out of reach, through etcd's view too.
-    let (s, _) = pair(
-        &shim,
-        fabric.device(1, "alpha"),
-        fabric.device(3, "beta"),
-        "ibv_rc_pingpong",
-        &["-g", "0", "-n", "10"],
-        Duration::from_secs(20),
-    );
-    assert!(
-        text(&s).contains("Failed to modify QP to RTR"),
-        "{}",
-        text(&s)
-    );
+    assert_another_network_is_refused(&fabric, &shim);
     // A QP of h1's gamma may connect to h2's gamma (its GID is in etcd);
     // once h2 dies, its lease (2 s) expires, its GIDs leave h1's view and
     // the same connection is refused at RTR: no such GID (ENOENT).
