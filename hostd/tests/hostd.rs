@@ -513,9 +513,11 @@ fn a_posted_receive_ends_an_rnr_wait_at_once() {
 #[test]
 fn a_destroyed_qp_does_nothing_more() {
     let hostd = Hostd::start("destroy", &config(64));
-    // 60 writes of 4 MiB (240 MiB, tens of milliseconds of copying),
-    // destroyed as soon as the first completed.
-    const LEN: u32 = 4 << 20;
+    // 60 writes of 16 MiB (960 MiB, tens of milliseconds of copying even
+    // at memcpy's best: 4 MiB ones all completed once under CI load while
+    // this thread was off its core), destroyed as soon as the first
+    // completed.
+    const LEN: u32 = 16 << 20;
     let mem = DATA + 2 * u64::from(LEN);
     let (mut alpha, mut beta) = pair_with(&hostd.socket, mem, 1);
     let rkey_b = beta.rkey();
