@@ -158,8 +158,6 @@ pub struct Wire {
     active: Vec<QpRef>,
     /// QPs owing a coalesced acknowledgement.
     acks: Vec<QpRef>,
-    /// When some QP's RNR wait ends.
-    wakes: Vec<(Instant, QpRef)>,
     pub peers: Peers,
 }
 
@@ -182,7 +180,6 @@ impl Wire {
             rx: (0..RX_BATCH).map(|_| InPacket::default()).collect(),
             active: Vec::new(),
             acks: Vec::new(),
-            wakes: Vec::new(),
             peers: Peers::default(),
         }
     }
@@ -190,11 +187,6 @@ impl Wire {
     /// The fd the datapath sleeps on for packets.
     pub fn rx_fd(&self) -> std::os::fd::RawFd {
         self.io.rx_fd()
-    }
-
-    /// The directory.
-    pub fn directory(&self) -> &Arc<dyn Directory> {
-        &self.directory
     }
 
     /// Queues a packet with headers `h` and `len` payload bytes written by
@@ -277,11 +269,6 @@ impl Wire {
             remote.ack_due = true;
             self.acks.push(qref);
         }
-    }
-
-    fn wake_at(&mut self, qref: QpRef, at: Instant) {
-        self.wakes.push((at, qref));
-        self.mark_active(qref);
     }
 
     /// Packet `psn` of `remote`, whose answer ends before PSN `end`, was
@@ -449,18 +436,10 @@ impl Engine {
         let Some(mut w) = self.wire.take() else {
             return (None, false);
         };
-        let mut wakes = std::mem::take(&mut w.wakes);
-        wakes.retain(|&(at, qref)| {
-            if at <= now {
-                w.mark_active(qref);
-                false
-            } else {
-                true
-            }
-        });
-        w.wakes = wakes;
         let mut active = std::mem::take(&mut w.active);
-        let mut next_due: Option<Instant> = w.wakes.iter().map(|&(at, _)| at).min();
+        // A QP waiting out an RNR NAK stays active (its message is still in
+        // its window): its `rnr_until` is among the timers below.
+        let mut next_due: Option<Instant> = None;
         let mut left = false;
         let mut i = 0;
         while i < active.len() {

@@ -13,7 +13,7 @@ use vrdma_roce::{Aeth, AtomicEth, NakCode, Packet, Psn, Reth};
 use vrdma_spec::ring::send_flags;
 use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
 
-use super::state::{ack_timeout, later, packets, Issued, RemoteQp, ACK_EVERY};
+use super::state::{ack_timeout, answered_with_data, later, packets, Issued, RemoteQp, ACK_EVERY};
 use super::{op, Emit, Wire};
 use crate::engine::keys::{self, SgeList};
 use crate::engine::rc::{Outcome, QpRef};
@@ -34,11 +34,11 @@ impl Engine {
         if !qp.has_head || !remote.has_room(qp.head.opcode) {
             return Outcome::default();
         }
-        let reads = matches!(
-            qp.head.opcode,
-            SendOpcode::RdmaRead | SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd
-        );
-        let need = if reads { access::LOCAL_WRITE } else { 0 };
+        let need = if answered_with_data(qp.head.opcode) {
+            access::LOCAL_WRITE
+        } else {
+            0
+        };
         let unsupported = matches!(
             qp.head.opcode,
             SendOpcode::LocalInv | SendOpcode::BindMw | SendOpcode::SendWithInv
@@ -61,69 +61,38 @@ impl Engine {
         } else {
             None
         };
+        let Some(remote) = qp.remote.as_deref_mut() else {
+            return Outcome::default();
+        };
+        let length = qp.head.length;
         if let Some(status) = failure {
-            let (wr_id, opcode) = (qp.head.wr_id, qp.head.wc_opcode());
-            qp.has_head = false;
-            qp.sent = 0;
-            // Completions stay in order: it completes after those on the
-            // wire (as a failed entry of the window).
-            if qp.remote.as_ref().is_some_and(|r| !r.inflight.is_empty()) {
-                let Some(remote) = qp.remote.as_mut() else {
-                    return Outcome::default();
-                };
-                let Some(mut spare) = remote.pool.pop() else {
-                    return Outcome::default();
-                };
-                std::mem::swap(&mut spare, &mut qp.head);
-                remote.inflight.push_back(Issued {
-                    work: spare,
-                    first: remote.next_psn,
-                    npkts: 0,
-                    sent: 0,
-                    got: 0,
-                    ahead: 0,
-                    asked: None,
-                    answered: false,
-                    failed: Some(status),
-                });
+            // Completions stay in order: behind messages on the wire it
+            // completes as a failed entry of the window.
+            if remote.inflight.is_empty() {
+                let (wr_id, opcode) = (qp.head.wr_id, qp.head.wc_opcode());
+                qp.has_head = false;
+                qp.sent = 0;
+                self.complete_send(qref, wr_id, opcode, status, 0, true);
+                self.fail_qp(qref, false, "work completed in error");
+            } else if remote.take_on(&mut qp.head, 0, Some(status)) {
+                qp.has_head = false;
+                qp.sent = 0;
                 qp.issued += 1;
-                return Outcome {
-                    completed: true,
-                    ..Outcome::default()
-                };
+            } else {
+                return Outcome::default();
             }
-            self.complete_send(qref, wr_id, opcode, status, 0, true);
-            self.fail_qp(qref, false, "work completed in error");
             return Outcome {
                 completed: true,
                 ..Outcome::default()
             };
         }
-        let Some(remote) = qp.remote.as_mut() else {
-            return Outcome::default();
-        };
-        let Some(mut spare) = remote.pool.pop() else {
-            return Outcome::default();
-        };
-        std::mem::swap(&mut spare, &mut qp.head);
-        let length = spare.length;
-        let npkts = match spare.opcode {
+        let npkts = match qp.head.opcode {
             SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd => 1,
             _ => packets(length, remote.conn.path.mtu),
         };
-        let first = remote.next_psn;
-        remote.next_psn = first.add(npkts);
-        remote.inflight.push_back(Issued {
-            work: spare,
-            first,
-            npkts,
-            sent: 0,
-            got: 0,
-            ahead: 0,
-            asked: None,
-            answered: false,
-            failed: None,
-        });
+        if !remote.take_on(&mut qp.head, npkts, None) {
+            return Outcome::default();
+        }
         if remote.due.is_none() {
             remote.due = ack_timeout(remote.conn.timeout).map(|t| now + t);
         }
@@ -316,7 +285,7 @@ impl Engine {
         }
         remote.rnr_until = Some(now + rnr_timer(timer));
         remote.rewind(psn);
-        w.wake_at(qref, now + rnr_timer(timer));
+        w.mark_active(qref);
     }
 
     /// A NAK: a PSN sequence error (go back to `psn`) or a fatal one.

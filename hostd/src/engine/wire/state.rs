@@ -91,13 +91,20 @@ pub struct Issued {
     pub failed: Option<WcStatus>,
 }
 
+/// Whether the peer answers `opcode` with data (a READ or an atomic):
+/// such a message completes with its answer, not with an acknowledgement,
+/// and counts against `max_rd_atomic`.
+pub fn answered_with_data(opcode: SendOpcode) -> bool {
+    matches!(
+        opcode,
+        SendOpcode::RdmaRead | SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd
+    )
+}
+
 impl Issued {
     /// Whether the peer answers it with data (a READ or an atomic).
     pub fn reads(&self) -> bool {
-        matches!(
-            self.work.opcode,
-            SendOpcode::RdmaRead | SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd
-        )
+        answered_with_data(self.work.opcode)
     }
 
     /// Its last PSN.
@@ -272,11 +279,37 @@ impl RemoteQp {
         if self.inflight.len() >= WINDOW_MESSAGES || self.pool.is_empty() {
             return false;
         }
-        let reads = matches!(
-            opcode,
-            SendOpcode::RdmaRead | SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd
-        );
-        !reads || self.reads_out() < usize::from(self.conn.max_rd_atomic.max(1))
+        !answered_with_data(opcode)
+            || self.reads_out() < usize::from(self.conn.max_rd_atomic.max(1))
+    }
+
+    /// Puts the WQE in `head` into the window (a spare copy takes its place
+    /// in `head`), on the next `npkts` PSNs; `failed`: it completes with
+    /// that status, in order after those before it. False without a spare.
+    pub fn take_on(
+        &mut self,
+        head: &mut Box<SendWork>,
+        npkts: u32,
+        failed: Option<WcStatus>,
+    ) -> bool {
+        let Some(mut work) = self.pool.pop() else {
+            return false;
+        };
+        std::mem::swap(&mut work, head);
+        let first = self.next_psn;
+        self.next_psn = first.add(npkts);
+        self.inflight.push_back(Issued {
+            work,
+            first,
+            npkts,
+            sent: 0,
+            got: 0,
+            ahead: 0,
+            asked: None,
+            answered: false,
+            failed,
+        });
+        true
     }
 
     /// The PSN after the last one sent in this pass.
