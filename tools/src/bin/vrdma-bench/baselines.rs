@@ -98,26 +98,30 @@ pub fn tune(s: &TcpStream, spin: bool) -> io::Result<()> {
     s.set_nonblocking(spin)
 }
 
-/// p50 of the half round trip of a loopback TCP ping-pong.
-fn tcp_pingpong(size: usize, iters: usize, spin: bool) -> io::Result<Duration> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let total = WARMUP + iters;
-    let server = std::thread::spawn(move || -> io::Result<()> {
-        let (mut s, _) = listener.accept()?;
-        tune(&s, spin)?;
-        let mut buf = vec![0u8; size];
-        for _ in 0..total {
-            read_all(&mut s, &mut buf, spin)?;
-            write_all(&mut s, &buf, spin)?;
-        }
-        Ok(())
-    });
-    let mut c = TcpStream::connect(addr)?;
+/// The echoing side of a `size`-byte TCP ping-pong of [`WARMUP`] +
+/// `iters` round trips.
+pub fn pingpong_server(mut s: TcpStream, size: usize, iters: usize, spin: bool) -> io::Result<()> {
+    tune(&s, spin)?;
+    let mut buf = vec![0u8; size];
+    for _ in 0..WARMUP + iters {
+        read_all(&mut s, &mut buf, spin)?;
+        write_all(&mut s, &buf, spin)?;
+    }
+    Ok(())
+}
+
+/// The timing side of that ping-pong: p50 of the half round trip, after
+/// [`WARMUP`] round trips.
+pub fn pingpong_client(
+    mut c: TcpStream,
+    size: usize,
+    iters: usize,
+    spin: bool,
+) -> io::Result<Duration> {
     tune(&c, spin)?;
     let mut buf = vec![1u8; size];
     let mut samples = Vec::with_capacity(iters);
-    for i in 0..total {
+    for i in 0..WARMUP + iters {
         let start = Instant::now();
         write_all(&mut c, &buf, spin)?;
         read_all(&mut c, &mut buf, spin)?;
@@ -125,10 +129,22 @@ fn tcp_pingpong(size: usize, iters: usize, spin: bool) -> io::Result<Duration> {
             samples.push(start.elapsed());
         }
     }
+    Ok(percentiles(&mut samples).0 / 2)
+}
+
+/// p50 of the half round trip of a loopback TCP ping-pong.
+fn tcp_pingpong(size: usize, iters: usize, spin: bool) -> io::Result<Duration> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let server = std::thread::spawn(move || -> io::Result<()> {
+        let (s, _) = listener.accept()?;
+        pingpong_server(s, size, iters, spin)
+    });
+    let p50 = pingpong_client(TcpStream::connect(addr)?, size, iters, spin)?;
     server
         .join()
         .map_err(|_| io::Error::other("the TCP server thread panicked"))??;
-    Ok(percentiles(&mut samples).0 / 2)
+    Ok(p50)
 }
 
 /// A cache line of its own.

@@ -31,10 +31,10 @@ use vrdma_guest_driver::{QueuePair, SendPayload, SendWr, Sge, WorkCompletion};
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::SendOpcode;
 
-use crate::baselines::{pause, read_all, tune, write_all, WARMUP};
+use crate::baselines::{pause, pingpong_client, pingpong_server};
 use crate::host::{connect, poll_ok, Host, Tenant};
 use crate::netns::{NetHost, Pair};
-use crate::report::{percentiles, us, Bound, Targets};
+use crate::report::{us, Bound, Targets};
 use crate::throughput::{self, Shape, Until};
 use crate::{cores, latency};
 use crate::{BenchError, Result};
@@ -325,7 +325,7 @@ fn between<T: Send>(
 }
 
 /// p50 of the half round trip of a `size`-byte TCP ping-pong from h1 to
-/// h2, after [`WARMUP`] round trips; `spin`: non-blocking sockets spun on.
+/// h2, after `WARMUP` round trips; `spin`: non-blocking sockets spun on.
 fn tcp_pingpong(
     h1: &NetHost,
     h2: &NetHost,
@@ -333,33 +333,11 @@ fn tcp_pingpong(
     iters: usize,
     spin: bool,
 ) -> io::Result<Duration> {
-    let total = WARMUP + iters;
     between(
         h1,
         h2,
-        |mut s| {
-            tune(&s, spin)?;
-            let mut buf = vec![0u8; size];
-            for _ in 0..total {
-                read_all(&mut s, &mut buf, spin)?;
-                write_all(&mut s, &buf, spin)?;
-            }
-            Ok(())
-        },
-        |mut c| {
-            tune(&c, spin)?;
-            let mut buf = vec![1u8; size];
-            let mut samples = Vec::with_capacity(iters);
-            for i in 0..total {
-                let start = Instant::now();
-                write_all(&mut c, &buf, spin)?;
-                read_all(&mut c, &mut buf, spin)?;
-                if i >= WARMUP {
-                    samples.push(start.elapsed());
-                }
-            }
-            Ok(percentiles(&mut samples).0 / 2)
-        },
+        |s| pingpong_server(s, size, iters, spin),
+        |c| pingpong_client(c, size, iters, spin),
     )
 }
 
