@@ -1,14 +1,17 @@
 //! The classic BPF socket filters of [`super::UdpIo`] (`SO_ATTACH_FILTER`).
 //!
-//! A raw IPv4 socket hands the whole IPv4 packet, and its filter's
-//! absolute offsets start at the IPv4 header: the receive filter keeps
-//! IPv4, UDP, unfragmented packets to the RoCEv2 port and drops the rest
-//! in the kernel, before they are queued. The send socket's filter drops
+//! The receive socket is a packet socket, which sees every IPv4 frame of
+//! every interface, its link-layer header first: the receive filter
+//! addresses the IPv4 header through the kernel's `SKF_NET_OFF` base
+//! (whatever the link header's length) and keeps frames to this host
+//! (`PACKET_HOST`) that are IPv4, UDP, unfragmented, to the RoCEv2 port;
+//! the rest is dropped in the kernel, before it is queued. The send socket's filter drops
 //! everything: that socket only exists to send and to keep the kernel from
 //! answering RoCEv2 packets with ICMP port-unreachable.
 
 use libc::sock_filter;
 
+const LD_W_ABS: u16 = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
 const LD_B_ABS: u16 = (libc::BPF_LD | libc::BPF_B | libc::BPF_ABS) as u16;
 const LD_H_ABS: u16 = (libc::BPF_LD | libc::BPF_H | libc::BPF_ABS) as u16;
 const LD_H_IND: u16 = (libc::BPF_LD | libc::BPF_H | libc::BPF_IND) as u16;
@@ -36,24 +39,32 @@ const fn jump(code: u16, k: u32, jt: u8, jf: u8) -> sock_filter {
     sock_filter { code, jt, jf, k }
 }
 
-/// The receive filter: IPv4, protocol UDP, neither a fragment nor more
-/// fragments to come, UDP destination port `port`.
-pub(super) fn roce(port: u16) -> [sock_filter; 12] {
-    // Jump offsets count from the next instruction; DROP is instruction 11.
+/// Where the kernel's loads address the network header.
+const NET: u32 = libc::SKF_NET_OFF as u32;
+/// The load of the frame's packet type (`skb->pkt_type`).
+const PKTTYPE: u32 = (libc::SKF_AD_OFF + libc::SKF_AD_PKTTYPE) as u32;
+
+/// The receive filter: a frame to this host, IPv4, protocol UDP, neither
+/// a fragment nor more fragments to come, UDP destination port `port`.
+pub(super) fn roce(port: u16) -> [sock_filter; 14] {
+    // Jump offsets count from the next instruction; DROP is instruction 13.
     [
-        // 0-2: version 4.
-        stmt(LD_B_ABS, 0),
+        // 0-1: to this host (not broadcast, multicast, another host's).
+        stmt(LD_W_ABS, PKTTYPE),
+        jump(JEQ_K, u32::from(libc::PACKET_HOST), 0, 11),
+        // 2-4: version 4.
+        stmt(LD_B_ABS, NET),
         stmt(AND_K, 0xf0),
         jump(JEQ_K, 0x40, 0, 8),
-        // 3-4: protocol 17.
-        stmt(LD_B_ABS, 9),
+        // 5-6: protocol 17.
+        stmt(LD_B_ABS, NET + 9),
         jump(JEQ_K, libc::IPPROTO_UDP as u32, 0, 6),
-        // 5-6: MF clear and fragment offset 0.
-        stmt(LD_H_ABS, 6),
+        // 7-8: MF clear and fragment offset 0.
+        stmt(LD_H_ABS, NET + 6),
         jump(JSET_K, 0x3fff, 4, 0),
-        // 7-9: X = the IPv4 header's length; the UDP destination port.
-        stmt(LDX_MSH, 0),
-        stmt(LD_H_IND, 2),
+        // 9-11: X = the IPv4 header's length; the UDP destination port.
+        stmt(LDX_MSH, NET),
+        stmt(LD_H_IND, NET + 2),
         jump(JEQ_K, port as u32, 0, 1),
         stmt(RET_K, ACCEPT),
         stmt(RET_K, DROP),
@@ -69,17 +80,20 @@ pub(super) fn drop_all() -> [sock_filter; 1] {
 mod tests {
     use super::*;
 
-    /// Runs the few instructions these filters use over `packet` as the
-    /// kernel does (a load past the end drops the packet).
-    fn run(program: &[sock_filter], packet: &[u8]) -> u32 {
+    /// Runs the few instructions these filters use over `packet` (an
+    /// IPv4 packet, the network header) of type `pkttype` as the kernel
+    /// does (a load past the end drops the packet).
+    fn run_as(program: &[sock_filter], packet: &[u8], pkttype: u8) -> u32 {
         let (mut a, mut x, mut pc) = (0u32, 0u32, 0usize);
-        let byte = |off: usize| packet.get(off).map(|&b| u32::from(b));
+        let net = |off: usize| off.checked_sub(NET as usize);
+        let byte = |off: usize| packet.get(net(off)?).map(|&b| u32::from(b));
         let half = |off: usize| Some(byte(off)? << 8 | byte(off + 1)?);
         loop {
             let i = program[pc];
             pc += 1;
             let k = i.k as usize;
             match i.code {
+                LD_W_ABS if i.k == PKTTYPE => a = u32::from(pkttype),
                 LD_B_ABS => match byte(k) {
                     Some(v) => a = v,
                     None => return DROP,
@@ -109,6 +123,10 @@ mod tests {
                 other => panic!("instruction {other:#x} not modelled"),
             }
         }
+    }
+
+    fn run(program: &[sock_filter], packet: &[u8]) -> u32 {
+        run_as(program, packet, libc::PACKET_HOST)
     }
 
     /// An IPv4 header of `ihl` words, then a UDP header to `dport`.
@@ -142,6 +160,10 @@ mod tests {
         // Too short to hold the port.
         assert_eq!(run(&f, &packet(5, 17, 0, 4791)[..22]), DROP);
         assert_eq!(run(&roce(5000), &packet(5, 17, 0, 5000)), ACCEPT);
+        // Frames to other hosts, broadcast, multicast.
+        for other in [libc::PACKET_OTHERHOST, libc::PACKET_BROADCAST, libc::PACKET_MULTICAST] {
+            assert_eq!(run_as(&f, &packet(5, 17, 0, 4791), other), DROP);
+        }
         assert_eq!(run(&drop_all(), &packet(5, 17, 0, 4791)), DROP);
     }
 }

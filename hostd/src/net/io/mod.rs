@@ -5,11 +5,14 @@
 //!
 //! [`UdpIo`] is the kernel's network stack: one UDP socket sends (the
 //! source address of each packet chosen per packet, so that every device
-//! sends from its own GID), one raw socket receives (because the ICRC
-//! covers the IPv4 ID and flags, which a UDP socket does not report).
+//! sends from its own GID; runs of packets as one UDP GSO message), one
+//! packet socket receives (because the ICRC covers the IPv4 ID and flags,
+//! which a UDP socket does not report, and a GSO message's segment size
+//! comes with it).
 
 mod bpf;
 mod gso;
+mod rx;
 mod udp;
 
 use std::io;
@@ -143,7 +146,13 @@ pub struct IoCounters {
     pub received_packets: u64,
     /// Their bytes (whole IPv4 packets).
     pub received_bytes: u64,
-    /// Packets longer than a receive buffer, dropped.
+    /// GSO messages (or a NIC's GRO aggregates) received whole and cut
+    /// into their datagrams here.
+    pub received_gso_messages: u64,
+    /// The datagrams cut from them (counted in `received_packets` too).
+    pub received_gso_packets: u64,
+    /// Frames dropped because they could not be kept or cut: longer than
+    /// a receive buffer, a GSO type other than UDP's, a bad segment size.
     pub receive_truncated: u64,
 }
 
@@ -161,7 +170,10 @@ pub trait PacketIo: Send {
     /// buffers of `bufs`; returns how many (0 when none waits).
     fn recv(&mut self, bufs: &mut [InPacket]) -> io::Result<usize>;
 
-    /// An fd readable when packets wait (for the datapath's epoll).
+    /// An fd readable when packets wait in the kernel (for the datapath's
+    /// epoll). Packets `recv` already took from the kernel but could not
+    /// hand out (more than the buffers given) do not make it readable:
+    /// call `recv` until it returns fewer than asked before waiting.
     fn rx_fd(&self) -> RawFd;
 
     /// The UDP source port to put in `Ipv4Meta` for packets it sends.

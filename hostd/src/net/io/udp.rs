@@ -9,12 +9,13 @@
 //!   the same destination from the same source with the same TOS and size
 //!   can go as one UDP GSO message each ([`UdpIo::set_gso`], off unless
 //!   asked for: see there).
-//! - Receiving: a raw socket (`AF_INET`, `SOCK_RAW`, `IPPROTO_UDP`) hands
-//!   whole IPv4 packets, the ID and flags the ICRC covers included; a
-//!   classic BPF filter keeps UDP packets to the RoCEv2 port only, and
-//!   `recvmmsg` takes a batch. The UDP socket has a filter that drops
-//!   everything: it exists so that the kernel does not answer RoCEv2
-//!   packets with ICMP port-unreachable, and nothing must queue on it.
+//! - Receiving: a packet socket ([`super::rx`]) hands whole IPv4
+//!   packets, the ID and flags the ICRC covers included, and cuts the GSO
+//!   messages that arrive whole. The UDP socket has a filter that drops
+//!   everything and takes GSO messages whole (`UDP_GRO`, so the kernel
+//!   does not cut them for it only to drop the pieces): it exists so that
+//!   the kernel does not answer RoCEv2 packets with ICMP port-unreachable,
+//!   and nothing must queue on it.
 //!
 //! Both sockets are opened before hostd's sandbox goes up (the datapath's
 //! seccomp role has no `socket`); the datapath only calls `sendmmsg` and
@@ -28,6 +29,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use libc::{c_int, c_void, sock_filter};
 
 use super::gso::{icrc_for_id, ICRC_LEN};
+use super::rx::PacketRx;
 use super::{bpf, InPacket, IoCounters, OutPacket, PacketIo, MAX_PACKET};
 
 /// Packets (and so messages) one `sendmmsg` takes at most; larger batches
@@ -45,6 +47,9 @@ const GSO_MAX_BYTES: usize = 65_507;
 /// The socket buffers asked for: a few milliseconds of a fast link.
 const SOCKET_BUFFER: c_int = 8 << 20;
 
+/// `UDP_GRO` (`linux/udp.h`; not in the libc crate).
+const UDP_GRO: c_int = 104;
+
 /// Room for one message's control messages: `IP_PKTINFO` (12 bytes),
 /// `IP_TOS` (an int) and `UDP_SEGMENT` (a u16), each a 16-byte header and
 /// data padded to 8.
@@ -55,11 +60,12 @@ const CMSG_ROOM: usize = (16 + 16) + (16 + 8) + (16 + 8);
 #[derive(Clone, Copy)]
 struct Cmsgs([u8; CMSG_ROOM]);
 
-/// RoCEv2 packets through a UDP socket (send) and a raw socket (receive).
+/// RoCEv2 packets through a UDP socket (send) and a packet socket
+/// (receive).
 #[derive(Debug)]
 pub struct UdpIo {
     udp: OwnedFd,
-    raw: OwnedFd,
+    rx: PacketRx,
     port: u16,
     gso: bool,
     counters: IoCounters,
@@ -67,13 +73,14 @@ pub struct UdpIo {
 
 impl UdpIo {
     /// Opens the sockets: UDP bound to `(bind, port)` (`bind` usually
-    /// 0.0.0.0, `port` 4791), raw receiving packets to `port` (on `bind`
-    /// only if it is not 0.0.0.0). Needs `CAP_NET_RAW` (the raw socket),
-    /// and must run before the sandbox. GSO is off.
+    /// 0.0.0.0, `port` 4791), a packet socket receiving packets to `port`
+    /// of this host. Needs `CAP_NET_RAW` (the packet socket), and must run
+    /// before the sandbox. GSO is on.
     pub fn open(bind: Ipv4Addr, port: u16) -> io::Result<UdpIo> {
-        let udp = socket(libc::SOCK_DGRAM)?;
+        let udp = socket(libc::AF_INET, libc::SOCK_DGRAM, libc::IPPROTO_UDP)?;
         // Before bind: nothing ever queues on the send socket.
         attach_filter(&udp, &bpf::drop_all())?;
+        setsockopt_int(&udp, libc::SOL_UDP, UDP_GRO, 1)?;
         setsockopt_int(
             &udp,
             libc::IPPROTO_IP,
@@ -82,36 +89,22 @@ impl UdpIo {
         )?;
         set_buffer(&udp, libc::SO_SNDBUFFORCE, libc::SO_SNDBUF)?;
         bind_to(&udp, bind, port)?;
-
-        let raw = socket(libc::SOCK_RAW)?;
-        attach_filter(&raw, &bpf::roce(port))?;
-        set_buffer(&raw, libc::SO_RCVBUFFORCE, libc::SO_RCVBUF)?;
-        if !bind.is_unspecified() {
-            bind_to(&raw, bind, 0)?;
-        }
-        let mut io = UdpIo {
+        Ok(UdpIo {
             udp,
-            raw,
+            rx: PacketRx::open(port)?,
             port,
-            gso: false,
+            gso: true,
             counters: IoCounters::default(),
-        };
-        io.drain_unfiltered()?;
-        Ok(io)
+        })
     }
 
-    /// Turns UDP GSO on or off (off after [`UdpIo::open`]). With GSO on, a
+    /// Turns UDP GSO on or off (on after [`UdpIo::open`]). With GSO on, a
     /// run of packets with the same source, destination, TOS and length
     /// (the last one may be shorter) goes as one message, which the kernel
-    /// or the NIC cuts into datagrams; each datagram after the first gets
-    /// the next IPv4 ID, so `UdpIo` sends its ICRC corrected for that ID
-    /// (build every packet for ID 0 regardless).
-    ///
-    /// Off unless the path to every peer cuts messages before the peer:
-    /// over `lo`, a veth or a tap the message reaches the receiver whole,
-    /// and its raw socket gets one IPv4 packet holding the whole run
-    /// (measured on `lo` and a veth pair: three 1000-byte segments arrive
-    /// as one 3028-byte packet), which no RoCEv2 receiver can split.
+    /// or the NIC cuts into datagrams, or which reaches the receiver whole
+    /// (over `lo`, a veth, a bridge) and is cut there; each datagram after
+    /// the first gets the next IPv4 ID, so `UdpIo` sends its ICRC
+    /// corrected for that ID (build every packet for ID 0 regardless).
     pub fn set_gso(&mut self, on: bool) {
         self.gso = on;
     }
@@ -124,32 +117,6 @@ impl UdpIo {
     /// The send socket's fd (for tests and diagnostics; never readable).
     pub fn tx_fd(&self) -> RawFd {
         self.udp.as_raw_fd()
-    }
-
-    /// Drops what the raw socket queued between its creation and its
-    /// filter's attachment (any UDP packet to this host).
-    fn drain_unfiltered(&mut self) -> io::Result<()> {
-        let mut scratch = [0u8; 64];
-        loop {
-            // SAFETY: the buffer is valid for its length; MSG_TRUNC only
-            // reports the length of what is dropped.
-            let r = unsafe {
-                libc::recv(
-                    self.raw.as_raw_fd(),
-                    scratch.as_mut_ptr().cast(),
-                    scratch.len(),
-                    libc::MSG_DONTWAIT | libc::MSG_TRUNC,
-                )
-            };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                return match e.kind() {
-                    io::ErrorKind::WouldBlock => Ok(()),
-                    io::ErrorKind::Interrupted => continue,
-                    _ => Err(e),
-                };
-            }
-        }
     }
 
     /// One `sendmmsg` of the first packets of `batch` (not empty): how
@@ -279,60 +246,6 @@ impl UdpIo {
         }
     }
 
-    /// One `recvmmsg` into `bufs` (not empty, at most [`BATCH`]): how many
-    /// messages the kernel gave (0: none waits), whatever their fate.
-    fn recv_some(&mut self, bufs: &mut [InPacket]) -> io::Result<(usize, usize)> {
-        let n = bufs.len().min(BATCH);
-        // SAFETY: all-zero is a valid value of these C structs.
-        let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut iovs: [libc::iovec; BATCH] = unsafe { std::mem::zeroed() };
-        for (i, b) in bufs[..n].iter_mut().enumerate() {
-            iovs[i] = libc::iovec {
-                iov_base: b.buf.as_mut_ptr().cast(),
-                iov_len: b.buf.len(),
-            };
-            msgs[i].msg_hdr.msg_iov = &mut iovs[i];
-            msgs[i].msg_hdr.msg_iovlen = 1;
-        }
-        loop {
-            // SAFETY: each header's one iovec points into its own
-            // buffer, of its length, which outlives the call; no name, no
-            // control messages, no timeout.
-            let r = unsafe {
-                libc::recvmmsg(
-                    self.raw.as_raw_fd(),
-                    msgs.as_mut_ptr(),
-                    n as u32,
-                    libc::MSG_DONTWAIT,
-                    std::ptr::null_mut(),
-                )
-            };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                match e.kind() {
-                    io::ErrorKind::WouldBlock => return Ok((0, 0)),
-                    io::ErrorKind::Interrupted => continue,
-                    _ => return Err(e),
-                }
-            }
-            let got = r as usize;
-            // Keep the whole packets at the front, in order.
-            let mut kept = 0;
-            for (i, msg) in msgs.iter().enumerate().take(got) {
-                if msg.msg_hdr.msg_flags & libc::MSG_TRUNC != 0 {
-                    self.counters.receive_truncated += 1;
-                    continue;
-                }
-                bufs[i].len = msg.msg_len as usize;
-                self.counters.received_packets += 1;
-                self.counters.received_bytes += u64::from(msg.msg_len);
-                bufs.swap(kept, i);
-                kept += 1;
-            }
-            return Ok((got, kept));
-        }
-    }
 }
 
 impl PacketIo for UdpIo {
@@ -348,20 +261,11 @@ impl PacketIo for UdpIo {
     }
 
     fn recv(&mut self, bufs: &mut [InPacket]) -> io::Result<usize> {
-        let mut kept = 0;
-        while kept < bufs.len() {
-            let want = (bufs.len() - kept).min(BATCH);
-            let (got, whole) = self.recv_some(&mut bufs[kept..])?;
-            kept += whole;
-            if got < want {
-                break;
-            }
-        }
-        Ok(kept)
+        self.rx.recv(bufs, &mut self.counters)
     }
 
     fn rx_fd(&self) -> RawFd {
-        self.raw.as_raw_fd()
+        self.rx.fd()
     }
 
     fn src_port(&self) -> u16 {
@@ -458,13 +362,14 @@ fn write_cmsgs(buf: &mut [u8; CMSG_ROOM], src: Ipv4Addr, tos: u8, segment: Optio
     at
 }
 
-fn socket(kind: c_int) -> io::Result<OwnedFd> {
+/// A non-blocking socket.
+pub(super) fn socket(domain: c_int, kind: c_int, protocol: c_int) -> io::Result<OwnedFd> {
     // SAFETY: plain system call, no pointers.
     let fd = unsafe {
         libc::socket(
-            libc::AF_INET,
+            domain,
             kind | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC,
-            libc::IPPROTO_UDP,
+            protocol,
         )
     };
     if fd < 0 {
@@ -490,7 +395,7 @@ fn setsockopt_bytes(
     Ok(())
 }
 
-fn setsockopt_int(fd: &OwnedFd, level: c_int, name: c_int, value: c_int) -> io::Result<()> {
+pub(super) fn setsockopt_int(fd: &OwnedFd, level: c_int, name: c_int, value: c_int) -> io::Result<()> {
     setsockopt_bytes(
         fd,
         level,
@@ -500,7 +405,7 @@ fn setsockopt_int(fd: &OwnedFd, level: c_int, name: c_int, value: c_int) -> io::
     )
 }
 
-fn attach_filter(fd: &OwnedFd, program: &[sock_filter]) -> io::Result<()> {
+pub(super) fn attach_filter(fd: &OwnedFd, program: &[sock_filter]) -> io::Result<()> {
     let prog = libc::sock_fprog {
         len: program.len() as u16,
         filter: program.as_ptr() as *mut sock_filter,
@@ -516,7 +421,7 @@ fn attach_filter(fd: &OwnedFd, program: &[sock_filter]) -> io::Result<()> {
 
 /// A big socket buffer: beyond `net.core.*mem_max` as root (`force`),
 /// else as big as the limit allows.
-fn set_buffer(fd: &OwnedFd, force: c_int, plain: c_int) -> io::Result<()> {
+pub(super) fn set_buffer(fd: &OwnedFd, force: c_int, plain: c_int) -> io::Result<()> {
     if setsockopt_int(fd, libc::SOL_SOCKET, force, SOCKET_BUFFER).is_ok() {
         return Ok(());
     }
