@@ -457,6 +457,7 @@ mod tests {
         let account = acc.snapshot()["alpha"].clone();
         Stats {
             peers: Vec::new(),
+            packet_io: None,
             tenants: (0..tenants)
                 .map(|i| {
                     let mut t = TenantStats::new(

@@ -983,11 +983,12 @@ impl Server {
                 .keys()
                 .map(|name| (name.clone(), engine.scheduler().throttled(name, now)))
                 .collect();
-            let peers = engine
-                .wire()
-                .map(|w| w.peers.snapshot())
-                .unwrap_or_default();
+            let peers = engine.wire().map(|w| (w.peers.snapshot(), w.io_counters()));
             (accounts, throttled, peers)
+        };
+        let (peers, packet_io) = match peers {
+            Some((peers, io)) => (peers, Some(io)),
+            None => (Vec::new(), None),
         };
         let names: BTreeSet<&str> = policy
             .tenants
@@ -1008,7 +1009,11 @@ impl Server {
                 ))
             })
             .collect();
-        Stats { tenants, peers }
+        Stats {
+            tenants,
+            peers,
+            packet_io,
+        }
     }
 }
 

@@ -378,6 +378,9 @@ pub struct Stats {
     /// fabric); the first entry counts what no known host sent.
     #[serde(default)]
     pub peers: Vec<crate::engine::wire::PeerStats>,
+    /// The packet queues' counters (none without a fabric).
+    #[serde(default)]
+    pub packet_io: Option<crate::net::io::IoCounters>,
 }
 
 /// One tenant's counters, usage and quotas.
@@ -569,6 +572,17 @@ pub fn render_prometheus(stats: &Stats) -> String {
         each(|t| &t.quota),
     );
     render_peers(&mut out, &stats.peers);
+    if let Some(io) = &stats.packet_io {
+        // `queues`: the packet queues' kind (the kernel's UDP stack).
+        for (name, v) in io.named() {
+            let _ = writeln!(
+                out,
+                "# HELP vrdma_packet_io_{name}_total The packet queues' {name} (docs/operations.md)."
+            );
+            let _ = writeln!(out, "# TYPE vrdma_packet_io_{name}_total counter");
+            let _ = writeln!(out, "vrdma_packet_io_{name}_total{{queues=\"udp\"}} {v}");
+        }
+    }
     out
 }
 
@@ -836,6 +850,10 @@ mod tests {
                 [Duration::from_millis(1500), Duration::ZERO],
             )],
             peers: Vec::new(),
+            packet_io: Some(crate::net::io::IoCounters {
+                received_gso_messages: 7,
+                ..Default::default()
+            }),
         };
         let text = render_prometheus(&stats);
         for line in [
@@ -855,6 +873,9 @@ mod tests {
             "# TYPE vrdma_tenant_quota gauge",
             r#"vrdma_tenant_quota{tenant="al\"pha",resource="max_total_mr_bytes"} 1500"#,
             r#"vrdma_tenant_quota{tenant="al\"pha",resource="physical_queues"} 2"#,
+            "# TYPE vrdma_packet_io_received_gso_messages_total counter",
+            r#"vrdma_packet_io_received_gso_messages_total{queues="udp"} 7"#,
+            r#"vrdma_packet_io_sent_packets_total{queues="udp"} 0"#,
         ] {
             assert!(
                 text.lines().any(|l| l == line),

@@ -313,9 +313,17 @@ fn gso_runs(ns: Netns, whole: bool) {
         assert_eq!(ids, [0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 0, 1]);
         let c = io.counters();
         if whole {
-            assert_eq!((c.received_gso_messages, c.received_gso_packets), (3, 11), "{c:?}");
+            assert_eq!(
+                (c.received_gso_messages, c.received_gso_packets),
+                (3, 11),
+                "{c:?}"
+            );
         } else {
-            assert_eq!((c.received_gso_messages, c.received_gso_packets), (0, 0), "{c:?}");
+            assert_eq!(
+                (c.received_gso_messages, c.received_gso_packets),
+                (0, 0),
+                "{c:?}"
+            );
         }
     });
 }

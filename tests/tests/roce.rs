@@ -472,6 +472,17 @@ fn unmodified_programs_run_between_tenants_on_different_hosts() {
         metrics.contains("vrdma_peer_tx_packets_total{host=\"h2\"}"),
         "{metrics}"
     );
+    // The 64 KiB WRITEs and READ responses went as UDP GSO messages, and
+    // crossed the bridge whole: the receivers cut them.
+    for h in [1, 2] {
+        let stats = fabric.hostd(h).ctl(&["stats", "--json"]).1;
+        let stats: serde_json::Value = serde_json::from_str(&stats).expect("stats JSON");
+        let io = &stats["packet_io"];
+        for counter in ["gso_messages", "received_gso_messages"] {
+            assert!(io[counter].as_u64().unwrap_or(0) > 100, "h{h}: {io}");
+        }
+        assert_eq!(io["receive_truncated"], 0, "h{h}: {io}");
+    }
 }
 
 #[test]

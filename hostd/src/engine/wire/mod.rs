@@ -189,6 +189,11 @@ impl Wire {
         self.io.rx_fd()
     }
 
+    /// What the packet queues have done.
+    pub fn io_counters(&self) -> crate::net::io::IoCounters {
+        self.io.counters()
+    }
+
     /// Queues a packet with headers `h` and `len` payload bytes written by
     /// `fill` (false: the local memory failed), for `path`.
     pub fn emit(

@@ -161,7 +161,11 @@ mod tests {
         assert_eq!(run(&f, &packet(5, 17, 0, 4791)[..22]), DROP);
         assert_eq!(run(&roce(5000), &packet(5, 17, 0, 5000)), ACCEPT);
         // Frames to other hosts, broadcast, multicast.
-        for other in [libc::PACKET_OTHERHOST, libc::PACKET_BROADCAST, libc::PACKET_MULTICAST] {
+        for other in [
+            libc::PACKET_OTHERHOST,
+            libc::PACKET_BROADCAST,
+            libc::PACKET_MULTICAST,
+        ] {
             assert_eq!(run_as(&f, &packet(5, 17, 0, 4791), other), DROP);
         }
         assert_eq!(run(&drop_all(), &packet(5, 17, 0, 4791)), DROP);

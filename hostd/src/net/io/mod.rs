@@ -19,6 +19,8 @@ use std::io;
 use std::net::Ipv4Addr;
 use std::os::fd::RawFd;
 
+use serde::{Deserialize, Serialize};
+
 pub use udp::UdpIo;
 
 /// The UDP port of RoCEv2.
@@ -113,9 +115,10 @@ fn zeroed_box<const N: usize>() -> Box<[u8; N]> {
     }
 }
 
-/// What a [`PacketIo`] has done, as plain counters (the lead's metrics
-/// read them). They only grow.
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+/// What a [`PacketIo`] has done, as plain counters (`vrdmactl stats
+/// --json` and the `vrdma_packet_io_*` metrics show them). They only grow.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct IoCounters {
     /// Packets handed to the kernel.
     pub sent_packets: u64,
@@ -154,6 +157,29 @@ pub struct IoCounters {
     /// Frames dropped because they could not be kept or cut: longer than
     /// a receive buffer, a GSO type other than UDP's, a bad segment size.
     pub receive_truncated: u64,
+}
+
+impl IoCounters {
+    /// Every counter by name (the metrics' names end in them).
+    pub fn named(&self) -> [(&'static str, u64); 15] {
+        [
+            ("sent_packets", self.sent_packets),
+            ("sent_bytes", self.sent_bytes),
+            ("send_would_block", self.send_would_block),
+            ("send_no_buffers", self.send_no_buffers),
+            ("send_unreachable", self.send_unreachable),
+            ("send_too_big", self.send_too_big),
+            ("send_other_errors", self.send_other_errors),
+            ("gso_messages", self.gso_messages),
+            ("gso_packets", self.gso_packets),
+            ("gso_fallbacks", self.gso_fallbacks),
+            ("received_packets", self.received_packets),
+            ("received_bytes", self.received_bytes),
+            ("received_gso_messages", self.received_gso_messages),
+            ("received_gso_packets", self.received_gso_packets),
+            ("receive_truncated", self.receive_truncated),
+        ]
+    }
 }
 
 /// The queues hostd sends and receives RoCEv2 packets through.

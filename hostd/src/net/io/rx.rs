@@ -62,6 +62,27 @@ struct Frame {
     l2: usize,
 }
 
+/// The `recvmmsg` call's arrays, set up once (they point into the arena
+/// and at each other, all on the heap, where nothing moves them): a call
+/// then writes nothing but what the kernel overwrites.
+struct Headers {
+    msgs: [libc::mmsghdr; SLOTS],
+    iovs: [libc::iovec; SLOTS],
+    names: [libc::sockaddr_ll; SLOTS],
+}
+
+// SAFETY: the raw pointers in `Headers` point into memory owned by the
+// same `PacketRx` (its arena and the boxed `Headers` itself), which moves
+// between threads as a whole; they are only used by `recvmmsg` calls made
+// through `&mut PacketRx`.
+unsafe impl Send for Headers {}
+
+impl std::fmt::Debug for Headers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Headers")
+    }
+}
+
 /// Frames received and not yet handed out, with a cursor over their
 /// datagrams.
 #[derive(Debug)]
@@ -69,6 +90,7 @@ pub(super) struct PacketRx {
     fd: OwnedFd,
     /// `SLOTS` slots of `SLOT` bytes.
     arena: Vec<u8>,
+    headers: Box<Headers>,
     frames: [Frame; SLOTS],
     /// Frames in `frames` from the last `recvmmsg`.
     filled: usize,
@@ -87,9 +109,25 @@ impl PacketRx {
         setsockopt_int(&fd, libc::SOL_PACKET, libc::PACKET_VNET_HDR, 1)?;
         setsockopt_int(&fd, libc::SOL_PACKET, libc::PACKET_IGNORE_OUTGOING, 1)?;
         set_buffer(&fd, libc::SO_RCVBUFFORCE, libc::SO_RCVBUF)?;
+        let mut arena = vec![0u8; SLOTS * SLOT];
+        // SAFETY: all-zero is a valid value of these C structs (null
+        // pointers, zero lengths).
+        let mut headers: Box<Headers> = Box::new(unsafe { std::mem::zeroed() });
+        let h = &mut *headers;
+        for (i, slot) in arena.chunks_exact_mut(SLOT).enumerate() {
+            h.iovs[i] = libc::iovec {
+                iov_base: slot.as_mut_ptr().cast(),
+                iov_len: SLOT,
+            };
+            let hdr = &mut h.msgs[i].msg_hdr;
+            hdr.msg_iov = &mut h.iovs[i];
+            hdr.msg_iovlen = 1;
+            hdr.msg_name = (&mut h.names[i] as *mut libc::sockaddr_ll).cast();
+        }
         let mut rx = PacketRx {
             fd,
-            arena: vec![0u8; SLOTS * SLOT],
+            arena,
+            headers,
             frames: [Frame::default(); SLOTS],
             filled: 0,
             next: 0,
@@ -153,34 +191,20 @@ impl PacketRx {
     /// One `recvmmsg` into the arena (which [`PacketRx::hand_out`] has
     /// emptied); how many frames came.
     fn receive(&mut self) -> io::Result<usize> {
-        // SAFETY: all-zero is a valid value of these C structs (null
-        // pointers, zero lengths).
-        let mut msgs: [libc::mmsghdr; SLOTS] = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut iovs: [libc::iovec; SLOTS] = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut names: [libc::sockaddr_ll; SLOTS] = unsafe { std::mem::zeroed() };
-        for (i, slot) in self.arena.chunks_exact_mut(SLOT).enumerate() {
-            iovs[i] = libc::iovec {
-                iov_base: slot.as_mut_ptr().cast(),
-                iov_len: SLOT,
-            };
-        }
-        let (iov_base, name_base) = (iovs.as_mut_ptr(), names.as_mut_ptr());
-        for (i, msg) in msgs.iter_mut().enumerate() {
-            msg.msg_hdr.msg_iov = iov_base.wrapping_add(i);
-            msg.msg_hdr.msg_iovlen = 1;
-            msg.msg_hdr.msg_name = name_base.wrapping_add(i).cast();
+        let h = &mut *self.headers;
+        for msg in &mut h.msgs {
+            // The kernel wrote the last call's lengths here.
             msg.msg_hdr.msg_namelen = size_of::<libc::sockaddr_ll>() as u32;
         }
         let got = loop {
             // SAFETY: each header's iovec points into its own slot of the
             // arena, of the slot's length, and its name to its own
-            // sockaddr_ll; all outlive the call. No timeout.
+            // sockaddr_ll (set up in `open`; the arena and the boxed
+            // headers never move); all outlive the call. No timeout.
             let r = unsafe {
                 libc::recvmmsg(
                     self.fd.as_raw_fd(),
-                    msgs.as_mut_ptr(),
+                    h.msgs.as_mut_ptr(),
                     SLOTS as u32,
                     libc::MSG_DONTWAIT,
                     std::ptr::null_mut(),
@@ -196,11 +220,15 @@ impl PacketRx {
                 _ => return Err(e),
             }
         };
-        for ((frame, msg), name) in self.frames.iter_mut().zip(&msgs).zip(&names).take(got) {
+        for ((frame, msg), name) in self.frames.iter_mut().zip(&h.msgs).zip(&h.names).take(got) {
             let truncated = msg.msg_hdr.msg_flags & libc::MSG_TRUNC != 0;
             *frame = Frame {
                 // A truncated frame is handed out as too long to keep.
-                len: if truncated { usize::MAX } else { msg.msg_len as usize },
+                len: if truncated {
+                    usize::MAX
+                } else {
+                    msg.msg_len as usize
+                },
                 l2: match name.sll_hatype {
                     libc::ARPHRD_ETHER | libc::ARPHRD_LOOPBACK => MAX_L2_HEADER,
                     _ => 0,
@@ -364,7 +392,14 @@ mod tests {
 
     /// A slot holding a virtio-net header, `l2` bytes of link header and
     /// an IPv4/UDP datagram with `payload`.
-    fn slot(gso_type: u8, gso_size: u16, l2: usize, id: u16, payload: &[u8], pad: usize) -> Vec<u8> {
+    fn slot(
+        gso_type: u8,
+        gso_size: u16,
+        l2: usize,
+        id: u16,
+        payload: &[u8],
+        pad: usize,
+    ) -> Vec<u8> {
         let mut s = vec![0u8; VNET_HDR_LEN];
         s[1] = gso_type;
         s[4..6].copy_from_slice(&gso_size.to_le_bytes());
@@ -397,13 +432,24 @@ mod tests {
         let mut got = Vec::new();
         for k in 0..3 {
             let r = datagram(&s, frame(&s, 14), k, &mut out);
-            assert_eq!(r, if k < 2 { Datagram::More } else { Datagram::Last });
+            assert_eq!(
+                r,
+                if k < 2 {
+                    Datagram::More
+                } else {
+                    Datagram::Last
+                }
+            );
             let (headers, udp) = out.packet().split_at(IP_UDP);
             // What the kernel writes for a datagram of its own (but the
             // UDP checksum, which the ICRC does not cover): the ID counts
             // on, the checksum is right for it.
             let own = slot(GSO_NONE, 0, 0, 0xfffe_u16.wrapping_add(k as u16), udp, 0);
-            assert_eq!(headers, &own[VNET_HDR_LEN..VNET_HDR_LEN + IP_UDP], "segment {k}");
+            assert_eq!(
+                headers,
+                &own[VNET_HDR_LEN..VNET_HDR_LEN + IP_UDP],
+                "segment {k}"
+            );
             got.extend_from_slice(udp);
         }
         assert_eq!(got, payload);
@@ -427,19 +473,37 @@ mod tests {
     fn frames_that_cannot_be_cut_or_kept_are_dropped() {
         let mut out = InPacket::new();
         let too_big = slot(GSO_NONE, 0, 14, 0, &vec![0; MAX_IN_PACKET], 0);
-        assert_eq!(datagram(&too_big, frame(&too_big, 14), 0, &mut out), Datagram::Dropped);
+        assert_eq!(
+            datagram(&too_big, frame(&too_big, 14), 0, &mut out),
+            Datagram::Dropped
+        );
         let tcp_gso = slot(1, 1000, 14, 0, &[0; 3000], 0);
-        assert_eq!(datagram(&tcp_gso, frame(&tcp_gso, 14), 0, &mut out), Datagram::Dropped);
+        assert_eq!(
+            datagram(&tcp_gso, frame(&tcp_gso, 14), 0, &mut out),
+            Datagram::Dropped
+        );
         let zero = slot(GSO_UDP_L4, 0, 14, 0, &[0; 3000], 0);
-        assert_eq!(datagram(&zero, frame(&zero, 14), 0, &mut out), Datagram::Dropped);
+        assert_eq!(
+            datagram(&zero, frame(&zero, 14), 0, &mut out),
+            Datagram::Dropped
+        );
         let big_segments = slot(GSO_UDP_L4, 5000, 14, 0, &[0; 9000], 0);
         assert_eq!(
             datagram(&big_segments, frame(&big_segments, 14), 0, &mut out),
             Datagram::Dropped
         );
-        let truncated = Frame { len: usize::MAX, l2: 14 };
-        assert_eq!(datagram(&too_big, truncated, 0, &mut out), Datagram::Dropped);
+        let truncated = Frame {
+            len: usize::MAX,
+            l2: 14,
+        };
+        assert_eq!(
+            datagram(&too_big, truncated, 0, &mut out),
+            Datagram::Dropped
+        );
         let short = [0u8; 5];
-        assert_eq!(datagram(&short, frame(&short, 14), 0, &mut out), Datagram::Dropped);
+        assert_eq!(
+            datagram(&short, frame(&short, 14), 0, &mut out),
+            Datagram::Dropped
+        );
     }
 }

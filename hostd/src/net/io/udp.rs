@@ -245,7 +245,6 @@ impl UdpIo {
             }
         }
     }
-
 }
 
 impl PacketIo for UdpIo {
@@ -395,7 +394,12 @@ fn setsockopt_bytes(
     Ok(())
 }
 
-pub(super) fn setsockopt_int(fd: &OwnedFd, level: c_int, name: c_int, value: c_int) -> io::Result<()> {
+pub(super) fn setsockopt_int(
+    fd: &OwnedFd,
+    level: c_int,
+    name: c_int,
+    value: c_int,
+) -> io::Result<()> {
     setsockopt_bytes(
         fd,
         level,
