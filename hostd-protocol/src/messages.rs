@@ -18,8 +18,9 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// rings itself (doorbell page, event rings, CQs and QPs by their rings).
 /// 4: devices are addressed by GID (RoCEv2): the Welcome carries the
 /// device's GID, a connection names its peer by GID and carries every
-/// attribute of the connection.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// attribute of the connection. 5: a device has contexts
+/// ([`Request::OpenContext`]).
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// A request from vdev to hostd.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,6 +32,18 @@ pub enum Request {
     /// notification channel (a seqpacket socket on which hostd sends
     /// [`Notification`]s).
     Hello {
+        version: u32,
+        tenant: String,
+        device: String,
+    },
+    /// Instead of `Hello`: opens a context of the device — the device's
+    /// first (as `Hello` does) if it is not connected, else another one of
+    /// it, which only the process that holds its other contexts may open
+    /// (checked by the socket's credentials). Every context is answered
+    /// with the device's one LID, GID and physical queues, and has its
+    /// own memory, rings and objects; when its connection closes only
+    /// they go, and the device with its last context.
+    OpenContext {
         version: u32,
         tenant: String,
         device: String,

@@ -47,6 +47,10 @@ use crate::stats::{Stats, TenantStats};
 /// Concurrent vdev connections (each costs a thread).
 const MAX_CONNECTIONS: usize = 1024;
 
+/// Contexts one device may have open at once (processes and opens of the
+/// device in its tenant; each is a datapath device of its own here).
+pub const MAX_CONTEXTS_PER_DEVICE: usize = 64;
+
 /// A refusal: the errno vdev gets and why.
 #[derive(Debug)]
 struct Refusal {
@@ -118,13 +122,21 @@ fn is_eventfd(file: &File) -> bool {
     (&*file).write(&0u64.to_ne_bytes()).is_ok_and(|n| n == 8)
 }
 
-/// A connected device as the registry knows it.
+/// A connected device as the registry knows it: one or more contexts
+/// (registrations of the same vdev process), which share its LID, GID
+/// and physical queues.
 #[derive(Debug)]
 struct Connected {
     tenant: String,
     device: String,
-    /// hostd's end of the device's notification channel (non-blocking).
-    notify: Arc<Channel>,
+    /// The vdev process (from the socket's credentials): only it may add
+    /// contexts.
+    pid: Option<i32>,
+    gid: Gid,
+    pqps: Vec<u32>,
+    /// Each context's datapath device and hostd's end of its notification
+    /// channel (non-blocking).
+    contexts: Vec<(DeviceId, Arc<Channel>)>,
 }
 
 /// Host-wide bookkeeping of devices, and the policy in force.
@@ -385,6 +397,20 @@ impl Server {
         self.datapath.lock().detach_device(s.id);
         self.datapath.wake();
         let mut reg = self.registry();
+        let Some(device) = reg.connected.get_mut(&s.lid) else {
+            return;
+        };
+        device.contexts.retain(|(id, _)| *id != s.id);
+        if !device.contexts.is_empty() {
+            tracing::info!(
+                tenant = %s.tenant,
+                device = %s.device,
+                lid = s.lid,
+                contexts = device.contexts.len(),
+                "Device context closed; the device's other contexts go on"
+            );
+            return;
+        }
         reg.connected.remove(&s.lid);
         reg.by_gid.remove(&s.gid);
         drop(reg);
@@ -429,14 +455,20 @@ impl Server {
         }
         if let Request::Hello {
             version,
-            tenant,
-            device,
+            ref tenant,
+            ref device,
+        }
+        | Request::OpenContext {
+            version,
+            ref tenant,
+            ref device,
         } = request
         {
             if session.is_some() {
                 return Err(refuse(libc::EPROTO, "Hello was already received"));
             }
-            let (new, welcome, peer) = self.hello(channel, version, &tenant, &device)?;
+            let shared = matches!(request, Request::OpenContext { .. });
+            let (new, welcome, peer) = self.hello(channel, version, tenant, device, shared)?;
             *session = Some(new);
             *notify_peer = Some(peer);
             return Ok(Response::Welcome(Box::new(welcome)));
@@ -446,7 +478,9 @@ impl Server {
         };
         let id = s.id;
         match request {
-            Request::Hello { .. } => Err(refuse(libc::EPROTO, "Hello was already received")),
+            Request::Hello { .. } | Request::OpenContext { .. } => {
+                Err(refuse(libc::EPROTO, "Hello was already received"))
+            }
             Request::AddMemory {
                 slot,
                 gpa,
@@ -631,13 +665,16 @@ impl Server {
 
     /// Checks a Hello, assigns the LID and GID, grants pQPs and starts serving
     /// the device's rings. Returns the session, the Welcome and the vdev's
-    /// end of the notification channel to send.
+    /// end of the notification channel to send. `shared` (an OpenContext):
+    /// if the device is connected, this is another context of it, which
+    /// gets its LID, GID and pQPs.
     fn hello(
         &self,
         channel: &Arc<Channel>,
         version: u32,
         tenant: &str,
         device: &str,
+        shared: bool,
     ) -> Result<(Session, Welcome, Channel), Refusal> {
         if version != PROTOCOL_VERSION {
             return Err(refuse(
@@ -659,7 +696,7 @@ impl Server {
         let (ours, theirs) =
             Channel::pair().map_err(|e| refuse(libc::ENOMEM, vrdma_errors::error_chain(&e)))?;
         set_nonblocking(&ours).map_err(|e| refuse(libc::ENOMEM, e.to_string()))?;
-        let (id, lid, gid, pqps, policy) = {
+        let (id, lid, gid, pqps, policy, first) = {
             let mut reg = self.registry();
             // Read under the registry lock: a reload either happened before
             // (this device gets the new policy) or notifies it afterwards.
@@ -686,80 +723,115 @@ impl Server {
                 .assign(tenant, device, |lid| reg.connected.contains_key(&lid))
                 .map_err(|e| refuse(libc::ENOSPC, e.to_string()))?;
             let lid = assignment.lid;
-            if reg.connected.contains_key(&lid) {
-                return Err(refuse(
-                    libc::EBUSY,
-                    format!("Device {device} of tenant {tenant} is already connected"),
-                ));
-            }
-            let gid = match &self.config.fabric {
-                Some(fabric) => (fabric.cluster.gids.iter())
-                    .filter(|e| e.host == fabric.host && e.tenant == tenant)
-                    .map(|e| vrdma_spec::gid::ipv4_mapped(e.gid.octets()))
-                    .find(|g| !reg.by_gid.contains_key(g))
-                    .ok_or_else(|| {
-                        refuse(
-                            libc::ENOSPC,
-                            format!(
-                                "No address of tenant {tenant} is left on host {} \
+            let pid = cred.as_ref().ok().map(|c| c.pid);
+            if let Some(open) = reg.connected.get(&lid) {
+                // Another context of a device its own vdev serves: the
+                // device's LID, GID and physical queues, a datapath device
+                // of its own (its memory, rings and objects).
+                if !shared {
+                    return Err(refuse(
+                        libc::EBUSY,
+                        format!("Device {device} of tenant {tenant} is already connected"),
+                    ));
+                }
+                if pid.is_none() || open.pid != pid {
+                    return Err(refuse(
+                        libc::EBUSY,
+                        format!(
+                            "Device {device} of tenant {tenant} is served by another \
+                             process; only it may open contexts of it"
+                        ),
+                    ));
+                }
+                if open.contexts.len() >= MAX_CONTEXTS_PER_DEVICE {
+                    return Err(refuse(
+                        libc::ENOSPC,
+                        format!(
+                            "Device {device} of tenant {tenant} has {MAX_CONTEXTS_PER_DEVICE} \
+                             contexts open, the most a device has"
+                        ),
+                    ));
+                }
+                let (gid, pqps) = (open.gid, open.pqps.clone());
+                let id = reg.next_device;
+                reg.next_device += 1;
+                if let Some(open) = reg.connected.get_mut(&lid) {
+                    open.contexts.push((id, Arc::new(ours)));
+                }
+                (id, lid, gid, pqps, policy, false)
+            } else {
+                let gid = match &self.config.fabric {
+                    Some(fabric) => (fabric.cluster.gids.iter())
+                        .filter(|e| e.host == fabric.host && e.tenant == tenant)
+                        .map(|e| vrdma_spec::gid::ipv4_mapped(e.gid.octets()))
+                        .find(|g| !reg.by_gid.contains_key(g))
+                        .ok_or_else(|| {
+                            refuse(
+                                libc::ENOSPC,
+                                format!(
+                                    "No address of tenant {tenant} is left on host {} \
                                      (the cluster file's pool)",
-                                fabric.host
-                            ),
-                        )
-                    })?,
-                None => gids::assign(tenant, device, lid),
-            };
-            if reg.by_gid.get(&gid).is_some_and(|other| *other != lid) {
-                return Err(refuse(
-                    libc::EBUSY,
-                    format!("GID {} is taken by another device", gids::show(&gid)),
-                ));
-            }
-            let devices = reg.devices_of(tenant);
-            if devices >= policy.max_devices as usize {
-                drop(reg);
-                self.datapath
-                    .lock()
-                    .accounts_mut()
-                    .quota_rejected(tenant, "max_devices");
-                return Err(refuse(
-                    libc::EDQUOT,
-                    format!(
-                        "Tenant {tenant} has {devices} devices connected, its quota \
+                                    fabric.host
+                                ),
+                            )
+                        })?,
+                    None => gids::assign(tenant, device, lid),
+                };
+                if reg.by_gid.get(&gid).is_some_and(|other| *other != lid) {
+                    return Err(refuse(
+                        libc::EBUSY,
+                        format!("GID {} is taken by another device", gids::show(&gid)),
+                    ));
+                }
+                let devices = reg.devices_of(tenant);
+                if devices >= policy.max_devices as usize {
+                    drop(reg);
+                    self.datapath
+                        .lock()
+                        .accounts_mut()
+                        .quota_rejected(tenant, "max_devices");
+                    return Err(refuse(
+                        libc::EDQUOT,
+                        format!(
+                            "Tenant {tenant} has {devices} devices connected, its quota \
                          max_devices is {}",
-                        policy.max_devices
-                    ),
-                ));
-            }
-            let wanted = policy.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
-            let reserved = reg.reserved_for_others(tenant, self.config.physical_qps);
-            if reg.free_pqps.len() < wanted + reserved {
-                return Err(refuse(
-                    libc::ENOSPC,
-                    format!(
-                        "{} physical QPs are free, {wanted} needed, {reserved} kept for \
+                            policy.max_devices
+                        ),
+                    ));
+                }
+                let wanted = policy.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
+                let reserved = reg.reserved_for_others(tenant, self.config.physical_qps);
+                if reg.free_pqps.len() < wanted + reserved {
+                    return Err(refuse(
+                        libc::ENOSPC,
+                        format!(
+                            "{} physical QPs are free, {wanted} needed, {reserved} kept for \
                          other tenants' devices",
-                        reg.free_pqps.len()
-                    ),
-                ));
+                            reg.free_pqps.len()
+                        ),
+                    ));
+                }
+                let pqps: Vec<u32> = reg.free_pqps.iter().take(wanted).copied().collect();
+                for pqp in &pqps {
+                    reg.free_pqps.remove(pqp);
+                }
+                reg.lids.commit(assignment);
+                reg.by_gid.insert(gid, lid);
+                let id = reg.next_device;
+                reg.next_device += 1;
+                reg.connected.insert(
+                    lid,
+                    Connected {
+                        tenant: tenant.to_owned(),
+                        device: device.to_owned(),
+                        pid,
+                        gid,
+                        pqps: pqps.clone(),
+                        contexts: vec![(id, Arc::new(ours))],
+                    },
+                );
+                (id, lid, gid, pqps, policy, true)
             }
-            let pqps: Vec<u32> = reg.free_pqps.iter().take(wanted).copied().collect();
-            for pqp in &pqps {
-                reg.free_pqps.remove(pqp);
-            }
-            reg.lids.commit(assignment);
-            reg.by_gid.insert(gid, lid);
-            reg.connected.insert(
-                lid,
-                Connected {
-                    tenant: tenant.to_owned(),
-                    device: device.to_owned(),
-                    notify: Arc::new(ours),
-                },
-            );
-            let id = reg.next_device;
-            reg.next_device += 1;
-            (id, lid, gid, pqps, policy)
         };
         let session = Session {
             id,
@@ -769,7 +841,7 @@ impl Server {
             device: device.to_owned(),
             pqps,
         };
-        match self.start_device(&session, policy) {
+        match self.start_device(&session, policy, first) {
             Ok(welcome) => {
                 tracing::info!(
                     tenant,
@@ -788,8 +860,17 @@ impl Server {
         }
     }
 
-    fn start_device(&self, s: &Session, policy: TenantPolicy) -> Result<Welcome, Refusal> {
-        self.publish(s, &policy)?;
+    /// Attaches context `s` to the datapath; `first`: the device's first
+    /// context, whose GID the directory learns.
+    fn start_device(
+        &self,
+        s: &Session,
+        policy: TenantPolicy,
+        first: bool,
+    ) -> Result<Welcome, Refusal> {
+        if first {
+            self.publish(s, &policy)?;
+        }
         self.datapath
             .lock()
             .attach_device(s.id, &s.tenant, s.gid, &s.pqps, &policy)?;
@@ -918,12 +999,16 @@ impl Server {
             let mut orphans = Vec::new();
             for c in reg.connected.values() {
                 match new.tenant(&c.tenant) {
-                    Some(t) if old.tenant(&c.tenant) != Some(t) => notify.push((
-                        c.tenant.clone(),
-                        c.device.clone(),
-                        Arc::clone(&c.notify),
-                        t.clone(),
-                    )),
+                    Some(t) if old.tenant(&c.tenant) != Some(t) => {
+                        notify.extend(c.contexts.iter().map(|(_, chan)| {
+                            (
+                                c.tenant.clone(),
+                                c.device.clone(),
+                                Arc::clone(chan),
+                                t.clone(),
+                            )
+                        }))
+                    }
                     Some(_) => {}
                     None if old.tenant(&c.tenant).is_some() => {
                         orphans.push((c.tenant.clone(), c.device.clone()));

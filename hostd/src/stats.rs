@@ -143,7 +143,11 @@ struct DeviceAccount {
     /// Completions of this device not yet folded into its tenant's
     /// counters.
     counters: Counters,
+    /// The device's physical queues, on the one context of it that
+    /// counts the device (0 on its other contexts).
     pqps: u64,
+    /// Whether this context counts the device in its tenant's usage.
+    counted: bool,
     /// Registered MRs: lkey → bytes.
     mrs: HashMap<u32, u64>,
     qps: HashSet<u32>,
@@ -214,9 +218,39 @@ impl Accounts {
             DeviceAccount {
                 tenant: tenant.to_owned(),
                 pqps,
+                counted: true,
                 ..DeviceAccount::default()
             },
         );
+    }
+
+    /// Another context of a device of `tenant` connected: its objects are
+    /// the tenant's, the device and its queues are counted once.
+    pub fn attach_context(&mut self, device: DeviceId, tenant: &str) {
+        self.tenant_mut(tenant);
+        self.devices.insert(
+            device,
+            DeviceAccount {
+                tenant: tenant.to_owned(),
+                ..DeviceAccount::default()
+            },
+        );
+    }
+
+    /// Context `from` of a device is going while `to` stays: `to` counts
+    /// the device from now on.
+    pub fn hand_over(&mut self, from: DeviceId, to: DeviceId) {
+        let Some(dev) = self.devices.get_mut(&from) else {
+            return;
+        };
+        let (pqps, counted) = (
+            std::mem::take(&mut dev.pqps),
+            std::mem::take(&mut dev.counted),
+        );
+        if let Some(other) = self.devices.get_mut(&to) {
+            other.pqps += pqps;
+            other.counted |= counted;
+        }
     }
 
     /// The device is gone with everything it held.
@@ -227,7 +261,9 @@ impl Accounts {
         let account = self.tenant_mut(&dev.tenant);
         account.counters.add(&dev.counters);
         let usage = &mut account.usage;
-        usage.devices = usage.devices.saturating_sub(1);
+        if dev.counted {
+            usage.devices = usage.devices.saturating_sub(1);
+        }
         usage.physical_queues = usage.physical_queues.saturating_sub(dev.pqps);
         usage.mrs = usage.mrs.saturating_sub(dev.mrs.len() as u64);
         usage.mr_bytes = usage.mr_bytes.saturating_sub(dev.mrs.values().sum());

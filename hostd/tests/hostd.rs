@@ -155,6 +155,94 @@ fn rdma_between_two_tenants() {
 }
 
 #[test]
+fn contexts_of_a_device_share_its_address_and_live_on_without_each_other() {
+    let hostd = Hostd::start("contexts", &config(64));
+    let mut one = Client::context(&hostd.socket, "alpha", "vm0").expect("first context");
+    let mut two = Client::context(&hostd.socket, "alpha", "vm0").expect("second context");
+    let address = |c: &Client| (c.lid, c.gid, c.physical_queues);
+    assert_eq!(address(&two), address(&one), "one device");
+    // While it has contexts, the device is not to be had exclusively.
+    let exclusive = Client::hello(&hostd.socket, "alpha", "vm0").map(|_| ());
+    assert_eq!(exclusive.map_err(|e| e.0), Err(libc::EBUSY));
+    one.setup();
+    two.setup();
+    // A QP in each, connected by the device's one GID and their numbers.
+    let qa = one.create_qp(5);
+    two.create_qp(6);
+    one.connect_qp(5, one.gid, 6).expect("connect 5 to 6");
+    two.connect_qp(6, two.gid, 5).expect("connect 6 to 5");
+    // A QP number is the device's, not the context's.
+    let taken = two.call(&Request::CreateQp(two.next_qp(5)));
+    assert_eq!(errno(taken), Err(libc::EEXIST));
+    one.driver().fill(0x40, b"context one to two");
+    let rkey = two.rkey();
+    one.write(qa, 1, 0x40, 18, IOVA + 0x8000, rkey);
+    assert_eq!(one.poll_one(), WcStatus::Success);
+    assert_eq!(two.driver().bytes(0x8000, 18), b"context one to two");
+    let usage = |h: &Hostd| {
+        let stats: serde_json::Value =
+            serde_json::from_str(&h.vrdmactl_ok(&["stats", "--json"])).expect("stats JSON");
+        let alpha = (stats["tenants"].as_array().expect("tenants").iter())
+            .find(|t| t["tenant"] == "alpha")
+            .cloned()
+            .expect("alpha");
+        alpha["usage"]["devices"].as_u64()
+    };
+    // A context's end takes only its own objects: the other's QPs, MRs
+    // and memory work on, the device stays.
+    drop(one);
+    std::thread::sleep(Duration::from_millis(50));
+    two.loopback_works(0x5555);
+    assert_eq!(usage(&hostd), Some(1));
+    let three = Client::context(&hostd.socket, "alpha", "vm0").expect("a third context");
+    assert_eq!(address(&three), address(&two));
+    let (lid, gid) = (two.lid, two.gid);
+    drop((two, three));
+    // With its last context the device went: it may be had exclusively
+    // again, under the same LID and GID.
+    let again = retry(|| Client::hello(&hostd.socket, "alpha", "vm0"));
+    assert_eq!((again.lid, again.gid), (lid, gid));
+}
+
+#[test]
+fn only_the_process_that_holds_a_devices_contexts_opens_more() {
+    let hostd = Hostd::start("contexts-pid", &config(64));
+    let _one = Client::context(&hostd.socket, "alpha", "vm0").expect("first context");
+    // The same test binary, as another process: its OpenContext for the
+    // device is refused; for a device nobody holds it is welcome.
+    let child = |device: &str| {
+        let out = std::process::Command::new(std::env::current_exe().expect("test binary"))
+            .args([
+                "--ignored",
+                "--exact",
+                "open_a_context_as_another_process",
+                "--nocapture",
+            ])
+            .env("VRDMA_TEST_SOCKET", &hostd.socket)
+            .env("VRDMA_TEST_DEVICE", device)
+            .output()
+            .expect("run the child");
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{text}");
+        text
+    };
+    assert!(child("vm0").contains("context: errno 16"), "EBUSY");
+    assert!(child("vm1").contains("context: welcome"));
+}
+
+/// The child of the test above (run by it; ignored on its own).
+#[test]
+#[ignore = "run as a child process by only_the_process_that_holds_a_devices_contexts_opens_more"]
+fn open_a_context_as_another_process() {
+    let socket = std::env::var_os("VRDMA_TEST_SOCKET").expect("VRDMA_TEST_SOCKET");
+    let device = std::env::var("VRDMA_TEST_DEVICE").expect("VRDMA_TEST_DEVICE");
+    match Client::context(std::path::Path::new(&socket), "alpha", &device) {
+        Ok(_) => println!("context: welcome"),
+        Err((errno, why)) => println!("context: errno {errno} ({why})"),
+    }
+}
+
+#[test]
 fn networks_keep_tenants_apart() {
     let hostd = Hostd::start("networks", &config(64));
     let mut alpha = Client::ready(&hostd.socket, "alpha", "vm0");

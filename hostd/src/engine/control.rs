@@ -27,7 +27,9 @@ const MIN_WQE_STRIDE: u32 = 64;
 
 impl Engine {
     /// A vdev connected: device `id` of `tenant` with `gid`, its virtual
-    /// QPs multiplexed onto physical QPs `pqps` (at least one).
+    /// QPs multiplexed onto physical QPs `pqps` (at least one). Another
+    /// context of a device attaches as a device of its own with the same
+    /// GID.
     pub fn attach_device(
         &mut self,
         id: DeviceId,
@@ -36,8 +38,8 @@ impl Engine {
         pqps: &[u32],
         policy: &TenantPolicy,
     ) -> Result<(), EngineError> {
-        if self.devices.contains_key(&id) || self.gids.contains_key(&gid) {
-            return Err(EngineError::Invalid("device or GID already attached"));
+        if self.devices.contains_key(&id) {
+            return Err(EngineError::Invalid("device already attached"));
         }
         if pqps.is_empty() {
             return Err(EngineError::Invalid("a device needs a physical QP"));
@@ -47,7 +49,9 @@ impl Engine {
         }
         self.sched.add_device(id, tenant);
         let rank = self.sched.rank(id).unwrap_or(u8::MAX);
-        self.gids.insert(gid, id);
+        let contexts = self.gids.entry(gid).or_default();
+        let first = contexts.is_empty();
+        contexts.push(id);
         self.devices.insert(Device {
             id,
             tenant: Arc::from(tenant),
@@ -68,7 +72,11 @@ impl Engine {
             rank,
             counters: Default::default(),
         });
-        self.accounts.attach(id, tenant, pqps.len());
+        if first {
+            self.accounts.attach(id, tenant, pqps.len());
+        } else {
+            self.accounts.attach_context(id, tenant);
+        }
         self.generation += 1;
         Ok(())
     }
@@ -79,7 +87,15 @@ impl Engine {
         self.reset_device(id);
         let di = self.devices.index(&id);
         if let Some(dev) = self.devices.remove(&id) {
-            self.gids.remove(&dev.gid);
+            if let Some(contexts) = self.gids.get_mut(&dev.gid) {
+                contexts.retain(|&d| d != id);
+                match contexts.first() {
+                    Some(&other) => self.accounts.hand_over(id, other),
+                    None => {
+                        self.gids.remove(&dev.gid);
+                    }
+                }
+            }
             self.accounts.add_device_counters(id, &dev.counters);
         }
         self.sched.remove_device(id);
@@ -293,6 +309,12 @@ impl Engine {
         if dev.qps.contains_key(&s.vqpn) {
             return Err(EngineError::QpExists(s.vqpn));
         }
+        // A (GID, QPN) names one QP: not one of another context of the
+        // device either.
+        if self.qp_at(&gid, s.vqpn).is_some() {
+            return Err(EngineError::QpExists(s.vqpn));
+        }
+        let dev = self.device_mut(id)?;
         let db = s.db_index as usize;
         if s.db_index >= MAX_QPS || dev.qp_by_db.get(db).is_some_and(Option::is_some) {
             return Err(EngineError::Invalid("doorbell index taken or out of range"));

@@ -249,8 +249,10 @@ pub struct Round {
 pub struct Engine {
     devices: Devices,
     /// Local devices by GID (hostd assigns GIDs; a vdev only looks them
-    /// up).
-    gids: IdMap<Gid, DeviceId>,
+    /// up): the contexts of one device share its GID, and a QP number is
+    /// unique among them (their vdev allocates it), so a (GID, QPN) names
+    /// one QP.
+    gids: IdMap<Gid, Vec<DeviceId>>,
     keys: keys::KeyTable,
     qps: Slab<Qp>,
     sched: Scheduler,
@@ -906,6 +908,11 @@ impl Engine {
         self.devices.get(&device)?.qps.get(&vqpn).copied()
     }
 
+    /// QP `vqpn` of the local device (any of its contexts) with `gid`.
+    fn qp_at(&self, gid: &Gid, vqpn: u32) -> Option<QpRef> {
+        (self.gids.get(gid)?.iter()).find_map(|&device| self.qp_of(device, vqpn))
+    }
+
     /// Allocation-free lookup of the responder of `qref`: its cached peer if
     /// that is still the same QP, else through the destination GID (a
     /// device of this host) and QP number.
@@ -917,8 +924,7 @@ impl Engine {
             }
         }
         let conn = qp.conn?;
-        let device = *self.gids.get(&conn.dgid)?;
-        let peer = self.qp_of(device, conn.dest_qpn)?;
+        let peer = self.qp_at(&conn.dgid, conn.dest_qpn)?;
         let serial = self.qps.get(peer)?.serial;
         if let Some(qp) = self.qps.get_mut(qref) {
             qp.peer = Some((peer, serial));

@@ -251,6 +251,17 @@ impl Client {
         Client::greet(chan, hello_request(tenant, device))
     }
 
+    /// Connects and opens a context of the device (`OpenContext`).
+    pub fn context(socket: &Path, tenant: &str, device: &str) -> Result<Client, Refused> {
+        let chan = Channel::connect(socket).expect("connect");
+        let open = Request::OpenContext {
+            version: PROTOCOL_VERSION,
+            tenant: tenant.into(),
+            device: device.into(),
+        };
+        Client::greet(chan, open)
+    }
+
     /// Connects, greets and sets the device up ([`Client::setup`]).
     pub fn ready(socket: &Path, tenant: &str, device: &str) -> Client {
         let mut c = Client::hello(socket, tenant, device).expect("hello");

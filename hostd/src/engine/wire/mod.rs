@@ -484,8 +484,7 @@ impl Engine {
 
     /// The QP `qpn` of the device of this host whose GID is `gid`.
     fn remote_qp_for(&self, gid: Ipv4Addr, qpn: u32) -> Option<QpRef> {
-        let device = self.gids.get(&vrdma_spec::gid::ipv4_mapped(gid.octets()))?;
-        self.devices.get(device)?.qps.get(&qpn).copied()
+        self.qp_at(&vrdma_spec::gid::ipv4_mapped(gid.octets()), qpn)
     }
 
     /// The transport's view of connection `c` of QP `qref`, if its peer is
