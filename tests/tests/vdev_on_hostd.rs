@@ -178,7 +178,7 @@ impl StandInHostd {
 }
 
 fn serve_vdev(channel: Channel, tx: mpsc::Sender<(Request, Vec<File>)>) {
-    let Ok((Request::Hello { .. }, _)) = channel.recv::<Request>() else {
+    let Ok((Request::OpenContext { .. }, _)) = channel.recv::<Request>() else {
         return;
     };
     // Kept open while the registration lasts.

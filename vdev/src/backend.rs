@@ -29,7 +29,7 @@ use vrdma_tenant_policy::Limits;
 use crate::control;
 use crate::fabric::Fabric;
 use crate::seccomp::Threads;
-use crate::verbs::{DeviceIdentity, RdmaDevice};
+use crate::verbs::{DeviceIdentity, DeviceShare, RdmaDevice};
 use crate::vrings::{self, DeviceVring, VringTable};
 
 /// Why handling a queue event failed.
@@ -81,13 +81,24 @@ impl VrdmaBackend {
     /// A backend serving a fresh device, attached to hostd's fabric if
     /// `fabric` is given.
     pub fn new(identity: DeviceIdentity, limits: Limits, fabric: Option<Arc<Fabric>>) -> Self {
+        Self::in_share(identity, limits, fabric, DeviceShare::default())
+    }
+
+    /// A backend for one context of a device whose contexts share `share`.
+    pub fn in_share(
+        identity: DeviceIdentity,
+        limits: Limits,
+        fabric: Option<Arc<Fabric>>,
+        share: DeviceShare,
+    ) -> Self {
         let vrings = Arc::new(VringTable::default());
         let device = match fabric {
             Some(fabric) => {
                 RdmaDevice::with_fabric(identity.clone(), limits, fabric, vrings.clone())
             }
             None => RdmaDevice::new(identity.clone(), limits),
-        };
+        }
+        .in_share(share);
         VrdmaBackend {
             inner: Arc::new(Inner {
                 identity,

@@ -68,13 +68,16 @@ pub struct Fabric {
 }
 
 impl Fabric {
-    /// Connects to hostd and registers this device.
+    /// Connects to hostd and opens a context of this device (its first
+    /// registers it).
     pub fn connect(path: &Path, tenant: &str, device: &str) -> Result<Self, FabricError> {
         let channel = Channel::connect(path).map_err(|source| FabricError::Connect {
             path: path.display().to_string(),
             source,
         })?;
-        let hello = Request::Hello {
+        // Every frontend is a context of the device: the first opens it,
+        // the others join it (hostd checks they come from this process).
+        let hello = Request::OpenContext {
             version: PROTOCOL_VERSION,
             tenant: tenant.into(),
             device: device.into(),

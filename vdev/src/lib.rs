@@ -67,8 +67,6 @@ pub enum Error {
     },
     #[error("Cannot start the {0} thread")]
     Thread(&'static str, #[source] std::io::Error),
-    #[error("The vhost-user thread panicked; the listener is lost")]
-    VhostUserPanicked,
 }
 
 /// vhost-user-backend's error, which implements only `Display`, made a
@@ -136,15 +134,40 @@ pub fn open(config: &Config, register_early: bool) -> Result<Opened, Error> {
     })
 }
 
-/// Serves the device on the listener [`open`] bound: one frontend
-/// connection at a time, each with a fresh device, until `config.once`
-/// says to stop after the first. The listening socket is created once, so
-/// a frontend that connects while another is being served waits in its
-/// backlog instead of meeting a closed socket. Every thread is started
-/// through `threads`, under its role's seccomp filter.
+/// Frontends served at once: each is a context of the device (hostd's
+/// `MAX_CONTEXTS_PER_DEVICE`). One more waits in the listener's backlog
+/// until a context closes.
+pub const MAX_CONTEXTS: usize = 64;
+
+/// What a frontend's thread tells the main thread.
+enum Event {
+    /// Context `id`'s frontend connected: the listener, for the next one.
+    Accepted(u64, Listener),
+    /// Context `id`'s frontend left (or its connection failed).
+    Ended(u64, Result<(), vhost_user_backend::Error>),
+    /// Context `id` could not accept a frontend at all.
+    Failed(u64, Error),
+}
+
+/// A context being served, as the main thread keeps it.
+struct Context {
+    backend: VrdmaBackend,
+    thread: std::thread::JoinHandle<()>,
+}
+
+/// Serves the device on the listener [`open`] bound: every frontend that
+/// connects is a context of the device, served at once beside the others
+/// (at most [`MAX_CONTEXTS`]), with its own objects and its own
+/// registration with hostd (`OpenContext`: the device's one LID and GID);
+/// quotas and QP numbers are the device's, over all contexts
+/// ([`verbs::DeviceShare`]). A context's end releases its objects only.
+/// With `config.once`, vdev stops after its first frontend left. The
+/// listening socket is created once, so a frontend that connects while
+/// the next context is being set up waits in its backlog. Every thread is
+/// started through `threads`, under its role's seccomp filter.
 pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Error> {
     let Opened {
-        mut listener,
+        listener,
         socket_file: _socket_file,
         mut early_fabric,
     } = opened;
@@ -158,82 +181,135 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
         active_mtu: verbs::PORT_MTU,
     };
     let device_name = device_name(&config.socket);
+    let share = verbs::DeviceShare::default();
+    let (events, happened) = std::sync::mpsc::channel();
+    let mut listener = Some(listener);
+    let mut contexts: std::collections::HashMap<u64, Context> = Default::default();
+    let (mut next_id, mut accepting) = (0u64, false);
+    // A registration failed while contexts were open: no more until one
+    // of them ends (hostd may be restarting, or out of this uid's reach).
+    let mut held_back = false;
     loop {
-        // A fresh registration with hostd per frontend: when the frontend
-        // goes, closing it makes hostd drop everything this device had.
-        let fabric = match (early_fabric.take(), &config.hostd) {
-            (Some(fabric), _) => Some(Arc::new(fabric)),
-            (None, Some(path)) => Some(Arc::new(
-                register(path, &config.tenant, &device_name).map_err(Error::Fabric)?,
-            )),
-            (None, None) => None,
-        };
-        if let Some(fabric) = &fabric {
-            tracing::info!(tenant = %config.tenant, lid = fabric.lid,
-                gid = %std::net::Ipv6Addr::from(fabric.gid),
-                physical_queues = fabric.physical_queues, "Registered with hostd");
-        }
-        let backend = VrdmaBackend::new(identity.clone(), config.limits, fabric);
-        backend.listen_for_policy(threads).map_err(Error::Setup)?;
-        let (returned, result) = serve_frontend(config, listener, backend.clone(), threads)?;
-        listener = returned;
-        // Whatever the driver left, hostd drops it (one ResetDevice).
-        backend.device().release_all();
-        // The registration ends with the frontend, so that the next one
-        // can register this device again.
-        if let Some(fabric) = backend.device().fabric() {
-            fabric.close();
-        }
-        match result {
-            Ok(()) => {
-                tracing::info!(tenant = %config.tenant, "Frontend disconnected; device state released")
+        let room = contexts.len() < MAX_CONTEXTS && !(config.once && next_id > 0);
+        if let (false, false, true, Some(l)) = (accepting, held_back, room, listener.take()) {
+            // A registration with hostd per context: when its frontend
+            // goes, closing it makes hostd drop what that context had.
+            let fabric = match (early_fabric.take(), &config.hostd) {
+                (Some(fabric), _) => Some(Arc::new(fabric)),
+                (None, Some(path)) => match register(path, &config.tenant, &device_name) {
+                    Ok(fabric) => Some(Arc::new(fabric)),
+                    Err(e) if !contexts.is_empty() => {
+                        tracing::warn!(tenant = %config.tenant, open = contexts.len(),
+                            "No further context until one closes: {}",
+                            vrdma_errors::error_chain(&e));
+                        listener = Some(l);
+                        held_back = true;
+                        continue;
+                    }
+                    Err(e) => return Err(Error::Fabric(e)),
+                },
+                (None, None) => None,
+            };
+            if let Some(fabric) = &fabric {
+                tracing::info!(tenant = %config.tenant, context = next_id, lid = fabric.lid,
+                    gid = %std::net::Ipv6Addr::from(fabric.gid),
+                    physical_queues = fabric.physical_queues, "Registered with hostd");
             }
-            Err(e) => tracing::warn!(tenant = %config.tenant, error = %e,
-                "Frontend connection ended with an error; device state released"),
+            let backend =
+                VrdmaBackend::in_share(identity.clone(), config.limits, fabric, share.clone());
+            backend.listen_for_policy(threads).map_err(Error::Setup)?;
+            let thread =
+                serve_context(config, next_id, l, backend.clone(), threads, events.clone())?;
+            contexts.insert(next_id, Context { backend, thread });
+            next_id += 1;
+            accepting = true;
         }
-        if config.once {
+        if contexts.is_empty() {
             return Ok(());
+        }
+        // The senders live in the context threads and here: never closed.
+        let Ok(event) = happened.recv() else {
+            return Ok(());
+        };
+        match event {
+            Event::Accepted(id, l) => {
+                tracing::info!(tenant = %config.tenant, context = id, open = contexts.len(), "Frontend connected");
+                listener = Some(l);
+                accepting = false;
+            }
+            Event::Ended(id, result) => {
+                let Some(context) = contexts.remove(&id) else {
+                    continue;
+                };
+                held_back = false;
+                let _ = context.thread.join();
+                // Whatever the driver left, hostd drops it (one
+                // ResetDevice for this context's objects).
+                context.backend.device().release_all();
+                // The registration ends with the frontend.
+                if let Some(fabric) = context.backend.device().fabric() {
+                    fabric.close();
+                }
+                match result {
+                    Ok(()) => tracing::info!(tenant = %config.tenant, context = id,
+                        "Frontend disconnected; its context's state released"),
+                    Err(e) => tracing::warn!(tenant = %config.tenant, context = id, error = %e,
+                        "Frontend connection ended with an error; its context's state released"),
+                }
+            }
+            Event::Failed(id, error) => {
+                if let Some(context) = contexts.remove(&id) {
+                    let _ = context.thread.join();
+                }
+                return Err(error);
+            }
         }
     }
 }
 
-/// Serves one frontend on a thread of the vhost-user role: it creates
+/// Serves context `id` on a thread of the vhost-user role: it creates
 /// vhost-user-backend's daemon (whose worker threads start there), accepts
-/// the frontend (whose request thread starts there too), and waits for
-/// it to leave. The library's threads are started by the library, not
-/// through `threads`, so they inherit that thread's filter: this is why
-/// the daemon is never created on the main thread. Hands the listener back
-/// with the connection's outcome; fails if the daemon cannot be set up or
-/// the frontend accepted.
-fn serve_frontend(
+/// the frontend (whose request thread starts there too), hands the
+/// listener back ([`Event::Accepted`]) and waits for the frontend to leave
+/// ([`Event::Ended`]). The library's threads are started by the library,
+/// not through `threads`, so they inherit that thread's filter: this is
+/// why the daemon is never created on the main thread.
+fn serve_context(
     config: &Config,
+    id: u64,
     mut listener: Listener,
     backend: VrdmaBackend,
     threads: &Threads,
-) -> Result<(Listener, Result<(), vhost_user_backend::Error>), Error> {
+    events: std::sync::mpsc::Sender<Event>,
+) -> Result<std::thread::JoinHandle<()>, Error> {
     let tenant = config.tenant.clone();
     let socket = config.socket.display().to_string();
-    let thread = threads
+    threads
         .spawn(Role::VhostUser, "vhost-user", move || {
-            let served = (|| {
-                let mut daemon = backend
-                    .daemon(format!("vdev-{tenant}"))
-                    .map_err(Error::Daemon)?;
-                tracing::info!(tenant, socket, "Waiting for a frontend");
-                daemon.start(&mut listener).map_err(|source| Error::Serve {
-                    socket: socket.clone(),
-                    source: DaemonError(source),
-                })?;
-                tracing::info!(tenant, "Frontend connected");
-                let result = daemon.wait();
-                backend.stop_workers();
-                Ok(result)
-            })();
-            (listener, served)
+            let daemon = backend
+                .daemon(format!("vdev-{tenant}"))
+                .map_err(Error::Daemon)
+                .and_then(|mut daemon| {
+                    tracing::info!(tenant, socket, context = id, "Waiting for a frontend");
+                    daemon.start(&mut listener).map_err(|source| Error::Serve {
+                        socket: socket.clone(),
+                        source: DaemonError(source),
+                    })?;
+                    Ok(daemon)
+                });
+            let mut daemon = match daemon {
+                Ok(daemon) => daemon,
+                Err(e) => {
+                    let _ = events.send(Event::Failed(id, e));
+                    return;
+                }
+            };
+            let _ = events.send(Event::Accepted(id, listener));
+            let result = daemon.wait();
+            backend.stop_workers();
+            let _ = events.send(Event::Ended(id, result));
         })
-        .map_err(|e| Error::Thread("vhost-user", e))?;
-    let (listener, served) = thread.join().map_err(|_| Error::VhostUserPanicked)?;
-    Ok((listener, served?))
+        .map_err(|e| Error::Thread("vhost-user", e))
 }
 
 /// The name this device registers under with hostd: derived from its socket

@@ -34,7 +34,7 @@ pub struct Sandbox {
     /// Register the first device with hostd before the sandbox, because
     /// the uid vdev switches to cannot connect to hostd's socket (file
     /// permissions). Only the first frontend can then be served: the
-    /// registration for the next one fails. Connecting as the final uid
+    /// registration of every further context fails. Connecting as the final uid
     /// is what hostd's peer-credential check expects, so this is only a
     /// fallback for a hostd socket that is not connectable (hostd creates
     /// its vdev socket with mode 0666; a directory above it that the uid
@@ -76,7 +76,7 @@ impl Sandbox {
                 "hostd's socket is not connectable by the uid vdev runs as: registering \
                  with hostd now, before dropping privileges. Only the first frontend can be \
                  served; let this uid connect to hostd's socket (its group or mode) to \
-                 serve frontends one after another"
+                 serve several frontends at once and one after another"
             );
         }
         Ok(Sandbox {

@@ -1,12 +1,13 @@
 //! Limits from a vdev config file, and applications: one after another,
-//! one that waits for the device, one that exits without cleaning up, two
+//! several on the device at once, one that exits without cleaning up, two
 //! on two devices at once.
 
 use std::process::Command;
 use std::time::Duration;
 
 use vrdma_guest_driver::{
-    CompletionQueue, Context, Error, MemoryRegion, ProtectionDomain, QueuePair, VhostUserTransport,
+    CompletionQueue, Context, DeviceOptions, Error, MemoryRegion, ProtectionDomain, QueuePair,
+    VhostUserTransport,
 };
 use vrdma_spec::control::QpAttr;
 use vrdma_spec::gid::loopback_gid;
@@ -174,41 +175,26 @@ fn applications_one_after_another_each_get_a_fresh_device() {
     assert!(vdev.is_running(), "vdev serves again:\n{}", vdev.log());
 }
 
-/// vdev serves one application at a time: the next one waits (up to
-/// `DEFAULT_BUSY_TIMEOUT`) until the one before has closed the device, and
-/// one that waits no longer gets EBUSY.
+/// Applications open the device at once: each is a context of it with
+/// its own objects, and the device's quotas count all of them.
 #[test]
-fn a_second_application_waits_until_the_first_closes_the_device() {
-    let vdev = Vdev::start_with_config("pm-queued", ONE_OF_EACH, &[]);
+fn applications_open_the_device_at_once_within_its_quotas() {
+    let vdev = Vdev::start_with_config("pm-together", ONE_OF_EACH, &[]);
     let first = Context::open_vhost_user(&vdev.socket).expect("first application");
     let objects = one_of_each(&first);
-    let started = std::time::Instant::now();
-    let impatient = VhostUserTransport::connect_within(&vdev.socket, Duration::from_millis(300))
-        .map(|_| ())
-        .map_err(Error::from);
-    let waited = started.elapsed();
-    match impatient {
-        Err(e) => assert_eq!(e.errno(), libc::EBUSY, "{e}"),
-        Ok(()) => panic!("a second application got the device while the first holds it"),
-    }
-    assert!(
-        (Duration::from_millis(300)..Duration::from_secs(5)).contains(&waited),
-        "gave up after {waited:?}"
-    );
-    let (tx, rx) = std::sync::mpsc::channel();
-    let socket = vdev.socket.clone();
-    let second = std::thread::spawn(move || {
-        let ctx = Context::open_vhost_user(&socket).expect("second application");
-        tx.send(()).expect("report");
-        let (pd, mr, cq, qp) = one_of_each(&ctx);
-        let pdn = pd.pdn();
-        drop((qp, mr, cq, pd));
-        pdn
-    });
-    // vdev serves one frontend at a time: the second waits in the backlog.
-    assert!(
-        rx.recv_timeout(Duration::from_millis(300)).is_err(),
-        "the second application got the device while the first holds it"
+    // The second does not wait for the first to close the device.
+    let second = VhostUserTransport::connect_within(&vdev.socket, Duration::from_secs(2))
+        .map_err(Error::from)
+        .and_then(|t| Context::open(Box::new(t), DeviceOptions::default()))
+        .expect("a second application opens the device while the first holds it");
+    assert_eq!(second.config().name(), first.config().name(), "one device");
+    let gid = |c: &Context| c.query_gid(1, 0).expect("query_gid").gid;
+    assert_eq!(gid(&second), gid(&first), "one port GID");
+    // max_pd = 1 is the device's: the first application holds it.
+    assert_eq!(
+        device_errno(second.alloc_pd()),
+        ENOMEM,
+        "the device's one PD is taken"
     );
     assert_eq!(
         state_of(&objects.3),
@@ -216,14 +202,14 @@ fn a_second_application_waits_until_the_first_closes_the_device() {
         "the first is undisturbed"
     );
     drop(objects);
-    drop(first);
-    rx.recv_timeout(Duration::from_secs(10))
-        .expect("the second application opens the device once the first is gone");
-    assert_eq!(
-        second.join().expect("second application"),
-        1,
-        "a fresh device"
-    );
+    // Given back, the quota is the second's to take; its handles are its own.
+    let (pd, mr, cq, qp) = one_of_each(&second);
+    assert_eq!(pd.pdn(), 1);
+    assert_eq!(state_of(&qp), QpState::Rts);
+    drop((qp, mr, cq, pd));
+    drop((first, second));
+    let mut vdev = vdev;
+    assert!(vdev.is_running(), "vdev serves on:\n{}", vdev.log());
 }
 
 const CHILD_SOCKET: &str = "VRDMA_TEST_CHILD_SOCKET";

@@ -4,6 +4,7 @@
 use vrdma_spec::control::CreateCqReq;
 use vrdma_spec::ring;
 
+use super::share::Counted;
 use super::{RdmaDevice, VerbError, VerbResult};
 
 /// A completion queue: its ring in guest memory.
@@ -18,7 +19,7 @@ pub struct CompletionQueue {
 
 impl RdmaDevice {
     pub(super) fn create_cq(&mut self, req: &CreateCqReq) -> VerbResult<u32> {
-        Self::check_count("max_cq", self.cqs.len(), self.limits.max_cq)?;
+        let taken = self.share.take(Counted::Cq, self.limits.max_cq)?;
         let entries = req.depth.get();
         if entries == 0 || entries > self.limits.max_cq_depth {
             return Err(VerbError::Invalid(format!(
@@ -48,6 +49,7 @@ impl RdmaDevice {
                 users: 0,
             },
         );
+        taken.keep();
         Ok(cqn)
     }
 
@@ -70,6 +72,7 @@ impl RdmaDevice {
             }
         }
         self.cqs.remove(&cqn);
+        self.share.give_back(Counted::Cq, 1);
         Ok(())
     }
 

@@ -14,6 +14,7 @@ mod error;
 mod mr;
 mod notify;
 mod qp;
+mod share;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -27,11 +28,14 @@ use vrdma_spec::verbs::{atomic_cap, device_cap, LinkLayer, Mtu, PortState};
 use vrdma_spec::zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 use vrdma_tenant_policy::Limits;
 
+use share::Counted;
+
 pub use cq::CompletionQueue;
 pub use error::{VerbError, VerbResult};
 pub use mr::MemoryRegion;
 pub use notify::{EventRing, FdError, NotifyFds};
 pub use qp::QueuePair;
+pub use share::{DeviceShare, Usage};
 
 use crate::fabric::Fabric;
 use crate::shadow::{MemorySlots, SlotId};
@@ -88,8 +92,11 @@ pub struct RdmaDevice {
     eqs: BTreeMap<u32, EventRing>,
     /// The live QPs' bits in the doorbell page.
     db_indexes: notify::DbIndexes,
-    /// Bytes registered across all MRs.
+    /// Bytes registered across this context's MRs.
     mr_bytes: u64,
+    /// What this context shares with the device's others: quotas' usage
+    /// and QP numbers.
+    share: DeviceShare,
     next_handle: u32,
     /// hostd, when the device is attached to a fabric.
     fabric: Option<Arc<Fabric>>,
@@ -119,12 +126,20 @@ impl RdmaDevice {
             eqs: BTreeMap::new(),
             db_indexes: notify::DbIndexes::default(),
             mr_bytes: 0,
+            share: DeviceShare::default(),
             next_handle: 1,
             fabric: None,
             notify_fds: None,
             slot_numbers: HashMap::new(),
             next_slot_number: 0,
         }
+    }
+
+    /// This context as one of the device whose contexts share `share`
+    /// (a fresh device is alone in its own).
+    pub fn in_share(mut self, share: DeviceShare) -> Self {
+        self.share = share;
+        self
     }
 
     /// A device attached to hostd's fabric: its LID and GID are hostd's, and memory,
@@ -252,6 +267,19 @@ impl RdmaDevice {
                 tracing::warn!(tenant = %self.identity.tenant, error = %e, "hostd did not reset the device");
             }
         }
+        // The device's other contexts keep theirs.
+        for &qpn in self.qps.keys() {
+            self.share.free_qpn(qpn);
+        }
+        for (what, n) in [
+            (Counted::Pd, pds),
+            (Counted::Mr, mrs),
+            (Counted::Cq, cqs),
+            (Counted::Qp, qps),
+        ] {
+            self.share.give_back(what, n as u32);
+        }
+        self.share.give_back_bytes(self.mr_bytes);
         self.qps.clear();
         self.db_indexes.clear();
         self.mrs.clear();
@@ -366,19 +394,8 @@ impl RdmaDevice {
         handle
     }
 
-    fn check_count(limit: &'static str, current: usize, max: u32) -> VerbResult<()> {
-        if current as u64 >= u64::from(max) {
-            return Err(VerbError::Limit {
-                limit,
-                current: current as u64,
-                max: max.into(),
-            });
-        }
-        Ok(())
-    }
-
     fn alloc_pd(&mut self) -> VerbResult<u32> {
-        Self::check_count("max_pd", self.pds.len(), self.limits.max_pd)?;
+        self.share.take(Counted::Pd, self.limits.max_pd)?.keep();
         let pdn = self.new_handle();
         self.pds.insert(pdn, ProtectionDomain::default());
         Ok(pdn)
@@ -397,6 +414,7 @@ impl RdmaDevice {
             });
         }
         self.pds.remove(&pdn);
+        self.share.give_back(Counted::Pd, 1);
         Ok(())
     }
 

@@ -8,6 +8,7 @@ use vrdma_spec::control::{
 use vrdma_spec::verbs::access;
 use vrdma_spec::zerocopy::FromBytes;
 
+use super::share::{Counted, Taken};
 use super::{random_unique, RdmaDevice, VerbError, VerbResult};
 use crate::fabric::FabricError;
 use crate::shadow::{access_flags_consistent, ShadowError, ShadowRegion, TranslateError};
@@ -45,10 +46,10 @@ impl RdmaDevice {
             req.iova.get(),
         );
         self.check_mr_args(pdn, flags, len)?;
-        let total = self.check_mr_quota(len)?;
+        let taken = self.check_mr_quota(len)?;
         let shadow =
             ShadowRegion::build(&self.mem, addr, len, iova, flags).map_err(VerbError::Fault)?;
-        self.insert_mr(pdn, shadow, total)
+        self.insert_mr(pdn, shadow, taken)
     }
 
     /// `REG_MR_SG`: the segment list is copied out of guest memory once,
@@ -67,7 +68,7 @@ impl RdmaDevice {
                 "{nsegs} segments (1 to {MAX_MR_SEGMENTS} accepted)"
             )));
         }
-        let total = self.check_mr_quota(len)?;
+        let taken = self.check_mr_quota(len)?;
         let list_len = u64::from(nsegs) * ENTRY as u64;
         if list_addr.checked_add(list_len).is_none() {
             return Err(VerbError::Fault(ShadowError::Overflow {
@@ -109,7 +110,7 @@ impl RdmaDevice {
                 ShadowError::TooManyPieces(_) => VerbError::Invalid(e.to_string()),
                 e => VerbError::Fault(e),
             })?;
-        self.insert_mr(pdn, shadow, total)
+        self.insert_mr(pdn, shadow, taken)
     }
 
     /// The argument checks both registration commands share, in the
@@ -138,10 +139,9 @@ impl RdmaDevice {
         Ok(())
     }
 
-    /// The tenant's MR quotas; returns the registered bytes once a region
-    /// of `len` bytes is added.
-    fn check_mr_quota(&self, len: u64) -> VerbResult<u64> {
-        Self::check_count("max_mr", self.mrs.len(), self.limits.max_mr)?;
+    /// The tenant's MR quotas (over all the device's contexts): a region
+    /// of `len` bytes, taken.
+    fn check_mr_quota(&self, len: u64) -> VerbResult<Taken> {
         if len > self.limits.max_mr_bytes {
             return Err(VerbError::Limit {
                 limit: "max_mr_bytes",
@@ -149,20 +149,14 @@ impl RdmaDevice {
                 max: self.limits.max_mr_bytes,
             });
         }
-        let total = self.mr_bytes.saturating_add(len);
-        if total > self.limits.max_total_mr_bytes {
-            return Err(VerbError::Limit {
-                limit: "max_total_mr_bytes",
-                current: self.mr_bytes,
-                max: self.limits.max_total_mr_bytes,
-            });
-        }
-        Ok(total)
+        self.share
+            .take_mr(len, self.limits.max_mr, self.limits.max_total_mr_bytes)
     }
 
-    fn insert_mr(&mut self, pdn: u32, shadow: ShadowRegion, total: u64) -> VerbResult<RegMrResp> {
+    fn insert_mr(&mut self, pdn: u32, shadow: ShadowRegion, taken: Taken) -> VerbResult<RegMrResp> {
         let (lkey, rkey) = self.register_keys(pdn, &shadow)?;
         let handle = self.new_handle();
+        let shadow_len = shadow.len;
         self.mrs.insert(
             handle,
             MemoryRegion {
@@ -173,7 +167,8 @@ impl RdmaDevice {
             },
         );
         self.lkeys.insert(lkey, handle);
-        self.mr_bytes = total;
+        self.mr_bytes += shadow_len;
+        taken.keep();
         self.pd_mut(pdn)?.mrs += 1;
         Ok(RegMrResp {
             handle: handle.into(),
@@ -247,6 +242,8 @@ impl RdmaDevice {
             .ok_or(VerbError::NoObject { kind: "MR", handle })?;
         self.lkeys.remove(&mr.lkey);
         self.mr_bytes -= mr.shadow.len;
+        self.share.give_back(Counted::Mr, 1);
+        self.share.give_back_bytes(mr.shadow.len);
         if let Some(pd) = self.pds.get_mut(&mr.pdn) {
             pd.mrs -= 1;
         }

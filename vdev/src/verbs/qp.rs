@@ -13,10 +13,11 @@ use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
 
 use vrdma_tenant_policy::Limits;
 
-use super::{random_unique, RdmaDevice, VerbError, VerbResult, PORT_MTU};
+use super::share::Counted;
+use super::{RdmaDevice, VerbError, VerbResult, PORT_MTU};
 
 /// QP numbers are 24 bits; 0 and 1 are the IB special QPs (SMI, GSI).
-const QPN_MASK: u32 = 0x00ff_ffff;
+pub(super) const QPN_MASK: u32 = 0x00ff_ffff;
 /// Largest PSN (24 bits).
 const MAX_PSN: u32 = 0x00ff_ffff;
 /// Largest IB timer exponent / RNR timer code.
@@ -75,7 +76,7 @@ impl RdmaDevice {
                 });
             }
         }
-        Self::check_count("max_qp", self.qps.len(), self.limits.max_qp)?;
+        let taken = self.share.take(Counted::Qp, self.limits.max_qp)?;
         let grant = self.grant(&req.cap)?;
         let (sq, rq) = (grant.sq, grant.rq);
         let (sq_addr, rq_addr) = (req.sq_ring_addr.get(), req.rq_ring_addr.get());
@@ -95,12 +96,15 @@ impl RdmaDevice {
             current: self.qps.len() as u64,
             max: MAX_QPS.into(),
         })?;
-        let qpn = random_unique(QPN_MASK, &[0, 1], |n| self.qps.contains_key(&n));
+        // Unique among all the device's contexts' QPs.
+        let qpn = self.share.new_qpn();
         let created = self.mirror_new_qp(req, qpn, db_index, &grant);
         if let Err(e) = created {
             self.db_indexes.free(db_index);
+            self.share.free_qpn(qpn);
             return Err(e);
         }
+        taken.keep();
         let granted = wire_caps(grant.caps);
         self.qps.insert(
             qpn,
@@ -273,6 +277,8 @@ impl RdmaDevice {
             handle: qpn,
         })?;
         self.db_indexes.free(qp.db_index);
+        self.share.free_qpn(qpn);
+        self.share.give_back(Counted::Qp, 1);
         if let Some(pd) = self.pds.get_mut(&qp.pdn) {
             pd.qps -= 1;
         }
