@@ -255,6 +255,13 @@ fn ibv_rc_pingpong_inline_sends_arrive_intact() {
     rc_pingpong(&["-n", "500", "-s", "64", "-c"]);
 }
 
+/// `-N`: the new send API, rc_pingpong's sends posted with `ibv_wr_*` on a
+/// QP from `ibv_create_qp_ex`, with the receive buffer checked (`-c`).
+#[test]
+fn ibv_rc_pingpong_new_send_api() {
+    rc_pingpong(&["-n", "500", "-N", "-c"]);
+}
+
 /// One perftest program at a small and a large message size, with GID
 /// index 0 (`-x 0`).
 fn perftest(program: &str, iters: &str) {
@@ -465,17 +472,33 @@ fn refused_verbs_return_errors_not_crashes() {
     let exe = build_c_program(&dir, "refusals", REFUSALS_C);
     // Control verbs only: a vdev without hostd serves them.
     let vdev = Vdev::start("refusals", &[]);
+    run_c_program(&shim, &exe, &vdev.socket, "all refused", || {
+        format!("--- vdev log:\n{}", vdev.log())
+    });
+}
+
+/// Runs the C program `exe` on the shim with `devices` as its
+/// `VRDMA_DEVICES`; it must exit 0 within 60 s, printing `ok_line`.
+/// `logs` gives the daemons' logs for a failure's message.
+fn run_c_program(
+    shim: &IbverbsShim,
+    exe: &Path,
+    devices: &Path,
+    ok_line: &str,
+    logs: impl FnOnce() -> String,
+) {
     let child = shim
-        .command(exe.to_str().expect("UTF-8 path"), &vdev.socket)
+        .command(exe.to_str().expect("UTF-8 path"), devices)
         .spawn()
         .expect("run the program");
-    let (out, late) = wait_output(child, Duration::from_secs(30));
+    let (out, late) = wait_output(child, Duration::from_secs(60));
     let text = Run::text(&out);
     assert!(
-        out.status.success() && !late && text.contains("all refused"),
-        "{:?}\n{text}\n--- vdev log:\n{}",
+        out.status.success() && !late && text.contains(ok_line),
+        "{:?}{}\n{text}\n{}",
         out.status,
-        vdev.log()
+        if late { " (killed: too slow)" } else { "" },
+        logs()
     );
 }
 
@@ -499,24 +522,18 @@ fn extended_verbs_between_two_tenants() {
         include_str!("../c/extended_verbs.c"),
     );
     let fabric = Fabric::start();
+    // Device "a" is tenant alpha's, "b" beta's.
     let devices = format!(
         "a={},b={}",
         fabric.alpha.socket.display(),
         fabric.beta.socket.display()
     );
-    let child = shim
-        .command(exe.to_str().expect("UTF-8 path"), &fabric.alpha.socket)
-        .env("VRDMA_DEVICES", devices)
-        .spawn()
-        .expect("run the program");
-    let (out, late) = wait_output(child, Duration::from_secs(60));
-    let text = Run::text(&out);
-    assert!(
-        out.status.success() && !late && text.contains("extended verbs OK"),
-        "{:?}{}\n{text}\n{}",
-        out.status,
-        if late { " (killed: too slow)" } else { "" },
-        fabric.logs()
+    run_c_program(
+        &shim,
+        &exe,
+        Path::new(&devices),
+        "extended verbs OK",
+        || fabric.logs(),
     );
 }
 

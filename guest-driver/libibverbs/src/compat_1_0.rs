@@ -21,53 +21,19 @@ fn refused(name: &'static str) {
     set_errno(libc::EOPNOTSUPP);
 }
 
-/// Defines 1.0 entry points returning NULL with `errno = EOPNOTSUPP`.
-macro_rules! refuse_ptr {
-    ($($name:ident),+ $(,)?) => {$(
-        #[doc = concat!("`", stringify!($name), "@IBVERBS_1.0`: NULL, `errno = EOPNOTSUPP`.")]
-        pub extern "C" fn $name() -> *mut c_void {
+/// Defines 1.0 entry points that log, set `errno = EOPNOTSUPP` and return
+/// `$value` (described by `$doc`).
+macro_rules! refuse {
+    ($ret:ty = $value:expr, $doc:literal: $($name:ident),+ $(,)?) => {$(
+        #[doc = concat!("`", stringify!($name), "@IBVERBS_1.0`: ", $doc, ".")]
+        pub extern "C" fn $name() -> $ret {
             refused(stringify!($name));
-            std::ptr::null_mut()
+            $value
         }
     )+};
 }
 
-/// Defines 1.0 entry points returning an errno (`EOPNOTSUPP`, also in
-/// `errno`), as these verbs do.
-macro_rules! refuse_int {
-    ($($name:ident),+ $(,)?) => {$(
-        #[doc = concat!("`", stringify!($name), "@IBVERBS_1.0`: `EOPNOTSUPP`.")]
-        pub extern "C" fn $name() -> c_int {
-            refused(stringify!($name));
-            libc::EOPNOTSUPP
-        }
-    )+};
-}
-
-/// Defines 1.0 entry points returning -1 with `errno = EOPNOTSUPP`, as
-/// these verbs report errors.
-macro_rules! refuse_minus_one {
-    ($($name:ident),+ $(,)?) => {$(
-        #[doc = concat!("`", stringify!($name), "@IBVERBS_1.0`: -1, `errno = EOPNOTSUPP`.")]
-        pub extern "C" fn $name() -> c_int {
-            refused(stringify!($name));
-            -1
-        }
-    )+};
-}
-
-/// Defines 1.0 entry points that return nothing: no 1.0 object exists for
-/// them to act on.
-macro_rules! ignore {
-    ($($name:ident),+ $(,)?) => {$(
-        #[doc = concat!("`", stringify!($name), "@IBVERBS_1.0`: nothing to do (no 1.0 object exists).")]
-        pub extern "C" fn $name() {
-            refused(stringify!($name));
-        }
-    )+};
-}
-
-refuse_ptr!(
+refuse!(*mut c_void = std::ptr::null_mut(), "NULL, `errno = EOPNOTSUPP`":
     ibv_alloc_pd,
     ibv_create_ah,
     ibv_create_cq,
@@ -79,7 +45,8 @@ refuse_ptr!(
     ibv_reg_mr,
 );
 
-refuse_int!(
+// These verbs return an errno.
+refuse!(c_int = libc::EOPNOTSUPP, "`EOPNOTSUPP`":
     ibv_attach_mcast,
     ibv_close_device,
     ibv_dealloc_pd,
@@ -98,20 +65,18 @@ refuse_int!(
     ibv_resize_cq,
 );
 
-refuse_minus_one!(
+// These verbs report errors as -1 and `errno`.
+refuse!(c_int = -1, "-1, `errno = EOPNOTSUPP`":
     ibv_get_async_event,
     ibv_get_cq_event,
     ibv_query_gid,
     ibv_query_pkey,
 );
 
-ignore!(ibv_ack_async_event, ibv_ack_cq_events, ibv_free_device_list);
+// Nothing to act on: no 1.0 object exists.
+refuse!(() = (), "does nothing": ibv_ack_async_event, ibv_ack_cq_events, ibv_free_device_list);
 
-/// `ibv_get_device_guid@IBVERBS_1.0`: 0 (no 1.0 device exists).
-pub extern "C" fn ibv_get_device_guid() -> u64 {
-    refused("ibv_get_device_guid");
-    0
-}
+refuse!(u64 = 0, "GUID 0 (no 1.0 device exists)": ibv_get_device_guid);
 
 #[cfg(test)]
 mod tests {

@@ -188,8 +188,8 @@ unsafe fn translate_send<'a>(w: &ibv_send_wr, storage: &'a mut SendStorage) -> V
     // SAFETY: the caller's promise about sg_list.
     let list = unsafe { sge_slice(w.sg_list, w.num_sge)? };
     let payload = if w.send_flags & IBV_SEND_INLINE != 0 {
-        // SAFETY: the caller's promise about inline buffers.
         let parts = list.iter().map(|s| (s.addr, s.length as usize));
+        // SAFETY: the caller's promise about inline buffers.
         let data = unsafe { gather_inline(parts, &mut storage.inline)? };
         SendPayload::Inline(data)
     } else {
