@@ -255,6 +255,13 @@ fn ibv_rc_pingpong_inline_sends_arrive_intact() {
     rc_pingpong(&["-n", "500", "-s", "64", "-c"]);
 }
 
+/// `-N`: the new send API, rc_pingpong's sends posted with `ibv_wr_*` on a
+/// QP from `ibv_create_qp_ex`, with the receive buffer checked (`-c`).
+#[test]
+fn ibv_rc_pingpong_new_send_api() {
+    rc_pingpong(&["-n", "500", "-N", "-c"]);
+}
+
 /// One perftest program at a small and a large message size, with GID
 /// index 0 (`-x 0`).
 fn perftest(program: &str, iters: &str) {
@@ -399,10 +406,10 @@ int main(void)
 	struct ibv_srq *srq = ibv_create_srq(pd, &sattr);
 	ok &= refused("ibv_create_srq", srq, errno);
 
-	struct ibv_cq_init_attr_ex cattr = { .cqe = 16 };
+	struct ibv_cq_init_attr_ex cattr = { .cqe = 16, .wc_flags = IBV_WC_EX_WITH_FLOW_TAG };
 	errno = 0;
 	struct ibv_cq_ex *cq_ex = ibv_create_cq_ex(ctx, &cattr);
-	ok &= refused("ibv_create_cq_ex", cq_ex, errno);
+	ok &= refused("ibv_create_cq_ex(FLOW_TAG)", cq_ex, errno);
 
 	struct ibv_qp_init_attr qattr = {
 		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UD,
@@ -432,23 +439,22 @@ int main(void)
 }
 "#;
 
-#[test]
-fn refused_verbs_return_errors_not_crashes() {
+/// Compiles the C program `source` as `dir/name` against Debian's
+/// <infiniband/verbs.h>, linked against Debian's libibverbs (`-z now`), so
+/// the binary imports versioned symbols exactly as packaged programs do.
+fn build_c_program(dir: &TempDir, name: &str, source: &str) -> std::path::PathBuf {
     need::program("cc", "gcc");
     need::file(
         Path::new("/usr/include/infiniband/verbs.h"),
         "libibverbs-dev",
     );
-    let shim = IbverbsShim::new();
-    let dir = TempDir::new("ibverbs-refusals");
-    let src = dir.path().join("refusals.c");
+    let src = dir.path().join(format!("{name}.c"));
     std::fs::File::create(&src)
-        .and_then(|mut f| f.write_all(REFUSALS_C.as_bytes()))
+        .and_then(|mut f| f.write_all(source.as_bytes()))
         .expect("write the C program");
-    let exe = dir.path().join("refusals");
-    // Linked against Debian's libibverbs, so the binary imports versioned
-    // symbols exactly as packaged programs do.
+    let exe = dir.path().join(name);
     let cc = Command::new("cc")
+        .args(["-Wall", "-Werror"])
         .arg(&src)
         .arg("-o")
         .arg(&exe)
@@ -456,18 +462,161 @@ fn refused_verbs_return_errors_not_crashes() {
         .output()
         .expect("run cc");
     assert!(cc.status.success(), "cc: {}", Run::text(&cc));
+    exe
+}
+
+#[test]
+fn refused_verbs_return_errors_not_crashes() {
+    let shim = IbverbsShim::new();
+    let dir = TempDir::new("ibverbs-refusals");
+    let exe = build_c_program(&dir, "refusals", REFUSALS_C);
     // Control verbs only: a vdev without hostd serves them.
     let vdev = Vdev::start("refusals", &[]);
+    run_c_program(&shim, &exe, &vdev.socket, "all refused", || {
+        format!("--- vdev log:\n{}", vdev.log())
+    });
+}
+
+/// Runs the C program `exe` on the shim with `devices` as its
+/// `VRDMA_DEVICES`; it must exit 0 within 60 s, printing `ok_line`.
+/// `logs` gives the daemons' logs for a failure's message.
+fn run_c_program(
+    shim: &IbverbsShim,
+    exe: &Path,
+    devices: &Path,
+    ok_line: &str,
+    logs: impl FnOnce() -> String,
+) {
     let child = shim
-        .command(exe.to_str().expect("UTF-8 path"), &vdev.socket)
+        .command(exe.to_str().expect("UTF-8 path"), devices)
         .spawn()
         .expect("run the program");
-    let (out, late) = wait_output(child, Duration::from_secs(30));
+    let (out, late) = wait_output(child, Duration::from_secs(60));
     let text = Run::text(&out);
     assert!(
-        out.status.success() && !late && text.contains("all refused"),
-        "{:?}\n{text}\n--- vdev log:\n{}",
+        out.status.success() && !late && text.contains(ok_line),
+        "{:?}{}\n{text}\n{}",
         out.status,
-        vdev.log()
+        if late { " (killed: too slow)" } else { "" },
+        logs()
     );
+}
+
+/// The extended verbs between two tenants, in one process that opens both
+/// devices (`tests/c/extended_verbs.c`): a QP and CQ made with
+/// `ibv_create_qp_ex`/`ibv_create_cq_ex`, WRITE, WRITE_WITH_IMM, SEND (two
+/// SGEs), SEND_WITH_IMM (inline list), READ and both atomics posted with
+/// `ibv_wr_*` to an MR registered at an iova (`ibv_reg_mr_iova2`), polled
+/// with `ibv_start_poll`/`ibv_next_poll` and the `ibv_wc_read_*`
+/// accessors, bytes and values checked on both sides; an aborted batch
+/// and a batch with a refused opcode post nothing; `ibv_query_device_ex`,
+/// `ibv_query_gid_table`/`_ex`, and the refusals' errnos.
+#[test]
+fn extended_verbs_between_two_tenants() {
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let dir = TempDir::new("ibverbs-extended");
+    let exe = build_c_program(
+        &dir,
+        "extended_verbs",
+        include_str!("../c/extended_verbs.c"),
+    );
+    let fabric = Fabric::start();
+    // Device "a" is tenant alpha's, "b" beta's.
+    let devices = format!(
+        "a={},b={}",
+        fabric.alpha.socket.display(),
+        fabric.beta.socket.display()
+    );
+    run_c_program(
+        &shim,
+        &exe,
+        Path::new(&devices),
+        "extended verbs OK",
+        || fabric.logs(),
+    );
+}
+
+/// `name@VERSION` (default versions `name@@VERSION`) of every symbol a
+/// shared library defines, and its version definitions.
+fn exports_of(
+    lib: &Path,
+) -> (
+    std::collections::BTreeSet<String>,
+    std::collections::BTreeSet<String>,
+) {
+    need::program("readelf", "binutils");
+    let run = |args: &[&str]| {
+        let out = Command::new("readelf")
+            .args(args)
+            .arg(lib)
+            .output()
+            .expect("run readelf");
+        assert!(
+            out.status.success(),
+            "readelf {args:?} {}: {}",
+            lib.display(),
+            Run::text(&out)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let symbols = run(&["--dyn-syms", "-W"])
+        .lines()
+        .filter_map(|line| {
+            // Num: Value Size Type Bind Vis Ndx Name
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let (kind, ndx, name) = (*f.get(3)?, *f.get(6)?, *f.get(7)?);
+            // Defined functions and variables; GNU ld also emits an
+            // absolute symbol per version node (`IBVERBS_1.0`), which is
+            // no export (LLD does not): the nodes are compared below.
+            let defined = ndx != "UND" && ndx != "ABS" && ndx != "Ndx";
+            (defined && matches!(kind, "FUNC" | "OBJECT")).then(|| name.to_owned())
+        })
+        .collect();
+    // Each definition's index, flags and name ("Rev: 1  Flags: none
+    // Index: 3  Cnt: 2  Name: IBVERBS_1.1"). Not its "Parent" lines: GNU
+    // ld records the node a node inherits from (`} IBVERBS_1.0;`), LLD
+    // does not, and the dynamic loader uses only the names.
+    let versions = run(&["-V", "-W"])
+        .lines()
+        .skip_while(|l| !l.contains(".gnu.version_d"))
+        .take_while(|l| !l.contains(".gnu.version_r"))
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let at = |key: &str| f.iter().position(|w| *w == key).and_then(|i| f.get(i + 1));
+            Some(format!(
+                "{} {} {}",
+                at("Index:")?,
+                at("Flags:")?,
+                at("Name:")?
+            ))
+        })
+        .collect();
+    (symbols, versions)
+}
+
+/// The drop-in library exports exactly what Debian's libibverbs.so.1
+/// exports: every function and variable under the same version node, the
+/// old `IBVERBS_1.0` versions beside the current ones, the same version
+/// definitions, and nothing more (no extras are allowed: a program built
+/// against vrdma's library must also run on rdma-core's).
+#[test]
+fn exports_match_debians_libibverbs() {
+    let debian = Path::new("/usr/lib/x86_64-linux-gnu/libibverbs.so.1");
+    need::file(debian, "libibverbs1");
+    let shim = IbverbsShim::new();
+    let ours = shim.path().join("libibverbs.so.1");
+    let (theirs_syms, theirs_versions) = exports_of(debian);
+    let (ours_syms, ours_versions) = exports_of(&ours);
+    assert!(theirs_syms.len() > 150, "Debian's exports: {theirs_syms:?}");
+    let missing: Vec<_> = theirs_syms.difference(&ours_syms).collect();
+    let extra: Vec<_> = ours_syms.difference(&theirs_syms).collect();
+    assert!(
+        missing.is_empty() && extra.is_empty(),
+        "missing from vrdma's libibverbs: {missing:?}\nexported only by vrdma's: {extra:?}"
+    );
+    assert!(ours_syms.contains("ibv_alloc_pd@IBVERBS_1.0"));
+    assert!(ours_syms.contains("ibv_alloc_pd@@IBVERBS_1.1"));
+    assert!(ours_syms.contains("ibv_query_qp_data_in_order@@IBVERBS_1.14"));
+    assert_eq!(ours_versions, theirs_versions, "version definitions");
 }

@@ -22,7 +22,7 @@ use crate::abi::{ibv_context, verbs_context};
 use crate::device::DeviceEntry;
 use crate::events::{self, AsyncQueue, ChannelState};
 use crate::ffi::{non_null, VResult};
-use crate::{datapath, query, unsupported};
+use crate::{cq_ex, datapath, qp_ex, query, unsupported};
 
 /// `__VERBS_ABI_IS_EXTENDED`: `abi_compat` of an extended context.
 const ABI_IS_EXTENDED: usize = usize::MAX;
@@ -167,9 +167,9 @@ fn fill(vctx: &mut verbs_context, shared: &Shared) {
     vctx.open_xrcd = Some(unsupported::open_xrcd);
     vctx.close_xrcd = Some(unsupported::close_xrcd);
     vctx.create_srq_ex = Some(unsupported::create_srq_ex);
-    vctx.create_qp_ex = Some(unsupported::create_qp_ex);
+    vctx.create_qp_ex = Some(qp_ex::create_qp_ex);
     vctx.open_qp = Some(unsupported::open_qp);
-    vctx.create_cq_ex = Some(unsupported::create_cq_ex);
+    vctx.create_cq_ex = Some(cq_ex::create_cq_ex);
     vctx.create_wq = Some(unsupported::create_wq);
     vctx.alloc_dm = Some(unsupported::alloc_dm);
     vctx.alloc_td = Some(unsupported::alloc_td);

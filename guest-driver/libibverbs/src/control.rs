@@ -12,16 +12,17 @@ use vrdma_guest_driver::{
 };
 
 use crate::abi::{
-    ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_gid, ibv_global_route, ibv_grh,
-    ibv_mr, ibv_pd, ibv_qp, ibv_qp_attr, ibv_qp_cap, ibv_qp_init_attr, ibv_wc,
-    IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_RELAXED_ORDERING, IBV_QPS_RESET, IBV_QPT_RC, IBV_QPT_UC,
-    IBV_QPT_UD, IBV_WC_GRH,
+    ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_context, ibv_cq, ibv_cq_ex, ibv_gid,
+    ibv_global_route, ibv_grh, ibv_mr, ibv_pd, ibv_qp, ibv_qp_attr, ibv_qp_cap, ibv_qp_ex,
+    ibv_qp_init_attr, ibv_wc, IBV_ACCESS_LOCAL_WRITE, IBV_ACCESS_RELAXED_ORDERING, IBV_QPS_RESET,
+    IBV_QPT_RC, IBV_QPT_UC, IBV_QPT_UD, IBV_WC_GRH,
 };
 use crate::context::{Ctx, QpRoute};
-use crate::events;
 use crate::ffi::{errno_of, int_verb, non_null, ptr_verb, unsupported, VResult};
 use crate::objects::{c_int_of, destroy_inner, Ah, Cq, EventCount, Mr, Pd, Qp, Wrapper};
+use crate::qp_ex::{self, WrPosting};
 use crate::query::MAX_AH;
+use crate::{cq_ex, events};
 
 /// `IBV_ACCESS_OPTIONAL_RANGE`: access bits a provider may ignore.
 const ACCESS_OPTIONAL_RANGE: u32 = 0x3ff0_0000;
@@ -83,6 +84,23 @@ pub unsafe extern "C" fn ibv_reg_mr(
 ) -> *mut ibv_mr {
     // SAFETY: forwarded; the access bits are passed as they are.
     unsafe { ibv_reg_mr_iova2(pd, addr, length, addr as u64, access as c_uint) }
+}
+
+/// `ibv_reg_mr_iova@IBVERBS_1.7`: [`ibv_reg_mr_iova2`] with `int` access
+/// bits.
+///
+/// # Safety
+///
+/// As for [`ibv_reg_mr_iova2`].
+pub unsafe extern "C" fn ibv_reg_mr_iova(
+    pd: *mut ibv_pd,
+    addr: *mut c_void,
+    length: usize,
+    iova: u64,
+    access: c_int,
+) -> *mut ibv_mr {
+    // SAFETY: forwarded; the access bits are passed as they are.
+    unsafe { ibv_reg_mr_iova2(pd, addr, length, iova, access as c_uint) }
 }
 
 /// `ibv_reg_mr_iova2`: registers application memory. The guest driver moves
@@ -167,46 +185,64 @@ pub unsafe extern "C" fn ibv_create_cq(
     comp_vector: c_int,
 ) -> *mut ibv_cq {
     ptr_verb("ibv_create_cq", || {
-        let ctx = ctx_of(context)?;
-        let cqe = u32::try_from(cqe)
-            .ok()
-            .filter(|&n| n > 0)
-            .ok_or(libc::EINVAL)?;
-        let vector = u16::try_from(comp_vector)
-            .ok()
-            .filter(|&v| v < ctx.shared.dev.num_comp_vectors())
-            .ok_or(libc::EINVAL)?;
-        // SAFETY: the caller passes NULL or a live channel.
-        let state = unsafe { events::channel_state(channel)? };
-        let cq = ctx
-            .shared
-            .dev
-            .create_cq(cqe, vector)
-            .map_err(|e| errno_of(&e))?;
-        let cqn = cq.cqn();
-        let boxed = Box::new(Cq {
-            ibv: ibv_cq {
-                context,
-                channel,
-                cq_context,
-                handle: cqn,
-                cqe: c_int_of(cq.depth()),
-                ..Default::default()
-            },
-            inner: Some(cq),
-            channel: state.clone(),
-            events: EventCount::default(),
-            empty_polls: Default::default(),
-        });
-        let raw = boxed.into_raw();
-        if !channel.is_null() {
-            // SAFETY: a live channel (checked by channel_state); its
-            // refcnt field mirrors the CQs using it.
-            unsafe { (*channel).refcnt += 1 };
-        }
-        events::add_cq(&ctx.shared, cqn, raw, state);
-        Ok(raw)
+        // SAFETY: the caller's promise.
+        unsafe { create_cq(context, cqe, cq_context, channel, comp_vector) }
     })
+}
+
+/// Creates a CQ (`ibv_create_cq`, `ibv_create_cq_ex`): every CQ can also
+/// be polled through `struct ibv_cq_ex` (see `cq_ex`).
+///
+/// # Safety
+///
+/// As for [`ibv_create_cq`].
+pub(crate) unsafe fn create_cq(
+    context: *mut ibv_context,
+    cqe: c_int,
+    cq_context: *mut c_void,
+    channel: *mut ibv_comp_channel,
+    comp_vector: c_int,
+) -> VResult<*mut ibv_cq> {
+    let ctx = ctx_of(context)?;
+    let cqe = u32::try_from(cqe)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or(libc::EINVAL)?;
+    let vector = u16::try_from(comp_vector)
+        .ok()
+        .filter(|&v| v < ctx.shared.dev.num_comp_vectors())
+        .ok_or(libc::EINVAL)?;
+    // SAFETY: the caller passes NULL or a live channel.
+    let state = unsafe { events::channel_state(channel)? };
+    let cq = ctx
+        .shared
+        .dev
+        .create_cq(cqe, vector)
+        .map_err(|e| errno_of(&e))?;
+    let cqn = cq.cqn();
+    let boxed = Box::new(Cq {
+        ibv: cq_ex::with_poll_ops(ibv_cq_ex {
+            context,
+            channel,
+            cq_context,
+            handle: cqn,
+            cqe: c_int_of(cq.depth()),
+            ..Default::default()
+        }),
+        inner: Some(cq),
+        channel: state.clone(),
+        events: EventCount::default(),
+        empty_polls: Default::default(),
+        current: Default::default(),
+    });
+    let raw = boxed.into_raw();
+    if !channel.is_null() {
+        // SAFETY: a live channel (checked by channel_state); its
+        // refcnt field mirrors the CQs using it.
+        unsafe { (*channel).refcnt += 1 };
+    }
+    events::add_cq(&ctx.shared, cqn, raw, state);
+    Ok(raw)
 }
 
 /// `ibv_resize_cq`: not supported.
@@ -377,65 +413,85 @@ pub unsafe extern "C" fn ibv_create_qp(
         non_null(qp_init_attr)?;
         // SAFETY: the caller passes a valid init structure.
         let init = unsafe { &mut *qp_init_attr };
-        let our = pd_of(pd)?;
-        let ctx = ctx_of(our.ibv.context)?;
-        if !init.srq.is_null() {
-            return Err(unsupported("QPs with an SRQ"));
-        }
-        let qp_type = match init.qp_type {
-            IBV_QPT_RC => QpType::Rc,
-            IBV_QPT_UC => QpType::Uc,
-            IBV_QPT_UD => QpType::Ud,
-            _ => return Err(unsupported("QP types other than RC")),
-        };
-        let cq_of = |cq: *mut ibv_cq| {
-            // SAFETY: the caller's CQs are live.
-            unsafe { Cq::from_raw(cq) }.and_then(|c| c.inner.as_ref().ok_or(libc::EINVAL))
-        };
-        let qp = our
-            .inner
-            .as_ref()
-            .ok_or(libc::EINVAL)?
-            .create_qp(&QpInitAttr {
-                send_cq: cq_of(init.send_cq)?,
-                recv_cq: cq_of(init.recv_cq)?,
-                cap: qp_cap!(QpCapabilities, init.cap),
-                qp_type,
-                sq_sig_all: init.sq_sig_all != 0,
-            })
-            .map_err(|e| errno_of(&e))?;
-        init.cap = qp_cap!(ibv_qp_cap, qp.cap());
-        let qpn = qp.qp_num();
-        let raw = Box::new(Qp {
-            ibv: ibv_qp {
-                context: our.ibv.context,
-                qp_context: init.qp_context,
-                pd,
-                send_cq: init.send_cq,
-                recv_cq: init.recv_cq,
-                handle: qpn,
-                qp_num: qpn,
-                state: IBV_QPS_RESET,
-                qp_type: init.qp_type,
-                ..Default::default()
-            },
-            inner: Some(qp),
-        })
-        .into_raw();
-        ctx.shared
-            .qps
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(
-                qpn,
-                QpRoute {
-                    qp: raw as usize,
-                    dlid: 0,
-                    sl: 0,
-                },
-            );
-        Ok(raw)
+        create_qp(pd, init, None)
     })
+}
+
+/// Creates a QP (`ibv_create_qp`, `ibv_create_qp_ex`); `send_ops` (the
+/// `send_ops_flags` of `ibv_create_qp_ex`, already checked) gives it the
+/// `ibv_wr_*` interface (see `qp_ex`).
+pub(crate) fn create_qp(
+    pd: *mut ibv_pd,
+    init: &mut ibv_qp_init_attr,
+    send_ops: Option<u64>,
+) -> VResult<*mut ibv_qp> {
+    let our = pd_of(pd)?;
+    let ctx = ctx_of(our.ibv.context)?;
+    if !init.srq.is_null() {
+        return Err(unsupported("QPs with an SRQ"));
+    }
+    let qp_type = match init.qp_type {
+        IBV_QPT_RC => QpType::Rc,
+        IBV_QPT_UC => QpType::Uc,
+        IBV_QPT_UD => QpType::Ud,
+        _ => return Err(unsupported("QP types other than RC")),
+    };
+    let cq_of = |cq: *mut ibv_cq| {
+        // SAFETY: the caller's CQs are live.
+        unsafe { Cq::from_raw(cq) }.and_then(|c| c.inner.as_ref().ok_or(libc::EINVAL))
+    };
+    let qp = our
+        .inner
+        .as_ref()
+        .ok_or(libc::EINVAL)?
+        .create_qp(&QpInitAttr {
+            send_cq: cq_of(init.send_cq)?,
+            recv_cq: cq_of(init.recv_cq)?,
+            cap: qp_cap!(QpCapabilities, init.cap),
+            qp_type,
+            sq_sig_all: init.sq_sig_all != 0,
+        })
+        .map_err(|e| errno_of(&e))?;
+    init.cap = qp_cap!(ibv_qp_cap, qp.cap());
+    let qpn = qp.qp_num();
+    let ibv = ibv_qp_ex {
+        qp_base: ibv_qp {
+            context: our.ibv.context,
+            qp_context: init.qp_context,
+            pd,
+            send_cq: init.send_cq,
+            recv_cq: init.recv_cq,
+            handle: qpn,
+            qp_num: qpn,
+            state: IBV_QPS_RESET,
+            qp_type: init.qp_type,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let (ibv, wr) = match send_ops {
+        Some(ops) => (qp_ex::with_wr_ops(ibv), Some(WrPosting::new(ops))),
+        None => (ibv, None),
+    };
+    let raw = Box::new(Qp {
+        ibv,
+        inner: Some(qp),
+        wr,
+    })
+    .into_raw();
+    ctx.shared
+        .qps
+        .write()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(
+            qpn,
+            QpRoute {
+                qp: raw as usize,
+                dlid: 0,
+                sl: 0,
+            },
+        );
+    Ok(raw)
 }
 
 /// `ibv_modify_qp`.
@@ -464,9 +520,9 @@ pub unsafe extern "C" fn ibv_modify_qp(
             unsafe { (*qp).state = attr.qp_state };
         }
         if mask & mask::AV != 0 {
-            let ctx = ctx_of(our.ibv.context)?;
+            let ctx = ctx_of(our.ibv.qp_base.context)?;
             let mut qps = ctx.shared.qps.write().unwrap_or_else(|e| e.into_inner());
-            if let Some(route) = qps.get_mut(&our.ibv.qp_num) {
+            if let Some(route) = qps.get_mut(&our.ibv.qp_base.qp_num) {
                 route.dlid = attr.ah_attr.dlid;
                 route.sl = attr.ah_attr.sl;
             }
@@ -500,9 +556,9 @@ pub unsafe extern "C" fn ibv_query_qp(
             .map_err(|e| errno_of(&e))?;
         let out = qp_attr_from_wire(&resp.attr);
         let init = ibv_qp_init_attr {
-            qp_context: our.ibv.qp_context,
-            send_cq: our.ibv.send_cq,
-            recv_cq: our.ibv.recv_cq,
+            qp_context: our.ibv.qp_base.qp_context,
+            send_cq: our.ibv.qp_base.send_cq,
+            recv_cq: our.ibv.qp_base.recv_cq,
             srq: std::ptr::null_mut(),
             cap: out.cap,
             qp_type: u32::from(resp.qp_type),
@@ -528,7 +584,12 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
     int_verb("ibv_destroy_qp", || {
         // SAFETY: the caller passes a live QP it no longer uses elsewhere.
         let this = unsafe { Qp::from_raw_mut(qp)? };
-        let ctx = ctx_of(this.ibv.context)?;
+        let ctx = ctx_of(this.ibv.qp_base.context)?;
+        // A batch of ibv_wr_* left open borrows the queue pair: dropped
+        // unposted first.
+        if let Some(wr) = &this.wr {
+            wr.abandon();
+        }
         destroy_inner(&mut this.inner, QueuePair::destroy)?;
         // Its route is kept under the number `ibv_qp` shows (as
         // `ibv_modify_qp` finds it).
@@ -536,7 +597,7 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
             .qps
             .write()
             .unwrap_or_else(|e| e.into_inner())
-            .remove(&this.ibv.qp_num);
+            .remove(&this.ibv.qp_base.qp_num);
         events::remove_qp(&ctx.shared, qp);
         // SAFETY: the QP box is no longer referenced.
         unsafe { Qp::free(qp) };

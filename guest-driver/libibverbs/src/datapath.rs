@@ -42,9 +42,9 @@ use crate::ffi::{errno_of, guard, VResult};
 use crate::objects::{Cq, Qp, Wrapper};
 
 /// Most SGEs of one work request: what the WQE format carries.
-const MAX_SGES: usize = MAX_SGE as usize;
+pub(crate) const MAX_SGES: usize = MAX_SGE as usize;
 /// Most inline bytes of one send: what the WQE format carries.
-const MAX_INLINE: usize = MAX_INLINE_DATA as usize;
+pub(crate) const MAX_INLINE: usize = MAX_INLINE_DATA as usize;
 /// Completions translated per guest-driver poll.
 const POLL_BATCH: usize = 32;
 /// The variable that sets how many empty polls in a row yield the core.
@@ -63,7 +63,7 @@ fn yield_every() -> u32 {
 
 /// Counts an empty poll of `cq` and yields the core every
 /// [`yield_every`] of them in a row.
-fn empty_poll(cq: &Cq) {
+pub(crate) fn empty_poll(cq: &Cq) {
     let every = yield_every();
     if every == 0 {
         return;
@@ -103,7 +103,10 @@ unsafe fn sge_slice<'a>(sg_list: *const ibv_sge, num_sge: c_int) -> VResult<&'a 
 }
 
 /// Translates `list` into `out`; `EINVAL` beyond [`MAX_SGES`].
-fn convert_sges<'a>(list: &[ibv_sge], out: &'a mut [Sge; MAX_SGES]) -> VResult<&'a [Sge]> {
+pub(crate) fn convert_sges<'a>(
+    list: &[ibv_sge],
+    out: &'a mut [Sge; MAX_SGES],
+) -> VResult<&'a [Sge]> {
     let sges = out.get_mut(..list.len()).ok_or(libc::EINVAL)?;
     for (d, s) in sges.iter_mut().zip(list) {
         *d = to_sge(s);
@@ -111,29 +114,32 @@ fn convert_sges<'a>(list: &[ibv_sge], out: &'a mut [Sge; MAX_SGES]) -> VResult<&
     Ok(sges)
 }
 
-/// Gathers the bytes an inline send's SGEs point to.
+/// Gathers the bytes of an inline send: `(address, length)` parts (an
+/// `ibv_send_wr`'s SGEs, `ibv_wr_set_inline_data(_list)`'s buffers).
 ///
 /// # Safety
 ///
-/// Each SGE names `length` readable bytes at the virtual address `addr`
-/// (the verbs contract for `IBV_SEND_INLINE`).
-unsafe fn gather_inline<'a>(list: &[ibv_sge], buf: &'a mut [u8; MAX_INLINE]) -> VResult<&'a [u8]> {
+/// Each part names `length` readable bytes at the virtual address
+/// `address` (the verbs contract for inline data).
+pub(crate) unsafe fn gather_inline(
+    parts: impl IntoIterator<Item = (u64, usize)>,
+    buf: &mut [u8; MAX_INLINE],
+) -> VResult<&[u8]> {
     let mut n = 0usize;
-    for s in list {
-        let len = s.length as usize;
+    for (addr, len) in parts {
         let end = n
             .checked_add(len)
             .filter(|&e| e <= MAX_INLINE)
             .ok_or(libc::EINVAL)?;
         if len > 0 {
-            if s.addr == 0 {
+            if addr == 0 {
                 return Err(libc::EINVAL);
             }
             // SAFETY: the caller's promise; the destination range is inside
             // `buf` (checked above) and cannot overlap the application's.
             unsafe {
                 std::ptr::copy_nonoverlapping(
-                    s.addr as usize as *const u8,
+                    addr as usize as *const u8,
                     buf[n..end].as_mut_ptr(),
                     len,
                 );
@@ -160,6 +166,14 @@ impl SendStorage {
     }
 }
 
+/// The WQE flags of libibverbs' `send_flags` (`ibv_send_wr`, `ibv_qp_ex`'s
+/// `wr_flags`): FENCE, SIGNALED and SOLICITED have the same bits on the
+/// wire; INLINE is carried by the payload, IP_CSUM means nothing to RC.
+pub(crate) fn wire_send_flags(send_flags: u32) -> u8 {
+    let known = send_flags::FENCE | send_flags::SIGNALED | send_flags::SOLICITED;
+    (send_flags & u32::from(known)) as u8
+}
+
 /// Translates one `ibv_send_wr` (its `next` is not followed).
 ///
 /// # Safety
@@ -174,17 +188,15 @@ unsafe fn translate_send<'a>(w: &ibv_send_wr, storage: &'a mut SendStorage) -> V
     // SAFETY: the caller's promise about sg_list.
     let list = unsafe { sge_slice(w.sg_list, w.num_sge)? };
     let payload = if w.send_flags & IBV_SEND_INLINE != 0 {
+        let parts = list.iter().map(|s| (s.addr, s.length as usize));
         // SAFETY: the caller's promise about inline buffers.
-        let data = unsafe { gather_inline(list, &mut storage.inline)? };
+        let data = unsafe { gather_inline(parts, &mut storage.inline)? };
         SendPayload::Inline(data)
     } else {
         SendPayload::Sges(convert_sges(list, &mut storage.sges)?)
     };
     let mut wr = SendWr::new(w.wr_id, opcode, payload);
-    // FENCE, SIGNALED and SOLICITED have the same bits on the wire;
-    // INLINE is carried by the payload, IP_CSUM means nothing to RC.
-    let known = send_flags::FENCE | send_flags::SIGNALED | send_flags::SOLICITED;
-    wr.flags = (w.send_flags & u32::from(known)) as u8;
+    wr.flags = wire_send_flags(w.send_flags);
     // SAFETY: every variant of these unions is plain integers, so reading
     // any of them is defined; the opcode says which one the application set.
     unsafe {
@@ -412,7 +424,7 @@ pub(crate) unsafe extern "C" fn poll_cq(
 /// # Safety
 ///
 /// `cq` is a live CQ.
-unsafe fn qp_path(cq: *mut ibv_cq, qpn: u32) -> Option<(u16, u8)> {
+pub(crate) unsafe fn qp_path(cq: *mut ibv_cq, qpn: u32) -> Option<(u16, u8)> {
     // SAFETY: a live CQ's context is an open context of this library.
     let ctx = unsafe { Ctx::from_ibv((*cq).context) }.ok()?;
     let qps = ctx.shared.qps.read().unwrap_or_else(|e| e.into_inner());

@@ -39,9 +39,11 @@
 )]
 #[rustfmt::skip]
 pub mod abi;
+mod compat_1_0;
 pub mod config;
 mod context;
 pub mod control;
+mod cq_ex;
 mod datapath;
 pub mod device;
 pub mod events;
@@ -49,6 +51,7 @@ mod exports;
 mod ffi;
 pub mod misc;
 mod objects;
+mod qp_ex;
 pub mod query;
 pub mod unsupported;
 

@@ -4,7 +4,10 @@
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::io::Read;
 
-use crate::abi::{ibv_event_type, ibv_node_type, ibv_port_state, ibv_rate, ibv_wc_status};
+use crate::abi::{
+    ibv_event_type, ibv_fork_status, ibv_node_type, ibv_port_state, ibv_rate, ibv_wc_status,
+    IBV_FORK_UNNEEDED,
+};
 use crate::device::{entries, ibdev_path};
 use crate::ffi::{guard, set_errno};
 
@@ -247,6 +250,15 @@ pub extern "C" fn ibv_dontfork_range(_base: *mut c_void, _size: usize) -> c_int 
 /// `ibv_dofork_range`: see [`ibv_fork_init`]; succeeds.
 pub extern "C" fn ibv_dofork_range(_base: *mut c_void, _size: usize) -> c_int {
     0
+}
+
+/// `ibv_is_fork_initialized`: `IBV_FORK_UNNEEDED`, whether or not
+/// `ibv_fork_init` was called: registrations survive `fork()` without it
+/// (process mode: shared mappings, see [`ibv_fork_init`]; VM mode:
+/// registered pages are always kept out of children, `MADV_DONTFORK`), as
+/// on a kernel that copies DMA pages on fork.
+pub extern "C" fn ibv_is_fork_initialized() -> ibv_fork_status {
+    IBV_FORK_UNNEEDED
 }
 
 #[cfg(test)]

@@ -15,9 +15,13 @@ use vrdma_guest_driver::{
     CompletionQueue, DestroyError, MemoryRegion, ProtectionDomain, QueuePair,
 };
 
-use crate::abi::{ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_cq, ibv_mr, ibv_pd, ibv_qp};
+use crate::abi::{
+    ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_cq, ibv_cq_ex, ibv_mr, ibv_pd, ibv_qp, ibv_qp_ex,
+    ibv_wc,
+};
 use crate::events::ChannelState;
 use crate::ffi::{non_null, VResult};
+use crate::qp_ex::WrPosting;
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every guarded state here is consistent between operations.
@@ -79,8 +83,17 @@ pub(crate) type Pd = Object<ibv_pd, ProtectionDomain>;
 /// `struct ibv_mr` and its memory region.
 pub(crate) type Mr = Object<ibv_mr, MemoryRegion>;
 
-/// `struct ibv_qp` and its queue pair.
-pub(crate) type Qp = Object<ibv_qp, QueuePair>;
+/// `struct ibv_qp` (inside the `struct ibv_qp_ex` that `ibv_qp_to_qp_ex`
+/// returns, as rdma-core's `struct verbs_qp` holds both) and its queue
+/// pair.
+#[repr(C)]
+pub(crate) struct Qp {
+    pub(crate) ibv: ibv_qp_ex,
+    pub(crate) inner: Option<QueuePair>,
+    /// The `ibv_wr_*` interface, for a QP created with `send_ops_flags`
+    /// (`ibv_qp_to_qp_ex` is NULL for the others).
+    pub(crate) wr: Option<WrPosting>,
+}
 
 /// Completion events handed to the application and acknowledged by it
 /// (`ibv_destroy_cq` waits until they match).
@@ -112,15 +125,21 @@ impl EventCount {
     }
 }
 
-/// `struct ibv_cq` and its completion queue.
+/// `struct ibv_cq` (inside the `struct ibv_cq_ex` that starts with the
+/// same fields, so every CQ can be polled both ways) and its completion
+/// queue.
 #[repr(C)]
 pub(crate) struct Cq {
-    pub(crate) ibv: ibv_cq,
+    pub(crate) ibv: ibv_cq_ex,
     pub(crate) inner: Option<CompletionQueue>,
     pub(crate) channel: Option<std::sync::Arc<ChannelState>>,
     pub(crate) events: EventCount,
     /// Polls in a row that found nothing (see `datapath::poll_cq`).
     pub(crate) empty_polls: std::sync::atomic::AtomicU32,
+    /// The completion `ibv_start_poll`/`ibv_next_poll` stepped onto, which
+    /// the `ibv_wc_read_*` accessors read (the verbs contract: one thread
+    /// polls a CQ between `ibv_start_poll` and `ibv_end_poll`).
+    pub(crate) current: std::cell::Cell<ibv_wc>,
 }
 
 /// `struct ibv_ah`: an address handle is a local record of its attributes.
@@ -192,9 +211,14 @@ pub(crate) unsafe trait Wrapper: Sized {
 unsafe impl<I, T> Wrapper for Object<I, T> {
     type Ibv = I;
 }
-// SAFETY: as above.
+// SAFETY: as above (`struct ibv_cq` is the start of `struct ibv_cq_ex`:
+// `cq_ex::tests` checks the offsets).
 unsafe impl Wrapper for Cq {
     type Ibv = ibv_cq;
+}
+// SAFETY: as above (`struct ibv_qp` is the first field of `ibv_qp_ex`).
+unsafe impl Wrapper for Qp {
+    type Ibv = ibv_qp;
 }
 // SAFETY: as above.
 unsafe impl Wrapper for Ah {

@@ -12,7 +12,7 @@ use crate::abi::{
     ibv_gid_entry, ibv_port_attr, ibv_query_device_ex_input,
 };
 use crate::context::Ctx;
-use crate::ffi::{errno_of, int_verb, minus_one_verb, non_null, write_c_str, VResult};
+use crate::ffi::{errno_of, guard, int_verb, minus_one_verb, non_null, write_c_str, VResult};
 use crate::objects::c_int_of;
 
 /// Address handles one context may hold (they are local records).
@@ -151,7 +151,11 @@ pub(crate) unsafe extern "C" fn query_device_ex(
             return Err(libc::EINVAL);
         }
         let orig_attr = query_device_attr(ctx_of(context)?)?;
+        // A RoCE RC device without ODP, TSO, RSS, packet pacing, tag
+        // matching, CQ moderation or device memory: those capabilities
+        // stay zero, as a provider reports what it lacks.
         let ex = ibv_device_attr_ex {
+            device_cap_flags_ex: u64::from(orig_attr.device_cap_flags),
             phys_port_cnt_ex: u32::from(orig_attr.phys_port_cnt),
             orig_attr,
             ..Default::default()
@@ -246,6 +250,38 @@ pub unsafe extern "C" fn ibv_query_gid(
     })
 }
 
+/// A port's GID table entry as `struct ibv_gid_entry`; `ENODATA` for an
+/// empty (zero) entry, as rdma-core reports one.
+fn gid_entry(context: *mut ibv_context, port_num: u32, gid_index: u32) -> VResult<ibv_gid_entry> {
+    let port = u8::try_from(port_num).map_err(|_| libc::EINVAL)?;
+    let (raw, gid_type) = query_gid_entry(context, port, gid_index)?;
+    if raw == [0; 16] {
+        return Err(libc::ENODATA);
+    }
+    Ok(ibv_gid_entry {
+        gid: ibv_gid { raw },
+        gid_index,
+        port_num,
+        // The device reports libibverbs' enum ibv_gid_type values.
+        gid_type,
+        // No netdev in the guest carries vrdma's address.
+        ndev_ifindex: 0,
+    })
+}
+
+/// Checks the `flags` and `entry_size` of the GID-entry queries: no flags
+/// are defined (`EOPNOTSUPP`, as rdma-core answers without kernel
+/// support), and the entry must hold a whole `struct ibv_gid_entry`.
+fn check_gid_query(flags: u32, entry_size: usize) -> VResult<()> {
+    if flags != 0 {
+        return Err(libc::EOPNOTSUPP);
+    }
+    if entry_size < std::mem::size_of::<ibv_gid_entry>() {
+        return Err(libc::EINVAL);
+    }
+    Ok(())
+}
+
 /// `_ibv_query_gid_ex` (behind the inline `ibv_query_gid_ex`).
 ///
 /// # Safety
@@ -260,22 +296,62 @@ pub unsafe extern "C" fn _ibv_query_gid_ex(
     entry_size: usize,
 ) -> c_int {
     int_verb("ibv_query_gid_ex", || {
-        if flags != 0 || entry.is_null() || entry_size < std::mem::size_of::<ibv_gid_entry>() {
-            return Err(libc::EINVAL);
-        }
-        let port = u8::try_from(port_num).map_err(|_| libc::EINVAL)?;
-        let (raw, gid_type) = query_gid_entry(context, port, gid_index)?;
-        let out = ibv_gid_entry {
-            gid: ibv_gid { raw },
-            gid_index,
-            port_num,
-            // The device reports libibverbs' enum ibv_gid_type values.
-            gid_type,
-            ndev_ifindex: 0,
-        };
+        check_gid_query(flags, entry_size)?;
+        non_null(entry)?;
+        let out = gid_entry(context, port_num, gid_index)?;
         // SAFETY: the caller provides `entry_size` bytes.
         unsafe { copy_sized(&out, entry.cast(), entry_size) };
         Ok(())
+    })
+}
+
+/// `_ibv_query_gid_table` (behind the inline `ibv_query_gid_table`): every
+/// non-empty GID of every port, `entry_size` bytes apart; the number
+/// written, or a negative errno (`EINVAL` when they do not fit in
+/// `max_entries`).
+///
+/// # Safety
+///
+/// `entries` has room for `max_entries` entries of `entry_size` bytes.
+pub unsafe extern "C" fn _ibv_query_gid_table(
+    context: *mut ibv_context,
+    entries: *mut ibv_gid_entry,
+    max_entries: usize,
+    flags: u32,
+    entry_size: usize,
+) -> isize {
+    guard("ibv_query_gid_table", -(libc::EIO as isize), || {
+        let table = || -> VResult<usize> {
+            check_gid_query(flags, entry_size)?;
+            let ports = query_device_attr(ctx_of(context)?)?.phys_port_cnt;
+            let mut n = 0usize;
+            for port in 1..=ports {
+                let len = u32::try_from(query_port_attr(context, port)?.gid_tbl_len)
+                    .map_err(|_| libc::EIO)?;
+                for index in 0..len {
+                    let e = match gid_entry(context, u32::from(port), index) {
+                        Ok(e) => e,
+                        Err(libc::ENODATA) => continue,
+                        Err(errno) => return Err(errno),
+                    };
+                    if n >= max_entries || entries.is_null() {
+                        return Err(libc::EINVAL);
+                    }
+                    // SAFETY: entry `n` is inside the caller's array
+                    // (`n < max_entries`), `entry_size` bytes long.
+                    unsafe {
+                        let at = entries.cast::<u8>().add(n * entry_size);
+                        copy_sized(&e, at.cast(), entry_size);
+                    }
+                    n += 1;
+                }
+            }
+            Ok(n)
+        };
+        match table() {
+            Ok(n) => isize::try_from(n).unwrap_or(isize::MAX),
+            Err(errno) => -(errno as isize),
+        }
     })
 }
 

@@ -13,10 +13,9 @@
 use std::ffi::{c_int, c_void};
 
 use crate::abi::{
-    ibv_alloc_dm_attr, ibv_context, ibv_counters, ibv_counters_init_attr, ibv_cq_ex,
-    ibv_cq_init_attr_ex, ibv_dm, ibv_ece, ibv_flow, ibv_flow_attr, ibv_gid, ibv_mr, ibv_mw,
-    ibv_mw_bind, ibv_mw_type, ibv_parent_domain_init_attr, ibv_pd, ibv_qp, ibv_qp_ex,
-    ibv_qp_init_attr_ex, ibv_qp_open_attr, ibv_recv_wr, ibv_rwq_ind_table,
+    ibv_alloc_dm_attr, ibv_context, ibv_counters, ibv_counters_init_attr, ibv_dm, ibv_ece,
+    ibv_flow, ibv_flow_attr, ibv_gid, ibv_mr, ibv_mw, ibv_mw_bind, ibv_mw_type,
+    ibv_parent_domain_init_attr, ibv_pd, ibv_qp, ibv_qp_open_attr, ibv_recv_wr, ibv_rwq_ind_table,
     ibv_rwq_ind_table_init_attr, ibv_srq, ibv_srq_attr, ibv_srq_init_attr, ibv_srq_init_attr_ex,
     ibv_td, ibv_td_init_attr, ibv_wq, ibv_wq_init_attr, ibv_xrcd, ibv_xrcd_init_attr,
 };
@@ -25,13 +24,13 @@ use crate::ffi::{int_verb, ptr_verb, set_errno, unsupported};
 
 /// Defines context-op refusals that return NULL with `errno = EOPNOTSUPP`.
 macro_rules! refuse_ptr {
-    ($($name:ident($($arg:ident: $ty:ty),*) -> $ret:ty, $what:literal;)+) => {$(
+    ($($vis:vis $name:ident($($arg:ident: $ty:ty),*) -> $ret:ty, $what:literal;)+) => {$(
         #[doc = concat!("Refuses ", $what, ": NULL, `errno = EOPNOTSUPP`.")]
         ///
         /// # Safety
         ///
         /// Any arguments: none is dereferenced.
-        pub(crate) unsafe extern "C" fn $name($(_: $ty),*) -> *mut $ret {
+        $vis unsafe extern "C" fn $name($(_: $ty),*) -> *mut $ret {
             ptr_verb($what, || Err(unsupported($what)))
         }
     )+};
@@ -53,20 +52,23 @@ macro_rules! refuse_int {
 }
 
 refuse_ptr! {
-    alloc_mw(pd: *mut ibv_pd, kind: ibv_mw_type) -> ibv_mw, "memory windows (ibv_alloc_mw)";
-    open_xrcd(context: *mut ibv_context, attr: *mut ibv_xrcd_init_attr) -> ibv_xrcd, "XRC domains (ibv_open_xrcd)";
-    create_srq_ex(context: *mut ibv_context, attr: *mut ibv_srq_init_attr_ex) -> ibv_srq, "SRQs (ibv_create_srq_ex)";
-    create_qp_ex(context: *mut ibv_context, attr: *mut ibv_qp_init_attr_ex) -> ibv_qp, "extended QP creation (ibv_create_qp_ex)";
-    open_qp(context: *mut ibv_context, attr: *mut ibv_qp_open_attr) -> ibv_qp, "XRC target QPs (ibv_open_qp)";
-    create_cq_ex(context: *mut ibv_context, attr: *mut ibv_cq_init_attr_ex) -> ibv_cq_ex, "extended CQs (ibv_create_cq_ex)";
-    create_wq(context: *mut ibv_context, attr: *mut ibv_wq_init_attr) -> ibv_wq, "work queues (ibv_create_wq)";
-    alloc_dm(context: *mut ibv_context, attr: *mut ibv_alloc_dm_attr) -> ibv_dm, "device memory (ibv_alloc_dm)";
-    alloc_td(context: *mut ibv_context, attr: *mut ibv_td_init_attr) -> ibv_td, "thread domains (ibv_alloc_td)";
-    alloc_parent_domain(context: *mut ibv_context, attr: *mut ibv_parent_domain_init_attr) -> ibv_pd, "parent domains (ibv_alloc_parent_domain)";
-    create_counters(context: *mut ibv_context, attr: *mut ibv_counters_init_attr) -> ibv_counters, "counters (ibv_create_counters)";
-    create_flow(qp: *mut ibv_qp, attr: *mut ibv_flow_attr) -> ibv_flow, "flow steering (ibv_create_flow)";
-    create_rwq_ind_table(context: *mut ibv_context, attr: *mut ibv_rwq_ind_table_init_attr) -> ibv_rwq_ind_table, "RSS tables (ibv_create_rwq_ind_table)";
-    alloc_null_mr(pd: *mut ibv_pd) -> ibv_mr, "null MRs (ibv_alloc_null_mr)";
+    pub(crate) alloc_mw(pd: *mut ibv_pd, kind: ibv_mw_type) -> ibv_mw, "memory windows (ibv_alloc_mw)";
+    pub(crate) open_xrcd(context: *mut ibv_context, attr: *mut ibv_xrcd_init_attr) -> ibv_xrcd, "XRC domains (ibv_open_xrcd)";
+    pub(crate) create_srq_ex(context: *mut ibv_context, attr: *mut ibv_srq_init_attr_ex) -> ibv_srq, "SRQs (ibv_create_srq_ex)";
+    pub(crate) open_qp(context: *mut ibv_context, attr: *mut ibv_qp_open_attr) -> ibv_qp, "XRC target QPs (ibv_open_qp)";
+    pub(crate) create_wq(context: *mut ibv_context, attr: *mut ibv_wq_init_attr) -> ibv_wq, "work queues (ibv_create_wq)";
+    pub(crate) alloc_dm(context: *mut ibv_context, attr: *mut ibv_alloc_dm_attr) -> ibv_dm, "device memory (ibv_alloc_dm)";
+    pub(crate) alloc_td(context: *mut ibv_context, attr: *mut ibv_td_init_attr) -> ibv_td, "thread domains (ibv_alloc_td)";
+    pub(crate) alloc_parent_domain(context: *mut ibv_context, attr: *mut ibv_parent_domain_init_attr) -> ibv_pd, "parent domains (ibv_alloc_parent_domain)";
+    pub(crate) create_counters(context: *mut ibv_context, attr: *mut ibv_counters_init_attr) -> ibv_counters, "counters (ibv_create_counters)";
+    pub(crate) create_flow(qp: *mut ibv_qp, attr: *mut ibv_flow_attr) -> ibv_flow, "flow steering (ibv_create_flow)";
+    pub(crate) create_rwq_ind_table(context: *mut ibv_context, attr: *mut ibv_rwq_ind_table_init_attr) -> ibv_rwq_ind_table, "RSS tables (ibv_create_rwq_ind_table)";
+    pub(crate) alloc_null_mr(pd: *mut ibv_pd) -> ibv_mr, "null MRs (ibv_alloc_null_mr)";
+    pub ibv_import_device(cmd_fd: c_int) -> ibv_context, "sharing contexts between processes (ibv_import_device)";
+    pub ibv_import_pd(context: *mut ibv_context, pd_handle: u32) -> ibv_pd, "importing objects (ibv_import_pd)";
+    pub ibv_import_mr(pd: *mut ibv_pd, mr_handle: u32) -> ibv_mr, "importing objects (ibv_import_mr)";
+    pub ibv_import_dm(context: *mut ibv_context, dm_handle: u32) -> ibv_dm, "importing objects (ibv_import_dm)";
+    pub ibv_reg_dmabuf_mr(pd: *mut ibv_pd, offset: u64, length: usize, iova: u64, fd: c_int, access: c_int) -> ibv_mr, "dma-buf memory regions (ibv_reg_dmabuf_mr)";
 }
 
 refuse_int! {
@@ -111,16 +113,21 @@ pub(crate) unsafe extern "C" fn post_srq_recv(
     fail_at(bad_wr, wr, unsupported("ibv_post_srq_recv"))
 }
 
-/// `ibv_qp_to_qp_ex`: no QP is created with the extended interface, so
-/// there is no `ibv_qp_ex` (NULL, as rdma-core answers for such QPs).
-///
-/// # Safety
-///
-/// Any arguments: none is dereferenced.
-pub unsafe extern "C" fn ibv_qp_to_qp_ex(_qp: *mut ibv_qp) -> *mut ibv_qp_ex {
-    set_errno(libc::EOPNOTSUPP);
-    std::ptr::null_mut()
+/// Defines the `ibv_unimport_*` calls: nothing can have been imported
+/// (every import is refused), so there is nothing to release, as
+/// rdma-core's own answer for a provider without imports.
+macro_rules! unimport {
+    ($($name:ident($ty:ty)),+ $(,)?) => {$(
+        #[doc = concat!("`", stringify!($name), "`: nothing was imported; does nothing.")]
+        pub extern "C" fn $name(_: *mut $ty) {}
+    )+};
 }
+
+unimport!(
+    ibv_unimport_pd(ibv_pd),
+    ibv_unimport_mr(ibv_mr),
+    ibv_unimport_dm(ibv_dm)
+);
 
 fn provider_only(name: &'static str) -> c_int {
     tracing::warn!(
@@ -144,6 +151,7 @@ macro_rules! provider_int {
 }
 
 provider_int!(
+    __ioctl_final_num_attrs,
     execute_ioctl,
     ibv_cmd_advise_mr,
     ibv_cmd_alloc_dm,
@@ -153,9 +161,11 @@ provider_int!(
     ibv_cmd_close_xrcd,
     ibv_cmd_create_ah,
     ibv_cmd_create_counters,
+    ibv_cmd_create_cq,
     ibv_cmd_create_cq_ex,
     ibv_cmd_create_flow,
     ibv_cmd_create_flow_action_esp,
+    ibv_cmd_create_qp,
     ibv_cmd_create_qp_ex,
     ibv_cmd_create_qp_ex2,
     ibv_cmd_create_rwq_ind_table,
@@ -185,6 +195,10 @@ provider_int!(
     ibv_cmd_modify_wq,
     ibv_cmd_open_qp,
     ibv_cmd_open_xrcd,
+    ibv_cmd_poll_cq,
+    ibv_cmd_post_recv,
+    ibv_cmd_post_send,
+    ibv_cmd_post_srq_recv,
     ibv_cmd_query_context,
     ibv_cmd_query_device_any,
     ibv_cmd_query_mr,
@@ -195,6 +209,7 @@ provider_int!(
     ibv_cmd_reg_dm_mr,
     ibv_cmd_reg_dmabuf_mr,
     ibv_cmd_reg_mr,
+    ibv_cmd_req_notify_cq,
     ibv_cmd_rereg_mr,
     ibv_cmd_resize_cq,
 );
@@ -235,10 +250,17 @@ pub extern "C" fn verbs_uninit_context() {
 /// `__verbs_log` (IBVERBS_PRIVATE_34): providers' debug log; ignored.
 pub extern "C" fn __verbs_log() {}
 
-/// `verbs_allow_disassociate_destroy` (IBVERBS_PRIVATE_34): false.
-pub extern "C" fn verbs_allow_disassociate_destroy() -> c_int {
-    0
+/// `ibv_read_ibdev_sysfs_file` (IBVERBS_PRIVATE_34): providers only (vrdma
+/// has no sysfs device); -1 with `errno = EOPNOTSUPP`, as the function
+/// reports errors.
+pub extern "C" fn ibv_read_ibdev_sysfs_file() -> c_int {
+    provider_only("ibv_read_ibdev_sysfs_file");
+    -1
 }
+
+/// `ibv_register_driver@IBVERBS_1.1`: the provider registration of
+/// libibverbs 1.1 providers; vrdma loads no provider and ignores it.
+pub extern "C" fn ibv_register_driver(_name: *const c_void, _init: *const c_void) {}
 
 /// Defines the historical kernel-structure copy helpers of IBVERBS_1.0/1.1,
 /// private to rdma-core since: nothing of vrdma uses kernel structures.
@@ -254,5 +276,6 @@ macro_rules! kern_copy {
 kern_copy!(
     ibv_copy_ah_attr_from_kern,
     ibv_copy_path_rec_from_kern,
+    ibv_copy_path_rec_to_kern,
     ibv_copy_qp_attr_from_kern,
 );

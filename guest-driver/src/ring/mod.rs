@@ -248,6 +248,12 @@ impl WorkRing {
         true
     }
 
+    /// Forgets every entry written since the last [`WorkRing::publish`]:
+    /// the device never saw them, and their slots are free again.
+    pub(crate) fn discard_unpublished(&mut self) {
+        self.producer = self.published;
+    }
+
     /// Whether the device put the ring's object in error.
     pub(crate) fn in_error(&self) -> bool {
         let flags = self

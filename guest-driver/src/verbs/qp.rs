@@ -229,6 +229,13 @@ impl SendBatch<'_> {
     pub fn push(&mut self, wr: &SendWr<'_>) -> Result<()> {
         self.0.ring.push(wr)
     }
+
+    /// Ends the batch without posting anything pushed into it
+    /// (`ibv_wr_abort`): the device never sees those WQEs, their slots are
+    /// free again and the doorbell is not rung.
+    pub fn abort(mut self) {
+        self.0.ring.parts().0.discard_unpublished();
+    }
 }
 
 /// Receive work requests being posted, like [`SendBatch`].
@@ -572,6 +579,24 @@ mod tests {
         drop(batch);
         assert_eq!(kicks(), 3);
         assert_eq!(read_u64(&stub, word), 1 << 13);
+
+        // An aborted batch publishes nothing and rings nothing; the next
+        // post reuses its slots.
+        let sq = stub.requests::<CreateQpReq>(Opcode::CreateQp)[0]
+            .sq_ring_addr
+            .get();
+        let published = read_u32(&stub, sq + DRIVER_INDEX_OFFSET);
+        stub.write(word, &0u64.to_le_bytes());
+        let mut batch = qp.send_batch();
+        batch.push(&wrs[0]).unwrap();
+        batch.push(&wrs[1]).unwrap();
+        batch.abort();
+        assert_eq!(kicks(), 3, "an aborted batch rings nothing");
+        assert_eq!(read_u64(&stub, word), 0);
+        assert_eq!(read_u32(&stub, sq + DRIVER_INDEX_OFFSET), published);
+        qp.post_send(&wrs[2..3]).unwrap();
+        assert_eq!(read_u32(&stub, sq + DRIVER_INDEX_OFFSET), published + 1);
+        assert_eq!(kicks(), 4);
     }
 
     #[test]
