@@ -15,6 +15,7 @@
 
 pub use vrdma_tools::{app_memory, vmm};
 
+pub mod c_program;
 pub mod daemon;
 pub mod need;
 pub mod netns;

@@ -10,13 +10,13 @@
 //! libibverbs-dev) that `scripts/test` installs; where one is missing, the
 //! test fails and says which package to install.
 
-use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use vrdma_tests::c_program::build_c_program;
 use vrdma_tests::daemon::{tcp_listening, wait_output, Hostd, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::need;
 
@@ -438,32 +438,6 @@ int main(void)
 	return ok ? 0 : 1;
 }
 "#;
-
-/// Compiles the C program `source` as `dir/name` against Debian's
-/// <infiniband/verbs.h>, linked against Debian's libibverbs (`-z now`), so
-/// the binary imports versioned symbols exactly as packaged programs do.
-fn build_c_program(dir: &TempDir, name: &str, source: &str) -> std::path::PathBuf {
-    need::program("cc", "gcc");
-    need::file(
-        Path::new("/usr/include/infiniband/verbs.h"),
-        "libibverbs-dev",
-    );
-    let src = dir.path().join(format!("{name}.c"));
-    std::fs::File::create(&src)
-        .and_then(|mut f| f.write_all(source.as_bytes()))
-        .expect("write the C program");
-    let exe = dir.path().join(name);
-    let cc = Command::new("cc")
-        .args(["-Wall", "-Werror"])
-        .arg(&src)
-        .arg("-o")
-        .arg(&exe)
-        .args(["-Wl,-z,now", "-libverbs"])
-        .output()
-        .expect("run cc");
-    assert!(cc.status.success(), "cc: {}", Run::text(&cc));
-    exe
-}
 
 #[test]
 fn refused_verbs_return_errors_not_crashes() {
