@@ -2,10 +2,11 @@
 //! `ibv_get_device_name`, `ibv_open_device`, `ibv_close_device`, ...
 //!
 //! The devices are read from the configuration ([`crate::config`]) once per
-//! process. Listing them connects to nothing: a vdev serves one frontend at
-//! a time, so the library connects to a device's socket only when the
-//! application opens it (`ibv_open_device`), and says clearly on stderr
-//! when nothing is configured or a device cannot be reached.
+//! process. Listing them connects to nothing: the library connects to a
+//! device's socket only when the application opens it (`ibv_open_device`:
+//! each open is a context of the device, a connection of its own), and
+//! says clearly on stderr when nothing is configured or a device cannot be
+//! reached.
 
 use std::ffi::{c_char, c_int};
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -89,9 +89,9 @@ fn region_info(region: &DmaRegion<'_>) -> VhostUserMemoryRegionInfo {
 }
 
 /// How long [`VhostUserTransport::connect`] waits for vdev to take the
-/// connection. vdev serves one frontend at a time; the next waits in its
-/// backlog until the one before has gone (an application that follows
-/// another), but not for ever (two applications sharing one device).
+/// connection. vdev serves up to 64 frontends at once (contexts of the
+/// device); one more waits in its backlog until one has gone, but not for
+/// ever.
 pub const DEFAULT_BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Waits until the peer has read everything sent on the stream socket `fd`
