@@ -25,6 +25,8 @@ pub fn build_c_program(dir: &TempDir, name: &str, source: &str) -> std::path::Pa
     let exe = dir.path().join(name);
     let cc = Command::new("cc")
         .args(["-Wall", "-Werror"])
+        // tests/c: the headers the programs share (rc.h).
+        .arg(concat!("-I", env!("CARGO_MANIFEST_DIR"), "/c"))
         .arg(&src)
         .arg("-o")
         .arg(&exe)
