@@ -130,7 +130,10 @@ impl Engine {
             return remote.has_unsent();
         }
         let (device, pd) = (qp.device, qp.pd);
-        let mut i = 0;
+        let Some(remote) = self.qps.get_mut(qref).and_then(|q| q.remote.as_deref_mut()) else {
+            return false;
+        };
+        let mut i = remote.skip_sent();
         loop {
             let Some(qp) = self.qps.get(qref) else {
                 return false;
@@ -142,7 +145,7 @@ impl Engine {
                 return false;
             };
             // Answered (or acknowledged) messages are never sent again.
-            if m.all_sent() || m.failed.is_some() || m.answered {
+            if !m.to_send() {
                 i += 1;
                 continue;
             }
@@ -264,6 +267,8 @@ impl Engine {
             }
         }
         if asked {
+            // Sending looks from the start again.
+            remote.send_from = 0;
             w.mark_active(qref);
         }
         self.retire(w, qref, now);
@@ -487,6 +492,7 @@ impl Engine {
             let Some(m) = remote.inflight.pop_front() else {
                 break;
             };
+            remote.send_from = remote.send_from.saturating_sub(1);
             qp.issued = qp.issued.saturating_sub(1);
             let (wr_id, opcode, signaled) = (m.work.wr_id, m.work.wc_opcode(), m.work.signaled());
             let byte_len = if status == WcStatus::Success {

@@ -122,6 +122,12 @@ impl Issued {
     pub fn all_sent(&self) -> bool {
         self.sent >= self.npkts
     }
+
+    /// Whether it has packets to send: not all sent in this pass, and
+    /// neither answered (never sent again) nor failed.
+    pub fn to_send(&self) -> bool {
+        !self.all_sent() && !self.answered && self.failed.is_none()
+    }
 }
 
 /// The message a responder is in the middle of.
@@ -187,6 +193,11 @@ pub struct RemoteQp {
     pub high: Psn,
     /// Messages on the wire, oldest first.
     pub inflight: VecDeque<Issued>,
+    /// Every message of `inflight` before this index has nothing left to
+    /// send (all sent, answered or failed): where sending looks first, so
+    /// that a full window is not walked from its oldest message at every
+    /// packet. Moved back by a rewind, down by a retirement.
+    pub send_from: usize,
     /// Spare WQE copies (allocated when the QP connects, reused).
     pub pool: Vec<Box<SendWork>>,
     /// Retries of each kind left since the last progress.
@@ -229,6 +240,7 @@ impl RemoteQp {
             acked: Psn::new(conn.sq_psn).sub(1),
             high: Psn::new(conn.sq_psn),
             inflight: VecDeque::with_capacity(WINDOW_MESSAGES),
+            send_from: 0,
             pool: (0..WINDOW_MESSAGES).map(|_| Box::default()).collect(),
             retry_left: conn.retry_cnt,
             rnr_left: conn.rnr_retry,
@@ -348,7 +360,20 @@ impl RemoteQp {
 
     /// Whether some message has packets not sent in this pass.
     pub fn has_unsent(&self) -> bool {
-        (self.inflight.iter()).any(|m| !m.all_sent() && !m.answered && m.failed.is_none())
+        (self.inflight.iter().skip(self.send_from)).any(Issued::to_send)
+    }
+
+    /// Moves [`RemoteQp::send_from`] past the messages with nothing to
+    /// send at the front of what is left; returns it.
+    pub fn skip_sent(&mut self) -> usize {
+        while self
+            .inflight
+            .get(self.send_from)
+            .is_some_and(|m| !m.to_send())
+        {
+            self.send_from += 1;
+        }
+        self.send_from
     }
 
     /// Remembers the result of the atomic at `psn`.
@@ -369,6 +394,7 @@ impl RemoteQp {
     /// Rewinds transmission to `psn` (go-back-N): every packet from it on
     /// is sent again.
     pub fn rewind(&mut self, psn: Psn) {
+        self.send_from = 0;
         for m in self.inflight.iter_mut().filter(|m| !m.answered) {
             let d = psn.diff(m.first);
             if d <= 0 {

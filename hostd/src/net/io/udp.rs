@@ -60,11 +60,40 @@ const CMSG_ROOM: usize = (16 + 16) + (16 + 8) + (16 + 8);
 #[derive(Clone, Copy)]
 struct Cmsgs([u8; CMSG_ROOM]);
 
+/// A `sendmmsg` call's arrays, kept from call to call (on the heap,
+/// zeroed once): a call writes only the entries it uses, instead of
+/// zeroing some 12 KiB of stack every time.
+struct TxArrays {
+    msgs: [libc::mmsghdr; BATCH],
+    iovs: [libc::iovec; 2 * BATCH],
+    addrs: [libc::sockaddr_in; BATCH],
+    cmsgs: [Cmsgs; BATCH],
+    /// ICRCs corrected for a GSO segment's IPv4 ID.
+    icrcs: [[u8; ICRC_LEN]; BATCH],
+    /// Packets in each message.
+    counts: [usize; BATCH],
+    /// Where each message's iovecs start.
+    iov_starts: [usize; BATCH],
+}
+
+// SAFETY: the raw pointers in `TxArrays` (iovecs, names, control
+// messages) are written by a `send_some` call before its `sendmmsg` and
+// mean nothing after it; nothing reads them between calls, so moving the
+// arrays to another thread moves no live borrow.
+unsafe impl Send for TxArrays {}
+
+impl std::fmt::Debug for TxArrays {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TxArrays")
+    }
+}
+
 /// RoCEv2 packets through a UDP socket (send) and a packet socket
 /// (receive).
 #[derive(Debug)]
 pub struct UdpIo {
     udp: OwnedFd,
+    tx: Box<TxArrays>,
     rx: PacketRx,
     port: u16,
     gso: bool,
@@ -91,6 +120,9 @@ impl UdpIo {
         bind_to(&udp, bind, port)?;
         Ok(UdpIo {
             udp,
+            // SAFETY: all-zero is a valid value of these C structs and
+            // plain arrays (null pointers, zero lengths).
+            tx: Box::new(unsafe { std::mem::zeroed() }),
             rx: PacketRx::open(port)?,
             port,
             gso: true,
@@ -122,20 +154,15 @@ impl UdpIo {
     /// One `sendmmsg` of the first packets of `batch` (not empty): how
     /// many packets it is done with, or `None` when the queue is full.
     fn send_some(&mut self, batch: &[OutPacket]) -> Option<usize> {
-        // SAFETY: all-zero is a valid value of these C structs (null
-        // pointers, zero lengths).
-        let mut msgs: [libc::mmsghdr; BATCH] = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut iovs: [libc::iovec; 2 * BATCH] = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        let mut addrs: [libc::sockaddr_in; BATCH] = unsafe { std::mem::zeroed() };
-        let mut cmsgs = [Cmsgs([0; CMSG_ROOM]); BATCH];
-        let mut icrcs = [[0u8; ICRC_LEN]; BATCH];
-        // Packets in each message.
-        let mut counts = [0usize; BATCH];
-        // Where each message's iovecs start.
-        let mut iov_starts = [0usize; BATCH];
-
+        let TxArrays {
+            msgs,
+            iovs,
+            addrs,
+            cmsgs,
+            icrcs,
+            counts,
+            iov_starts,
+        } = &mut *self.tx;
         let (mut nmsgs, mut npkts, mut niovs) = (0usize, 0usize, 0usize);
         while nmsgs < BATCH && npkts < batch.len() && npkts < BATCH {
             let first = &batch[npkts];
