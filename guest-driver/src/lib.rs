@@ -49,6 +49,6 @@ pub use ring::{RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
 pub use transport::{MemoryModel, PciDevice, Transport, VhostUserTransport, VirtioPciTransport};
 pub use verbs::{
     CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities, QpInitAttr,
-    QueuePair, RecvBatch, SendBatch,
+    QueuePair, RecvBatch, SendBatch, SharedReceiveQueue,
 };
 pub use vrdma_spec;

@@ -19,7 +19,7 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// 4: devices are addressed by GID (RoCEv2): the Welcome carries the
 /// device's GID, a connection names its peer by GID and carries every
 /// attribute of the connection.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// A request from vdev to hostd.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -82,6 +82,17 @@ pub enum Request {
     /// The virtual QP is destroyed. When the response arrives no WQE of it
     /// is executed any more and its rings are not touched.
     DestroyQp { vqpn: u32 },
+    /// A shared receive queue: its ring, the SGEs its WQEs may carry and
+    /// its armed limit (0: none).
+    CreateSrq(SrqSetup),
+    /// Arms the SRQ's limit event at `limit` (0 disarms it).
+    ModifySrq { srqn: u32, limit: u32 },
+    /// The SRQ's limit now (0 once the event fired); answered with
+    /// [`Response::SrqLimit`].
+    QuerySrq { srqn: u32 },
+    /// The SRQ is destroyed (no QP uses it: vdev checked). When the
+    /// response arrives its ring is not touched any more.
+    DestroySrq { srqn: u32 },
     /// The driver reset the device: every QP, CQ, event ring, MR and the
     /// doorbell go (memory slots stay). When the response arrives, nothing
     /// of the old driver's is touched any more.
@@ -112,6 +123,18 @@ pub struct WorkRing {
     pub stride: u32,
 }
 
+/// A shared receive queue as hostd's datapath needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SrqSetup {
+    pub srqn: u32,
+    pub pd: u32,
+    pub ring: WorkRing,
+    pub max_sge: u32,
+    /// The limit armed at creation (0: not armed).
+    pub limit: u32,
+}
+
 /// A virtual QP as hostd's datapath needs it: its rings, its CQs and what
 /// its WQEs may carry (the capacities vdev granted,
 /// [`vrdma_spec::limits::QpGrant`]).
@@ -131,6 +154,9 @@ pub struct QpSetup {
     pub max_send_sge: u32,
     pub max_recv_sge: u32,
     pub max_inline_data: u32,
+    /// The SRQ its receives come from (its own receive ring is unused).
+    #[serde(default)]
+    pub srqn: Option<u32>,
 }
 
 /// A state transition of a virtual QP.
@@ -220,6 +246,8 @@ pub enum Response {
     Ok,
     /// Answer to `QueryQp`: a [`vrdma_spec::verbs::QpState`].
     QpState { state: u8 },
+    /// Answer to [`Request::QuerySrq`].
+    SrqLimit { limit: u32 },
     /// Answer to `RegisterMr`: the region's keys (distinct, never 0).
     MrKeys { lkey: u32, rkey: u32 },
     /// The request was refused: a positive errno and why.
@@ -330,6 +358,16 @@ mod tests {
             max_send_sge: 4,
             max_recv_sge: 4,
             max_inline_data: 64,
+            srqn: Some(7),
+        });
+        let bytes = encode(&req).expect("encode");
+        assert_eq!(decode::<Request>(&bytes).expect("decode"), req);
+        let req = Request::CreateSrq(SrqSetup {
+            srqn: 7,
+            pd: 1,
+            ring: ring(0x30000),
+            max_sge: 2,
+            limit: 10,
         });
         let bytes = encode(&req).expect("encode");
         assert_eq!(decode::<Request>(&bytes).expect("decode"), req);

@@ -553,6 +553,22 @@ impl Server {
                 self.datapath.lock().destroy_qp(id, vqpn)?;
                 Ok(Response::Ok)
             }
+            Request::CreateSrq(setup) => {
+                self.datapath.lock().create_srq(id, &setup)?;
+                Ok(Response::Ok)
+            }
+            Request::ModifySrq { srqn, limit } => {
+                self.datapath.lock().modify_srq(id, srqn, limit)?;
+                Ok(Response::Ok)
+            }
+            Request::QuerySrq { srqn } => {
+                let limit = self.datapath.lock().query_srq(id, srqn)?;
+                Ok(Response::SrqLimit { limit })
+            }
+            Request::DestroySrq { srqn } => {
+                self.datapath.lock().destroy_srq(id, srqn)?;
+                Ok(Response::Ok)
+            }
             Request::ResetDevice => {
                 self.datapath.lock().reset_device(id);
                 self.datapath.wake();

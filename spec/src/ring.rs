@@ -203,6 +203,12 @@ pub mod event_kind {
     pub const QP_FATAL: u16 = 3;
     /// The port became active.
     pub const PORT_ACTIVE: u16 = 4;
+    /// The armed limit of an SRQ was crossed (fewer WQEs posted than
+    /// `srq_limit`); `object` is the SRQN. The limit is disarmed.
+    pub const SRQ_LIMIT: u16 = 5;
+    /// A QP attached to an SRQ entered the error state: it takes no more
+    /// receives from the SRQ; `object` is the QPN.
+    pub const QP_LAST_WQE_REACHED: u16 = 6;
 }
 
 wire_struct! {

@@ -48,9 +48,7 @@ pub struct Limits {
     pub max_mr_bytes: u64,
     /// Bytes of all memory regions together (pinned memory).
     pub max_total_mr_bytes: u64,
-    /// Shared receive queues; 0 (the default) means none. vrdma does not
-    /// implement SRQs yet, so the only limit it can honour is 0.
-    #[serde(default)]
+    /// Shared receive queues; 0 means none (a policy may forbid them).
     pub max_srq: u32,
 }
 
@@ -68,7 +66,7 @@ impl Default for Limits {
             max_rd_atomic: 16,
             max_mr_bytes: 1 << 32,
             max_total_mr_bytes: 1 << 34,
-            max_srq: 0,
+            max_srq: 256,
         }
     }
 }
@@ -164,8 +162,8 @@ mod tests {
     }
 
     #[test]
-    fn srqs_default_to_none_and_may_be_zero() {
-        assert_eq!(Limits::default().max_srq, 0);
+    fn srqs_default_to_256_and_may_be_zero() {
+        assert_eq!(Limits::default().max_srq, 256);
         let limits: Limits = toml::from_str("max_srq = 0").expect("parses");
         limits.validate().expect("0 SRQs is valid");
         let some: Limits = toml::from_str("max_srq = 16").expect("parses");

@@ -471,3 +471,31 @@ fn refused_verbs_return_errors_not_crashes() {
         vdev.log()
     );
 }
+
+/// `ibv_srq_pingpong`: 16 QPs on each side take their receives from one
+/// shared receive queue (`ibv_post_srq_recv`, QPs created with `srq`),
+/// 10000 exchanges spread over the QPs, each received buffer checked
+/// (`-c`).
+#[test]
+fn ibv_srq_pingpong_shares_one_receive_queue_among_16_qps() {
+    need::program("ibv_srq_pingpong", "ibverbs-utils");
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let fabric = Fabric::start();
+    let run = run_pair(
+        &shim,
+        &fabric,
+        "ibv_srq_pingpong",
+        &["-g", "0", "-n", "10000", "-c"],
+    );
+    for (side, text) in [("server", run.server_text()), ("client", run.client_text())] {
+        // One "remote address" line per QP: 16 connected QPs.
+        let remotes = text.matches("remote address:").count();
+        assert_eq!(remotes, 16, "{side}:\n{text}");
+        // 10000 exchanges of 4096 bytes each way.
+        assert!(
+            text.contains("81920000 bytes in ") && text.contains("\n10000 iters in "),
+            "{side}:\n{text}"
+        );
+    }
+}

@@ -11,7 +11,7 @@ use std::sync::{Mutex, Weak};
 
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
 use vrdma_hostd_protocol::messages::{
-    MrRegistration, Notification, QpModify, QpSetup, Request, Response, TenantPolicy,
+    MrRegistration, Notification, QpModify, QpSetup, Request, Response, SrqSetup, TenantPolicy,
     PROTOCOL_VERSION,
 };
 
@@ -256,6 +256,26 @@ impl Fabric {
 
     pub fn destroy_qp(&self, vqpn: u32) -> Result<(), FabricError> {
         self.call(&Request::DestroyQp { vqpn }, &[])
+    }
+
+    pub fn create_srq(&self, setup: SrqSetup) -> Result<(), FabricError> {
+        self.call(&Request::CreateSrq(setup), &[])
+    }
+
+    pub fn modify_srq(&self, srqn: u32, limit: u32) -> Result<(), FabricError> {
+        self.call(&Request::ModifySrq { srqn, limit }, &[])
+    }
+
+    /// The SRQ's armed limit as the datapath sees it (0 once it fired).
+    pub fn query_srq(&self, srqn: u32) -> Result<u32, FabricError> {
+        match self.request(&Request::QuerySrq { srqn }, &[])? {
+            Response::SrqLimit { limit } => Ok(limit),
+            other => Err(FabricError::Unexpected(Box::new(other))),
+        }
+    }
+
+    pub fn destroy_srq(&self, srqn: u32) -> Result<(), FabricError> {
+        self.call(&Request::DestroySrq { srqn }, &[])
     }
 
     /// Everything of the device's driver goes: QPs, CQs, event rings, MRs

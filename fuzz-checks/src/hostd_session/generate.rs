@@ -280,6 +280,7 @@ impl Session<'_> {
             max_send_sge: u32::from(input.u8()),
             max_recv_sge: u32::from(input.u8()),
             max_inline_data: u32::from(input.u16()),
+            srqn: None,
         }
     }
 

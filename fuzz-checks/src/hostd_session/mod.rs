@@ -615,6 +615,7 @@ fn set_up_beta(beta: &Channel, lid: u16) -> [u32; 4] {
         max_send_sge: 4,
         max_recv_sge: 4,
         max_inline_data: 64,
+        srqn: None,
     });
     expect_ok(beta, &qp, &[]);
     expect_ok(beta, &modify(QpState::Init, None, Some(0)), &[]);
@@ -783,6 +784,7 @@ mod tests {
             max_send_sge: 1,
             max_recv_sge: 1,
             max_inline_data: 0,
+            srqn: None,
         };
         s.step(&Request::CreateQp(qp), &[]);
         assert!(s.model.wild, "the ring lies on the doorbell page");

@@ -246,6 +246,12 @@ impl Model {
                 },
             },
             Request::DestroyQp { vqpn } => self.exists(self.qps.contains_key(vqpn)),
+            // The generator makes no SRQ requests (nor QPs on an SRQ); the
+            // engine's SRQ rules have their own tests (hostd engine tests).
+            Request::CreateSrq(_)
+            | Request::ModifySrq { .. }
+            | Request::QuerySrq { .. }
+            | Request::DestroySrq { .. } => Expect::Either,
             Request::ResetDevice => Expect::Ok,
             Request::QuotaRejected { quota } => {
                 let limits = serde_json::to_value(Limits::default()).ok();
@@ -448,7 +454,13 @@ impl Model {
     /// Applies an accepted request.
     pub fn apply(&mut self, request: &Request, fds: &[Fd], keys: Option<(u32, u32)>) {
         match request {
-            Request::Hello { .. } | Request::QuotaRejected { .. } | Request::QueryQp { .. } => {}
+            Request::Hello { .. }
+            | Request::QuotaRejected { .. }
+            | Request::QueryQp { .. }
+            | Request::CreateSrq(_)
+            | Request::ModifySrq { .. }
+            | Request::QuerySrq { .. }
+            | Request::DestroySrq { .. } => {}
             &Request::AddMemory {
                 slot,
                 gpa,

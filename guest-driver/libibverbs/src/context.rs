@@ -52,6 +52,8 @@ pub(crate) struct Shared {
     pub(crate) cqs: Mutex<HashMap<u32, CqRoute>>,
     /// QPs by QPN.
     pub(crate) qps: RwLock<HashMap<u32, QpRoute>>,
+    /// SRQs (the application's `struct ibv_srq *`) by SRQN.
+    pub(crate) srqs: Mutex<HashMap<u32, usize>>,
     pub(crate) async_events: AsyncQueue,
     /// Written to stop the event thread.
     pub(crate) stop: OwnedFd,
@@ -75,6 +77,7 @@ impl Ctx {
             dev,
             cqs: Mutex::default(),
             qps: RwLock::default(),
+            srqs: Mutex::default(),
             async_events: AsyncQueue::new()?,
             stop: events::eventfd(0)?,
             ahs: AtomicU32::new(0),
@@ -154,8 +157,8 @@ fn fill(vctx: &mut verbs_context, shared: &Shared) {
     ops.post_recv = Some(datapath::post_recv);
     ops.poll_cq = Some(datapath::poll_cq);
     ops.req_notify_cq = Some(datapath::req_notify_cq);
-    // SRQs and memory windows: refused explicitly (the inlines call these).
-    ops.post_srq_recv = Some(unsupported::post_srq_recv);
+    ops.post_srq_recv = Some(datapath::post_srq_recv);
+    // Memory windows: refused explicitly (the inlines call these).
     ops.alloc_mw = Some(unsupported::alloc_mw);
     ops.bind_mw = Some(unsupported::bind_mw);
     ops.dealloc_mw = Some(unsupported::dealloc_mw);

@@ -20,7 +20,7 @@ use crate::abi::{
 use crate::context::{Ctx, QpRoute};
 use crate::events;
 use crate::ffi::{errno_of, int_verb, non_null, ptr_verb, unsupported, VResult};
-use crate::objects::{c_int_of, destroy_inner, Ah, Cq, EventCount, Mr, Pd, Qp, Wrapper};
+use crate::objects::{c_int_of, destroy_inner, Ah, Cq, EventCount, Mr, Pd, Qp, Srq, Wrapper};
 use crate::query::MAX_AH;
 
 /// `IBV_ACCESS_OPTIONAL_RANGE`: access bits a provider may ignore.
@@ -362,7 +362,7 @@ pub(crate) fn qp_attr_from_wire(a: &QpAttr) -> ibv_qp_attr {
 }
 
 /// `ibv_create_qp`: RC only (UC/UD are refused by the device with
-/// `EOPNOTSUPP`, other types and SRQs here). The granted capacities are
+/// `EOPNOTSUPP`, other types here), with its own receive queue or an SRQ. The granted capacities are
 /// written back into `qp_init_attr->cap`.
 ///
 /// # Safety
@@ -379,9 +379,13 @@ pub unsafe extern "C" fn ibv_create_qp(
         let init = unsafe { &mut *qp_init_attr };
         let our = pd_of(pd)?;
         let ctx = ctx_of(our.ibv.context)?;
-        if !init.srq.is_null() {
-            return Err(unsupported("QPs with an SRQ"));
-        }
+        let srq = if init.srq.is_null() {
+            None
+        } else {
+            // SAFETY: a non-null SRQ of the init structure is live.
+            let s = unsafe { Srq::from_raw(init.srq)? };
+            Some(s.inner.as_ref().ok_or(libc::EINVAL)?)
+        };
         let qp_type = match init.qp_type {
             IBV_QPT_RC => QpType::Rc,
             IBV_QPT_UC => QpType::Uc,
@@ -402,6 +406,7 @@ pub unsafe extern "C" fn ibv_create_qp(
                 cap: qp_cap!(QpCapabilities, init.cap),
                 qp_type,
                 sq_sig_all: init.sq_sig_all != 0,
+                srq,
             })
             .map_err(|e| errno_of(&e))?;
         init.cap = qp_cap!(ibv_qp_cap, qp.cap());
@@ -413,6 +418,7 @@ pub unsafe extern "C" fn ibv_create_qp(
                 pd,
                 send_cq: init.send_cq,
                 recv_cq: init.recv_cq,
+                srq: init.srq,
                 handle: qpn,
                 qp_num: qpn,
                 state: IBV_QPS_RESET,
@@ -503,7 +509,7 @@ pub unsafe extern "C" fn ibv_query_qp(
             qp_context: our.ibv.qp_context,
             send_cq: our.ibv.send_cq,
             recv_cq: our.ibv.recv_cq,
-            srq: std::ptr::null_mut(),
+            srq: our.ibv.srq,
             cap: out.cap,
             qp_type: u32::from(resp.qp_type),
             sq_sig_all: c_int::from(resp.sq_sig_all),

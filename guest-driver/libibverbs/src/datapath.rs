@@ -1,7 +1,7 @@
 //! The data path: the functions the inline `ibv_post_send`, `ibv_post_recv`,
 //! `ibv_poll_cq` and `ibv_req_notify_cq` call through `context->ops`,
 //! translating libibverbs' structures to the guest driver's work requests
-//! and completions (`ibv_post_srq_recv`'s is a refusal, in `unsupported`).
+//! and completions, and `ibv_post_srq_recv` on an SRQ's ring.
 //!
 //! - `ibv_send_wr`/`ibv_recv_wr` lists are posted in order; at the first
 //!   work request that fails, `*bad_wr` names it and its errno is returned
@@ -30,16 +30,17 @@ use vrdma_guest_driver::vrdma_spec::limits::{MAX_INLINE_DATA, MAX_SGE};
 use vrdma_guest_driver::vrdma_spec::ring::send_flags;
 use vrdma_guest_driver::vrdma_spec::verbs::{SendOpcode, WcOpcode};
 use vrdma_guest_driver::{
-    QueuePair, RecvBatch, RecvWr, SendBatch, SendPayload, SendWr, Sge, WorkCompletion,
+    QueuePair, RecvBatch, RecvWr, SendBatch, SendPayload, SendWr, Sge, SharedReceiveQueue,
+    WorkCompletion,
 };
 
 use crate::abi::{
-    ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_wc, ibv_wc__bindgen_ty_1,
+    ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_srq, ibv_wc, ibv_wc__bindgen_ty_1,
     IBV_SEND_INLINE,
 };
 use crate::context::Ctx;
 use crate::ffi::{errno_of, guard, VResult};
-use crate::objects::{Cq, Qp, Wrapper};
+use crate::objects::{Cq, Qp, Srq, Wrapper};
 
 /// Most SGEs of one work request: what the WQE format carries.
 const MAX_SGES: usize = MAX_SGE as usize;
@@ -239,16 +240,34 @@ unsafe fn post_list<'q, W: WorkRequest, B>(
     wr: *mut W,
     bad_wr: *mut *mut W,
     open: impl FnOnce(&'q QueuePair) -> B,
+    push: impl FnMut(&mut B, &W) -> VResult<()>,
+) -> c_int {
+    // SAFETY: the caller passes a live QP.
+    let qp = unsafe { Qp::from_raw(qp) }.and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL));
+    // SAFETY: the caller's promise.
+    unsafe { post_on(verb, qp, wr, bad_wr, open, push) }
+}
+
+/// [`post_list`] on an object already resolved (a QP's queue or an SRQ),
+/// or its errno.
+///
+/// # Safety
+///
+/// `wr` is a well-formed work request list and `bad_wr` NULL or writable.
+unsafe fn post_on<'q, O, W: WorkRequest, B>(
+    verb: &'static str,
+    object: VResult<&'q O>,
+    wr: *mut W,
+    bad_wr: *mut *mut W,
+    open: impl FnOnce(&'q O) -> B,
     mut push: impl FnMut(&mut B, &W) -> VResult<()>,
 ) -> c_int {
     guard(verb, libc::EIO, || {
-        // SAFETY: the caller passes a live QP.
-        let qp =
-            match unsafe { Qp::from_raw(qp) }.and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL)) {
-                Ok(q) => q,
-                Err(errno) => return fail_at(bad_wr, wr, errno),
-            };
-        let mut batch = open(qp);
+        let object = match object {
+            Ok(o) => o,
+            Err(errno) => return fail_at(bad_wr, wr, errno),
+        };
+        let mut batch = open(object);
         let mut cur = wr;
         while !cur.is_null() {
             // SAFETY: a non-null element of the application's list.
@@ -305,17 +324,45 @@ pub(crate) unsafe extern "C" fn post_recv(
     bad_wr: *mut *mut ibv_recv_wr,
 ) -> c_int {
     let mut sges = [Sge::default(); MAX_SGES];
-    let push = |batch: &mut RecvBatch<'_>, w: &ibv_recv_wr| {
-        // SAFETY: the verbs contract for sg_list.
-        let list = unsafe { sge_slice(w.sg_list, w.num_sge) }?;
-        let r = RecvWr {
-            wr_id: w.wr_id,
-            sg_list: convert_sges(list, &mut sges)?,
-        };
-        batch.push(&r).map_err(|e| e.errno())
-    };
+    let push = |batch: &mut RecvBatch<'_>, w: &ibv_recv_wr| push_recv(batch, w, &mut sges);
     // SAFETY: the caller's promise.
     unsafe { post_list("ibv_post_recv", qp, wr, bad_wr, QueuePair::recv_batch, push) }
+}
+
+/// `ops.post_srq_recv` (and the context op the inline `ibv_post_srq_recv`
+/// calls): like [`post_recv`], on the SRQ's ring.
+///
+/// # Safety
+///
+/// Called with a live SRQ, a well-formed work request list and a writable
+/// `bad_wr`.
+pub(crate) unsafe extern "C" fn post_srq_recv(
+    srq: *mut ibv_srq,
+    wr: *mut ibv_recv_wr,
+    bad_wr: *mut *mut ibv_recv_wr,
+) -> c_int {
+    let mut sges = [Sge::default(); MAX_SGES];
+    let push = |batch: &mut RecvBatch<'_>, w: &ibv_recv_wr| push_recv(batch, w, &mut sges);
+    // SAFETY: the caller passes a live SRQ.
+    let srq = unsafe { Srq::from_raw(srq) }.and_then(|s| s.inner.as_ref().ok_or(libc::EINVAL));
+    let open = SharedReceiveQueue::recv_batch;
+    // SAFETY: the caller's promise.
+    unsafe { post_on("ibv_post_srq_recv", srq, wr, bad_wr, open, push) }
+}
+
+/// Translates one receive work request into `batch`.
+fn push_recv(
+    batch: &mut RecvBatch<'_>,
+    w: &ibv_recv_wr,
+    sges: &mut [Sge; MAX_SGES],
+) -> VResult<()> {
+    // SAFETY: the verbs contract for sg_list.
+    let list = unsafe { sge_slice(w.sg_list, w.num_sge) }?;
+    let r = RecvWr {
+        wr_id: w.wr_id,
+        sg_list: convert_sges(list, sges)?,
+    };
+    batch.push(&r).map_err(|e| e.errno())
 }
 
 /// Fills an `ibv_wc` from a completion; `path` is the QP's (dlid, sl).

@@ -10,7 +10,7 @@
 //! versions. The table below is the one list of exports; a test checks it
 //! against `libibverbs.map` and the symbols Debian's binaries need.
 
-use crate::{control, device, events, misc, query, unsupported};
+use crate::{control, device, events, misc, query, srq, unsupported};
 
 /// Defines the trampolines and [`EXPORTS`] from `"NODE" { name => path, }`.
 macro_rules! export {
@@ -57,13 +57,13 @@ export! {
         ibv_create_ah_from_wc => control::ibv_create_ah_from_wc,
         ibv_create_cq => control::ibv_create_cq,
         ibv_create_qp => control::ibv_create_qp,
-        ibv_create_srq => unsupported::ibv_create_srq,
+        ibv_create_srq => srq::ibv_create_srq,
         ibv_dealloc_pd => control::ibv_dealloc_pd,
         ibv_dereg_mr => control::ibv_dereg_mr,
         ibv_destroy_ah => control::ibv_destroy_ah,
         ibv_destroy_cq => control::ibv_destroy_cq,
         ibv_destroy_qp => control::ibv_destroy_qp,
-        ibv_destroy_srq => unsupported::ibv_destroy_srq,
+        ibv_destroy_srq => srq::ibv_destroy_srq,
         ibv_detach_mcast => unsupported::ibv_detach_mcast,
         ibv_dofork_range => misc::ibv_dofork_range,
         ibv_dontfork_range => misc::ibv_dontfork_range,
@@ -77,7 +77,7 @@ export! {
         ibv_get_device_name => device::ibv_get_device_name,
         ibv_init_ah_from_wc => control::ibv_init_ah_from_wc,
         ibv_modify_qp => control::ibv_modify_qp,
-        ibv_modify_srq => unsupported::ibv_modify_srq,
+        ibv_modify_srq => srq::ibv_modify_srq,
         ibv_node_type_str => misc::ibv_node_type_str,
         ibv_open_device => device::ibv_open_device,
         ibv_port_state_str => misc::ibv_port_state_str,
@@ -86,7 +86,7 @@ export! {
         ibv_query_pkey => query::ibv_query_pkey,
         ibv_query_port => query::ibv_query_port,
         ibv_query_qp => control::ibv_query_qp,
-        ibv_query_srq => unsupported::ibv_query_srq,
+        ibv_query_srq => srq::ibv_query_srq,
         ibv_rate_to_mbps => misc::ibv_rate_to_mbps,
         ibv_reg_mr => control::ibv_reg_mr,
         ibv_rereg_mr => control::ibv_rereg_mr,

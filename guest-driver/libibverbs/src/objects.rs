@@ -12,10 +12,10 @@ use std::fmt::Debug;
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use vrdma_guest_driver::{
-    CompletionQueue, DestroyError, MemoryRegion, ProtectionDomain, QueuePair,
+    CompletionQueue, DestroyError, MemoryRegion, ProtectionDomain, QueuePair, SharedReceiveQueue,
 };
 
-use crate::abi::{ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_cq, ibv_mr, ibv_pd, ibv_qp};
+use crate::abi::{ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_cq, ibv_mr, ibv_pd, ibv_qp, ibv_srq};
 use crate::events::ChannelState;
 use crate::ffi::{non_null, VResult};
 
@@ -81,6 +81,9 @@ pub(crate) type Mr = Object<ibv_mr, MemoryRegion>;
 
 /// `struct ibv_qp` and its queue pair.
 pub(crate) type Qp = Object<ibv_qp, QueuePair>;
+
+/// `struct ibv_srq` and its shared receive queue.
+pub(crate) type Srq = Object<ibv_srq, SharedReceiveQueue>;
 
 /// Completion events handed to the application and acknowledged by it
 /// (`ibv_destroy_cq` waits until they match).

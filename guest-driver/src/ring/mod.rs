@@ -352,24 +352,42 @@ impl SendRing {
 #[derive(Debug)]
 pub(crate) struct RecvRing {
     pub(crate) ring: WorkRing,
-    /// The QP's doorbell.
-    pub(crate) doorbell: Doorbell,
+    /// The QP's doorbell; none for an SRQ's ring (the device reads it when
+    /// a message arrives, so a post needs no doorbell).
+    pub(crate) doorbell: Option<Doorbell>,
     max_sge: u32,
+    /// A QP attached to an SRQ: nothing may be posted here (EINVAL, as
+    /// rdma-core's providers answer).
+    shared: bool,
 }
 
 impl RecvRing {
     /// A receive ring on which at most `max_sge` SGEs may be posted (never
     /// more than the format carries).
-    pub(crate) fn new(ring: WorkRing, doorbell: Doorbell, max_sge: u32) -> Self {
+    pub(crate) fn new(ring: WorkRing, doorbell: Option<Doorbell>, max_sge: u32) -> Self {
         Self {
             ring,
             doorbell,
             max_sge: max_sge.min(MAX_SGE),
+            shared: false,
+        }
+    }
+
+    /// The unused ring of a QP whose receives come from an SRQ.
+    pub(crate) fn of_srq_qp(ring: WorkRing) -> Self {
+        Self {
+            shared: true,
+            ..Self::new(ring, None, 0)
         }
     }
 
     /// Writes one WQE into the next slot (unpublished).
     pub(crate) fn push(&mut self, wr: &RecvWr<'_>) -> Result<(), Error> {
+        if self.shared {
+            return Err(Error::InvalidArgument(
+                "the QP takes its receives from an SRQ (ibv_post_srq_recv)",
+            ));
+        }
         let fixed = core::mem::size_of::<RecvWqe>();
         let stride = self.ring.geometry.stride as usize;
         if to_u32(wr.sg_list.len()) > self.max_sge || fixed + wr.sg_list.len() * SGE_SIZE > stride {

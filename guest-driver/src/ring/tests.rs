@@ -168,7 +168,11 @@ fn a_device_granting_beyond_the_format_is_held_to_it() {
         SendOpcode::Send,
         SendPayload::Inline(&data),
     )));
-    let mut rq = RecvRing::new(work_ring(rq_geometry(1, MAX_SGE).unwrap()), bit(), 1000);
+    let mut rq = RecvRing::new(
+        work_ring(rq_geometry(1, MAX_SGE).unwrap()),
+        Some(bit()),
+        1000,
+    );
     assert_einval(rq.push(&RecvWr {
         wr_id: 1,
         sg_list: &sges,
@@ -236,7 +240,7 @@ fn publish_reports_new_entries_once() {
 #[test]
 fn recv_wqe_bytes() {
     let geo = rq_geometry(2, 3).unwrap();
-    let mut rq = RecvRing::new(work_ring(geo), bit(), 3);
+    let mut rq = RecvRing::new(work_ring(geo), Some(bit()), 3);
     let sges = [
         Sge {
             addr: 0x10,

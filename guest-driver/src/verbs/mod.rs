@@ -34,8 +34,10 @@ use crate::transport::{
 };
 
 mod qp;
+mod srq;
 
 pub use qp::{QpCapabilities, QpInitAttr, QueuePair, RecvBatch, SendBatch};
+pub use srq::SharedReceiveQueue;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Ring state is consistent between operations: recover from poisoning.

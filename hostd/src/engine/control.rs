@@ -58,6 +58,8 @@ impl Engine {
             cqs: Slab::default(),
             cq_by_num: HashMap::new(),
             qps: HashMap::new(),
+            srqs: Slab::default(),
+            srq_by_num: HashMap::new(),
             qp_by_db: Vec::new(),
             pqps: (pqps.iter())
                 .map(|&number| Pqp {
@@ -103,6 +105,8 @@ impl Engine {
         if let Some(dev) = self.devices.get_mut(&id) {
             dev.cqs = Slab::default();
             dev.cq_by_num.clear();
+            dev.srqs = Slab::default();
+            dev.srq_by_num.clear();
             dev.eqs.clear();
             if dev.doorbell.take().is_some() {
                 self.generation += 1;
@@ -110,7 +114,7 @@ impl Engine {
         }
     }
 
-    fn device_mut(&mut self, id: DeviceId) -> Result<&mut Device, EngineError> {
+    pub(super) fn device_mut(&mut self, id: DeviceId) -> Result<&mut Device, EngineError> {
         self.devices.get_mut(&id).ok_or(EngineError::UnknownDevice)
     }
 
@@ -134,6 +138,9 @@ impl Engine {
         dev.mem.remove(slot)?;
         for (_, cq) in dev.cqs.iter_mut() {
             cq.lost |= cq.slot() == slot;
+        }
+        for (_, srq) in dev.srqs.iter_mut() {
+            srq.lost |= srq.ring.slot() == slot;
         }
         for eq in dev.eqs.iter_mut().flatten() {
             eq.lost |= eq.slot() == slot;
@@ -304,6 +311,15 @@ impl Engine {
                 .ok_or(EngineError::UnknownCq(num))
         };
         let (send_cq, recv_cq) = (cq(s.send_cqn)?, cq(s.recv_cqn)?);
+        let srq = match s.srqn {
+            Some(n) => Some(
+                dev.srq_by_num
+                    .get(&n)
+                    .copied()
+                    .ok_or(EngineError::UnknownSrq(n))?,
+            ),
+            None => None,
+        };
         let ring = |r: &vrdma_hostd_protocol::messages::WorkRing| {
             if !(MIN_WQE_STRIDE..=MAX_WQE_STRIDE).contains(&r.stride) {
                 return Err(EngineError::Invalid("work ring stride"));
@@ -352,6 +368,7 @@ impl Engine {
             rq_head: Box::default(),
             has_rq_head: false,
             rq_taken: 0,
+            srq,
             peer: None,
             issued: 0,
             remote: None,
@@ -360,6 +377,9 @@ impl Engine {
             if let Some(cq) = dev.cqs.get_mut(index) {
                 cq.users += 1;
             }
+        }
+        if let Some(s) = srq.and_then(|i| dev.srqs.get_mut(i)) {
+            s.users += 1;
         }
         let qref = self.qps.insert(qp);
         let dev = self.device_mut(id)?;
@@ -527,6 +547,9 @@ impl Engine {
                 if let Some(cq) = dev.cqs.get_mut(index) {
                     cq.users = cq.users.saturating_sub(1);
                 }
+            }
+            if let Some(s) = qp.srq.and_then(|i| dev.srqs.get_mut(i)) {
+                s.users = s.users.saturating_sub(1);
             }
         }
         self.accounts.qp(id, vqpn, false);

@@ -32,6 +32,7 @@ mod control;
 pub mod guest;
 pub mod keys;
 mod rc;
+mod srq;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;
 pub mod wire;
@@ -96,10 +97,14 @@ pub enum EngineError {
     QpExists(u32),
     #[error("Unknown CQ {0}")]
     UnknownCq(u32),
+    #[error("Unknown SRQ {0}")]
+    UnknownSrq(u32),
     #[error("The {0} already exists")]
     Exists(&'static str),
     #[error("CQ {cqn} is used by {users} QPs")]
     CqBusy { cqn: u32, users: u32 },
+    #[error("The {0} is used by {1} QPs")]
+    Busy(&'static str, u32),
     #[error("Invalid argument: {0}")]
     Invalid(&'static str),
     #[error("Too many {0}")]
@@ -114,11 +119,12 @@ impl EngineError {
             | EngineError::UnknownSlot(_)
             | EngineError::UnknownKey(_)
             | EngineError::UnknownQp(_)
-            | EngineError::UnknownCq(_) => libc::ENOENT,
+            | EngineError::UnknownCq(_)
+            | EngineError::UnknownSrq(_) => libc::ENOENT,
             EngineError::SlotExists(_) | EngineError::QpExists(_) | EngineError::Exists(_) => {
                 libc::EEXIST
             }
-            EngineError::CqBusy { .. } => libc::EBUSY,
+            EngineError::CqBusy { .. } | EngineError::Busy(..) => libc::EBUSY,
             EngineError::Invalid(_) => libc::EINVAL,
             EngineError::Limit(_) => libc::ENOSPC,
         }
@@ -161,6 +167,9 @@ pub struct Device {
     cq_by_num: HashMap<u32, usize>,
     /// QPs by number (likewise).
     qps: HashMap<u32, QpRef>,
+    srqs: Slab<srq::Srq>,
+    /// SRQs by number (likewise).
+    srq_by_num: HashMap<u32, usize>,
     /// QPs by doorbell index.
     qp_by_db: Vec<Option<QpRef>>,
     pqps: Vec<Pqp>,
@@ -774,11 +783,14 @@ impl Engine {
         let Some(qp) = self.qps.get_mut(qref) else {
             return;
         };
-        qp.rq_done = qp.rq_done.wrapping_add(1);
         qp.rq_taken += 1;
         qp.has_rq_head = false;
-        if !qp.lost {
-            qp.rq.set_device_index(qp.rq_done);
+        // A receive of an SRQ freed its slot when it was taken.
+        if qp.srq.is_none() {
+            qp.rq_done = qp.rq_done.wrapping_add(1);
+            if !qp.lost {
+                qp.rq.set_device_index(qp.rq_done);
+            }
         }
         let (di, cq, lost) = (qp.dev, qp.recv_cq, qp.lost);
         let Some(dev) = self.devices.at_mut(di) else {
@@ -803,7 +815,7 @@ impl Engine {
         qp.wait = None;
         qp.waiting = false;
         qp.queued = false;
-        let (di, pos, vqpn, lost) = (qp.dev, qp.pqp, qp.vqpn, qp.lost);
+        let (di, pos, vqpn, lost, on_srq) = (qp.dev, qp.pqp, qp.vqpn, qp.lost, qp.srq.is_some());
         if !lost {
             qp.sq.set_device_flag(DEVICE_FLAG_ERROR);
             qp.rq.set_device_flag(DEVICE_FLAG_ERROR);
@@ -824,6 +836,12 @@ impl Engine {
             }
             if fatal && first && !lost {
                 guest::post_event(&mut dev.eqs, 0, event_kind::QP_FATAL, vqpn);
+            }
+            // In ERR it takes no more receives from its SRQ: the one it
+            // holds, if any, is flushed next (as the IBA has it, the event
+            // tells the driver the QP may be destroyed without losing any).
+            if on_srq && first && !lost {
+                guest::post_event(&mut dev.eqs, 0, event_kind::QP_LAST_WQE_REACHED, vqpn);
             }
         }
         if let Some(queue) = unstage {

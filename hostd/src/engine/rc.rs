@@ -125,6 +125,9 @@ pub struct Qp {
     pub has_rq_head: bool,
     /// Receives ever taken off the head (a sequence number of the head).
     pub rq_taken: u64,
+    /// Its SRQ's index in its device's SRQ slab: its receives come from
+    /// there, its own receive ring is never read.
+    pub srq: Option<usize>,
     /// The peer QP, as last resolved (its ref and serial).
     pub peer: Option<(QpRef, u64)>,
     /// Send WQEs on the wire and not completed (a remote QP's window):
@@ -182,6 +185,10 @@ impl Qp {
 
     /// Receive WQEs posted and not completed, if the producer index is sane.
     pub fn rq_pending(&self) -> Option<u32> {
+        if self.srq.is_some() {
+            // What is posted is the SRQ's, not this QP's.
+            return Some(0);
+        }
         pending(&self.rq, self.rq_done)
     }
 
@@ -194,7 +201,7 @@ impl Qp {
 
 /// Entries between `done` and the driver's producer index; `None` when the
 /// producer is more than a ring ahead (a broken or hostile driver).
-fn pending(ring: &GuestRing, done: u32) -> Option<u32> {
+pub(super) fn pending(ring: &GuestRing, done: u32) -> Option<u32> {
     let producer = ring.driver_index()?;
     let n = producer.wrapping_sub(done);
     (n <= ring.depth()).then_some(n)
@@ -593,6 +600,9 @@ impl Engine {
         if p.has_rq_head {
             return true;
         }
+        if let Some(srq) = p.srq {
+            return self.srq_has_receive(peer, srq);
+        }
         match p.rq_pending() {
             Some(n) => n > 0,
             None => {
@@ -615,9 +625,15 @@ impl Engine {
         if p.has_rq_head {
             return Ok(());
         }
-        match wqe::read_recv(&p.rq, p.rq_done, &p.recv_limits, &mut p.rq_head) {
+        let read = match p.srq {
+            Some(srq) => self.take_srq_receive(peer, srq),
+            None => wqe::read_recv(&p.rq, p.rq_done, &p.recv_limits, &mut p.rq_head),
+        };
+        match read {
             Ok(()) => {
-                p.has_rq_head = true;
+                if let Some(p) = self.qps.get_mut(peer) {
+                    p.has_rq_head = true;
+                }
                 Ok(())
             }
             Err(Malformed::Entry { wr_id, status, .. }) => {

@@ -49,7 +49,8 @@ fn queries_match_the_config_space() {
             dev.max_srq_wr.get(),
             dev.max_srq_sge.get()
         ),
-        (0, 0, 0)
+        (256, 4096, 16),
+        "SRQs: the default limits (max_srq, max_qp_depth, max_sge)"
     );
     assert_eq!((dev.max_pkeys.get(), dev.phys_port_cnt), (1, 1));
     // No config file: the default tenant limits.
@@ -233,6 +234,7 @@ fn completion_queues_and_what_keeps_them_busy() {
             cap: caps(4, 4, 1, 0),
             qp_type: QpType::Rc,
             sq_sig_all: true,
+            srq: None,
         })
         .expect("create_qp");
     assert_eq!(qp.cq_nums(), (cq.cqn(), other.cqn()));

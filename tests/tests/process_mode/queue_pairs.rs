@@ -61,6 +61,7 @@ fn queue_pair_creation_grants_and_refusals() {
             cap: caps(1, 0, 1, 0),
             qp_type: QpType::Rc,
             sq_sig_all: true,
+            srq: None,
         })
         .expect("a QP without receive WRs");
     assert_ne!(second.qp_num(), qpn);
@@ -74,6 +75,7 @@ fn queue_pair_creation_grants_and_refusals() {
             cap,
             qp_type,
             sq_sig_all: false,
+            srq: None,
         })
     };
     let ok = caps(4, 4, 1, 0);

@@ -42,6 +42,8 @@ pub struct QueuePair {
     pub rq: (u64, WorkRingGeometry),
     /// The QP's bit in the doorbell page.
     pub db_index: u32,
+    /// The SRQ it takes its receives from (its own receive ring is unused).
+    pub srqn: Option<u32>,
     pub state: QpState,
     /// Attributes as last set by modify_qp (returned by query_qp).
     pub attr: QpAttr,
@@ -63,8 +65,14 @@ impl RdmaDevice {
             }
             Err(other) => return Err(VerbError::Invalid(format!("QP type {other}"))),
         }
-        if req.srqn.get() != NO_SRQ {
-            return Err(VerbError::Unsupported("shared receive queues"));
+        let srqn = (req.srqn.get() != NO_SRQ).then(|| req.srqn.get());
+        if let Some(srqn) = srqn {
+            if !self.srqs.contains_key(&srqn) {
+                return Err(VerbError::NoObject {
+                    kind: "SRQ",
+                    handle: srqn,
+                });
+            }
         }
         let (send_cqn, recv_cqn) = (req.send_cqn.get(), req.recv_cqn.get());
         for cqn in [send_cqn, recv_cqn] {
@@ -101,7 +109,17 @@ impl RdmaDevice {
             self.db_indexes.free(db_index);
             return Err(e);
         }
-        let granted = wire_caps(grant.caps);
+        let mut caps = grant.caps;
+        if srqn.is_some() {
+            // Its receives are the SRQ's: it has no receive queue of its
+            // own to post on (as rdma-core reports such a QP).
+            caps.max_recv_wr = 0;
+            caps.max_recv_sge = 0;
+        }
+        let granted = wire_caps(caps);
+        if let Some(srq) = srqn.and_then(|n| self.srqs.get_mut(&n)) {
+            srq.users += 1;
+        }
         self.qps.insert(
             qpn,
             QueuePair {
@@ -114,6 +132,7 @@ impl RdmaDevice {
                 sq: (sq_addr, sq),
                 rq: (rq_addr, rq),
                 db_index,
+                srqn,
                 state: QpState::Reset,
                 attr: reset_attr(granted),
             },
@@ -172,6 +191,7 @@ impl RdmaDevice {
                 max_send_sge: grant.caps.max_send_sge,
                 max_recv_sge: grant.caps.max_recv_sge,
                 max_inline_data: grant.caps.max_inline_data,
+                srqn: (req.srqn.get() != NO_SRQ).then(|| req.srqn.get()),
             })
             .map_err(VerbError::Fabric)
     }
@@ -248,7 +268,7 @@ impl RdmaDevice {
             attr: qp.attr,
             send_cqn: qp.send_cqn.into(),
             recv_cqn: qp.recv_cqn.into(),
-            srqn: NO_SRQ.into(),
+            srqn: qp.srqn.unwrap_or(NO_SRQ).into(),
             qp_type: QpType::Rc.into(),
             sq_sig_all: qp.sq_sig_all.into(),
             reserved: [0; 2],
@@ -273,6 +293,9 @@ impl RdmaDevice {
             handle: qpn,
         })?;
         self.db_indexes.free(qp.db_index);
+        if let Some(srq) = qp.srqn.and_then(|n| self.srqs.get_mut(&n)) {
+            srq.users -= 1;
+        }
         if let Some(pd) = self.pds.get_mut(&qp.pdn) {
             pd.qps -= 1;
         }

@@ -310,6 +310,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
             max_send_sge: grant.caps.max_send_sge,
             max_recv_sge: grant.caps.max_recv_sge,
             max_inline_data: grant.caps.max_inline_data,
+            srqn: None,
         })
     );
     assert_eq!(qp.cap.max_send_sge.get(), grant.caps.max_send_sge);

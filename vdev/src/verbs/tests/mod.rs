@@ -5,6 +5,7 @@
 mod hostd;
 mod notify;
 mod qp;
+mod srq;
 
 use std::sync::Arc;
 
