@@ -93,6 +93,13 @@ pub enum Request {
     /// The SRQ is destroyed (no QP uses it: vdev checked). When the
     /// response arrives its ring is not touched any more.
     DestroySrq { srqn: u32 },
+    /// An address handle: UD sends naming `ahn` go to `dgid`. hostd checks
+    /// the destination as it checks a connection at RTR (its tenant's
+    /// network must be reachable: `EACCES`; unknown: `ENOENT`; on another
+    /// host: `EOPNOTSUPP`, UD stays on the host for now).
+    CreateAh(AhSetup),
+    /// The AH is destroyed: sends naming it fail from now on.
+    DestroyAh { ahn: u32 },
     /// The driver reset the device: every QP, CQ, event ring, MR and the
     /// doorbell go (memory slots stay). When the response arrives, nothing
     /// of the old driver's is touched any more.
@@ -135,6 +142,19 @@ pub struct SrqSetup {
     pub limit: u32,
 }
 
+/// An address handle as hostd's datapath needs it (the GRH of
+/// `struct ibv_ah_attr`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AhSetup {
+    pub ahn: u32,
+    pub pd: u32,
+    pub dgid: [u8; 16],
+    pub flow_label: u32,
+    pub hop_limit: u8,
+    pub traffic_class: u8,
+}
+
 /// A virtual QP as hostd's datapath needs it: its rings, its CQs and what
 /// its WQEs may carry (the capacities vdev granted,
 /// [`vrdma_spec::limits::QpGrant`]).
@@ -142,6 +162,8 @@ pub struct SrqSetup {
 #[serde(deny_unknown_fields)]
 pub struct QpSetup {
     pub vqpn: u32,
+    /// A [`vrdma_spec::verbs::QpType`]: RC 2, UC 3, UD 4.
+    pub qp_type: u8,
     pub pd: u32,
     /// Its bit in the doorbell page.
     pub db_index: u32,
@@ -174,6 +196,9 @@ pub struct QpModify {
     /// The QP's remote access flags, when they changed
     /// ([`vrdma_spec::verbs::access`]).
     pub access: Option<u32>,
+    /// A UD QP's new Q_Key (when the transition sets one).
+    #[serde(default)]
+    pub qkey: Option<u32>,
 }
 
 /// Where a virtual QP sends, and how it behaves as RC requester/responder:
@@ -359,6 +384,7 @@ mod tests {
             max_recv_sge: 4,
             max_inline_data: 64,
             srqn: Some(7),
+            qp_type: 2,
         });
         let bytes = encode(&req).expect("encode");
         assert_eq!(decode::<Request>(&bytes).expect("decode"), req);
@@ -392,6 +418,7 @@ mod tests {
                 max_dest_rd_atomic: 4,
             }),
             access: None,
+            qkey: None,
         });
         let bytes = encode(&modify).expect("encode");
         assert_eq!(decode::<Request>(&bytes).expect("decode"), modify);

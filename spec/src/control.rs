@@ -38,6 +38,8 @@ wire_enum! {
         ModifySrq = 18,
         QuerySrq = 19,
         DestroySrq = 20,
+        CreateAh = 21,
+        DestroyAh = 22,
     }
 }
 
@@ -75,6 +77,8 @@ impl Opcode {
             Opcode::CreateSrq => size_of::<CreateSrqReq>(),
             Opcode::ModifySrq => size_of::<ModifySrqReq>(),
             Opcode::QuerySrq | Opcode::DestroySrq => size_of::<SrqHandle>(),
+            Opcode::CreateAh => size_of::<CreateAhReq>(),
+            Opcode::DestroyAh => size_of::<AhHandle>(),
         }
     }
 
@@ -93,6 +97,7 @@ impl Opcode {
             Opcode::CreateQp => size_of::<CreateQpResp>(),
             Opcode::QueryQp => size_of::<QueryQpResp>(),
             Opcode::CreateSrq | Opcode::QuerySrq => size_of::<SrqAttr>(),
+            Opcode::CreateAh => size_of::<AhHandle>(),
             Opcode::DeallocPd
             | Opcode::DeregMr
             | Opcode::DestroyCq
@@ -101,7 +106,8 @@ impl Opcode {
             | Opcode::SetDoorbell
             | Opcode::CreateEq
             | Opcode::ModifySrq
-            | Opcode::DestroySrq => 0,
+            | Opcode::DestroySrq
+            | Opcode::DestroyAh => 0,
         }
     }
 }
@@ -485,6 +491,25 @@ wire_struct! {
     }
 }
 
+wire_struct! {
+    /// Request of `CREATE_AH`: an address handle for UD sends, in `pdn`,
+    /// towards the GID of `attr`'s GRH.
+    pub struct CreateAhReq {
+        pub pdn: U32,
+        pub reserved: U32,
+        pub attr: AhAttr,
+    }
+}
+
+wire_struct! {
+    /// Response of `CREATE_AH` (the number UD send WQEs name,
+    /// [`crate::ring::UdDest`]); request of `DESTROY_AH`.
+    pub struct AhHandle {
+        pub ahn: U32,
+        pub reserved: U32,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -512,6 +537,8 @@ mod tests {
         assert_eq!(size_of::<SrqAttr>(), 16);
         assert_eq!(size_of::<SrqHandle>(), 8);
         assert_eq!(size_of::<ModifySrqReq>(), 16);
+        assert_eq!(size_of::<CreateAhReq>(), 48);
+        assert_eq!(size_of::<AhHandle>(), 8);
     }
 
     #[test]
@@ -535,11 +562,11 @@ mod tests {
 
     #[test]
     fn opcodes_round_trip() {
-        for code in 1..=20u16 {
+        for code in 1..=22u16 {
             let op = Opcode::try_from(code).expect("defined opcode");
             assert_eq!(u16::from(op), code);
         }
         assert!(Opcode::try_from(0).is_err());
-        assert!(Opcode::try_from(21).is_err());
+        assert!(Opcode::try_from(23).is_err());
     }
 }

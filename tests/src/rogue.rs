@@ -235,6 +235,7 @@ impl RogueVdev {
             state: state.into(),
             connection,
             access: None,
+            qkey: None,
         };
         self.call(&Request::ModifyQp(modify), &[])
     }

@@ -264,12 +264,17 @@ fn perftest(program: &str, iters: &str) {
 /// The same with `gid_args` choosing the GID (none: perftest's own
 /// choice on a RoCE port).
 fn perftest_with(program: &str, iters: &str, gid_args: &[&str]) {
+    perftest_sizes(program, iters, &["64", "65536"], gid_args);
+}
+
+/// `program` at each of `sizes` with `-n iters` and `args`.
+fn perftest_sizes(program: &str, iters: &str, sizes: &[&str], args: &[&str]) {
     need::program(program, "perftest");
     let _serial = serial();
     let shim = IbverbsShim::new();
-    for size in ["64", "65536"] {
+    for &size in sizes {
         let fabric = Fabric::start();
-        let args = [&["-s", size, "-n", iters, "-F"], gid_args].concat();
+        let args = [&["-s", size, "-n", iters, "-F"], args].concat();
         let run = run_pair(&shim, &fabric, program, &args);
         // Both sides connected; the client reports the results (the
         // passive side of a READ test prints none).
@@ -394,10 +399,14 @@ int main(void)
 	struct ibv_xrcd *xrcd = ibv_open_xrcd(ctx, &xattr);
 	ok &= refused("ibv_open_xrcd", xrcd, errno);
 
-	struct ibv_srq_init_attr sattr = { .attr = { .max_wr = 16, .max_sge = 1 } };
+	struct ibv_srq_init_attr_ex sattr = {
+		.attr = { .max_wr = 16, .max_sge = 1 },
+		.comp_mask = IBV_SRQ_INIT_ATTR_TYPE | IBV_SRQ_INIT_ATTR_PD,
+		.srq_type = IBV_SRQT_XRC, .pd = pd,
+	};
 	errno = 0;
-	struct ibv_srq *srq = ibv_create_srq(pd, &sattr);
-	ok &= refused("ibv_create_srq", srq, errno);
+	struct ibv_srq *srq = ibv_create_srq_ex(ctx, &sattr);
+	ok &= refused("ibv_create_srq_ex(XRC)", srq, errno);
 
 	struct ibv_cq_init_attr_ex cattr = { .cqe = 16 };
 	errno = 0;
@@ -408,16 +417,16 @@ int main(void)
 		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UD,
 		.cap = { .max_send_wr = 4, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 },
 	};
-	errno = 0;
 	struct ibv_qp *ud = ibv_create_qp(pd, &qattr);
-	ok &= refused("ibv_create_qp(UD)", ud, errno);
+	if (!ud) { perror("ibv_create_qp(UD)"); return 5; }
+	union ibv_gid gid = { .raw = { 0xff } };
+	int ret = ibv_attach_mcast(ud, &gid, 0xc001);
+	ok &= refused("ibv_attach_mcast", NULL, ret);
+	if (ibv_destroy_qp(ud)) { perror("ibv_destroy_qp(UD)"); return 5; }
 
 	qattr.qp_type = IBV_QPT_RC;
 	struct ibv_qp *rc = ibv_create_qp(pd, &qattr);
 	if (!rc) { perror("ibv_create_qp(RC)"); return 5; }
-	union ibv_gid gid = { .raw = { 0xff } };
-	int ret = ibv_attach_mcast(rc, &gid, 0xc001);
-	ok &= refused("ibv_attach_mcast", NULL, ret);
 	struct ibv_ece ece;
 	ret = ibv_query_ece(rc, &ece);
 	ok &= refused("ibv_query_ece", NULL, ret);
@@ -498,4 +507,74 @@ fn ibv_srq_pingpong_shares_one_receive_queue_among_16_qps() {
             "{side}:\n{text}"
         );
     }
+}
+
+/// Runs `program` (a pingpong of ibverbs-utils) with GID index 0 and
+/// `args` between the two tenants; both sides report the exchanges.
+fn pingpong(program: &str, args: &[&str], iters: &str) -> Run {
+    need::program(program, "ibverbs-utils");
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let fabric = Fabric::start();
+    let args = [&["-g", "0", "-n", iters], args].concat();
+    let run = run_pair(&shim, &fabric, program, &args);
+    for (side, text) in [("server", run.server_text()), ("client", run.client_text())] {
+        assert!(
+            text.contains(&format!("\n{iters} iters in ")),
+            "{side}:\n{text}"
+        );
+    }
+    run
+}
+
+/// `ibv_ud_pingpong`: UD QPs, address handles from the exchanged GIDs,
+/// 10000 exchanges of 2048 bytes (as it counts them), each received buffer checked
+/// past its 40-byte GRH (`-c`).
+#[test]
+fn ibv_ud_pingpong_exchanges_datagrams_with_address_handles() {
+    let run = pingpong("ibv_ud_pingpong", &["-c"], "10000");
+    for text in [run.server_text(), run.client_text()] {
+        assert!(text.contains("20480000 bytes in "), "{text}");
+    }
+}
+
+/// `ibv_uc_pingpong`: UC QPs (no acknowledgements), 10000 exchanges of
+/// 4096 bytes, each received buffer checked (`-c`).
+#[test]
+fn ibv_uc_pingpong_runs_unreliable_connected_qps() {
+    let run = pingpong("ibv_uc_pingpong", &["-c"], "10000");
+    for text in [run.server_text(), run.client_text()] {
+        assert!(text.contains("81920000 bytes in "), "{text}");
+    }
+}
+
+/// perftest over UD (`-c UD`): address handles, datagrams up to the
+/// port's MTU (4096 bytes), each with its GRH in the receive buffer.
+/// `-r 1024`: ib_send_bw's UD default of 8192 receives asks for a CQ
+/// deeper than the default tenant limit (`max_cq_depth` 4096).
+#[test]
+fn perftest_ib_send_bw_over_ud() {
+    let args = ["-x", "0", "-c", "UD", "-r", "1024"];
+    perftest_sizes("ib_send_bw", "5000", &["64", "4096"], &args);
+}
+
+#[test]
+fn perftest_ib_send_lat_over_ud() {
+    perftest_sizes(
+        "ib_send_lat",
+        "2000",
+        &["64", "4096"],
+        &["-x", "0", "-c", "UD"],
+    );
+}
+
+/// perftest over UC (`-c UC`): RDMA WRITEs without acknowledgements.
+#[test]
+fn perftest_ib_write_bw_over_uc() {
+    perftest_sizes(
+        "ib_write_bw",
+        "5000",
+        &["64", "65536"],
+        &["-x", "0", "-c", "UC"],
+    );
 }

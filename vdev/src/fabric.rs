@@ -11,8 +11,8 @@ use std::sync::{Mutex, Weak};
 
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
 use vrdma_hostd_protocol::messages::{
-    MrRegistration, Notification, QpModify, QpSetup, Request, Response, SrqSetup, TenantPolicy,
-    PROTOCOL_VERSION,
+    AhSetup, MrRegistration, Notification, QpModify, QpSetup, Request, Response, SrqSetup,
+    TenantPolicy, PROTOCOL_VERSION,
 };
 
 use crate::seccomp::{Role, Threads};
@@ -276,6 +276,17 @@ impl Fabric {
 
     pub fn destroy_srq(&self, srqn: u32) -> Result<(), FabricError> {
         self.call(&Request::DestroySrq { srqn }, &[])
+    }
+
+    /// An address handle; hostd refuses a destination the tenant may not
+    /// reach (`EACCES`), that is unknown (`ENOENT`) or on another host
+    /// (`EOPNOTSUPP`).
+    pub fn create_ah(&self, setup: AhSetup) -> Result<(), FabricError> {
+        self.call(&Request::CreateAh(setup), &[])
+    }
+
+    pub fn destroy_ah(&self, ahn: u32) -> Result<(), FabricError> {
+        self.call(&Request::DestroyAh { ahn }, &[])
     }
 
     /// Everything of the device's driver goes: QPs, CQs, event rings, MRs

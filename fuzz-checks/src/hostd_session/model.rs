@@ -246,12 +246,15 @@ impl Model {
                 },
             },
             Request::DestroyQp { vqpn } => self.exists(self.qps.contains_key(vqpn)),
-            // The generator makes no SRQ requests (nor QPs on an SRQ); the
-            // engine's SRQ rules have their own tests (hostd engine tests).
+            // The generator makes no SRQ or AH requests (nor QPs on an SRQ,
+            // nor UC or UD QPs); the engine's rules for them have their own
+            // tests (hostd engine tests).
             Request::CreateSrq(_)
             | Request::ModifySrq { .. }
             | Request::QuerySrq { .. }
-            | Request::DestroySrq { .. } => Expect::Either,
+            | Request::DestroySrq { .. }
+            | Request::CreateAh(_)
+            | Request::DestroyAh { .. } => Expect::Either,
             Request::ResetDevice => Expect::Ok,
             Request::QuotaRejected { quota } => {
                 let limits = serde_json::to_value(Limits::default()).ok();
@@ -460,7 +463,9 @@ impl Model {
             | Request::CreateSrq(_)
             | Request::ModifySrq { .. }
             | Request::QuerySrq { .. }
-            | Request::DestroySrq { .. } => {}
+            | Request::DestroySrq { .. }
+            | Request::CreateAh(_)
+            | Request::DestroyAh { .. } => {}
             &Request::AddMemory {
                 slot,
                 gpa,

@@ -12,7 +12,6 @@
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
@@ -57,8 +56,6 @@ pub(crate) struct Shared {
     pub(crate) async_events: AsyncQueue,
     /// Written to stop the event thread.
     pub(crate) stop: OwnedFd,
-    /// Live address handles.
-    pub(crate) ahs: AtomicU32,
 }
 
 /// An open device: the `struct verbs_context` the application sees (its
@@ -80,7 +77,6 @@ impl Ctx {
             srqs: Mutex::default(),
             async_events: AsyncQueue::new()?,
             stop: events::eventfd(0)?,
-            ahs: AtomicU32::new(0),
         });
         let mut ctx = Box::new(Ctx {
             vctx: verbs_context::default(),

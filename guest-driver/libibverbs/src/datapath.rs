@@ -30,17 +30,17 @@ use vrdma_guest_driver::vrdma_spec::limits::{MAX_INLINE_DATA, MAX_SGE};
 use vrdma_guest_driver::vrdma_spec::ring::send_flags;
 use vrdma_guest_driver::vrdma_spec::verbs::{SendOpcode, WcOpcode};
 use vrdma_guest_driver::{
-    QueuePair, RecvBatch, RecvWr, SendBatch, SendPayload, SendWr, Sge, SharedReceiveQueue,
+    QueuePair, RecvBatch, RecvWr, SendBatch, SendPayload, SendWr, Sge, SharedReceiveQueue, UdDest,
     WorkCompletion,
 };
 
 use crate::abi::{
     ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_srq, ibv_wc, ibv_wc__bindgen_ty_1,
-    IBV_SEND_INLINE,
+    IBV_QPT_UD, IBV_SEND_INLINE,
 };
 use crate::context::Ctx;
 use crate::ffi::{errno_of, guard, VResult};
-use crate::objects::{Cq, Qp, Srq, Wrapper};
+use crate::objects::{Ah, Cq, Qp, Srq, Wrapper};
 
 /// Most SGEs of one work request: what the WQE format carries.
 const MAX_SGES: usize = MAX_SGE as usize;
@@ -167,7 +167,11 @@ impl SendStorage {
 ///
 /// `w` follows the verbs contract: `sg_list` holds `num_sge` SGEs and, for
 /// inline sends, they point to readable memory.
-unsafe fn translate_send<'a>(w: &ibv_send_wr, storage: &'a mut SendStorage) -> VResult<SendWr<'a>> {
+unsafe fn translate_send<'a>(
+    w: &ibv_send_wr,
+    storage: &'a mut SendStorage,
+    ud: bool,
+) -> VResult<SendWr<'a>> {
     let opcode = u8::try_from(w.opcode)
         .ok()
         .and_then(|o| SendOpcode::try_from(o).ok())
@@ -203,6 +207,24 @@ unsafe fn translate_send<'a>(w: &ibv_send_wr, storage: &'a mut SendStorage) -> V
             }
             _ => {}
         }
+    }
+    if ud {
+        // SAFETY: `wr.ud` is plain data (a pointer and integers); on a UD
+        // QP the application set it and its AH is live (the verbs
+        // contract); NULL is refused.
+        let (ah, remote_qpn, remote_qkey) = unsafe {
+            (
+                Ah::from_raw(w.wr.ud.ah)?,
+                w.wr.ud.remote_qpn,
+                w.wr.ud.remote_qkey,
+            )
+        };
+        let dest = UdDest {
+            ah: ah.inner.as_ref().ok_or(libc::EINVAL)?.ahn(),
+            remote_qpn,
+            remote_qkey,
+        };
+        return Ok(wr.to_ud(dest));
     }
     Ok(wr)
 }
@@ -303,9 +325,11 @@ pub(crate) unsafe extern "C" fn post_send(
     bad_wr: *mut *mut ibv_send_wr,
 ) -> c_int {
     let mut storage = SendStorage::new();
+    // SAFETY: the caller passes a live QP (NULL: not UD, and refused below).
+    let ud = !qp.is_null() && unsafe { (*qp).qp_type } == IBV_QPT_UD;
     let push = |batch: &mut SendBatch<'_>, w: &ibv_send_wr| {
         // SAFETY: the verbs contract for the work request's buffers.
-        let t = unsafe { translate_send(w, &mut storage) }?;
+        let t = unsafe { translate_send(w, &mut storage, ud) }?;
         batch.push(&t).map_err(|e| e.errno())
     };
     // SAFETY: the caller's promise.
@@ -527,7 +551,7 @@ mod tests {
         };
         let mut st = storage();
         // SAFETY: sg_list holds num_sge SGEs.
-        let t = unsafe { translate_send(&w, &mut st) }.unwrap();
+        let t = unsafe { translate_send(&w, &mut st, false) }.unwrap();
         assert_eq!(t.wr_id, 42);
         assert_eq!(t.opcode, SendOpcode::RdmaWriteWithImm);
         assert_eq!(t.flags, send_flags::SIGNALED | send_flags::SOLICITED);
@@ -563,7 +587,7 @@ mod tests {
             rkey: 3,
         };
         // SAFETY: no SGEs.
-        let t = unsafe { translate_send(&w, &mut st) }.unwrap();
+        let t = unsafe { translate_send(&w, &mut st, false) }.unwrap();
         assert_eq!(
             (t.remote_addr, t.rkey, t.compare_add, t.swap),
             (0x40, 3, 1, 2)
@@ -571,12 +595,12 @@ mod tests {
 
         w.opcode = 99;
         // SAFETY: no SGEs.
-        let r = unsafe { translate_send(&w, &mut st) };
+        let r = unsafe { translate_send(&w, &mut st, false) };
         assert_eq!(r.err(), Some(libc::EINVAL));
         w.opcode = IBV_WR_SEND;
         w.num_sge = -1;
         // SAFETY: a negative count is refused before any read.
-        let r = unsafe { translate_send(&w, &mut st) };
+        let r = unsafe { translate_send(&w, &mut st, false) };
         assert_eq!(r.err(), Some(libc::EINVAL));
     }
 
@@ -605,7 +629,7 @@ mod tests {
         };
         let mut st = storage();
         // SAFETY: the SGEs point to the arrays above.
-        let t = unsafe { translate_send(&w, &mut st) }.unwrap();
+        let t = unsafe { translate_send(&w, &mut st, false) }.unwrap();
         assert_eq!(t.flags, send_flags::SIGNALED);
         match t.payload {
             SendPayload::Inline(d) => assert_eq!(d, b"hello world"),
@@ -618,7 +642,7 @@ mod tests {
             ..w
         };
         // SAFETY: too long is refused before reading past the arrays.
-        let r = unsafe { translate_send(&w, &mut st) };
+        let r = unsafe { translate_send(&w, &mut st, false) };
         assert_eq!(r.err(), Some(libc::EINVAL));
     }
 

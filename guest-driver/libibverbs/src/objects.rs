@@ -12,7 +12,8 @@ use std::fmt::Debug;
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use vrdma_guest_driver::{
-    CompletionQueue, DestroyError, MemoryRegion, ProtectionDomain, QueuePair, SharedReceiveQueue,
+    AddressHandle, CompletionQueue, DestroyError, MemoryRegion, ProtectionDomain, QueuePair,
+    SharedReceiveQueue,
 };
 
 use crate::abi::{ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_cq, ibv_mr, ibv_pd, ibv_qp, ibv_srq};
@@ -126,11 +127,12 @@ pub(crate) struct Cq {
     pub(crate) empty_polls: std::sync::atomic::AtomicU32,
 }
 
-/// `struct ibv_ah`: an address handle is a local record of its attributes.
+/// `struct ibv_ah`, its attributes and the device's address handle.
 #[repr(C)]
 pub(crate) struct Ah {
     pub(crate) ibv: ibv_ah,
     pub(crate) attr: ibv_ah_attr,
+    pub(crate) inner: Option<AddressHandle>,
 }
 
 /// `struct ibv_comp_channel` and its event queue.

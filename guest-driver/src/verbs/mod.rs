@@ -33,9 +33,11 @@ use crate::transport::{
     PciDevice, Transport, TransportError, VhostUserTransport, VirtioPciTransport,
 };
 
+mod ah;
 mod qp;
 mod srq;
 
+pub use ah::AddressHandle;
 pub use qp::{QpCapabilities, QpInitAttr, QueuePair, RecvBatch, SendBatch};
 pub use srq::SharedReceiveQueue;
 

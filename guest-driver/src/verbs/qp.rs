@@ -92,7 +92,8 @@ impl ProtectionDomain {
             doorbell.clone(),
             granted.max_send_sge,
             granted.max_inline_data,
-        );
+        )
+        .of_type(init.qp_type);
         let rq = match init.srq {
             Some(_) => RecvRing::of_srq_qp(rq),
             None => RecvRing::new(rq, Some(doorbell), granted.max_recv_sge),

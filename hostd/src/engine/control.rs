@@ -12,7 +12,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::messages::{MrRegistration, QpModify, QpSetup};
 use vrdma_spec::limits::{MAX_QPS, MAX_RING_DEPTH, MAX_WQE_STRIDE};
 use vrdma_spec::ring::{CQE_SIZE, EVENT_SIZE};
-use vrdma_spec::verbs::{access, QpState};
+use vrdma_spec::verbs::{access, QpState, QpType};
 use vrdma_tenant_policy::TenantPolicy;
 
 use super::guest::{Cq, DoorbellPage, EventRing, GuestRing, SharedMapping};
@@ -60,6 +60,7 @@ impl Engine {
             qps: HashMap::new(),
             srqs: Slab::default(),
             srq_by_num: HashMap::new(),
+            ahs: HashMap::new(),
             qp_by_db: Vec::new(),
             pqps: (pqps.iter())
                 .map(|&number| Pqp {
@@ -107,6 +108,7 @@ impl Engine {
             dev.cq_by_num.clear();
             dev.srqs = Slab::default();
             dev.srq_by_num.clear();
+            dev.ahs.clear();
             dev.eqs.clear();
             if dev.doorbell.take().is_some() {
                 self.generation += 1;
@@ -297,6 +299,7 @@ impl Engine {
         if s.vqpn > 0x00ff_ffff {
             return Err(EngineError::Invalid("QP number exceeds 24 bits"));
         }
+        let qp_type = QpType::try_from(s.qp_type).map_err(|_| EngineError::Invalid("QP type"))?;
         if dev.qps.contains_key(&s.vqpn) {
             return Err(EngineError::QpExists(s.vqpn));
         }
@@ -335,6 +338,8 @@ impl Engine {
             dev: di,
             gid,
             vqpn: s.vqpn,
+            qp_type,
+            qkey: 0,
             serial,
             pd: s.pd,
             pqp,
@@ -436,6 +441,21 @@ impl Engine {
             .ok_or(EngineError::UnknownQp(m.vqpn))?;
         if qp.state == QpState::Err && !matches!(to, QpState::Reset | QpState::Err) {
             return Err(EngineError::Invalid("the QP is in the error state"));
+        }
+        match (qp.qp_type, &m.connection) {
+            (QpType::Ud, Some(_)) => return Err(EngineError::Invalid("a UD QP has no connection")),
+            // UC runs between devices of this host only, for now: its
+            // wire transport (no ACKs, PSN sequence only) is not built.
+            (QpType::Uc, Some(c)) if !self.gids.contains_key(&c.dgid) => {
+                return Err(EngineError::Unsupported("UC towards another host"))
+            }
+            _ => {}
+        }
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return Err(EngineError::UnknownQp(m.vqpn));
+        };
+        if let Some(qkey) = m.qkey {
+            qp.qkey = qkey;
         }
         if let Some(c) = m.connection {
             qp.conn = Some(c);

@@ -35,6 +35,7 @@ mod rc;
 mod srq;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;
+pub mod ud;
 pub mod wire;
 pub mod wqe;
 
@@ -109,6 +110,8 @@ pub enum EngineError {
     Invalid(&'static str),
     #[error("Too many {0}")]
     Limit(&'static str),
+    #[error("Not supported: {0}")]
+    Unsupported(&'static str),
 }
 
 impl EngineError {
@@ -127,6 +130,7 @@ impl EngineError {
             EngineError::CqBusy { .. } | EngineError::Busy(..) => libc::EBUSY,
             EngineError::Invalid(_) => libc::EINVAL,
             EngineError::Limit(_) => libc::ENOSPC,
+            EngineError::Unsupported(_) => libc::EOPNOTSUPP,
         }
     }
 }
@@ -170,6 +174,8 @@ pub struct Device {
     srqs: Slab<srq::Srq>,
     /// SRQs by number (likewise).
     srq_by_num: HashMap<u32, usize>,
+    /// Address handles by number (likewise).
+    ahs: HashMap<u32, ud::Ah>,
     /// QPs by doorbell index.
     qp_by_db: Vec<Option<QpRef>>,
     pqps: Vec<Pqp>,
@@ -281,6 +287,8 @@ pub struct Engine {
     rung: Vec<u32>,
     /// The network, for QPs connected to other hosts.
     wire: Option<Box<wire::Wire>>,
+    /// The port's active MTU in bytes: the largest UD message.
+    port_mtu: u32,
 }
 
 impl std::fmt::Debug for Engine {
@@ -310,10 +318,16 @@ impl Engine {
             spare: Some(Box::default()),
             rung: Vec::new(),
             wire: None,
+            port_mtu: 4096,
         }
     }
 
     /// The tenants' counters and usage.
+    /// Sets the port's active MTU (bytes): the largest UD message.
+    pub fn set_port_mtu(&mut self, mtu: u32) {
+        self.port_mtu = mtu;
+    }
+
     pub fn accounts(&self) -> &Accounts {
         &self.accounts
     }

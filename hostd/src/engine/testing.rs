@@ -157,6 +157,7 @@ pub fn qp_setup(n: usize, vqpn: u32, caps: (u32, u32, u32), depth: u32, stride: 
         max_recv_sge,
         max_inline_data: max_inline,
         srqn: None,
+        qp_type: 2,
     }
 }
 
@@ -622,6 +623,7 @@ impl Env {
             state: state.into(),
             connection,
             access: None,
+            qkey: None,
         };
         self.engine.modify_qp(id, &m)
     }

@@ -491,6 +491,7 @@ impl Client {
             state: state.into(),
             connection,
             access: None,
+            qkey: None,
         }))
     }
 

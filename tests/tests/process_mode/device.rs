@@ -26,8 +26,8 @@ fn queries_match_the_config_space() {
     assert_eq!(dev.sys_image_guid.get(), guid);
     assert_eq!(
         dev.fw_ver.get(),
-        3 << 32 | 1,
-        "(major << 32) | minor of spec 3.1"
+        3 << 32 | 2,
+        "(major << 32) | minor of spec 3.2"
     );
     assert_eq!(
         (dev.vendor_id.get(), dev.vendor_part_id.get()),
@@ -52,6 +52,7 @@ fn queries_match_the_config_space() {
         (256, 4096, 16),
         "SRQs: the default limits (max_srq, max_qp_depth, max_sge)"
     );
+    assert_eq!(dev.max_ah.get(), 65536, "the default max_ah");
     assert_eq!((dev.max_pkeys.get(), dev.phys_port_cnt), (1, 1));
     // No config file: the default tenant limits.
     assert_advertises(&dev, &Limits::default());

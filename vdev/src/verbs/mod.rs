@@ -9,6 +9,7 @@
 //! It knows nothing of virtqueues: `control.rs` feeds it bytes, and the
 //! eventfds hostd needs come through [`NotifyFds`].
 
+mod ah;
 mod cq;
 mod error;
 mod mr;
@@ -23,13 +24,14 @@ use rand::Rng;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vrdma_spec::config::{DeviceAttr, DeviceConfig, PortAttr, CONFIG_MAGIC, CONFIG_SIZE};
 use vrdma_spec::control::{
-    self, CqHandle, MrHandle, Opcode, PdHandle, QpHandle, QueryQpReq, SrqHandle,
+    self, AhHandle, CqHandle, MrHandle, Opcode, PdHandle, QpHandle, QueryQpReq, SrqHandle,
 };
 use vrdma_spec::ring::{self, RING_ALIGN};
 use vrdma_spec::verbs::{atomic_cap, device_cap, LinkLayer, Mtu, PortState};
 use vrdma_spec::zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 use vrdma_tenant_policy::Limits;
 
+pub use ah::AddressHandle;
 pub use cq::CompletionQueue;
 pub use error::{VerbError, VerbResult};
 pub use mr::MemoryRegion;
@@ -87,6 +89,7 @@ pub struct RdmaDevice {
     cqs: HashMap<u32, CompletionQueue>,
     qps: HashMap<u32, QueuePair>,
     srqs: HashMap<u32, SharedReceiveQueue>,
+    ahs: HashMap<u32, AddressHandle>,
     /// The doorbell page (`SET_DOORBELL`), once the driver gave it.
     doorbell: Option<u64>,
     /// Event rings by completion vector (`CREATE_EQ`).
@@ -121,6 +124,7 @@ impl RdmaDevice {
             cqs: HashMap::new(),
             qps: HashMap::new(),
             srqs: HashMap::new(),
+            ahs: HashMap::new(),
             doorbell: None,
             eqs: BTreeMap::new(),
             db_indexes: notify::DbIndexes::default(),
@@ -249,9 +253,9 @@ impl RdmaDevice {
     pub fn release_all(&mut self) {
         let (pds, mrs, cqs, qps) = self.object_counts();
         let eqs = self.eqs.len();
-        let srqs = self.srqs.len();
+        let (srqs, ahs) = (self.srqs.len(), self.ahs.len());
         let doorbell = self.doorbell.is_some();
-        if pds + mrs + cqs + qps + eqs + srqs == 0 && !doorbell {
+        if pds + mrs + cqs + qps + eqs + srqs + ahs == 0 && !doorbell {
             return;
         }
         if let Some(fabric) = &self.fabric {
@@ -261,6 +265,7 @@ impl RdmaDevice {
         }
         self.qps.clear();
         self.srqs.clear();
+        self.ahs.clear();
         self.db_indexes.clear();
         self.mrs.clear();
         self.lkeys.clear();
@@ -269,7 +274,7 @@ impl RdmaDevice {
         self.pds.clear();
         self.eqs.clear();
         self.doorbell = None;
-        tracing::info!(tenant = %self.identity.tenant, pds, mrs, cqs, qps, srqs, eqs, doorbell,
+        tracing::info!(tenant = %self.identity.tenant, pds, mrs, cqs, qps, srqs, ahs, eqs, doorbell,
             "Released all verbs objects");
     }
 
@@ -368,6 +373,8 @@ impl RdmaDevice {
             Opcode::DestroySrq => {
                 respond(payload, |req: SrqHandle| self.destroy_srq(req.srqn.get()))
             }
+            Opcode::CreateAh => respond(payload, |req| self.create_ah(&req)),
+            Opcode::DestroyAh => respond(payload, |req: AhHandle| self.destroy_ah(req.ahn.get())),
         }
     }
 
@@ -543,7 +550,8 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
             max_total_mr_bytes: limits.max_total_mr_bytes.into(),
             max_pkeys: 1.into(),
             phys_port_cnt: 1,
-            reserved: [0; 5],
+            max_ah: limits.max_ah.into(),
+            reserved: [0; 1],
         },
         port: PortAttr {
             state: PortState::Active.into(),

@@ -4,10 +4,10 @@
 
 use vrdma_hostd_protocol::messages::{QpConnection, QpModify, QpSetup, WorkRing};
 use vrdma_spec::control::{
-    CreateQpReq, CreateQpResp, ModifyQpReq, QpAttr, QpCap, QueryQpResp, NO_SRQ,
+    AhAttr, CreateQpReq, CreateQpResp, ModifyQpReq, QpAttr, QpCap, QueryQpResp, NO_SRQ,
 };
 use vrdma_spec::limits::{CapLimits, Caps, QpGrant, MAX_QPS};
-use vrdma_spec::qp_state::{check_rc_mask, mask};
+use vrdma_spec::qp_state::{check_mask, mask};
 use vrdma_spec::ring::WorkRingGeometry;
 use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
 
@@ -33,6 +33,7 @@ const MIG_MIGRATED: u8 = 0;
 #[derive(Debug)]
 pub struct QueuePair {
     pub qpn: u32,
+    pub qp_type: QpType,
     pub pdn: u32,
     pub send_cqn: u32,
     pub recv_cqn: u32,
@@ -58,13 +59,8 @@ impl RdmaDevice {
         }
         let pdn = req.pdn.get();
         self.pd_mut(pdn)?;
-        match QpType::try_from(req.qp_type) {
-            Ok(QpType::Rc) => {}
-            Ok(QpType::Uc | QpType::Ud) => {
-                return Err(VerbError::Unsupported("QP types other than RC"))
-            }
-            Err(other) => return Err(VerbError::Invalid(format!("QP type {other}"))),
-        }
+        let qp_type = QpType::try_from(req.qp_type)
+            .map_err(|other| VerbError::Invalid(format!("QP type {other}")))?;
         let srqn = (req.srqn.get() != NO_SRQ).then(|| req.srqn.get());
         if let Some(srqn) = srqn {
             if !self.srqs.contains_key(&srqn) {
@@ -124,6 +120,7 @@ impl RdmaDevice {
             qpn,
             QueuePair {
                 qpn,
+                qp_type,
                 pdn,
                 send_cqn,
                 recv_cqn,
@@ -181,6 +178,7 @@ impl RdmaDevice {
         fabric
             .create_qp(QpSetup {
                 vqpn: qpn,
+                qp_type: req.qp_type,
                 pd: req.pdn.get(),
                 db_index,
                 send_cqn: req.send_cqn.get(),
@@ -238,13 +236,13 @@ impl RdmaDevice {
             qp.state
         };
         check_supported_mask(attr_mask)?;
-        check_rc_mask(qp.state, next, attr_mask).map_err(VerbError::Transition)?;
+        check_mask(qp.qp_type, qp.state, next, attr_mask).map_err(VerbError::Transition)?;
         validate_attr(a, attr_mask, port_mtu, max_rd_atomic)?;
         let mut merged = qp.attr;
         apply_attr(&mut merged, a, attr_mask);
         if let Some(fabric) = &self.fabric {
             fabric
-                .modify_qp(transition(qpn, qp.state, next, &merged, attr_mask))
+                .modify_qp(transition(qp, next, &merged, attr_mask))
                 .map_err(VerbError::Fabric)?;
         }
         qp.attr = merged;
@@ -269,7 +267,7 @@ impl RdmaDevice {
             send_cqn: qp.send_cqn.into(),
             recv_cqn: qp.recv_cqn.into(),
             srqn: qp.srqn.unwrap_or(NO_SRQ).into(),
-            qp_type: QpType::Rc.into(),
+            qp_type: qp.qp_type.into(),
             sq_sig_all: qp.sq_sig_all.into(),
             reserved: [0; 2],
         })
@@ -355,23 +353,25 @@ fn reset_attr(cap: QpCap) -> QpAttr {
     }
 }
 
-/// What hostd is told of a transition `from` → `to` with the QP's
+/// What hostd is told of QP `qp`'s transition to `to` with the QP's
 /// attributes `attr` (the request applied to what earlier calls set): the
-/// new state; the whole connection when the QP connects (INIT → RTR) and
-/// again when it becomes a requester (RTR → RTS), complete then, since the
-/// requester's attributes (retries, timeout, send PSN, outstanding READs)
-/// come with RTS; its access flags when the mask changes them.
-fn transition(qpn: u32, from: QpState, to: QpState, attr: &QpAttr, attr_mask: u32) -> QpModify {
-    let connection = matches!(
-        (from, to),
+/// new state; for RC and UC the whole connection when the QP connects
+/// (INIT → RTR) and again when it becomes a requester (RTR → RTS),
+/// complete then, since the requester's attributes (retries, timeout, send
+/// PSN, outstanding READs) come with RTS; its access flags when the mask
+/// changes them; a UD QP's Q_Key when the mask sets it.
+fn transition(qp: &QueuePair, to: QpState, attr: &QpAttr, attr_mask: u32) -> QpModify {
+    let connects = matches!(
+        (qp.state, to),
         (QpState::Init, QpState::Rtr) | (QpState::Rtr, QpState::Rts)
-    )
-    .then(|| connection_of(attr));
+    );
+    let connection = (connects && qp.qp_type != QpType::Ud).then(|| connection_of(attr));
     QpModify {
-        vqpn: qpn,
+        vqpn: qp.qpn,
         state: to.into(),
         connection,
         access: (attr_mask & mask::ACCESS_FLAGS != 0).then(|| attr.qp_access_flags.get()),
+        qkey: (attr_mask & mask::QKEY != 0).then(|| attr.qkey.get()),
     }
 }
 
@@ -421,6 +421,45 @@ fn check_supported_mask(attr_mask: u32) -> VerbResult<()> {
     Ok(())
 }
 
+/// Checks an address vector (a QP's path, an address handle): port 1, a
+/// GRH naming GID index 0 as the source and an IPv4-mapped destination
+/// GID, a 20-bit flow label.
+pub(super) fn validate_av(av: &AhAttr) -> VerbResult<()> {
+    let bad = |what: String| Err(VerbError::Invalid(what));
+    if av.port_num != 1 {
+        return bad(format!("ah_attr.port_num {}", av.port_num));
+    }
+    // RoCE: the peer is named by its GID in the GRH (the LID is
+    // ignored), as on rxe.
+    if av.is_global == 0 {
+        return bad(
+            "ah_attr.is_global 0: the port's link layer is Ethernet (RoCEv2), so the \
+             address vector needs a GRH with the peer's GID (rc_pingpong -g 0, \
+             perftest -x 0)"
+                .into(),
+        );
+    }
+    if av.sgid_index != 0 {
+        return bad(format!(
+            "ah_attr.grh.sgid_index {} (the GID table has 1 entry)",
+            av.sgid_index
+        ));
+    }
+    if vrdma_spec::gid::ipv4_of(&av.dgid).is_none() {
+        return bad(format!(
+            "ah_attr.grh.dgid {} is not an IPv4-mapped GID (IPv6 GIDs are not supported)",
+            std::net::Ipv6Addr::from(av.dgid)
+        ));
+    }
+    if av.flow_label.get() > MAX_FLOW_LABEL {
+        return bad(format!(
+            "ah_attr.grh.flow_label {:#x} is not 20 bits",
+            av.flow_label
+        ));
+    }
+    Ok(())
+}
+
 /// Checks the value of every attribute the mask names.
 fn validate_attr(a: &QpAttr, attr_mask: u32, port_mtu: u8, max_rd_atomic: u32) -> VerbResult<()> {
     let has = |bit| attr_mask & bit != 0;
@@ -445,38 +484,7 @@ fn validate_attr(a: &QpAttr, attr_mask: u32, port_mtu: u8, max_rd_atomic: u32) -
         }
     }
     if has(mask::AV) {
-        let av = &a.ah_attr;
-        if av.port_num != 1 {
-            return bad(format!("ah_attr.port_num {}", av.port_num));
-        }
-        // RoCE: the peer is named by its GID in the GRH (the LID is
-        // ignored), as on rxe.
-        if av.is_global == 0 {
-            return bad(
-                "ah_attr.is_global 0: the port's link layer is Ethernet (RoCEv2), so the \
-                 address vector needs a GRH with the peer's GID (rc_pingpong -g 0, \
-                 perftest -x 0)"
-                    .into(),
-            );
-        }
-        if av.sgid_index != 0 {
-            return bad(format!(
-                "ah_attr.grh.sgid_index {} (the GID table has 1 entry)",
-                av.sgid_index
-            ));
-        }
-        if vrdma_spec::gid::ipv4_of(&av.dgid).is_none() {
-            return bad(format!(
-                "ah_attr.grh.dgid {} is not an IPv4-mapped GID (IPv6 GIDs are not supported)",
-                std::net::Ipv6Addr::from(av.dgid)
-            ));
-        }
-        if av.flow_label.get() > MAX_FLOW_LABEL {
-            return bad(format!(
-                "ah_attr.grh.flow_label {:#x} is not 20 bits",
-                av.flow_label
-            ));
-        }
+        validate_av(&a.ah_attr)?;
     }
     if has(mask::DEST_QPN) && a.dest_qp_num.get() > QPN_MASK {
         return bad(format!(
@@ -535,6 +543,9 @@ fn apply_attr(dst: &mut QpAttr, a: &QpAttr, attr_mask: u32) {
     }
     if has(mask::ACCESS_FLAGS) {
         dst.qp_access_flags = a.qp_access_flags;
+    }
+    if has(mask::QKEY) {
+        dst.qkey = a.qkey;
     }
     if has(mask::PKEY_INDEX) {
         dst.pkey_index = a.pkey_index;

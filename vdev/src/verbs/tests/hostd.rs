@@ -311,6 +311,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
             max_recv_sge: grant.caps.max_recv_sge,
             max_inline_data: grant.caps.max_inline_data,
             srqn: None,
+            qp_type: 2,
         })
     );
     assert_eq!(qp.cap.max_send_sge.get(), grant.caps.max_send_sge);
@@ -325,6 +326,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
             state: QpState::Init.into(),
             connection: None,
             access: Some(access::REMOTE_WRITE),
+            qkey: None,
         })
     );
     modify(&mut dev, qpn, RTR_MASK, rtr_attr()).expect("RTR");
@@ -355,6 +357,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
             state: QpState::Rtr.into(),
             connection: Some(at_rtr),
             access: None,
+            qkey: None,
         })
     );
     let rts = QpAttr {
@@ -379,6 +382,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
                 ..at_rtr
             }),
             access: None,
+            qkey: None,
         }),
         "at RTS the whole connection: what RTR set and the requester's attributes"
     );
