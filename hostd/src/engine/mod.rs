@@ -340,6 +340,11 @@ impl Engine {
         (self.accounts).snapshot_with(self.devices.values().map(|d| (d.id, &d.counters)))
     }
 
+    /// What device `id`'s completions and arriving messages came to.
+    pub fn device_counters(&self, id: DeviceId) -> Option<&CompletionCounts> {
+        self.devices.get(&id).map(|d| &d.counters)
+    }
+
     /// The tenants' counters and usage, for control requests.
     pub fn accounts_mut(&mut self) -> &mut Accounts {
         &mut self.accounts
@@ -989,3 +994,5 @@ pub const RETRY_STEP: Duration = Duration::from_micros(500);
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_unreliable;

@@ -347,6 +347,17 @@ impl Side {
         self.driver.add_qp(&setup)
     }
 
+    /// Creates QP number `vqpn` of type `qp_type` (RC 2, UC 3, UD 4) in
+    /// RESET.
+    pub fn add_qp_of(&mut self, engine: &mut Engine, vqpn: u32, qp_type: u8) -> usize {
+        let setup = QpSetup {
+            qp_type,
+            ..qp_setup(self.qps.len(), vqpn, CAPS, DEPTH, STRIDE)
+        };
+        engine.create_qp(self.id, &setup).expect("qp");
+        self.driver.add_qp(&setup)
+    }
+
     /// The same with rings of `depth` slots of `stride` bytes.
     pub fn add_qp_shaped(
         &mut self,

@@ -59,6 +59,21 @@ pub struct DropCounts {
 }
 
 impl DropCounts {
+    /// The non-zero counts by reason name, as the stats report them (as
+    /// error statuses are: a reason appears once it happened).
+    pub fn by_reason(&self) -> std::collections::BTreeMap<String, u64> {
+        [
+            ("qkey", self.qkey),
+            ("no_receive", self.no_receive),
+            ("no_qp", self.no_qp),
+            ("invalid", self.invalid),
+        ]
+        .into_iter()
+        .filter(|&(_, v)| v > 0)
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
+
     /// Adds `other`.
     pub fn add(&mut self, other: &DropCounts) {
         self.qkey += other.qkey;

@@ -27,7 +27,7 @@ const HOSTD_GID: [u8; 16] = vrdma_spec::gid::ipv4_mapped([10, 200, 0, 9]);
 /// The test's own eventfds, lent as the device's: the test can then tell
 /// whether what hostd received is the same eventfd.
 #[derive(Debug)]
-struct TestFds {
+pub(super) struct TestFds {
     kick: EventFd,
     /// Vector 1 has a call eventfd; vector 0's was never set.
     call1: EventFd,
@@ -78,7 +78,7 @@ struct Script {
 
 /// A stand-in hostd: one registration, then every request recorded (with
 /// its descriptors) before it is answered.
-struct FakeHostd {
+pub(super) struct FakeHostd {
     requests: mpsc::Receiver<(Request, Vec<File>)>,
     script: Arc<Script>,
     dir: PathBuf,
@@ -107,14 +107,14 @@ impl FakeHostd {
     }
 
     /// The next request vdev sent, with its descriptors.
-    fn next(&self) -> (Request, Vec<File>) {
+    pub(super) fn next(&self) -> (Request, Vec<File>) {
         self.requests
             .recv_timeout(Duration::from_secs(10))
             .expect("a request within 10 s")
     }
 
     /// The next request, which must carry no descriptor.
-    fn next_plain(&self) -> Request {
+    pub(super) fn next_plain(&self) -> Request {
         let (request, files) = self.next();
         assert!(files.is_empty(), "{request:?} carried descriptors");
         request
@@ -122,7 +122,7 @@ impl FakeHostd {
 
     /// Asserts vdev sent nothing more (every request is recorded before it
     /// is answered, so a finished verb's requests are all here).
-    fn assert_quiet(&self, after: &str) {
+    pub(super) fn assert_quiet(&self, after: &str) {
         if let Ok((request, _)) = self.requests.try_recv() {
             panic!("after {after}, hostd was sent {request:?}");
         }
@@ -193,7 +193,7 @@ fn read_u64(file: &mut File) -> u64 {
     u64::from_ne_bytes(bytes)
 }
 
-fn attached(tag: &str) -> (FakeHostd, RdmaDevice, Arc<TestFds>) {
+pub(super) fn attached(tag: &str) -> (FakeHostd, RdmaDevice, Arc<TestFds>) {
     let (hostd, fabric) = FakeHostd::start(tag);
     let fds = test_fds();
     let mut dev = RdmaDevice::with_fabric(identity(), Limits::default(), fabric, fds.clone());

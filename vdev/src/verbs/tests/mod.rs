@@ -6,6 +6,7 @@ mod hostd;
 mod notify;
 mod qp;
 mod srq;
+mod ud;
 
 use std::sync::Arc;
 
