@@ -1,14 +1,18 @@
-//! UD and UC through the real daemons (hostd and two vdevs) and the guest
-//! driver's API: address handles and the isolation rule at their creation,
-//! Q_Keys, the GRH a datagram arrives behind, and what hostd counts.
+//! Shared receive queues and UD through the real daemons (hostd and two
+//! or three vdevs) and the guest driver's API: an SRQ feeding its QP and
+//! its limit event; address handles and the isolation rule at their
+//! creation, Q_Keys, the GRH a datagram arrives behind, and what hostd
+//! counts. (Debian's binaries over SRQ, UD and UC: `ibverbs_compat.rs`.)
 
-use vrdma_guest_driver::{QpInitAttr, QueuePair, SendPayload, SendWr, Sge, UdDest};
+use vrdma_guest_driver::{
+    QpInitAttr, QueuePair, SendPayload, SendWr, Sge, SharedReceiveQueue, UdDest,
+};
 use vrdma_spec::control::{AhAttr, QpAttr};
 use vrdma_spec::qp_state::mask;
 use vrdma_spec::ring::wc_flags;
 use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcOpcode, WcStatus};
 use vrdma_tests::daemon::{metric_value, Hostd};
-use vrdma_tests::tenant::{one, policy, read_mr, Tenant};
+use vrdma_tests::tenant::{blue_and_red, one, read_mr, Tenant};
 use vrdma_tools::verbs::default_caps;
 
 const QKEY: u32 = 0x1111_1111;
@@ -24,18 +28,22 @@ fn path_to(gid: [u8; 16]) -> AhAttr {
     }
 }
 
+/// A QP of `qp_type` of `t` (its receives from `srq`, if given), in RESET.
+fn qp_of(t: &Tenant, qp_type: QpType, srq: Option<&SharedReceiveQueue>) -> QueuePair {
+    t.pd.create_qp(&QpInitAttr {
+        send_cq: &t.cq,
+        recv_cq: &t.cq,
+        cap: default_caps(),
+        qp_type,
+        sq_sig_all: false,
+        srq,
+    })
+    .unwrap_or_else(|e| panic!("{qp_type:?} QP: {e}"))
+}
+
 /// A UD QP of `t` in RTS with Q_Key `qkey`.
 fn ud_qp(t: &Tenant, qkey: u32) -> QueuePair {
-    let qp =
-        t.pd.create_qp(&QpInitAttr {
-            send_cq: &t.cq,
-            recv_cq: &t.cq,
-            cap: default_caps(),
-            qp_type: QpType::Ud,
-            sq_sig_all: false,
-            srq: None,
-        })
-        .expect("UD QP");
+    let qp = qp_of(t, QpType::Ud, None);
     let init = QpAttr {
         qp_state: QpState::Init.into(),
         qkey: qkey.into(),
@@ -59,13 +67,7 @@ fn ud_qp(t: &Tenant, qkey: u32) -> QueuePair {
 
 #[test]
 fn an_address_handle_is_refused_outside_the_tenant_network() {
-    let blue = "network = \"blue\"";
-    let config = policy(&[
-        ("alpha", blue),
-        ("beta", blue),
-        ("gamma", "network = \"red\""),
-    ]);
-    let hostd = Hostd::start(Some(&config));
+    let hostd = Hostd::start(Some(&blue_and_red()));
     let a = Tenant::start(&hostd, "alpha");
     let b = Tenant::start(&hostd, "beta");
     let c = Tenant::start(&hostd, "gamma");
@@ -139,4 +141,80 @@ fn datagrams_arrive_behind_their_grh_and_a_wrong_qkey_is_dropped_and_counted() {
     assert_eq!(code, 0, "{err}");
     let series = "vrdma_tenant_dropped_total{tenant=\"beta\",reason=\"qkey\"}";
     assert_eq!(metric_value(&metrics, series), Some(1.0), "{metrics}");
+}
+
+/// A shared receive queue through the daemons: an RC QP of beta on beta's
+/// SRQ takes the SRQ's receives in order; the armed limit raises
+/// SRQ_LIMIT on beta's event ring once; a receive posted on the QP itself
+/// is refused (EINVAL); a QP of the SRQ that goes to ERR raises
+/// QP_LAST_WQE_REACHED.
+#[test]
+fn an_srq_feeds_its_qp_and_raises_its_limit_event_once() {
+    use vrdma_guest_driver::{DeviceEvent, RecvWr};
+    use vrdma_tests::tenant::{connect, statuses};
+    use vrdma_tools::verbs::Connection;
+
+    let hostd = Hostd::start(None);
+    let a = Tenant::start(&hostd, "alpha");
+    let b = Tenant::start(&hostd, "beta");
+    let srq = b.pd.create_srq(8, 1, 3).expect("SRQ");
+    assert_eq!(srq.caps().0, 8);
+    let qb = qp_of(&b, QpType::Rc, Some(&srq));
+    assert_eq!(qb.cap().max_recv_wr, 0);
+    assert_eq!(qb.srqn(), Some(srq.srqn()));
+    let qa = a.qp(default_caps());
+    connect(&a, &qa, &b, &qb, Connection::default());
+    let dst = b.pd.alloc_mr(4096, access::LOCAL_WRITE).expect("dst");
+    let own = qb
+        .post_recv(&[RecvWr {
+            wr_id: 99,
+            sg_list: &[dst.sge(0, 64)],
+        }])
+        .expect_err("the QP's receives are the SRQ's");
+    assert_eq!(own.errno(), libc::EINVAL);
+    for i in 0..5u64 {
+        srq.post_recv(&[RecvWr {
+            wr_id: 10 + i,
+            sg_list: &[dst.sge(64 * i, 64)],
+        }])
+        .expect("post_srq_recv");
+    }
+    let src = a.pd.alloc_mr(4096, access::LOCAL_WRITE).expect("src");
+    let sge = [src.sge(0, 8)];
+    for i in 0..3u64 {
+        let mut wr = SendWr::new(i, SendOpcode::Send, SendPayload::Sges(&sge));
+        wr.flags = vrdma_spec::ring::send_flags::SIGNALED;
+        qa.post_send(&[wr]).expect("send");
+    }
+    assert_eq!(
+        statuses(&a.cq, 3),
+        (0..3).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        statuses(&b.cq, 3),
+        (10..13).map(|i| (i, WcStatus::Success)).collect::<Vec<_>>(),
+        "the SRQ's receives in posting order"
+    );
+    // 5 posted, 3 taken: 2 < 3 fired the limit once, and disarmed it.
+    let event = b.ctx.get_event(0, Some(std::time::Duration::from_secs(10)));
+    assert_eq!(
+        event.expect("event"),
+        Some(DeviceEvent::SrqLimit { srqn: srq.srqn() })
+    );
+    assert_eq!(srq.query().expect("query").srq_limit.get(), 0);
+    // The QP goes to ERR: the SRQ's other receives stay the SRQ's.
+    let err = QpAttr {
+        qp_state: QpState::Err.into(),
+        ..QpAttr::default()
+    };
+    qb.modify(&err, mask::STATE).expect("to ERR");
+    let event = b.ctx.get_event(0, Some(std::time::Duration::from_secs(10)));
+    assert_eq!(
+        event.expect("event"),
+        Some(DeviceEvent::LastWqeReached { qpn: qb.qp_num() })
+    );
+    assert_eq!(
+        srq.destroy().map_err(|e| e.errno()).unwrap_err(),
+        libc::EBUSY
+    );
 }
