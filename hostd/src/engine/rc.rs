@@ -483,11 +483,10 @@ impl Engine {
 
     /// The responder of `qref`, if it is there, ready and connected back.
     fn responder(&mut self, qref: QpRef) -> Option<Responder> {
-        let (my_gid, vqpn) = {
+        let (my_gid, vqpn, my_type) = {
             let qp = self.qps.get(qref)?;
-            (qp.gid, qp.vqpn)
+            (qp.gid, qp.vqpn, qp.qp_type)
         };
-        let my_type = self.qps.get(qref)?.qp_type;
         let peer = self.peer_of(qref)?;
         let p = self.qps.get(peer)?;
         if !p.receives() || !p.connected_to(&my_gid, vqpn) || p.qp_type != my_type {
