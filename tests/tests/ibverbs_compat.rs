@@ -441,22 +441,22 @@ int main(void)
 }
 "#;
 
-#[test]
-fn refused_verbs_return_errors_not_crashes() {
+/// Builds the C program `source` (as `name`) against Debian's
+/// <infiniband/verbs.h> and libibverbs, so that it imports versioned
+/// symbols exactly as packaged programs do; the scratch directory holding
+/// it and its path.
+fn build_c(name: &str, source: &str) -> (TempDir, std::path::PathBuf) {
     need::program("cc", "gcc");
     need::file(
         Path::new("/usr/include/infiniband/verbs.h"),
         "libibverbs-dev",
     );
-    let shim = IbverbsShim::new();
-    let dir = TempDir::new("ibverbs-refusals");
-    let src = dir.path().join("refusals.c");
+    let dir = TempDir::new(&format!("ibverbs-{name}"));
+    let src = dir.path().join(format!("{name}.c"));
     std::fs::File::create(&src)
-        .and_then(|mut f| f.write_all(REFUSALS_C.as_bytes()))
+        .and_then(|mut f| f.write_all(source.as_bytes()))
         .expect("write the C program");
-    let exe = dir.path().join("refusals");
-    // Linked against Debian's libibverbs, so the binary imports versioned
-    // symbols exactly as packaged programs do.
+    let exe = dir.path().join(name);
     let cc = Command::new("cc")
         .arg(&src)
         .arg("-o")
@@ -465,6 +465,13 @@ fn refused_verbs_return_errors_not_crashes() {
         .output()
         .expect("run cc");
     assert!(cc.status.success(), "cc: {}", Run::text(&cc));
+    (dir, exe)
+}
+
+#[test]
+fn refused_verbs_return_errors_not_crashes() {
+    let shim = IbverbsShim::new();
+    let (_dir, exe) = build_c("refusals", REFUSALS_C);
     // Control verbs only: a vdev without hostd serves them.
     let vdev = Vdev::start("refusals", &[]);
     let child = shim
@@ -577,4 +584,166 @@ fn perftest_ib_write_bw_over_uc() {
         &["64", "65536"],
         &["-x", "0", "-c", "UC"],
     );
+}
+
+/// A C program on two vrdma devices of one process (alpha's and beta's):
+/// an SRQ of beta whose armed limit reaches `ibv_get_async_event` as
+/// IBV_EVENT_SRQ_LIMIT_REACHED naming the SRQ; `ibv_post_recv` on its QP
+/// refused; and a UD datagram whose completion and GRH make the address
+/// handle back to its sender (`ibv_create_ah_from_wc`).
+const TWO_DEVICES_C: &str = r#"
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <infiniband/verbs.h>
+
+#define CHECK(c, what) do { if (!(c)) { printf("FAILED: %s (errno %d)\n", what, errno); return 1; } } while (0)
+
+static struct ibv_wc wait_wc(struct ibv_cq *cq)
+{
+	struct ibv_wc wc;
+	while (ibv_poll_cq(cq, 1, &wc) == 0)
+		;
+	return wc;
+}
+
+static int rc_up(struct ibv_qp *qp, union ibv_gid *dgid, uint32_t dqpn)
+{
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1,
+		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE };
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+		return -1;
+	memset(&a, 0, sizeof a);
+	a.qp_state = IBV_QPS_RTR; a.path_mtu = IBV_MTU_1024; a.dest_qp_num = dqpn;
+	a.max_dest_rd_atomic = 1; a.min_rnr_timer = 12;
+	a.ah_attr.is_global = 1; a.ah_attr.grh.dgid = *dgid; a.ah_attr.grh.hop_limit = 1; a.ah_attr.port_num = 1;
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+			  IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+		return -1;
+	a.qp_state = IBV_QPS_RTS; a.timeout = 14; a.retry_cnt = 7; a.rnr_retry = 7; a.max_rd_atomic = 1;
+	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+			     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
+}
+
+static int ud_up(struct ibv_qp *qp)
+{
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qkey = 0x11111111 };
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))
+		return -1;
+	a.qp_state = IBV_QPS_RTR;
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE))
+		return -1;
+	a.qp_state = IBV_QPS_RTS;
+	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN);
+}
+
+int main(void)
+{
+	int n = 0;
+	struct ibv_device **list = ibv_get_device_list(&n);
+	CHECK(list && n == 2, "two devices");
+	struct ibv_context *a = ibv_open_device(list[0]), *b = ibv_open_device(list[1]);
+	CHECK(a && b, "open");
+	union ibv_gid ga, gb;
+	CHECK(!ibv_query_gid(a, 1, 0, &ga) && !ibv_query_gid(b, 1, 0, &gb), "gids");
+	struct ibv_pd *pa = ibv_alloc_pd(a), *pb = ibv_alloc_pd(b);
+	struct ibv_cq *ca = ibv_create_cq(a, 64, NULL, NULL, 0), *cb = ibv_create_cq(b, 64, NULL, NULL, 0);
+	static char bufa[4096] __attribute__((aligned(4096))), bufb[4096] __attribute__((aligned(4096)));
+	struct ibv_mr *ma = ibv_reg_mr(pa, bufa, sizeof bufa, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mb = ibv_reg_mr(pb, bufb, sizeof bufb, IBV_ACCESS_LOCAL_WRITE);
+	CHECK(pa && pb && ca && cb && ma && mb, "pd, cq, mr");
+
+	/* SRQ */
+	struct ibv_srq_init_attr sattr = { .attr = { .max_wr = 16, .max_sge = 1 } };
+	struct ibv_srq *srq = ibv_create_srq(pb, &sattr);
+	CHECK(srq && sattr.attr.max_wr >= 16, "ibv_create_srq");
+	struct ibv_srq_attr lim = { .srq_limit = 4 };
+	CHECK(!ibv_modify_srq(srq, &lim, IBV_SRQ_LIMIT), "arm the limit");
+	struct ibv_qp_init_attr qi = { .send_cq = cb, .recv_cq = cb, .srq = srq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = 8, .max_send_sge = 1 } };
+	struct ibv_qp *qb = ibv_create_qp(pb, &qi);
+	CHECK(qb, "QP on the SRQ");
+	struct ibv_qp_attr qattr; struct ibv_qp_init_attr qinit;
+	CHECK(!ibv_query_qp(qb, &qattr, 0, &qinit) && qinit.srq == srq, "query_qp names the SRQ");
+	qi.send_cq = ca; qi.recv_cq = ca; qi.srq = NULL; qi.cap.max_recv_wr = 8; qi.cap.max_recv_sge = 1;
+	struct ibv_qp *qa = ibv_create_qp(pa, &qi);
+	CHECK(qa && !rc_up(qa, &gb, qb->qp_num) && !rc_up(qb, &ga, qa->qp_num), "connect");
+	struct ibv_sge rs = { .addr = (uintptr_t)bufb, .length = 64, .lkey = mb->lkey };
+	struct ibv_recv_wr rw = { .wr_id = 1, .sg_list = &rs, .num_sge = 1 }, *bad_r;
+	CHECK(ibv_post_recv(qb, &rw, &bad_r) == EINVAL && bad_r == &rw, "post_recv on an SRQ QP is EINVAL");
+	for (int i = 0; i < 6; i++)
+		CHECK(!ibv_post_srq_recv(srq, &rw, &bad_r), "post_srq_recv");
+	struct ibv_sge ss = { .addr = (uintptr_t)bufa, .length = 8, .lkey = ma->lkey };
+	struct ibv_send_wr sw = { .wr_id = 2, .sg_list = &ss, .num_sge = 1, .opcode = IBV_WR_SEND,
+		.send_flags = IBV_SEND_SIGNALED }, *bad_s;
+	for (int i = 0; i < 3; i++) {
+		CHECK(!ibv_post_send(qa, &sw, &bad_s), "send");
+		CHECK(wait_wc(ca).status == IBV_WC_SUCCESS, "send completion");
+		CHECK(wait_wc(cb).status == IBV_WC_SUCCESS, "receive from the SRQ");
+	}
+	struct ibv_async_event ev;
+	CHECK(!ibv_get_async_event(b, &ev), "ibv_get_async_event");
+	printf("async event: %s\n", ibv_event_type_str(ev.event_type));
+	CHECK(ev.event_type == IBV_EVENT_SRQ_LIMIT_REACHED && ev.element.srq == srq, "SRQ limit event");
+	ibv_ack_async_event(&ev);
+	CHECK(!ibv_query_srq(srq, &lim) && lim.srq_limit == 0, "disarmed");
+	CHECK(ibv_destroy_srq(srq) == EBUSY, "an SRQ in use is busy");
+	CHECK(!ibv_destroy_qp(qb) && !ibv_destroy_qp(qa) && !ibv_destroy_srq(srq), "destroy");
+
+	/* UD, and an AH back from the completion */
+	qi.qp_type = IBV_QPT_UD; qi.send_cq = ca; qi.recv_cq = ca;
+	struct ibv_qp *ua = ibv_create_qp(pa, &qi);
+	qi.send_cq = cb; qi.recv_cq = cb;
+	struct ibv_qp *ub = ibv_create_qp(pb, &qi);
+	CHECK(ua && ub && !ud_up(ua) && !ud_up(ub), "UD QPs");
+	struct ibv_ah_attr aa = { .is_global = 1, .port_num = 1, .grh = { .dgid = gb, .hop_limit = 1 } };
+	struct ibv_ah *ah = ibv_create_ah(pa, &aa);
+	CHECK(ah, "ibv_create_ah");
+	rs.length = 40 + 64;
+	CHECK(!ibv_post_recv(ub, &rw, &bad_r), "post a UD receive");
+	memcpy(bufa, "datagram", 8);
+	sw.wr.ud.ah = ah; sw.wr.ud.remote_qpn = ub->qp_num; sw.wr.ud.remote_qkey = 0x11111111;
+	CHECK(!ibv_post_send(ua, &sw, &bad_s), "UD send");
+	CHECK(wait_wc(ca).status == IBV_WC_SUCCESS, "UD send completion");
+	struct ibv_wc wc = wait_wc(cb);
+	CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == 48 && (wc.wc_flags & IBV_WC_GRH)
+	      && wc.src_qp == ua->qp_num && !memcmp(bufb + 40, "datagram", 8), "UD receive");
+	struct ibv_ah_attr back;
+	CHECK(!ibv_init_ah_from_wc(b, 1, &wc, (struct ibv_grh *)bufb, &back), "init_ah_from_wc");
+	CHECK(back.is_global && !memcmp(back.grh.dgid.raw, ga.raw, 16), "the AH names the sender");
+	struct ibv_ah *reply = ibv_create_ah_from_wc(pb, &wc, (struct ibv_grh *)bufb, 1);
+	CHECK(reply, "ibv_create_ah_from_wc");
+	union ibv_gid mc = { .raw = { 0xff } };
+	CHECK(ibv_attach_mcast(ub, &mc, 0) == EOPNOTSUPP, "no multicast");
+	CHECK(!ibv_destroy_ah(reply) && !ibv_destroy_ah(ah) && !ibv_destroy_qp(ua) && !ibv_destroy_qp(ub),
+	      "destroy UD");
+	printf("all good\n");
+	return 0;
+}
+"#;
+
+#[test]
+fn srq_limit_events_and_ud_address_handles_through_the_c_api() {
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let (_dir, exe) = build_c("two_devices", TWO_DEVICES_C);
+    let fabric = Fabric::start();
+    let devices = format!(
+        "{},{}",
+        fabric.alpha.socket.display(),
+        fabric.beta.socket.display()
+    );
+    let child = shim
+        .command(exe.to_str().expect("UTF-8 path"), Path::new(&devices))
+        .spawn()
+        .expect("run the program");
+    let (out, late) = wait_output(child, Duration::from_secs(60));
+    let text = Run::text(&out);
+    assert!(
+        out.status.success() && !late && text.contains("all good"),
+        "{:?}\n{text}\n{}",
+        out.status,
+        fabric.logs()
+    );
+    assert!(text.contains("async event: SRQ limit reached"), "{text}");
 }
