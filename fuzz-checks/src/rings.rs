@@ -209,6 +209,7 @@ fn attack(env: &mut Env, bystander: &Side, input: &mut Input<'_>) {
                 state: to.into(),
                 connection: None,
                 access: None,
+                qkey: None,
             };
             if to == QpState::Rts {
                 // Both ends start over, as two drivers reconnecting do.

@@ -75,6 +75,10 @@ pub enum DeviceEvent {
     QpFatal { qpn: u32 },
     /// The port became active.
     PortActive,
+    /// An SRQ's armed limit was crossed.
+    SrqLimit { srqn: u32 },
+    /// A QP attached to an SRQ entered the error state.
+    LastWqeReached { qpn: u32 },
     /// A kind this driver does not know.
     Unknown { kind: u16, object: u32 },
 }
@@ -87,6 +91,8 @@ impl From<&Event> for DeviceEvent {
             event_kind::CQ_ERROR => Self::CqError { cqn: object },
             event_kind::QP_FATAL => Self::QpFatal { qpn: object },
             event_kind::PORT_ACTIVE => Self::PortActive,
+            event_kind::SRQ_LIMIT => Self::SrqLimit { srqn: object },
+            event_kind::QP_LAST_WQE_REACHED => Self::LastWqeReached { qpn: object },
             kind => Self::Unknown { kind, object },
         }
     }
@@ -774,6 +780,14 @@ mod tests {
         assert_eq!(
             DeviceEvent::from(&e(event_kind::PORT_ACTIVE, 0)),
             DeviceEvent::PortActive
+        );
+        assert_eq!(
+            DeviceEvent::from(&e(event_kind::SRQ_LIMIT, 4)),
+            DeviceEvent::SrqLimit { srqn: 4 }
+        );
+        assert_eq!(
+            DeviceEvent::from(&e(event_kind::QP_LAST_WQE_REACHED, 5)),
+            DeviceEvent::LastWqeReached { qpn: 5 }
         );
         assert_eq!(
             DeviceEvent::from(&e(99, 1)),

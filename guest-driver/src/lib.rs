@@ -45,10 +45,10 @@ pub mod virtqueue;
 
 pub use device::{DeviceEvent, DeviceOptions};
 pub use error::{DestroyError, Error, PostError, Result};
-pub use ring::{RecvWr, SendPayload, SendWr, Sge, WorkCompletion};
+pub use ring::{RecvWr, SendPayload, SendWr, Sge, UdDest, WorkCompletion};
 pub use transport::{MemoryModel, PciDevice, Transport, VhostUserTransport, VirtioPciTransport};
 pub use verbs::{
-    CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities, QpInitAttr,
-    QueuePair, RecvBatch, SendBatch,
+    AddressHandle, CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities,
+    QpInitAttr, QueuePair, RecvBatch, SendBatch, SharedReceiveQueue,
 };
 pub use vrdma_spec;

@@ -18,9 +18,10 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// rings itself (doorbell page, event rings, CQs and QPs by their rings).
 /// 4: devices are addressed by GID (RoCEv2): the Welcome carries the
 /// device's GID, a connection names its peer by GID and carries every
-/// attribute of the connection. 5: a device has contexts
+/// attribute of the connection. 5: shared receive queues, address
+/// handles, UC and UD QPs. 6: a device has contexts
 /// ([`Request::OpenContext`]).
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 
 /// A request from vdev to hostd.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -95,6 +96,24 @@ pub enum Request {
     /// The virtual QP is destroyed. When the response arrives no WQE of it
     /// is executed any more and its rings are not touched.
     DestroyQp { vqpn: u32 },
+    /// A shared receive queue: its ring, the SGEs its WQEs may carry and
+    /// its armed limit (0: none).
+    CreateSrq(SrqSetup),
+    /// Arms the SRQ's limit event at `limit` (0 disarms it).
+    ModifySrq { srqn: u32, limit: u32 },
+    /// The SRQ's limit now (0 once the event fired); answered with
+    /// [`Response::SrqLimit`].
+    QuerySrq { srqn: u32 },
+    /// The SRQ is destroyed (no QP uses it: vdev checked). When the
+    /// response arrives its ring is not touched any more.
+    DestroySrq { srqn: u32 },
+    /// An address handle: UD sends naming `ahn` go to `dgid`. hostd checks
+    /// the destination as it checks a connection at RTR (its tenant's
+    /// network must be reachable: `EACCES`; unknown: `ENOENT`; on another
+    /// host: `EOPNOTSUPP`, UD stays on the host for now).
+    CreateAh(AhSetup),
+    /// The AH is destroyed: sends naming it fail from now on.
+    DestroyAh { ahn: u32 },
     /// The driver reset the device: every QP, CQ, event ring, MR and the
     /// doorbell go (memory slots stay). When the response arrives, nothing
     /// of the old driver's is touched any more.
@@ -125,6 +144,31 @@ pub struct WorkRing {
     pub stride: u32,
 }
 
+/// A shared receive queue as hostd's datapath needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SrqSetup {
+    pub srqn: u32,
+    pub pd: u32,
+    pub ring: WorkRing,
+    pub max_sge: u32,
+    /// The limit armed at creation (0: not armed).
+    pub limit: u32,
+}
+
+/// An address handle as hostd's datapath needs it (the GRH of
+/// `struct ibv_ah_attr`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AhSetup {
+    pub ahn: u32,
+    pub pd: u32,
+    pub dgid: [u8; 16],
+    pub flow_label: u32,
+    pub hop_limit: u8,
+    pub traffic_class: u8,
+}
+
 /// A virtual QP as hostd's datapath needs it: its rings, its CQs and what
 /// its WQEs may carry (the capacities vdev granted,
 /// [`vrdma_spec::limits::QpGrant`]).
@@ -132,6 +176,8 @@ pub struct WorkRing {
 #[serde(deny_unknown_fields)]
 pub struct QpSetup {
     pub vqpn: u32,
+    /// A [`vrdma_spec::verbs::QpType`]: RC 2, UC 3, UD 4.
+    pub qp_type: u8,
     pub pd: u32,
     /// Its bit in the doorbell page.
     pub db_index: u32,
@@ -144,6 +190,9 @@ pub struct QpSetup {
     pub max_send_sge: u32,
     pub max_recv_sge: u32,
     pub max_inline_data: u32,
+    /// The SRQ its receives come from (its own receive ring is unused).
+    #[serde(default)]
+    pub srqn: Option<u32>,
 }
 
 /// A state transition of a virtual QP.
@@ -161,6 +210,9 @@ pub struct QpModify {
     /// The QP's remote access flags, when they changed
     /// ([`vrdma_spec::verbs::access`]).
     pub access: Option<u32>,
+    /// A UD QP's new Q_Key (when the transition sets one).
+    #[serde(default)]
+    pub qkey: Option<u32>,
 }
 
 /// Where a virtual QP sends, and how it behaves as RC requester/responder:
@@ -233,6 +285,8 @@ pub enum Response {
     Ok,
     /// Answer to `QueryQp`: a [`vrdma_spec::verbs::QpState`].
     QpState { state: u8 },
+    /// Answer to [`Request::QuerySrq`].
+    SrqLimit { limit: u32 },
     /// Answer to `RegisterMr`: the region's keys (distinct, never 0).
     MrKeys { lkey: u32, rkey: u32 },
     /// The request was refused: a positive errno and why.
@@ -343,6 +397,17 @@ mod tests {
             max_send_sge: 4,
             max_recv_sge: 4,
             max_inline_data: 64,
+            srqn: Some(7),
+            qp_type: 2,
+        });
+        let bytes = encode(&req).expect("encode");
+        assert_eq!(decode::<Request>(&bytes).expect("decode"), req);
+        let req = Request::CreateSrq(SrqSetup {
+            srqn: 7,
+            pd: 1,
+            ring: ring(0x30000),
+            max_sge: 2,
+            limit: 10,
         });
         let bytes = encode(&req).expect("encode");
         assert_eq!(decode::<Request>(&bytes).expect("decode"), req);
@@ -367,6 +432,7 @@ mod tests {
                 max_dest_rd_atomic: 4,
             }),
             access: None,
+            qkey: None,
         });
         let bytes = encode(&modify).expect("encode");
         assert_eq!(decode::<Request>(&bytes).expect("decode"), modify);

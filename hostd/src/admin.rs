@@ -420,6 +420,7 @@ pub fn render_table(stats: &Stats) -> String {
                 as fn(&crate::stats::TenantStats) -> &std::collections::BTreeMap<String, u64>,
         ),
         ("QUOTA REJECTIONS", |t| &t.quota_rejections),
+        ("DROPPED", |t| &t.dropped),
     ] {
         let mut rows = vec![vec![
             "TENANT".to_owned(),

@@ -217,8 +217,10 @@ pub fn datapath(config: &Config) -> std::io::Result<Arc<Datapath>> {
             ));
         }
     }
+    let mut engine = Engine::new(sched);
+    engine.set_port_mtu(config.fabric.as_ref().map_or(4096, |f| f.active_mtu()));
     Datapath::new(
-        Engine::new(sched),
+        engine,
         config.datapath_threads,
         config.datapath_cpus.clone(),
         Duration::from_micros(config.spin_us),

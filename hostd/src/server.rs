@@ -27,9 +27,7 @@ use std::time::Instant;
 
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::channel::{Channel, ChannelError, Listener};
-use vrdma_hostd_protocol::messages::{
-    Notification, QpConnection, Request, Response, Welcome, PROTOCOL_VERSION,
-};
+use vrdma_hostd_protocol::messages::{Notification, Request, Response, Welcome, PROTOCOL_VERSION};
 use vrdma_hostd_protocol::shm::ShmError;
 use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
 
@@ -569,7 +567,7 @@ impl Server {
             }
             Request::ModifyQp(modify) => {
                 if let Some(conn) = &modify.connection {
-                    self.check_reachable(s, conn)?;
+                    self.check_reachable(s, &conn.dgid)?;
                 }
                 self.datapath.lock().modify_qp(id, &modify)?;
                 // Work posted before RTS, or to flush at ERR: let the
@@ -585,6 +583,32 @@ impl Server {
             }
             Request::DestroyQp { vqpn } => {
                 self.datapath.lock().destroy_qp(id, vqpn)?;
+                Ok(Response::Ok)
+            }
+            Request::CreateSrq(setup) => {
+                self.datapath.lock().create_srq(id, &setup)?;
+                Ok(Response::Ok)
+            }
+            Request::ModifySrq { srqn, limit } => {
+                self.datapath.lock().modify_srq(id, srqn, limit)?;
+                Ok(Response::Ok)
+            }
+            Request::QuerySrq { srqn } => {
+                let limit = self.datapath.lock().query_srq(id, srqn)?;
+                Ok(Response::SrqLimit { limit })
+            }
+            Request::DestroySrq { srqn } => {
+                self.datapath.lock().destroy_srq(id, srqn)?;
+                Ok(Response::Ok)
+            }
+            Request::CreateAh(setup) => {
+                // A UD destination is checked as a connection is at RTR.
+                self.check_reachable(s, &setup.dgid)?;
+                self.datapath.lock().create_ah(id, &setup)?;
+                Ok(Response::Ok)
+            }
+            Request::DestroyAh { ahn } => {
+                self.datapath.lock().destroy_ah(id, ahn)?;
                 Ok(Response::Ok)
             }
             Request::ResetDevice => {
@@ -613,15 +637,15 @@ impl Server {
     /// Refuses a connection towards a GID whose device is outside the
     /// networks the session's tenant may reach (`EACCES`), or towards a GID
     /// no device of this host has (`ENOENT`).
-    fn check_reachable(&self, s: &Session, conn: &QpConnection) -> Result<(), Refusal> {
+    fn check_reachable(&self, s: &Session, dgid: &Gid) -> Result<(), Refusal> {
         let (mine, theirs) = {
             let reg = self.registry();
-            let theirs = match reg.resolve_peer(&conn.dgid) {
+            let theirs = match reg.resolve_peer(dgid) {
                 Peer::Local(dest) => reg.known.get(&dest.tenant).map(|t| t.network().to_owned()),
                 Peer::Remote | Peer::Unknown => {
                     // Another host's device, if the directory knows it.
                     let entry = (self.directory())
-                        .zip(vrdma_spec::gid::ipv4_of(&conn.dgid))
+                        .zip(vrdma_spec::gid::ipv4_of(dgid))
                         .and_then(|(d, ip)| d.lookup(ip.into()))
                         .filter(|e| {
                             self.config
@@ -637,7 +661,7 @@ impl Server {
                                 format!(
                                     "No device with GID {} is connected here or known to the \
                                      directory",
-                                    gids::show(&conn.dgid)
+                                    gids::show(dgid)
                                 ),
                             ))
                         }
@@ -655,7 +679,7 @@ impl Server {
                 libc::EACCES,
                 format!(
                     "GID {} is outside the networks tenant {} may reach",
-                    gids::show(&conn.dgid),
+                    gids::show(dgid),
                     s.tenant
                 ),
             ));

@@ -68,6 +68,9 @@ pub struct Counters {
     pub errors: BTreeMap<&'static str, u64>,
     /// Refusals by quota key (vdev's reports and hostd's own).
     pub quota_rejections: BTreeMap<String, u64>,
+    /// UD and UC messages dropped on their way to the tenant's QPs
+    /// ([`crate::engine::ud::DropCounts`]).
+    pub dropped: crate::engine::ud::DropCounts,
 }
 
 impl Counters {
@@ -89,6 +92,7 @@ impl Counters {
                 *self.errors.entry(status_name(status)).or_insert(0) += n;
             }
         }
+        self.dropped.add(&counts.dropped);
     }
 
     /// Adds `other` to these counters.
@@ -103,6 +107,7 @@ impl Counters {
         for (quota, n) in &other.quota_rejections {
             *self.quota_rejections.entry(quota.clone()).or_insert(0) += n;
         }
+        self.dropped.add(&other.dropped);
     }
 }
 
@@ -437,6 +442,9 @@ pub struct TenantStats {
     pub errors: BTreeMap<String, u64>,
     /// Refused verbs by quota key.
     pub quota_rejections: BTreeMap<String, u64>,
+    /// UD and UC messages dropped on their way to its QPs, by reason
+    /// (`qkey`, `no_receive`, `no_qp`, `invalid`).
+    pub dropped: BTreeMap<String, u64>,
     /// Seconds its work waited for rate-limit tokens, by kind (send, read).
     pub throttled_seconds: BTreeMap<String, f64>,
     /// What it holds now over all its devices ([`USAGE`]).
@@ -477,6 +485,7 @@ impl TenantStats {
                 .map(|(k, v)| ((*k).to_owned(), *v))
                 .collect(),
             quota_rejections: c.quota_rejections.clone(),
+            dropped: c.dropped.by_reason(),
             throttled_seconds: [("send", throttled[0]), ("read", throttled[1])]
                 .into_iter()
                 .map(|(k, d)| (k.to_owned(), d.as_secs_f64()))
@@ -578,6 +587,14 @@ pub fn render_prometheus(stats: &Stats) -> String {
         "Verbs refused because of a quota, by quota key.",
         "quota",
         each(|t| &t.quota_rejections),
+    );
+    family(
+        &mut out,
+        "vrdma_tenant_dropped_total",
+        "counter",
+        "UD and UC messages dropped on their way to the tenant's QPs, by reason.",
+        "reason",
+        each(|t| &t.dropped),
     );
     family(
         &mut out,

@@ -199,6 +199,7 @@ fn modifies_are_checked(alpha: &Client, beta_gid: [u8; 16]) {
         state: 99,
         connection: None,
         access: None,
+        qkey: None,
     });
     assert_eq!(errno(alpha.call(&state)), Err(libc::EINVAL));
     assert_eq!(alpha.query_qp(QP_ALPHA), Ok(QpState::Rts), "unchanged");

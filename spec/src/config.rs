@@ -46,7 +46,10 @@ wire_struct! {
         pub max_total_mr_bytes: U64,
         pub max_pkeys: U16,
         pub phys_port_cnt: u8,
-        pub reserved: [u8; 5],
+        /// Address handles (in what was reserved before version 3.2: a
+        /// device of an older minor version reports 0 here).
+        pub max_ah: U32,
+        pub reserved: [u8; 1],
     }
 }
 

@@ -34,6 +34,12 @@ wire_enum! {
         RegMrSg = 14,
         SetDoorbell = 15,
         CreateEq = 16,
+        CreateSrq = 17,
+        ModifySrq = 18,
+        QuerySrq = 19,
+        DestroySrq = 20,
+        CreateAh = 21,
+        DestroyAh = 22,
     }
 }
 
@@ -68,6 +74,11 @@ impl Opcode {
             Opcode::DestroyQp => size_of::<QpHandle>(),
             Opcode::SetDoorbell => size_of::<SetDoorbellReq>(),
             Opcode::CreateEq => size_of::<CreateEqReq>(),
+            Opcode::CreateSrq => size_of::<CreateSrqReq>(),
+            Opcode::ModifySrq => size_of::<ModifySrqReq>(),
+            Opcode::QuerySrq | Opcode::DestroySrq => size_of::<SrqHandle>(),
+            Opcode::CreateAh => size_of::<CreateAhReq>(),
+            Opcode::DestroyAh => size_of::<AhHandle>(),
         }
     }
 
@@ -85,13 +96,18 @@ impl Opcode {
             Opcode::CreateCq => size_of::<CqHandle>(),
             Opcode::CreateQp => size_of::<CreateQpResp>(),
             Opcode::QueryQp => size_of::<QueryQpResp>(),
+            Opcode::CreateSrq | Opcode::QuerySrq => size_of::<SrqAttr>(),
+            Opcode::CreateAh => size_of::<AhHandle>(),
             Opcode::DeallocPd
             | Opcode::DeregMr
             | Opcode::DestroyCq
             | Opcode::ModifyQp
             | Opcode::DestroyQp
             | Opcode::SetDoorbell
-            | Opcode::CreateEq => 0,
+            | Opcode::CreateEq
+            | Opcode::ModifySrq
+            | Opcode::DestroySrq
+            | Opcode::DestroyAh => 0,
         }
     }
 }
@@ -420,6 +436,80 @@ wire_struct! {
     }
 }
 
+wire_struct! {
+    /// Request of `CREATE_SRQ`: a shared receive queue, a receive ring
+    /// ([`crate::ring::rq_geometry`]`(max_wr, max_sge)`) at `ring_addr`
+    /// that the QPs created with its `srqn` take their receives from.
+    pub struct CreateSrqReq {
+        pub pdn: U32,
+        /// Receive WQEs wanted (at least 1).
+        pub max_wr: U32,
+        pub max_sge: U32,
+        /// The limit armed at creation (0: not armed).
+        pub srq_limit: U32,
+        /// Guest-physical address of the ring, [`crate::ring::RING_ALIGN`]-aligned.
+        pub ring_addr: U64,
+    }
+}
+
+wire_struct! {
+    /// Response of `CREATE_SRQ` (the SRQ's number and granted capacities)
+    /// and of `QUERY_SRQ` (its attributes now: `srq_limit` is 0 once the
+    /// limit event fired).
+    pub struct SrqAttr {
+        pub srqn: U32,
+        pub max_wr: U32,
+        pub max_sge: U32,
+        pub srq_limit: U32,
+    }
+}
+
+wire_struct! {
+    /// Request of `QUERY_SRQ` and `DESTROY_SRQ`.
+    pub struct SrqHandle {
+        pub srqn: U32,
+        pub reserved: U32,
+    }
+}
+
+/// `attr_mask` bits of `MODIFY_SRQ` (`enum ibv_srq_attr_mask`).
+pub mod srq_mask {
+    /// Resize (`max_wr`): refused, as mlx5 refuses it.
+    pub const MAX_WR: u32 = 1;
+    /// Arm the limit event at `srq_limit`.
+    pub const LIMIT: u32 = 2;
+}
+
+wire_struct! {
+    /// Request of `MODIFY_SRQ`.
+    pub struct ModifySrqReq {
+        pub srqn: U32,
+        /// [`srq_mask`] bits.
+        pub attr_mask: U32,
+        pub max_wr: U32,
+        pub srq_limit: U32,
+    }
+}
+
+wire_struct! {
+    /// Request of `CREATE_AH`: an address handle for UD sends, in `pdn`,
+    /// towards the GID of `attr`'s GRH.
+    pub struct CreateAhReq {
+        pub pdn: U32,
+        pub reserved: U32,
+        pub attr: AhAttr,
+    }
+}
+
+wire_struct! {
+    /// Response of `CREATE_AH` (the number UD send WQEs name,
+    /// [`crate::ring::UdDest`]); request of `DESTROY_AH`.
+    pub struct AhHandle {
+        pub ahn: U32,
+        pub reserved: U32,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -443,6 +533,12 @@ mod tests {
         assert_eq!(size_of::<QpAttr>(), 104);
         assert_eq!(size_of::<ModifyQpReq>(), 112);
         assert_eq!(core::mem::offset_of!(QpAttr, ah_attr), 44);
+        assert_eq!(size_of::<CreateSrqReq>(), 24);
+        assert_eq!(size_of::<SrqAttr>(), 16);
+        assert_eq!(size_of::<SrqHandle>(), 8);
+        assert_eq!(size_of::<ModifySrqReq>(), 16);
+        assert_eq!(size_of::<CreateAhReq>(), 48);
+        assert_eq!(size_of::<AhHandle>(), 8);
     }
 
     #[test]
@@ -466,11 +562,11 @@ mod tests {
 
     #[test]
     fn opcodes_round_trip() {
-        for code in 1..=16u16 {
+        for code in 1..=22u16 {
             let op = Opcode::try_from(code).expect("defined opcode");
             assert_eq!(u16::from(op), code);
         }
         assert!(Opcode::try_from(0).is_err());
-        assert!(Opcode::try_from(17).is_err());
+        assert!(Opcode::try_from(23).is_err());
     }
 }

@@ -64,7 +64,9 @@ pub const SPEC_VERSION_MAJOR: u16 = 3;
 /// the same major version works unchanged. 1: the port is RoCEv2 — link
 /// layer Ethernet, LID 0, GID 0 an IPv4-mapped address of type RoCEv2 —
 /// and MODIFY_QP's address vector must carry a GRH naming the peer's GID.
-pub const SPEC_VERSION_MINOR: u16 = 1;
+/// 2: shared receive queues (`CREATE_SRQ` … `DESTROY_SRQ`, `srqn` in
+/// `CREATE_QP`, the SRQ_LIMIT and QP_LAST_WQE_REACHED events).
+pub const SPEC_VERSION_MINOR: u16 = 2;
 
 /// Index of the control virtqueue (verbs control path).
 pub const CONTROL_QUEUE: u16 = 0;

@@ -1,8 +1,9 @@
-//! The RC queue-pair state machine: which transitions exist and which
-//! attributes each one requires or allows (IBA vol. 1, table of `Modify QP`
-//! attributes; the same table the Linux kernel keeps as `qp_state_table`).
+//! The queue-pair state machines of RC, UC and UD: which transitions exist
+//! and which attributes each one requires or allows (IBA vol. 1, table of
+//! `Modify QP` attributes; the same table the Linux kernel keeps as
+//! `qp_state_table`).
 
-use crate::verbs::QpState;
+use crate::verbs::{QpState, QpType};
 
 /// Attribute-mask bits (`enum ibv_qp_attr_mask`).
 pub mod mask {
@@ -161,11 +162,67 @@ pub fn rc_transition(from: QpState, to: QpState) -> Option<TransitionRule> {
     }
 }
 
+/// The rule for a UC QP going from `from` to `to`: RC's without what only
+/// a reliable requester or responder has (RNR, retries, timeouts, RDMA
+/// READ and atomics).
+pub fn uc_transition(from: QpState, to: QpState) -> Option<TransitionRule> {
+    use mask::*;
+    use QpState::*;
+    let rule = |required, optional| Some(TransitionRule { required, optional });
+    match (from, to) {
+        (Init, Rtr) => rule(
+            AV | PATH_MTU | DEST_QPN | RQ_PSN,
+            ALT_PATH | ACCESS_FLAGS | PKEY_INDEX,
+        ),
+        (Rtr, Rts) => rule(SQ_PSN, CUR_STATE | ALT_PATH | ACCESS_FLAGS | PATH_MIG_STATE),
+        (Rts, Rts) | (Sqd, Rts) => rule(0, CUR_STATE | ACCESS_FLAGS | ALT_PATH | PATH_MIG_STATE),
+        (Sqd, Sqd) => rule(
+            0,
+            AV | ALT_PATH | ACCESS_FLAGS | PKEY_INDEX | PATH_MIG_STATE,
+        ),
+        (Sqe, Rts) => rule(0, CUR_STATE | ACCESS_FLAGS),
+        _ => rc_transition(from, to),
+    }
+}
+
+/// The rule for a UD QP going from `from` to `to`: no connection, a Q_Key.
+pub fn ud_transition(from: QpState, to: QpState) -> Option<TransitionRule> {
+    use mask::*;
+    use QpState::*;
+    let rule = |required, optional| Some(TransitionRule { required, optional });
+    match (from, to) {
+        (_, Reset) | (_, Err) => rule(0, 0),
+        (Reset, Init) => rule(PKEY_INDEX | PORT | QKEY, 0),
+        (Init, Init) => rule(0, PKEY_INDEX | PORT | QKEY),
+        (Init, Rtr) => rule(0, PKEY_INDEX | QKEY),
+        (Rtr, Rts) => rule(SQ_PSN, CUR_STATE | QKEY),
+        (Rts, Rts) | (Sqd, Rts) | (Sqe, Rts) => rule(0, CUR_STATE | QKEY),
+        (Rts, Sqd) => rule(0, EN_SQD_ASYNC_NOTIFY),
+        (Sqd, Sqd) => rule(0, PKEY_INDEX | QKEY),
+        _ => None,
+    }
+}
+
 /// Checks an attribute mask for the RC transition `from` → `to`. The mask
 /// must carry [`mask::STATE`] when the state changes; without it the QP
 /// stays in `from` and only that state's self-transition attributes apply.
 pub fn check_rc_mask(from: QpState, to: QpState, attr_mask: u32) -> Result<(), TransitionError> {
-    let rule = rc_transition(from, to).ok_or(TransitionError::NoTransition { from, to })?;
+    check_mask(QpType::Rc, from, to, attr_mask)
+}
+
+/// [`check_rc_mask`] for a QP of type `qp_type`.
+pub fn check_mask(
+    qp_type: QpType,
+    from: QpState,
+    to: QpState,
+    attr_mask: u32,
+) -> Result<(), TransitionError> {
+    let rule = match qp_type {
+        QpType::Rc => rc_transition(from, to),
+        QpType::Uc => uc_transition(from, to),
+        QpType::Ud => ud_transition(from, to),
+    }
+    .ok_or(TransitionError::NoTransition { from, to })?;
     let given = attr_mask & !mask::STATE;
     let missing = rule.required & !given;
     if missing != 0 {
@@ -242,6 +299,37 @@ mod tests {
                 Result::Err(TransitionError::NoTransition { from, to })
             );
         }
+    }
+
+    #[test]
+    fn ud_needs_a_qkey_and_no_connection() {
+        let ud = |from, to, m| check_mask(QpType::Ud, from, to, m);
+        ud(Reset, Init, STATE | PKEY_INDEX | PORT | QKEY).expect("init");
+        ud(Init, Rtr, STATE).expect("rtr: the state alone");
+        ud(Rtr, Rts, STATE | SQ_PSN).expect("rts");
+        ud(Rts, Rts, QKEY).expect("a new Q_Key");
+        assert!(ud(Reset, Init, STATE | PKEY_INDEX | PORT | ACCESS_FLAGS).is_err());
+        assert!(ud(Init, Rtr, STATE | AV | DEST_QPN).is_err(), "no path");
+        assert!(
+            check_rc_mask(Reset, Init, STATE | PKEY_INDEX | PORT | ACCESS_FLAGS | QKEY).is_err()
+        );
+    }
+
+    #[test]
+    fn uc_connects_without_reliability_attributes() {
+        let uc = |from, to, m| check_mask(QpType::Uc, from, to, m);
+        uc(Reset, Init, STATE | PKEY_INDEX | PORT | ACCESS_FLAGS).expect("init");
+        uc(Init, Rtr, STATE | AV | PATH_MTU | DEST_QPN | RQ_PSN).expect("rtr");
+        uc(Rtr, Rts, STATE | SQ_PSN).expect("rts");
+        assert!(
+            uc(Init, Rtr, STATE | RTR_REQUIRED).is_err(),
+            "no RD atomics or RNR timer"
+        );
+        assert!(
+            uc(Rtr, Rts, STATE | SQ_PSN | TIMEOUT).is_err(),
+            "no timeout"
+        );
+        assert!(uc(Init, Rts, STATE | SQ_PSN).is_err());
     }
 
     #[test]

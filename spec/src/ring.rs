@@ -154,6 +154,49 @@ wire_struct! {
     }
 }
 
+/// Where a UD send WQE carries its destination (`wr.ud` of
+/// `ibv_send_wr`): the address handle's number in `rkey`, the remote QPN
+/// in bits 0–31 and the remote Q_Key in bits 32–63 of `remote_addr`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct UdDest {
+    /// The AH's number (CREATE_AH's response).
+    pub ah: u32,
+    pub remote_qpn: u32,
+    /// With bit 31 set, the sending QP's own Q_Key is used instead.
+    pub remote_qkey: u32,
+}
+
+impl UdDest {
+    /// The destination `wqe` carries.
+    pub fn of(wqe: &SendWqe) -> Self {
+        Self::of_parts(wqe.rkey.get(), wqe.remote_addr.get())
+    }
+
+    /// The destination a WQE's `rkey` and `remote_addr` carry.
+    pub fn of_parts(rkey: u32, remote_addr: u64) -> Self {
+        UdDest {
+            ah: rkey,
+            remote_qpn: remote_addr as u32,
+            remote_qkey: (remote_addr >> 32) as u32,
+        }
+    }
+
+    /// Writes it into `wqe`.
+    pub fn write(&self, wqe: &mut SendWqe) {
+        wqe.rkey = self.ah.into();
+        wqe.remote_addr = (u64::from(self.remote_qpn) | (u64::from(self.remote_qkey) << 32)).into();
+    }
+}
+
+/// Bytes of the GRH a UD receive buffer starts with (before the message),
+/// as on every RDMA device: on RoCEv2 over IPv4 the first 20 bytes are
+/// zero and the last 20 are the packet's IPv4 header.
+pub const GRH_SIZE: u32 = 40;
+
+/// Q_Keys with this bit set are controlled: a UD send naming one uses the
+/// sending QP's own Q_Key instead (IBA 10.2.5).
+pub const QKEY_CONTROLLED: u32 = 0x8000_0000;
+
 wire_struct! {
     /// Fixed part of a receive WQE; `num_sge` [`Sge`]s follow it.
     pub struct RecvWqe {
@@ -203,6 +246,12 @@ pub mod event_kind {
     pub const QP_FATAL: u16 = 3;
     /// The port became active.
     pub const PORT_ACTIVE: u16 = 4;
+    /// The armed limit of an SRQ was crossed (fewer WQEs posted than
+    /// `srq_limit`); `object` is the SRQN. The limit is disarmed.
+    pub const SRQ_LIMIT: u16 = 5;
+    /// A QP attached to an SRQ entered the error state: it takes no more
+    /// receives from the SRQ; `object` is the QPN.
+    pub const QP_LAST_WQE_REACHED: u16 = 6;
 }
 
 wire_struct! {

@@ -48,10 +48,10 @@ pub struct Limits {
     pub max_mr_bytes: u64,
     /// Bytes of all memory regions together (pinned memory).
     pub max_total_mr_bytes: u64,
-    /// Shared receive queues; 0 (the default) means none. vrdma does not
-    /// implement SRQs yet, so the only limit it can honour is 0.
-    #[serde(default)]
+    /// Shared receive queues; 0 means none (a policy may forbid them).
     pub max_srq: u32,
+    /// Address handles (UD destinations); 0 means none.
+    pub max_ah: u32,
 }
 
 impl Default for Limits {
@@ -68,7 +68,8 @@ impl Default for Limits {
             max_rd_atomic: 16,
             max_mr_bytes: 1 << 32,
             max_total_mr_bytes: 1 << 34,
-            max_srq: 0,
+            max_srq: 256,
+            max_ah: 65536,
         }
     }
 }
@@ -89,14 +90,15 @@ pub const CEILING: Limits = Limits {
     max_mr_bytes: 1 << 46,
     max_total_mr_bytes: 1 << 46,
     max_srq: 1 << 20,
+    max_ah: 1 << 24,
 };
 
 impl Limits {
-    /// Checks every limit is at least 1 (`max_srq` may be 0), within
+    /// Checks every limit is at least 1 (`max_srq` and `max_ah` may be 0), within
     /// [`CEILING`], and that the largest MR fits in the total.
     pub fn validate(&self) -> Result<(), LimitsError> {
         for (key, value, max) in self.entries() {
-            if value == 0 && key != "max_srq" {
+            if value == 0 && key != "max_srq" && key != "max_ah" {
                 return Err(LimitsError::Zero { key });
             }
             if value > max {
@@ -120,6 +122,7 @@ impl Limits {
             max_cq: self.max_cq.min(other.max_cq),
             max_mr: self.max_mr.min(other.max_mr),
             max_srq: self.max_srq.min(other.max_srq),
+            max_ah: self.max_ah.min(other.max_ah),
             max_cq_depth: self.max_cq_depth.min(other.max_cq_depth),
             max_qp_depth: self.max_qp_depth.min(other.max_qp_depth),
             max_sge: self.max_sge.min(other.max_sge),
@@ -132,7 +135,7 @@ impl Limits {
 
     /// `(key, value, ceiling)` of every limit; a limit's key is its field's
     /// name, which is also its key in a configuration file.
-    fn entries(&self) -> [(&'static str, u64, u64); 12] {
+    fn entries(&self) -> [(&'static str, u64, u64); 13] {
         macro_rules! entries {
             ($($field:ident),*) => {
                 [$((stringify!($field), u64::from(self.$field), u64::from(CEILING.$field))),*]
@@ -140,7 +143,7 @@ impl Limits {
         }
         entries! {
             max_pd, max_qp, max_cq, max_mr, max_cq_depth, max_qp_depth, max_sge, max_inline_data,
-            max_rd_atomic, max_mr_bytes, max_total_mr_bytes, max_srq
+            max_rd_atomic, max_mr_bytes, max_total_mr_bytes, max_srq, max_ah
         }
     }
 }
@@ -164,8 +167,8 @@ mod tests {
     }
 
     #[test]
-    fn srqs_default_to_none_and_may_be_zero() {
-        assert_eq!(Limits::default().max_srq, 0);
+    fn srqs_default_to_256_and_may_be_zero() {
+        assert_eq!(Limits::default().max_srq, 256);
         let limits: Limits = toml::from_str("max_srq = 0").expect("parses");
         limits.validate().expect("0 SRQs is valid");
         let some: Limits = toml::from_str("max_srq = 16").expect("parses");

@@ -54,6 +54,8 @@ pub enum Answer {
     Keys(u32, u32),
     /// A QueryQp's state.
     State(u8),
+    /// A QuerySrq's limit.
+    SrqLimit(u32),
     Refused(i32),
     /// hostd closed the connection (or it broke).
     Gone,
@@ -125,6 +127,7 @@ impl RogueVdev {
             Ok((Response::Ok, _)) => Answer::Ok,
             Ok((Response::MrKeys { lkey, rkey }, _)) => Answer::Keys(lkey, rkey),
             Ok((Response::QpState { state }, _)) => Answer::State(state),
+            Ok((Response::SrqLimit { limit }, _)) => Answer::SrqLimit(limit),
             Ok((Response::Refused { errno, .. }, _)) => Answer::Refused(errno),
             Ok((Response::Welcome(_), _)) => panic!("hostd answered Welcome to {request:?}"),
             // Closed, or reset while hostd shut a failed device down.
@@ -232,6 +235,7 @@ impl RogueVdev {
             state: state.into(),
             connection,
             access: None,
+            qkey: None,
         };
         self.call(&Request::ModifyQp(modify), &[])
     }

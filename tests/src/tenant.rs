@@ -233,6 +233,17 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .collect()
 }
 
+/// A hostd policy of two networks: alpha and beta in `blue`, gamma in
+/// `red` (the isolation tests' world).
+pub fn blue_and_red() -> String {
+    let blue = "network = \"blue\"";
+    policy(&[
+        ("alpha", blue),
+        ("beta", blue),
+        ("gamma", "network = \"red\""),
+    ])
+}
+
 /// A hostd policy: a `[[tenant]]` for each `(name, its other keys)`.
 pub fn policy(tenants: &[(&str, &str)]) -> String {
     let block = |(name, keys): &(&str, &str)| format!("[[tenant]]\nname = \"{name}\"\n{keys}\n\n");

@@ -271,12 +271,17 @@ fn perftest(program: &str, iters: &str) {
 /// The same with `gid_args` choosing the GID (none: perftest's own
 /// choice on a RoCE port).
 fn perftest_with(program: &str, iters: &str, gid_args: &[&str]) {
+    perftest_sizes(program, iters, &["64", "65536"], gid_args);
+}
+
+/// `program` at each of `sizes` with `-n iters` and `args`.
+fn perftest_sizes(program: &str, iters: &str, sizes: &[&str], args: &[&str]) {
     need::program(program, "perftest");
     let _serial = serial();
     let shim = IbverbsShim::new();
-    for size in ["64", "65536"] {
+    for &size in sizes {
         let fabric = Fabric::start();
-        let args = [&["-s", size, "-n", iters, "-F"], gid_args].concat();
+        let args = [&["-s", size, "-n", iters, "-F"], args].concat();
         let run = run_pair(&shim, &fabric, program, &args);
         // Both sides connected; the client reports the results (the
         // passive side of a READ test prints none).
@@ -401,10 +406,14 @@ int main(void)
 	struct ibv_xrcd *xrcd = ibv_open_xrcd(ctx, &xattr);
 	ok &= refused("ibv_open_xrcd", xrcd, errno);
 
-	struct ibv_srq_init_attr sattr = { .attr = { .max_wr = 16, .max_sge = 1 } };
+	struct ibv_srq_init_attr_ex sattr = {
+		.attr = { .max_wr = 16, .max_sge = 1 },
+		.comp_mask = IBV_SRQ_INIT_ATTR_TYPE | IBV_SRQ_INIT_ATTR_PD,
+		.srq_type = IBV_SRQT_XRC, .pd = pd,
+	};
 	errno = 0;
-	struct ibv_srq *srq = ibv_create_srq(pd, &sattr);
-	ok &= refused("ibv_create_srq", srq, errno);
+	struct ibv_srq *srq = ibv_create_srq_ex(ctx, &sattr);
+	ok &= refused("ibv_create_srq_ex(XRC)", srq, errno);
 
 	struct ibv_cq_init_attr_ex cattr = { .cqe = 16, .wc_flags = IBV_WC_EX_WITH_FLOW_TAG };
 	errno = 0;
@@ -415,16 +424,16 @@ int main(void)
 		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UD,
 		.cap = { .max_send_wr = 4, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 },
 	};
-	errno = 0;
 	struct ibv_qp *ud = ibv_create_qp(pd, &qattr);
-	ok &= refused("ibv_create_qp(UD)", ud, errno);
+	if (!ud) { perror("ibv_create_qp(UD)"); return 5; }
+	union ibv_gid gid = { .raw = { 0xff } };
+	int ret = ibv_attach_mcast(ud, &gid, 0xc001);
+	ok &= refused("ibv_attach_mcast", NULL, ret);
+	if (ibv_destroy_qp(ud)) { perror("ibv_destroy_qp(UD)"); return 5; }
 
 	qattr.qp_type = IBV_QPT_RC;
 	struct ibv_qp *rc = ibv_create_qp(pd, &qattr);
 	if (!rc) { perror("ibv_create_qp(RC)"); return 5; }
-	union ibv_gid gid = { .raw = { 0xff } };
-	int ret = ibv_attach_mcast(rc, &gid, 0xc001);
-	ok &= refused("ibv_attach_mcast", NULL, ret);
 	struct ibv_ece ece;
 	ret = ibv_query_ece(rc, &ece);
 	ok &= refused("ibv_query_ece", NULL, ret);
@@ -593,4 +602,265 @@ fn exports_match_debians_libibverbs() {
     assert!(ours_syms.contains("ibv_alloc_pd@@IBVERBS_1.1"));
     assert!(ours_syms.contains("ibv_query_qp_data_in_order@@IBVERBS_1.14"));
     assert_eq!(ours_versions, theirs_versions, "version definitions");
+}
+
+/// `ibv_srq_pingpong`: 16 QPs on each side take their receives from one
+/// shared receive queue (`ibv_post_srq_recv`, QPs created with `srq`),
+/// 10000 exchanges spread over the QPs, each received buffer checked
+/// (`-c`).
+#[test]
+fn ibv_srq_pingpong_shares_one_receive_queue_among_16_qps() {
+    need::program("ibv_srq_pingpong", "ibverbs-utils");
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let fabric = Fabric::start();
+    let run = run_pair(
+        &shim,
+        &fabric,
+        "ibv_srq_pingpong",
+        &["-g", "0", "-n", "10000", "-c"],
+    );
+    for (side, text) in [("server", run.server_text()), ("client", run.client_text())] {
+        // One "remote address" line per QP: 16 connected QPs.
+        let remotes = text.matches("remote address:").count();
+        assert_eq!(remotes, 16, "{side}:\n{text}");
+        // 10000 exchanges of 4096 bytes each way.
+        assert!(
+            text.contains("81920000 bytes in ") && text.contains("\n10000 iters in "),
+            "{side}:\n{text}"
+        );
+    }
+}
+
+/// Runs `program` (a pingpong of ibverbs-utils) with GID index 0 and
+/// `args` between the two tenants; both sides report the exchanges.
+fn pingpong(program: &str, args: &[&str], iters: &str) -> Run {
+    need::program(program, "ibverbs-utils");
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let fabric = Fabric::start();
+    let args = [&["-g", "0", "-n", iters], args].concat();
+    let run = run_pair(&shim, &fabric, program, &args);
+    for (side, text) in [("server", run.server_text()), ("client", run.client_text())] {
+        assert!(
+            text.contains(&format!("\n{iters} iters in ")),
+            "{side}:\n{text}"
+        );
+    }
+    run
+}
+
+/// `ibv_ud_pingpong`: UD QPs, address handles from the exchanged GIDs,
+/// 10000 exchanges of 2048 bytes (as it counts them), each received buffer checked
+/// past its 40-byte GRH (`-c`).
+#[test]
+fn ibv_ud_pingpong_exchanges_datagrams_with_address_handles() {
+    let run = pingpong("ibv_ud_pingpong", &["-c"], "10000");
+    for text in [run.server_text(), run.client_text()] {
+        assert!(text.contains("20480000 bytes in "), "{text}");
+    }
+}
+
+/// `ibv_uc_pingpong`: UC QPs (no acknowledgements), 10000 exchanges of
+/// 4096 bytes, each received buffer checked (`-c`).
+#[test]
+fn ibv_uc_pingpong_runs_unreliable_connected_qps() {
+    let run = pingpong("ibv_uc_pingpong", &["-c"], "10000");
+    for text in [run.server_text(), run.client_text()] {
+        assert!(text.contains("81920000 bytes in "), "{text}");
+    }
+}
+
+/// perftest over UD (`-c UD`): address handles, datagrams up to the
+/// port's MTU (4096 bytes), each with its GRH in the receive buffer.
+/// `-r 1024`: ib_send_bw's UD default of 8192 receives asks for a CQ
+/// deeper than the default tenant limit (`max_cq_depth` 4096).
+#[test]
+fn perftest_ib_send_bw_over_ud() {
+    let args = ["-x", "0", "-c", "UD", "-r", "1024"];
+    perftest_sizes("ib_send_bw", "5000", &["64", "4096"], &args);
+}
+
+#[test]
+fn perftest_ib_send_lat_over_ud() {
+    perftest_sizes(
+        "ib_send_lat",
+        "2000",
+        &["64", "4096"],
+        &["-x", "0", "-c", "UD"],
+    );
+}
+
+/// perftest over UC (`-c UC`): RDMA WRITEs without acknowledgements.
+#[test]
+fn perftest_ib_write_bw_over_uc() {
+    perftest_sizes(
+        "ib_write_bw",
+        "5000",
+        &["64", "65536"],
+        &["-x", "0", "-c", "UC"],
+    );
+}
+
+/// A C program on two vrdma devices of one process (alpha's and beta's):
+/// an SRQ of beta whose armed limit reaches `ibv_get_async_event` as
+/// IBV_EVENT_SRQ_LIMIT_REACHED naming the SRQ; `ibv_post_recv` on its QP
+/// refused; and a UD datagram whose completion and GRH make the address
+/// handle back to its sender (`ibv_create_ah_from_wc`).
+const TWO_DEVICES_C: &str = r#"
+#include <errno.h>
+#include <stdio.h>
+#include <string.h>
+#include <infiniband/verbs.h>
+
+#define CHECK(c, what) do { if (!(c)) { printf("FAILED: %s (errno %d)\n", what, errno); return 1; } } while (0)
+
+static struct ibv_wc wait_wc(struct ibv_cq *cq)
+{
+	struct ibv_wc wc;
+	while (ibv_poll_cq(cq, 1, &wc) == 0)
+		;
+	return wc;
+}
+
+static int rc_up(struct ibv_qp *qp, union ibv_gid *dgid, uint32_t dqpn)
+{
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1,
+		.qp_access_flags = IBV_ACCESS_REMOTE_WRITE };
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+		return -1;
+	memset(&a, 0, sizeof a);
+	a.qp_state = IBV_QPS_RTR; a.path_mtu = IBV_MTU_1024; a.dest_qp_num = dqpn;
+	a.max_dest_rd_atomic = 1; a.min_rnr_timer = 12;
+	a.ah_attr.is_global = 1; a.ah_attr.grh.dgid = *dgid; a.ah_attr.grh.hop_limit = 1; a.ah_attr.port_num = 1;
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+			  IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+		return -1;
+	a.qp_state = IBV_QPS_RTS; a.timeout = 14; a.retry_cnt = 7; a.rnr_retry = 7; a.max_rd_atomic = 1;
+	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+			     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
+}
+
+static int ud_up(struct ibv_qp *qp)
+{
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qkey = 0x11111111 };
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY))
+		return -1;
+	a.qp_state = IBV_QPS_RTR;
+	if (ibv_modify_qp(qp, &a, IBV_QP_STATE))
+		return -1;
+	a.qp_state = IBV_QPS_RTS;
+	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN);
+}
+
+int main(void)
+{
+	int n = 0;
+	struct ibv_device **list = ibv_get_device_list(&n);
+	CHECK(list && n == 2, "two devices");
+	struct ibv_context *a = ibv_open_device(list[0]), *b = ibv_open_device(list[1]);
+	CHECK(a && b, "open");
+	union ibv_gid ga, gb;
+	CHECK(!ibv_query_gid(a, 1, 0, &ga) && !ibv_query_gid(b, 1, 0, &gb), "gids");
+	struct ibv_pd *pa = ibv_alloc_pd(a), *pb = ibv_alloc_pd(b);
+	struct ibv_cq *ca = ibv_create_cq(a, 64, NULL, NULL, 0), *cb = ibv_create_cq(b, 64, NULL, NULL, 0);
+	static char bufa[4096] __attribute__((aligned(4096))), bufb[4096] __attribute__((aligned(4096)));
+	struct ibv_mr *ma = ibv_reg_mr(pa, bufa, sizeof bufa, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_mr *mb = ibv_reg_mr(pb, bufb, sizeof bufb, IBV_ACCESS_LOCAL_WRITE);
+	CHECK(pa && pb && ca && cb && ma && mb, "pd, cq, mr");
+
+	/* SRQ */
+	struct ibv_srq_init_attr sattr = { .attr = { .max_wr = 16, .max_sge = 1 } };
+	struct ibv_srq *srq = ibv_create_srq(pb, &sattr);
+	CHECK(srq && sattr.attr.max_wr >= 16, "ibv_create_srq");
+	struct ibv_srq_attr lim = { .srq_limit = 4 };
+	CHECK(!ibv_modify_srq(srq, &lim, IBV_SRQ_LIMIT), "arm the limit");
+	struct ibv_qp_init_attr qi = { .send_cq = cb, .recv_cq = cb, .srq = srq, .qp_type = IBV_QPT_RC,
+		.cap = { .max_send_wr = 8, .max_send_sge = 1 } };
+	struct ibv_qp *qb = ibv_create_qp(pb, &qi);
+	CHECK(qb, "QP on the SRQ");
+	struct ibv_qp_attr qattr; struct ibv_qp_init_attr qinit;
+	CHECK(!ibv_query_qp(qb, &qattr, 0, &qinit) && qinit.srq == srq, "query_qp names the SRQ");
+	qi.send_cq = ca; qi.recv_cq = ca; qi.srq = NULL; qi.cap.max_recv_wr = 8; qi.cap.max_recv_sge = 1;
+	struct ibv_qp *qa = ibv_create_qp(pa, &qi);
+	CHECK(qa && !rc_up(qa, &gb, qb->qp_num) && !rc_up(qb, &ga, qa->qp_num), "connect");
+	struct ibv_sge rs = { .addr = (uintptr_t)bufb, .length = 64, .lkey = mb->lkey };
+	struct ibv_recv_wr rw = { .wr_id = 1, .sg_list = &rs, .num_sge = 1 }, *bad_r;
+	CHECK(ibv_post_recv(qb, &rw, &bad_r) == EINVAL && bad_r == &rw, "post_recv on an SRQ QP is EINVAL");
+	for (int i = 0; i < 6; i++)
+		CHECK(!ibv_post_srq_recv(srq, &rw, &bad_r), "post_srq_recv");
+	struct ibv_sge ss = { .addr = (uintptr_t)bufa, .length = 8, .lkey = ma->lkey };
+	struct ibv_send_wr sw = { .wr_id = 2, .sg_list = &ss, .num_sge = 1, .opcode = IBV_WR_SEND,
+		.send_flags = IBV_SEND_SIGNALED }, *bad_s;
+	for (int i = 0; i < 3; i++) {
+		CHECK(!ibv_post_send(qa, &sw, &bad_s), "send");
+		CHECK(wait_wc(ca).status == IBV_WC_SUCCESS, "send completion");
+		CHECK(wait_wc(cb).status == IBV_WC_SUCCESS, "receive from the SRQ");
+	}
+	struct ibv_async_event ev;
+	CHECK(!ibv_get_async_event(b, &ev), "ibv_get_async_event");
+	printf("async event: %s\n", ibv_event_type_str(ev.event_type));
+	CHECK(ev.event_type == IBV_EVENT_SRQ_LIMIT_REACHED && ev.element.srq == srq, "SRQ limit event");
+	ibv_ack_async_event(&ev);
+	CHECK(!ibv_query_srq(srq, &lim) && lim.srq_limit == 0, "disarmed");
+	CHECK(ibv_destroy_srq(srq) == EBUSY, "an SRQ in use is busy");
+	CHECK(!ibv_destroy_qp(qb) && !ibv_destroy_qp(qa) && !ibv_destroy_srq(srq), "destroy");
+
+	/* UD, and an AH back from the completion */
+	qi.qp_type = IBV_QPT_UD; qi.send_cq = ca; qi.recv_cq = ca;
+	struct ibv_qp *ua = ibv_create_qp(pa, &qi);
+	qi.send_cq = cb; qi.recv_cq = cb;
+	struct ibv_qp *ub = ibv_create_qp(pb, &qi);
+	CHECK(ua && ub && !ud_up(ua) && !ud_up(ub), "UD QPs");
+	struct ibv_ah_attr aa = { .is_global = 1, .port_num = 1, .grh = { .dgid = gb, .hop_limit = 1 } };
+	struct ibv_ah *ah = ibv_create_ah(pa, &aa);
+	CHECK(ah, "ibv_create_ah");
+	rs.length = 40 + 64;
+	CHECK(!ibv_post_recv(ub, &rw, &bad_r), "post a UD receive");
+	memcpy(bufa, "datagram", 8);
+	sw.wr.ud.ah = ah; sw.wr.ud.remote_qpn = ub->qp_num; sw.wr.ud.remote_qkey = 0x11111111;
+	CHECK(!ibv_post_send(ua, &sw, &bad_s), "UD send");
+	CHECK(wait_wc(ca).status == IBV_WC_SUCCESS, "UD send completion");
+	struct ibv_wc wc = wait_wc(cb);
+	CHECK(wc.status == IBV_WC_SUCCESS && wc.byte_len == 48 && (wc.wc_flags & IBV_WC_GRH)
+	      && wc.src_qp == ua->qp_num && !memcmp(bufb + 40, "datagram", 8), "UD receive");
+	struct ibv_ah_attr back;
+	CHECK(!ibv_init_ah_from_wc(b, 1, &wc, (struct ibv_grh *)bufb, &back), "init_ah_from_wc");
+	CHECK(back.is_global && !memcmp(back.grh.dgid.raw, ga.raw, 16), "the AH names the sender");
+	struct ibv_ah *reply = ibv_create_ah_from_wc(pb, &wc, (struct ibv_grh *)bufb, 1);
+	CHECK(reply, "ibv_create_ah_from_wc");
+	union ibv_gid mc = { .raw = { 0xff } };
+	CHECK(ibv_attach_mcast(ub, &mc, 0) == EOPNOTSUPP, "no multicast");
+	CHECK(!ibv_destroy_ah(reply) && !ibv_destroy_ah(ah) && !ibv_destroy_qp(ua) && !ibv_destroy_qp(ub),
+	      "destroy UD");
+	printf("all good\n");
+	return 0;
+}
+"#;
+
+#[test]
+fn srq_limit_events_and_ud_address_handles_through_the_c_api() {
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let dir = TempDir::new("ibverbs-two-devices");
+    let exe = build_c_program(&dir, "two_devices", TWO_DEVICES_C);
+    let fabric = Fabric::start();
+    let devices = format!(
+        "{},{}",
+        fabric.alpha.socket.display(),
+        fabric.beta.socket.display()
+    );
+    let child = shim
+        .command(exe.to_str().expect("UTF-8 path"), Path::new(&devices))
+        .spawn()
+        .expect("run the program");
+    let (out, late) = wait_output(child, Duration::from_secs(60));
+    let text = Run::text(&out);
+    assert!(
+        out.status.success() && !late && text.contains("all good"),
+        "{:?}\n{text}\n{}",
+        out.status,
+        fabric.logs()
+    );
+    assert!(text.contains("async event: SRQ limit reached"), "{text}");
 }

@@ -86,6 +86,7 @@ fn every_quota_refuses_the_next_object_and_freeing_makes_room() {
         cap,
         qp_type: vrdma_spec::verbs::QpType::Rc,
         sq_sig_all: false,
+        srq: None,
     };
     assert_eq!(
         refused(pd.create_qp(&init(caps(33)))),
@@ -189,6 +190,7 @@ fn reload_raises_and_lowers_limits_without_touching_what_exists() {
             cap: default_caps(),
             qp_type: vrdma_spec::verbs::QpType::Rc,
             sq_sig_all: false,
+            srq: None,
         })),
         libc::ENOMEM
     );
@@ -265,6 +267,7 @@ fn init(t: &Tenant) -> vrdma_guest_driver::QpInitAttr<'_> {
         cap: default_caps(),
         qp_type: vrdma_spec::verbs::QpType::Rc,
         sq_sig_all: false,
+        srq: None,
     }
 }
 

@@ -11,7 +11,7 @@ use vrdma_spec::verbs::SendOpcode::{
 use vrdma_spec::verbs::{access, QpState, WcOpcode, WcStatus};
 use vrdma_tests::daemon::{Hostd, Vdev};
 use vrdma_tests::tenant::{
-    assert_no_completion, bring_up, connect, default_caps, fill, one, pattern, policy, rdma,
+    assert_no_completion, blue_and_red, bring_up, connect, default_caps, fill, one, pattern, rdma,
     read_mr, signaled, statuses, wait_completions, Connection, Pair, Tenant,
 };
 use vrdma_tools::verbs::Opened;
@@ -420,13 +420,7 @@ fn completion_events_wake_an_armed_cq_once() {
 
 #[test]
 fn connecting_outside_the_tenant_network_fails_at_rtr() {
-    let blue = "network = \"blue\"";
-    let config = policy(&[
-        ("alpha", blue),
-        ("beta", blue),
-        ("gamma", "network = \"red\""),
-    ]);
-    let hostd = Hostd::start(Some(&config));
+    let hostd = Hostd::start(Some(&blue_and_red()));
     let a = Tenant::start(&hostd, "alpha");
     let c = Tenant::start(&hostd, "gamma");
     let qa = a.qp(default_caps());

@@ -57,6 +57,7 @@ pub fn rc_qp(
         cap,
         qp_type: QpType::Rc,
         sq_sig_all: false,
+        srq: None,
     })
 }
 

@@ -11,8 +11,8 @@ use std::sync::{Mutex, Weak};
 
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
 use vrdma_hostd_protocol::messages::{
-    MrRegistration, Notification, QpModify, QpSetup, Request, Response, TenantPolicy,
-    PROTOCOL_VERSION,
+    AhSetup, MrRegistration, Notification, QpModify, QpSetup, Request, Response, SrqSetup,
+    TenantPolicy, PROTOCOL_VERSION,
 };
 
 use crate::seccomp::{Role, Threads};
@@ -259,6 +259,37 @@ impl Fabric {
 
     pub fn destroy_qp(&self, vqpn: u32) -> Result<(), FabricError> {
         self.call(&Request::DestroyQp { vqpn }, &[])
+    }
+
+    pub fn create_srq(&self, setup: SrqSetup) -> Result<(), FabricError> {
+        self.call(&Request::CreateSrq(setup), &[])
+    }
+
+    pub fn modify_srq(&self, srqn: u32, limit: u32) -> Result<(), FabricError> {
+        self.call(&Request::ModifySrq { srqn, limit }, &[])
+    }
+
+    /// The SRQ's armed limit as the datapath sees it (0 once it fired).
+    pub fn query_srq(&self, srqn: u32) -> Result<u32, FabricError> {
+        match self.request(&Request::QuerySrq { srqn }, &[])? {
+            Response::SrqLimit { limit } => Ok(limit),
+            other => Err(FabricError::Unexpected(Box::new(other))),
+        }
+    }
+
+    pub fn destroy_srq(&self, srqn: u32) -> Result<(), FabricError> {
+        self.call(&Request::DestroySrq { srqn }, &[])
+    }
+
+    /// An address handle; hostd refuses a destination the tenant may not
+    /// reach (`EACCES`), that is unknown (`ENOENT`) or on another host
+    /// (`EOPNOTSUPP`).
+    pub fn create_ah(&self, setup: AhSetup) -> Result<(), FabricError> {
+        self.call(&Request::CreateAh(setup), &[])
+    }
+
+    pub fn destroy_ah(&self, ahn: u32) -> Result<(), FabricError> {
+        self.call(&Request::DestroyAh { ahn }, &[])
     }
 
     /// Everything of the device's driver goes: QPs, CQs, event rings, MRs

@@ -74,6 +74,7 @@ fn serve_one_application(socket: &Path) {
             },
             qp_type: QpType::Rc,
             sq_sig_all: false,
+            srq: None,
         })
         .expect("create_qp");
     qp.destroy().map_err(|e| e.error).expect("destroy qp");

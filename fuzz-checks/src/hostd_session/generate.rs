@@ -280,6 +280,8 @@ impl Session<'_> {
             max_send_sge: u32::from(input.u8()),
             max_recv_sge: u32::from(input.u8()),
             max_inline_data: u32::from(input.u16()),
+            srqn: None,
+            qp_type: 2,
         }
     }
 
@@ -322,6 +324,7 @@ impl Session<'_> {
             state,
             connection,
             access,
+            qkey: None,
         }
     }
 

@@ -615,6 +615,8 @@ fn set_up_beta(beta: &Channel, lid: u16) -> [u32; 4] {
         max_send_sge: 4,
         max_recv_sge: 4,
         max_inline_data: 64,
+        srqn: None,
+        qp_type: 2,
     });
     expect_ok(beta, &qp, &[]);
     expect_ok(beta, &modify(QpState::Init, None, Some(0)), &[]);
@@ -667,6 +669,7 @@ fn modify(state: QpState, connection: Option<QpConnection>, access: Option<u32>)
         state: state.into(),
         connection,
         access,
+        qkey: None,
     })
 }
 
@@ -783,6 +786,8 @@ mod tests {
             max_send_sge: 1,
             max_recv_sge: 1,
             max_inline_data: 0,
+            srqn: None,
+            qp_type: 2,
         };
         s.step(&Request::CreateQp(qp), &[]);
         assert!(s.model.wild, "the ring lies on the doorbell page");
@@ -791,12 +796,14 @@ mod tests {
             state: QpState::Rts.into(),
             connection: None,
             access: None,
+            qkey: None,
         });
         let reset = Request::ModifyQp(QpModify {
             vqpn: 1,
             state: QpState::Reset.into(),
             connection: None,
             access: None,
+            qkey: None,
         });
         for _ in 0..20 {
             s.step(&rts, &[]);

@@ -253,6 +253,15 @@ impl Model {
                 },
             },
             Request::DestroyQp { vqpn } => self.exists(self.qps.contains_key(vqpn)),
+            // The generator makes no SRQ or AH requests (nor QPs on an SRQ,
+            // nor UC or UD QPs); the engine's rules for them have their own
+            // tests (hostd engine tests).
+            Request::CreateSrq(_)
+            | Request::ModifySrq { .. }
+            | Request::QuerySrq { .. }
+            | Request::DestroySrq { .. }
+            | Request::CreateAh(_)
+            | Request::DestroyAh { .. } => Expect::Either,
             Request::ResetDevice => Expect::Ok,
             Request::QuotaRejected { quota } => {
                 let limits = serde_json::to_value(Limits::default()).ok();
@@ -458,7 +467,13 @@ impl Model {
             Request::Hello { .. }
             | Request::OpenContext { .. }
             | Request::QuotaRejected { .. }
-            | Request::QueryQp { .. } => {}
+            | Request::QueryQp { .. }
+            | Request::CreateSrq(_)
+            | Request::ModifySrq { .. }
+            | Request::QuerySrq { .. }
+            | Request::DestroySrq { .. }
+            | Request::CreateAh(_)
+            | Request::DestroyAh { .. } => {}
             &Request::AddMemory {
                 slot,
                 gpa,

@@ -12,7 +12,6 @@
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 
@@ -52,11 +51,11 @@ pub(crate) struct Shared {
     pub(crate) cqs: Mutex<HashMap<u32, CqRoute>>,
     /// QPs by QPN.
     pub(crate) qps: RwLock<HashMap<u32, QpRoute>>,
+    /// SRQs (the application's `struct ibv_srq *`) by SRQN.
+    pub(crate) srqs: Mutex<HashMap<u32, usize>>,
     pub(crate) async_events: AsyncQueue,
     /// Written to stop the event thread.
     pub(crate) stop: OwnedFd,
-    /// Live address handles.
-    pub(crate) ahs: AtomicU32,
 }
 
 /// An open device: the `struct verbs_context` the application sees (its
@@ -75,9 +74,9 @@ impl Ctx {
             dev,
             cqs: Mutex::default(),
             qps: RwLock::default(),
+            srqs: Mutex::default(),
             async_events: AsyncQueue::new()?,
             stop: events::eventfd(0)?,
-            ahs: AtomicU32::new(0),
         });
         let mut ctx = Box::new(Ctx {
             vctx: verbs_context::default(),
@@ -154,8 +153,8 @@ fn fill(vctx: &mut verbs_context, shared: &Shared) {
     ops.post_recv = Some(datapath::post_recv);
     ops.poll_cq = Some(datapath::poll_cq);
     ops.req_notify_cq = Some(datapath::req_notify_cq);
-    // SRQs and memory windows: refused explicitly (the inlines call these).
-    ops.post_srq_recv = Some(unsupported::post_srq_recv);
+    ops.post_srq_recv = Some(datapath::post_srq_recv);
+    // Memory windows: refused explicitly (the inlines call these).
     ops.alloc_mw = Some(unsupported::alloc_mw);
     ops.bind_mw = Some(unsupported::bind_mw);
     ops.dealloc_mw = Some(unsupported::dealloc_mw);

@@ -2,13 +2,13 @@
 //! queue pairs and address handles, on top of the guest driver's objects.
 
 use std::ffi::{c_int, c_uint, c_void};
-use std::sync::atomic::Ordering;
 
 use vrdma_guest_driver::vrdma_spec::control::{AhAttr, QpAttr, QpCap, QueryQpResp};
 use vrdma_guest_driver::vrdma_spec::qp_state::mask;
 use vrdma_guest_driver::vrdma_spec::verbs::QpType;
 use vrdma_guest_driver::{
-    CompletionQueue, MemoryRegion, ProtectionDomain, QpCapabilities, QpInitAttr, QueuePair,
+    AddressHandle, CompletionQueue, MemoryRegion, ProtectionDomain, QpCapabilities, QpInitAttr,
+    QueuePair,
 };
 
 use crate::abi::{
@@ -19,9 +19,8 @@ use crate::abi::{
 };
 use crate::context::{Ctx, QpRoute};
 use crate::ffi::{errno_of, int_verb, non_null, ptr_verb, unsupported, VResult};
-use crate::objects::{c_int_of, destroy_inner, Ah, Cq, EventCount, Mr, Pd, Qp, Wrapper};
+use crate::objects::{c_int_of, destroy_inner, Ah, Cq, EventCount, Mr, Pd, Qp, Srq, Wrapper};
 use crate::qp_ex::{self, WrPosting};
-use crate::query::MAX_AH;
 use crate::{cq_ex, events};
 
 /// `IBV_ACCESS_OPTIONAL_RANGE`: access bits a provider may ignore.
@@ -398,7 +397,7 @@ pub(crate) fn qp_attr_from_wire(a: &QpAttr) -> ibv_qp_attr {
 }
 
 /// `ibv_create_qp`: RC only (UC/UD are refused by the device with
-/// `EOPNOTSUPP`, other types and SRQs here). The granted capacities are
+/// `EOPNOTSUPP`, other types here), with its own receive queue or an SRQ. The granted capacities are
 /// written back into `qp_init_attr->cap`.
 ///
 /// # Safety
@@ -427,9 +426,13 @@ pub(crate) fn create_qp(
 ) -> VResult<*mut ibv_qp> {
     let our = pd_of(pd)?;
     let ctx = ctx_of(our.ibv.context)?;
-    if !init.srq.is_null() {
-        return Err(unsupported("QPs with an SRQ"));
-    }
+    let srq = if init.srq.is_null() {
+        None
+    } else {
+        // SAFETY: a non-null SRQ of the init structure is live.
+        let s = unsafe { Srq::from_raw(init.srq)? };
+        Some(s.inner.as_ref().ok_or(libc::EINVAL)?)
+    };
     let qp_type = match init.qp_type {
         IBV_QPT_RC => QpType::Rc,
         IBV_QPT_UC => QpType::Uc,
@@ -450,6 +453,7 @@ pub(crate) fn create_qp(
             cap: qp_cap!(QpCapabilities, init.cap),
             qp_type,
             sq_sig_all: init.sq_sig_all != 0,
+            srq,
         })
         .map_err(|e| errno_of(&e))?;
     init.cap = qp_cap!(ibv_qp_cap, qp.cap());
@@ -461,6 +465,7 @@ pub(crate) fn create_qp(
             pd,
             send_cq: init.send_cq,
             recv_cq: init.recv_cq,
+            srq: init.srq,
             handle: qpn,
             qp_num: qpn,
             state: IBV_QPS_RESET,
@@ -559,7 +564,7 @@ pub unsafe extern "C" fn ibv_query_qp(
             qp_context: our.ibv.qp_base.qp_context,
             send_cq: our.ibv.qp_base.send_cq,
             recv_cq: our.ibv.qp_base.recv_cq,
-            srq: std::ptr::null_mut(),
+            srq: our.ibv.qp_base.srq,
             cap: out.cap,
             qp_type: u32::from(resp.qp_type),
             sq_sig_all: c_int::from(resp.sq_sig_all),
@@ -605,11 +610,12 @@ pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
     })
 }
 
-/// `ibv_create_ah`: an address handle is a local record (vrdma's RC QPs
-/// carry their path themselves); the attributes are checked as `modify_qp`
-/// checks a path: the port is RoCE, so the path needs a GRH naming GID
-/// index 0 as its source (EINVAL otherwise, as the kernel answers for a
-/// RoCE port).
+/// `ibv_create_ah`: a device object (the device checks the path as
+/// `modify_qp` checks one — the port is RoCE, so it needs a GRH naming GID
+/// index 0 as its source: `EINVAL` otherwise, as the kernel answers for a
+/// RoCE port — and hostd checks the tenant may reach the destination:
+/// `EACCES`, or `ENOENT` for an unknown GID), within the tenant's
+/// `max_ah` (`ENOMEM`).
 ///
 /// # Safety
 ///
@@ -618,28 +624,22 @@ pub unsafe extern "C" fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) 
     ptr_verb("ibv_create_ah", || {
         non_null(attr)?;
         let our = pd_of(pd)?;
-        let ctx = ctx_of(our.ibv.context)?;
         // SAFETY: the caller passes a valid attribute structure.
         let attr = unsafe { *attr };
-        if attr.port_num != 1 || attr.is_global == 0 || attr.grh.sgid_index != 0 {
-            return Err(libc::EINVAL);
-        }
-        let ahs = &ctx.shared.ahs;
-        if ahs
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < MAX_AH).then_some(n + 1)
-            })
-            .is_err()
-        {
-            return Err(libc::ENOMEM);
-        }
+        let ah = our
+            .inner
+            .as_ref()
+            .ok_or(libc::EINVAL)?
+            .create_ah(&ah_to_wire(&attr))
+            .map_err(|e| errno_of(&e))?;
         Ok(Box::new(Ah {
             ibv: ibv_ah {
                 context: our.ibv.context,
                 pd,
-                handle: 0,
+                handle: ah.ahn(),
             },
             attr,
+            inner: Some(ah),
         })
         .into_raw())
     })
@@ -652,28 +652,31 @@ pub unsafe extern "C" fn ibv_create_ah(pd: *mut ibv_pd, attr: *mut ibv_ah_attr) 
 /// `ah` is a live address handle not used by another thread.
 pub unsafe extern "C" fn ibv_destroy_ah(ah: *mut ibv_ah) -> c_int {
     int_verb("ibv_destroy_ah", || {
-        // SAFETY: the caller passes a live AH.
-        let this = unsafe { Ah::from_raw(ah)? };
-        let ctx = ctx_of(this.ibv.context)?;
-        ctx.shared.ahs.fetch_sub(1, Ordering::AcqRel);
+        // SAFETY: the caller passes a live AH it no longer uses elsewhere.
+        let this = unsafe { Ah::from_raw_mut(ah)? };
+        destroy_inner(&mut this.inner, AddressHandle::destroy)?;
         // SAFETY: the AH box is no longer referenced.
         unsafe { Ah::free(ah) };
         Ok(())
     })
 }
 
-/// `ibv_init_ah_from_wc`: the path back to a completion's sender. vrdma's
-/// completions carry no GRH (RC only: the path is the QP's), so a GRH
-/// flag is refused; without one the path has only the sender's LID.
+/// `ibv_init_ah_from_wc`: the path back to a completion's sender. With
+/// `IBV_WC_GRH` the GRH at the start of the receive buffer names it: on
+/// RoCEv2 over IPv4 (what vrdma writes, as rxe does) the IPv4 header in its
+/// last 20 bytes, whose source address is the sender's IPv4-mapped GID; a
+/// GRH of IB/RoCEv2-IPv6 form names it by its SGID. Hop limit 0xff, as
+/// rdma-core sets it. Without a GRH the path has only the sender's LID.
 ///
 /// # Safety
 ///
-/// `wc` is a valid completion; `ah_attr` is writable.
+/// `wc` is a valid completion; `grh` points to 40 readable bytes when the
+/// completion has `IBV_WC_GRH`; `ah_attr` is writable.
 pub unsafe extern "C" fn ibv_init_ah_from_wc(
     context: *mut ibv_context,
     port_num: u8,
     wc: *mut ibv_wc,
-    _grh: *mut ibv_grh,
+    grh: *mut ibv_grh,
     ah_attr: *mut ibv_ah_attr,
 ) -> c_int {
     crate::ffi::minus_one_verb("ibv_init_ah_from_wc", || {
@@ -682,20 +685,46 @@ pub unsafe extern "C" fn ibv_init_ah_from_wc(
         non_null(ah_attr)?;
         // SAFETY: the caller passes a valid completion.
         let wc = unsafe { &*wc };
-        if wc.wc_flags & IBV_WC_GRH != 0 {
-            return Err(unsupported("address handles from a GRH"));
-        }
-        let out = ibv_ah_attr {
+        let mut out = ibv_ah_attr {
             dlid: wc.slid,
             sl: wc.sl,
             src_path_bits: wc.dlid_path_bits,
             port_num,
             ..Default::default()
         };
+        if wc.wc_flags & IBV_WC_GRH != 0 {
+            non_null(grh)?;
+            // SAFETY: the caller's promise: 40 readable bytes.
+            let raw: [u8; 40] = unsafe { std::ptr::read_unaligned(grh.cast()) };
+            out.is_global = 1;
+            out.grh = ibv_global_route {
+                dgid: ibv_gid {
+                    raw: sender_gid(&raw),
+                },
+                flow_label: 0,
+                sgid_index: 0,
+                hop_limit: 0xff,
+                traffic_class: 0,
+            };
+        }
         // SAFETY: the caller passes a writable attribute structure.
         unsafe { *ah_attr = out };
         Ok(())
     })
+}
+
+/// The sender's GID in a received GRH: the IPv4-mapped source address of
+/// a RoCEv2-IPv4 header (bytes 20–39: version 4, IHL 5), else the GRH's
+/// SGID (bytes 8–23).
+fn sender_gid(grh: &[u8; 40]) -> [u8; 16] {
+    if grh[20] == 0x45 {
+        let mut ip = [0u8; 4];
+        ip.copy_from_slice(&grh[32..36]);
+        return vrdma_guest_driver::vrdma_spec::gid::ipv4_mapped(ip);
+    }
+    let mut gid = [0u8; 16];
+    gid.copy_from_slice(&grh[8..24]);
+    gid
 }
 
 /// `ibv_create_ah_from_wc`.

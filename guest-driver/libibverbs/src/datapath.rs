@@ -1,7 +1,7 @@
 //! The data path: the functions the inline `ibv_post_send`, `ibv_post_recv`,
 //! `ibv_poll_cq` and `ibv_req_notify_cq` call through `context->ops`,
 //! translating libibverbs' structures to the guest driver's work requests
-//! and completions (`ibv_post_srq_recv`'s is a refusal, in `unsupported`).
+//! and completions, and `ibv_post_srq_recv` on an SRQ's ring.
 //!
 //! - `ibv_send_wr`/`ibv_recv_wr` lists are posted in order; at the first
 //!   work request that fails, `*bad_wr` names it and its errno is returned
@@ -30,16 +30,17 @@ use vrdma_guest_driver::vrdma_spec::limits::{MAX_INLINE_DATA, MAX_SGE};
 use vrdma_guest_driver::vrdma_spec::ring::send_flags;
 use vrdma_guest_driver::vrdma_spec::verbs::{SendOpcode, WcOpcode};
 use vrdma_guest_driver::{
-    QueuePair, RecvBatch, RecvWr, SendBatch, SendPayload, SendWr, Sge, WorkCompletion,
+    QueuePair, RecvBatch, RecvWr, SendBatch, SendPayload, SendWr, Sge, SharedReceiveQueue, UdDest,
+    WorkCompletion,
 };
 
 use crate::abi::{
-    ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_wc, ibv_wc__bindgen_ty_1,
-    IBV_SEND_INLINE,
+    ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_srq, ibv_wc, ibv_wc__bindgen_ty_1,
+    IBV_QPT_UD, IBV_SEND_INLINE,
 };
 use crate::context::Ctx;
 use crate::ffi::{errno_of, guard, VResult};
-use crate::objects::{Cq, Qp, Wrapper};
+use crate::objects::{Ah, Cq, Qp, Srq, Wrapper};
 
 /// Most SGEs of one work request: what the WQE format carries.
 pub(crate) const MAX_SGES: usize = MAX_SGE as usize;
@@ -180,7 +181,11 @@ pub(crate) fn wire_send_flags(send_flags: u32) -> u8 {
 ///
 /// `w` follows the verbs contract: `sg_list` holds `num_sge` SGEs and, for
 /// inline sends, they point to readable memory.
-unsafe fn translate_send<'a>(w: &ibv_send_wr, storage: &'a mut SendStorage) -> VResult<SendWr<'a>> {
+unsafe fn translate_send<'a>(
+    w: &ibv_send_wr,
+    storage: &'a mut SendStorage,
+    ud: bool,
+) -> VResult<SendWr<'a>> {
     let opcode = u8::try_from(w.opcode)
         .ok()
         .and_then(|o| SendOpcode::try_from(o).ok())
@@ -214,6 +219,24 @@ unsafe fn translate_send<'a>(w: &ibv_send_wr, storage: &'a mut SendStorage) -> V
             }
             _ => {}
         }
+    }
+    if ud {
+        // SAFETY: `wr.ud` is plain data (a pointer and integers); on a UD
+        // QP the application set it and its AH is live (the verbs
+        // contract); NULL is refused.
+        let (ah, remote_qpn, remote_qkey) = unsafe {
+            (
+                Ah::from_raw(w.wr.ud.ah)?,
+                w.wr.ud.remote_qpn,
+                w.wr.ud.remote_qkey,
+            )
+        };
+        let dest = UdDest {
+            ah: ah.inner.as_ref().ok_or(libc::EINVAL)?.ahn(),
+            remote_qpn,
+            remote_qkey,
+        };
+        return Ok(wr.to_ud(dest));
     }
     Ok(wr)
 }
@@ -251,16 +274,34 @@ unsafe fn post_list<'q, W: WorkRequest, B>(
     wr: *mut W,
     bad_wr: *mut *mut W,
     open: impl FnOnce(&'q QueuePair) -> B,
+    push: impl FnMut(&mut B, &W) -> VResult<()>,
+) -> c_int {
+    // SAFETY: the caller passes a live QP.
+    let qp = unsafe { Qp::from_raw(qp) }.and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL));
+    // SAFETY: the caller's promise.
+    unsafe { post_on(verb, qp, wr, bad_wr, open, push) }
+}
+
+/// [`post_list`] on an object already resolved (a QP's queue or an SRQ),
+/// or its errno.
+///
+/// # Safety
+///
+/// `wr` is a well-formed work request list and `bad_wr` NULL or writable.
+unsafe fn post_on<'q, O, W: WorkRequest, B>(
+    verb: &'static str,
+    object: VResult<&'q O>,
+    wr: *mut W,
+    bad_wr: *mut *mut W,
+    open: impl FnOnce(&'q O) -> B,
     mut push: impl FnMut(&mut B, &W) -> VResult<()>,
 ) -> c_int {
     guard(verb, libc::EIO, || {
-        // SAFETY: the caller passes a live QP.
-        let qp =
-            match unsafe { Qp::from_raw(qp) }.and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL)) {
-                Ok(q) => q,
-                Err(errno) => return fail_at(bad_wr, wr, errno),
-            };
-        let mut batch = open(qp);
+        let object = match object {
+            Ok(o) => o,
+            Err(errno) => return fail_at(bad_wr, wr, errno),
+        };
+        let mut batch = open(object);
         let mut cur = wr;
         while !cur.is_null() {
             // SAFETY: a non-null element of the application's list.
@@ -296,9 +337,11 @@ pub(crate) unsafe extern "C" fn post_send(
     bad_wr: *mut *mut ibv_send_wr,
 ) -> c_int {
     let mut storage = SendStorage::new();
+    // SAFETY: the caller passes a live QP (NULL: not UD, and refused below).
+    let ud = !qp.is_null() && unsafe { (*qp).qp_type } == IBV_QPT_UD;
     let push = |batch: &mut SendBatch<'_>, w: &ibv_send_wr| {
         // SAFETY: the verbs contract for the work request's buffers.
-        let t = unsafe { translate_send(w, &mut storage) }?;
+        let t = unsafe { translate_send(w, &mut storage, ud) }?;
         batch.push(&t).map_err(|e| e.errno())
     };
     // SAFETY: the caller's promise.
@@ -317,17 +360,45 @@ pub(crate) unsafe extern "C" fn post_recv(
     bad_wr: *mut *mut ibv_recv_wr,
 ) -> c_int {
     let mut sges = [Sge::default(); MAX_SGES];
-    let push = |batch: &mut RecvBatch<'_>, w: &ibv_recv_wr| {
-        // SAFETY: the verbs contract for sg_list.
-        let list = unsafe { sge_slice(w.sg_list, w.num_sge) }?;
-        let r = RecvWr {
-            wr_id: w.wr_id,
-            sg_list: convert_sges(list, &mut sges)?,
-        };
-        batch.push(&r).map_err(|e| e.errno())
-    };
+    let push = |batch: &mut RecvBatch<'_>, w: &ibv_recv_wr| push_recv(batch, w, &mut sges);
     // SAFETY: the caller's promise.
     unsafe { post_list("ibv_post_recv", qp, wr, bad_wr, QueuePair::recv_batch, push) }
+}
+
+/// `ops.post_srq_recv` (and the context op the inline `ibv_post_srq_recv`
+/// calls): like [`post_recv`], on the SRQ's ring.
+///
+/// # Safety
+///
+/// Called with a live SRQ, a well-formed work request list and a writable
+/// `bad_wr`.
+pub(crate) unsafe extern "C" fn post_srq_recv(
+    srq: *mut ibv_srq,
+    wr: *mut ibv_recv_wr,
+    bad_wr: *mut *mut ibv_recv_wr,
+) -> c_int {
+    let mut sges = [Sge::default(); MAX_SGES];
+    let push = |batch: &mut RecvBatch<'_>, w: &ibv_recv_wr| push_recv(batch, w, &mut sges);
+    // SAFETY: the caller passes a live SRQ.
+    let srq = unsafe { Srq::from_raw(srq) }.and_then(|s| s.inner.as_ref().ok_or(libc::EINVAL));
+    let open = SharedReceiveQueue::recv_batch;
+    // SAFETY: the caller's promise.
+    unsafe { post_on("ibv_post_srq_recv", srq, wr, bad_wr, open, push) }
+}
+
+/// Translates one receive work request into `batch`.
+fn push_recv(
+    batch: &mut RecvBatch<'_>,
+    w: &ibv_recv_wr,
+    sges: &mut [Sge; MAX_SGES],
+) -> VResult<()> {
+    // SAFETY: the verbs contract for sg_list.
+    let list = unsafe { sge_slice(w.sg_list, w.num_sge) }?;
+    let r = RecvWr {
+        wr_id: w.wr_id,
+        sg_list: convert_sges(list, sges)?,
+    };
+    batch.push(&r).map_err(|e| e.errno())
 }
 
 /// Fills an `ibv_wc` from a completion; `path` is the QP's (dlid, sl).
@@ -492,7 +563,7 @@ mod tests {
         };
         let mut st = storage();
         // SAFETY: sg_list holds num_sge SGEs.
-        let t = unsafe { translate_send(&w, &mut st) }.unwrap();
+        let t = unsafe { translate_send(&w, &mut st, false) }.unwrap();
         assert_eq!(t.wr_id, 42);
         assert_eq!(t.opcode, SendOpcode::RdmaWriteWithImm);
         assert_eq!(t.flags, send_flags::SIGNALED | send_flags::SOLICITED);
@@ -528,7 +599,7 @@ mod tests {
             rkey: 3,
         };
         // SAFETY: no SGEs.
-        let t = unsafe { translate_send(&w, &mut st) }.unwrap();
+        let t = unsafe { translate_send(&w, &mut st, false) }.unwrap();
         assert_eq!(
             (t.remote_addr, t.rkey, t.compare_add, t.swap),
             (0x40, 3, 1, 2)
@@ -536,12 +607,12 @@ mod tests {
 
         w.opcode = 99;
         // SAFETY: no SGEs.
-        let r = unsafe { translate_send(&w, &mut st) };
+        let r = unsafe { translate_send(&w, &mut st, false) };
         assert_eq!(r.err(), Some(libc::EINVAL));
         w.opcode = IBV_WR_SEND;
         w.num_sge = -1;
         // SAFETY: a negative count is refused before any read.
-        let r = unsafe { translate_send(&w, &mut st) };
+        let r = unsafe { translate_send(&w, &mut st, false) };
         assert_eq!(r.err(), Some(libc::EINVAL));
     }
 
@@ -570,7 +641,7 @@ mod tests {
         };
         let mut st = storage();
         // SAFETY: the SGEs point to the arrays above.
-        let t = unsafe { translate_send(&w, &mut st) }.unwrap();
+        let t = unsafe { translate_send(&w, &mut st, false) }.unwrap();
         assert_eq!(t.flags, send_flags::SIGNALED);
         match t.payload {
             SendPayload::Inline(d) => assert_eq!(d, b"hello world"),
@@ -583,7 +654,7 @@ mod tests {
             ..w
         };
         // SAFETY: too long is refused before reading past the arrays.
-        let r = unsafe { translate_send(&w, &mut st) };
+        let r = unsafe { translate_send(&w, &mut st, false) };
         assert_eq!(r.err(), Some(libc::EINVAL));
     }
 

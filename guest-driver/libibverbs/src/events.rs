@@ -5,7 +5,8 @@
 //! CQ, the others are asynchronous (CQ overrun, QP fatal, port active).
 //! Each open context runs one event thread that sleeps on the vectors'
 //! interrupt fds (and a stop eventfd) and routes every event: a completion
-//! to the channel of its CQ, the rest to the context's asynchronous queue.
+//! to the channel of its CQ, the rest (CQ error, QP fatal, SRQ limit, last
+//! WQE of an SRQ's QP, port active) to the context's asynchronous queue.
 //!
 //! A channel's `fd` (and the context's `async_fd`) is an eventfd in
 //! semaphore mode whose count is at least the number of queued events, so
@@ -23,8 +24,9 @@ use std::time::Duration;
 use vrdma_guest_driver::DeviceEvent;
 
 use crate::abi::{
-    ibv_async_event, ibv_comp_channel, ibv_context, ibv_cq, ibv_event_type, ibv_qp,
-    IBV_EVENT_CQ_ERR, IBV_EVENT_PORT_ACTIVE, IBV_EVENT_QP_FATAL,
+    ibv_async_event, ibv_comp_channel, ibv_context, ibv_cq, ibv_event_type, ibv_qp, ibv_srq,
+    IBV_EVENT_CQ_ERR, IBV_EVENT_PORT_ACTIVE, IBV_EVENT_QP_FATAL, IBV_EVENT_QP_LAST_WQE_REACHED,
+    IBV_EVENT_SRQ_LIMIT_REACHED,
 };
 use crate::context::{Ctx, Shared};
 use crate::ffi::{guard, minus_one_verb, non_null, ptr_verb, VResult};
@@ -245,6 +247,23 @@ fn route(shared: &Shared, event: DeviceEvent) {
                     .push((IBV_EVENT_QP_FATAL, route.qp));
             }
         }
+        DeviceEvent::LastWqeReached { qpn } => {
+            let qps = shared.qps.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(route) = qps.get(&qpn) {
+                shared
+                    .async_events
+                    .events
+                    .push((IBV_EVENT_QP_LAST_WQE_REACHED, route.qp));
+            }
+        }
+        DeviceEvent::SrqLimit { srqn } => {
+            if let Some(&srq) = lock(&shared.srqs).get(&srqn) {
+                shared
+                    .async_events
+                    .events
+                    .push((IBV_EVENT_SRQ_LIMIT_REACHED, srq));
+            }
+        }
         DeviceEvent::PortActive => shared.async_events.events.push((IBV_EVENT_PORT_ACTIVE, 1)),
         DeviceEvent::Unknown { kind, object } => {
             tracing::warn!(kind, object, "Unknown device event dropped");
@@ -377,8 +396,21 @@ pub(crate) fn remove_cq(shared: &Shared, cqn: u32, cq: *mut ibv_cq) {
 
 /// Drops the queued asynchronous events of a destroyed QP.
 pub(crate) fn remove_qp(shared: &Shared, qp: *mut ibv_qp) {
+    lock(&shared.async_events.events.queue).retain(|&(t, e)| {
+        !(matches!(t, IBV_EVENT_QP_FATAL | IBV_EVENT_QP_LAST_WQE_REACHED) && e == qp as usize)
+    });
+}
+
+/// Registers a new SRQ for its limit event.
+pub(crate) fn add_srq(shared: &Shared, srqn: u32, srq: *mut ibv_srq) {
+    lock(&shared.srqs).insert(srqn, srq as usize);
+}
+
+/// Unregisters a destroyed SRQ and drops its queued events.
+pub(crate) fn remove_srq(shared: &Shared, srqn: u32, srq: *mut ibv_srq) {
+    lock(&shared.srqs).remove(&srqn);
     lock(&shared.async_events.events.queue)
-        .retain(|&(t, e)| !(t == IBV_EVENT_QP_FATAL && e == qp as usize));
+        .retain(|&(t, e)| !(t == IBV_EVENT_SRQ_LIMIT_REACHED && e == srq as usize));
 }
 
 /// `ibv_get_async_event`: waits for the next asynchronous event (CQ error,
@@ -407,7 +439,10 @@ pub unsafe extern "C" fn ibv_get_async_event(
         };
         match event_type {
             IBV_EVENT_CQ_ERR => out.element.cq = element as *mut ibv_cq,
-            IBV_EVENT_QP_FATAL => out.element.qp = element as *mut ibv_qp,
+            IBV_EVENT_QP_FATAL | IBV_EVENT_QP_LAST_WQE_REACHED => {
+                out.element.qp = element as *mut ibv_qp;
+            }
+            IBV_EVENT_SRQ_LIMIT_REACHED => out.element.srq = element as *mut ibv_srq,
             _ => out.element.port_num = c_int::try_from(element).unwrap_or(1),
         }
         // SAFETY: the caller passes a writable event.

@@ -18,7 +18,7 @@
 //! (`__vrdma_compat_<name>`) that `.symver` exports as `<name>@<node>`;
 //! `libibverbs.map` only has to define the node.
 
-use crate::{compat_1_0, control, device, events, misc, qp_ex, query, unsupported};
+use crate::{compat_1_0, control, device, events, misc, qp_ex, query, srq, unsupported};
 
 /// One trampoline: `$label`, a `jmp` to `$path` in its own section (kept:
 /// `R`, since no code refers to it), then `$extra` (a `.symver`).
@@ -239,13 +239,13 @@ export! {
         ibv_create_ah => "IBVERBS_1.1" control::ibv_create_ah, "IBVERBS_1.0" compat_1_0::ibv_create_ah;
         ibv_create_cq => "IBVERBS_1.1" control::ibv_create_cq, "IBVERBS_1.0" compat_1_0::ibv_create_cq;
         ibv_create_qp => "IBVERBS_1.1" control::ibv_create_qp, "IBVERBS_1.0" compat_1_0::ibv_create_qp;
-        ibv_create_srq => "IBVERBS_1.1" unsupported::ibv_create_srq, "IBVERBS_1.0" compat_1_0::ibv_create_srq;
+        ibv_create_srq => "IBVERBS_1.1" srq::ibv_create_srq, "IBVERBS_1.0" compat_1_0::ibv_create_srq;
         ibv_dealloc_pd => "IBVERBS_1.1" control::ibv_dealloc_pd, "IBVERBS_1.0" compat_1_0::ibv_dealloc_pd;
         ibv_dereg_mr => "IBVERBS_1.1" control::ibv_dereg_mr, "IBVERBS_1.0" compat_1_0::ibv_dereg_mr;
         ibv_destroy_ah => "IBVERBS_1.1" control::ibv_destroy_ah, "IBVERBS_1.0" compat_1_0::ibv_destroy_ah;
         ibv_destroy_cq => "IBVERBS_1.1" control::ibv_destroy_cq, "IBVERBS_1.0" compat_1_0::ibv_destroy_cq;
         ibv_destroy_qp => "IBVERBS_1.1" control::ibv_destroy_qp, "IBVERBS_1.0" compat_1_0::ibv_destroy_qp;
-        ibv_destroy_srq => "IBVERBS_1.1" unsupported::ibv_destroy_srq, "IBVERBS_1.0" compat_1_0::ibv_destroy_srq;
+        ibv_destroy_srq => "IBVERBS_1.1" srq::ibv_destroy_srq, "IBVERBS_1.0" compat_1_0::ibv_destroy_srq;
         ibv_detach_mcast => "IBVERBS_1.1" unsupported::ibv_detach_mcast, "IBVERBS_1.0" compat_1_0::ibv_detach_mcast;
         ibv_free_device_list => "IBVERBS_1.1" device::ibv_free_device_list, "IBVERBS_1.0" compat_1_0::ibv_free_device_list;
         ibv_get_async_event => "IBVERBS_1.1" events::ibv_get_async_event, "IBVERBS_1.0" compat_1_0::ibv_get_async_event;
@@ -254,14 +254,14 @@ export! {
         ibv_get_device_list => "IBVERBS_1.1" device::ibv_get_device_list, "IBVERBS_1.0" compat_1_0::ibv_get_device_list;
         ibv_get_device_name => "IBVERBS_1.1" device::ibv_get_device_name, "IBVERBS_1.0" compat_1_0::ibv_get_device_name;
         ibv_modify_qp => "IBVERBS_1.1" control::ibv_modify_qp, "IBVERBS_1.0" compat_1_0::ibv_modify_qp;
-        ibv_modify_srq => "IBVERBS_1.1" unsupported::ibv_modify_srq, "IBVERBS_1.0" compat_1_0::ibv_modify_srq;
+        ibv_modify_srq => "IBVERBS_1.1" srq::ibv_modify_srq, "IBVERBS_1.0" compat_1_0::ibv_modify_srq;
         ibv_open_device => "IBVERBS_1.1" device::ibv_open_device, "IBVERBS_1.0" compat_1_0::ibv_open_device;
         ibv_query_device => "IBVERBS_1.1" query::ibv_query_device, "IBVERBS_1.0" compat_1_0::ibv_query_device;
         ibv_query_gid => "IBVERBS_1.1" query::ibv_query_gid, "IBVERBS_1.0" compat_1_0::ibv_query_gid;
         ibv_query_pkey => "IBVERBS_1.1" query::ibv_query_pkey, "IBVERBS_1.0" compat_1_0::ibv_query_pkey;
         ibv_query_port => "IBVERBS_1.1" query::ibv_query_port, "IBVERBS_1.0" compat_1_0::ibv_query_port;
         ibv_query_qp => "IBVERBS_1.1" control::ibv_query_qp, "IBVERBS_1.0" compat_1_0::ibv_query_qp;
-        ibv_query_srq => "IBVERBS_1.1" unsupported::ibv_query_srq, "IBVERBS_1.0" compat_1_0::ibv_query_srq;
+        ibv_query_srq => "IBVERBS_1.1" srq::ibv_query_srq, "IBVERBS_1.0" compat_1_0::ibv_query_srq;
         ibv_reg_mr => "IBVERBS_1.1" control::ibv_reg_mr, "IBVERBS_1.0" compat_1_0::ibv_reg_mr;
         ibv_resize_cq => "IBVERBS_1.1" control::ibv_resize_cq, "IBVERBS_1.0" compat_1_0::ibv_resize_cq;
     }

@@ -17,10 +17,11 @@
 //! - `context`: `struct verbs_context` and the ops tables.
 //! - `objects`: the boxes behind the application's object pointers.
 //! - [`control`]: PD, MR, CQ, QP and AH verbs.
+//! - [`srq`]: shared receive queues.
 //! - [`query`]: device, port, GID and P_Key queries.
 //! - `datapath`: post send/recv, poll and arm, through the ops table.
 //! - [`events`]: completion channels and asynchronous events.
-//! - [`unsupported`]: refusals (memory windows, XRC, SRQs, ...) and the
+//! - [`unsupported`]: refusals (memory windows, XRC, ...) and the
 //!   provider interface.
 //! - [`misc`]: enum strings, rates, sysfs and fork helpers.
 //!
@@ -53,6 +54,7 @@ pub mod misc;
 mod objects;
 mod qp_ex;
 pub mod query;
+pub mod srq;
 pub mod unsupported;
 
 /// With feature `regenerate-abi`: the committed layouts are what bindgen

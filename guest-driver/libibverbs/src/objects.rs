@@ -12,12 +12,13 @@ use std::fmt::Debug;
 use std::sync::{Condvar, Mutex, MutexGuard};
 
 use vrdma_guest_driver::{
-    CompletionQueue, DestroyError, MemoryRegion, ProtectionDomain, QueuePair,
+    AddressHandle, CompletionQueue, DestroyError, MemoryRegion, ProtectionDomain, QueuePair,
+    SharedReceiveQueue,
 };
 
 use crate::abi::{
     ibv_ah, ibv_ah_attr, ibv_comp_channel, ibv_cq, ibv_cq_ex, ibv_mr, ibv_pd, ibv_qp, ibv_qp_ex,
-    ibv_wc,
+    ibv_srq, ibv_wc,
 };
 use crate::events::ChannelState;
 use crate::ffi::{non_null, VResult};
@@ -95,6 +96,9 @@ pub(crate) struct Qp {
     pub(crate) wr: Option<WrPosting>,
 }
 
+/// `struct ibv_srq` and its shared receive queue.
+pub(crate) type Srq = Object<ibv_srq, SharedReceiveQueue>;
+
 /// Completion events handed to the application and acknowledged by it
 /// (`ibv_destroy_cq` waits until they match).
 #[derive(Default)]
@@ -142,11 +146,12 @@ pub(crate) struct Cq {
     pub(crate) current: std::cell::Cell<ibv_wc>,
 }
 
-/// `struct ibv_ah`: an address handle is a local record of its attributes.
+/// `struct ibv_ah`, its attributes and the device's address handle.
 #[repr(C)]
 pub(crate) struct Ah {
     pub(crate) ibv: ibv_ah,
     pub(crate) attr: ibv_ah_attr,
+    pub(crate) inner: Option<AddressHandle>,
 }
 
 /// `struct ibv_comp_channel` and its event queue.

@@ -24,7 +24,7 @@ use std::ffi::{c_int, c_void};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use vrdma_guest_driver::vrdma_spec::verbs::SendOpcode;
-use vrdma_guest_driver::{SendBatch, SendPayload, SendWr, Sge};
+use vrdma_guest_driver::{SendBatch, SendPayload, SendWr, Sge, UdDest};
 
 use crate::abi::{
     __be32, ibv_ah, ibv_context, ibv_data_buf, ibv_mw, ibv_mw_bind_info, ibv_qp, ibv_qp_ex,
@@ -38,7 +38,7 @@ use crate::abi::{
 use crate::control::create_qp;
 use crate::datapath::{convert_sges, gather_inline, wire_send_flags, MAX_INLINE, MAX_SGES};
 use crate::ffi::{guard, non_null, ptr_verb, unsupported, VResult};
-use crate::objects::{Qp, Wrapper};
+use crate::objects::{Ah, Qp, Wrapper};
 
 /// The `send_ops_flags` an RC QP of vrdma can post.
 const SUPPORTED_SEND_OPS: u64 = (IBV_QP_EX_WITH_RDMA_WRITE
@@ -486,9 +486,42 @@ refused! {
     wr_send_tso(hdr: *mut c_void, hdr_sz: u16, mss: u16), "TSO sends";
     wr_set_xrc_srqn(srqn: u32), "XRC sends";
     wr_atomic_write(rkey: u32, addr: u64, data: *const c_void), "atomic writes";
-    // UD addressing: vrdma's extended QPs are RC here (a UD QP's address
-    // would go into the pending SendWr when the device has UD QPs).
-    wr_set_ud_addr(ah: *mut ibv_ah, remote_qpn: u32, remote_qkey: u32), "UD addresses";
+}
+
+/// `qp->wr_set_ud_addr`: the pending work request's UD destination (its
+/// AH, remote QPN and Q_Key), as `wr.ud` of `ibv_post_send`.
+///
+/// # Safety
+///
+/// `qp` is a live extended QP between `wr_start` and `wr_complete`; `ah`
+/// is NULL or a live address handle.
+unsafe extern "C" fn wr_set_ud_addr(
+    qp: *mut ibv_qp_ex,
+    ah: *mut ibv_ah,
+    remote_qpn: u32,
+    remote_qkey: u32,
+) {
+    // SAFETY: the caller's promise.
+    let Some((_, wr)) = (unsafe { posting(qp) }) else {
+        return;
+    };
+    let Some(s) = wr.owned() else {
+        return;
+    };
+    // SAFETY: the application's AH is live (the verbs contract); NULL is
+    // refused.
+    let dest = unsafe { Ah::from_raw(ah) }
+        .and_then(|a| a.inner.as_ref().ok_or(libc::EINVAL))
+        .map(|a| UdDest {
+            ah: a.ahn(),
+            remote_qpn,
+            remote_qkey,
+        });
+    match (s.pending.take(), dest) {
+        (Some(pending), Ok(dest)) => s.pending = Some(pending.to_ud(dest)),
+        (None, _) => s.fail(libc::EINVAL),
+        (_, Err(errno)) => s.fail(errno),
+    }
 }
 
 /// `qp->wr_set_sge`.

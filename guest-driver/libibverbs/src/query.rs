@@ -15,8 +15,6 @@ use crate::context::Ctx;
 use crate::ffi::{errno_of, guard, int_verb, minus_one_verb, non_null, write_c_str, VResult};
 use crate::objects::c_int_of;
 
-/// Address handles one context may hold (they are local records).
-pub(crate) const MAX_AH: u32 = 65536;
 /// The only P_Key: the default, full membership.
 const DEFAULT_PKEY: u16 = 0xffff;
 /// Size of the IBVERBS_1.1 `struct ibv_port_attr` (`_compat_ibv_port_attr`).
@@ -47,7 +45,7 @@ pub(crate) fn device_attr(d: &DeviceAttr) -> ibv_device_attr {
         max_res_rd_atom: c_int_of(d.max_qp_rd_atom.get().saturating_mul(d.max_qp.get())),
         max_qp_init_rd_atom: c_int_of(d.max_qp_init_rd_atom.get()),
         atomic_cap: d.atomic_cap.get(),
-        max_ah: c_int_of(MAX_AH),
+        max_ah: c_int_of(d.max_ah.get()),
         max_srq: c_int_of(d.max_srq.get()),
         max_srq_wr: c_int_of(d.max_srq_wr.get()),
         max_srq_sge: c_int_of(d.max_srq_sge.get()),

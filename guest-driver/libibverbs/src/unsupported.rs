@@ -15,11 +15,10 @@ use std::ffi::{c_int, c_void};
 use crate::abi::{
     ibv_alloc_dm_attr, ibv_context, ibv_counters, ibv_counters_init_attr, ibv_dm, ibv_ece,
     ibv_flow, ibv_flow_attr, ibv_gid, ibv_mr, ibv_mw, ibv_mw_bind, ibv_mw_type,
-    ibv_parent_domain_init_attr, ibv_pd, ibv_qp, ibv_qp_open_attr, ibv_recv_wr, ibv_rwq_ind_table,
-    ibv_rwq_ind_table_init_attr, ibv_srq, ibv_srq_attr, ibv_srq_init_attr, ibv_srq_init_attr_ex,
-    ibv_td, ibv_td_init_attr, ibv_wq, ibv_wq_init_attr, ibv_xrcd, ibv_xrcd_init_attr,
+    ibv_parent_domain_init_attr, ibv_pd, ibv_qp, ibv_qp_open_attr, ibv_rwq_ind_table,
+    ibv_rwq_ind_table_init_attr, ibv_srq, ibv_srq_init_attr_ex, ibv_td, ibv_td_init_attr, ibv_wq,
+    ibv_wq_init_attr, ibv_xrcd, ibv_xrcd_init_attr,
 };
-use crate::datapath::fail_at;
 use crate::ffi::{int_verb, ptr_verb, set_errno, unsupported};
 
 /// Defines context-op refusals that return NULL with `errno = EOPNOTSUPP`.
@@ -54,7 +53,7 @@ macro_rules! refuse_int {
 refuse_ptr! {
     pub(crate) alloc_mw(pd: *mut ibv_pd, kind: ibv_mw_type) -> ibv_mw, "memory windows (ibv_alloc_mw)";
     pub(crate) open_xrcd(context: *mut ibv_context, attr: *mut ibv_xrcd_init_attr) -> ibv_xrcd, "XRC domains (ibv_open_xrcd)";
-    pub(crate) create_srq_ex(context: *mut ibv_context, attr: *mut ibv_srq_init_attr_ex) -> ibv_srq, "SRQs (ibv_create_srq_ex)";
+    pub(crate) create_srq_ex(context: *mut ibv_context, attr: *mut ibv_srq_init_attr_ex) -> ibv_srq, "XRC and tag-matching SRQs (ibv_create_srq_ex)";
     pub(crate) open_qp(context: *mut ibv_context, attr: *mut ibv_qp_open_attr) -> ibv_qp, "XRC target QPs (ibv_open_qp)";
     pub(crate) create_wq(context: *mut ibv_context, attr: *mut ibv_wq_init_attr) -> ibv_wq, "work queues (ibv_create_wq)";
     pub(crate) alloc_dm(context: *mut ibv_context, attr: *mut ibv_alloc_dm_attr) -> ibv_dm, "device memory (ibv_alloc_dm)";
@@ -75,42 +74,11 @@ refuse_int! {
     pub(crate) bind_mw(qp: *mut ibv_qp, mw: *mut ibv_mw, bind: *mut ibv_mw_bind), "memory windows (ibv_bind_mw)";
     pub(crate) dealloc_mw(mw: *mut ibv_mw), "memory windows (ibv_dealloc_mw)";
     pub(crate) close_xrcd(xrcd: *mut ibv_xrcd), "XRC domains (ibv_close_xrcd)";
-    pub ibv_destroy_srq(srq: *mut ibv_srq), "SRQs (ibv_destroy_srq)";
-    pub ibv_modify_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr, mask: c_int), "SRQs (ibv_modify_srq)";
-    pub ibv_query_srq(srq: *mut ibv_srq, attr: *mut ibv_srq_attr), "SRQs (ibv_query_srq)";
     pub ibv_attach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16), "multicast (ibv_attach_mcast)";
     pub ibv_detach_mcast(qp: *mut ibv_qp, gid: *const ibv_gid, lid: u16), "multicast (ibv_detach_mcast)";
     pub ibv_query_ece(qp: *mut ibv_qp, ece: *mut ibv_ece), "ECE (ibv_query_ece)";
     pub ibv_set_ece(qp: *mut ibv_qp, ece: *mut ibv_ece), "ECE (ibv_set_ece)";
     pub ibv_resolve_eth_l2_from_gid(context: *mut ibv_context, attr: *mut c_void, mac: *mut u8, vid: *mut u16), "Ethernet L2 resolution (ibv_resolve_eth_l2_from_gid)";
-}
-
-/// `ibv_create_srq`: vrdma has no SRQs (`max_srq` is 0).
-///
-/// # Safety
-///
-/// Any arguments: none is dereferenced.
-pub unsafe extern "C" fn ibv_create_srq(
-    _pd: *mut ibv_pd,
-    _attr: *mut ibv_srq_init_attr,
-) -> *mut ibv_srq {
-    ptr_verb("ibv_create_srq", || {
-        Err(unsupported("SRQs (ibv_create_srq)"))
-    })
-}
-
-/// `ops.post_srq_recv`: vrdma has no SRQs, so no SRQ can reach this;
-/// `EOPNOTSUPP` at the first work request.
-///
-/// # Safety
-///
-/// `bad_wr` is NULL or writable.
-pub(crate) unsafe extern "C" fn post_srq_recv(
-    _srq: *mut ibv_srq,
-    wr: *mut ibv_recv_wr,
-    bad_wr: *mut *mut ibv_recv_wr,
-) -> c_int {
-    fail_at(bad_wr, wr, unsupported("ibv_post_srq_recv"))
 }
 
 /// Defines the `ibv_unimport_*` calls: nothing can have been imported

@@ -11,12 +11,13 @@ use std::sync::Arc;
 
 use vrdma_spec::limits::{MAX_INLINE_DATA, MAX_SGE};
 use vrdma_spec::ring::doorbell::{self, Bit};
+pub use vrdma_spec::ring::UdDest;
 use vrdma_spec::ring::{
     self as spec, send_flags, wc_flags, Cqe, RecvWqe, SendWqe, WorkRingGeometry, CQE_SIZE,
     DEVICE_FLAGS_OFFSET, DEVICE_FLAG_ERROR, DEVICE_INDEX_OFFSET, DRIVER_ARM_OFFSET,
     DRIVER_INDEX_OFFSET, RING_ALIGN, RING_HEADER_SIZE, SGE_SIZE,
 };
-use vrdma_spec::verbs::{SendOpcode, WcOpcode, WcStatus};
+use vrdma_spec::verbs::{QpType, SendOpcode, WcOpcode, WcStatus};
 use zerocopy::IntoBytes;
 
 use crate::dma::DmaBuf;
@@ -71,6 +72,18 @@ impl<'a> SendWr<'a> {
             rkey: 0,
             compare_add: 0,
             swap: 0,
+        }
+    }
+
+    /// The same, sent on a UD QP to `dest` (its AH, remote QPN and Q_Key
+    /// travel in the WQE's `rkey` and `remote_addr`, device spec §6.3).
+    pub fn to_ud(self, dest: UdDest) -> Self {
+        let mut wqe = SendWqe::default();
+        dest.write(&mut wqe);
+        Self {
+            rkey: wqe.rkey.get(),
+            remote_addr: wqe.remote_addr.get(),
+            ..self
         }
     }
 }
@@ -284,6 +297,8 @@ pub(crate) struct SendRing {
     pub(crate) doorbell: Doorbell,
     max_sge: u32,
     max_inline: u32,
+    /// Its QP's type: what opcodes it may post.
+    qp_type: QpType,
 }
 
 impl SendRing {
@@ -296,11 +311,32 @@ impl SendRing {
             doorbell,
             max_sge: max_sge.min(MAX_SGE),
             max_inline: max_inline.min(MAX_INLINE_DATA),
+            qp_type: QpType::Rc,
         }
+    }
+
+    /// The same for a QP of type `qp_type`.
+    pub(crate) fn of_type(self, qp_type: QpType) -> Self {
+        Self { qp_type, ..self }
     }
 
     /// Writes one WQE into the next slot (unpublished).
     pub(crate) fn push(&mut self, wr: &SendWr<'_>) -> Result<(), Error> {
+        use SendOpcode as Op;
+        let allowed = match self.qp_type {
+            QpType::Rc => true,
+            // No READ or atomics without a reliable connection.
+            QpType::Uc => matches!(
+                wr.opcode,
+                Op::Send | Op::SendWithImm | Op::RdmaWrite | Op::RdmaWriteWithImm
+            ),
+            QpType::Ud => matches!(wr.opcode, Op::Send | Op::SendWithImm),
+        };
+        if !allowed {
+            return Err(Error::InvalidArgument(
+                "opcode not available on this QP type",
+            ));
+        }
         let stride = self.ring.geometry.stride as usize;
         let fixed = core::mem::size_of::<SendWqe>();
         let mut wqe = SendWqe {
@@ -358,24 +394,42 @@ impl SendRing {
 #[derive(Debug)]
 pub(crate) struct RecvRing {
     pub(crate) ring: WorkRing,
-    /// The QP's doorbell.
-    pub(crate) doorbell: Doorbell,
+    /// The QP's doorbell; none for an SRQ's ring (the device reads it when
+    /// a message arrives, so a post needs no doorbell).
+    pub(crate) doorbell: Option<Doorbell>,
     max_sge: u32,
+    /// A QP attached to an SRQ: nothing may be posted here (EINVAL, as
+    /// rdma-core's providers answer).
+    shared: bool,
 }
 
 impl RecvRing {
     /// A receive ring on which at most `max_sge` SGEs may be posted (never
     /// more than the format carries).
-    pub(crate) fn new(ring: WorkRing, doorbell: Doorbell, max_sge: u32) -> Self {
+    pub(crate) fn new(ring: WorkRing, doorbell: Option<Doorbell>, max_sge: u32) -> Self {
         Self {
             ring,
             doorbell,
             max_sge: max_sge.min(MAX_SGE),
+            shared: false,
+        }
+    }
+
+    /// The unused ring of a QP whose receives come from an SRQ.
+    pub(crate) fn of_srq_qp(ring: WorkRing) -> Self {
+        Self {
+            shared: true,
+            ..Self::new(ring, None, 0)
         }
     }
 
     /// Writes one WQE into the next slot (unpublished).
     pub(crate) fn push(&mut self, wr: &RecvWr<'_>) -> Result<(), Error> {
+        if self.shared {
+            return Err(Error::InvalidArgument(
+                "the QP takes its receives from an SRQ (ibv_post_srq_recv)",
+            ));
+        }
         let fixed = core::mem::size_of::<RecvWqe>();
         let stride = self.ring.geometry.stride as usize;
         if to_u32(wr.sg_list.len()) > self.max_sge || fixed + wr.sg_list.len() * SGE_SIZE > stride {

@@ -168,7 +168,11 @@ fn a_device_granting_beyond_the_format_is_held_to_it() {
         SendOpcode::Send,
         SendPayload::Inline(&data),
     )));
-    let mut rq = RecvRing::new(work_ring(rq_geometry(1, MAX_SGE).unwrap()), bit(), 1000);
+    let mut rq = RecvRing::new(
+        work_ring(rq_geometry(1, MAX_SGE).unwrap()),
+        Some(bit()),
+        1000,
+    );
     assert_einval(rq.push(&RecvWr {
         wr_id: 1,
         sg_list: &sges,
@@ -236,7 +240,7 @@ fn publish_reports_new_entries_once() {
 #[test]
 fn recv_wqe_bytes() {
     let geo = rq_geometry(2, 3).unwrap();
-    let mut rq = RecvRing::new(work_ring(geo), bit(), 3);
+    let mut rq = RecvRing::new(work_ring(geo), Some(bit()), 3);
     let sges = [
         Sge {
             addr: 0x10,
@@ -479,4 +483,72 @@ mod doorbell_page {
         flags.store(0x8000_0000u32.to_le(), Ordering::SeqCst);
         assert!(!page.ring(&bit));
     }
+}
+
+#[test]
+fn each_qp_type_posts_only_what_it_can_carry() {
+    use SendOpcode::*;
+    let sge = [Sge {
+        addr: 1,
+        length: 8,
+        lkey: 1,
+    }];
+    let geo = sq_geometry(16, 1, 0).unwrap();
+    let allowed = |qp_type: QpType, opcode: SendOpcode| {
+        let mut sq = SendRing::new(work_ring(geo), bit(), 1, 0).of_type(qp_type);
+        let dest = UdDest {
+            ah: 3,
+            remote_qpn: 0x12_3456,
+            remote_qkey: 0x8000_0001,
+        };
+        let wr = SendWr::new(1, opcode, SendPayload::Sges(&sge)).to_ud(dest);
+        match sq.push(&wr) {
+            Ok(()) => {
+                // The UD destination is where the device reads it.
+                let wqe =
+                    SendWqe::read_from_bytes(&read(&sq.ring.mem, RING_HEADER_SIZE, 48)).unwrap();
+                assert_eq!(UdDest::of(&wqe), dest);
+                true
+            }
+            Err(e) => {
+                assert_eq!(e.errno(), libc::EINVAL);
+                false
+            }
+        }
+    };
+    for op in [Send, SendWithImm, RdmaWrite, RdmaWriteWithImm, RdmaRead] {
+        assert!(allowed(QpType::Rc, op), "RC {op:?}");
+    }
+    for op in [Send, SendWithImm, RdmaWrite, RdmaWriteWithImm] {
+        assert!(allowed(QpType::Uc, op), "UC {op:?}");
+    }
+    for op in [RdmaRead, AtomicCmpAndSwp, AtomicFetchAndAdd] {
+        assert!(!allowed(QpType::Uc, op), "UC {op:?}");
+    }
+    for op in [Send, SendWithImm] {
+        assert!(allowed(QpType::Ud, op), "UD {op:?}");
+    }
+    for op in [RdmaWrite, RdmaWriteWithImm, RdmaRead, AtomicFetchAndAdd] {
+        assert!(!allowed(QpType::Ud, op), "UD {op:?}");
+    }
+}
+
+#[test]
+fn a_qp_on_an_srq_refuses_receives_and_an_srq_needs_no_doorbell() {
+    let geo = rq_geometry(4, 1).unwrap();
+    let sge = [Sge {
+        addr: 1,
+        length: 8,
+        lkey: 1,
+    }];
+    let wr = RecvWr {
+        wr_id: 1,
+        sg_list: &sge,
+    };
+    let mut shared = RecvRing::of_srq_qp(work_ring(geo));
+    assert_eq!(shared.push(&wr).unwrap_err().errno(), libc::EINVAL);
+    let mut srq = RecvRing::new(work_ring(geo), None, 1);
+    srq.push(&wr).unwrap();
+    assert!(srq.doorbell.is_none());
+    assert!(srq.ring.publish());
 }

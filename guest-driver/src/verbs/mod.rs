@@ -33,9 +33,13 @@ use crate::transport::{
     PciDevice, Transport, TransportError, VhostUserTransport, VirtioPciTransport,
 };
 
+mod ah;
 mod qp;
+mod srq;
 
+pub use ah::AddressHandle;
 pub use qp::{QpCapabilities, QpInitAttr, QueuePair, RecvBatch, SendBatch};
+pub use srq::SharedReceiveQueue;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // Ring state is consistent between operations: recover from poisoning.

@@ -16,6 +16,7 @@ use vrdma_spec::ring::{rq_geometry, sq_geometry};
 use vrdma_spec::verbs::QpType;
 use zerocopy::IntoBytes;
 
+use super::srq::{SharedReceiveQueue, SrqInner};
 use super::{lock, CompletionQueue, CqInner, PdInner, ProtectionDomain};
 use crate::device::Device;
 use crate::error::{DestroyError, Error, PostError, Result};
@@ -25,7 +26,18 @@ impl ProtectionDomain {
     /// `ibv_create_qp`: rings sized from `init.cap` exactly as the device
     /// computes them ([`vrdma_spec::ring::sq_geometry`]/`rq_geometry`).
     pub fn create_qp(&self, init: &QpInitAttr<'_>) -> Result<QueuePair> {
-        let cap = init.cap;
+        let mut cap = init.cap;
+        if let Some(srq) = init.srq {
+            if !Arc::ptr_eq(&srq.inner.pd.dev, &self.inner.dev) {
+                return Err(Error::InvalidArgument(
+                    "shared receive queue belongs to another device",
+                ));
+            }
+            // Its receives are the SRQ's: its own receive ring is the
+            // smallest there is and never posted on.
+            cap.max_recv_wr = 0;
+            cap.max_recv_sge = 0;
+        }
         // CQ numbers are per device: a CQ of another device would silently
         // name an unrelated CQ of this one.
         for cq in [init.send_cq, init.recv_cq] {
@@ -48,7 +60,7 @@ impl ProtectionDomain {
             pdn: self.inner.handle.wire.pdn,
             send_cqn: init.send_cq.inner.handle.wire.cqn,
             recv_cqn: init.recv_cq.inner.handle.wire.cqn,
-            srqn: NO_SRQ.into(),
+            srqn: init.srq.map_or(NO_SRQ, SharedReceiveQueue::srqn).into(),
             qp_type: init.qp_type.into(),
             sq_sig_all: init.sq_sig_all.into(),
             cap: cap.into(),
@@ -80,12 +92,19 @@ impl ProtectionDomain {
             doorbell.clone(),
             granted.max_send_sge,
             granted.max_inline_data,
-        );
-        let rq = RecvRing::new(rq, doorbell, granted.max_recv_sge);
+        )
+        .of_type(init.qp_type);
+        let rq = match init.srq {
+            Some(_) => RecvRing::of_srq_qp(rq),
+            None => RecvRing::new(rq, Some(doorbell), granted.max_recv_sge),
+        };
         Ok(QueuePair {
             pd: Arc::clone(&self.inner),
-            send_cq: Arc::clone(&init.send_cq.inner),
-            recv_cq: Arc::clone(&init.recv_cq.inner),
+            parents: Arc::new(Parents {
+                send_cq: Arc::clone(&init.send_cq.inner),
+                recv_cq: Arc::clone(&init.recv_cq.inner),
+                srq: init.srq.map(|s| Arc::clone(&s.inner)),
+            }),
             qpn,
             cap: granted,
             sq: Arc::new(Mutex::new(sq)),
@@ -138,19 +157,30 @@ pub struct QpInitAttr<'a> {
     pub qp_type: QpType,
     /// Every send WQE completes with a CQE, signaled or not.
     pub sq_sig_all: bool,
+    /// The SRQ its receives come from (`cap`'s receive capacities are
+    /// then ignored).
+    pub srq: Option<&'a SharedReceiveQueue>,
 }
 
 /// A queue pair (`struct ibv_qp`).
 #[derive(Debug)]
 pub struct QueuePair {
     pd: Arc<PdInner>,
-    send_cq: Arc<CqInner>,
-    recv_cq: Arc<CqInner>,
+    parents: Arc<Parents>,
     qpn: u32,
     cap: QpCapabilities,
     sq: Arc<Mutex<SendRing>>,
     rq: Arc<Mutex<RecvRing>>,
     live: bool,
+}
+
+/// The objects a QP uses besides its PD, held so that they outlive it: its
+/// CQs and the SRQ it takes its receives from.
+#[derive(Debug)]
+struct Parents {
+    send_cq: Arc<CqInner>,
+    recv_cq: Arc<CqInner>,
+    srq: Option<Arc<SrqInner>>,
 }
 
 /// Sends `DESTROY_QP` for `qpn`; when that fails the device may still use
@@ -171,20 +201,21 @@ fn destroy(dev: &Device, qpn: u32) -> Result<()> {
 }
 
 /// A QP's send or receive ring, as a batch posts on it.
-trait PostRing {
-    /// The work ring a batch writes and the doorbell it rings.
-    fn parts(&mut self) -> (&mut WorkRing, &Doorbell);
+pub(super) trait PostRing {
+    /// The work ring a batch writes and the doorbell it rings (an SRQ's
+    /// has none).
+    fn parts(&mut self) -> (&mut WorkRing, Option<&Doorbell>);
 }
 
 impl PostRing for SendRing {
-    fn parts(&mut self) -> (&mut WorkRing, &Doorbell) {
-        (&mut self.ring, &self.doorbell)
+    fn parts(&mut self) -> (&mut WorkRing, Option<&Doorbell>) {
+        (&mut self.ring, Some(&self.doorbell))
     }
 }
 
 impl PostRing for RecvRing {
-    fn parts(&mut self) -> (&mut WorkRing, &Doorbell) {
-        (&mut self.ring, &self.doorbell)
+    fn parts(&mut self) -> (&mut WorkRing, Option<&Doorbell>) {
+        (&mut self.ring, self.doorbell.as_ref())
     }
 }
 
@@ -192,15 +223,15 @@ impl PostRing for RecvRing {
 /// dropped, everything written published and the doorbell rung once (the
 /// doorbell queue kicked only if the device sleeps).
 #[derive(Debug)]
-struct Batch<'q, R: PostRing> {
-    ring: MutexGuard<'q, R>,
-    dev: &'q Device,
+pub(super) struct Batch<'q, R: PostRing> {
+    pub(super) ring: MutexGuard<'q, R>,
+    pub(super) dev: &'q Device,
 }
 
 impl<R: PostRing> Drop for Batch<'_, R> {
     fn drop(&mut self) {
         let (ring, doorbell) = self.ring.parts();
-        if ring.publish() && doorbell.ring() {
+        if ring.publish() && doorbell.is_some_and(Doorbell::ring) {
             self.dev.kick_doorbell();
         }
     }
@@ -208,7 +239,10 @@ impl<R: PostRing> Drop for Batch<'_, R> {
 
 /// Pushes `wrs` in order up to the first that fails, whose index is the
 /// error's `bad_wr`.
-fn push_all<W>(wrs: &[W], mut push: impl FnMut(&W) -> Result<()>) -> Result<(), PostError> {
+pub(super) fn push_all<W>(
+    wrs: &[W],
+    mut push: impl FnMut(&W) -> Result<()>,
+) -> Result<(), PostError> {
     for (bad_wr, wr) in wrs.iter().enumerate() {
         push(wr).map_err(|error| PostError { bad_wr, error })?;
     }
@@ -240,7 +274,7 @@ impl SendBatch<'_> {
 
 /// Receive work requests being posted, like [`SendBatch`].
 #[derive(Debug)]
-pub struct RecvBatch<'q>(Batch<'q, RecvRing>);
+pub struct RecvBatch<'q>(pub(super) Batch<'q, RecvRing>);
 
 impl RecvBatch<'_> {
     /// Writes `wr` into the next slot (errors as [`SendBatch::push`]).
@@ -260,9 +294,14 @@ impl QueuePair {
         self.cap
     }
 
+    /// The number of the SRQ its receives come from, if any.
+    pub fn srqn(&self) -> Option<u32> {
+        self.parents.srq.as_ref().map(|s| s.srqn())
+    }
+
     /// The send and receive CQs' numbers.
     pub fn cq_nums(&self) -> (u32, u32) {
-        (self.send_cq.cqn(), self.recv_cq.cqn())
+        (self.parents.send_cq.cqn(), self.parents.recv_cq.cqn())
     }
 
     /// Starts posting on the send queue (see [`SendBatch`]).
@@ -434,6 +473,7 @@ mod tests {
             cap: caps(wr),
             qp_type: QpType::Rc,
             sq_sig_all: true,
+            srq: None,
         }
     }
 

@@ -12,7 +12,7 @@ use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::messages::{MrRegistration, QpModify, QpSetup};
 use vrdma_spec::limits::{MAX_QPS, MAX_RING_DEPTH, MAX_WQE_STRIDE};
 use vrdma_spec::ring::{CQE_SIZE, EVENT_SIZE};
-use vrdma_spec::verbs::{access, QpState};
+use vrdma_spec::verbs::{access, QpState, QpType};
 use vrdma_tenant_policy::TenantPolicy;
 
 use super::guest::{Cq, DoorbellPage, EventRing, GuestRing, SharedMapping};
@@ -62,6 +62,9 @@ impl Engine {
             cqs: Slab::default(),
             cq_by_num: HashMap::new(),
             qps: HashMap::new(),
+            srqs: Slab::default(),
+            srq_by_num: HashMap::new(),
+            ahs: HashMap::new(),
             qp_by_db: Vec::new(),
             pqps: (pqps.iter())
                 .map(|&number| Pqp {
@@ -119,6 +122,9 @@ impl Engine {
         if let Some(dev) = self.devices.get_mut(&id) {
             dev.cqs = Slab::default();
             dev.cq_by_num.clear();
+            dev.srqs = Slab::default();
+            dev.srq_by_num.clear();
+            dev.ahs.clear();
             dev.eqs.clear();
             if dev.doorbell.take().is_some() {
                 self.generation += 1;
@@ -126,7 +132,7 @@ impl Engine {
         }
     }
 
-    fn device_mut(&mut self, id: DeviceId) -> Result<&mut Device, EngineError> {
+    pub(super) fn device_mut(&mut self, id: DeviceId) -> Result<&mut Device, EngineError> {
         self.devices.get_mut(&id).ok_or(EngineError::UnknownDevice)
     }
 
@@ -150,6 +156,9 @@ impl Engine {
         dev.mem.remove(slot)?;
         for (_, cq) in dev.cqs.iter_mut() {
             cq.lost |= cq.slot() == slot;
+        }
+        for (_, srq) in dev.srqs.iter_mut() {
+            srq.lost |= srq.ring.slot() == slot;
         }
         for eq in dev.eqs.iter_mut().flatten() {
             eq.lost |= eq.slot() == slot;
@@ -306,6 +315,7 @@ impl Engine {
         if s.vqpn > 0x00ff_ffff {
             return Err(EngineError::Invalid("QP number exceeds 24 bits"));
         }
+        let qp_type = QpType::try_from(s.qp_type).map_err(|_| EngineError::Invalid("QP type"))?;
         if dev.qps.contains_key(&s.vqpn) {
             return Err(EngineError::QpExists(s.vqpn));
         }
@@ -326,6 +336,15 @@ impl Engine {
                 .ok_or(EngineError::UnknownCq(num))
         };
         let (send_cq, recv_cq) = (cq(s.send_cqn)?, cq(s.recv_cqn)?);
+        let srq = match s.srqn {
+            Some(n) => Some(
+                dev.srq_by_num
+                    .get(&n)
+                    .copied()
+                    .ok_or(EngineError::UnknownSrq(n))?,
+            ),
+            None => None,
+        };
         let ring = |r: &vrdma_hostd_protocol::messages::WorkRing| {
             if !(MIN_WQE_STRIDE..=MAX_WQE_STRIDE).contains(&r.stride) {
                 return Err(EngineError::Invalid("work ring stride"));
@@ -341,6 +360,8 @@ impl Engine {
             dev: di,
             gid,
             vqpn: s.vqpn,
+            qp_type,
+            qkey: 0,
             serial,
             pd: s.pd,
             pqp,
@@ -374,6 +395,7 @@ impl Engine {
             rq_head: Box::default(),
             has_rq_head: false,
             rq_taken: 0,
+            srq,
             peer: None,
             issued: 0,
             remote: None,
@@ -382,6 +404,9 @@ impl Engine {
             if let Some(cq) = dev.cqs.get_mut(index) {
                 cq.users += 1;
             }
+        }
+        if let Some(s) = srq.and_then(|i| dev.srqs.get_mut(i)) {
+            s.users += 1;
         }
         let qref = self.qps.insert(qp);
         let dev = self.device_mut(id)?;
@@ -438,6 +463,21 @@ impl Engine {
             .ok_or(EngineError::UnknownQp(m.vqpn))?;
         if qp.state == QpState::Err && !matches!(to, QpState::Reset | QpState::Err) {
             return Err(EngineError::Invalid("the QP is in the error state"));
+        }
+        match (qp.qp_type, &m.connection) {
+            (QpType::Ud, Some(_)) => return Err(EngineError::Invalid("a UD QP has no connection")),
+            // UC runs between devices of this host only, for now: its
+            // wire transport (no ACKs, PSN sequence only) is not built.
+            (QpType::Uc, Some(c)) if !self.gids.contains_key(&c.dgid) => {
+                return Err(EngineError::Unsupported("UC towards another host"))
+            }
+            _ => {}
+        }
+        let Some(qp) = self.qps.get_mut(qref) else {
+            return Err(EngineError::UnknownQp(m.vqpn));
+        };
+        if let Some(qkey) = m.qkey {
+            qp.qkey = qkey;
         }
         if let Some(c) = m.connection {
             qp.conn = Some(c);
@@ -549,6 +589,9 @@ impl Engine {
                 if let Some(cq) = dev.cqs.get_mut(index) {
                     cq.users = cq.users.saturating_sub(1);
                 }
+            }
+            if let Some(s) = qp.srq.and_then(|i| dev.srqs.get_mut(i)) {
+                s.users = s.users.saturating_sub(1);
             }
         }
         self.accounts.qp(id, vqpn, false);

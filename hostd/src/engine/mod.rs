@@ -32,8 +32,10 @@ mod control;
 pub mod guest;
 pub mod keys;
 mod rc;
+mod srq;
 #[cfg(any(test, feature = "test-support"))]
 pub mod testing;
+pub mod ud;
 pub mod wire;
 pub mod wqe;
 
@@ -96,14 +98,20 @@ pub enum EngineError {
     QpExists(u32),
     #[error("Unknown CQ {0}")]
     UnknownCq(u32),
+    #[error("Unknown SRQ {0}")]
+    UnknownSrq(u32),
     #[error("The {0} already exists")]
     Exists(&'static str),
     #[error("CQ {cqn} is used by {users} QPs")]
     CqBusy { cqn: u32, users: u32 },
+    #[error("The {0} is used by {1} QPs")]
+    Busy(&'static str, u32),
     #[error("Invalid argument: {0}")]
     Invalid(&'static str),
     #[error("Too many {0}")]
     Limit(&'static str),
+    #[error("Not supported: {0}")]
+    Unsupported(&'static str),
 }
 
 impl EngineError {
@@ -114,13 +122,15 @@ impl EngineError {
             | EngineError::UnknownSlot(_)
             | EngineError::UnknownKey(_)
             | EngineError::UnknownQp(_)
-            | EngineError::UnknownCq(_) => libc::ENOENT,
+            | EngineError::UnknownCq(_)
+            | EngineError::UnknownSrq(_) => libc::ENOENT,
             EngineError::SlotExists(_) | EngineError::QpExists(_) | EngineError::Exists(_) => {
                 libc::EEXIST
             }
-            EngineError::CqBusy { .. } => libc::EBUSY,
+            EngineError::CqBusy { .. } | EngineError::Busy(..) => libc::EBUSY,
             EngineError::Invalid(_) => libc::EINVAL,
             EngineError::Limit(_) => libc::ENOSPC,
+            EngineError::Unsupported(_) => libc::EOPNOTSUPP,
         }
     }
 }
@@ -161,6 +171,11 @@ pub struct Device {
     cq_by_num: HashMap<u32, usize>,
     /// QPs by number (likewise).
     qps: HashMap<u32, QpRef>,
+    srqs: Slab<srq::Srq>,
+    /// SRQs by number (likewise).
+    srq_by_num: HashMap<u32, usize>,
+    /// Address handles by number (likewise).
+    ahs: HashMap<u32, ud::Ah>,
     /// QPs by doorbell index.
     qp_by_db: Vec<Option<QpRef>>,
     pqps: Vec<Pqp>,
@@ -274,6 +289,8 @@ pub struct Engine {
     rung: Vec<u32>,
     /// The network, for QPs connected to other hosts.
     wire: Option<Box<wire::Wire>>,
+    /// The port's active MTU in bytes: the largest UD message.
+    port_mtu: u32,
 }
 
 impl std::fmt::Debug for Engine {
@@ -303,10 +320,16 @@ impl Engine {
             spare: Some(Box::default()),
             rung: Vec::new(),
             wire: None,
+            port_mtu: 4096,
         }
     }
 
     /// The tenants' counters and usage.
+    /// Sets the port's active MTU (bytes): the largest UD message.
+    pub fn set_port_mtu(&mut self, mtu: u32) {
+        self.port_mtu = mtu;
+    }
+
     pub fn accounts(&self) -> &Accounts {
         &self.accounts
     }
@@ -317,6 +340,11 @@ impl Engine {
         &self,
     ) -> std::collections::BTreeMap<String, crate::stats::TenantAccount> {
         (self.accounts).snapshot_with(self.devices.values().map(|d| (d.id, &d.counters)))
+    }
+
+    /// What device `id`'s completions and arriving messages came to.
+    pub fn device_counters(&self, id: DeviceId) -> Option<&CompletionCounts> {
+        self.devices.get(&id).map(|d| &d.counters)
     }
 
     /// The tenants' counters and usage, for control requests.
@@ -776,11 +804,14 @@ impl Engine {
         let Some(qp) = self.qps.get_mut(qref) else {
             return;
         };
-        qp.rq_done = qp.rq_done.wrapping_add(1);
         qp.rq_taken += 1;
         qp.has_rq_head = false;
-        if !qp.lost {
-            qp.rq.set_device_index(qp.rq_done);
+        // A receive of an SRQ freed its slot when it was taken.
+        if qp.srq.is_none() {
+            qp.rq_done = qp.rq_done.wrapping_add(1);
+            if !qp.lost {
+                qp.rq.set_device_index(qp.rq_done);
+            }
         }
         let (di, cq, lost) = (qp.dev, qp.recv_cq, qp.lost);
         let Some(dev) = self.devices.at_mut(di) else {
@@ -805,7 +836,7 @@ impl Engine {
         qp.wait = None;
         qp.waiting = false;
         qp.queued = false;
-        let (di, pos, vqpn, lost) = (qp.dev, qp.pqp, qp.vqpn, qp.lost);
+        let (di, pos, vqpn, lost, on_srq) = (qp.dev, qp.pqp, qp.vqpn, qp.lost, qp.srq.is_some());
         if !lost {
             qp.sq.set_device_flag(DEVICE_FLAG_ERROR);
             qp.rq.set_device_flag(DEVICE_FLAG_ERROR);
@@ -826,6 +857,12 @@ impl Engine {
             }
             if fatal && first && !lost {
                 guest::post_event(&mut dev.eqs, 0, event_kind::QP_FATAL, vqpn);
+            }
+            // In ERR it takes no more receives from its SRQ: the one it
+            // holds, if any, is flushed next (as the IBA has it, the event
+            // tells the driver the QP may be destroyed without losing any).
+            if on_srq && first && !lost {
+                guest::post_event(&mut dev.eqs, 0, event_kind::QP_LAST_WQE_REACHED, vqpn);
             }
         }
         if let Some(queue) = unstage {
@@ -963,3 +1000,5 @@ pub const RETRY_STEP: Duration = Duration::from_micros(500);
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_unreliable;

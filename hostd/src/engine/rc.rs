@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use vrdma_hostd_protocol::messages::QpConnection;
 use vrdma_spec::ring::{wc_flags, Cqe};
-use vrdma_spec::verbs::{access, QpState, SendOpcode, WcOpcode, WcStatus};
+use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcOpcode, WcStatus};
 
 use super::guest::GuestRing;
 use super::keys::{self, SgeList};
@@ -76,6 +76,9 @@ pub struct Qp {
     /// Its device's GID (the source of what it sends).
     pub gid: Gid,
     pub vqpn: u32,
+    pub qp_type: QpType,
+    /// A UD QP's Q_Key (what arriving messages must name).
+    pub qkey: u32,
     /// Unique over the engine's life: a reference cached elsewhere checks
     /// it to know the slab slot still holds this QP.
     pub serial: u64,
@@ -125,6 +128,9 @@ pub struct Qp {
     pub has_rq_head: bool,
     /// Receives ever taken off the head (a sequence number of the head).
     pub rq_taken: u64,
+    /// Its SRQ's index in its device's SRQ slab: its receives come from
+    /// there, its own receive ring is never read.
+    pub srq: Option<usize>,
     /// The peer QP, as last resolved (its ref and serial).
     pub peer: Option<(QpRef, u64)>,
     /// Send WQEs on the wire and not completed (a remote QP's window):
@@ -182,6 +188,10 @@ impl Qp {
 
     /// Receive WQEs posted and not completed, if the producer index is sane.
     pub fn rq_pending(&self) -> Option<u32> {
+        if self.srq.is_some() {
+            // What is posted is the SRQ's, not this QP's.
+            return Some(0);
+        }
         pending(&self.rq, self.rq_done)
     }
 
@@ -194,7 +204,7 @@ impl Qp {
 
 /// Entries between `done` and the driver's producer index; `None` when the
 /// producer is more than a ring ahead (a broken or hostile driver).
-fn pending(ring: &GuestRing, done: u32) -> Option<u32> {
+pub(super) fn pending(ring: &GuestRing, done: u32) -> Option<u32> {
     let producer = ring.driver_index()?;
     let n = producer.wrapping_sub(done);
     (n <= ring.depth()).then_some(n)
@@ -214,6 +224,8 @@ pub struct CompletionCounts {
     pub bytes: [u64; 5],
     /// Error completions by status code (`ibv_wc_status`).
     pub errors: [u64; 32],
+    /// UD and UC messages dropped on their way to this device's QPs.
+    pub dropped: super::ud::DropCounts,
 }
 
 impl CompletionCounts {
@@ -271,10 +283,26 @@ pub(super) enum Step {
     },
 }
 
-fn done(status: WcStatus) -> Step {
+pub(super) fn done(status: WcStatus) -> Step {
     Step::Complete {
         status,
         fail_responder: None,
+    }
+}
+
+/// What a UC requester makes of a step: it completes when the message is
+/// sent, whatever the responder did, since nothing is acknowledged —
+/// a responder that is missing, has no receive or refuses the message
+/// drops it silently (nothing retried, no responder failed). Local
+/// errors stay errors.
+fn unacknowledged(step: Step) -> Step {
+    match step {
+        Step::Rnr(_) | Step::Dropped => done(WcStatus::Success),
+        Step::Complete {
+            status: WcStatus::RemAccessErr | WcStatus::RemInvReqErr | WcStatus::RemOpErr,
+            ..
+        } => done(WcStatus::Success),
+        other => other,
     }
 }
 
@@ -308,6 +336,7 @@ impl Engine {
         if qp.remote.is_some() {
             return self.issue_remote(qref, now);
         }
+        let ud = qp.qp_type == QpType::Ud;
         // The head is swapped out (not copied: no allocation) so that the
         // step may borrow the engine freely.
         let Some(mut work) = self.spare.take() else {
@@ -318,7 +347,11 @@ impl Engine {
         let rank = self.devices.at(qp.dev).map_or(u8::MAX, |d| d.rank);
         let segmented = self.sched.outranked(rank, now);
         let chunk = if segmented { SEGMENT } else { STEP };
-        let step = self.transfer(qref, &work, offset, chunk);
+        let step = if ud {
+            self.ud_send(qref, &work)
+        } else {
+            self.transfer(qref, &work, offset, chunk)
+        };
         let outcome = self.finish(qref, &work, step, now, segmented);
         if let Some(qp) = self.qps.get_mut(qref) {
             std::mem::swap(&mut work, &mut qp.head);
@@ -336,6 +369,13 @@ impl Engine {
         now: Instant,
         segmented: bool,
     ) -> Outcome {
+        let uc = self.qps.get(qref).is_some_and(|q| q.qp_type == QpType::Uc);
+        let step = if uc {
+            self.count_unacknowledged(qref, &step);
+            unacknowledged(step)
+        } else {
+            step
+        };
         let (status, fail_responder) = match step {
             Step::Segment { next, moved } => {
                 if let Some(qp) = self.qps.get_mut(qref) {
@@ -397,6 +437,23 @@ impl Engine {
         }
     }
 
+    /// Counts a UC message the responder dropped: on the responder's
+    /// device when there is one (no receive), else on the sender's.
+    fn count_unacknowledged(&mut self, qref: QpRef, step: &Step) {
+        let why = match step {
+            Step::Rnr(_) => super::ud::Drop::NoReceive,
+            Step::Dropped => super::ud::Drop::NoQp,
+            _ => return,
+        };
+        let at = match why {
+            super::ud::Drop::NoReceive => self.peer_of(qref),
+            _ => Some(qref),
+        };
+        if let Some(di) = at.and_then(|q| self.qps.get(q)).map(|q| q.dev) {
+            self.count_drop(di, why);
+        }
+    }
+
     /// Keeps the head to retry at `due` if retries of `kind` are left.
     fn wait_again(&mut self, qref: QpRef, kind: WaitKind, due: Instant) -> bool {
         let Some(qp) = self.qps.get_mut(qref) else {
@@ -426,13 +483,13 @@ impl Engine {
 
     /// The responder of `qref`, if it is there, ready and connected back.
     fn responder(&mut self, qref: QpRef) -> Option<Responder> {
-        let (my_gid, vqpn) = {
+        let (my_gid, vqpn, my_type) = {
             let qp = self.qps.get(qref)?;
-            (qp.gid, qp.vqpn)
+            (qp.gid, qp.vqpn, qp.qp_type)
         };
         let peer = self.peer_of(qref)?;
         let p = self.qps.get(peer)?;
-        if !p.receives() || !p.connected_to(&my_gid, vqpn) {
+        if !p.receives() || !p.connected_to(&my_gid, vqpn) || p.qp_type != my_type {
             return None;
         }
         Some(Responder {
@@ -593,6 +650,9 @@ impl Engine {
         if p.has_rq_head {
             return true;
         }
+        if let Some(srq) = p.srq {
+            return self.srq_has_receive(peer, srq);
+        }
         match p.rq_pending() {
             Some(n) => n > 0,
             None => {
@@ -615,9 +675,15 @@ impl Engine {
         if p.has_rq_head {
             return Ok(());
         }
-        match wqe::read_recv(&p.rq, p.rq_done, &p.recv_limits, &mut p.rq_head) {
+        let read = match p.srq {
+            Some(srq) => self.take_srq_receive(peer, srq),
+            None => wqe::read_recv(&p.rq, p.rq_done, &p.recv_limits, &mut p.rq_head),
+        };
+        match read {
             Ok(()) => {
-                p.has_rq_head = true;
+                if let Some(p) = self.qps.get_mut(peer) {
+                    p.has_rq_head = true;
+                }
                 Ok(())
             }
             Err(Malformed::Entry { wr_id, status, .. }) => {
@@ -656,6 +722,21 @@ impl Engine {
         }
     }
 
+    /// The message for the responder's head receive failed its checks
+    /// (`status`): an RC responder completes the receive so and fails
+    /// ([`Engine::refuse_receive`]); a UC one drops the message and keeps
+    /// the receive posted (rxe's class D error), and counts the drop.
+    fn receive_failed(&mut self, peer: QpRef, wr_id: u64, status: WcStatus) -> Step {
+        match self.qps.get(peer).map(|p| (p.qp_type, p.dev)) {
+            Some((QpType::Rc, _)) => self.refuse_receive(peer, wr_id, status),
+            Some((_, di)) => {
+                self.count_drop(di, super::ud::Drop::Invalid);
+                Step::Dropped
+            }
+            None => Step::Dropped,
+        }
+    }
+
     /// A SEND: fills the responder's head receive, segment by segment.
     fn send(
         &mut self,
@@ -684,10 +765,10 @@ impl Engine {
             .keys
             .check_sges(r.device, r.pd, p.rq_head.sges(), access::LOCAL_WRITE);
         if !recv_ok {
-            return self.refuse_receive(r.qp, recv_id, WcStatus::LocProtErr);
+            return self.receive_failed(r.qp, recv_id, WcStatus::LocProtErr);
         }
         if !fits {
-            return self.refuse_receive(r.qp, recv_id, WcStatus::LocLenErr);
+            return self.receive_failed(r.qp, recv_id, WcStatus::LocLenErr);
         }
         let dst = SgeList::new(
             &self.keys,
@@ -703,7 +784,7 @@ impl Engine {
             _ => keys::copy(&self.sge_list(device, pd, work, 0), &dst, offset, n),
         };
         if !copied {
-            return self.refuse_receive(r.qp, recv_id, WcStatus::LocProtErr);
+            return self.receive_failed(r.qp, recv_id, WcStatus::LocProtErr);
         }
         if !last {
             let seq = p.rq_taken;

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_hostd_protocol::messages::{
-    MrRegistration, MrSegment, QpConnection, QpModify, QpSetup, WorkRing,
+    MrRegistration, MrSegment, QpConnection, QpModify, QpSetup, SrqSetup, WorkRing,
 };
 use vrdma_hostd_protocol::shm::sealed_memfd;
 use vrdma_spec::ring::{
@@ -64,6 +64,19 @@ pub struct TestQp {
     pub sq_producer: u32,
     pub rq_producer: u32,
 }
+
+/// A shared receive queue of a test device, as its driver tracks it
+/// (slots of [`SRQ_STRIDE`] bytes).
+#[derive(Debug, Clone, Copy)]
+pub struct TestSrq {
+    pub srqn: u32,
+    pub ring: u64,
+    pub depth: u32,
+    pub producer: u32,
+}
+
+/// Stride of a test SRQ's slots (up to 3 SGEs).
+pub const SRQ_STRIDE: u32 = 64;
 
 /// A device's guest memory as its driver uses it.
 #[derive(Debug)]
@@ -143,6 +156,8 @@ pub fn qp_setup(n: usize, vqpn: u32, caps: (u32, u32, u32), depth: u32, stride: 
         max_send_sge: max_sge,
         max_recv_sge,
         max_inline_data: max_inline,
+        srqn: None,
+        qp_type: 2,
     }
 }
 
@@ -291,6 +306,58 @@ impl Side {
         self.add_qp_shaped(engine, vqpn, caps, DEPTH, STRIDE)
     }
 
+    /// Creates SRQ `srqn` of `depth` slots with its ring at `at` and its
+    /// limit armed at `limit`.
+    pub fn add_srq(
+        &mut self,
+        engine: &mut Engine,
+        srqn: u32,
+        at: u64,
+        depth: u32,
+        limit: u32,
+    ) -> TestSrq {
+        let setup = SrqSetup {
+            srqn,
+            pd: 1,
+            ring: WorkRing {
+                gpa: at,
+                depth,
+                stride: SRQ_STRIDE,
+            },
+            max_sge: 3,
+            limit,
+        };
+        engine.create_srq(self.id, &setup).expect("srq");
+        TestSrq {
+            srqn,
+            ring: at,
+            depth,
+            producer: 0,
+        }
+    }
+
+    /// Creates QP number `vqpn` in RESET, taking its receives from SRQ
+    /// `srqn`.
+    pub fn add_qp_on_srq(&mut self, engine: &mut Engine, vqpn: u32, srqn: u32) -> usize {
+        let setup = QpSetup {
+            srqn: Some(srqn),
+            ..qp_setup(self.qps.len(), vqpn, CAPS, DEPTH, STRIDE)
+        };
+        engine.create_qp(self.id, &setup).expect("qp");
+        self.driver.add_qp(&setup)
+    }
+
+    /// Creates QP number `vqpn` of type `qp_type` (RC 2, UC 3, UD 4) in
+    /// RESET.
+    pub fn add_qp_of(&mut self, engine: &mut Engine, vqpn: u32, qp_type: u8) -> usize {
+        let setup = QpSetup {
+            qp_type,
+            ..qp_setup(self.qps.len(), vqpn, CAPS, DEPTH, STRIDE)
+        };
+        engine.create_qp(self.id, &setup).expect("qp");
+        self.driver.add_qp(&setup)
+    }
+
     /// The same with rings of `depth` slots of `stride` bytes.
     pub fn add_qp_shaped(
         &mut self,
@@ -398,23 +465,38 @@ impl Driver {
     /// Posts a receive of `sges` on QP `qp`.
     pub fn post_recv(&mut self, qp: usize, wr_id: u64, sges: &[Sge]) {
         let q = self.qps[qp];
+        self.qps[qp].rq_producer =
+            self.push_recv((q.rq, q.depth, q.stride), q.rq_producer, wr_id, sges);
+        self.ring(qp);
+    }
+
+    /// Posts a receive of `sges` on SRQ `srq` (no doorbell: the device
+    /// reads an SRQ when a message arrives).
+    pub fn post_srq_recv(&mut self, srq: &mut TestSrq, wr_id: u64, sges: &[Sge]) {
+        let ring = (srq.ring, srq.depth, SRQ_STRIDE);
+        srq.producer = self.push_recv(ring, srq.producer, wr_id, sges);
+    }
+
+    /// Writes a receive WQE into slot `producer` of the receive ring
+    /// `(address, depth, stride)` and publishes it; the next producer.
+    fn push_recv(&self, ring: (u64, u32, u32), producer: u32, wr_id: u64, sges: &[Sge]) -> u32 {
+        let (base, depth, stride) = ring;
         let wqe = RecvWqe {
             wr_id: wr_id.into(),
             num_sge: sges.len() as u8,
             reserved: [0; 7],
         };
-        let at = q.rq
-            + RING_HEADER_SIZE as u64
-            + u64::from(q.rq_producer % q.depth) * u64::from(q.stride);
+        let at = base + RING_HEADER_SIZE as u64 + u64::from(producer % depth) * u64::from(stride);
         assert!(self.mem.write(at as usize, wqe.as_bytes()));
         assert!(self.mem.write(at as usize + 16, sges.as_bytes()));
-        self.qps[qp].rq_producer = q.rq_producer.wrapping_add(1);
-        set_word(
-            &self.mem,
-            q.rq + DRIVER_INDEX_OFFSET,
-            self.qps[qp].rq_producer,
-        );
-        self.ring(qp);
+        let next = producer.wrapping_add(1);
+        set_word(&self.mem, base + DRIVER_INDEX_OFFSET, next);
+        next
+    }
+
+    /// The SRQ's device index (WQEs taken by its QPs).
+    pub fn srq_taken(&self, srq: &TestSrq) -> u32 {
+        word(&self.mem, srq.ring + DEVICE_INDEX_OFFSET)
     }
 
     /// The send ring's device index of QP `qp` (WQEs completed).
@@ -552,6 +634,7 @@ impl Env {
             state: state.into(),
             connection,
             access: None,
+            qkey: None,
         };
         self.engine.modify_qp(id, &m)
     }

@@ -502,6 +502,7 @@ impl Client {
             state: state.into(),
             connection,
             access: None,
+            qkey: None,
         }))
     }
 

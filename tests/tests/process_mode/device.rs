@@ -26,8 +26,8 @@ fn queries_match_the_config_space() {
     assert_eq!(dev.sys_image_guid.get(), guid);
     assert_eq!(
         dev.fw_ver.get(),
-        3 << 32 | 1,
-        "(major << 32) | minor of spec 3.1"
+        3 << 32 | 2,
+        "(major << 32) | minor of spec 3.2"
     );
     assert_eq!(
         (dev.vendor_id.get(), dev.vendor_part_id.get()),
@@ -49,8 +49,10 @@ fn queries_match_the_config_space() {
             dev.max_srq_wr.get(),
             dev.max_srq_sge.get()
         ),
-        (0, 0, 0)
+        (256, 4096, 16),
+        "SRQs: the default limits (max_srq, max_qp_depth, max_sge)"
     );
+    assert_eq!(dev.max_ah.get(), 65536, "the default max_ah");
     assert_eq!((dev.max_pkeys.get(), dev.phys_port_cnt), (1, 1));
     // No config file: the default tenant limits.
     assert_advertises(&dev, &Limits::default());
@@ -233,6 +235,7 @@ fn completion_queues_and_what_keeps_them_busy() {
             cap: caps(4, 4, 1, 0),
             qp_type: QpType::Rc,
             sq_sig_all: true,
+            srq: None,
         })
         .expect("create_qp");
     assert_eq!(qp.cq_nums(), (cq.cqn(), other.cqn()));

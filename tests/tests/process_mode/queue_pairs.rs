@@ -61,6 +61,7 @@ fn queue_pair_creation_grants_and_refusals() {
             cap: caps(1, 0, 1, 0),
             qp_type: QpType::Rc,
             sq_sig_all: true,
+            srq: None,
         })
         .expect("a QP without receive WRs");
     assert_ne!(second.qp_num(), qpn);
@@ -74,12 +75,16 @@ fn queue_pair_creation_grants_and_refusals() {
             cap,
             qp_type,
             sq_sig_all: false,
+            srq: None,
         })
     };
     let ok = caps(4, 4, 1, 0);
+    for qp_type in [QpType::Uc, QpType::Ud] {
+        let qp = with(qp_type, ok).unwrap_or_else(|e| panic!("{qp_type:?}: {e}"));
+        assert_eq!(qp.query(0).expect("query").qp_type, u8::from(qp_type));
+        destroyed(qp.destroy());
+    }
     for (qp_type, cap, errno, what) in [
-        (QpType::Uc, ok, EOPNOTSUPP, "UC"),
-        (QpType::Ud, ok, EOPNOTSUPP, "UD"),
         (QpType::Rc, caps(0, 0, 1, 0), EINVAL, "no queue"),
         (QpType::Rc, caps(4097, 4, 1, 0), EINVAL, "depth"),
         (QpType::Rc, caps(4, 4, 17, 0), EINVAL, "max_sge"),

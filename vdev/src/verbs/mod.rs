@@ -9,12 +9,14 @@
 //! It knows nothing of virtqueues: `control.rs` feeds it bytes, and the
 //! eventfds hostd needs come through [`NotifyFds`].
 
+mod ah;
 mod cq;
 mod error;
 mod mr;
 mod notify;
 mod qp;
 mod share;
+mod srq;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -22,7 +24,9 @@ use std::sync::Arc;
 use rand::Rng;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
 use vrdma_spec::config::{DeviceAttr, DeviceConfig, PortAttr, CONFIG_MAGIC, CONFIG_SIZE};
-use vrdma_spec::control::{self, CqHandle, MrHandle, Opcode, PdHandle, QpHandle, QueryQpReq};
+use vrdma_spec::control::{
+    self, AhHandle, CqHandle, MrHandle, Opcode, PdHandle, QpHandle, QueryQpReq, SrqHandle,
+};
 use vrdma_spec::ring::{self, RING_ALIGN};
 use vrdma_spec::verbs::{atomic_cap, device_cap, LinkLayer, Mtu, PortState};
 use vrdma_spec::zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
@@ -30,12 +34,14 @@ use vrdma_tenant_policy::Limits;
 
 use share::Counted;
 
+pub use ah::AddressHandle;
 pub use cq::CompletionQueue;
 pub use error::{VerbError, VerbResult};
 pub use mr::MemoryRegion;
 pub use notify::{EventRing, FdError, NotifyFds};
 pub use qp::QueuePair;
 pub use share::{DeviceShare, Usage};
+pub use srq::SharedReceiveQueue;
 
 use crate::fabric::Fabric;
 use crate::shadow::{MemorySlots, SlotId};
@@ -86,6 +92,8 @@ pub struct RdmaDevice {
     lkeys: HashMap<u32, u32>,
     cqs: HashMap<u32, CompletionQueue>,
     qps: HashMap<u32, QueuePair>,
+    srqs: HashMap<u32, SharedReceiveQueue>,
+    ahs: HashMap<u32, AddressHandle>,
     /// The doorbell page (`SET_DOORBELL`), once the driver gave it.
     doorbell: Option<u64>,
     /// Event rings by completion vector (`CREATE_EQ`).
@@ -122,6 +130,8 @@ impl RdmaDevice {
             lkeys: HashMap::new(),
             cqs: HashMap::new(),
             qps: HashMap::new(),
+            srqs: HashMap::new(),
+            ahs: HashMap::new(),
             doorbell: None,
             eqs: BTreeMap::new(),
             db_indexes: notify::DbIndexes::default(),
@@ -258,8 +268,9 @@ impl RdmaDevice {
     pub fn release_all(&mut self) {
         let (pds, mrs, cqs, qps) = self.object_counts();
         let eqs = self.eqs.len();
+        let (srqs, ahs) = (self.srqs.len(), self.ahs.len());
         let doorbell = self.doorbell.is_some();
-        if pds + mrs + cqs + qps + eqs == 0 && !doorbell {
+        if pds + mrs + cqs + qps + eqs + srqs + ahs == 0 && !doorbell {
             return;
         }
         if let Some(fabric) = &self.fabric {
@@ -276,11 +287,15 @@ impl RdmaDevice {
             (Counted::Mr, mrs),
             (Counted::Cq, cqs),
             (Counted::Qp, qps),
+            (Counted::Srq, self.srqs.len()),
+            (Counted::Ah, self.ahs.len()),
         ] {
             self.share.give_back(what, n as u32);
         }
         self.share.give_back_bytes(self.mr_bytes);
         self.qps.clear();
+        self.srqs.clear();
+        self.ahs.clear();
         self.db_indexes.clear();
         self.mrs.clear();
         self.lkeys.clear();
@@ -289,7 +304,7 @@ impl RdmaDevice {
         self.pds.clear();
         self.eqs.clear();
         self.doorbell = None;
-        tracing::info!(tenant = %self.identity.tenant, pds, mrs, cqs, qps, eqs, doorbell,
+        tracing::info!(tenant = %self.identity.tenant, pds, mrs, cqs, qps, srqs, ahs, eqs, doorbell,
             "Released all verbs objects");
     }
 
@@ -382,6 +397,14 @@ impl RdmaDevice {
             Opcode::DestroyQp => respond(payload, |req: QpHandle| self.destroy_qp(req.qpn.get())),
             Opcode::SetDoorbell => respond(payload, |req| self.set_doorbell(&req)),
             Opcode::CreateEq => respond(payload, |req| self.create_eq(&req)),
+            Opcode::CreateSrq => respond(payload, |req| self.create_srq(&req)),
+            Opcode::ModifySrq => respond(payload, |req| self.modify_srq(&req)),
+            Opcode::QuerySrq => respond(payload, |req: SrqHandle| self.query_srq(req.srqn.get())),
+            Opcode::DestroySrq => {
+                respond(payload, |req: SrqHandle| self.destroy_srq(req.srqn.get()))
+            }
+            Opcode::CreateAh => respond(payload, |req| self.create_ah(&req)),
+            Opcode::DestroyAh => respond(payload, |req: AhHandle| self.destroy_ah(req.ahn.get())),
         }
     }
 
@@ -539,15 +562,16 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
             max_pd: limits.max_pd.into(),
             max_qp_rd_atom: limits.max_rd_atomic.into(),
             max_qp_init_rd_atom: limits.max_rd_atomic.into(),
-            max_srq: 0.into(),
-            max_srq_wr: 0.into(),
-            max_srq_sge: 0.into(),
+            max_srq: limits.max_srq.into(),
+            max_srq_wr: limits.max_qp_depth.into(),
+            max_srq_sge: limits.max_sge.into(),
             max_inline_data: limits.max_inline_data.into(),
             atomic_cap: atomic_cap::HCA.into(),
             max_total_mr_bytes: limits.max_total_mr_bytes.into(),
             max_pkeys: 1.into(),
             phys_port_cnt: 1,
-            reserved: [0; 5],
+            max_ah: limits.max_ah.into(),
+            reserved: [0; 1],
         },
         port: PortAttr {
             state: PortState::Active.into(),

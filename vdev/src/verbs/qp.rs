@@ -4,10 +4,10 @@
 
 use vrdma_hostd_protocol::messages::{QpConnection, QpModify, QpSetup, WorkRing};
 use vrdma_spec::control::{
-    CreateQpReq, CreateQpResp, ModifyQpReq, QpAttr, QpCap, QueryQpResp, NO_SRQ,
+    AhAttr, CreateQpReq, CreateQpResp, ModifyQpReq, QpAttr, QpCap, QueryQpResp, NO_SRQ,
 };
 use vrdma_spec::limits::{CapLimits, Caps, QpGrant, MAX_QPS};
-use vrdma_spec::qp_state::{check_rc_mask, mask};
+use vrdma_spec::qp_state::{check_mask, mask};
 use vrdma_spec::ring::WorkRingGeometry;
 use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
 
@@ -34,6 +34,7 @@ const MIG_MIGRATED: u8 = 0;
 #[derive(Debug)]
 pub struct QueuePair {
     pub qpn: u32,
+    pub qp_type: QpType,
     pub pdn: u32,
     pub send_cqn: u32,
     pub recv_cqn: u32,
@@ -43,6 +44,8 @@ pub struct QueuePair {
     pub rq: (u64, WorkRingGeometry),
     /// The QP's bit in the doorbell page.
     pub db_index: u32,
+    /// The SRQ it takes its receives from (its own receive ring is unused).
+    pub srqn: Option<u32>,
     pub state: QpState,
     /// Attributes as last set by modify_qp (returned by query_qp).
     pub attr: QpAttr,
@@ -57,15 +60,16 @@ impl RdmaDevice {
         }
         let pdn = req.pdn.get();
         self.pd_mut(pdn)?;
-        match QpType::try_from(req.qp_type) {
-            Ok(QpType::Rc) => {}
-            Ok(QpType::Uc | QpType::Ud) => {
-                return Err(VerbError::Unsupported("QP types other than RC"))
+        let qp_type = QpType::try_from(req.qp_type)
+            .map_err(|other| VerbError::Invalid(format!("QP type {other}")))?;
+        let srqn = (req.srqn.get() != NO_SRQ).then(|| req.srqn.get());
+        if let Some(srqn) = srqn {
+            if !self.srqs.contains_key(&srqn) {
+                return Err(VerbError::NoObject {
+                    kind: "SRQ",
+                    handle: srqn,
+                });
             }
-            Err(other) => return Err(VerbError::Invalid(format!("QP type {other}"))),
-        }
-        if req.srqn.get() != NO_SRQ {
-            return Err(VerbError::Unsupported("shared receive queues"));
         }
         let (send_cqn, recv_cqn) = (req.send_cqn.get(), req.recv_cqn.get());
         for cqn in [send_cqn, recv_cqn] {
@@ -105,11 +109,22 @@ impl RdmaDevice {
             return Err(e);
         }
         taken.keep();
-        let granted = wire_caps(grant.caps);
+        let mut caps = grant.caps;
+        if srqn.is_some() {
+            // Its receives are the SRQ's: it has no receive queue of its
+            // own to post on (as rdma-core reports such a QP).
+            caps.max_recv_wr = 0;
+            caps.max_recv_sge = 0;
+        }
+        let granted = wire_caps(caps);
+        if let Some(srq) = srqn.and_then(|n| self.srqs.get_mut(&n)) {
+            srq.users += 1;
+        }
         self.qps.insert(
             qpn,
             QueuePair {
                 qpn,
+                qp_type,
                 pdn,
                 send_cqn,
                 recv_cqn,
@@ -118,6 +133,7 @@ impl RdmaDevice {
                 sq: (sq_addr, sq),
                 rq: (rq_addr, rq),
                 db_index,
+                srqn,
                 state: QpState::Reset,
                 attr: reset_attr(granted),
             },
@@ -166,6 +182,7 @@ impl RdmaDevice {
         fabric
             .create_qp(QpSetup {
                 vqpn: qpn,
+                qp_type: req.qp_type,
                 pd: req.pdn.get(),
                 db_index,
                 send_cqn: req.send_cqn.get(),
@@ -176,6 +193,7 @@ impl RdmaDevice {
                 max_send_sge: grant.caps.max_send_sge,
                 max_recv_sge: grant.caps.max_recv_sge,
                 max_inline_data: grant.caps.max_inline_data,
+                srqn: (req.srqn.get() != NO_SRQ).then(|| req.srqn.get()),
             })
             .map_err(VerbError::Fabric)
     }
@@ -222,13 +240,13 @@ impl RdmaDevice {
             qp.state
         };
         check_supported_mask(attr_mask)?;
-        check_rc_mask(qp.state, next, attr_mask).map_err(VerbError::Transition)?;
+        check_mask(qp.qp_type, qp.state, next, attr_mask).map_err(VerbError::Transition)?;
         validate_attr(a, attr_mask, port_mtu, max_rd_atomic)?;
         let mut merged = qp.attr;
         apply_attr(&mut merged, a, attr_mask);
         if let Some(fabric) = &self.fabric {
             fabric
-                .modify_qp(transition(qpn, qp.state, next, &merged, attr_mask))
+                .modify_qp(transition(qp, next, &merged, attr_mask))
                 .map_err(VerbError::Fabric)?;
         }
         qp.attr = merged;
@@ -252,8 +270,8 @@ impl RdmaDevice {
             attr: qp.attr,
             send_cqn: qp.send_cqn.into(),
             recv_cqn: qp.recv_cqn.into(),
-            srqn: NO_SRQ.into(),
-            qp_type: QpType::Rc.into(),
+            srqn: qp.srqn.unwrap_or(NO_SRQ).into(),
+            qp_type: qp.qp_type.into(),
             sq_sig_all: qp.sq_sig_all.into(),
             reserved: [0; 2],
         })
@@ -279,6 +297,9 @@ impl RdmaDevice {
         self.db_indexes.free(qp.db_index);
         self.share.free_qpn(qpn);
         self.share.give_back(Counted::Qp, 1);
+        if let Some(srq) = qp.srqn.and_then(|n| self.srqs.get_mut(&n)) {
+            srq.users -= 1;
+        }
         if let Some(pd) = self.pds.get_mut(&qp.pdn) {
             pd.qps -= 1;
         }
@@ -338,23 +359,25 @@ fn reset_attr(cap: QpCap) -> QpAttr {
     }
 }
 
-/// What hostd is told of a transition `from` → `to` with the QP's
+/// What hostd is told of QP `qp`'s transition to `to` with the QP's
 /// attributes `attr` (the request applied to what earlier calls set): the
-/// new state; the whole connection when the QP connects (INIT → RTR) and
-/// again when it becomes a requester (RTR → RTS), complete then, since the
-/// requester's attributes (retries, timeout, send PSN, outstanding READs)
-/// come with RTS; its access flags when the mask changes them.
-fn transition(qpn: u32, from: QpState, to: QpState, attr: &QpAttr, attr_mask: u32) -> QpModify {
-    let connection = matches!(
-        (from, to),
+/// new state; for RC and UC the whole connection when the QP connects
+/// (INIT → RTR) and again when it becomes a requester (RTR → RTS),
+/// complete then, since the requester's attributes (retries, timeout, send
+/// PSN, outstanding READs) come with RTS; its access flags when the mask
+/// changes them; a UD QP's Q_Key when the mask sets it.
+fn transition(qp: &QueuePair, to: QpState, attr: &QpAttr, attr_mask: u32) -> QpModify {
+    let connects = matches!(
+        (qp.state, to),
         (QpState::Init, QpState::Rtr) | (QpState::Rtr, QpState::Rts)
-    )
-    .then(|| connection_of(attr));
+    );
+    let connection = (connects && qp.qp_type != QpType::Ud).then(|| connection_of(attr));
     QpModify {
-        vqpn: qpn,
+        vqpn: qp.qpn,
         state: to.into(),
         connection,
         access: (attr_mask & mask::ACCESS_FLAGS != 0).then(|| attr.qp_access_flags.get()),
+        qkey: (attr_mask & mask::QKEY != 0).then(|| attr.qkey.get()),
     }
 }
 
@@ -404,6 +427,45 @@ fn check_supported_mask(attr_mask: u32) -> VerbResult<()> {
     Ok(())
 }
 
+/// Checks an address vector (a QP's path, an address handle): port 1, a
+/// GRH naming GID index 0 as the source and an IPv4-mapped destination
+/// GID, a 20-bit flow label.
+pub(super) fn validate_av(av: &AhAttr) -> VerbResult<()> {
+    let bad = |what: String| Err(VerbError::Invalid(what));
+    if av.port_num != 1 {
+        return bad(format!("ah_attr.port_num {}", av.port_num));
+    }
+    // RoCE: the peer is named by its GID in the GRH (the LID is
+    // ignored), as on rxe.
+    if av.is_global == 0 {
+        return bad(
+            "ah_attr.is_global 0: the port's link layer is Ethernet (RoCEv2), so the \
+             address vector needs a GRH with the peer's GID (rc_pingpong -g 0, \
+             perftest -x 0)"
+                .into(),
+        );
+    }
+    if av.sgid_index != 0 {
+        return bad(format!(
+            "ah_attr.grh.sgid_index {} (the GID table has 1 entry)",
+            av.sgid_index
+        ));
+    }
+    if vrdma_spec::gid::ipv4_of(&av.dgid).is_none() {
+        return bad(format!(
+            "ah_attr.grh.dgid {} is not an IPv4-mapped GID (IPv6 GIDs are not supported)",
+            std::net::Ipv6Addr::from(av.dgid)
+        ));
+    }
+    if av.flow_label.get() > MAX_FLOW_LABEL {
+        return bad(format!(
+            "ah_attr.grh.flow_label {:#x} is not 20 bits",
+            av.flow_label
+        ));
+    }
+    Ok(())
+}
+
 /// Checks the value of every attribute the mask names.
 fn validate_attr(a: &QpAttr, attr_mask: u32, port_mtu: u8, max_rd_atomic: u32) -> VerbResult<()> {
     let has = |bit| attr_mask & bit != 0;
@@ -428,38 +490,7 @@ fn validate_attr(a: &QpAttr, attr_mask: u32, port_mtu: u8, max_rd_atomic: u32) -
         }
     }
     if has(mask::AV) {
-        let av = &a.ah_attr;
-        if av.port_num != 1 {
-            return bad(format!("ah_attr.port_num {}", av.port_num));
-        }
-        // RoCE: the peer is named by its GID in the GRH (the LID is
-        // ignored), as on rxe.
-        if av.is_global == 0 {
-            return bad(
-                "ah_attr.is_global 0: the port's link layer is Ethernet (RoCEv2), so the \
-                 address vector needs a GRH with the peer's GID (rc_pingpong -g 0, \
-                 perftest -x 0)"
-                    .into(),
-            );
-        }
-        if av.sgid_index != 0 {
-            return bad(format!(
-                "ah_attr.grh.sgid_index {} (the GID table has 1 entry)",
-                av.sgid_index
-            ));
-        }
-        if vrdma_spec::gid::ipv4_of(&av.dgid).is_none() {
-            return bad(format!(
-                "ah_attr.grh.dgid {} is not an IPv4-mapped GID (IPv6 GIDs are not supported)",
-                std::net::Ipv6Addr::from(av.dgid)
-            ));
-        }
-        if av.flow_label.get() > MAX_FLOW_LABEL {
-            return bad(format!(
-                "ah_attr.grh.flow_label {:#x} is not 20 bits",
-                av.flow_label
-            ));
-        }
+        validate_av(&a.ah_attr)?;
     }
     if has(mask::DEST_QPN) && a.dest_qp_num.get() > QPN_MASK {
         return bad(format!(
@@ -518,6 +549,9 @@ fn apply_attr(dst: &mut QpAttr, a: &QpAttr, attr_mask: u32) {
     }
     if has(mask::ACCESS_FLAGS) {
         dst.qp_access_flags = a.qp_access_flags;
+    }
+    if has(mask::QKEY) {
+        dst.qkey = a.qkey;
     }
     if has(mask::PKEY_INDEX) {
         dst.pkey_index = a.pkey_index;

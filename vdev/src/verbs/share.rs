@@ -25,6 +25,8 @@ pub enum Counted {
     Mr,
     Cq,
     Qp,
+    Srq,
+    Ah,
 }
 
 impl Counted {
@@ -35,6 +37,8 @@ impl Counted {
             Counted::Mr => "max_mr",
             Counted::Cq => "max_cq",
             Counted::Qp => "max_qp",
+            Counted::Srq => "max_srq",
+            Counted::Ah => "max_ah",
         }
     }
 }
@@ -46,6 +50,8 @@ pub struct Usage {
     pub mrs: u32,
     pub cqs: u32,
     pub qps: u32,
+    pub srqs: u32,
+    pub ahs: u32,
     /// Bytes registered in MRs.
     pub mr_bytes: u64,
 }
@@ -57,6 +63,8 @@ impl Usage {
             Counted::Mr => &mut self.mrs,
             Counted::Cq => &mut self.cqs,
             Counted::Qp => &mut self.qps,
+            Counted::Srq => &mut self.srqs,
+            Counted::Ah => &mut self.ahs,
         }
     }
 }

@@ -128,6 +128,7 @@ impl Hosts {
                     state: state.into(),
                     connection,
                     access: None,
+                    qkey: None,
                 };
                 engine.modify_qp(1, &m).expect("modify");
             }

@@ -191,6 +191,7 @@ impl Attacker<'_> {
                 cap: caps,
                 qp_type: QpType::Rc,
                 sq_sig_all: false,
+                srq: None,
             });
             match made {
                 Ok(qp) if qps.len() < 1000 => qps.push(qp),
@@ -210,6 +211,7 @@ impl Attacker<'_> {
                 cap: caps,
                 qp_type: QpType::Rc,
                 sq_sig_all: false,
+                srq: None,
             })
             .unwrap_or_else(|e| panic!("{ctx}: the victim's create_qp: {e}"));
         drop((qp, pd, qps, pds));

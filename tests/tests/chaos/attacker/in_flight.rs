@@ -234,6 +234,7 @@ impl Attacker<'_> {
                         cap: default_caps(),
                         qp_type: QpType::Rc,
                         sq_sig_all: false,
+                        srq: None,
                     })
                 };
                 let (q1, q2) = (make(&cq)?, make(&cq)?);

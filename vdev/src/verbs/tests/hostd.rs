@@ -27,7 +27,7 @@ const HOSTD_GID: [u8; 16] = vrdma_spec::gid::ipv4_mapped([10, 200, 0, 9]);
 /// The test's own eventfds, lent as the device's: the test can then tell
 /// whether what hostd received is the same eventfd.
 #[derive(Debug)]
-struct TestFds {
+pub(super) struct TestFds {
     kick: EventFd,
     /// Vector 1 has a call eventfd; vector 0's was never set.
     call1: EventFd,
@@ -78,7 +78,7 @@ struct Script {
 
 /// A stand-in hostd: one registration, then every request recorded (with
 /// its descriptors) before it is answered.
-struct FakeHostd {
+pub(super) struct FakeHostd {
     requests: mpsc::Receiver<(Request, Vec<File>)>,
     script: Arc<Script>,
     dir: PathBuf,
@@ -107,14 +107,14 @@ impl FakeHostd {
     }
 
     /// The next request vdev sent, with its descriptors.
-    fn next(&self) -> (Request, Vec<File>) {
+    pub(super) fn next(&self) -> (Request, Vec<File>) {
         self.requests
             .recv_timeout(Duration::from_secs(10))
             .expect("a request within 10 s")
     }
 
     /// The next request, which must carry no descriptor.
-    fn next_plain(&self) -> Request {
+    pub(super) fn next_plain(&self) -> Request {
         let (request, files) = self.next();
         assert!(files.is_empty(), "{request:?} carried descriptors");
         request
@@ -122,7 +122,7 @@ impl FakeHostd {
 
     /// Asserts vdev sent nothing more (every request is recorded before it
     /// is answered, so a finished verb's requests are all here).
-    fn assert_quiet(&self, after: &str) {
+    pub(super) fn assert_quiet(&self, after: &str) {
         if let Ok((request, _)) = self.requests.try_recv() {
             panic!("after {after}, hostd was sent {request:?}");
         }
@@ -138,7 +138,7 @@ impl Drop for FakeHostd {
 fn serve(listener: Listener, script: Arc<Script>, tx: mpsc::Sender<(Request, Vec<File>)>) {
     let channel = listener.accept().expect("accept");
     let (hello, _): (Request, _) = channel.recv().expect("hello");
-    assert!(matches!(hello, Request::Hello { .. }), "{hello:?}");
+    assert!(matches!(hello, Request::OpenContext { .. }), "{hello:?}");
     let (_notifications, theirs) = Channel::pair().expect("pair");
     let welcome = Response::Welcome(Box::new(Welcome {
         lid: 9,
@@ -193,7 +193,7 @@ fn read_u64(file: &mut File) -> u64 {
     u64::from_ne_bytes(bytes)
 }
 
-fn attached(tag: &str) -> (FakeHostd, RdmaDevice, Arc<TestFds>) {
+pub(super) fn attached(tag: &str) -> (FakeHostd, RdmaDevice, Arc<TestFds>) {
     let (hostd, fabric) = FakeHostd::start(tag);
     let fds = test_fds();
     let mut dev = RdmaDevice::with_fabric(identity(), Limits::default(), fabric, fds.clone());
@@ -310,6 +310,8 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
             max_send_sge: grant.caps.max_send_sge,
             max_recv_sge: grant.caps.max_recv_sge,
             max_inline_data: grant.caps.max_inline_data,
+            srqn: None,
+            qp_type: 2,
         })
     );
     assert_eq!(qp.cap.max_send_sge.get(), grant.caps.max_send_sge);
@@ -324,6 +326,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
             state: QpState::Init.into(),
             connection: None,
             access: Some(access::REMOTE_WRITE),
+            qkey: None,
         })
     );
     modify(&mut dev, qpn, RTR_MASK, rtr_attr()).expect("RTR");
@@ -354,6 +357,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
             state: QpState::Rtr.into(),
             connection: Some(at_rtr),
             access: None,
+            qkey: None,
         })
     );
     let rts = QpAttr {
@@ -378,6 +382,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
                 ..at_rtr
             }),
             access: None,
+            qkey: None,
         }),
         "at RTS the whole connection: what RTR set and the requester's attributes"
     );

@@ -5,6 +5,8 @@
 mod hostd;
 mod notify;
 mod qp;
+mod srq;
+mod ud;
 
 use std::sync::Arc;
 

@@ -1,0 +1,320 @@
+//! Unreliable datagram service between QPs of this host, and the address
+//! handles UD sends name.
+//!
+//! A UD send completes as soon as it is sent: whatever happens at the
+//! destination is invisible to the sender, as on the wire. The message is
+//! delivered only to a UD QP of the device the AH resolved to when it was
+//! created (the tenant check of `CreateAh` holds for the AH's life: a GID
+//! that meanwhile names another tenant's device gets nothing), that is
+//! ready to receive, whose Q_Key matches and that has a receive posted
+//! with room for the GRH and the message. Everything else is dropped and
+//! counted in the destination's (or, when there is none, the sender's)
+//! [`DropCounts`]. The receive buffer starts with the 40-byte GRH as Linux
+//! rxe writes it for RoCEv2 over IPv4: 20 zero bytes, then the IPv4 header
+//! of the packet the message would have been (`rxe_resp.c`, the
+//! `roce4grh` of `union rdma_network_hdr`).
+
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+
+use vrdma_hostd_protocol::messages::AhSetup;
+use vrdma_roce::{
+    write_ipv4_udp_header, Ipv4Meta, BTH_LEN, DETH_LEN, ICRC_LEN, IMM_LEN, IPV4_HEADER_LEN,
+};
+use vrdma_spec::ring::{send_flags, wc_flags, Cqe, UdDest, GRH_SIZE, QKEY_CONTROLLED};
+use vrdma_spec::verbs::{access, QpType, SendOpcode, WcOpcode, WcStatus};
+
+use super::keys::{self, SgeList};
+use super::rc::{done, QpRef, Step};
+use super::wqe::{Local, SendWork};
+use super::{DeviceId, Engine, EngineError};
+use crate::gids::Gid;
+
+/// An address handle: where UD sends naming it go.
+#[derive(Debug, Clone)]
+pub struct Ah {
+    pub pd: u32,
+    pub dgid: Gid,
+    /// The destination device's tenant when the AH was created (and its
+    /// reachability checked).
+    pub tenant: Arc<str>,
+    pub hop_limit: u8,
+    pub traffic_class: u8,
+}
+
+/// Why UD or UC messages were dropped, counted where they would have
+/// arrived.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DropCounts {
+    /// A UD message whose Q_Key did not match the receiving QP's.
+    pub qkey: u64,
+    /// No receive posted (UD, UC SEND or WRITE_WITH_IMM).
+    pub no_receive: u64,
+    /// No such QP, not ready to receive, of another type or not connected
+    /// back (UC).
+    pub no_qp: u64,
+    /// The receive's buffers were too short or failed their checks, or a
+    /// UC WRITE's remote key did.
+    pub invalid: u64,
+}
+
+impl DropCounts {
+    /// The non-zero counts by reason name, as the stats report them (as
+    /// error statuses are: a reason appears once it happened).
+    pub fn by_reason(&self) -> std::collections::BTreeMap<String, u64> {
+        [
+            ("qkey", self.qkey),
+            ("no_receive", self.no_receive),
+            ("no_qp", self.no_qp),
+            ("invalid", self.invalid),
+        ]
+        .into_iter()
+        .filter(|&(_, v)| v > 0)
+        .map(|(k, v)| (k.to_owned(), v))
+        .collect()
+    }
+
+    /// Adds `other`.
+    pub fn add(&mut self, other: &DropCounts) {
+        self.qkey += other.qkey;
+        self.no_receive += other.no_receive;
+        self.no_qp += other.no_qp;
+        self.invalid += other.invalid;
+    }
+}
+
+/// Which [`DropCounts`] field a drop goes to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Drop {
+    Qkey,
+    NoReceive,
+    NoQp,
+    Invalid,
+}
+
+impl Engine {
+    /// An address handle `s.ahn` of device `id`; the destination must be a
+    /// device of this host (hostd checked the tenant may reach it).
+    pub fn create_ah(&mut self, id: DeviceId, s: &AhSetup) -> Result<(), EngineError> {
+        let dest = self
+            .gids
+            .get(&s.dgid)
+            .and_then(|contexts| contexts.first())
+            .and_then(|d| self.devices.get(d))
+            .map(|d| Arc::clone(&d.tenant))
+            .ok_or(EngineError::Unsupported(
+                "UD towards another host (UD runs between devices of one host)",
+            ))?;
+        let dev = self.device_mut(id)?;
+        if dev.ahs.contains_key(&s.ahn) {
+            return Err(EngineError::Exists("AH"));
+        }
+        dev.ahs.insert(
+            s.ahn,
+            Ah {
+                pd: s.pd,
+                dgid: s.dgid,
+                tenant: dest,
+                hop_limit: s.hop_limit,
+                traffic_class: s.traffic_class,
+            },
+        );
+        Ok(())
+    }
+
+    /// Destroys address handle `ahn`: later sends naming it fail.
+    pub fn destroy_ah(&mut self, id: DeviceId, ahn: u32) -> Result<(), EngineError> {
+        let dev = self.device_mut(id)?;
+        dev.ahs
+            .remove(&ahn)
+            .map(|_| ())
+            .ok_or(EngineError::Invalid("unknown address handle"))
+    }
+
+    /// Counts a dropped message on device slab index `di`.
+    pub(super) fn count_drop(&mut self, di: usize, why: Drop) {
+        if let Some(d) = self.devices.at_mut(di) {
+            let c = &mut d.counters.dropped;
+            match why {
+                Drop::Qkey => c.qkey += 1,
+                Drop::NoReceive => c.no_receive += 1,
+                Drop::NoQp => c.no_qp += 1,
+                Drop::Invalid => c.invalid += 1,
+            }
+        }
+    }
+
+    /// Sends UD WQE `work` of QP `qref`: the step completes it (successfully
+    /// unless the WQE itself is wrong), whatever becomes of the message.
+    pub(super) fn ud_send(&mut self, qref: QpRef, work: &SendWork) -> Step {
+        let Some(qp) = self.qps.get(qref) else {
+            return done(WcStatus::LocQpOpErr);
+        };
+        let (device, di, pd, vqpn, my_qkey, src_gid) =
+            (qp.device, qp.dev, qp.pd, qp.vqpn, qp.qkey, qp.gid);
+        if !matches!(work.opcode, SendOpcode::Send | SendOpcode::SendWithImm) {
+            return done(WcStatus::LocQpOpErr);
+        }
+        if work.length > u64::from(self.port_mtu) {
+            return done(WcStatus::LocLenErr);
+        }
+        let dest = UdDest::of_parts(work.rkey, work.remote_addr);
+        let Some(ah) = self
+            .devices
+            .at(di)
+            .and_then(|d| d.ahs.get(&dest.ah))
+            .filter(|ah| ah.pd == pd)
+            .cloned()
+        else {
+            return done(WcStatus::LocQpOpErr);
+        };
+        if !self.keys.check_sges(device, pd, work.sges(), 0) {
+            return done(WcStatus::LocProtErr);
+        }
+        let qkey = if dest.remote_qkey & QKEY_CONTROLLED != 0 {
+            my_qkey
+        } else {
+            dest.remote_qkey
+        };
+        // The destination: the AH's device, still of the tenant it was
+        // checked against, and its UD QP.
+        // (any of its contexts: a QP number names one QP of the device).
+        let target = (self.gids.get(&ah.dgid))
+            .and_then(|contexts| contexts.first())
+            .and_then(|id| self.devices.index(id))
+            .filter(|&i| self.devices.at(i).is_some_and(|d| d.tenant == ah.tenant));
+        let Some(first_di) = target else {
+            self.count_drop(di, Drop::NoQp);
+            return done(WcStatus::Success);
+        };
+        let peer = self.qp_at(&ah.dgid, dest.remote_qpn).filter(|&p| {
+            self.qps
+                .get(p)
+                .is_some_and(|p| p.qp_type == QpType::Ud && p.receives())
+        });
+        let Some((peer, dest_di)) = peer.and_then(|p| Some((p, self.qps.get(p)?.dev))) else {
+            self.count_drop(first_di, Drop::NoQp);
+            return done(WcStatus::Success);
+        };
+        if self.qps.get(peer).is_some_and(|p| p.qkey != qkey) {
+            self.count_drop(dest_di, Drop::Qkey);
+            return done(WcStatus::Success);
+        }
+        let grh = grh(&src_gid, &ah, work);
+        self.deliver_datagram(qref, peer, work, &grh, vqpn);
+        done(WcStatus::Success)
+    }
+
+    /// Puts the GRH and the message into `peer`'s next receive and
+    /// completes it, or drops the message (no receive, or one too short or
+    /// whose buffers fail their checks: the receive stays posted).
+    fn deliver_datagram(
+        &mut self,
+        qref: QpRef,
+        peer: QpRef,
+        work: &SendWork,
+        grh: &[u8],
+        src_qp: u32,
+    ) {
+        let Some(p) = self.qps.get(peer) else {
+            return;
+        };
+        let dest_di = p.dev;
+        if !self.has_receive(peer) {
+            self.count_drop(dest_di, Drop::NoReceive);
+            return;
+        }
+        // No RNR for UD: the time argument is never used. A malformed
+        // receive completes in error and moves the QP to ERR, as on RC.
+        if let Err(step) = self.head_receive(peer, std::time::Duration::ZERO) {
+            if let Step::Complete {
+                fail_responder: Some(p),
+                ..
+            } = step
+            {
+                self.fail_qp(p, false, "a receive it posted is malformed");
+            }
+            return;
+        }
+        let (Some(qp), Some(p)) = (self.qps.get(qref), self.qps.get(peer)) else {
+            return;
+        };
+        let (device, pd) = (qp.device, qp.pd);
+        let needed = u64::from(GRH_SIZE) + work.length;
+        let ok = p.rq_head.length >= needed
+            && self
+                .keys
+                .check_sges(p.device, p.pd, p.rq_head.sges(), access::LOCAL_WRITE);
+        if !ok {
+            self.count_drop(dest_di, Drop::Invalid);
+            return;
+        }
+        let dst = SgeList::new(
+            &self.keys,
+            p.device,
+            p.pd,
+            p.rq_head.sges(),
+            access::LOCAL_WRITE,
+        );
+        let copied = keys::write_bytes(grh, &dst)
+            && match work.local {
+                Local::Inline(_) => keys::scatter(work.inline(), &dst, u64::from(GRH_SIZE)),
+                _ => {
+                    let src = SgeList::new(&self.keys, device, pd, work.sges(), 0);
+                    keys::copy_between(&src, 0, &dst, u64::from(GRH_SIZE), work.length)
+                }
+            };
+        if !copied {
+            self.count_drop(dest_di, Drop::Invalid);
+            return;
+        }
+        let mut cqe = Cqe {
+            wr_id: p.rq_head.wr_id.into(),
+            status: WcStatus::Success.into(),
+            opcode: WcOpcode::Recv.into(),
+            wc_flags: wc_flags::GRH,
+            byte_len: u32::try_from(needed).unwrap_or(u32::MAX).into(),
+            qp_num: p.vqpn.into(),
+            src_qp: src_qp.into(),
+            ..Cqe::default()
+        };
+        if work.opcode == SendOpcode::SendWithImm {
+            cqe.imm_data = work.imm_data;
+            cqe.wc_flags |= wc_flags::WITH_IMM;
+        }
+        let solicited = work.flags & send_flags::SOLICITED != 0;
+        self.complete_recv(peer, &cqe, solicited);
+    }
+}
+
+/// The GRH of a UD message from the device of `src` through `ah`: as
+/// RoCEv2 over IPv4 puts it in the receive buffer, 20 zero bytes and the
+/// packet's IPv4 header (TOS the traffic class, TTL the hop limit, total
+/// length the whole packet's: IPv4, UDP, BTH, DETH, immediate, payload,
+/// ICRC; DF set and ID 0, as vrdma and Linux send RoCE).
+pub fn grh(src: &Gid, ah: &Ah, work: &SendWork) -> [u8; GRH_SIZE as usize] {
+    let ip = |gid: &Gid| Ipv4Addr::from(vrdma_spec::gid::ipv4_of(gid).unwrap_or([0; 4]));
+    let imm = if work.opcode == SendOpcode::SendWithImm {
+        IMM_LEN
+    } else {
+        0
+    };
+    let payload = usize::try_from(work.length).unwrap_or(usize::MAX);
+    let udp_payload = BTH_LEN + DETH_LEN + imm + payload + ICRC_LEN;
+    let meta = Ipv4Meta::outgoing(ip(src), ip(&ah.dgid), 0);
+    let mut headers = [0u8; 28];
+    let mut out = [0u8; GRH_SIZE as usize];
+    let offset = GRH_SIZE as usize - IPV4_HEADER_LEN;
+    if write_ipv4_udp_header(
+        &mut headers,
+        &meta,
+        ah.traffic_class,
+        ah.hop_limit,
+        udp_payload,
+    )
+    .is_ok()
+    {
+        out[offset..].copy_from_slice(&headers[..IPV4_HEADER_LEN]);
+    }
+    out
+}
