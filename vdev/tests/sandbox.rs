@@ -319,8 +319,8 @@ fn refusing_hostd(path: &Path) -> std::thread::JoinHandle<(u32, String)> {
         let uid = channel.peer_cred().expect("peer credentials").uid;
         let (hello, _fds): (Request, _) = channel.recv().expect("hello");
         let tenant = match hello {
-            Request::Hello { tenant, .. } => tenant,
-            other => panic!("expected Hello, got {other:?}"),
+            Request::OpenContext { tenant, .. } => tenant,
+            other => panic!("expected OpenContext, got {other:?}"),
         };
         channel
             .send(
