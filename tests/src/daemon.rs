@@ -163,11 +163,35 @@ impl Vdev {
         must(self.daemon.restart());
     }
 
-    /// Waits (up to 10 s) until vdev has built its device for its
+    /// Waits (10 s at most) until vdev has settled with `open` frontends
+    /// connected: every frontend that left is released and the next
+    /// context waits for its frontend (its log: "Frontend connected" k
+    /// times, "state released" k - `open` times, "Waiting for a frontend"
+    /// k + 1 times). Contexts come and go on their own threads: a count of
+    /// vdev's descriptors or memory means something only then.
+    pub fn wait_settled(&self, open: usize) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = self.log();
+            let connected = log.matches("Frontend connected").count();
+            let released = log.matches("state released").count();
+            let waiting = log.matches("Waiting for a frontend").count();
+            if waiting == connected + 1 && released + open == connected {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "vdev did not settle ({connected} connected, {released} released, \
+                 {waiting} waiting, {open} open):\n{log}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits (up to 10 s) until vdev has built its context for its
     /// `frontend`-th frontend (1 for the first) and waits for it to
     /// connect: registered with hostd and its control-queue worker
-    /// started, as its log says. Between frontends vdev tears one device down and
-    /// builds the next, so this is the moment its resources are steady.
+    /// started, as its log says.
     pub fn wait_for_frontend(&self, frontend: usize) {
         let waiting = "Waiting for a frontend";
         let logged = self.wait_logged(waiting, frontend, Duration::from_secs(10));

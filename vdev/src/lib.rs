@@ -238,18 +238,20 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                 accepting = false;
             }
             Event::Ended(id, result) => {
-                let Some(context) = contexts.remove(&id) else {
+                let Some(Context { backend, thread }) = contexts.remove(&id) else {
                     continue;
                 };
                 held_back = false;
-                let _ = context.thread.join();
+                let _ = thread.join();
                 // Whatever the driver left, hostd drops it (one
                 // ResetDevice for this context's objects).
-                context.backend.device().release_all();
+                backend.device().release_all();
                 // The registration ends with the frontend.
-                if let Some(fabric) = context.backend.device().fabric() {
+                if let Some(fabric) = backend.device().fabric() {
                     fabric.close();
                 }
+                // Its descriptors close now, before it is reported gone.
+                drop(backend);
                 match result {
                     Ok(()) => tracing::info!(tenant = %config.tenant, context = id,
                         "Frontend disconnected; its context's state released"),

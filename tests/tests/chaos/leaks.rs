@@ -94,6 +94,8 @@ fn create_destroy_cycles_leak_nothing() {
     for i in 0..WARM_UP {
         cycle(&t, i);
     }
+    // The next context is set up beside this one: count from then on.
+    t.vdev.wait_settled(1);
     let pids = [
         ("vdev", t.vdev.pid().to_string()),
         ("hostd", hostd.pid().to_string()),
@@ -132,8 +134,13 @@ fn create_destroy_cycles_leak_nothing() {
         t = Tenant::open(t.close());
         cycle(&t, i);
     }
-    let settle = || std::thread::sleep(Duration::from_millis(50));
-    settle();
+    // vdev sets the next context up, and releases the last, on threads of
+    // their own: count once it has settled.
+    let settle = |t: &Tenant| {
+        t.vdev.wait_settled(1);
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    settle(&t);
     let before: Vec<_> = pids.iter().map(|(_, pid)| ProcUsage::of(pid)).collect();
     let started = Instant::now();
     for i in 0..reconnects {
@@ -141,7 +148,7 @@ fn create_destroy_cycles_leak_nothing() {
         cycle(&t, i);
     }
     let elapsed = started.elapsed();
-    settle();
+    settle(&t);
     let after: Vec<_> = pids.iter().map(|(_, pid)| ProcUsage::of(pid)).collect();
     println!("leak check: {reconnects} reconnections in {elapsed:?}");
     compare(&pids, &before, &after, RECONNECT_PRIVATE_SLACK_KIB);
@@ -185,6 +192,7 @@ fn a_vdev_on_hostd_serves_the_next_frontend() {
     // must be counted once vdev has built the next device, not while it
     // builds it.)
     vdev.wait_for_frontend(3);
+    vdev.wait_settled(0);
     assert_usage(&hostd, "alpha", &[("devices", 1.0), ("qps", 0.0)]);
     // And each frontend leaves nothing behind (vhost-user-backend 0.24
     // leaked an eventfd per frontend; vdev owns it now).
@@ -194,6 +202,7 @@ fn a_vdev_on_hostd_serves_the_next_frontend() {
         vdev = Tenant::open(vdev).close();
     }
     vdev.wait_for_frontend(3 + 5);
+    vdev.wait_settled(0);
     assert_eq!(
         ProcUsage::of(&pid).fds,
         fds,
