@@ -11,6 +11,7 @@
 //! and a guest running Linux Soft-RoCE on a tap in a network namespace
 //! ([`vm::rxe`]). [`netns`] builds a cluster of hosts (network namespaces)
 //! joined by a bridge or by the hostile relay, for the multi-host tests.
+//! [`pyunit`] reads Python unittest's report (rdma-core's test suite).
 //! [`need`] makes a missing tool a failure that says what to install.
 
 pub use vrdma_tools::{app_memory, vmm};
@@ -19,6 +20,7 @@ pub mod c_program;
 pub mod daemon;
 pub mod need;
 pub mod netns;
+pub mod pyunit;
 pub mod rng;
 pub mod rogue;
 pub mod tenant;

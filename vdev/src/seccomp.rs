@@ -55,7 +55,7 @@ impl ThreadRole for Role {
             Role::VhostUser => vhost_user_rules()?,
             Role::PolicyListener => policy_listener_rules(),
         };
-        Ok(common_rules()?.merge(own))
+        Ok(common_rules()?.merge(channel_rules()).merge(own))
     }
 }
 
@@ -71,6 +71,20 @@ impl fmt::Display for Role {
 
 /// vdev's threads, each started under its role's filter.
 pub type Threads = vrdma_isolation::seccomp::Threads<Role>;
+
+/// What every vdev thread needs for std's channels besides
+/// [`common_rules`]: a receiver that finds a slot whose sender was
+/// preempted halfway through writing it (and a sender that finds the next
+/// block being installed) spins briefly, then calls `sched_yield` until
+/// the other thread is done. The context threads report to the main
+/// thread through such a channel; rdma-core's test suite, opening and
+/// closing contexts in quick succession on a 2-core host, had vdev killed
+/// by its own filter there.
+fn channel_rules() -> Rules {
+    let mut r = Rules::new();
+    r.allow(libc::SYS_sched_yield);
+    r
+}
 
 /// The main thread: frontends come and go, hostd registrations, threads.
 fn main_rules() -> Result<Rules, SeccompError> {
@@ -171,7 +185,9 @@ mod tests {
     /// integration tests, and from the code paths of each role.
     fn needed(role: Role) -> Vec<Call> {
         let cloexec = libc::EPOLL_CLOEXEC as u64;
-        match role {
+        // std's channels, on every thread (see `channel_rules`).
+        let sched_yield = ("sched_yield", libc::SYS_sched_yield, [0; 6]);
+        let mut calls = match role {
             Role::Main => vec![
                 unix_socket(),
                 ("connect", libc::SYS_connect, [4, 0, 35, 0, 0, 0]),
@@ -203,7 +219,9 @@ mod tests {
                 ("shutdown", libc::SYS_shutdown, [19, 2, 0, 0, 0, 0]),
             ],
             Role::PolicyListener => vec![("recvmsg", libc::SYS_recvmsg, [7, 0, 0, 0, 0, 0])],
-        }
+        };
+        calls.push(sched_yield);
+        calls
     }
 
     #[test]
@@ -253,7 +271,6 @@ mod tests {
             &ROLES,
             &[
                 ("memfd_create", libc::SYS_memfd_create),
-                ("sched_yield", libc::SYS_sched_yield),
                 ("setpriority", libc::SYS_setpriority),
             ],
         );
@@ -296,8 +313,12 @@ mod tests {
     #[test]
     fn the_kernel_enforces_each_role() {
         let accept = ("accept4", libc::SYS_accept4, [BAD, 0, 0, 0, 0, 0]);
+        // The main thread receives the context threads' channel messages
+        // (`channel_rules`): the kernel must let it yield.
+        let sched_yield = ("sched_yield", libc::SYS_sched_yield, [0; 6]);
         assert_kernel_enforces(&[
             (Role::Main, unix_socket(), accept),
+            (Role::Main, sched_yield, accept),
             (Role::VhostUser, accept, unix_socket()),
             (
                 Role::PolicyListener,

@@ -65,6 +65,13 @@ pub(crate) struct Ctx {
     pub(crate) vctx: verbs_context,
     pub(crate) shared: Arc<Shared>,
     events_thread: Option<JoinHandle<()>>,
+    /// The context's `cmd_fd`. A real device's is its uverbs descriptor,
+    /// and programs use it as one: rdma-core's tests `dup()` it to try
+    /// `ibv_import_device` (refused, `EOPNOTSUPP`), which `-1` would turn
+    /// into `EBADF`. vrdma's commands travel on the vdev connection, which
+    /// must not outlive `ibv_close_device` in a duplicate, so this is an
+    /// eventfd nothing reads or writes: a descriptor of the context's own.
+    cmd_fd: OwnedFd,
 }
 
 impl Ctx {
@@ -82,8 +89,10 @@ impl Ctx {
             vctx: verbs_context::default(),
             shared: Arc::clone(&shared),
             events_thread: None,
+            cmd_fd: events::eventfd(0)?,
         });
         fill(&mut ctx.vctx, &shared);
+        ctx.vctx.context.cmd_fd = ctx.cmd_fd.as_raw_fd();
         ctx.vctx.context.device = std::ptr::from_ref(&device.ibv).cast_mut();
         let thread = std::thread::Builder::new()
             .name("vrdma-events".into())
@@ -142,7 +151,6 @@ impl Drop for Ctx {
 /// Fills the context fields and ops tables.
 fn fill(vctx: &mut verbs_context, shared: &Shared) {
     let ctx = &mut vctx.context;
-    ctx.cmd_fd = -1;
     ctx.async_fd = shared.async_events.fd().as_raw_fd();
     ctx.num_comp_vectors = c_int::from(shared.dev.num_comp_vectors());
     ctx.abi_compat = ABI_IS_EXTENDED as *mut c_void;

@@ -8,6 +8,9 @@
 //!   (those before it are posted, as with a hardware provider).
 //! - A list is posted as one batch: its WQEs are published and the
 //!   doorbell rung once, however many it holds.
+//! - A QP posts receives from INIT on and sends from RTS on (IBA
+//!   C10-97.2.1, as Linux rxe checks): before that the first work request
+//!   fails with `EINVAL` (the state is the one `ibv_modify_qp` last set).
 //! - `IBV_SEND_INLINE`: the SGEs name the application's own buffers (no
 //!   lkey); their bytes are gathered and copied into the WQE.
 //! - Nothing is allocated: SGE lists and inline data are translated in
@@ -35,8 +38,8 @@ use vrdma_guest_driver::{
 };
 
 use crate::abi::{
-    ibv_cq, ibv_qp, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_srq, ibv_wc, ibv_wc__bindgen_ty_1,
-    IBV_QPT_UD, IBV_SEND_INLINE,
+    ibv_cq, ibv_qp, ibv_qp_state, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_srq, ibv_wc,
+    ibv_wc__bindgen_ty_1, IBV_QPS_INIT, IBV_QPS_RTS, IBV_QPT_UD, IBV_SEND_INLINE,
 };
 use crate::context::Ctx;
 use crate::ffi::{errno_of, guard, VResult};
@@ -271,15 +274,30 @@ impl WorkRequest for ibv_recv_wr {
 unsafe fn post_list<'q, W: WorkRequest, B>(
     verb: &'static str,
     qp: *mut ibv_qp,
+    least: ibv_qp_state,
     wr: *mut W,
     bad_wr: *mut *mut W,
     open: impl FnOnce(&'q QueuePair) -> B,
     push: impl FnMut(&mut B, &W) -> VResult<()>,
 ) -> c_int {
     // SAFETY: the caller passes a live QP.
-    let qp = unsafe { Qp::from_raw(qp) }.and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL));
+    let qp = unsafe { Qp::from_raw(qp) }
+        .and_then(|q| q.inner.as_ref().ok_or(libc::EINVAL))
+        // SAFETY: `from_raw` accepted `qp`: a live QP of this library.
+        .and_then(|inner| ready(unsafe { &*qp }, least).map(|()| inner));
     // SAFETY: the caller's promise.
     unsafe { post_on(verb, qp, wr, bad_wr, open, push) }
+}
+
+/// `Ok` when `qp`'s queue may be posted on: its state (the one
+/// `ibv_modify_qp` last set) is `least` or beyond (SQD, SQE and ERR are
+/// beyond RTS: work posted in ERR completes flushed). `EINVAL` otherwise.
+pub(crate) fn ready(qp: &ibv_qp, least: ibv_qp_state) -> VResult<()> {
+    if qp.state >= least {
+        Ok(())
+    } else {
+        Err(libc::EINVAL)
+    }
 }
 
 /// [`post_list`] on an object already resolved (a QP's queue or an SRQ),
@@ -345,7 +363,17 @@ pub(crate) unsafe extern "C" fn post_send(
         batch.push(&t).map_err(|e| e.errno())
     };
     // SAFETY: the caller's promise.
-    unsafe { post_list("ibv_post_send", qp, wr, bad_wr, QueuePair::send_batch, push) }
+    unsafe {
+        post_list(
+            "ibv_post_send",
+            qp,
+            IBV_QPS_RTS,
+            wr,
+            bad_wr,
+            QueuePair::send_batch,
+            push,
+        )
+    }
 }
 
 /// `ops.post_recv`.
@@ -362,7 +390,17 @@ pub(crate) unsafe extern "C" fn post_recv(
     let mut sges = [Sge::default(); MAX_SGES];
     let push = |batch: &mut RecvBatch<'_>, w: &ibv_recv_wr| push_recv(batch, w, &mut sges);
     // SAFETY: the caller's promise.
-    unsafe { post_list("ibv_post_recv", qp, wr, bad_wr, QueuePair::recv_batch, push) }
+    unsafe {
+        post_list(
+            "ibv_post_recv",
+            qp,
+            IBV_QPS_INIT,
+            wr,
+            bad_wr,
+            QueuePair::recv_batch,
+            push,
+        )
+    }
 }
 
 /// `ops.post_srq_recv` (and the context op the inline `ibv_post_srq_recv`

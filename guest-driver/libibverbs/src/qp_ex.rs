@@ -28,7 +28,7 @@ use vrdma_guest_driver::{SendBatch, SendPayload, SendWr, Sge, UdDest};
 
 use crate::abi::{
     __be32, ibv_ah, ibv_context, ibv_data_buf, ibv_mw, ibv_mw_bind_info, ibv_qp, ibv_qp_ex,
-    ibv_qp_init_attr, ibv_qp_init_attr_ex, ibv_sge, ibv_wr_opcode,
+    ibv_qp_init_attr, ibv_qp_init_attr_ex, ibv_sge, ibv_wr_opcode, IBV_QPS_RTS,
     IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP, IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD,
     IBV_QP_EX_WITH_RDMA_READ, IBV_QP_EX_WITH_RDMA_WRITE, IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM,
     IBV_QP_EX_WITH_SEND, IBV_QP_EX_WITH_SEND_WITH_IMM, IBV_QP_INIT_ATTR_CREATE_FLAGS,
@@ -36,7 +36,7 @@ use crate::abi::{
     IBV_QP_INIT_ATTR_RX_HASH, IBV_QP_INIT_ATTR_SEND_OPS_FLAGS, IBV_QP_INIT_ATTR_XRCD,
 };
 use crate::control::create_qp;
-use crate::datapath::{convert_sges, gather_inline, wire_send_flags, MAX_INLINE, MAX_SGES};
+use crate::datapath::{self, convert_sges, gather_inline, wire_send_flags, MAX_INLINE, MAX_SGES};
 use crate::ffi::{guard, non_null, ptr_verb, unsupported, VResult};
 use crate::objects::{Ah, Qp, Wrapper};
 
@@ -297,10 +297,12 @@ unsafe extern "C" fn wr_start(qp: *mut ibv_qp_ex) {
         let batch = unsafe { std::mem::transmute::<SendBatch<'_>, SendBatch<'static>>(batch) };
         wr.owner.store(thread_id(), Ordering::Release);
         if let Some(s) = wr.owned() {
+            // Before RTS the batch fails at completion, as ibv_post_send.
+            let ready = datapath::ready(&q.ibv.qp_base, IBV_QPS_RTS);
             *s = WrState {
                 batch: Some(batch),
                 pending: None,
-                error: 0,
+                error: ready.err().unwrap_or(0),
             };
         }
     });
