@@ -295,6 +295,13 @@ pub fn common_rules() -> Result<Rules, SeccompError> {
     r.allow_if_eq(libc::SYS_fcntl, 1, &[libc::F_GETFD as u64])?;
     // Mutexes, condition variables, channels, thread join.
     r.allow(libc::SYS_futex);
+    // std's channels: a receiver that finds a slot whose sender was
+    // preempted halfway through writing it (or a sender that finds the
+    // next block being installed) spins briefly, then yields until the
+    // other thread is done. Every thread may meet a channel; vdev was once
+    // killed by its own filter there (rdma-core's test suite opening and
+    // closing contexts quickly on a 2-core host).
+    r.allow(libc::SYS_sched_yield);
     // Heap: the main arena grows with brk, large blocks are mapped, and
     // realloc of a mapped block moves it with mremap (which cannot add
     // PROT_EXEC). Dropping the last reference to shared memory (guest

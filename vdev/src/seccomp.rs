@@ -55,7 +55,7 @@ impl ThreadRole for Role {
             Role::VhostUser => vhost_user_rules()?,
             Role::PolicyListener => policy_listener_rules(),
         };
-        Ok(common_rules()?.merge(channel_rules()).merge(own))
+        Ok(common_rules()?.merge(own))
     }
 }
 
@@ -71,20 +71,6 @@ impl fmt::Display for Role {
 
 /// vdev's threads, each started under its role's filter.
 pub type Threads = vrdma_isolation::seccomp::Threads<Role>;
-
-/// What every vdev thread needs for std's channels besides
-/// [`common_rules`]: a receiver that finds a slot whose sender was
-/// preempted halfway through writing it (and a sender that finds the next
-/// block being installed) spins briefly, then calls `sched_yield` until
-/// the other thread is done. The context threads report to the main
-/// thread through such a channel; rdma-core's test suite, opening and
-/// closing contexts in quick succession on a 2-core host, had vdev killed
-/// by its own filter there.
-fn channel_rules() -> Rules {
-    let mut r = Rules::new();
-    r.allow(libc::SYS_sched_yield);
-    r
-}
 
 /// The main thread: frontends come and go, hostd registrations, threads.
 fn main_rules() -> Result<Rules, SeccompError> {
@@ -185,7 +171,7 @@ mod tests {
     /// integration tests, and from the code paths of each role.
     fn needed(role: Role) -> Vec<Call> {
         let cloexec = libc::EPOLL_CLOEXEC as u64;
-        // std's channels, on every thread (see `channel_rules`).
+        // std's channels, on every thread (in `common_rules`).
         let sched_yield = ("sched_yield", libc::SYS_sched_yield, [0; 6]);
         let mut calls = match role {
             Role::Main => vec![
@@ -314,7 +300,7 @@ mod tests {
     fn the_kernel_enforces_each_role() {
         let accept = ("accept4", libc::SYS_accept4, [BAD, 0, 0, 0, 0, 0]);
         // The main thread receives the context threads' channel messages
-        // (`channel_rules`): the kernel must let it yield.
+        // (`common_rules` lets every thread yield): the kernel must too.
         let sched_yield = ("sched_yield", libc::SYS_sched_yield, [0; 6]);
         assert_kernel_enforces(&[
             (Role::Main, unix_socket(), accept),
