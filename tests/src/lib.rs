@@ -22,5 +22,7 @@ pub mod netns;
 pub mod rng;
 pub mod rogue;
 pub mod tenant;
+pub mod two_tenants;
+pub mod ucx;
 pub mod vhost_tap;
 pub mod vm;

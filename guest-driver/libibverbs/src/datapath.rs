@@ -496,9 +496,8 @@ pub(crate) unsafe extern "C" fn poll_cq(
             for (dst, src) in out[total..].iter_mut().zip(&buf[..got]) {
                 let grh = src.wc_flags & wc_flags::GRH != 0;
                 // SAFETY: a live CQ's context is open.
-                let path = completion_path(is_receive(src), grh, || unsafe {
-                    qp_path(cq, src.qp_num)
-                });
+                let path =
+                    completion_path(is_receive(src), grh, || unsafe { qp_path(cq, src.qp_num) });
                 *dst = fill_wc(src, path);
             }
             total += got;
