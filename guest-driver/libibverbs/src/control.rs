@@ -824,4 +824,16 @@ mod tests {
         a.qp_state = 300;
         assert_eq!(qp_attr_to_wire(&a).err(), Some(libc::EINVAL));
     }
+
+    #[test]
+    fn the_flow_label_keeps_its_20_bits_as_a_provider_writes_it() {
+        let mut a = ibv_ah_attr::default();
+        // UCX leaves all ones there; the GRH's field has 20 bits.
+        a.grh.flow_label = u32::MAX;
+        assert_eq!(ah_to_wire(&a).flow_label.get(), 0xf_ffff);
+        a.grh.flow_label = 0x1_2345;
+        assert_eq!(ah_to_wire(&a).flow_label.get(), 0x1_2345);
+        a.grh.flow_label = 0x10_0001;
+        assert_eq!(ah_to_wire(&a).flow_label.get(), 1);
+    }
 }
