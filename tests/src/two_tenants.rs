@@ -5,6 +5,7 @@
 //! the server on alpha's device and the client on beta's; they meet over
 //! TCP on 127.0.0.1.
 
+use std::path::Path;
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -79,6 +80,31 @@ impl Run {
     pub fn client_text(&self) -> String {
         Self::text(&self.client)
     }
+}
+
+/// Runs `program args` alone on `device` (a vdev socket); it must exit 0
+/// within `timeout`. Returns its output (stdout, then stderr).
+pub fn run_one(
+    shim: &IbverbsShim,
+    program: &str,
+    device: &Path,
+    args: &[&str],
+    timeout: Duration,
+) -> String {
+    let child = shim
+        .command(program, device)
+        .args(args)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let (out, late) = wait_output(child, timeout);
+    let text = Run::text(&out);
+    assert!(
+        out.status.success() && !late,
+        "{program} {args:?}: {:?}{}\n{text}",
+        out.status,
+        if late { " (killed: too slow)" } else { "" },
+    );
+    text
 }
 
 /// Runs `program args` as the server on alpha and `program args localhost`

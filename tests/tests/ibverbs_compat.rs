@@ -17,7 +17,7 @@ use std::time::Duration;
 use vrdma_tests::c_program::build_c_program;
 use vrdma_tests::daemon::{wait_output, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::need;
-use vrdma_tests::two_tenants::{run_pair, serial, Fabric, Run};
+use vrdma_tests::two_tenants::{run_one, run_pair, serial, Fabric, Run};
 
 #[test]
 fn ibv_devinfo_lists_the_vrdma_device_with_an_active_port() {
@@ -25,17 +25,12 @@ fn ibv_devinfo_lists_the_vrdma_device_with_an_active_port() {
     let _serial = serial();
     let shim = IbverbsShim::new();
     let fabric = Fabric::start();
-    let child = shim
-        .command("ibv_devinfo", &fabric.alpha.socket)
-        .arg("-v")
-        .spawn()
-        .expect("spawn ibv_devinfo");
-    let (out, late) = wait_output(child, Duration::from_secs(30));
-    let text = Run::text(&out);
-    assert!(
-        out.status.success() && !late,
-        "ibv_devinfo: {:?}\n{text}",
-        out.status
+    let text = run_one(
+        &shim,
+        "ibv_devinfo",
+        &fabric.alpha.socket,
+        &["-v"],
+        Duration::from_secs(30),
     );
     for expected in [
         "hca_id:\tvrdma0",

@@ -23,7 +23,7 @@ use std::time::Duration;
 use vrdma_tests::c_program::build_mpi_program;
 use vrdma_tests::daemon::{wait_output, IbverbsShim, TempDir};
 use vrdma_tests::need;
-use vrdma_tests::two_tenants::{run_pair_with, serial, Fabric, Run};
+use vrdma_tests::two_tenants::{run_one, run_pair_with, serial, Fabric, Run};
 use vrdma_tests::ucx::{chosen_transports, device_name, install_device_node, ucx_env};
 
 /// A choice of UCX transports: what `UCX_TLS` says, and the transport
@@ -90,17 +90,13 @@ fn ucx_info_lists_the_vrdma_device_with_rc_verbs_and_ud_verbs() {
     install_device_node(0);
     let shim = IbverbsShim::new();
     let fabric = Fabric::start();
-    let child = shim
-        .command(program.to_str().expect("UTF-8 path"), &fabric.alpha.socket)
-        .arg("-d")
-        .spawn()
-        .expect("spawn ucx_info");
-    let (out, late) = wait_output(child, Duration::from_secs(60));
-    let text = Run::text(&out);
-    assert!(
-        out.status.success() && !late,
-        "ucx_info -d: {:?}\n{text}",
-        out.status
+    let program = program.to_str().expect("UTF-8 path");
+    let text = run_one(
+        &shim,
+        program,
+        &fabric.alpha.socket,
+        &["-d"],
+        Duration::from_secs(60),
     );
     // The memory domain of the device, its IB component, and both verbs
     // transports on its port 1 (the text between the domain's header and
@@ -168,19 +164,32 @@ fn perftest(fabric: &Fabric, tls: &Transports, test: &str, kind: &str, movers: &
     row
 }
 
+/// ucx_perftest's four tests over `tls` on one fabric, each with the kind
+/// of hostd work it must show and the tenants that do it.
+fn perftests(tls: &Transports, expected: [(&str, &str, &[&str]); 4]) {
+    need::program("ucx_perftest", "ucx-utils");
+    let _serial = serial();
+    install_device_node(0);
+    let fabric = Fabric::start();
+    for (test, kind, movers) in expected {
+        perftest(&fabric, tls, test, kind, movers);
+    }
+}
+
 /// ucx_perftest's put bandwidth, get, tag-matching latency and bandwidth
 /// over RC: puts are RDMA WRITEs and gets RDMA READs of beta's QP into
 /// alpha's memory; tagged messages of 4 KiB go as sends both ways.
 #[test]
 fn ucx_perftest_over_rc_verbs_between_two_tenants() {
-    need::program("ucx_perftest", "ucx-utils");
-    let _serial = serial();
-    install_device_node(0);
-    let fabric = Fabric::start();
-    perftest(&fabric, &RC, "ucp_put_bw", "write", &["beta"]);
-    perftest(&fabric, &RC, "ucp_get", "read", &["beta"]);
-    perftest(&fabric, &RC, "tag_lat", "send", &["alpha", "beta"]);
-    perftest(&fabric, &RC, "tag_bw", "send", &["beta"]);
+    perftests(
+        &RC,
+        [
+            ("ucp_put_bw", "write", &["beta"]),
+            ("ucp_get", "read", &["beta"]),
+            ("tag_lat", "send", &["alpha", "beta"]),
+            ("tag_bw", "send", &["beta"]),
+        ],
+    );
 }
 
 /// The same over UD only: UCX's `ud_verbs` emulates puts and gets with
@@ -188,14 +197,15 @@ fn ucx_perftest_over_rc_verbs_between_two_tenants() {
 /// SEND work in hostd, and the gets' data comes back from alpha.
 #[test]
 fn ucx_perftest_over_ud_verbs_between_two_tenants() {
-    need::program("ucx_perftest", "ucx-utils");
-    let _serial = serial();
-    install_device_node(0);
-    let fabric = Fabric::start();
-    perftest(&fabric, &UD, "ucp_put_bw", "send", &["beta"]);
-    perftest(&fabric, &UD, "ucp_get", "send", &["alpha"]);
-    perftest(&fabric, &UD, "tag_lat", "send", &["alpha", "beta"]);
-    perftest(&fabric, &UD, "tag_bw", "send", &["beta"]);
+    perftests(
+        &UD,
+        [
+            ("ucp_put_bw", "send", &["beta"]),
+            ("ucp_get", "send", &["alpha"]),
+            ("tag_lat", "send", &["alpha", "beta"]),
+            ("tag_bw", "send", &["beta"]),
+        ],
+    );
 }
 
 /// `mpirun` of `tests/c/mpi_pingpong.c` with `ranks` ranks, half on
