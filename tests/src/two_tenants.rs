@@ -6,7 +6,7 @@
 //! TCP on 127.0.0.1.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Child, Command, Output};
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -96,13 +96,26 @@ pub fn run_one(
         .args(args)
         .spawn()
         .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    finish(child, &format!("{program} {args:?}"), timeout, String::new)
+}
+
+/// Waits for `child` (`what`, for messages): it must exit 0 within
+/// `timeout`, or the test fails with its output and `context()` (e.g.
+/// the daemons' logs). Returns its output (stdout, then stderr).
+pub fn finish(
+    child: Child,
+    what: &str,
+    timeout: Duration,
+    context: impl FnOnce() -> String,
+) -> String {
     let (out, late) = wait_output(child, timeout);
     let text = Run::text(&out);
     assert!(
         out.status.success() && !late,
-        "{program} {args:?}: {:?}{}\n{text}",
+        "{what}: {:?}{}\n{text}\n{}",
         out.status,
         if late { " (killed: too slow)" } else { "" },
+        context()
     );
     text
 }

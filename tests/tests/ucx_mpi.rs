@@ -21,29 +21,48 @@ use std::path::Path;
 use std::time::Duration;
 
 use vrdma_tests::c_program::build_mpi_program;
-use vrdma_tests::daemon::{wait_output, IbverbsShim, TempDir};
+use vrdma_tests::daemon::{IbverbsShim, TempDir};
 use vrdma_tests::need;
-use vrdma_tests::two_tenants::{run_one, run_pair_with, serial, Fabric, Run};
+use vrdma_tests::two_tenants::{finish, run_one, run_pair_with, serial, Fabric};
 use vrdma_tests::ucx::{chosen_transports, device_name, install_device_node, ucx_env};
 
-/// A choice of UCX transports: what `UCX_TLS` says, and the transport
-/// UCX must then choose for every endpoint.
+/// A choice of UCX transports: what `UCX_TLS` says, the transport UCX
+/// must then choose for every endpoint, and for each ucx_perftest test the
+/// kind of hostd work it must show and the tenants that do it.
 struct Transports {
     tls: &'static str,
     chosen: &'static str,
+    perftests: [(&'static str, &'static str, &'static [&'static str]); 4],
 }
 
 /// `rc_verbs`: UCX's wire-up needs a transport that connects to an
 /// interface, and an RC QP connects only to an endpoint, so UCX refuses
 /// `UCX_TLS=rc_verbs` alone ("no auxiliary transport"); `ud_verbs:aux`
 /// (what UCX's own alias `rc_v` means) carries only the wire-up.
+/// Over RC, puts are RDMA WRITEs and gets RDMA READs of beta's QP into
+/// alpha's memory; tagged messages of 4 KiB go as sends both ways.
 const RC: Transports = Transports {
     tls: "rc_verbs,ud_verbs:aux",
     chosen: "rc_verbs",
+    perftests: [
+        ("ucp_put_bw", "write", &["beta"]),
+        ("ucp_get", "read", &["beta"]),
+        ("tag_lat", "send", &["alpha", "beta"]),
+        ("tag_bw", "send", &["beta"]),
+    ],
 };
+/// Over UD, UCX emulates puts and gets with datagrams (its own
+/// reliability protocol on top), so everything is SEND work in hostd, and
+/// the gets' data comes back from alpha.
 const UD: Transports = Transports {
     tls: "ud_verbs",
     chosen: "ud_verbs",
+    perftests: [
+        ("ucp_put_bw", "send", &["beta"]),
+        ("ucp_get", "send", &["alpha"]),
+        ("tag_lat", "send", &["alpha", "beta"]),
+        ("tag_bw", "send", &["beta"]),
+    ],
 };
 
 /// ucx_perftest's message size and iterations.
@@ -164,48 +183,26 @@ fn perftest(fabric: &Fabric, tls: &Transports, test: &str, kind: &str, movers: &
     row
 }
 
-/// ucx_perftest's four tests over `tls` on one fabric, each with the kind
-/// of hostd work it must show and the tenants that do it.
-fn perftests(tls: &Transports, expected: [(&str, &str, &[&str]); 4]) {
+/// ucx_perftest's put bandwidth, get, tag-matching latency and bandwidth
+/// over `tls` on one fabric, each showing its work in hostd.
+fn perftests(tls: &Transports) {
     need::program("ucx_perftest", "ucx-utils");
     let _serial = serial();
     install_device_node(0);
     let fabric = Fabric::start();
-    for (test, kind, movers) in expected {
+    for (test, kind, movers) in tls.perftests {
         perftest(&fabric, tls, test, kind, movers);
     }
 }
 
-/// ucx_perftest's put bandwidth, get, tag-matching latency and bandwidth
-/// over RC: puts are RDMA WRITEs and gets RDMA READs of beta's QP into
-/// alpha's memory; tagged messages of 4 KiB go as sends both ways.
 #[test]
 fn ucx_perftest_over_rc_verbs_between_two_tenants() {
-    perftests(
-        &RC,
-        [
-            ("ucp_put_bw", "write", &["beta"]),
-            ("ucp_get", "read", &["beta"]),
-            ("tag_lat", "send", &["alpha", "beta"]),
-            ("tag_bw", "send", &["beta"]),
-        ],
-    );
+    perftests(&RC);
 }
 
-/// The same over UD only: UCX's `ud_verbs` emulates puts and gets with
-/// datagrams (its own reliability protocol on top), so everything is
-/// SEND work in hostd, and the gets' data comes back from alpha.
 #[test]
 fn ucx_perftest_over_ud_verbs_between_two_tenants() {
-    perftests(
-        &UD,
-        [
-            ("ucp_put_bw", "send", &["beta"]),
-            ("ucp_get", "send", &["alpha"]),
-            ("tag_lat", "send", &["alpha", "beta"]),
-            ("tag_bw", "send", &["beta"]),
-        ],
-    );
+    perftests(&UD);
 }
 
 /// `mpirun` of `tests/c/mpi_pingpong.c` with `ranks` ranks, half on
@@ -263,15 +260,8 @@ fn mpi_pingpong(ranks: usize) {
         ])
         .args(["-np", &per_device, "-x", &device(&fabric.beta.socket), exe]);
     let child = mpirun.spawn().expect("spawn mpirun");
-    let (out, late) = wait_output(child, Duration::from_secs(120));
-    let text = Run::text(&out);
-    assert!(
-        out.status.success() && !late,
-        "mpirun with {ranks} ranks: {:?}{}\n{text}\n{}",
-        out.status,
-        if late { " (killed: too slow)" } else { "" },
-        fabric.logs()
-    );
+    let what = format!("mpirun with {ranks} ranks");
+    let text = finish(child, &what, Duration::from_secs(120), || fabric.logs());
     // Every rank checked its partner's messages and the reductions.
     for rank in 0..ranks {
         let partner = (rank + ranks / 2) % ranks;
