@@ -11,6 +11,10 @@
 //! and a guest running Linux Soft-RoCE on a tap in a network namespace
 //! ([`vm::rxe`]). [`netns`] builds a cluster of hosts (network namespaces)
 //! joined by a bridge or by the hostile relay, for the multi-host tests.
+//! [`two_tenants`] runs unmodified client/server programs between two
+//! tenants through the drop-in libibverbs, [`c_program`] compiles the C and
+//! MPI programs they need, and [`ucx`] holds what UCX on vrdma needs (its
+//! device node) and says (the transports it chose).
 //! [`pyunit`] reads Python unittest's report (rdma-core's test suite).
 //! [`need`] makes a missing tool a failure that says what to install.
 
@@ -24,5 +28,7 @@ pub mod pyunit;
 pub mod rng;
 pub mod rogue;
 pub mod tenant;
+pub mod two_tenants;
+pub mod ucx;
 pub mod vhost_tap;
 pub mod vm;

@@ -11,124 +11,13 @@
 //! test fails and says which package to install.
 
 use std::path::Path;
-use std::process::{Command, Output};
-use std::sync::atomic::{AtomicU16, Ordering};
-use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::process::Command;
+use std::time::Duration;
 
 use vrdma_tests::c_program::build_c_program;
-use vrdma_tests::daemon::{tcp_listening, wait_output, Hostd, IbverbsShim, TempDir, Vdev};
+use vrdma_tests::daemon::{wait_output, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::need;
-
-/// The tests share two cores with the daemons: one program pair at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// TCP ports for the programs' QP exchange, one per run.
-fn next_port() -> u16 {
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 20000 + (std::process::id() % 20000) as u16;
-    base + NEXT.fetch_add(1, Ordering::Relaxed)
-}
-
-/// hostd with its two default tenants' vdevs.
-struct Fabric {
-    // Dropped in declaration order: the vdevs before hostd.
-    alpha: Vdev,
-    beta: Vdev,
-    hostd: Hostd,
-}
-
-impl Fabric {
-    fn start() -> Self {
-        let hostd = Hostd::start(None);
-        let alpha = Vdev::on_hostd(&hostd, "alpha", &[]);
-        let beta = Vdev::on_hostd(&hostd, "beta", &[]);
-        Fabric { alpha, beta, hostd }
-    }
-
-    fn logs(&self) -> String {
-        format!(
-            "--- hostd log:\n{}\n--- vdev alpha log:\n{}\n--- vdev beta log:\n{}",
-            self.hostd.log(),
-            self.alpha.log(),
-            self.beta.log()
-        )
-    }
-}
-
-struct Run {
-    server: Output,
-    client: Output,
-}
-
-impl Run {
-    fn text(o: &Output) -> String {
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&o.stdout),
-            String::from_utf8_lossy(&o.stderr)
-        )
-    }
-
-    fn server_text(&self) -> String {
-        Self::text(&self.server)
-    }
-
-    fn client_text(&self) -> String {
-        Self::text(&self.client)
-    }
-}
-
-/// Runs `program args` as the server on alpha and `program args localhost`
-/// as the client on beta (both with `-p port`); both must exit 0.
-fn run_pair(shim: &IbverbsShim, fabric: &Fabric, program: &str, args: &[&str]) -> Run {
-    let port = next_port().to_string();
-    let server = shim
-        .command(program, &fabric.alpha.socket)
-        .args(["-p", &port])
-        .args(args)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let client = shim
-        .command(program, &fabric.beta.socket)
-        .args(["-p", &port])
-        .args(args)
-        .arg("localhost")
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
-    let (client, client_late) = wait_output(client, Duration::from_secs(120));
-    let (server, server_late) = wait_output(server, Duration::from_secs(20));
-    let run = Run { server, client };
-    let ok = run.server.status.success() && run.client.status.success();
-    assert!(
-        ok && !client_late && !server_late,
-        "{program} {args:?}: server {:?}{}, client {:?}{}\n--- server:\n{}\n--- client:\n{}\n{}",
-        run.server.status,
-        if server_late {
-            " (killed: too slow)"
-        } else {
-            ""
-        },
-        run.client.status,
-        if client_late {
-            " (killed: too slow)"
-        } else {
-            ""
-        },
-        run.server_text(),
-        run.client_text(),
-        fabric.logs()
-    );
-    run
-}
+use vrdma_tests::two_tenants::{run_one, run_pair, serial, Fabric, Run};
 
 #[test]
 fn ibv_devinfo_lists_the_vrdma_device_with_an_active_port() {
@@ -136,17 +25,12 @@ fn ibv_devinfo_lists_the_vrdma_device_with_an_active_port() {
     let _serial = serial();
     let shim = IbverbsShim::new();
     let fabric = Fabric::start();
-    let child = shim
-        .command("ibv_devinfo", &fabric.alpha.socket)
-        .arg("-v")
-        .spawn()
-        .expect("spawn ibv_devinfo");
-    let (out, late) = wait_output(child, Duration::from_secs(30));
-    let text = Run::text(&out);
-    assert!(
-        out.status.success() && !late,
-        "ibv_devinfo: {:?}\n{text}",
-        out.status
+    let text = run_one(
+        &shim,
+        "ibv_devinfo",
+        &fabric.alpha.socket,
+        &["-v"],
+        Duration::from_secs(30),
     );
     for expected in [
         "hca_id:\tvrdma0",

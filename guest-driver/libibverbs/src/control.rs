@@ -279,13 +279,20 @@ pub unsafe extern "C" fn ibv_destroy_cq(cq: *mut ibv_cq) -> c_int {
     })
 }
 
-/// The wire form of `struct ibv_ah_attr`.
+/// The GRH's flow label field: 20 bits.
+const FLOW_LABEL_MASK: u32 = 0x000f_ffff;
+
+/// The wire form of `struct ibv_ah_attr`. The flow label keeps its 20
+/// bits, as a provider writes it into the address vector (mlx5's
+/// `flow_label & 0xfffff`; the kernel passes any `u32`): UCX leaves
+/// `0xffffffff` ("no preference") there, and the device takes only a
+/// 20-bit label.
 pub(crate) fn ah_to_wire(a: &ibv_ah_attr) -> AhAttr {
     // SAFETY: both members of `union ibv_gid` are plain bytes/integers.
     let dgid = unsafe { a.grh.dgid.raw };
     AhAttr {
         dgid,
-        flow_label: a.grh.flow_label.into(),
+        flow_label: (a.grh.flow_label & FLOW_LABEL_MASK).into(),
         dlid: a.dlid.into(),
         sgid_index: a.grh.sgid_index,
         hop_limit: a.grh.hop_limit,
@@ -816,5 +823,17 @@ mod tests {
         assert_eq!((back.max_dest_rd_atomic, back.min_rnr_timer), (16, 12));
         a.qp_state = 300;
         assert_eq!(qp_attr_to_wire(&a).err(), Some(libc::EINVAL));
+    }
+
+    #[test]
+    fn the_flow_label_keeps_its_20_bits_as_a_provider_writes_it() {
+        let mut a = ibv_ah_attr::default();
+        // UCX leaves all ones there; the GRH's field has 20 bits.
+        a.grh.flow_label = u32::MAX;
+        assert_eq!(ah_to_wire(&a).flow_label.get(), 0xf_ffff);
+        a.grh.flow_label = 0x1_2345;
+        assert_eq!(ah_to_wire(&a).flow_label.get(), 0x1_2345);
+        a.grh.flow_label = 0x10_0001;
+        assert_eq!(ah_to_wire(&a).flow_label.get(), 1);
     }
 }

@@ -27,7 +27,7 @@ use crate::abi::{
     IBV_CREATE_CQ_ATTR_SINGLE_THREADED, IBV_WC_STANDARD_FLAGS,
 };
 use crate::control::create_cq;
-use crate::datapath::{empty_poll, fill_wc, qp_path};
+use crate::datapath::{completion_path, empty_poll, fill_wc, qp_path};
 use crate::ffi::{errno_of, guard, non_null, ptr_verb, unsupported, VResult};
 use crate::objects::{Cq, Wrapper};
 
@@ -133,7 +133,7 @@ unsafe fn step(cq: *mut ibv_cq_ex) -> c_int {
         Ok(_) => {
             cq_box.empty_polls.store(0, Ordering::Relaxed);
             // The path (slid/sl) is looked up only if read_slid/read_sl ask.
-            let wc = fill_wc(&one[0], None);
+            let wc = fill_wc(&one[0], (0, 0));
             cq_box.current.set(wc);
             // SAFETY: the application's live CQ: these two fields are the
             // inline accessors' (`cq->wr_id`, `cq->status`).
@@ -227,9 +227,9 @@ unsafe fn path(cq: *mut ibv_cq_ex) -> (u16, u8) {
     // SAFETY: the caller's promise.
     let wc = unsafe { current(cq) };
     let receive = wc.opcode & crate::abi::IBV_WC_RECV != 0;
+    let grh = wc.wc_flags & crate::abi::IBV_WC_GRH != 0;
     // SAFETY: a live CQ.
-    let path = receive.then(|| unsafe { qp_path(cq.cast(), wc.qp_num) });
-    path.flatten().unwrap_or((0, 0))
+    completion_path(receive, grh, || unsafe { qp_path(cq.cast(), wc.qp_num) })
 }
 
 /// `ibv_wc_read_slid`.

@@ -20,7 +20,9 @@
 //! - `wr.rdma` / `wr.atomic` are read according to the opcode; immediate
 //!   data is already big-endian and passes through byte for byte.
 //! - Completions fill every field of `ibv_wc`; `slid`/`sl` of a receive
-//!   completion come from the QP's path (RC: the peer it is connected to).
+//!   completion come from the QP's path (RC: the peer it is connected to),
+//!   except a UD receive's `sl`, which says the packet's header type
+//!   ([`UD_ROCE_V2_IPV4_SL`]).
 //! - An application that busy-polls an empty CQ yields its core every
 //!   `VRDMA_POLL_YIELD` empty polls (default 1; 0 never yields): the device
 //!   (vdev, hostd) runs on the same cores, and on a small host a poller
@@ -30,7 +32,7 @@ use std::ffi::c_int;
 use std::sync::atomic::Ordering;
 
 use vrdma_guest_driver::vrdma_spec::limits::{MAX_INLINE_DATA, MAX_SGE};
-use vrdma_guest_driver::vrdma_spec::ring::send_flags;
+use vrdma_guest_driver::vrdma_spec::ring::{send_flags, wc_flags};
 use vrdma_guest_driver::vrdma_spec::verbs::{SendOpcode, WcOpcode};
 use vrdma_guest_driver::{
     QueuePair, RecvBatch, RecvWr, SendBatch, SendPayload, SendWr, Sge, SharedReceiveQueue, UdDest,
@@ -439,9 +441,33 @@ fn push_recv(
     batch.push(&r).map_err(|e| e.errno())
 }
 
-/// Fills an `ibv_wc` from a completion; `path` is the QP's (dlid, sl).
-pub(crate) fn fill_wc(wc: &WorkCompletion, path: Option<(u16, u8)>) -> ibv_wc {
-    let (slid, sl) = path.unwrap_or((0, 0));
+/// The `sl` of a UD receive completion: on a RoCE port a datagram has no
+/// service level of its own, and mlx5 reports the packet's network header
+/// type there (its CQE's `roce_packet_type`: bit 3 a RoCEv2 frame, with
+/// UDP; bits 2..0 the L3 header, 2 = IPv4). UCX's `ud_verbs` reads it to
+/// find the destination address in the GRH (IPv4: its last 4 bytes) and
+/// drops every datagram whose address it cannot match; vrdma's datagrams
+/// are RoCEv2 over IPv4.
+pub(crate) const UD_ROCE_V2_IPV4_SL: u8 = 0x8 | 0x2;
+
+/// The (slid, sl) of a completion: a UD receive's (it carries a GRH, as
+/// only UD receives do) is LID 0 and [`UD_ROCE_V2_IPV4_SL`]; another
+/// receive's is its QP's path, which `qp_path` looks up; a send's is zero.
+pub(crate) fn completion_path(
+    receive: bool,
+    grh: bool,
+    qp_path: impl FnOnce() -> Option<(u16, u8)>,
+) -> (u16, u8) {
+    match (receive, grh) {
+        (true, true) => (0, UD_ROCE_V2_IPV4_SL),
+        (true, false) => qp_path().unwrap_or((0, 0)),
+        (false, _) => (0, 0),
+    }
+}
+
+/// Fills an `ibv_wc` from a completion; `(slid, sl)` is its
+/// [`completion_path`].
+pub(crate) fn fill_wc(wc: &WorkCompletion, (slid, sl): (u16, u8)) -> ibv_wc {
     ibv_wc {
         wr_id: wc.wr_id,
         status: u32::from(u8::from(wc.status)),
@@ -506,12 +532,10 @@ pub(crate) unsafe extern "C" fn poll_cq(
                 Err(_) => break,
             };
             for (dst, src) in out[total..].iter_mut().zip(&buf[..got]) {
-                let path = if is_receive(src) {
-                    // SAFETY: a live CQ's context is open.
-                    unsafe { qp_path(cq, src.qp_num) }
-                } else {
-                    None
-                };
+                let grh = src.wc_flags & wc_flags::GRH != 0;
+                // SAFETY: a live CQ's context is open.
+                let path =
+                    completion_path(is_receive(src), grh, || unsafe { qp_path(cq, src.qp_num) });
                 *dst = fill_wc(src, path);
             }
             total += got;
@@ -734,7 +758,7 @@ mod tests {
             src_qp: 0x5678,
             wc_flags: (IBV_WC_WITH_IMM | IBV_WC_GRH) as u8,
         };
-        let out = fill_wc(&wc, Some((17, 3)));
+        let out = fill_wc(&wc, (17, 3));
         assert_eq!(out.wr_id, 5);
         assert_eq!(out.status, 0);
         assert_eq!(out.opcode, IBV_WC_RECV);
@@ -753,8 +777,22 @@ mod tests {
             opcode: None,
             ..wc
         };
-        let out = fill_wc(&err, None);
+        let out = fill_wc(&err, (0, 0));
         assert_eq!(out.status, 10);
         assert_eq!(out.opcode, 0);
+    }
+
+    #[test]
+    fn a_ud_receive_says_roce_v2_over_ipv4_in_sl_as_mlx5_does() {
+        let path = || Some((17, 3));
+        // A UD receive (it has a GRH): mlx5's RoCE packet type, whose low
+        // 3 bits UCX compares with 2 (IPv4).
+        assert_eq!(completion_path(true, true, path), (0, 0xa));
+        assert_eq!(UD_ROCE_V2_IPV4_SL & 0x7, 2);
+        // An RC/UC receive: its QP's path; a QP the library does not know: 0.
+        assert_eq!(completion_path(true, false, path), (17, 3));
+        assert_eq!(completion_path(true, false, || None), (0, 0));
+        // A send completion has no path.
+        assert_eq!(completion_path(false, false, path), (0, 0));
     }
 }

@@ -1,0 +1,172 @@
+//! Unmodified programs between two process-mode tenants of one hostd:
+//! [`Fabric`] starts hostd with its two default tenants' vdevs (alpha and
+//! beta), and [`run_pair`] runs a client/server program (perftest,
+//! ibverbs-utils, ucx_perftest) through the drop-in `libibverbs.so.1`,
+//! the server on alpha's device and the client on beta's; they meet over
+//! TCP on 127.0.0.1.
+
+use std::path::Path;
+use std::process::{Child, Command, Output};
+use std::sync::atomic::{AtomicU16, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::daemon::{tcp_listening, wait_output, Hostd, IbverbsShim, Vdev};
+
+/// The tests share two cores with the daemons: one program pair (or one
+/// job) at a time within a test binary.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Holds the test binary's one-at-a-time lock (a failed test does not
+/// poison it for the others).
+pub fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A TCP port for one run's QP exchange (distinct within this process).
+pub fn next_port() -> u16 {
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let base = 20000 + (std::process::id() % 20000) as u16;
+    base + NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// hostd with its two default tenants' vdevs.
+pub struct Fabric {
+    // Dropped in declaration order: the vdevs before hostd.
+    pub alpha: Vdev,
+    pub beta: Vdev,
+    pub hostd: Hostd,
+}
+
+impl Fabric {
+    pub fn start() -> Self {
+        let hostd = Hostd::start(None);
+        let alpha = Vdev::on_hostd(&hostd, "alpha", &[]);
+        let beta = Vdev::on_hostd(&hostd, "beta", &[]);
+        Fabric { alpha, beta, hostd }
+    }
+
+    /// The three daemons' logs, for a failure's message.
+    pub fn logs(&self) -> String {
+        format!(
+            "--- hostd log:\n{}\n--- vdev alpha log:\n{}\n--- vdev beta log:\n{}",
+            self.hostd.log(),
+            self.alpha.log(),
+            self.beta.log()
+        )
+    }
+}
+
+/// What the two sides of a [`run_pair`] printed.
+pub struct Run {
+    pub server: Output,
+    pub client: Output,
+}
+
+impl Run {
+    /// A program's stdout and stderr, one after the other.
+    pub fn text(o: &Output) -> String {
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&o.stdout),
+            String::from_utf8_lossy(&o.stderr)
+        )
+    }
+
+    pub fn server_text(&self) -> String {
+        Self::text(&self.server)
+    }
+
+    pub fn client_text(&self) -> String {
+        Self::text(&self.client)
+    }
+}
+
+/// Runs `program args` alone on `device` (a vdev socket); it must exit 0
+/// within `timeout`. Returns its output (stdout, then stderr).
+pub fn run_one(
+    shim: &IbverbsShim,
+    program: &str,
+    device: &Path,
+    args: &[&str],
+    timeout: Duration,
+) -> String {
+    let child = shim
+        .command(program, device)
+        .args(args)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    finish(child, &format!("{program} {args:?}"), timeout, String::new)
+}
+
+/// Waits for `child` (`what`, for messages): it must exit 0 within
+/// `timeout`, or the test fails with its output and `context()` (e.g.
+/// the daemons' logs). Returns its output (stdout, then stderr).
+pub fn finish(
+    child: Child,
+    what: &str,
+    timeout: Duration,
+    context: impl FnOnce() -> String,
+) -> String {
+    let (out, late) = wait_output(child, timeout);
+    let text = Run::text(&out);
+    assert!(
+        out.status.success() && !late,
+        "{what}: {:?}{}\n{text}\n{}",
+        out.status,
+        if late { " (killed: too slow)" } else { "" },
+        context()
+    );
+    text
+}
+
+/// Runs `program args` as the server on alpha and `program args localhost`
+/// as the client on beta (both with `-p port`); both must exit 0.
+pub fn run_pair(shim: &IbverbsShim, fabric: &Fabric, program: &str, args: &[&str]) -> Run {
+    run_pair_with(shim, fabric, program, args, |_| {})
+}
+
+/// [`run_pair`] with `setup` applied to both sides' commands (e.g. their
+/// environment) before they start.
+pub fn run_pair_with(
+    shim: &IbverbsShim,
+    fabric: &Fabric,
+    program: &str,
+    args: &[&str],
+    setup: impl Fn(&mut Command),
+) -> Run {
+    let port = next_port().to_string();
+    let mut server = shim.command(program, &fabric.alpha.socket);
+    server.args(["-p", &port]).args(args);
+    setup(&mut server);
+    let server = server
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut client = shim.command(program, &fabric.beta.socket);
+    client.args(["-p", &port]).args(args).arg("localhost");
+    setup(&mut client);
+    let client = client
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let (client, client_late) = wait_output(client, Duration::from_secs(120));
+    let (server, server_late) = wait_output(server, Duration::from_secs(20));
+    let run = Run { server, client };
+    let ok = run.server.status.success() && run.client.status.success();
+    let late = |late: bool| if late { " (killed: too slow)" } else { "" };
+    assert!(
+        ok && !client_late && !server_late,
+        "{program} {args:?}: server {:?}{}, client {:?}{}\n--- server:\n{}\n--- client:\n{}\n{}",
+        run.server.status,
+        late(server_late),
+        run.client.status,
+        late(client_late),
+        run.server_text(),
+        run.client_text(),
+        fabric.logs()
+    );
+    run
+}
