@@ -61,8 +61,12 @@ impl Default for Limits {
             max_qp: 256,
             max_cq: 256,
             max_mr: 1024,
-            max_cq_depth: 4096,
-            max_qp_depth: 4096,
+            // What the programs people run ask for: UCX and perftest's UD
+            // tests CQs of 8 Ki entries and more, MPI libraries queues of
+            // thousands of WRs. A CQ of 64 Ki entries is 2 MiB of the
+            // tenant's own memory.
+            max_cq_depth: 65536,
+            max_qp_depth: 8192,
             max_sge: 16,
             max_inline_data: 256,
             max_rd_atomic: 16,

@@ -86,7 +86,7 @@ fn queue_pair_creation_grants_and_refusals() {
     }
     for (qp_type, cap, errno, what) in [
         (QpType::Rc, caps(0, 0, 1, 0), EINVAL, "no queue"),
-        (QpType::Rc, caps(4097, 4, 1, 0), EINVAL, "depth"),
+        (QpType::Rc, caps(8193, 4, 1, 0), EINVAL, "depth"),
         (QpType::Rc, caps(4, 4, 17, 0), EINVAL, "max_sge"),
         (QpType::Rc, caps(4, 4, 1, 257), EINVAL, "inline"),
     ] {
