@@ -28,7 +28,7 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 
 use libc::{c_int, c_void, sock_filter};
 
-use super::gso::{icrc_for_id, ICRC_LEN};
+use super::gso::{icrc_for_id, IdDeltas, ICRC_LEN};
 use super::rx::PacketRx;
 use super::{bpf, InPacket, IoCounters, OutPacket, PacketIo, MAX_PACKET};
 
@@ -172,6 +172,8 @@ impl UdpIo {
                 1
             };
             let iov_start = niovs;
+            // The ICRC changes of the run's full-size segments, once.
+            let deltas = (run > 1).then(|| IdDeltas::new(first.len, (run - 1) as u16));
             for (k, p) in batch[npkts..npkts + run].iter().enumerate() {
                 let payload = p.payload();
                 if k == 0 {
@@ -182,7 +184,11 @@ impl UdpIo {
                     let (body, icrc) = payload.split_at(payload.len() - ICRC_LEN);
                     let mut old = [0u8; ICRC_LEN];
                     old.copy_from_slice(icrc);
-                    icrcs[npkts + k] = icrc_for_id(old, k as u16, payload.len());
+                    icrcs[npkts + k] = match &deltas {
+                        Some(d) if p.len == first.len => d.icrc_for(old, k as u16),
+                        // The run's last packet may be shorter.
+                        _ => icrc_for_id(old, k as u16, payload.len()),
+                    };
                     iovs[niovs] = iovec(body);
                     iovs[niovs + 1] = iovec(&icrcs[npkts + k]);
                     niovs += 2;
