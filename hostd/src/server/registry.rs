@@ -1,0 +1,416 @@
+//! Devices and their contexts as hostd knows them: the registry (LIDs,
+//! GIDs, physical queues, who is connected), the greeting that registers a
+//! device or opens another context of it, and the teardown when a
+//! context's connection closes (the device goes with its last context).
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::Arc;
+
+use vrdma_hostd_protocol::channel::Channel;
+use vrdma_hostd_protocol::messages::{Welcome, PROTOCOL_VERSION};
+use vrdma_tenant_policy::{Policy, TenantPolicy};
+
+use super::{refuse, set_nonblocking, Refusal, Server, MAX_CONTEXTS_PER_DEVICE};
+use crate::config::MAX_QUEUES_PER_DEVICE;
+use crate::engine::DeviceId;
+use crate::gids::{self, Gid, Peer};
+use crate::lids::LidTable;
+
+/// A connected device as the registry knows it: one or more contexts
+/// (registrations of the same vdev process), which share its LID, GID
+/// and physical queues.
+#[derive(Debug)]
+pub(super) struct Connected {
+    pub(super) tenant: String,
+    pub(super) device: String,
+    /// The vdev process (from the socket's credentials): only it may add
+    /// contexts.
+    pub(super) pid: Option<i32>,
+    pub(super) gid: Gid,
+    pub(super) pqps: Vec<u32>,
+    /// Each context's datapath device and hostd's end of its notification
+    /// channel (non-blocking).
+    pub(super) contexts: Vec<(DeviceId, Arc<Channel>)>,
+}
+
+/// Host-wide bookkeeping of devices, and the policy in force.
+#[derive(Debug)]
+pub(super) struct Registry {
+    /// LIDs by (tenant, device), bounded per tenant.
+    pub(super) lids: LidTable,
+    /// Connected devices by LID.
+    pub(super) connected: HashMap<u16, Connected>,
+    /// The LIDs of connected devices by GID.
+    pub(super) by_gid: HashMap<Gid, u16>,
+    pub(super) free_pqps: BTreeSet<u32>,
+    pub(super) next_device: DeviceId,
+    /// The policy in force: who may connect, with what.
+    pub(super) policy: Arc<Policy>,
+    /// The last policy of every tenant ever in force: the current one's,
+    /// and a removed tenant's last (its connected devices keep it).
+    pub(super) known: HashMap<String, TenantPolicy>,
+}
+
+impl Registry {
+    /// What a connection towards `dgid` reaches: a device of this host,
+    /// one of another host, or nothing known.
+    pub(super) fn resolve_peer(&self, dgid: &Gid) -> Peer<&Connected> {
+        match self
+            .by_gid
+            .get(dgid)
+            .and_then(|lid| self.connected.get(lid))
+        {
+            Some(device) => Peer::Local(device),
+            None => Peer::Unknown,
+        }
+    }
+
+    /// Devices of `tenant` connected now.
+    pub(super) fn devices_of(&self, tenant: &str) -> usize {
+        self.connected
+            .values()
+            .filter(|c| c.tenant == tenant)
+            .count()
+    }
+
+    /// Physical QPs kept free for the devices other tenants of the policy
+    /// may still connect, so that whatever one tenant (or a compromised
+    /// vdev of it) registers, the others get what the policy promises:
+    /// - when every tenant's `max_devices` × `physical_queues` fit in the
+    ///   NIC's `physical_qps`, all the devices each other tenant may still
+    ///   connect;
+    /// - else, when every tenant's first device fits, the first device of
+    ///   each other tenant that has none connected;
+    /// - else (an over-committed policy) nothing: first come, first served.
+    pub(super) fn reserved_for_others(&self, tenant: &str, physical_qps: u32) -> usize {
+        let queues = |t: &TenantPolicy| t.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
+        let physical_qps = physical_qps as usize;
+        let others = || self.policy.tenants.iter().filter(|t| t.name != tenant);
+        let all_devices: usize = (self.policy.tenants.iter())
+            .map(|t| t.max_devices as usize * queues(t))
+            .sum();
+        if all_devices <= physical_qps {
+            return others()
+                .map(|t| {
+                    (t.max_devices as usize).saturating_sub(self.devices_of(&t.name)) * queues(t)
+                })
+                .sum();
+        }
+        let first_devices: usize = self.policy.tenants.iter().map(queues).sum();
+        if first_devices <= physical_qps {
+            return others()
+                .filter(|t| self.devices_of(&t.name) == 0)
+                .map(queues)
+                .sum();
+        }
+        0
+    }
+}
+
+/// What a vdev holds once greeted.
+#[derive(Debug)]
+pub(super) struct Session {
+    pub(super) id: DeviceId,
+    pub(super) lid: u16,
+    pub(super) gid: Gid,
+    pub(super) tenant: String,
+    pub(super) device: String,
+    pub(super) pqps: Vec<u32>,
+}
+
+impl Server {
+    pub(super) fn teardown(&self, s: &Session) {
+        // The datapath lets go of the rings first; only then are the pQPs
+        // free for another vdev.
+        self.datapath.lock().detach_device(s.id);
+        self.datapath.wake();
+        let mut reg = self.registry();
+        let Some(device) = reg.connected.get_mut(&s.lid) else {
+            return;
+        };
+        device.contexts.retain(|(id, _)| *id != s.id);
+        if !device.contexts.is_empty() {
+            tracing::info!(
+                tenant = %s.tenant,
+                device = %s.device,
+                lid = s.lid,
+                contexts = device.contexts.len(),
+                "Device context closed; the device's other contexts go on"
+            );
+            return;
+        }
+        reg.connected.remove(&s.lid);
+        reg.by_gid.remove(&s.gid);
+        drop(reg);
+        if let (Some(directory), Some(ip)) = (self.directory(), vrdma_spec::gid::ipv4_of(&s.gid)) {
+            if let Err(e) = directory.withdraw(ip.into()) {
+                tracing::warn!(
+                    tenant = %s.tenant,
+                    device = %s.device,
+                    "The directory did not take the GID back: {}",
+                    vrdma_errors::error_chain(&e)
+                );
+            }
+        }
+        let mut reg = self.registry();
+        reg.free_pqps.extend(s.pqps.iter().copied());
+        tracing::info!(
+            tenant = %s.tenant,
+            device = %s.device,
+            lid = s.lid,
+            gid = %gids::show(&s.gid),
+            "vdev disconnected"
+        );
+    }
+
+    /// Checks a Hello, assigns the LID and GID, grants pQPs and starts serving
+    /// the device's rings. Returns the session, the Welcome and the vdev's
+    /// end of the notification channel to send. `shared` (an OpenContext):
+    /// if the device is connected, this is another context of it, which
+    /// gets its LID, GID and pQPs.
+    pub(super) fn hello(
+        &self,
+        channel: &Arc<Channel>,
+        version: u32,
+        tenant: &str,
+        device: &str,
+        shared: bool,
+    ) -> Result<(Session, Welcome, Channel), Refusal> {
+        if version != PROTOCOL_VERSION {
+            return Err(refuse(
+                libc::EPROTO,
+                format!("Protocol version {version} is not {PROTOCOL_VERSION}"),
+            ));
+        }
+        let device_ok = (1..=64).contains(&device.len())
+            && device
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
+        if !device_ok {
+            return Err(refuse(
+                libc::EINVAL,
+                "Device name must be 1-64 characters of [A-Za-z0-9_.-]",
+            ));
+        }
+        let cred = channel.peer_cred();
+        let (ours, theirs) =
+            Channel::pair().map_err(|e| refuse(libc::ENOMEM, vrdma_errors::error_chain(&e)))?;
+        set_nonblocking(&ours).map_err(|e| refuse(libc::ENOMEM, e.to_string()))?;
+        let (id, lid, gid, pqps, policy, first) = {
+            let mut reg = self.registry();
+            // Read under the registry lock: a reload either happened before
+            // (this device gets the new policy) or notifies it afterwards.
+            let Some(policy) = reg.policy.tenant(tenant).cloned() else {
+                return Err(refuse(
+                    libc::EACCES,
+                    format!("Tenant {tenant:?} is not in the policy"),
+                ));
+            };
+            if let Some(uid) = policy.uid {
+                match &cred {
+                    Ok(c) if c.uid == uid => {}
+                    Ok(_) => {
+                        return Err(refuse(
+                            libc::EPERM,
+                            format!("Tenant {tenant} must connect as uid {uid}"),
+                        ));
+                    }
+                    Err(e) => return Err(refuse(libc::EPERM, vrdma_errors::error_chain(e))),
+                }
+            }
+            let assignment = reg
+                .lids
+                .assign(tenant, device, |lid| reg.connected.contains_key(&lid))
+                .map_err(|e| refuse(libc::ENOSPC, e.to_string()))?;
+            let lid = assignment.lid;
+            let pid = cred.as_ref().ok().map(|c| c.pid);
+            if let Some(open) = reg.connected.get(&lid) {
+                // Another context of a device its own vdev serves: the
+                // device's LID, GID and physical queues, a datapath device
+                // of its own (its memory, rings and objects).
+                if !shared {
+                    return Err(refuse(
+                        libc::EBUSY,
+                        format!("Device {device} of tenant {tenant} is already connected"),
+                    ));
+                }
+                if pid.is_none() || open.pid != pid {
+                    return Err(refuse(
+                        libc::EBUSY,
+                        format!(
+                            "Device {device} of tenant {tenant} is served by another \
+                             process; only it may open contexts of it"
+                        ),
+                    ));
+                }
+                if open.contexts.len() >= MAX_CONTEXTS_PER_DEVICE {
+                    return Err(refuse(
+                        libc::ENOSPC,
+                        format!(
+                            "Device {device} of tenant {tenant} has {MAX_CONTEXTS_PER_DEVICE} \
+                             contexts open, the most a device has"
+                        ),
+                    ));
+                }
+                let (gid, pqps) = (open.gid, open.pqps.clone());
+                let id = reg.next_device;
+                reg.next_device += 1;
+                if let Some(open) = reg.connected.get_mut(&lid) {
+                    open.contexts.push((id, Arc::new(ours)));
+                }
+                (id, lid, gid, pqps, policy, false)
+            } else {
+                let gid = match &self.config.fabric {
+                    Some(fabric) => (fabric.cluster.gids.iter())
+                        .filter(|e| e.host == fabric.host && e.tenant == tenant)
+                        .map(|e| vrdma_spec::gid::ipv4_mapped(e.gid.octets()))
+                        .find(|g| !reg.by_gid.contains_key(g))
+                        .ok_or_else(|| {
+                            refuse(
+                                libc::ENOSPC,
+                                format!(
+                                    "No address of tenant {tenant} is left on host {} \
+                                     (the cluster file's pool)",
+                                    fabric.host
+                                ),
+                            )
+                        })?,
+                    None => gids::assign(tenant, device, lid),
+                };
+                if reg.by_gid.get(&gid).is_some_and(|other| *other != lid) {
+                    return Err(refuse(
+                        libc::EBUSY,
+                        format!("GID {} is taken by another device", gids::show(&gid)),
+                    ));
+                }
+                let devices = reg.devices_of(tenant);
+                if devices >= policy.max_devices as usize {
+                    drop(reg);
+                    self.datapath
+                        .lock()
+                        .accounts_mut()
+                        .quota_rejected(tenant, "max_devices");
+                    return Err(refuse(
+                        libc::EDQUOT,
+                        format!(
+                            "Tenant {tenant} has {devices} devices connected, its quota \
+                         max_devices is {}",
+                            policy.max_devices
+                        ),
+                    ));
+                }
+                let wanted = policy.physical_queues.min(MAX_QUEUES_PER_DEVICE) as usize;
+                let reserved = reg.reserved_for_others(tenant, self.config.physical_qps);
+                if reg.free_pqps.len() < wanted + reserved {
+                    return Err(refuse(
+                        libc::ENOSPC,
+                        format!(
+                            "{} physical QPs are free, {wanted} needed, {reserved} kept for \
+                         other tenants' devices",
+                            reg.free_pqps.len()
+                        ),
+                    ));
+                }
+                let pqps: Vec<u32> = reg.free_pqps.iter().take(wanted).copied().collect();
+                for pqp in &pqps {
+                    reg.free_pqps.remove(pqp);
+                }
+                reg.lids.commit(assignment);
+                reg.by_gid.insert(gid, lid);
+                let id = reg.next_device;
+                reg.next_device += 1;
+                reg.connected.insert(
+                    lid,
+                    Connected {
+                        tenant: tenant.to_owned(),
+                        device: device.to_owned(),
+                        pid,
+                        gid,
+                        pqps: pqps.clone(),
+                        contexts: vec![(id, Arc::new(ours))],
+                    },
+                );
+                (id, lid, gid, pqps, policy, true)
+            }
+        };
+        let session = Session {
+            id,
+            lid,
+            gid,
+            tenant: tenant.to_owned(),
+            device: device.to_owned(),
+            pqps,
+        };
+        match self.start_device(&session, policy, first) {
+            Ok(welcome) => {
+                tracing::info!(
+                    tenant,
+                    device,
+                    lid,
+                    gid = %gids::show(&gid),
+                    pqps = ?session.pqps,
+                    "vdev connected"
+                );
+                Ok((session, welcome, theirs))
+            }
+            Err(refusal) => {
+                self.teardown(&session);
+                Err(refusal)
+            }
+        }
+    }
+
+    /// Attaches context `s` to the datapath; `first`: the device's first
+    /// context, whose GID the directory learns.
+    pub(super) fn start_device(
+        &self,
+        s: &Session,
+        policy: TenantPolicy,
+        first: bool,
+    ) -> Result<Welcome, Refusal> {
+        if first {
+            self.publish(s, &policy)?;
+        }
+        self.datapath
+            .lock()
+            .attach_device(s.id, &s.tenant, s.gid, &s.pqps, &policy)?;
+        self.datapath.wake();
+        let active_mtu = self.config.fabric.as_ref().map_or(4096, |f| f.active_mtu());
+        Ok(Welcome {
+            active_mtu,
+            lid: s.lid,
+            gid: s.gid,
+            physical_queues: s.pqps.len() as u32,
+            policy,
+        })
+    }
+
+    /// Tells the directory that this host serves `s`'s GID (in a cluster).
+    pub(super) fn publish(&self, s: &Session, policy: &TenantPolicy) -> Result<(), Refusal> {
+        let (Some(directory), Some(fabric)) = (self.directory(), &self.config.fabric) else {
+            return Ok(());
+        };
+        let Some(ip) = vrdma_spec::gid::ipv4_of(&s.gid).map(std::net::Ipv4Addr::from) else {
+            return Ok(());
+        };
+        let network = (fabric.cluster.gids.iter())
+            .find(|g| g.gid == ip)
+            .and_then(|g| g.network.clone())
+            .unwrap_or_else(|| policy.network().to_owned());
+        let entry = crate::net::directory::GidEntry {
+            gid: ip,
+            host: fabric.host.clone(),
+            tenant: s.tenant.clone(),
+            network,
+        };
+        directory.publish(&entry).map_err(|e| {
+            refuse(
+                libc::EADDRINUSE,
+                format!(
+                    "The directory refused GID {ip}: {}",
+                    vrdma_errors::error_chain(&e)
+                ),
+            )
+        })
+    }
+}
