@@ -43,8 +43,21 @@ use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcOpcode, WcStatus}
 use super::guest::GuestRing;
 use super::keys::{self, SgeList};
 use super::wqe::{self, Local, Malformed, RecvLimits, RecvWork, SendLimits, SendWork};
-use super::{rnr_timer, DeviceId, Engine, RETRY_STEP, SEGMENT, STEP};
+use super::{DeviceId, Engine, RETRY_STEP, SEGMENT, STEP};
 use crate::gids::Gid;
+
+/// How long an RNR NAK makes the requester wait: the IBA's RNR timer
+/// table (`min_rnr_timer` codes 0..=31), in units of 10 µs.
+const RNR_TIMER_10US: [u32; 32] = [
+    65536, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536,
+    2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768, 49152,
+];
+
+/// The RNR timer of code `code` (the IBA table; codes above 31 as 31).
+pub fn rnr_timer(code: u8) -> Duration {
+    let units = RNR_TIMER_10US[usize::from(code.min(31))];
+    Duration::from_micros(u64::from(units) * 10)
+}
 
 /// A QP's index in the engine's slab.
 pub type QpRef = usize;
