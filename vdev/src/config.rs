@@ -110,9 +110,11 @@ pub struct Config {
     pub sandbox: SandboxConfig,
 }
 
-/// Open descriptors: enough for every queue's kick and call eventfds (and
-/// their copies lent to hostd) and the memory slots of the largest device.
-pub const DEFAULT_NOFILE: u64 = 1024;
+/// Open descriptors: for each of up to 64 contexts (`MAX_CONTEXTS`) its
+/// connection, every queue's kick and call eventfds (and their copies lent
+/// to hostd), its hostd channels and its memory slots — in process mode a
+/// memfd per registered region, hundreds for an MPI rank.
+pub const DEFAULT_NOFILE: u64 = 65536;
 
 /// Defaults for what neither the file nor the flags say.
 pub const DEFAULT_TENANT: &str = "default";
