@@ -237,9 +237,11 @@ impl Datapath {
 struct Mine {
     generation: Option<u64>,
     ids: Vec<DeviceId>,
-    /// A look at the doorbell summary of each device of `ids`, in the same
-    /// order (`None`: none to look at; the engine decides).
-    hints: Vec<Option<SummaryHint>>,
+    /// A look at the doorbell summary of each device of `ids` that has a
+    /// doorbell, in the same order (`None`: no doorbell, nothing to take;
+    /// `Some(None)`: a doorbell without a summary to look at, the engine
+    /// decides).
+    hints: Vec<Option<Option<SummaryHint>>>,
     /// The devices whose doorbells the next round takes.
     rung: Vec<DeviceId>,
     /// (device, doorbell serial, our duplicate of its kick eventfd), each
@@ -289,21 +291,25 @@ impl Mine {
             )?;
             self.kicks.push((id, serial, fd));
         }
-        self.ids = now.into_iter().map(|(id, _)| id).collect();
-        self.hints = self
-            .ids
-            .iter()
-            .map(|&id| engine.doorbell_hint(id))
+        // A device without a doorbell (a context whose driver has not set
+        // its page yet, one waiting for its frontend) has nothing to take:
+        // rounds skip it, however many there are.
+        self.hints = (now.iter())
+            .map(|&(id, bell)| bell.map(|_| engine.doorbell_hint(id)))
             .collect();
+        self.ids = now.into_iter().map(|(id, _)| id).collect();
         Ok(())
     }
 
-    /// The devices a round should take doorbells of: those whose summary
-    /// shows a bit, and those without a page to look at.
+    /// The devices a round should take doorbells of: those with a doorbell
+    /// whose summary shows a bit, or that has no summary to look at.
     fn find_rung(&mut self) {
         self.rung.clear();
         let rung = (self.ids.iter().zip(&self.hints))
-            .filter(|(_, hint)| hint.as_ref().is_none_or(SummaryHint::rung))
+            .filter(|(_, hint)| {
+                hint.as_ref()
+                    .is_some_and(|page| page.as_ref().is_none_or(SummaryHint::rung))
+            })
             .map(|(&id, _)| id);
         self.rung.extend(rung);
     }
