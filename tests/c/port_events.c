@@ -7,10 +7,13 @@
  *                   then, for each context in turn, waits for one async
  *                   event and prints "context I: EVENT port P", then
  *                   queries port 1 of each and prints "context I: state S"
- *                   (S from ibv_port_state_str).
+ *                   (S from ibv_port_state_str), then tries to create a
+ *                   CQ on context 0 and prints "create_cq: errno E" (or
+ *                   "create_cq: created").
  *
  * Exits 0 when every call succeeded; otherwise prints what failed and
  * exits 1. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,6 +63,18 @@ int main(int argc, char **argv)
 			fail("ibv_query_port");
 		printf("context %d: state %s\n", i,
 		       ibv_port_state_str(attr.state));
+	}
+	{
+		struct ibv_cq *cq;
+
+		errno = 0;
+		cq = ibv_create_cq(ctx[0], 16, NULL, NULL, 0);
+		if (cq) {
+			printf("create_cq: created\n");
+			ibv_destroy_cq(cq);
+		} else {
+			printf("create_cq: errno %d\n", errno);
+		}
 	}
 	for (i = 0; i < n; i++)
 		if (ibv_close_device(ctx[i]))

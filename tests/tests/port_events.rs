@@ -97,11 +97,8 @@ fn hostd_going_away_takes_the_port_down_in_every_context() {
         "{}",
         vdev_log()
     );
-    let seen = read_until(
-        &program_lines,
-        |l| l.starts_with("context 1: state"),
-        &vdev_log,
-    );
+    let create_cq = format!("create_cq: errno {}", libc::EIO);
+    let seen = read_until(&program_lines, |l| l.starts_with("create_cq"), &vdev_log);
     assert_eq!(
         seen,
         [
@@ -109,6 +106,8 @@ fn hostd_going_away_takes_the_port_down_in_every_context() {
             "context 1: port error port 1",
             "context 0: state down",
             "context 1: state down",
+            // The device's verbs that need hostd fail: it is gone.
+            create_cq.as_str(),
         ],
         "{}",
         vdev_log()
