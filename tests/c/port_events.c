@@ -3,13 +3,16 @@
  * <infiniband/verbs.h> and libibverbs by tests/tests/port_events.rs and
  * run on the drop-in library.
  *
- *   port_events N   opens the first device N times, prints "ready" and
+ *   port_events N   opens the first device N times, makes an RC QP (with
+ *                   its PD and CQ) on context 0, prints "ready" and
  *                   then, for each context in turn, waits for one async
  *                   event and prints "context I: EVENT port P", then
  *                   queries port 1 of each and prints "context I: state S"
  *                   (S from ibv_port_state_str), then tries to create a
  *                   CQ on context 0 and prints "create_cq: errno E" (or
- *                   "create_cq: created").
+ *                   "create_cq: created"), queries the QP and prints
+ *                   "qp state S" (S from enum ibv_qp_state), and destroys
+ *                   the QP, CQ and PD, printing "destroyed".
  *
  * Exits 0 when every call succeeded; otherwise prints what failed and
  * exits 1. */
@@ -31,6 +34,9 @@ int main(int argc, char **argv)
 {
 	struct ibv_context *ctx[MAX_CONTEXTS];
 	struct ibv_device **list;
+	struct ibv_pd *pd;
+	struct ibv_cq *cq;
+	struct ibv_qp *qp;
 	int n, i;
 
 	setvbuf(stdout, NULL, _IOLBF, 0);
@@ -44,6 +50,25 @@ int main(int argc, char **argv)
 		ctx[i] = ibv_open_device(list[0]);
 		if (!ctx[i])
 			fail("ibv_open_device");
+	}
+	{
+		struct ibv_qp_init_attr init = {
+			.qp_type = IBV_QPT_RC,
+			.cap = { .max_send_wr = 4, .max_recv_wr = 4,
+				 .max_send_sge = 1, .max_recv_sge = 1 },
+		};
+
+		pd = ibv_alloc_pd(ctx[0]);
+		if (!pd)
+			fail("ibv_alloc_pd");
+		cq = ibv_create_cq(ctx[0], 16, NULL, NULL, 0);
+		if (!cq)
+			fail("ibv_create_cq");
+		init.send_cq = cq;
+		init.recv_cq = cq;
+		qp = ibv_create_qp(pd, &init);
+		if (!qp)
+			fail("ibv_create_qp");
 	}
 	printf("ready\n");
 	for (i = 0; i < n; i++) {
@@ -65,16 +90,25 @@ int main(int argc, char **argv)
 		       ibv_port_state_str(attr.state));
 	}
 	{
-		struct ibv_cq *cq;
+		struct ibv_cq *more;
+		struct ibv_qp_attr attr;
+		struct ibv_qp_init_attr init;
 
 		errno = 0;
-		cq = ibv_create_cq(ctx[0], 16, NULL, NULL, 0);
-		if (cq) {
+		more = ibv_create_cq(ctx[0], 16, NULL, NULL, 0);
+		if (more) {
 			printf("create_cq: created\n");
-			ibv_destroy_cq(cq);
+			ibv_destroy_cq(more);
 		} else {
 			printf("create_cq: errno %d\n", errno);
 		}
+		if (ibv_query_qp(qp, &attr, IBV_QP_STATE, &init))
+			fail("ibv_query_qp");
+		printf("qp state %d\n", attr.qp_state);
+		if (ibv_destroy_qp(qp) || ibv_destroy_cq(cq) ||
+		    ibv_dealloc_pd(pd))
+			fail("destroy");
+		printf("destroyed\n");
 	}
 	for (i = 0; i < n; i++)
 		if (ibv_close_device(ctx[i]))

@@ -2,7 +2,8 @@
 //! goes away, and every open context of the device is told (issue 14):
 //! Debian's unmodified `ibv_asyncwatch` prints `IBV_EVENT_PORT_ERR` on
 //! port 1, and a program with two contexts (`tests/c/port_events.c`) gets
-//! one `IBV_EVENT_PORT_ERR` on each and then finds port 1 down. All run on
+//! one `IBV_EVENT_PORT_ERR` on each and then finds port 1 down, its QP in
+//! ERR, new CQs refused (EIO) and its objects still destroyed. All run on
 //! the drop-in library, on tenant alpha's device in process mode.
 
 use std::io::{BufRead, BufReader, Lines};
@@ -98,7 +99,7 @@ fn hostd_going_away_takes_the_port_down_in_every_context() {
         vdev_log()
     );
     let create_cq = format!("create_cq: errno {}", libc::EIO);
-    let seen = read_until(&program_lines, |l| l.starts_with("create_cq"), &vdev_log);
+    let seen = read_until(&program_lines, |l| l == "destroyed", &vdev_log);
     assert_eq!(
         seen,
         [
@@ -108,6 +109,10 @@ fn hostd_going_away_takes_the_port_down_in_every_context() {
             "context 1: state down",
             // The device's verbs that need hostd fail: it is gone.
             create_cq.as_str(),
+            // Its QP is in ERR (IBV_QPS_ERR): the datapath that ran it is
+            // gone; and what it made is destroyed all the same.
+            "qp state 6",
+            "destroyed",
         ],
         "{}",
         vdev_log()

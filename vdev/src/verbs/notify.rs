@@ -195,6 +195,7 @@ impl RdmaDevice {
         self.config.port.state = PortState::Down.into();
         // Disabled: what ibv_devinfo shows for a port whose link is off.
         self.config.port.phys_state = 3;
+        self.fail_qps();
         match self.post_event(0, ring::event_kind::PORT_ERROR, 1) {
             Ok(()) => {}
             // A context whose driver has not started yet (vdev prepares
@@ -225,13 +226,7 @@ impl RdmaDevice {
         if producer.wrapping_sub(consumer) >= eq.depth {
             // Full (or a driver index that makes no sense): the event is
             // lost, as the datapath reports it.
-            let flags = load(ring::DEVICE_FLAGS_OFFSET)? | ring::DEVICE_FLAG_ERROR;
-            self.mem
-                .store(
-                    flags.to_le(),
-                    at(ring::DEVICE_FLAGS_OFFSET),
-                    Ordering::Release,
-                )
+            self.flag_ring_error(eq.ring_addr)
                 .map_err(|_| PostError::Memory)?;
         } else {
             let event = ring::Event {
