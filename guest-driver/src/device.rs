@@ -75,6 +75,8 @@ pub enum DeviceEvent {
     QpFatal { qpn: u32 },
     /// The port became active.
     PortActive,
+    /// The port went down (the host's datapath went away).
+    PortError,
     /// An SRQ's armed limit was crossed.
     SrqLimit { srqn: u32 },
     /// A QP attached to an SRQ entered the error state.
@@ -91,6 +93,7 @@ impl From<&Event> for DeviceEvent {
             event_kind::CQ_ERROR => Self::CqError { cqn: object },
             event_kind::QP_FATAL => Self::QpFatal { qpn: object },
             event_kind::PORT_ACTIVE => Self::PortActive,
+            event_kind::PORT_ERROR => Self::PortError,
             event_kind::SRQ_LIMIT => Self::SrqLimit { srqn: object },
             event_kind::QP_LAST_WQE_REACHED => Self::LastWqeReached { qpn: object },
             kind => Self::Unknown { kind, object },
@@ -780,6 +783,10 @@ mod tests {
         assert_eq!(
             DeviceEvent::from(&e(event_kind::PORT_ACTIVE, 0)),
             DeviceEvent::PortActive
+        );
+        assert_eq!(
+            DeviceEvent::from(&e(event_kind::PORT_ERROR, 1)),
+            DeviceEvent::PortError
         );
         assert_eq!(
             DeviceEvent::from(&e(event_kind::SRQ_LIMIT, 4)),

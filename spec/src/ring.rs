@@ -252,6 +252,10 @@ pub mod event_kind {
     /// A QP attached to an SRQ entered the error state: it takes no more
     /// receives from the SRQ; `object` is the QPN.
     pub const QP_LAST_WQE_REACHED: u16 = 6;
+    /// The port went down (the host's datapath is gone); `object` is the
+    /// port number (1). Written by the device's control plane, never by
+    /// the datapath, which is what went away.
+    pub const PORT_ERROR: u16 = 7;
 }
 
 wire_struct! {
@@ -282,6 +286,12 @@ pub const EVENT_SIZE: usize = core::mem::size_of::<Event>();
 /// Bytes of an event ring of `depth` entries, header included.
 pub fn event_ring_bytes(depth: u32) -> u64 {
     RING_HEADER_SIZE as u64 + u64::from(depth) * EVENT_SIZE as u64
+}
+
+/// Byte offset, from the ring's start, of entry `index` of an event ring of
+/// `depth` entries (a valid depth: a power of two).
+pub fn event_entry_offset(index: u32, depth: u32) -> u64 {
+    RING_HEADER_SIZE as u64 + u64::from(index & depth.wrapping_sub(1)) * EVENT_SIZE as u64
 }
 
 /// Whether `depth` is a valid depth of a completion or event ring: a power
@@ -403,6 +413,14 @@ pub mod doorbell {
 mod tests {
     use super::*;
     use core::mem::size_of;
+
+    #[test]
+    fn event_entries_follow_the_header_and_wrap() {
+        assert_eq!(event_entry_offset(0, 8), 128);
+        assert_eq!(event_entry_offset(3, 8), 128 + 3 * 16);
+        assert_eq!(event_entry_offset(8, 8), 128, "index 8 wraps to slot 0");
+        assert_eq!(event_entry_offset(u32::MAX, 8), 128 + 7 * 16);
+    }
 
     #[test]
     fn layouts_are_fixed() {

@@ -7,6 +7,7 @@
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, Weak};
 
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
@@ -65,6 +66,9 @@ pub struct Fabric {
     pub policy: TenantPolicy,
     /// hostd's notifications (policy reloads); taken by the listener thread.
     notifications: Mutex<Option<Channel>>,
+    /// vdev ended the registration ([`Fabric::close`]): the notification
+    /// channel's end is then expected, not hostd going away.
+    closed: AtomicBool,
 }
 
 impl Fabric {
@@ -110,6 +114,7 @@ impl Fabric {
             physical_queues: welcome.physical_queues,
             policy: welcome.policy,
             notifications: Mutex::new(Some(notifications)),
+            closed: AtomicBool::new(false),
         })
     }
 
@@ -138,10 +143,16 @@ impl Fabric {
     /// with it this fabric, until then: dropping references alone would
     /// never close the channel.
     pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
         self.channel
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .shutdown();
+    }
+
+    /// Whether vdev ended the registration ([`Fabric::close`]).
+    pub fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// Takes the notification channel (once), for the thread that listens.
@@ -301,7 +312,9 @@ impl Fabric {
 
 /// Starts the thread that applies hostd's policy notifications to `device`
 /// until hostd closes the channel (the device's registration ended), under
-/// the policy listener's filter.
+/// the policy listener's filter. A channel that closes while vdev still
+/// holds the registration means hostd went away: the device's port is
+/// down ([`crate::verbs::RdmaDevice::port_lost`]).
 ///
 /// The thread holds the device and the registration weakly: hostd closes
 /// the channel only after the registration's connection closes, which
@@ -325,7 +338,18 @@ pub fn listen_for_policy(
                 let mut device = device.lock().unwrap_or_else(|p| p.into_inner());
                 device.set_policy_quotas(policy.quotas);
             }
-            Err(ChannelError::Closed) => return,
+            Err(ChannelError::Closed) => {
+                if let (Some(fabric), Some(device)) = (fabric.upgrade(), device.upgrade()) {
+                    if !fabric.closed() {
+                        tracing::warn!(%tenant, "hostd went away: the port is down");
+                        device
+                            .lock()
+                            .unwrap_or_else(|p| p.into_inner())
+                            .port_lost();
+                    }
+                }
+                return;
+            }
             Err(e) => {
                 tracing::warn!(%tenant, error = %e, "Bad notification from hostd; no longer listening");
                 return;

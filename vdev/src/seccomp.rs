@@ -53,7 +53,7 @@ impl ThreadRole for Role {
         let own = match self {
             Role::Main => main_rules()?,
             Role::VhostUser => vhost_user_rules()?,
-            Role::PolicyListener => policy_listener_rules(),
+            Role::PolicyListener => policy_listener_rules()?,
         };
         Ok(common_rules()?.merge(own))
     }
@@ -138,11 +138,15 @@ fn vhost_user_rules() -> Result<Rules, SeccompError> {
 }
 
 /// hostd's policy notifications: received, and applied to the device in
-/// memory. Nothing else.
-fn policy_listener_rules() -> Rules {
+/// memory; and, when hostd goes away, the port-down event posted to the
+/// driver. Nothing else.
+fn policy_listener_rules() -> Result<Rules, SeccompError> {
     let mut r = Rules::new();
     r.allow(libc::SYS_recvmsg);
-    r
+    // The port-down event interrupts the driver through a duplicate of its
+    // event queue's call eventfd (written with the common write).
+    r.allow_if_eq(libc::SYS_fcntl, 1, &[libc::F_DUPFD_CLOEXEC as u64])?;
+    Ok(r)
 }
 
 #[cfg(test)]
@@ -204,7 +208,10 @@ mod tests {
                 fcntl(libc::F_DUPFD_CLOEXEC),
                 ("shutdown", libc::SYS_shutdown, [19, 2, 0, 0, 0, 0]),
             ],
-            Role::PolicyListener => vec![("recvmsg", libc::SYS_recvmsg, [7, 0, 0, 0, 0, 0])],
+            Role::PolicyListener => vec![
+                ("recvmsg", libc::SYS_recvmsg, [7, 0, 0, 0, 0, 0]),
+                fcntl(libc::F_DUPFD_CLOEXEC),
+            ],
         };
         calls.push(sched_yield);
         calls
@@ -238,7 +245,7 @@ mod tests {
                     ("accept4", libc::SYS_accept4, [3, 0, 0, 0, 0, 0]),
                     &[VhostUser],
                 ),
-                (fcntl(libc::F_DUPFD_CLOEXEC), &[VhostUser]),
+                (fcntl(libc::F_DUPFD_CLOEXEC), &[VhostUser, PolicyListener]),
                 (
                     ("epoll_wait", libc::SYS_epoll_wait, [12, 0, 4, 100, 0, 0]),
                     &[VhostUser],

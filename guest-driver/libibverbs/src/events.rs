@@ -25,8 +25,8 @@ use vrdma_guest_driver::DeviceEvent;
 
 use crate::abi::{
     ibv_async_event, ibv_comp_channel, ibv_context, ibv_cq, ibv_event_type, ibv_qp, ibv_srq,
-    IBV_EVENT_CQ_ERR, IBV_EVENT_PORT_ACTIVE, IBV_EVENT_QP_FATAL, IBV_EVENT_QP_LAST_WQE_REACHED,
-    IBV_EVENT_SRQ_LIMIT_REACHED,
+    IBV_EVENT_CQ_ERR, IBV_EVENT_PORT_ACTIVE, IBV_EVENT_PORT_ERR, IBV_EVENT_QP_FATAL,
+    IBV_EVENT_QP_LAST_WQE_REACHED, IBV_EVENT_SRQ_LIMIT_REACHED,
 };
 use crate::context::{Ctx, Shared};
 use crate::ffi::{guard, minus_one_verb, non_null, ptr_verb, VResult};
@@ -264,10 +264,24 @@ fn route(shared: &Shared, event: DeviceEvent) {
                     .push((IBV_EVENT_SRQ_LIMIT_REACHED, srq));
             }
         }
-        DeviceEvent::PortActive => shared.async_events.events.push((IBV_EVENT_PORT_ACTIVE, 1)),
+        DeviceEvent::PortActive | DeviceEvent::PortError => {
+            if let Some(event_type) = port_event(event) {
+                // The device's one port.
+                shared.async_events.events.push((event_type, 1));
+            }
+        }
         DeviceEvent::Unknown { kind, object } => {
             tracing::warn!(kind, object, "Unknown device event dropped");
         }
+    }
+}
+
+/// The `ibv_get_async_event` type of a port event of the device.
+fn port_event(event: DeviceEvent) -> Option<ibv_event_type> {
+    match event {
+        DeviceEvent::PortActive => Some(IBV_EVENT_PORT_ACTIVE),
+        DeviceEvent::PortError => Some(IBV_EVENT_PORT_ERR),
+        _ => None,
     }
 }
 
@@ -503,6 +517,16 @@ mod tests {
             );
         }
         assert_eq!(q.pop().unwrap_err().raw_os_error(), Some(libc::EAGAIN));
+    }
+
+    #[test]
+    fn port_events_map_to_their_ibverbs_types() {
+        assert_eq!(
+            port_event(DeviceEvent::PortActive),
+            Some(IBV_EVENT_PORT_ACTIVE)
+        );
+        assert_eq!(port_event(DeviceEvent::PortError), Some(IBV_EVENT_PORT_ERR));
+        assert_eq!(port_event(DeviceEvent::QpFatal { qpn: 1 }), None);
     }
 
     #[test]

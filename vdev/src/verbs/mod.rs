@@ -19,6 +19,7 @@ mod share;
 mod srq;
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use rand::Rng;
@@ -464,6 +465,21 @@ impl RdmaDevice {
     /// Resets the device-owned header line (index, flags) of a checked ring.
     fn reset_ring(&self, addr: u64) -> VerbResult<()> {
         self.clear_device_line(addr + ring::DEVICE_INDEX_OFFSET)
+    }
+
+    /// Sets [`ring::DEVICE_FLAG_ERROR`] in the device's flags of the ring at
+    /// `addr` (checked at its creation), as the datapath does.
+    fn flag_ring_error(&self, addr: u64) -> VerbResult<()> {
+        let at = GuestAddress(addr + ring::DEVICE_FLAGS_OFFSET);
+        let bad = || VerbError::Ring { addr, bytes: 4 };
+        let flags = u32::from_le(self.mem.load(at, Ordering::Acquire).map_err(|_| bad())?);
+        self.mem
+            .store(
+                (flags | ring::DEVICE_FLAG_ERROR).to_le(),
+                at,
+                Ordering::Release,
+            )
+            .map_err(|_| bad())
     }
 
     /// Zeroes the device-written cache line at `line` of a checked ring or

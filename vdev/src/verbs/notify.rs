@@ -9,12 +9,17 @@
 //! eventfds come from (the virtqueues) sits behind [`NotifyFds`], so this
 //! layer knows nothing of virtqueues.
 
-use std::io;
+use std::io::{self, Write};
 use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::Ordering;
+
+use vm_memory::{Bytes, GuestAddress};
+use vrdma_spec::zerocopy::IntoBytes;
 
 use vrdma_spec::control::{CreateEqReq, SetDoorbellReq};
 use vrdma_spec::limits::MAX_QPS;
 use vrdma_spec::ring::{self, doorbell};
+use vrdma_spec::verbs::PortState;
 
 use super::{RdmaDevice, VerbError, VerbResult};
 
@@ -53,6 +58,19 @@ impl FdError {
             FdError::Dup { .. } => libc::ENOMEM,
         }
     }
+}
+
+/// Why vdev could not post an event itself.
+#[derive(Debug, thiserror::Error)]
+enum PostError {
+    #[error("completion vector {0} has no event ring")]
+    NoRing(u32),
+    #[error("the event ring is outside guest memory")]
+    Memory,
+    #[error("no interrupt eventfd")]
+    Fd(#[from] VerbError),
+    #[error("cannot interrupt the driver")]
+    Interrupt(#[source] io::Error),
 }
 
 /// An event ring of one completion vector.
@@ -162,6 +180,78 @@ impl RdmaDevice {
             },
         );
         Ok(())
+    }
+
+    /// hostd went away: the port is down. `QUERY_PORT` says so from now on
+    /// (a real NIC whose link dropped), and the driver gets one
+    /// [`ring::event_kind::PORT_ERROR`] on event ring 0. hostd's channel
+    /// closing means it detached the device (or died): nobody else writes
+    /// the ring any more, so vdev continues it from the index hostd
+    /// published. Once only: a port already down stays silent.
+    pub fn port_lost(&mut self) {
+        if self.config.port.state == u8::from(PortState::Down) {
+            return;
+        }
+        self.config.port.state = PortState::Down.into();
+        // Disabled: what ibv_devinfo shows for a port whose link is off.
+        self.config.port.phys_state = 3;
+        self.fail_qps();
+        match self.post_event(0, ring::event_kind::PORT_ERROR, 1) {
+            Ok(()) => {}
+            // A context whose driver has not started yet (vdev prepares
+            // the next one ahead): it finds the port down when it asks.
+            Err(e @ PostError::NoRing(_)) => {
+                tracing::debug!(tenant = %self.tenant(), "No port event posted: {e}");
+            }
+            Err(e) => {
+                tracing::warn!(tenant = %self.tenant(), error = %vrdma_errors::error_chain(&e),
+                "The driver cannot be told its port is down")
+            }
+        }
+    }
+
+    /// Writes an event on `vector`'s ring and interrupts the driver, as the
+    /// device's datapath would; only while the datapath is detached.
+    fn post_event(&self, vector: u32, kind: u16, object: u32) -> Result<(), PostError> {
+        let eq = self.event_ring(vector).ok_or(PostError::NoRing(vector))?;
+        let at = |offset: u64| GuestAddress(eq.ring_addr + offset);
+        let load = |offset| {
+            self.mem
+                .load::<u32>(at(offset), Ordering::Acquire)
+                .map(u32::from_le)
+                .map_err(|_| PostError::Memory)
+        };
+        let producer = load(ring::DEVICE_INDEX_OFFSET)?;
+        let consumer = load(ring::DRIVER_INDEX_OFFSET)?;
+        if producer.wrapping_sub(consumer) >= eq.depth {
+            // Full (or a driver index that makes no sense): the event is
+            // lost, as the datapath reports it.
+            self.flag_ring_error(eq.ring_addr)
+                .map_err(|_| PostError::Memory)?;
+        } else {
+            let event = ring::Event {
+                kind: kind.into(),
+                object: object.into(),
+                ..ring::Event::default()
+            };
+            self.mem
+                .write_slice(
+                    event.as_bytes(),
+                    at(ring::event_entry_offset(producer, eq.depth)),
+                )
+                .map_err(|_| PostError::Memory)?;
+            self.mem
+                .store(
+                    producer.wrapping_add(1).to_le(),
+                    at(ring::DEVICE_INDEX_OFFSET),
+                    Ordering::Release,
+                )
+                .map_err(|_| PostError::Memory)?;
+        }
+        let call = self.lend_fd("event", |fds| fds.vector_call(vector))?;
+        std::fs::File::from(call)
+            .write_all(&1u64.to_ne_bytes())
+            .map_err(PostError::Interrupt)
     }
 
     /// An eventfd of the device for hostd; a missing one is logged, since

@@ -9,7 +9,7 @@ use vrdma_spec::control::{
 use vrdma_spec::limits::{CapLimits, Caps, QpGrant, MAX_QPS};
 use vrdma_spec::qp_state::{check_mask, mask};
 use vrdma_spec::ring::WorkRingGeometry;
-use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
+use vrdma_spec::verbs::{access, Mtu, PortState, QpState, QpType};
 
 use vrdma_tenant_policy::Limits;
 
@@ -198,10 +198,33 @@ impl RdmaDevice {
             .map_err(VerbError::Fabric)
     }
 
+    /// The port went down with the datapath that ran every QP: each QP is
+    /// in ERR now (QUERY_QP says so; nothing it holds will complete), and
+    /// its rings carry the ERROR flag, as the datapath would have set it.
+    pub(super) fn fail_qps(&mut self) {
+        for qp in self.qps.values_mut() {
+            qp.state = QpState::Err;
+            qp.attr.qp_state = QpState::Err.into();
+            qp.attr.cur_qp_state = QpState::Err.into();
+        }
+        for qp in self.qps.values() {
+            for (addr, _) in [qp.sq, qp.rq] {
+                if let Err(e) = self.flag_ring_error(addr) {
+                    tracing::warn!(tenant = %self.tenant(), qpn = qp.qpn, error = %e,
+                        "Cannot flag the QP's ring in error");
+                }
+            }
+        }
+    }
+
     /// A QP can enter ERR on its own in hostd's datapath (a WQE failed, a
     /// ring was bad): before MODIFY_QP or QUERY_QP looks at the state, it
-    /// takes the datapath's ERR over.
+    /// takes the datapath's ERR over. With the port down there is no
+    /// datapath to ask: the QPs are in ERR already ([`Self::fail_qps`]).
     fn adopt_datapath_state(&mut self, qpn: u32) -> VerbResult<()> {
+        if self.config.port.state == u8::from(PortState::Down) {
+            return Ok(());
+        }
         let (Some(fabric), Some(qp)) = (&self.fabric, self.qps.get_mut(&qpn)) else {
             return Ok(());
         };

@@ -29,14 +29,21 @@ const HOSTD_GID: [u8; 16] = vrdma_spec::gid::ipv4_mapped([10, 200, 0, 9]);
 #[derive(Debug)]
 pub(super) struct TestFds {
     kick: EventFd,
-    /// Vector 1 has a call eventfd; vector 0's was never set.
+    /// Vector 1 has a call eventfd; vector 0's is set only when a test
+    /// asks for it ([`attached_with_vector_0`]).
     call1: EventFd,
+    call0: Option<EventFd>,
 }
 
 fn test_fds() -> Arc<TestFds> {
+    fds_with(None)
+}
+
+fn fds_with(call0: Option<EventFd>) -> Arc<TestFds> {
     Arc::new(TestFds {
         kick: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
         call1: EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"),
+        call0,
     })
 }
 
@@ -52,8 +59,9 @@ impl NotifyFds for TestFds {
     }
 
     fn vector_call(&self, vector: u32) -> Result<OwnedFd, FdError> {
-        match vector {
-            1 => dup(&self.call1),
+        match (vector, &self.call0) {
+            (1, _) => dup(&self.call1),
+            (0, Some(call0)) => dup(call0),
             _ => Err(FdError::Missing {
                 kind: "call",
                 queue: 2 + vector,
@@ -194,13 +202,119 @@ fn read_u64(file: &mut File) -> u64 {
 }
 
 pub(super) fn attached(tag: &str) -> (FakeHostd, RdmaDevice, Arc<TestFds>) {
+    attached_to(tag, test_fds())
+}
+
+/// [`attached`], with a call eventfd on vector 0 too.
+fn attached_with_vector_0(tag: &str) -> (FakeHostd, RdmaDevice, Arc<TestFds>) {
+    attached_to(
+        tag,
+        fds_with(Some(EventFd::new(libc::EFD_NONBLOCK).expect("eventfd"))),
+    )
+}
+
+fn attached_to(tag: &str, fds: Arc<TestFds>) -> (FakeHostd, RdmaDevice, Arc<TestFds>) {
     let (hostd, fabric) = FakeHostd::start(tag);
-    let fds = test_fds();
     let mut dev = RdmaDevice::with_fabric(identity(), Limits::default(), fabric, fds.clone());
     // Anonymous memory has no file to give hostd: no AddMemory.
     dev.update_memory(guest_memory());
     hostd.assert_quiet("update_memory");
     (hostd, dev, fds)
+}
+
+/// The port's state as `QUERY_PORT` reports it.
+fn port_state(dev: &mut RdmaDevice) -> u8 {
+    let req = vrdma_spec::control::QueryPortReq {
+        port_num: 1,
+        ..Default::default()
+    };
+    run::<vrdma_spec::config::PortAttr>(dev, Opcode::QueryPort, req.as_bytes())
+        .expect("QUERY_PORT")
+        .state
+}
+
+/// Sets event ring `eq`'s indices as hostd and the driver left them.
+fn set_indices(dev: &RdmaDevice, eq: u64, producer: u32, consumer: u32) {
+    let mem = &dev.mem;
+    mem.write_obj(
+        producer.to_le(),
+        GuestAddress(eq + ring::DEVICE_INDEX_OFFSET),
+    )
+    .expect("device index");
+    mem.write_obj(
+        consumer.to_le(),
+        GuestAddress(eq + ring::DRIVER_INDEX_OFFSET),
+    )
+    .expect("driver index");
+}
+
+fn read_u32(dev: &RdmaDevice, addr: u64) -> u32 {
+    u32::from_le(dev.mem.read_obj(GuestAddress(addr)).expect("guest u32"))
+}
+
+#[test]
+fn a_lost_hostd_takes_the_port_down_with_one_event_on_ring_0() {
+    let (hostd, mut dev, fds) = attached_with_vector_0("port-lost");
+    let eq = MEM_BASE + 0x31_0000;
+    create_eq(&mut dev, 0, 4, eq).expect("EQ of vector 0");
+    assert!(matches!(
+        hostd.next().0,
+        Request::CreateEq { vector: 0, .. }
+    ));
+    assert_eq!(port_state(&mut dev), u8::from(PortState::Active));
+    // hostd wrote 5 events (the index wrapped once); the driver read 3.
+    set_indices(&dev, eq, 5, 3);
+
+    dev.port_lost();
+    assert_eq!(port_state(&mut dev), u8::from(PortState::Down));
+    let call0 = fds.call0.as_ref().expect("vector 0's call");
+    assert_eq!(call0.read().expect("interrupt"), 1);
+    assert_eq!(read_u32(&dev, eq + ring::DEVICE_INDEX_OFFSET), 6);
+    let at = eq + ring::event_entry_offset(5, 4);
+    let mut raw = [0u8; ring::EVENT_SIZE];
+    dev.mem
+        .read_slice(&mut raw, GuestAddress(at))
+        .expect("event");
+    let event = ring::Event::read_from_bytes(&raw).expect("event size");
+    assert_eq!(
+        (event.kind.get(), event.object.get()),
+        (ring::event_kind::PORT_ERROR, 1),
+        "PORT_ERROR of port 1 in slot 1"
+    );
+    assert_eq!(read_u32(&dev, eq + ring::DEVICE_FLAGS_OFFSET), 0);
+
+    // Down already: no second event.
+    dev.port_lost();
+    assert_eq!(read_u32(&dev, eq + ring::DEVICE_INDEX_OFFSET), 6);
+    assert!(call0.read().is_err(), "no second interrupt");
+    hostd.assert_quiet("the port going down");
+}
+
+#[test]
+fn a_port_error_on_a_full_ring_is_counted_lost() {
+    let (_hostd, mut dev, fds) = attached_with_vector_0("port-lost-full");
+    let eq = MEM_BASE + 0x31_0000;
+    create_eq(&mut dev, 0, 4, eq).expect("EQ of vector 0");
+    set_indices(&dev, eq, 7, 3);
+
+    dev.port_lost();
+    assert_eq!(port_state(&mut dev), u8::from(PortState::Down));
+    assert_eq!(
+        read_u32(&dev, eq + ring::DEVICE_INDEX_OFFSET),
+        7,
+        "nothing written"
+    );
+    assert_eq!(
+        read_u32(&dev, eq + ring::DEVICE_FLAGS_OFFSET),
+        ring::DEVICE_FLAG_ERROR,
+        "the ring says events were lost"
+    );
+    let call0 = fds.call0.as_ref().expect("vector 0's call");
+    assert_eq!(
+        call0.read().expect("interrupt"),
+        1,
+        "the driver still wakes"
+    );
 }
 
 #[test]
