@@ -182,3 +182,60 @@ fn eight_processes_share_the_device_and_one_killed_loses_only_its_own() {
     }
     s.wait_qps(0);
 }
+
+/// Raises this process's soft limit of open descriptors to its hard limit:
+/// 64 open devices hold some 800.
+fn more_descriptors() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write one rlimit structure we own.
+    let ok = unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 && {
+            lim.rlim_cur = lim.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0
+        }
+    };
+    assert!(ok, "RLIMIT_NOFILE: {}", std::io::Error::last_os_error());
+}
+
+/// A device serves 64 contexts at once (vdev's `MAX_CONTEXTS`, hostd's
+/// `MAX_CONTEXTS_PER_DEVICE`), each working; a 65th waits for one to
+/// close, and one that will not wait gets EBUSY.
+#[test]
+fn a_device_serves_sixty_four_contexts_and_the_next_waits_for_one_to_close() {
+    use vrdma_guest_driver::{Context, Error, VhostUserTransport};
+    more_descriptors();
+    let hostd = Hostd::start(None);
+    let vdev = Vdev::on_hostd(&hostd, "alpha", &[]);
+    let mut open: Vec<Context> = (0..64)
+        .map(|i| {
+            Context::open_vhost_user(&vdev.socket)
+                .unwrap_or_else(|e| panic!("context {i}: {e}\n{}", vdev.log()))
+        })
+        .collect();
+    // Each is a device of its own objects: a PD in every one.
+    for (i, ctx) in open.iter().enumerate() {
+        let pd = ctx
+            .alloc_pd()
+            .unwrap_or_else(|e| panic!("PD of context {i}: {e}"));
+        assert_eq!(pd.pdn(), 1, "context {i} numbers its own objects");
+    }
+    let impatient = VhostUserTransport::connect_within(&vdev.socket, Duration::from_millis(300))
+        .map(|_| ())
+        .map_err(Error::from);
+    match impatient {
+        Err(e) => assert_eq!(e.errno(), libc::EBUSY, "{e:?}"),
+        Ok(()) => panic!("a 65th context was served:\n{}", vdev.log()),
+    }
+    drop(open.remove(0));
+    let next = Context::open_vhost_user(&vdev.socket)
+        .unwrap_or_else(|e| panic!("a context once one closed: {e}\n{}", vdev.log()));
+    let pd = next.alloc_pd().expect("its PD");
+    assert_eq!(pd.pdn(), 1);
+    drop(pd);
+    drop((next, open));
+    let mut vdev = vdev;
+    assert!(vdev.is_running(), "vdev serves on:\n{}", vdev.log());
+}

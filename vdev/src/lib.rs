@@ -145,8 +145,8 @@ enum Event {
     Accepted(u64, Listener),
     /// Context `id`'s frontend left (or its connection failed).
     Ended(u64, Result<(), vhost_user_backend::Error>),
-    /// Context `id` could not accept a frontend at all.
-    Failed(u64, Error),
+    /// Context `id` could not accept a frontend at all; the listener back.
+    Failed(u64, Error, Listener),
 }
 
 /// A context being served, as the main thread keeps it.
@@ -191,7 +191,10 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
     let mut held_back = false;
     loop {
         let room = contexts.len() < MAX_CONTEXTS && !(config.once && next_id > 0);
-        if let (false, false, true, Some(l)) = (accepting, held_back, room, listener.take()) {
+        // The listener is taken only to be handed to the next context: a
+        // listener dropped here would close the device's socket for good.
+        let next = !accepting && !held_back && room;
+        if let Some(l) = listener.take_if(|_| next) {
             // A registration with hostd per context: when its frontend
             // goes, closing it makes hostd drop what that context had.
             let fabric = match (early_fabric.take(), &config.hostd) {
@@ -259,11 +262,23 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                         "Frontend connection ended with an error; its context's state released"),
                 }
             }
-            Event::Failed(id, error) => {
-                if let Some(context) = contexts.remove(&id) {
-                    let _ = context.thread.join();
+            Event::Failed(id, error, l) => {
+                if let Some(Context { backend, thread }) = contexts.remove(&id) {
+                    let _ = thread.join();
+                    if let Some(fabric) = backend.device().fabric() {
+                        fabric.close();
+                    }
                 }
-                return Err(error);
+                if contexts.is_empty() {
+                    return Err(error);
+                }
+                // The other contexts are served on; another try when one
+                // of them ends.
+                tracing::warn!(tenant = %config.tenant, context = id, open = contexts.len(),
+                    "No further context until one closes: {}", vrdma_errors::error_chain(&error));
+                listener = Some(l);
+                accepting = false;
+                held_back = true;
             }
         }
     }
@@ -302,7 +317,7 @@ fn serve_context(
             let mut daemon = match daemon {
                 Ok(daemon) => daemon,
                 Err(e) => {
-                    let _ = events.send(Event::Failed(id, e));
+                    let _ = events.send(Event::Failed(id, e, listener));
                     return;
                 }
             };
@@ -330,10 +345,11 @@ fn device_name(socket: &std::path::Path) -> String {
     format!("vdev-{hash:016x}")
 }
 
-/// Registers with hostd. hostd tears the previous registration of this
-/// device down when it sees that connection close, which can be a moment
-/// after vdev, whose frontend just left, asks again: while hostd still
-/// answers EBUSY for this device, wait a little and retry.
+/// Registers a context with hostd. hostd tears a closed registration down
+/// when it sees its connection close, which can be a moment after vdev,
+/// whose frontend just left, asks again (a restarted vdev's old device, or
+/// the device's last free context slot): while hostd answers EBUSY, wait a
+/// little and retry.
 fn register(
     path: &std::path::Path,
     tenant: &str,

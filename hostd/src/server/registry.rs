@@ -244,8 +244,10 @@ impl Server {
                     ));
                 }
                 if open.contexts.len() >= MAX_CONTEXTS_PER_DEVICE {
+                    // Busy, not out of space: a context whose connection
+                    // just closed is still being torn down (vdev retries).
                     return Err(refuse(
-                        libc::ENOSPC,
+                        libc::EBUSY,
                         format!(
                             "Device {device} of tenant {tenant} has {MAX_CONTEXTS_PER_DEVICE} \
                              contexts open, the most a device has"
