@@ -228,28 +228,19 @@ fn drive(
     duration: Duration,
 ) -> Result<f64> {
     let mut in_flight = vec![0usize; qps.len()];
-    for (((qa, _), list), flight) in qps.iter().zip(lists).zip(&mut in_flight) {
-        while *flight + RATE_BATCH <= RATE_WINDOW {
-            qa.post_send(list).map_err(BenchError::Post)?;
-            *flight += RATE_BATCH;
-        }
-    }
+    throughput::fill_windows(
+        qps.iter().map(|(qa, _)| qa),
+        lists,
+        &mut in_flight,
+        RATE_WINDOW,
+    )?;
     let mut wcs = [WorkCompletion::default(); 64];
     let (mut done, mut spins) = (0usize, 0u32);
-    let start = Instant::now();
-    let warm = start + duration / 10;
-    let end = warm + duration;
-    let mut counted_from = None;
+    let mut meter = throughput::Meter::new(duration);
     let mut rate = None;
     while in_flight.iter().any(|&f| f > 0) {
-        let now = Instant::now();
-        if counted_from.is_none() && now >= warm {
-            counted_from = Some((now, done));
-        }
-        if rate.is_none() && now >= end {
-            if let Some((from, before)) = counted_from {
-                rate = Some((done - before) as f64 / now.duration_since(from).as_secs_f64());
-            }
+        if rate.is_none() {
+            rate = meter.tick(Instant::now(), done);
         }
         let n = poll_ok(&a.cq, &mut wcs)?;
         for wc in &wcs[..n] {

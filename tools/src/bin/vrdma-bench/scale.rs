@@ -17,7 +17,7 @@ use vrdma_spec::verbs::SendOpcode;
 use crate::baselines::pause;
 use crate::host::{connect, policy, poll_ok, Buffer, Host, Tenant};
 use crate::report::{Bound, Targets};
-use crate::{verbs, BenchError, Result};
+use crate::{throughput, verbs, BenchError, Result};
 
 /// Work requests in flight per QP.
 const WINDOW: usize = 32;
@@ -115,31 +115,14 @@ impl Fleet {
         // operation must not grow with the QPs, or it, not hostd, would
         // be what the comparison measures).
         let mut in_flight = vec![0usize; self.qps.len()];
-        for ((qp, list), flight) in self
-            .qps
-            .iter()
-            .map(|(_, qp, _)| qp)
-            .zip(&lists)
-            .zip(&mut in_flight)
-        {
-            while *flight + BATCH <= WINDOW {
-                qp.post_send(list).map_err(BenchError::Post)?;
-                *flight += BATCH;
-            }
-        }
+        let qps = self.qps.iter().map(|(_, qp, _)| qp);
+        throughput::fill_windows(qps, &lists, &mut in_flight, WINDOW)?;
         let mut wcs = [WorkCompletion::default(); 64];
         let (mut done, mut spins) = (0usize, 0u32);
-        let start = Instant::now();
-        let warm = start + duration / 10;
-        let end = warm + duration;
-        let mut counted_from = None;
-        loop {
-            let now = Instant::now();
-            if counted_from.is_none() && now >= warm {
-                counted_from = Some((now, done));
-            }
-            if now >= end {
-                break;
+        let mut meter = throughput::Meter::new(duration);
+        let rate = loop {
+            if let Some(rate) = meter.tick(Instant::now(), done) {
+                break rate;
             }
             let mut polled = 0;
             for tenant in &self.tenants {
@@ -158,9 +141,7 @@ impl Fleet {
                 spins = spins.wrapping_add(1);
                 pause(spins);
             }
-        }
-        let (from, before) = counted_from.ok_or(BenchError::Panicked)?;
-        let rate = (done - before) as f64 / from.elapsed().as_secs_f64();
+        };
         // Let what is in flight complete before the QPs go.
         let deadline = Instant::now() + Duration::from_secs(5);
         while in_flight.iter().any(|&f| f > 0) && Instant::now() < deadline {

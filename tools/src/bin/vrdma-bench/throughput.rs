@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
-use vrdma_guest_driver::{RecvWr, SendPayload, SendWr, WorkCompletion};
+use vrdma_guest_driver::{QueuePair, RecvWr, SendPayload, SendWr, WorkCompletion};
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::SendOpcode;
 
@@ -100,6 +100,56 @@ pub struct Completed {
 impl Completed {
     pub fn ops_per_sec(&self) -> f64 {
         self.ops as f64 / self.elapsed.as_secs_f64()
+    }
+}
+
+/// Posts each QP's list until `window` work requests are in flight on
+/// it, counting them in `in_flight`: the start of a completion-driven
+/// stream (each completion then reposts its list).
+pub fn fill_windows<'q>(
+    qps: impl Iterator<Item = &'q QueuePair>,
+    lists: &[Vec<SendWr<'_>>],
+    in_flight: &mut [usize],
+    window: usize,
+) -> Result<()> {
+    for ((qp, list), flight) in qps.zip(lists).zip(in_flight) {
+        while *flight + list.len() <= window {
+            qp.post_send(list).map_err(BenchError::Post)?;
+            *flight += list.len();
+        }
+    }
+    Ok(())
+}
+
+/// An operation rate measured from a running count: over `duration`,
+/// after a tenth as long of warm-up.
+pub struct Meter {
+    warm: Instant,
+    end: Instant,
+    /// When counting began, and the count then.
+    from: Option<(Instant, usize)>,
+}
+
+impl Meter {
+    /// A window starting now.
+    pub fn new(duration: Duration) -> Meter {
+        let warm = Instant::now() + duration / 10;
+        Meter {
+            warm,
+            end: warm + duration,
+            from: None,
+        }
+    }
+
+    /// Takes the count `done` at `now`; once the window has ended, the
+    /// operations per second counted in it.
+    pub fn tick(&mut self, now: Instant, done: usize) -> Option<f64> {
+        if self.from.is_none() && now >= self.warm {
+            self.from = Some((now, done));
+        }
+        let (from, before) = self.from?;
+        let counted = now.duration_since(from).as_secs_f64();
+        (now >= self.end && counted > 0.0).then(|| (done - before) as f64 / counted)
     }
 }
 
