@@ -37,6 +37,8 @@ pub const HUGE_PAGE_SIZE: usize = 2 << 20;
 /// `MAP_HUGE_2MB`: log2(2 MiB) in the mmap flags' hugepage-size field.
 const MAP_HUGE_2MB: libc::c_int = 21 << libc::MAP_HUGE_SHIFT;
 const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+/// Times an arena raises the hugepage pool and maps again before failing.
+const HUGEPAGE_ATTEMPTS: u32 = 8;
 /// Default size of an arena.
 pub const DEFAULT_ARENA_SIZE: usize = 16 << 20;
 /// Smallest allocation unit: a cache line, so two allocations never share one.
@@ -188,13 +190,23 @@ impl DmaArena {
             .checked_next_multiple_of(HUGE_PAGE_SIZE)
             .ok_or(DmaError::BadSize(size))?;
         let pages = size / HUGE_PAGE_SIZE;
-        let base = match map_hugepages(size) {
-            Ok(base) => base,
-            Err(_) => {
-                if let Err(e) = reserve_hugepages(pages) {
-                    tracing::warn!(error = %e, pages, "Cannot reserve hugepages");
+        // Processes opening devices at once race for the pool: one's
+        // reservation may be taken by another's mapping (or two raise it
+        // to the same count), so raising and mapping are retried a few
+        // times before giving up.
+        let mut attempt = 0;
+        let base = loop {
+            match map_hugepages(size) {
+                Ok(base) => break base,
+                Err(source) if attempt == HUGEPAGE_ATTEMPTS => {
+                    return Err(DmaError::Hugepages { size, source })
                 }
-                map_hugepages(size).map_err(|source| DmaError::Hugepages { size, source })?
+                Err(_) => {
+                    attempt += 1;
+                    if let Err(e) = reserve_hugepages(pages) {
+                        tracing::warn!(error = %e, pages, "Cannot reserve hugepages");
+                    }
+                }
             }
         };
         // From here on the mapping is owned by `arena` and unmapped on drop.
@@ -343,13 +355,20 @@ fn map_hugepages(size: usize) -> io::Result<usize> {
 
 /// Free 2 MiB hugepages, from /proc/meminfo (the default hugepage size is
 /// 2 MiB on x86-64).
+/// Hugepages free for a new mapping: free and not reserved by another
+/// process's mapping that has not touched them yet.
 fn free_hugepages() -> io::Result<usize> {
     let meminfo = std::fs::read_to_string("/proc/meminfo")?;
-    meminfo
-        .lines()
-        .find_map(|l| l.strip_prefix("HugePages_Free:"))
-        .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no HugePages_Free in meminfo"))
+    let field = |name: &str| -> io::Result<usize> {
+        meminfo
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .ok_or_else(|| {
+                io::Error::new(io::ErrorKind::InvalidData, format!("no {name} in meminfo"))
+            })
+    };
+    Ok(field("HugePages_Free:")?.saturating_sub(field("HugePages_Rsvd:")?))
 }
 
 /// Raises the hugepage pool so that `pages` more are free.

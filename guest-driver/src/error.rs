@@ -3,6 +3,7 @@
 use std::io;
 
 use crate::dma::DmaError;
+use crate::transport::virtio_pci::PciError;
 use crate::transport::TransportError;
 use crate::virtqueue::QueueError;
 
@@ -52,6 +53,11 @@ impl Error {
             Error::BadDevice(_) => libc::ENODEV,
             Error::Os { source, .. } => source.raw_os_error().unwrap_or(libc::EIO),
             Error::Transport(TransportError::Busy { .. }) => libc::EBUSY,
+            Error::Transport(TransportError::Pci(e))
+                if matches!(**e, PciError::Busy(_) | PciError::AllBusy { .. }) =>
+            {
+                libc::EBUSY
+            }
             Error::Transport(_) | Error::Dma(_) | Error::Queue(_) | Error::ControlBroken => {
                 libc::EIO
             }

@@ -73,18 +73,20 @@ pub fn ucx_env(cmd: &mut Command, tls: &str) {
 }
 
 /// The transports UCX's log says each process chose: from its lines
-/// `[<time>] [<host>:<pid>:<thread>] ... ep_cfg[<n>]: tag(rc_verbs/vrdma0:1) ...`,
-/// every `transport/device` per pid.
+/// `[<time>] [<host>:<pid>:<thread>] ... ep_cfg[<n>]: tag(rc_verbs/vrdma0:1) ...`
+/// (UCX 1.13) or `... intra-node cfg#<n> tag(rc_verbs/vrdma0:1) ...`
+/// (UCX 1.18), every `transport/device` per pid.
 pub fn chosen_transports(log: &str) -> BTreeMap<u32, BTreeSet<String>> {
     let mut chosen: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
     for line in log.lines() {
-        let Some((_, lanes)) = line.split_once("ep_cfg[") else {
-            continue;
+        let lanes = if let Some((_, rest)) = line.split_once("ep_cfg[") {
+            rest.split_once("]:").map(|(_, lanes)| lanes)
+        } else if let Some((_, rest)) = line.split_once(" cfg#") {
+            rest.split_once(' ').map(|(_, lanes)| lanes)
+        } else {
+            None
         };
-        let Some(pid) = log_pid(line) else {
-            continue;
-        };
-        let Some((_, lanes)) = lanes.split_once("]:") else {
+        let (Some(lanes), Some(pid)) = (lanes, log_pid(line)) else {
             continue;
         };
         let used = chosen.entry(pid).or_default();
@@ -120,9 +122,14 @@ mod tests {
 [1796176571.137105] [vm:9924 :0]          parser.c:1916 UCX  INFO  UCX_* env variables: UCX_TLS=rc_verbs\n\
 [1796176571.485839] [vm:9929 :0]      ucp_worker.c:1763 UCX  INFO    ep_cfg[0]: tag(rc_verbs/vrdma0:1)\n\
 [1796176571.486413] [vm:10001:0]      ucp_worker.c:1763 UCX  INFO    ep_cfg[1]: tag(rc_verbs/vrdma0:1 ud_verbs/vrdma0:1) rma(posix/memory)\n\
+[1796184189.193960] [vrdma-guest:295  :0]      ucp_worker.c:1903 UCX  INFO    perftest intra-node cfg#0 rma(rc_verbs/vrdma0:1)\n\
 rank 1 of 4 partner 3 OK\n";
         let chosen = chosen_transports(log);
-        assert_eq!(chosen.len(), 2);
+        assert_eq!(chosen.len(), 3);
+        assert_eq!(
+            chosen[&295].iter().collect::<Vec<_>>(),
+            ["rc_verbs/vrdma0:1"]
+        );
         assert_eq!(
             chosen[&9929].iter().collect::<Vec<_>>(),
             ["rc_verbs/vrdma0:1"]

@@ -233,6 +233,10 @@ pub struct VrdmaDevice {
     pub queue_size: u16,
     /// Bytes of device config space.
     pub config_size: usize,
+    /// PCI functions QEMU attaches to the socket: the device's context
+    /// slots, one per process (or `ibv_open_device`) that uses it at once
+    /// in the guest (docs/architecture.md, "Contexts").
+    pub functions: u16,
 }
 
 impl VrdmaDevice {
@@ -243,7 +247,13 @@ impl VrdmaDevice {
             num_queues: vrdma_spec::num_queues(vrdma_vdev::config::DEFAULT_COMP_VECTORS),
             queue_size: vrdma_vdev::config::DEFAULT_QUEUE_SIZE,
             config_size: vrdma_spec::config::CONFIG_SIZE,
+            functions: 1,
         }
+    }
+
+    /// The same device with `functions` context slots.
+    pub fn with_functions(self, functions: u16) -> Self {
+        VrdmaDevice { functions, ..self }
     }
 }
 
@@ -613,15 +623,20 @@ fn qemu_args(
         args.push("-no-reboot".into());
     }
     if let Some(device) = &config.device {
-        args.extend([
-            "-chardev".into(),
-            format!("socket,id=vrdma,path={}", view(&device.socket)?),
-            "-device".into(),
-            format!(
-                "vhost-user-test-device-pci,chardev=vrdma,virtio-id={QEMU_VIRTIO_ID},num_vqs={},vq_size={},config_size={}",
-                device.num_queues, device.queue_size, device.config_size
-            ),
-        ]);
+        // Each function is a vhost-user connection of its own to the same
+        // vdev socket: vdev serves each as a context of the one device.
+        let socket = view(&device.socket)?;
+        for function in 0..device.functions.max(1) {
+            args.extend([
+                "-chardev".into(),
+                format!("socket,id=vrdma{function},path={socket}"),
+                "-device".into(),
+                format!(
+                    "vhost-user-test-device-pci,chardev=vrdma{function},virtio-id={QEMU_VIRTIO_ID},num_vqs={},vq_size={},config_size={}",
+                    device.num_queues, device.queue_size, device.config_size
+                ),
+            ]);
+        }
     }
     args.extend(config.extra_args.iter().cloned());
     Ok(args)

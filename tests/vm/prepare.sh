@@ -31,8 +31,10 @@ readonly GUEST_PACKAGES=(linux-image-amd64 busybox-static)
 # way with its whole dependency closure (libc6, libnl-3, libnl-route-3, ...)
 # as apt resolves it for an empty system: the initramfs builder picks the
 # programs' shared libraries from there. netcat-openbsd: busybox's nc has
-# no UDP.
-readonly RDMA_GUEST_PACKAGES=(ibverbs-utils ibverbs-providers perftest rdmacm-utils iproute2 netcat-openbsd)
+# no UDP. ucx-utils, openmpi-bin: UCX and Open MPI run on vrdma inside the
+# guest (tests/tests/vm_contexts.rs).
+readonly RDMA_GUEST_PACKAGES=(ibverbs-utils ibverbs-providers perftest rdmacm-utils iproute2 netcat-openbsd
+    ucx-utils openmpi-bin)
 
 cache=${VRDMA_VM_CACHE:-/var/cache/vrdma-vm}
 mirror=${VRDMA_VM_MIRROR:-http://deb.debian.org/debian}
@@ -181,6 +183,7 @@ ls "$build"/guest/boot/vmlinuz-* >/dev/null 2>&1 || die "no guest kernel in $bui
 [ -x "$build/guest/usr/bin/busybox" ] || die "no static busybox at $build/guest/usr/bin/busybox"
 for file in usr/bin/ibv_rc_pingpong usr/bin/ibv_devinfo usr/bin/ib_write_bw usr/bin/rdma \
     usr/bin/nc.openbsd usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so \
+    usr/bin/ucx_info usr/bin/ucx_perftest usr/bin/mpirun.openmpi \
     etc/libibverbs.d/rxe.driver usr/lib64/ld-linux-x86-64.so.2; do
     [ -e "$build/guest/$file" ] || die "no /$file in the guest tree"
 done

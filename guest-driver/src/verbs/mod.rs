@@ -30,7 +30,8 @@ use crate::error::{DestroyError, Error, Result};
 use crate::memory::{Hold, Placement};
 use crate::ring::{CqRing, RingIndices, Sge, WorkCompletion};
 use crate::transport::{
-    PciDevice, Transport, TransportError, VhostUserTransport, VirtioPciTransport,
+    virtio_pci::PciError, PciDevice, Transport, TransportError, VhostUserTransport,
+    VirtioPciTransport,
 };
 
 mod ah;
@@ -72,14 +73,31 @@ impl Context {
     /// the device with default options. Needs root: sysfs binding, BAR
     /// mapping, hugepages and pagemap.
     pub fn open_pci(address: Option<&str>, virtio_id: u16) -> Result<Self> {
-        let device = match address {
-            Some(bdf) => PciDevice::at(bdf),
-            None => PciDevice::find(virtio_id),
-        }
-        .map_err(TransportError::from)?;
-        let transport =
-            VirtioPciTransport::open(&device, virtio_id).map_err(TransportError::from)?;
+        let transport = match address {
+            Some(bdf) => {
+                let device = PciDevice::at(bdf).map_err(TransportError::from)?;
+                VirtioPciTransport::open(&device, virtio_id).map_err(TransportError::from)?
+            }
+            None => Self::claim_free_function(virtio_id)?,
+        };
         Self::open(Box::new(transport), DeviceOptions::default())
+    }
+
+    /// The first function of the VM's vrdma device that no other process
+    /// drives: each function is one context slot of the device
+    /// (docs/architecture.md, "Contexts"), so the N-th context open in
+    /// the VM takes the N-th free function. EBUSY when all are taken.
+    fn claim_free_function(virtio_id: u16) -> Result<VirtioPciTransport> {
+        let functions = PciDevice::find_all(virtio_id).map_err(TransportError::from)?;
+        let count = functions.len();
+        for device in &functions {
+            match VirtioPciTransport::open(device, virtio_id) {
+                Ok(transport) => return Ok(transport),
+                Err(PciError::Busy(_)) => continue,
+                Err(e) => return Err(TransportError::from(e).into()),
+            }
+        }
+        Err(TransportError::from(PciError::AllBusy { count, virtio_id }).into())
     }
 
     /// The device's config space, read at open.

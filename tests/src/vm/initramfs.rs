@@ -32,6 +32,10 @@ enum Source {
     /// A file of the prepared guest tree (a trixie program or library):
     /// packed as it is, never given to the host's `ldd` or `strip`.
     Guest(PathBuf),
+    /// A host-built ELF file linked against the guest tree's libraries
+    /// ([`Initramfs::guest_linked`]): stripped like a host binary, never
+    /// given to the host's `ldd`.
+    Linked(PathBuf),
 }
 
 /// Where shared libraries go in the guest (a directory the guest's
@@ -59,6 +63,9 @@ pub struct Initramfs {
     guest_tree: PathBuf,
     /// Guest-tree programs and libraries to pack with what they need.
     guest_programs: Vec<String>,
+    /// Host-built programs and libraries linked against the guest tree's
+    /// libraries: (host file, guest path).
+    guest_linked: Vec<(PathBuf, String)>,
     /// eth0's address (CIDR) and default gateway.
     eth0: (String, Option<String>),
 }
@@ -79,6 +86,7 @@ impl Initramfs {
             strip_debug: false,
             guest_tree: image.guest.clone(),
             guest_programs: Vec::new(),
+            guest_linked: Vec::new(),
             eth0: ("10.0.2.15/24".into(), Some("10.0.2.2".into())),
         };
         for dir in [
@@ -157,6 +165,43 @@ impl Initramfs {
     /// same path: a guest runs one glibc.
     pub fn guest_program(mut self, path: &str) -> Self {
         self.guest_programs.push(path.into());
+        self
+    }
+
+    /// Places every file under directory `path` of the prepared guest tree
+    /// (e.g. UCX's transport modules, `/usr/lib/x86_64-linux-gnu/ucx`) as
+    /// [`Initramfs::guest_program`] places one: plug-ins a program loads
+    /// at run time, which its ELF header does not name. A missing
+    /// directory fails the build.
+    pub fn guest_dir(mut self, path: &str) -> Self {
+        let root = resolve_in_tree(&self.guest_tree, path);
+        let mut pending = vec![(path.trim_end_matches('/').to_owned(), root)];
+        while let Some((guest, host)) = pending.pop() {
+            match std::fs::read_dir(&host) {
+                Ok(entries) => {
+                    for entry in entries.flatten() {
+                        let name = entry.file_name().to_string_lossy().into_owned();
+                        let host = resolve_in_tree(&self.guest_tree, &format!("{guest}/{name}"));
+                        pending.push((format!("{guest}/{name}"), host));
+                    }
+                }
+                // A file (or a link to one), or nothing: guest_program
+                // packs it or fails the build naming it.
+                Err(_) => self.guest_programs.push(guest),
+            }
+        }
+        self
+    }
+
+    /// Places host-built ELF file `host` (a program or shared library, e.g.
+    /// one compiled from tests/c) at `guest`, linked in the guest against
+    /// the guest tree's loader and libraries, as [`Initramfs::guest_program`]
+    /// packs them, except those found in a [`Initramfs::library_dir`]
+    /// (vrdma's libibverbs.so.1), which are packed the same way into
+    /// [`GUEST_LIB_DIR`], first on the guest's library path. For guests
+    /// that run trixie programs and host-built ones together.
+    pub fn guest_linked(mut self, host: &Path, guest: &str) -> Self {
+        self.guest_linked.push((host.into(), guest.into()));
         self
     }
 
@@ -239,6 +284,9 @@ impl Initramfs {
                 );
             }
         }
+        for (host, guest) in std::mem::take(&mut self.guest_linked) {
+            self.add_guest_linked(&host, &guest)?;
+        }
         for program in std::mem::take(&mut self.guest_programs) {
             self.add_guest_program(&program)?;
         }
@@ -262,12 +310,12 @@ impl Initramfs {
         if self.strip_debug {
             for entry in self.entries.values_mut() {
                 if let Entry::File {
-                    data: data @ Source::Host(_),
+                    data: data @ (Source::Host(_) | Source::Linked(_)),
                     mode,
                 } = entry
                 {
                     if *mode & 0o111 != 0 {
-                        if let Source::Host(path) =
+                        if let Source::Host(path) | Source::Linked(path) =
                             std::mem::replace(data, Source::Bytes(Vec::new()))
                         {
                             *data = Source::Stripped(path);
@@ -306,9 +354,16 @@ impl Initramfs {
                 let file = resolve_in_tree(&self.guest_tree, &interp);
                 pending.push((interp, file));
             }
+            // Plug-ins (UCX's transport modules) find their siblings
+            // through `$ORIGIN`: the file's own directory comes last.
+            let origin = Path::new(&guest)
+                .parent()
+                .map(|d| d.to_string_lossy().trim_start_matches('/').to_owned());
             for soname in dynamic.needed {
                 let (lib_guest, lib_host) = GUEST_TREE_LIB_DIRS
                     .iter()
+                    .map(|dir| dir.to_string())
+                    .chain(origin.clone())
                     .map(|dir| {
                         let guest = format!("/{dir}/{soname}");
                         let host = resolve_in_tree(&self.guest_tree, &guest);
@@ -320,6 +375,56 @@ impl Initramfs {
                         reason: format!("needs {soname}, which the guest tree lacks"),
                     })?;
                 pending.push((lib_guest, lib_host));
+            }
+        }
+        Ok(())
+    }
+
+    /// Adds host-built ELF file `host` at `guest` with what it needs: from
+    /// the library directories first (packed the same way), else from the
+    /// guest tree.
+    fn add_guest_linked(&mut self, host: &Path, guest: &str) -> Result<(), VmError> {
+        let mut pending = vec![(host.to_owned(), guest.to_owned())];
+        let mut seen = BTreeSet::new();
+        while let Some((host, guest)) = pending.pop() {
+            if !seen.insert(guest.clone()) {
+                continue;
+            }
+            let data = std::fs::read(&host).map_err(io_err(&host))?;
+            let dynamic = elf::dynamic(&data).map_err(|e| VmError::GuestTree {
+                path: host.display().to_string(),
+                reason: e.to_string(),
+            })?;
+            self.add(
+                &guest,
+                Entry::File {
+                    data: Source::Linked(host.clone()),
+                    mode: 0o755,
+                },
+            );
+            if let Some(interp) = dynamic.interp {
+                self.guest_programs.push(interp);
+            }
+            for soname in dynamic.needed {
+                match self
+                    .library_path
+                    .iter()
+                    .map(|dir| dir.join(&soname))
+                    .find(|lib| lib.is_file())
+                {
+                    Some(lib) => pending.push((lib, format!("{GUEST_LIB_DIR}/{soname}"))),
+                    None => {
+                        let lib = GUEST_TREE_LIB_DIRS
+                            .iter()
+                            .map(|dir| format!("/{dir}/{soname}"))
+                            .find(|g| resolve_in_tree(&self.guest_tree, g).is_file())
+                            .ok_or_else(|| VmError::GuestTree {
+                                path: host.display().to_string(),
+                                reason: format!("needs {soname}, which the guest tree lacks"),
+                            })?;
+                        self.guest_programs.push(lib);
+                    }
+                }
             }
         }
         Ok(())
@@ -618,7 +723,7 @@ impl<W: Write> CpioWriter<W> {
 fn read_source(source: &Source) -> std::io::Result<Vec<u8>> {
     match source {
         Source::Bytes(bytes) => Ok(bytes.clone()),
-        Source::Host(path) | Source::Guest(path) => std::fs::read(path)
+        Source::Host(path) | Source::Guest(path) | Source::Linked(path) => std::fs::read(path)
             .map_err(|e| std::io::Error::new(e.kind(), format!("{}: {e}", path.display()))),
         Source::Xz(path) => {
             let out = Command::new("xz").arg("-dc").arg(path).output()?;

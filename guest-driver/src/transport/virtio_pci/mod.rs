@@ -44,7 +44,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read};
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -142,6 +142,10 @@ pub enum PciError {
     NoUioDriver,
     #[error("PCI function {0} did not get a /dev/uio device after binding {UIO_DRIVER}")]
     NoUioDevice(String),
+    #[error("PCI function {0} is driven by another process (its /dev/uio device is locked)")]
+    Busy(String),
+    #[error("All {count} vrdma PCI functions of virtio id {virtio_id} are driven by other processes (each function is one context of the device)")]
+    AllBusy { count: usize, virtio_id: u16 },
     #[error("Config space of {len} bytes is too short for a PCI header")]
     ShortConfig { len: usize },
     #[error("Function has no capability list")]
@@ -228,13 +232,15 @@ impl PciDevice {
         })
     }
 
-    /// The first (by address) virtio function with virtio id `virtio_id`.
-    pub fn find(virtio_id: u16) -> Result<Self, PciError> {
-        Self::find_in(&Path::new(SYSFS_PCI).join("devices"), virtio_id)
+    /// Every virtio function with virtio id `virtio_id`, by address: the
+    /// context slots of the VM's vrdma device (docs/architecture.md,
+    /// "Contexts"). Never empty.
+    pub fn find_all(virtio_id: u16) -> Result<Vec<Self>, PciError> {
+        Self::find_all_in(&Path::new(SYSFS_PCI).join("devices"), virtio_id)
     }
 
-    /// [`PciDevice::find`] in a given sysfs `devices` directory.
-    pub fn find_in(dir: &Path, virtio_id: u16) -> Result<Self, PciError> {
+    /// [`PciDevice::find_all`] in a given sysfs `devices` directory.
+    pub fn find_all_in(dir: &Path, virtio_id: u16) -> Result<Vec<Self>, PciError> {
         let device = device_id(virtio_id)?;
         let entries = std::fs::read_dir(dir).map_err(sysfs("list PCI devices", dir))?;
         let mut found: Vec<String> = entries
@@ -243,13 +249,15 @@ impl PciDevice {
             .filter(|e| read_id(&e.path().join("device")) == Some(device))
             .filter_map(|e| e.file_name().into_string().ok())
             .collect();
+        if found.is_empty() {
+            return Err(PciError::NotFound {
+                device,
+                virtio_id,
+                dir: dir.display().to_string(),
+            });
+        }
         found.sort();
-        let bdf = found.into_iter().next().ok_or_else(|| PciError::NotFound {
-            device,
-            virtio_id,
-            dir: dir.display().to_string(),
-        })?;
-        Self::at(&bdf)
+        found.iter().map(|bdf| Self::at(bdf)).collect()
     }
 
     /// The address, `domain:bus:device.function`.
@@ -360,6 +368,8 @@ pub struct VirtioPciTransport {
     device_cfg: Option<Window>,
     num_queues: u16,
     state: Mutex<State>,
+    /// This process's claim on the function (see [`claim`]).
+    _claim: File,
 }
 
 impl std::fmt::Debug for VirtioPciTransport {
@@ -386,6 +396,10 @@ impl VirtioPciTransport {
                 expected,
             });
         }
+        // Claimed before the uio device is opened: closing a uio descriptor
+        // switches the function's bus mastering off (uio_pci_generic's
+        // release), which stops the device under its owner.
+        let claim = claim(device)?;
         bind_uio(device)?;
         let uio = open_uio(device)?;
         let config_path = path.join("config");
@@ -457,6 +471,7 @@ impl VirtioPciTransport {
             notify_off_multiplier: caps.notify_off_multiplier,
             device_cfg,
             num_queues,
+            _claim: claim,
             state: Mutex::new(State {
                 notify_off: vec![None; usize::from(num_queues)],
             }),
@@ -701,12 +716,26 @@ impl Line for UioLine {
     }
 }
 
-/// Binds `device` to uio_pci_generic unless it already is.
-fn bind_uio(device: &PciDevice) -> Result<(), PciError> {
-    let path = device.path();
-    let driver = std::fs::read_link(path.join("driver"))
+/// The name of the kernel driver bound to `device`, if any.
+fn bound_driver(device: &PciDevice) -> Option<String> {
+    std::fs::read_link(device.path().join("driver"))
         .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+}
+
+/// Binds `device` to uio_pci_generic unless it already is. Processes
+/// opening the device at once may race to bind the same function: a
+/// failed step is fine if the function ends up bound to uio anyway.
+fn bind_uio(device: &PciDevice) -> Result<(), PciError> {
+    match try_bind_uio(device) {
+        Err(_) if bound_driver(device).as_deref() == Some(UIO_DRIVER) => Ok(()),
+        result => result,
+    }
+}
+
+fn try_bind_uio(device: &PciDevice) -> Result<(), PciError> {
+    let path = device.path();
+    let driver = bound_driver(device);
     if driver.as_deref() == Some(UIO_DRIVER) {
         return Ok(());
     }
@@ -726,6 +755,31 @@ fn bind_uio(device: &PciDevice) -> Result<(), PciError> {
     let bind = uio_dir.join("bind");
     std::fs::write(&bind, &device.bdf).map_err(sysfs("bind uio_pci_generic", &bind))?;
     Ok(())
+}
+
+/// Makes this process the function's one driver: an exclusive, non-blocking
+/// `flock` on the function's sysfs config-space file, held as long as the
+/// returned descriptor is open (a process that dies lets go of it).
+/// Without it a second process would reset the function under the first
+/// one's queues.
+fn claim(device: &PciDevice) -> Result<File, PciError> {
+    let path = device.path().join("config");
+    let file = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(sysfs("open the config space to claim the function", &path))?;
+    // SAFETY: flock on a descriptor this function owns; no memory is
+    // passed.
+    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc == 0 {
+        return Ok(file);
+    }
+    let err = io::Error::last_os_error();
+    if err.raw_os_error() == Some(libc::EWOULDBLOCK) {
+        return Err(PciError::Busy(device.bdf.clone()));
+    }
+    Err(sysfs("lock the config space", &path)(err))
 }
 
 /// Opens the function's `/dev/uioN` (non-blocking: the interrupt thread
@@ -832,7 +886,7 @@ mod tests {
     }
 
     #[test]
-    fn find_picks_the_first_function_with_the_ids() {
+    fn find_all_lists_the_functions_with_the_ids_by_address() {
         let dir = std::env::temp_dir().join(format!("vrdma-sysfs-{}", std::process::id()));
         let fake = |bdf: &str, vendor: &str, device: &str| {
             let d = dir.join(bdf);
@@ -844,12 +898,11 @@ mod tests {
         fake("0000:00:03.0", "0x1af4", "0x1041"); // a virtio-net
         fake("0000:00:04.0", "0x1af4", "0x1066");
         fake("0000:00:02.0", "0x8086", "0x1066");
-        assert_eq!(
-            PciDevice::find_in(&dir, 38).unwrap().address(),
-            "0000:00:04.0"
-        );
+        let found = PciDevice::find_all_in(&dir, 38).unwrap();
+        let addresses: Vec<&str> = found.iter().map(PciDevice::address).collect();
+        assert_eq!(addresses, ["0000:00:04.0", "0000:00:05.0"]);
         assert!(matches!(
-            PciDevice::find_in(&dir, 42),
+            PciDevice::find_all_in(&dir, 42),
             Err(PciError::NotFound { device: 0x106a, .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();
