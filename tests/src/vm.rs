@@ -237,6 +237,9 @@ pub struct VrdmaDevice {
     /// slots, one per process (or `ibv_open_device`) that uses it at once
     /// in the guest (docs/architecture.md, "Contexts").
     pub functions: u16,
+    /// The PCI slot of the first function (the others follow), so the
+    /// guest can tell devices apart by address; QEMU picks when `None`.
+    pub slot: Option<u8>,
 }
 
 impl VrdmaDevice {
@@ -248,12 +251,31 @@ impl VrdmaDevice {
             queue_size: vrdma_vdev::config::DEFAULT_QUEUE_SIZE,
             config_size: vrdma_spec::config::CONFIG_SIZE,
             functions: 1,
+            slot: None,
         }
     }
 
     /// The same device with `functions` context slots.
     pub fn with_functions(self, functions: u16) -> Self {
         VrdmaDevice { functions, ..self }
+    }
+
+    /// The same device with its functions at PCI slots `slot`, `slot + 1`, ...
+    pub fn at_slot(self, slot: u8) -> Self {
+        VrdmaDevice {
+            slot: Some(slot),
+            ..self
+        }
+    }
+
+    /// The guest's PCI addresses of the functions (with [`VrdmaDevice::at_slot`]),
+    /// joined as the library's `pci:` endpoint lists them.
+    pub fn guest_addresses(&self) -> Option<String> {
+        let slot = self.slot?;
+        let all: Vec<String> = (0..self.functions.max(1))
+            .map(|f| format!("0000:00:{:02x}.0", u16::from(slot) + f))
+            .collect();
+        Some(all.join("+"))
     }
 }
 
@@ -277,8 +299,8 @@ pub struct GuestConfig {
     pub nic: Nic,
     /// Guest RAM, MiB (a shared memfd, so vdev can map it).
     pub memory_mib: u32,
-    /// The vrdma device, if the guest has one.
-    pub device: Option<VrdmaDevice>,
+    /// The vrdma devices (usually one, or none).
+    pub devices: Vec<VrdmaDevice>,
     /// Whether a reset (QMP `system_reset`, or the guest rebooting)
     /// restarts the guest; otherwise QEMU exits on it (`-no-reboot`).
     pub allow_reboot: bool,
@@ -295,7 +317,7 @@ impl Default for GuestConfig {
         GuestConfig {
             nic: Nic::User,
             memory_mib: 512,
-            device: None,
+            devices: Vec::new(),
             allow_reboot: false,
             append: String::new(),
             extra_args: std::env::var("VRDMA_VM_QEMU_ARGS")
@@ -622,17 +644,22 @@ fn qemu_args(
     if !config.allow_reboot {
         args.push("-no-reboot".into());
     }
-    if let Some(device) = &config.device {
+    for (index, device) in config.devices.iter().enumerate() {
         // Each function is a vhost-user connection of its own to the same
         // vdev socket: vdev serves each as a context of the one device.
         let socket = view(&device.socket)?;
         for function in 0..device.functions.max(1) {
+            let id = format!("vrdma{index}_{function}");
+            let addr = device
+                .slot
+                .map(|slot| format!(",addr={:#x}", u16::from(slot) + function))
+                .unwrap_or_default();
             args.extend([
                 "-chardev".into(),
-                format!("socket,id=vrdma{function},path={socket}"),
+                format!("socket,id={id},path={socket}"),
                 "-device".into(),
                 format!(
-                    "vhost-user-test-device-pci,chardev=vrdma{function},virtio-id={QEMU_VIRTIO_ID},num_vqs={},vq_size={},config_size={}",
+                    "vhost-user-test-device-pci,chardev={id},virtio-id={QEMU_VIRTIO_ID},num_vqs={},vq_size={},config_size={}{addr}",
                     device.num_queues, device.queue_size, device.config_size
                 ),
             ]);

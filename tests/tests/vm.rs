@@ -171,7 +171,7 @@ fn a_qemu_guest_takes_the_device_and_drives_its_lifecycle() {
     let tap = VhostTap::start(&tap_dir.path().join("vrdma.sock"), &vdev.socket)
         .expect("start the vhost-user tap");
     let config = GuestConfig {
-        device: Some(VrdmaDevice::for_vdev(tap.socket())),
+        devices: vec![VrdmaDevice::for_vdev(tap.socket())],
         allow_reboot: true,
         ..GuestConfig::default()
     };
@@ -879,7 +879,7 @@ fn rdma_between_a_qemu_guest_and_a_host_tenant_survives_guest_misbehaviour() {
         )
         .script(&agent_script(commands.port));
     let config = GuestConfig {
-        device: Some(VrdmaDevice::for_vdev(&vm_vdev.socket)),
+        devices: vec![VrdmaDevice::for_vdev(&vm_vdev.socket)],
         allow_reboot: true,
         ..GuestConfig::default()
     };

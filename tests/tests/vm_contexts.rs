@@ -1,20 +1,23 @@
-//! Many processes of a QEMU guest on its one vrdma device (issue 14): the
-//! guest has the device as 8 PCI functions on one vdev socket, each a
+//! Many processes of a QEMU guest on its vrdma devices (issue 14): a device
+//! is given to the guest as PCI functions on its vdev's socket, each a
 //! context slot (docs/architecture.md, "Contexts"); every `ibv_open_device`
-//! in the guest takes a free function. In one boot (TCG), on tenant vm's
-//! device:
+//! in the guest takes a free function of its device. The guest has two
+//! devices, of tenants alpha (8 functions) and beta (4), at fixed PCI
+//! slots so each process can name its device. In one boot (TCG):
 //!
-//! - `tests/c/contexts.c`: one process opens the device 8 times and writes
-//!   between its contexts; 8 processes at once, a ninth refused (EBUSY:
-//!   every function is taken), one killed mid-traffic — hostd frees its
-//!   QPs, a newcomer takes its function, the other 7 run to their end with
-//!   every WRITE checked, and everything is freed when they are gone;
+//! - `tests/c/contexts.c` on alpha's device: one process opens it 8 times
+//!   and writes between its contexts; 8 processes at once, a ninth refused
+//!   (EBUSY: every function is taken), one killed mid-traffic — hostd
+//!   frees its QPs, a newcomer takes its function, the other 7 run to
+//!   their end with every WRITE checked, and everything is freed when they
+//!   are gone;
 //! - Debian trixie's UCX (`ucx_info -d` lists vrdma0 with `rc_verbs` and
 //!   `ud_verbs`; `ucx_perftest` put, get, tag latency and bandwidth over
-//!   `rc_verbs` and over `ud_verbs`, server and client two processes of the
-//!   guest) and Open MPI 5 over UCX (`mpirun` with 2 and with 4 ranks of
-//!   `tests/c/mpi_pingpong.c`), UCX restricted to vrdma's transports, its
-//!   log showing what each process chose, and hostd counting the work.
+//!   `rc_verbs` and over `ud_verbs`, server on alpha's device, client on
+//!   beta's) and Open MPI 5 over UCX (`mpirun` with 2 and with 4 ranks of
+//!   `tests/c/mpi_pingpong.c`, half on each tenant's device, partners on
+//!   different tenants), UCX restricted to vrdma's transports, its log
+//!   showing what each process chose, and hostd counting the work.
 //!
 //! The guest runs trixie's programs and libraries; vrdma's libibverbs.so.1
 //! and the test's C programs (built here) are linked against them
@@ -34,8 +37,11 @@ use vrdma_tests::daemon::{Hostd, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::ucx::chosen_transports;
 use vrdma_tests::vm::{self, Guest, GuestConfig, VrdmaDevice, QEMU_VIRTIO_ID};
 
-/// The device's PCI functions: its context slots in the guest.
-const FUNCTIONS: u16 = 8;
+/// The devices' PCI functions (context slots) and first PCI slots.
+const ALPHA_FUNCTIONS: u16 = 8;
+const ALPHA_SLOT: u8 = 0x10;
+const BETA_FUNCTIONS: u16 = 4;
+const BETA_SLOT: u8 = 0x18;
 /// One guest step under TCG on a loaded 2-core machine.
 const STEP: Duration = Duration::from_secs(180);
 /// ucx_perftest's message size and iterations.
@@ -53,7 +59,11 @@ const MPI_RANKS: [usize; 2] = [2, 4];
 
 const POLICY: &str = r#"
 [[tenant]]
-name = "vm"
+name = "alpha"
+network = "lab"
+
+[[tenant]]
+name = "beta"
 network = "lab"
 "#;
 
@@ -116,7 +126,7 @@ impl Barrier {
 
 /// The guest's part: every step ends in a verdict (`pass`/`fail`), and the
 /// output the host checks is printed between `VRDMA-OUT` markers.
-fn guest_script(barrier_port: u16) -> String {
+fn guest_script(barrier_port: u16, alpha: &str, beta: &str) -> String {
     let device = vm::virtio_pci_device_id(QEMU_VIRTIO_ID);
     let tls_runs: String = UCX_TRANSPORTS
         .iter()
@@ -125,7 +135,11 @@ fn guest_script(barrier_port: u16) -> String {
     let tests = UCX_TESTS.join(" ");
     let ranks: String = MPI_RANKS.map(|r| r.to_string()).join(" ");
     format!(
-        r#"export VRDMA_DEVICES=vrdma0=pci:auto VRDMA_VIRTIO_ID={QEMU_VIRTIO_ID}
+        r#"# Each process's one device, vrdma0 (no `name=`: Open MPI's `-x` takes
+# the first '=' only, and prterun crashes on a second).
+ALPHA=pci:{alpha}
+BETA=pci:{beta}
+export VRDMA_DEVICES=$ALPHA VRDMA_VIRTIO_ID={QEMU_VIRTIO_ID}
 show() {{ echo "VRDMA-OUT-BEGIN $1"; cat "$2"; echo "VRDMA-OUT-END $1"; }}
 # expect NAME FILE TEXT: shows FILE; verdict NAME is whether it holds TEXT.
 expect() {{
@@ -183,10 +197,10 @@ for run in {tls_runs}; do
     for t in {tests}; do
         port=$((port + 1))
         # -P 0: the socket-based setup (Debian builds it with MPI as default).
-        ucx_perftest -P 0 -p $port > /tmp/server 2>&1 &
+        VRDMA_DEVICES=$ALPHA ucx_perftest -P 0 -p $port > /tmp/server 2>&1 &
         server=$!
         waitfor /proc/net/tcp ":$(printf %04X $port) 00000000:0000 0A" 60
-        ucx_perftest -P 0 127.0.0.1 -p $port -t $t -s {UCX_SIZE} -n {UCX_ITERS} > /tmp/client 2>&1
+        VRDMA_DEVICES=$BETA ucx_perftest -P 0 127.0.0.1 -p $port -t $t -s {UCX_SIZE} -n {UCX_ITERS} > /tmp/client 2>&1
         wait $server
         show ucx-$name-$t-server /tmp/server
         expect ucx-$name-$t /tmp/client "Final:"
@@ -194,14 +208,25 @@ for run in {tls_runs}; do
 done
 unset UCX_TLS
 
-# 4. Open MPI over UCX, rc_verbs only.
+# 4. Open MPI over UCX, rc_verbs only: the first half of the ranks on
+# alpha's device, the second on beta's, chosen by a wrapper from the rank
+# (trixie's mpirun 5.0.7 crashes on the `-np 1 a : -np 1 b` form).
+cat > /tmp/by-rank.sh <<EOF
+#!/bin/sh
+if [ "\$OMPI_COMM_WORLD_RANK" -lt \$((OMPI_COMM_WORLD_SIZE / 2)) ]; then
+    export VRDMA_DEVICES=$ALPHA
+else
+    export VRDMA_DEVICES=$BETA
+fi
+exec /bin/mpi_pingpong
+EOF
+chmod +x /tmp/by-rank.sh
 export UCX_TLS=rc_verbs,ud_verbs:aux
 for n in {ranks}; do
     mpirun.openmpi --allow-run-as-root --oversubscribe -np $n \
-        -x LD_LIBRARY_PATH -x UCX_TLS -x UCX_NET_DEVICES -x UCX_LOG_LEVEL \
-        -x VRDMA_DEVICES -x VRDMA_VIRTIO_ID \
+        -x LD_LIBRARY_PATH -x UCX_TLS -x UCX_NET_DEVICES -x UCX_LOG_LEVEL -x VRDMA_VIRTIO_ID \
         --mca pml ucx --mca osc ucx --mca btl self \
-        /bin/mpi_pingpong > /tmp/mpi 2>&1
+        /tmp/by-rank.sh > /tmp/mpi 2>&1
     echo "mpirun exit status $?" >> /tmp/mpi
     expect mpi-$n /tmp/mpi "mpirun exit status 0"
 done
@@ -236,24 +261,27 @@ fn assert_chose_only(text: &str, processes: usize, transport: &str) {
     }
 }
 
-/// hostd's view of tenant vm: its QPs, and its bytes of work of `kind`.
+/// hostd's view of tenant alpha: its QPs.
 fn qps(hostd: &Hostd) -> u64 {
-    hostd.usage("vm")["qps"].as_u64().unwrap_or(u64::MAX)
+    hostd.usage("alpha")["qps"].as_u64().unwrap_or(u64::MAX)
 }
 
-fn bytes(hostd: &Hostd, kind: &str) -> u64 {
-    hostd.tenant_stats("vm")["bytes"][kind]
-        .as_u64()
-        .unwrap_or(0)
+/// A tenant's bytes of SEND, WRITE and READ work in hostd.
+fn traffic(hostd: &Hostd, tenant: &str) -> u64 {
+    let stats = hostd.tenant_stats(tenant);
+    ["send", "write", "read"]
+        .iter()
+        .map(|k| stats["bytes"][k].as_u64().unwrap_or(0))
+        .sum()
 }
 
-/// Waits (30 s at most) until hostd holds `n` QPs of tenant vm.
+/// Waits (30 s at most) until hostd holds `n` QPs of tenant alpha.
 fn wait_qps(hostd: &Hostd, n: u64, vdev: &Vdev) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while qps(hostd) != n {
         assert!(
             Instant::now() < deadline,
-            "tenant vm holds {} QPs, not {n}\n--- vdev:\n{}\n--- hostd:\n{}",
+            "tenant alpha holds {} QPs, not {n}\n--- vdev:\n{}\n--- hostd:\n{}",
             qps(hostd),
             vdev.log(),
             hostd.log()
@@ -271,9 +299,30 @@ fn processes_of_a_qemu_guest_share_its_vrdma_device_with_ucx_and_open_mpi() {
     let mpi = build_mpi_program(&dir, "mpi_pingpong", include_str!("../c/mpi_pingpong.c"));
     let hostd = Hostd::start(Some(POLICY));
     let hostd_socket = hostd.socket.to_str().expect("UTF-8 path").to_owned();
-    let vdev = Vdev::start_in(image.temp_dir("vdev-vm"), "vm", &["--hostd", &hostd_socket]);
-    let shim = IbverbsShim::new();
+    let vdev = Vdev::start_in(
+        image.temp_dir("vdev-a"),
+        "alpha",
+        &["--hostd", &hostd_socket],
+    );
     let barrier = Barrier::new();
+    let beta_vdev = Vdev::start_in(
+        image.temp_dir("vdev-b"),
+        "beta",
+        &["--hostd", &hostd_socket],
+    );
+    let alpha_device = VrdmaDevice::for_vdev(&vdev.socket)
+        .with_functions(ALPHA_FUNCTIONS)
+        .at_slot(ALPHA_SLOT);
+    let beta_device = VrdmaDevice::for_vdev(&beta_vdev.socket)
+        .with_functions(BETA_FUNCTIONS)
+        .at_slot(BETA_SLOT);
+    let addresses = |d: &VrdmaDevice| d.guest_addresses().expect("functions at fixed slots");
+    let script = guest_script(
+        barrier.port(),
+        &addresses(&alpha_device),
+        &addresses(&beta_device),
+    );
+    let shim = IbverbsShim::new();
     let lib = "/usr/lib/x86_64-linux-gnu";
     let initramfs = image
         .initramfs()
@@ -293,10 +342,10 @@ fn processes_of_a_qemu_guest_share_its_vrdma_device_with_ucx_and_open_mpi() {
         .guest_dir("/usr/share/openmpi")
         .guest_dir("/usr/share/prte")
         .guest_dir("/etc/openmpi")
-        .script(&guest_script(barrier.port()));
+        .script(&script);
     let config = GuestConfig {
         memory_mib: 2048,
-        device: Some(VrdmaDevice::for_vdev(&vdev.socket).with_functions(FUNCTIONS)),
+        devices: vec![alpha_device, beta_device],
         ..GuestConfig::default()
     };
     let mut guest = Guest::boot(&image, initramfs, &config).expect("boot the guest");
@@ -334,44 +383,45 @@ fn processes_of_a_qemu_guest_share_its_vrdma_device_with_ucx_and_open_mpi() {
     step(&mut guest, "ucx-info");
     for (name, _, transport) in UCX_TRANSPORTS {
         for test in UCX_TESTS {
-            let before = ["send", "write", "read"].map(|k| bytes(&hostd, k));
+            let before = [traffic(&hostd, "alpha"), traffic(&hostd, "beta")];
             step(&mut guest, &format!("ucx-{name}-{test}"));
-            let moved: u64 = ["send", "write", "read"]
-                .iter()
-                .zip(before)
-                .map(|(k, b)| bytes(&hostd, k) - b)
-                .sum();
+            let moved = [
+                traffic(&hostd, "alpha") - before[0],
+                traffic(&hostd, "beta") - before[1],
+            ];
+            // The client (beta) always sends; over RC its puts and gets
+            // are its WRITEs and READs of alpha's memory.
             assert!(
-                moved >= UCX_SIZE * UCX_ITERS,
-                "ucx_perftest {test} over {transport}: hostd moved {moved} bytes for vm"
+                moved[1] > 0 && moved[0] + moved[1] >= UCX_SIZE * UCX_ITERS,
+                "ucx_perftest {test} over {transport}: hostd moved {moved:?} bytes for alpha, beta"
             );
         }
     }
-    let traffic = |hostd: &Hostd| -> u64 {
-        ["send", "write", "read"]
-            .map(|k| bytes(hostd, k))
-            .iter()
-            .sum()
-    };
+    let both = |hostd: &Hostd| traffic(hostd, "alpha") + traffic(hostd, "beta");
     for n in MPI_RANKS {
-        let before = traffic(&hostd);
+        let before = both(&hostd);
         step(&mut guest, &format!("mpi-{n}"));
         // Each rank sent its partner 20 messages of 1 MiB (the largest
         // size), as RDMA or sends through hostd.
-        let moved = traffic(&hostd) - before;
+        let moved = both(&hostd) - before;
         let least = n as u64 * 20 * (1 << 20);
         assert!(
             moved >= least,
-            "mpirun with {n} ranks: hostd moved {moved} bytes for vm, not at least {least}"
+            "mpirun with {n} ranks: hostd moved {moved} bytes for alpha and beta, not at least {least}"
         );
-        println!("mpirun, {n} ranks in the guest: hostd moved {moved} bytes");
+        println!(
+            "mpirun, {n} ranks in the guest: hostd moved {moved} bytes between alpha and beta"
+        );
     }
     let status = guest.wait_exit(STEP).expect("the guest powers off");
     assert!(status.success(), "QEMU exit status {status}");
 
     let console = guest.console();
     assert!(
-        console.contains(&format!("VRDMA-FUNCTIONS {FUNCTIONS}")),
+        console.contains(&format!(
+            "VRDMA-FUNCTIONS {}",
+            ALPHA_FUNCTIONS + BETA_FUNCTIONS
+        )),
         "{console}"
     );
     let info = output(&console, "ucx-info");

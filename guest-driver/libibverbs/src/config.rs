@@ -6,8 +6,9 @@
 //!    e.g. `VRDMA_DEVICES=/run/vrdma/a.sock` or
 //!    `VRDMA_DEVICES=mlx_a=/run/vrdma/a.sock,mlx_b=/run/vrdma/b.sock`.
 //!    An endpoint is vdev's vhost-user socket (process mode) or, inside a
-//!    VM, `pci:auto` (the first vrdma PCI function) or `pci:0000:00:04.0`
-//!    (the function at that address). `VRDMA_VIRTIO_ID` says which virtio
+//!    VM, the device's PCI functions (each a context slot): `pci:auto`
+//!    (every vrdma function of the VM: one device) or addresses joined by
+//!    `+`, `pci:0000:00:04.0+0000:00:05.0` (a VM with several devices). `VRDMA_VIRTIO_ID` says which virtio
 //!    device id the PCI function runs with (42 unless set; 38 under QEMU
 //!    11, which cannot run 42).
 //! 2. `VRDMA_CONFIG`: the path of a TOML file (below).
@@ -19,7 +20,7 @@
 //! name = "vrdma0"                       # optional: vrdma<index> by default
 //!
 //! [[device]]                            # VM mode
-//! pci = "auto"                          # or "0000:00:04.0"
+//! pci = "auto"                          # or "0000:00:04.0+0000:00:05.0"
 //! virtio_id = 38                        # optional: 42 by default
 //! ```
 
@@ -60,10 +61,10 @@ pub struct DeviceSpec {
 pub enum Endpoint {
     /// Process mode: vdev's vhost-user socket.
     Socket(PathBuf),
-    /// VM mode: a virtio-pci function.
+    /// VM mode: the device's virtio-pci functions, one per context.
     Pci {
-        /// Its PCI address; `None`: the first vrdma function found.
-        address: Option<String>,
+        /// Their PCI addresses; empty: every vrdma function of the VM.
+        functions: Vec<String>,
         /// The virtio device id it runs with.
         virtio_id: u16,
     },
@@ -74,9 +75,10 @@ impl Endpoint {
     pub fn display(&self) -> String {
         match self {
             Endpoint::Socket(p) => p.display().to_string(),
-            Endpoint::Pci { address, .. } => {
-                format!("{PCI_PREFIX}{}", address.as_deref().unwrap_or("auto"))
+            Endpoint::Pci { functions, .. } if functions.is_empty() => {
+                format!("{PCI_PREFIX}auto")
             }
+            Endpoint::Pci { functions, .. } => format!("{PCI_PREFIX}{}", functions.join("+")),
         }
     }
 }
@@ -252,16 +254,29 @@ fn validate(entries: Vec<Entry>, source: &str) -> Result<Vec<DeviceSpec>, Config
             RawEndpoint::Pci(pci, id) => {
                 let virtio_id = id.unwrap_or(VIRTIO_ID_RDMA);
                 device_id(virtio_id).map_err(|e| invalid(format!("device {name:?}: {e}")))?;
-                let address = match pci.as_str() {
-                    "auto" => None,
-                    bdf => Some(
-                        PciDevice::at(bdf)
-                            .map_err(|e| invalid(format!("device {name:?}: {e}")))?
-                            .address()
-                            .to_owned(),
-                    ),
+                let functions = match pci.as_str() {
+                    "auto" => Vec::new(),
+                    list => {
+                        let mut functions: Vec<String> = Vec::new();
+                        for bdf in list.split('+').map(str::trim) {
+                            let bdf = PciDevice::at(bdf)
+                                .map_err(|e| invalid(format!("device {name:?}: {e}")))?
+                                .address()
+                                .to_owned();
+                            if functions.contains(&bdf) {
+                                return Err(invalid(format!(
+                                    "device {name:?}: function {bdf} is listed twice"
+                                )));
+                            }
+                            functions.push(bdf);
+                        }
+                        functions
+                    }
                 };
-                Endpoint::Pci { address, virtio_id }
+                Endpoint::Pci {
+                    functions,
+                    virtio_id,
+                }
             }
         };
         out.push(DeviceSpec { name, endpoint });
@@ -284,7 +299,9 @@ mod tests {
         DeviceSpec {
             name: name.into(),
             endpoint: Endpoint::Pci {
-                address: address.map(str::to_owned),
+                functions: address
+                    .map(|a| a.split('+').map(str::to_owned).collect())
+                    .unwrap_or_default(),
                 virtio_id,
             },
         }
@@ -304,6 +321,21 @@ mod tests {
             vec![pci("vrdma0", Some("0000:00:05.0"), 38)]
         );
         assert_eq!(pci("x", None, 38).endpoint.display(), "pci:auto");
+        // A device of several functions (its context slots).
+        let two =
+            parse_list_with("alpha=pci:00:04.0+0000:00:05.0,beta=pci:00:06.0", Some(38)).unwrap();
+        assert_eq!(
+            two,
+            vec![
+                pci("alpha", Some("0000:00:04.0+0000:00:05.0"), 38),
+                pci("beta", Some("0000:00:06.0"), 38)
+            ]
+        );
+        assert_eq!(two[0].endpoint.display(), "pci:0000:00:04.0+0000:00:05.0");
+        let err = parse_list("pci:00:04.0+00:04.0").unwrap_err();
+        assert!(err.to_string().contains("listed twice"), "{err}");
+        let err = parse_list("pci:00:04.0+").unwrap_err();
+        assert!(err.to_string().contains("not a PCI address"), "{err}");
         let err = parse_list("pci:00:04").unwrap_err();
         assert!(err.to_string().contains("not a PCI address"), "{err}");
         let err = parse_list_with("pci:auto", Some(0)).unwrap_err();

@@ -198,9 +198,10 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
         let endpoint = &entry.spec.endpoint;
         let opened = match endpoint {
             Endpoint::Socket(socket) => Context::open_vhost_user(socket),
-            Endpoint::Pci { address, virtio_id } => {
-                Context::open_pci(address.as_deref(), *virtio_id)
-            }
+            Endpoint::Pci {
+                functions,
+                virtio_id,
+            } => Context::open_pci(functions, *virtio_id),
         };
         let dev = opened.map_err(|e| {
             let what = match endpoint {

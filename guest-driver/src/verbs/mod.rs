@@ -68,31 +68,27 @@ impl Context {
         Self::open(Box::new(transport), DeviceOptions::default())
     }
 
-    /// Takes the vrdma virtio-pci function at `address` (or the first one
-    /// with `virtio_id`, when `None`) from the kernel (VM mode) and opens
-    /// the device with default options. Needs root: sysfs binding, BAR
-    /// mapping, hugepages and pagemap.
-    pub fn open_pci(address: Option<&str>, virtio_id: u16) -> Result<Self> {
-        let transport = match address {
-            Some(bdf) => {
-                let device = PciDevice::at(bdf).map_err(TransportError::from)?;
-                VirtioPciTransport::open(&device, virtio_id).map_err(TransportError::from)?
-            }
-            None => Self::claim_free_function(virtio_id)?,
+    /// Opens a context of a VM's vrdma device (VM mode): the device is the
+    /// PCI functions at `functions` (addresses), or every function with
+    /// `virtio_id` when empty; each function is one context slot
+    /// (docs/architecture.md, "Contexts"), and this takes the first that
+    /// no other process drives, from the kernel, with default options.
+    /// EBUSY when all are taken. Needs root: sysfs binding, BAR mapping,
+    /// hugepages and pagemap.
+    pub fn open_pci(functions: &[String], virtio_id: u16) -> Result<Self> {
+        let candidates = if functions.is_empty() {
+            PciDevice::find_all(virtio_id).map_err(TransportError::from)?
+        } else {
+            functions
+                .iter()
+                .map(|bdf| PciDevice::at(bdf))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(TransportError::from)?
         };
-        Self::open(Box::new(transport), DeviceOptions::default())
-    }
-
-    /// The first function of the VM's vrdma device that no other process
-    /// drives: each function is one context slot of the device
-    /// (docs/architecture.md, "Contexts"), so the N-th context open in
-    /// the VM takes the N-th free function. EBUSY when all are taken.
-    fn claim_free_function(virtio_id: u16) -> Result<VirtioPciTransport> {
-        let functions = PciDevice::find_all(virtio_id).map_err(TransportError::from)?;
-        let count = functions.len();
-        for device in &functions {
+        let count = candidates.len();
+        for device in &candidates {
             match VirtioPciTransport::open(device, virtio_id) {
-                Ok(transport) => return Ok(transport),
+                Ok(transport) => return Self::open(Box::new(transport), DeviceOptions::default()),
                 Err(PciError::Busy(_)) => continue,
                 Err(e) => return Err(TransportError::from(e).into()),
             }

@@ -142,8 +142,8 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
 
 fn open(args: &Args) -> Result<Context, String> {
     let opened = match args.device.strip_prefix("pci:") {
-        Some("auto") => Context::open_pci(None, args.virtio_id),
-        Some(bdf) => Context::open_pci(Some(bdf), args.virtio_id),
+        Some("auto") => Context::open_pci(&[], args.virtio_id),
+        Some(bdf) => Context::open_pci(&[bdf.to_owned()], args.virtio_id),
         None => Context::open_vhost_user(&args.device),
     };
     opened.map_err(|e| format!("cannot open {}: {}", args.device, error_chain(&e)))

@@ -144,7 +144,7 @@ pub enum PciError {
     NoUioDevice(String),
     #[error("PCI function {0} is driven by another process (its /dev/uio device is locked)")]
     Busy(String),
-    #[error("All {count} vrdma PCI functions of virtio id {virtio_id} are driven by other processes (each function is one context of the device)")]
+    #[error("All {count} PCI functions of the device (virtio id {virtio_id}) are driven by other processes: each function is one context of the device, give the VM more")]
     AllBusy { count: usize, virtio_id: u16 },
     #[error("Config space of {len} bytes is too short for a PCI header")]
     ShortConfig { len: usize },
