@@ -301,7 +301,10 @@ impl Server {
     ) -> Result<Response, Refusal> {
         let takes_fd = matches!(
             request,
-            Request::AddMemory { .. } | Request::SetDoorbell { .. } | Request::CreateEq { .. }
+            Request::AddMemory { .. }
+                | Request::SetDoorbell { .. }
+                | Request::CreateEq { .. }
+                | Request::ResumeEq { .. }
         );
         if !takes_fd && !files.is_empty() {
             return Err(refuse(
@@ -362,30 +365,16 @@ impl Server {
                 Ok(Response::Ok)
             }
             Request::RegisterMr(mr) => {
-                let policy = self.tenant_policy(&s.tenant)?;
                 let mut engine = self.datapath.lock();
-                if let Err(q) = engine.accounts().check_mr(id, mr.len, &policy) {
-                    engine.accounts_mut().quota_rejected(&s.tenant, q.quota);
-                    drop(engine);
-                    tracing::warn!(
-                        tenant = %s.tenant,
-                        device = %s.device,
-                        quota = q.quota,
-                        limit = q.limit,
-                        used = q.used,
-                        requested = mr.len,
-                        "Memory registration refused by the tenant's quota"
-                    );
-                    return Err(refuse(
-                        libc::ENOMEM,
-                        format!(
-                            "Registering {} bytes exceeds quota {} = {} of tenant {} ({} in use)",
-                            mr.len, q.quota, q.limit, s.tenant, q.used
-                        ),
-                    ));
-                }
+                self.check_mr_quota(&mut engine, s, &mr)?;
                 let (lkey, rkey) = engine.register_mr(id, &mr)?;
                 Ok(Response::MrKeys { lkey, rkey })
+            }
+            Request::RestoreMr { lkey, rkey, mr } => {
+                let mut engine = self.datapath.lock();
+                self.check_mr_quota(&mut engine, s, &mr)?;
+                engine.restore_mr(id, &mr, (lkey, rkey))?;
+                Ok(Response::Ok)
             }
             Request::DeregisterMr { lkey } => {
                 self.datapath.lock().deregister_mr(id, lkey)?;
@@ -402,6 +391,32 @@ impl Server {
                 self.datapath
                     .lock()
                     .create_eq(id, vector, gpa, depth, irq)?;
+                Ok(Response::Ok)
+            }
+            Request::ResumeEq { vector, gpa, depth } => {
+                let irq = one_eventfd(files, "ResumeEq")?;
+                self.datapath
+                    .lock()
+                    .resume_eq(id, vector, gpa, depth, irq)?;
+                Ok(Response::Ok)
+            }
+            Request::ResumeCq {
+                cqn,
+                gpa,
+                depth,
+                vector,
+            } => {
+                self.datapath
+                    .lock()
+                    .resume_cq(id, cqn, gpa, depth, vector)?;
+                Ok(Response::Ok)
+            }
+            Request::ResumeQp(setup) => {
+                self.datapath.lock().resume_qp(id, &setup)?;
+                Ok(Response::Ok)
+            }
+            Request::ResumeSrq(setup) => {
+                self.datapath.lock().resume_srq(id, &setup)?;
                 Ok(Response::Ok)
             }
             Request::CreateCq {
@@ -490,6 +505,37 @@ impl Server {
                 Ok(Response::Ok)
             }
         }
+    }
+
+    /// Refuses a region of `mr.len` bytes beyond the memory quota of the
+    /// session's tenant (over all its devices), counting the refusal.
+    fn check_mr_quota(
+        &self,
+        engine: &mut crate::engine::Engine,
+        s: &Session,
+        mr: &vrdma_hostd_protocol::messages::MrRegistration,
+    ) -> Result<(), Refusal> {
+        let policy = self.tenant_policy(&s.tenant)?;
+        let Err(q) = engine.accounts().check_mr(s.id, mr.len, &policy) else {
+            return Ok(());
+        };
+        engine.accounts_mut().quota_rejected(&s.tenant, q.quota);
+        tracing::warn!(
+            tenant = %s.tenant,
+            device = %s.device,
+            quota = q.quota,
+            limit = q.limit,
+            used = q.used,
+            requested = mr.len,
+            "Memory registration refused by the tenant's quota"
+        );
+        Err(refuse(
+            libc::ENOMEM,
+            format!(
+                "Registering {} bytes exceeds quota {} = {} of tenant {} ({} in use)",
+                mr.len, q.quota, q.limit, s.tenant, q.used
+            ),
+        ))
     }
 
     /// Refuses a connection towards a GID whose device is outside the
