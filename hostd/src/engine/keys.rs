@@ -943,13 +943,18 @@ mod tests {
         }
         let (l, _) = register(&mut after, &mem, DEV, 0, &[(0, 0, 16)]);
         assert_eq!(
-            after.restore(DEV, &region, &mem, (l, 0x7fff_0000)),
+            after.restore(DEV, &region, &mem, (l, 0x1_0000)),
             Err(EngineError::KeyTaken(l))
         );
         assert_eq!(
-            after.restore(DEV, &region, &mem, (0x12, 0x7fff_0000)),
+            after.restore(DEV, &region, &mem, (0x12, 0x1_0000)),
             Err(EngineError::Invalid("restored keys")),
             "index 0 is no key"
+        );
+        assert_eq!(
+            after.restore(DEV, &region, &mem, (0x7fff_0000, 0x1_0000)),
+            Err(EngineError::Invalid("restored keys")),
+            "far beyond the table"
         );
         after.deregister(DEV, lkey).expect("deregistered");
         assert!(after.local(DEV, 1, &sge(0x1000, 16, lkey), 0).is_none());
