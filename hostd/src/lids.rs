@@ -95,8 +95,7 @@ impl LidTable {
                 return Ok(assignment(r.lid, Some(name.clone()), false));
             }
         }
-        let used: std::collections::HashSet<u16> =
-            self.by_device.values().map(|r| r.lid).collect();
+        let used: std::collections::HashSet<u16> = self.by_device.values().map(|r| r.lid).collect();
         let home = home_lid(tenant, device);
         let fresh = (0..MAX_LID)
             .map(|i| (home - 1 + i) % MAX_LID + 1)
@@ -213,7 +212,10 @@ mod tests {
     fn a_restarted_hostd_gives_each_device_its_lid_again() {
         let names = [("alpha", "vdev-1"), ("beta", "vdev-1"), ("alpha", "vdev-2")];
         let mut first = LidTable::default();
-        let lids: Vec<u16> = names.iter().map(|(t, d)| connect(&mut first, t, d)).collect();
+        let lids: Vec<u16> = names
+            .iter()
+            .map(|(t, d)| connect(&mut first, t, d))
+            .collect();
         // After the restart the devices come back in another order.
         let mut second = LidTable::default();
         let again: Vec<u16> = (names.iter().rev())

@@ -930,7 +930,9 @@ mod tests {
             Ok((lkey, rkey))
         );
         assert!(after.local(DEV, 1, &sge(0x1000, 16, lkey), 0).is_some());
-        assert!(after.remote(DEV, 1, rkey, 0x1000, 16, access::REMOTE_WRITE).is_some());
+        assert!(after
+            .remote(DEV, 1, rkey, 0x1000, 16, access::REMOTE_WRITE)
+            .is_some());
         // New regions fill the slots below and beyond, never these.
         for _ in 0..12 {
             let (l, r) = register(&mut after, &mem, DEV, 0, &[(0, 0, 16)]);

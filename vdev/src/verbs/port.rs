@@ -239,12 +239,22 @@ impl Tally<'_> {
         match error {
             FabricError::Refused { errno, reason } => {
                 self.restored.refused += 1;
-                tracing::warn!(tenant = self.tenant, what, handle, errno,
-                    "hostd did not take the object back: {reason}");
+                tracing::warn!(
+                    tenant = self.tenant,
+                    what,
+                    handle,
+                    errno,
+                    "hostd did not take the object back: {reason}"
+                );
             }
             e => {
-                tracing::warn!(tenant = self.tenant, what, handle,
-                    "hostd went away again: {}", vrdma_errors::error_chain(&e));
+                tracing::warn!(
+                    tenant = self.tenant,
+                    what,
+                    handle,
+                    "hostd went away again: {}",
+                    vrdma_errors::error_chain(&e)
+                );
                 return false;
             }
         }

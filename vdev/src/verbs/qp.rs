@@ -362,8 +362,7 @@ impl QueuePair {
             state: to.into(),
             connection: None,
             access: (to == QpState::Init).then(|| self.attr.qp_access_flags.get()),
-            qkey: (to == QpState::Init && self.qp_type == QpType::Ud)
-                .then(|| self.attr.qkey.get()),
+            qkey: (to == QpState::Init && self.qp_type == QpType::Ud).then(|| self.attr.qkey.get()),
         })
     }
 }

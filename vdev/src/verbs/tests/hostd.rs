@@ -658,7 +658,10 @@ fn memory_regions_take_the_keys_hostd_assigns() {
 fn event_at(dev: &RdmaDevice, eq: u64, index: u32) -> (u16, u32) {
     let mut raw = [0u8; ring::EVENT_SIZE];
     dev.mem
-        .read_slice(&mut raw, GuestAddress(eq + ring::event_entry_offset(index, 4)))
+        .read_slice(
+            &mut raw,
+            GuestAddress(eq + ring::event_entry_offset(index, 4)),
+        )
         .expect("event");
     let event = ring::Event::read_from_bytes(&raw).expect("event size");
     (event.kind.get(), event.object.get())
@@ -707,7 +710,10 @@ fn a_restarted_hostd_gets_the_context_back_and_the_port_comes_up() {
     set_indices(&dev, eq, 2, 2);
     let cq_ring = dev.cq(cqn).expect("cq").ring_addr;
     dev.mem
-        .write_obj(3u32.to_le(), GuestAddress(cq_ring + ring::DEVICE_INDEX_OFFSET))
+        .write_obj(
+            3u32.to_le(),
+            GuestAddress(cq_ring + ring::DEVICE_INDEX_OFFSET),
+        )
         .expect("CQ index");
 
     dev.port_lost();
@@ -720,7 +726,11 @@ fn a_restarted_hostd_gets_the_context_back_and_the_port_comes_up() {
         "the connected QP failed with the port"
     );
     assert_eq!(query_state(&mut dev, connected), QpState::Err);
-    assert_eq!(query_state(&mut dev, waiting), QpState::Init, "INIT lives on");
+    assert_eq!(
+        query_state(&mut dev, waiting),
+        QpState::Init,
+        "INIT lives on"
+    );
     assert_eq!(query_state(&mut dev, fresh), QpState::Reset);
     let call0 = fds.call0.as_ref().expect("vector 0's call");
     assert_eq!(call0.read().expect("interrupts"), 2, "PORT_ERROR, QP_FATAL");
@@ -754,11 +764,21 @@ fn a_restarted_hostd_gets_the_context_back_and_the_port_comes_up() {
 
     let (request, files) = hostd.next();
     assert!(
-        matches!(request, Request::AddMemory { slot: 0, gpa: MEM_BASE, .. }) && files.len() == 1,
+        matches!(
+            request,
+            Request::AddMemory {
+                slot: 0,
+                gpa: MEM_BASE,
+                ..
+            }
+        ) && files.len() == 1,
         "{request:?}"
     );
     let (request, files) = hostd.next();
-    assert_eq!((request, files.len()), (Request::SetDoorbell { gpa: DOORBELL }, 1));
+    assert_eq!(
+        (request, files.len()),
+        (Request::SetDoorbell { gpa: DOORBELL }, 1)
+    );
     let (request, files) = hostd.next();
     assert_eq!(
         (request, files.len()),
@@ -781,10 +801,19 @@ fn a_restarted_hostd_gets_the_context_back_and_the_port_comes_up() {
             vector: 0
         }
     );
-    let Request::RestoreMr { lkey, rkey, mr: reg } = hostd.next_plain() else {
+    let Request::RestoreMr {
+        lkey,
+        rkey,
+        mr: reg,
+    } = hostd.next_plain()
+    else {
         panic!("RestoreMr expected");
     };
-    assert_eq!((lkey, rkey), (mr.lkey.get(), mr.rkey.get()), "the same keys");
+    assert_eq!(
+        (lkey, rkey),
+        (mr.lkey.get(), mr.rkey.get()),
+        "the same keys"
+    );
     assert_eq!((reg.pd, reg.access, reg.len), (pdn, flags, 0x3000));
     let mut qps = std::collections::BTreeMap::new();
     for _ in 0..5 {
