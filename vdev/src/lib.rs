@@ -254,7 +254,7 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                 Ok(event) => Some(event),
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                     let backend_of = |id| contexts.get(&id).map(|c| c.backend.clone());
-                    if link.retry(backend_of, threads, &lost) {
+                    if link.retry(backend_of, threads, lost) {
                         // Registrations work again: further contexts too.
                         held_back = false;
                     }
