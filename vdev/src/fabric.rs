@@ -215,52 +215,46 @@ impl Fabric {
     }
 
     /// The event ring of completion vector `vector`, and `call`, the
-    /// eventfd that interrupts the driver for it.
+    /// eventfd that interrupts the driver for it; `resumed`: a ring a
+    /// previous hostd wrote, which continues from its header.
     pub fn create_eq(
         &self,
         vector: u32,
-        gpa: u64,
-        depth: u32,
+        (gpa, depth): (u64, u32),
         call: BorrowedFd<'_>,
+        resumed: bool,
     ) -> Result<(), FabricError> {
-        self.call(
-            &Request::CreateEq { vector, gpa, depth },
-            &[call.as_raw_fd()],
-        )
+        let request = match resumed {
+            false => Request::CreateEq { vector, gpa, depth },
+            true => Request::ResumeEq { vector, gpa, depth },
+        };
+        self.call(&request, &[call.as_raw_fd()])
     }
 
-    /// [`Fabric::create_eq`] for a ring a previous hostd wrote: it
-    /// continues from its header.
-    pub fn resume_eq(
-        &self,
-        vector: u32,
-        gpa: u64,
-        depth: u32,
-        call: BorrowedFd<'_>,
-    ) -> Result<(), FabricError> {
-        self.call(
-            &Request::ResumeEq { vector, gpa, depth },
-            &[call.as_raw_fd()],
-        )
-    }
-
-    /// [`Fabric::create_cq`] for a CQ a previous hostd wrote.
-    pub fn resume_cq(
+    /// A CQ; `resumed`: one a previous hostd wrote, which continues from
+    /// its ring's header.
+    pub fn create_cq(
         &self,
         cqn: u32,
-        gpa: u64,
-        depth: u32,
+        (gpa, depth): (u64, u32),
         vector: u32,
+        resumed: bool,
     ) -> Result<(), FabricError> {
-        self.call(
-            &Request::ResumeCq {
+        let request = match resumed {
+            false => Request::CreateCq {
                 cqn,
                 gpa,
                 depth,
                 vector,
             },
-            &[],
-        )
+            true => Request::ResumeCq {
+                cqn,
+                gpa,
+                depth,
+                vector,
+            },
+        };
+        self.call(&request, &[])
     }
 
     /// [`Fabric::create_qp`] for a QP a previous hostd ran.
@@ -276,24 +270,6 @@ impl Fabric {
     /// Registers a region a previous hostd had registered, under its keys.
     pub fn restore_mr(&self, lkey: u32, rkey: u32, mr: MrRegistration) -> Result<(), FabricError> {
         self.call(&Request::RestoreMr { lkey, rkey, mr }, &[])
-    }
-
-    pub fn create_cq(
-        &self,
-        cqn: u32,
-        gpa: u64,
-        depth: u32,
-        vector: u32,
-    ) -> Result<(), FabricError> {
-        self.call(
-            &Request::CreateCq {
-                cqn,
-                gpa,
-                depth,
-                vector,
-            },
-            &[],
-        )
     }
 
     pub fn destroy_cq(&self, cqn: u32) -> Result<(), FabricError> {

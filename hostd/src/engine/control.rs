@@ -27,7 +27,7 @@ const MIN_WQE_STRIDE: u32 = 64;
 
 /// Where a new object's ring starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Start {
+pub enum Start {
     /// A new object: the device's half of the header is cleared.
     Fresh,
     /// An object a previous datapath served (hostd restarted and its vdev
@@ -293,20 +293,9 @@ impl Engine {
         self.open_eq(id, vector, (gpa, depth), irq, Start::Fresh)
     }
 
-    /// [`Engine::create_eq`] for a ring a previous datapath wrote: it
-    /// continues from its header ([`Start::Resumed`]).
-    pub fn resume_eq(
-        &mut self,
-        id: DeviceId,
-        vector: u32,
-        gpa: u64,
-        depth: u32,
-        irq: EventFd,
-    ) -> Result<(), EngineError> {
-        self.open_eq(id, vector, (gpa, depth), irq, Start::Resumed)
-    }
-
-    fn open_eq(
+    /// [`Engine::create_eq`], or for a ring a previous datapath wrote
+    /// ([`Start::Resumed`]: it continues from its header).
+    pub fn open_eq(
         &mut self,
         id: DeviceId,
         vector: u32,
@@ -342,20 +331,9 @@ impl Engine {
         self.open_cq(id, cqn, (gpa, depth), vector, Start::Fresh)
     }
 
-    /// [`Engine::create_cq`] for a CQ a previous datapath wrote: it
-    /// continues from its ring's header ([`Start::Resumed`]).
-    pub fn resume_cq(
-        &mut self,
-        id: DeviceId,
-        cqn: u32,
-        gpa: u64,
-        depth: u32,
-        vector: u32,
-    ) -> Result<(), EngineError> {
-        self.open_cq(id, cqn, (gpa, depth), vector, Start::Resumed)
-    }
-
-    fn open_cq(
+    /// [`Engine::create_cq`], or for a CQ a previous datapath wrote
+    /// ([`Start::Resumed`]: it continues from its ring's header).
+    pub fn open_cq(
         &mut self,
         id: DeviceId,
         cqn: u32,
@@ -392,15 +370,11 @@ impl Engine {
         self.open_qp(id, s, Start::Fresh)
     }
 
-    /// [`Engine::create_qp`] for a QP a previous datapath ran: its rings
-    /// continue from their headers ([`Start::Resumed`]); it is in RESET
-    /// until vdev moves it on (to ERR, flushing what is posted, or back to
-    /// INIT).
-    pub fn resume_qp(&mut self, id: DeviceId, s: &QpSetup) -> Result<(), EngineError> {
-        self.open_qp(id, s, Start::Resumed)
-    }
-
-    fn open_qp(&mut self, id: DeviceId, s: &QpSetup, start: Start) -> Result<(), EngineError> {
+    /// [`Engine::create_qp`], or for a QP a previous datapath ran
+    /// ([`Start::Resumed`]: its rings continue from their headers; it is
+    /// in RESET until vdev moves it on — to ERR, flushing what is posted,
+    /// or back to INIT).
+    pub fn open_qp(&mut self, id: DeviceId, s: &QpSetup, start: Start) -> Result<(), EngineError> {
         let serial = self.next_serial;
         let di = self.devices.index(&id).ok_or(EngineError::UnknownDevice)?;
         let dev = self.device_mut(id)?;

@@ -29,6 +29,7 @@
 //! and the engine's work lists keep their capacity.
 
 mod control;
+pub use control::Start;
 pub mod guest;
 pub mod keys;
 mod rc;

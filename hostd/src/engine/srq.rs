@@ -53,13 +53,15 @@ impl Engine {
         self.open_srq(id, s, Start::Fresh)
     }
 
-    /// [`Engine::create_srq`] for an SRQ a previous datapath took
-    /// receives from: its ring continues from its header.
-    pub fn resume_srq(&mut self, id: DeviceId, s: &SrqSetup) -> Result<(), EngineError> {
-        self.open_srq(id, s, Start::Resumed)
-    }
-
-    fn open_srq(&mut self, id: DeviceId, s: &SrqSetup, start: Start) -> Result<(), EngineError> {
+    /// [`Engine::create_srq`], or for an SRQ a previous datapath took
+    /// receives from ([`Start::Resumed`]: its ring continues from its
+    /// header).
+    pub fn open_srq(
+        &mut self,
+        id: DeviceId,
+        s: &SrqSetup,
+        start: Start,
+    ) -> Result<(), EngineError> {
         let dev = self.device_mut(id)?;
         if dev.srq_by_num.contains_key(&s.srqn) {
             return Err(EngineError::Exists("SRQ"));

@@ -36,6 +36,7 @@ use crate::config::Config;
 use crate::datapath::Datapath;
 use crate::engine::guest::SharedMapping;
 use crate::engine::EngineError;
+use crate::engine::Start;
 use crate::gids::{self, Gid, Peer};
 use crate::lids::LidTable;
 use crate::net::directory::Directory;
@@ -335,6 +336,14 @@ impl Server {
         let Some(s) = session.as_ref() else {
             return Err(refuse(libc::EPROTO, "The first request must be Hello"));
         };
+        // An object a previous hostd served continues from its rings.
+        let start = match &request {
+            Request::ResumeEq { .. }
+            | Request::ResumeCq { .. }
+            | Request::ResumeQp(_)
+            | Request::ResumeSrq(_) => Start::Resumed,
+            _ => Start::Fresh,
+        };
         let id = s.id;
         match request {
             Request::Hello { .. } | Request::OpenContext { .. } => {
@@ -386,37 +395,11 @@ impl Server {
                 self.datapath.wake();
                 Ok(Response::Ok)
             }
-            Request::CreateEq { vector, gpa, depth } => {
+            Request::CreateEq { vector, gpa, depth } | Request::ResumeEq { vector, gpa, depth } => {
                 let irq = one_eventfd(files, "CreateEq")?;
                 self.datapath
                     .lock()
-                    .create_eq(id, vector, gpa, depth, irq)?;
-                Ok(Response::Ok)
-            }
-            Request::ResumeEq { vector, gpa, depth } => {
-                let irq = one_eventfd(files, "ResumeEq")?;
-                self.datapath
-                    .lock()
-                    .resume_eq(id, vector, gpa, depth, irq)?;
-                Ok(Response::Ok)
-            }
-            Request::ResumeCq {
-                cqn,
-                gpa,
-                depth,
-                vector,
-            } => {
-                self.datapath
-                    .lock()
-                    .resume_cq(id, cqn, gpa, depth, vector)?;
-                Ok(Response::Ok)
-            }
-            Request::ResumeQp(setup) => {
-                self.datapath.lock().resume_qp(id, &setup)?;
-                Ok(Response::Ok)
-            }
-            Request::ResumeSrq(setup) => {
-                self.datapath.lock().resume_srq(id, &setup)?;
+                    .open_eq(id, vector, (gpa, depth), irq, start)?;
                 Ok(Response::Ok)
             }
             Request::CreateCq {
@@ -424,18 +407,24 @@ impl Server {
                 gpa,
                 depth,
                 vector,
+            }
+            | Request::ResumeCq {
+                cqn,
+                gpa,
+                depth,
+                vector,
             } => {
                 self.datapath
                     .lock()
-                    .create_cq(id, cqn, gpa, depth, vector)?;
+                    .open_cq(id, cqn, (gpa, depth), vector, start)?;
                 Ok(Response::Ok)
             }
             Request::DestroyCq { cqn } => {
                 self.datapath.lock().destroy_cq(id, cqn)?;
                 Ok(Response::Ok)
             }
-            Request::CreateQp(setup) => {
-                self.datapath.lock().create_qp(id, &setup)?;
+            Request::CreateQp(setup) | Request::ResumeQp(setup) => {
+                self.datapath.lock().open_qp(id, &setup, start)?;
                 Ok(Response::Ok)
             }
             Request::ModifyQp(modify) => {
@@ -458,8 +447,8 @@ impl Server {
                 self.datapath.lock().destroy_qp(id, vqpn)?;
                 Ok(Response::Ok)
             }
-            Request::CreateSrq(setup) => {
-                self.datapath.lock().create_srq(id, &setup)?;
+            Request::CreateSrq(setup) | Request::ResumeSrq(setup) => {
+                self.datapath.lock().open_srq(id, &setup, start)?;
                 Ok(Response::Ok)
             }
             Request::ModifySrq { srqn, limit } => {

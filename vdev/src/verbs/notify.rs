@@ -168,7 +168,7 @@ impl RdmaDevice {
         self.reset_ring(addr)?;
         if let (Some(fabric), Some(call)) = (&self.fabric, &call) {
             fabric
-                .create_eq(vector, addr, depth, call.as_fd())
+                .create_eq(vector, (addr, depth), call.as_fd(), false)
                 .map_err(VerbError::Fabric)?;
         }
         self.eqs.insert(

@@ -130,19 +130,15 @@ impl RdmaDevice {
                 .lend_fd("CREATE_EQ", |fds| fds.vector_call(vector))
                 .map_err(|e| refused_locally(&e))
                 .and_then(|call| {
-                    fabric.resume_eq(
-                        vector,
-                        eq.ring_addr,
-                        eq.depth,
-                        std::os::fd::AsFd::as_fd(&call),
-                    )
+                    let call = std::os::fd::AsFd::as_fd(&call);
+                    fabric.create_eq(vector, (eq.ring_addr, eq.depth), call, true)
                 });
             if !tally.record("event ring", vector, sent) {
                 return tally.restored;
             }
         }
         for (&cqn, cq) in &self.cqs {
-            let sent = fabric.resume_cq(cqn, cq.ring_addr, cq.depth, cq.comp_vector);
+            let sent = fabric.create_cq(cqn, (cq.ring_addr, cq.depth), cq.comp_vector, true);
             if !tally.record("CQ", cqn, sent) {
                 return tally.restored;
             }
