@@ -20,8 +20,10 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// device's GID, a connection names its peer by GID and carries every
 /// attribute of the connection. 5: shared receive queues, address
 /// handles, UC and UD QPs. 6: a device has contexts
-/// ([`Request::OpenContext`]).
-pub const PROTOCOL_VERSION: u32 = 6;
+/// ([`Request::OpenContext`]). 7: a vdev brings a context's objects back
+/// to a restarted hostd ([`Request::ResumeEq`], [`Request::ResumeCq`],
+/// [`Request::ResumeQp`], [`Request::ResumeSrq`], [`Request::RestoreMr`]).
+pub const PROTOCOL_VERSION: u32 = 7;
 
 /// A request from vdev to hostd.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -121,6 +123,36 @@ pub enum Request {
     /// vdev refused a verb because of the tenant's quota `quota` (a key of
     /// [`vrdma_tenant_policy::Limits`]); hostd counts it for the tenant.
     QuotaRejected { quota: String },
+    /// As [`Request::CreateEq`] (one fd), for an event ring a previous
+    /// datapath served (hostd restarted and the context re-registered): the
+    /// ring continues from the `device.index` in its header instead of
+    /// starting over, so the events the driver has not read stay.
+    ResumeEq { vector: u32, gpa: u64, depth: u32 },
+    /// As [`Request::CreateCq`], for a CQ a previous datapath wrote: the
+    /// ring continues from its header's `device.index` and `notified_sn`.
+    ResumeCq {
+        cqn: u32,
+        gpa: u64,
+        depth: u32,
+        vector: u32,
+    },
+    /// As [`Request::CreateQp`], for a QP a previous datapath ran: its
+    /// rings continue from their headers' `device.index` (what was
+    /// completed stays completed; what is posted after it is still to
+    /// run, or to flush once the QP is moved to ERR).
+    ResumeQp(QpSetup),
+    /// As [`Request::CreateSrq`], for an SRQ a previous datapath took
+    /// receives from: its ring continues from its header's `device.index`.
+    ResumeSrq(SrqSetup),
+    /// As [`Request::RegisterMr`], for a region a previous datapath had
+    /// registered under these keys, which the driver and its peers still
+    /// hold: registered under the same keys, answered `Ok`, or refused
+    /// (`EBUSY`) when another region holds a key's table slot now.
+    RestoreMr {
+        lkey: u32,
+        rkey: u32,
+        mr: MrRegistration,
+    },
 }
 
 /// A message hostd sends on its own, on the notification channel (the

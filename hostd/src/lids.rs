@@ -1,5 +1,8 @@
 //! LIDs of devices: stable per (tenant, device name), so that a restarted
-//! vdev gets its LID back, and bounded per tenant, so that a vdev cycling
+//! vdev gets its LID back — and a restarted hostd gives each device the
+//! LID, and with it the GID, it had before: a fresh LID is derived from
+//! the tenant and device name (the first free one from a hash of them),
+//! not from the order devices connect in — and bounded per tenant, so that a vdev cycling
 //! through device names (a compromised one, or a VMM naming sockets after
 //! each boot) cannot use up the host's LIDs and lock every other tenant's
 //! new devices out.
@@ -44,21 +47,22 @@ pub struct Assignment {
 pub struct Exhausted;
 
 /// LIDs by (tenant, device name).
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub struct LidTable {
     by_device: HashMap<(String, String), Remembered>,
-    next: u16,
     clock: u64,
 }
 
-impl Default for LidTable {
-    fn default() -> Self {
-        LidTable {
-            by_device: HashMap::new(),
-            next: 1,
-            clock: 0,
-        }
-    }
+/// Where the search for `device` of `tenant`'s fresh LID starts: a hash
+/// of the two (FNV-1a: stable across runs, builds and Rust versions), so
+/// the device finds the same LID after hostd restarted unless another
+/// name took it first.
+fn home_lid(tenant: &str, device: &str) -> u16 {
+    let hash = (tenant.bytes().chain([0]).chain(device.bytes()))
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        });
+    1 + (hash % u64::from(MAX_LID)) as u16
 }
 
 impl LidTable {
@@ -91,19 +95,19 @@ impl LidTable {
                 return Ok(assignment(r.lid, Some(name.clone()), false));
             }
         }
-        if self.next > MAX_LID {
-            return Err(Exhausted);
-        }
-        Ok(assignment(self.next, None, true))
+        let used: std::collections::HashSet<u16> = self.by_device.values().map(|r| r.lid).collect();
+        let home = home_lid(tenant, device);
+        let fresh = (0..MAX_LID)
+            .map(|i| (home - 1 + i) % MAX_LID + 1)
+            .find(|&lid| !used.contains(&lid) && !connected(lid))
+            .ok_or(Exhausted)?;
+        Ok(assignment(fresh, None, true))
     }
 
     /// Records that the device of `a` connected with `a.lid`.
     pub fn commit(&mut self, a: Assignment) {
         if let Some(name) = a.replaces {
             self.by_device.remove(&(a.tenant.clone(), name));
-        }
-        if a.fresh {
-            self.next += 1;
         }
         self.clock += 1;
         self.by_device.insert(
@@ -138,7 +142,8 @@ mod tests {
         let a = connect(&mut t, "alpha", "one");
         let b = connect(&mut t, "alpha", "two");
         let c = connect(&mut t, "beta", "one");
-        assert_eq!((a, b, c), (1, 2, 3));
+        assert!(a != b && b != c && a != c, "{a} {b} {c}");
+        assert_eq!(a, home_lid("alpha", "one"), "from the names");
         assert_eq!(
             connect(&mut t, "alpha", "one"),
             a,
@@ -172,30 +177,50 @@ mod tests {
             connect(&mut t, "beta", &format!("name-{i}"));
         }
         // All connected: a new name gets a fresh LID.
-        let a = t.assign("beta", "new", |_| true).expect("LID");
-        assert!(
-            a.fresh && a.lid as usize == REMEMBERED_PER_TENANT + 1,
-            "{a:?}"
-        );
-        // Only LID 5 is free: the new name takes it over.
-        let a = t.assign("beta", "new", |lid| lid != 5).expect("LID");
-        assert_eq!((a.lid, a.replaces.as_deref()), (5, Some("name-4")));
+        let a = t.assign("beta", "new", |lid| t_has(&t, lid)).expect("LID");
+        assert!(a.fresh && !t_has(&t, a.lid), "{a:?}");
+        // Only name-4's LID is free: the new name takes it over.
+        let four = t.assign("beta", "name-4", |_| true).expect("LID").lid;
+        let a = t.assign("beta", "new", |lid| lid != four).expect("LID");
+        assert_eq!((a.lid, a.replaces.as_deref()), (four, Some("name-4")));
         t.commit(a);
         assert_eq!(t.remembered("beta"), REMEMBERED_PER_TENANT);
     }
 
+    /// Whether the table remembers `lid` for some name.
+    fn t_has(t: &LidTable, lid: u16) -> bool {
+        t.by_device.values().any(|r| r.lid == lid)
+    }
+
     #[test]
     fn fresh_lids_run_out_only_when_all_are_in_use() {
-        let mut t = LidTable {
-            next: MAX_LID,
-            ..LidTable::default()
-        };
-        assert_eq!(connect(&mut t, "alpha", "last"), MAX_LID);
-        assert_eq!(t.assign("alpha", "more", |_| true), Err(Exhausted));
+        let mut t = LidTable::default();
+        let last = connect(&mut t, "alpha", "last");
+        assert_eq!(
+            t.assign("alpha", "more", |lid| lid != last).map(|a| a.lid),
+            Err(Exhausted),
+            "every other LID is connected"
+        );
         assert_eq!(
             t.assign("alpha", "last", |_| true).map(|a| a.lid),
-            Ok(MAX_LID),
+            Ok(last),
             "a known name still gets its LID"
         );
+    }
+
+    #[test]
+    fn a_restarted_hostd_gives_each_device_its_lid_again() {
+        let names = [("alpha", "vdev-1"), ("beta", "vdev-1"), ("alpha", "vdev-2")];
+        let mut first = LidTable::default();
+        let lids: Vec<u16> = names
+            .iter()
+            .map(|(t, d)| connect(&mut first, t, d))
+            .collect();
+        // After the restart the devices come back in another order.
+        let mut second = LidTable::default();
+        let again: Vec<u16> = (names.iter().rev())
+            .map(|(t, d)| connect(&mut second, t, d))
+            .collect();
+        assert_eq!(again.into_iter().rev().collect::<Vec<_>>(), lids);
     }
 }

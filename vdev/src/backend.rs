@@ -138,8 +138,14 @@ impl VrdmaBackend {
 
     /// Starts the thread that applies hostd's policy reloads to the device
     /// (through `threads`, under its role's filter), if the device is on a
-    /// fabric; it ends when the registration does.
-    pub fn listen_for_policy(&self, threads: &Threads) -> io::Result<()> {
+    /// fabric; it ends when the registration does, calling `lost` if hostd
+    /// went away (see [`crate::fabric::listen_for_policy`]). Started again
+    /// after each re-registration ([`crate::fabric::Fabric::reconnect`]).
+    pub fn listen_for_policy(
+        &self,
+        threads: &Threads,
+        lost: Box<dyn FnOnce() + Send>,
+    ) -> io::Result<()> {
         let Some(fabric) = self.device().fabric().cloned() else {
             return Ok(());
         };
@@ -149,6 +155,7 @@ impl VrdmaBackend {
                 channel,
                 Arc::downgrade(&self.inner.device),
                 Arc::downgrade(&fabric),
+                lost,
                 threads,
             ),
             None => Ok(()),

@@ -6,14 +6,14 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, Weak};
 
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
 use vrdma_hostd_protocol::messages::{
     AhSetup, MrRegistration, Notification, QpModify, QpSetup, Request, Response, SrqSetup,
-    TenantPolicy, PROTOCOL_VERSION,
+    TenantPolicy, Welcome, PROTOCOL_VERSION,
 };
 
 use crate::seccomp::{Role, Threads};
@@ -37,6 +37,8 @@ pub enum FabricError {
     Descriptors { got: usize, want: usize },
     #[error("hostd assigned keys {lkey:#x}/{rkey:#x}, which are 0, equal or in use")]
     Keys { lkey: u32, rkey: u32 },
+    #[error("The context's registration was ended")]
+    Closed,
 }
 
 impl FabricError {
@@ -53,6 +55,11 @@ impl FabricError {
 #[derive(Debug)]
 pub struct Fabric {
     channel: Mutex<Channel>,
+    /// hostd's socket, the tenant and the device name, to register again
+    /// with a restarted hostd ([`Fabric::reconnect`]).
+    path: PathBuf,
+    tenant: String,
+    device: String,
     /// The LID hostd assigned this device (it names the device).
     pub lid: u16,
     /// The GID hostd assigned this device: its port's GID 0, what peers
@@ -75,37 +82,12 @@ impl Fabric {
     /// Connects to hostd and opens a context of this device (its first
     /// registers it).
     pub fn connect(path: &Path, tenant: &str, device: &str) -> Result<Self, FabricError> {
-        let channel = Channel::connect(path).map_err(|source| FabricError::Connect {
-            path: path.display().to_string(),
-            source,
-        })?;
-        // Every frontend is a context of the device: the first opens it,
-        // the others join it (hostd checks they come from this process).
-        let hello = Request::OpenContext {
-            version: PROTOCOL_VERSION,
-            tenant: tenant.into(),
-            device: device.into(),
-        };
-        let (response, mut files): (Response, Vec<File>) = channel.call(&hello, &[])?;
-        let welcome = match response {
-            Response::Welcome(w) => *w,
-            Response::Refused { errno, reason } => {
-                return Err(FabricError::Refused { errno, reason })
-            }
-            other => return Err(FabricError::Unexpected(Box::new(other))),
-        };
-        // The one descriptor is the notification channel.
-        let notifications = match (files.pop(), files.len()) {
-            (Some(file), 0) => Channel::from(std::os::fd::OwnedFd::from(file)),
-            (file, rest) => {
-                return Err(FabricError::Descriptors {
-                    got: rest + usize::from(file.is_some()),
-                    want: 1,
-                })
-            }
-        };
+        let (channel, welcome, notifications) = open_context(path, tenant, device)?;
         Ok(Fabric {
             channel: Mutex::new(channel),
+            path: path.to_owned(),
+            tenant: tenant.into(),
+            device: device.into(),
             lid: welcome.lid,
             gid: welcome.gid,
             // A hostd that says less than 256 gets the smallest MTU.
@@ -116,6 +98,24 @@ impl Fabric {
             notifications: Mutex::new(Some(notifications)),
             closed: AtomicBool::new(false),
         })
+    }
+
+    /// Registers this context again, with a hostd that came back after
+    /// the previous one went away (the port is down until then): a new
+    /// connection and a new notification channel, under the same tenant
+    /// and device name, so hostd gives the device its LID and GID again.
+    /// Nothing of the context's objects is on the new hostd yet
+    /// ([`crate::verbs::RdmaDevice::restore`] brings them). Not after
+    /// [`Fabric::close`]: the context is ending.
+    pub fn reconnect(&self) -> Result<Welcome, FabricError> {
+        if self.closed() {
+            return Err(FabricError::Closed);
+        }
+        let (channel, welcome, notifications) =
+            open_context(&self.path, &self.tenant, &self.device)?;
+        *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel;
+        *self.notifications.lock().unwrap_or_else(|p| p.into_inner()) = Some(notifications);
+        Ok(welcome)
     }
 
     /// Sends a request (with `fds`) and returns hostd's answer; a refusal
@@ -215,36 +215,61 @@ impl Fabric {
     }
 
     /// The event ring of completion vector `vector`, and `call`, the
-    /// eventfd that interrupts the driver for it.
+    /// eventfd that interrupts the driver for it; `resumed`: a ring a
+    /// previous hostd wrote, which continues from its header.
     pub fn create_eq(
         &self,
         vector: u32,
-        gpa: u64,
-        depth: u32,
+        (gpa, depth): (u64, u32),
         call: BorrowedFd<'_>,
+        resumed: bool,
     ) -> Result<(), FabricError> {
-        self.call(
-            &Request::CreateEq { vector, gpa, depth },
-            &[call.as_raw_fd()],
-        )
+        let request = match resumed {
+            false => Request::CreateEq { vector, gpa, depth },
+            true => Request::ResumeEq { vector, gpa, depth },
+        };
+        self.call(&request, &[call.as_raw_fd()])
     }
 
+    /// A CQ; `resumed`: one a previous hostd wrote, which continues from
+    /// its ring's header.
     pub fn create_cq(
         &self,
         cqn: u32,
-        gpa: u64,
-        depth: u32,
+        (gpa, depth): (u64, u32),
         vector: u32,
+        resumed: bool,
     ) -> Result<(), FabricError> {
-        self.call(
-            &Request::CreateCq {
+        let request = match resumed {
+            false => Request::CreateCq {
                 cqn,
                 gpa,
                 depth,
                 vector,
             },
-            &[],
-        )
+            true => Request::ResumeCq {
+                cqn,
+                gpa,
+                depth,
+                vector,
+            },
+        };
+        self.call(&request, &[])
+    }
+
+    /// [`Fabric::create_qp`] for a QP a previous hostd ran.
+    pub fn resume_qp(&self, setup: QpSetup) -> Result<(), FabricError> {
+        self.call(&Request::ResumeQp(setup), &[])
+    }
+
+    /// [`Fabric::create_srq`] for an SRQ a previous hostd served.
+    pub fn resume_srq(&self, setup: SrqSetup) -> Result<(), FabricError> {
+        self.call(&Request::ResumeSrq(setup), &[])
+    }
+
+    /// Registers a region a previous hostd had registered, under its keys.
+    pub fn restore_mr(&self, lkey: u32, rkey: u32, mr: MrRegistration) -> Result<(), FabricError> {
+        self.call(&Request::RestoreMr { lkey, rkey, mr }, &[])
     }
 
     pub fn destroy_cq(&self, cqn: u32) -> Result<(), FabricError> {
@@ -310,11 +335,52 @@ impl Fabric {
     }
 }
 
+/// Connects to hostd at `path` and opens a context of `device` (the
+/// device's first registers it): the control channel, hostd's Welcome and
+/// the notification channel.
+fn open_context(
+    path: &Path,
+    tenant: &str,
+    device: &str,
+) -> Result<(Channel, Welcome, Channel), FabricError> {
+    let channel = Channel::connect(path).map_err(|source| FabricError::Connect {
+        path: path.display().to_string(),
+        source,
+    })?;
+    // Every frontend is a context of the device: the first opens it,
+    // the others join it (hostd checks they come from this process).
+    let hello = Request::OpenContext {
+        version: PROTOCOL_VERSION,
+        tenant: tenant.into(),
+        device: device.into(),
+    };
+    let (response, mut files): (Response, Vec<File>) = channel.call(&hello, &[])?;
+    let welcome = match response {
+        Response::Welcome(w) => *w,
+        Response::Refused { errno, reason } => return Err(FabricError::Refused { errno, reason }),
+        other => return Err(FabricError::Unexpected(Box::new(other))),
+    };
+    // The one descriptor is the notification channel.
+    let notifications = match (files.pop(), files.len()) {
+        (Some(file), 0) => Channel::from(std::os::fd::OwnedFd::from(file)),
+        (file, rest) => {
+            return Err(FabricError::Descriptors {
+                got: rest + usize::from(file.is_some()),
+                want: 1,
+            })
+        }
+    };
+    Ok((channel, welcome, notifications))
+}
+
 /// Starts the thread that applies hostd's policy notifications to `device`
 /// until hostd closes the channel (the device's registration ended), under
 /// the policy listener's filter. A channel that closes while vdev still
 /// holds the registration means hostd went away: the device's port is
 /// down ([`crate::verbs::RdmaDevice::port_lost`]).
+///
+/// `lost` is called then, after the port went down, so that whoever
+/// serves the device registers it again once hostd is back.
 ///
 /// The thread holds the device and the registration weakly: hostd closes
 /// the channel only after the registration's connection closes, which
@@ -326,6 +392,7 @@ pub fn listen_for_policy(
     channel: Channel,
     device: Weak<Mutex<crate::verbs::RdmaDevice>>,
     fabric: Weak<Fabric>,
+    lost: Box<dyn FnOnce() + Send>,
     threads: &Threads,
 ) -> std::io::Result<()> {
     threads.spawn(Role::PolicyListener, "policy-listener", move || loop {
@@ -341,11 +408,12 @@ pub fn listen_for_policy(
             Err(ChannelError::Closed) => {
                 if let (Some(fabric), Some(device)) = (fabric.upgrade(), device.upgrade()) {
                     if !fabric.closed() {
-                        tracing::warn!(%tenant, "hostd went away: the port is down");
+                        tracing::debug!(%tenant, "hostd's notification channel closed");
                         device
                             .lock()
                             .unwrap_or_else(|p| p.into_inner())
                             .port_lost();
+                        lost();
                     }
                 }
                 return;

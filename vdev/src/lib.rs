@@ -15,6 +15,8 @@
 //!   state machine.
 //! - [`fabric`]: the registration with hostd, which runs the datapath: it
 //!   reads the rings vdev set up, and vdev never touches them again.
+//! - [`link`]: the registrations across hostd's restarts: the port down
+//!   while hostd is away, every context registered again when it is back.
 //! - [`shadow`]: shadow memory regions — guest ranges resolved into guest
 //!   memory slots, with bounds, access and revocation.
 //! - [`sandbox`]: the walls vdev puts up around itself before it serves
@@ -31,6 +33,7 @@ pub mod backend;
 pub mod config;
 pub mod control;
 pub mod fabric;
+pub mod link;
 pub mod sandbox;
 pub mod seccomp;
 pub mod shadow;
@@ -147,6 +150,9 @@ enum Event {
     Ended(u64, Result<(), vhost_user_backend::Error>),
     /// Context `id` could not accept a frontend at all; the listener back.
     Failed(u64, Error, Listener),
+    /// Context `id`'s registration with hostd ended without vdev ending
+    /// it: hostd went away, and the context's port is down.
+    HostdLost(u64),
 }
 
 /// A context being served, as the main thread keeps it.
@@ -189,6 +195,14 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
     // A registration failed while contexts were open: no more until one
     // of them ends (hostd may be restarting, or out of this uid's reach).
     let mut held_back = false;
+    let mut link = link::Link::new(&config.tenant);
+    // What a context's listener calls when hostd goes away.
+    let lost = |id: u64| -> Box<dyn FnOnce() + Send> {
+        let events = events.clone();
+        Box::new(move || {
+            let _ = events.send(Event::HostdLost(id));
+        })
+    };
     loop {
         let room = contexts.len() < MAX_CONTEXTS && !(config.once && next_id > 0);
         // The listener is taken only to be handed to the next context: a
@@ -220,7 +234,9 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
             }
             let backend =
                 VrdmaBackend::in_share(identity.clone(), config.limits, fabric, share.clone());
-            backend.listen_for_policy(threads).map_err(Error::Setup)?;
+            backend
+                .listen_for_policy(threads, lost(next_id))
+                .map_err(Error::Setup)?;
             let thread =
                 serve_context(config, next_id, l, backend.clone(), threads, events.clone())?;
             contexts.insert(next_id, Context { backend, thread });
@@ -231,10 +247,31 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
             return Ok(());
         }
         // The senders live in the context threads and here: never closed.
-        let Ok(event) = happened.recv() else {
+        // While hostd is away, the wait ends for the next try.
+        let event = match link.wait() {
+            None => happened.recv().ok(),
+            Some(pause) => match happened.recv_timeout(pause) {
+                Ok(event) => Some(event),
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    let backend_of = |id| contexts.get(&id).map(|c| c.backend.clone());
+                    if link.retry(backend_of, threads, lost) {
+                        // Registrations work again: further contexts too.
+                        held_back = false;
+                    }
+                    continue;
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => None,
+            },
+        };
+        let Some(event) = event else {
             return Ok(());
         };
         match event {
+            Event::HostdLost(id) => {
+                if contexts.contains_key(&id) {
+                    link.lost(id);
+                }
+            }
             Event::Accepted(id, l) => {
                 tracing::info!(tenant = %config.tenant, context = id, open = contexts.len(), "Frontend connected");
                 listener = Some(l);
@@ -244,6 +281,7 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                 let Some(Context { backend, thread }) = contexts.remove(&id) else {
                     continue;
                 };
+                link.forget(id);
                 held_back = false;
                 let _ = thread.join();
                 // Whatever the driver left, hostd drops it (one
@@ -263,6 +301,7 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                 }
             }
             Event::Failed(id, error, l) => {
+                link.forget(id);
                 if let Some(Context { backend, thread }) = contexts.remove(&id) {
                     let _ = thread.join();
                     if let Some(fabric) = backend.device().fabric() {

@@ -7,7 +7,9 @@
 //! - [`Role::Main`] — the main thread: registers with hostd for each
 //!   frontend (a new `AF_UNIX` seqpacket connection), starts the other
 //!   threads through the launcher, joins them, and releases the device
-//!   when the frontend leaves.
+//!   when the frontend leaves; when hostd restarted, registers every
+//!   context again and hands hostd its objects back (guest memory slots,
+//!   duplicates of the doorbell and interrupt eventfds: `crate::link`).
 //! - [`Role::VhostUser`] — the thread that runs vhost-user-backend's daemon
 //!   for one frontend (accepts it on the listener, waits for it to leave)
 //!   and the threads that library starts from it: the request thread
@@ -89,6 +91,12 @@ fn main_rules() -> Result<Rules, SeccompError> {
     r.allow(libc::SYS_recvmsg);
     // The registration ends with the frontend: its connection is shut down.
     r.allow(libc::SYS_shutdown);
+    // Registering a context again with a restarted hostd (crate::link):
+    // its memory slots are identified by their descriptors' (device,
+    // inode), and hostd is lent duplicates of the doorbell and interrupt
+    // eventfds, as the vhost-user role does when they are first created.
+    r.allow_stat_by_descriptor()?;
+    r.allow_if_eq(libc::SYS_fcntl, 1, &[libc::F_DUPFD_CLOEXEC as u64])?;
     // A re-registration waits while hostd still tears the previous one of
     // the same device down (it answers EBUSY until then).
     r.allow(libc::SYS_clock_nanosleep);
@@ -186,6 +194,8 @@ mod tests {
                 ("shutdown", libc::SYS_shutdown, [4, 2, 0, 0, 0, 0]),
                 ("nanosleep", libc::SYS_clock_nanosleep, [1, 0, 0, 0, 0, 0]),
                 ("unlink", libc::SYS_unlink, [0; 6]),
+                statx_by_descriptor(),
+                fcntl(libc::F_DUPFD_CLOEXEC),
             ],
             Role::VhostUser => vec![
                 ("accept4", libc::SYS_accept4, [3, 0, 0, 0o2000000, 0, 0]),
@@ -239,13 +249,16 @@ mod tests {
                     ("nanosleep", libc::SYS_clock_nanosleep, [1, 0, 0, 0, 0, 0]),
                     &[Main],
                 ),
-                (statx_by_descriptor(), &[VhostUser]),
+                (statx_by_descriptor(), &[Main, VhostUser]),
                 (("eventfd2", libc::SYS_eventfd2, [0; 6]), &[VhostUser]),
                 (
                     ("accept4", libc::SYS_accept4, [3, 0, 0, 0, 0, 0]),
                     &[VhostUser],
                 ),
-                (fcntl(libc::F_DUPFD_CLOEXEC), &[VhostUser, PolicyListener]),
+                (
+                    fcntl(libc::F_DUPFD_CLOEXEC),
+                    &[Main, VhostUser, PolicyListener],
+                ),
                 (
                     ("epoll_wait", libc::SYS_epoll_wait, [12, 0, 4, 100, 0, 0]),
                     &[VhostUser],

@@ -262,6 +262,13 @@ impl Model {
             | Request::DestroySrq { .. }
             | Request::CreateAh(_)
             | Request::DestroyAh { .. } => Expect::Either,
+            // Nor requests that bring objects back to a restarted hostd
+            // (hostd's engine tests and vdev's reconnect tests have them).
+            Request::ResumeEq { .. }
+            | Request::ResumeCq { .. }
+            | Request::ResumeQp(_)
+            | Request::ResumeSrq(_)
+            | Request::RestoreMr { .. } => Expect::Either,
             Request::ResetDevice => Expect::Ok,
             Request::QuotaRejected { quota } => {
                 let limits = serde_json::to_value(Limits::default()).ok();
@@ -468,6 +475,11 @@ impl Model {
             | Request::OpenContext { .. }
             | Request::QuotaRejected { .. }
             | Request::QueryQp { .. }
+            | Request::ResumeEq { .. }
+            | Request::ResumeCq { .. }
+            | Request::ResumeQp(_)
+            | Request::ResumeSrq(_)
+            | Request::RestoreMr { .. }
             | Request::CreateSrq(_)
             | Request::ModifySrq { .. }
             | Request::QuerySrq { .. }

@@ -25,6 +25,18 @@ use crate::ids::Slab;
 /// Smallest stride of a work ring (a cache line holds the fixed part).
 const MIN_WQE_STRIDE: u32 = 64;
 
+/// Where a new object's ring starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// A new object: the device's half of the header is cleared.
+    Fresh,
+    /// An object a previous datapath served (hostd restarted and its vdev
+    /// brought the object back): the ring continues from the device's
+    /// index (and a CQ's notified sequence number) in its header, which
+    /// the previous datapath, or vdev while there was none, last wrote.
+    Resumed,
+}
+
 impl Engine {
     /// A vdev connected: device `id` of `tenant` with `gid`, its virtual
     /// QPs multiplexed onto physical QPs `pqps` (at least one). Another
@@ -200,6 +212,20 @@ impl Engine {
         Ok(keys)
     }
 
+    /// Registers a region of device `id` that a previous hostd had
+    /// registered, under its keys (`lkey`, `rkey`).
+    pub fn restore_mr(
+        &mut self,
+        id: DeviceId,
+        reg: &MrRegistration,
+        keys: (u32, u32),
+    ) -> Result<(), EngineError> {
+        let dev = self.devices.get(&id).ok_or(EngineError::UnknownDevice)?;
+        let keys = self.keys.restore(id, reg, &dev.mem, keys)?;
+        self.accounts.mr_registered(id, keys.0, reg.len);
+        Ok(())
+    }
+
     /// Revokes the region `lkey` of device `id`.
     pub fn deregister_mr(&mut self, id: DeviceId, lkey: u32) -> Result<(), EngineError> {
         self.keys.deregister(id, lkey)?;
@@ -264,6 +290,19 @@ impl Engine {
         depth: u32,
         irq: EventFd,
     ) -> Result<(), EngineError> {
+        self.open_eq(id, vector, (gpa, depth), irq, Start::Fresh)
+    }
+
+    /// [`Engine::create_eq`], or for a ring a previous datapath wrote
+    /// ([`Start::Resumed`]: it continues from its header).
+    pub fn open_eq(
+        &mut self,
+        id: DeviceId,
+        vector: u32,
+        (gpa, depth): (u64, u32),
+        irq: EventFd,
+        start: Start,
+    ) -> Result<(), EngineError> {
         let index = vector as usize;
         let taken = |dev: &Device| {
             let has = dev.eqs.get(index).is_some_and(Option::is_some);
@@ -273,7 +312,10 @@ impl Engine {
         if dev.eqs.len() <= index {
             dev.eqs.resize_with(index + 1, || None);
         }
-        dev.eqs[index] = Some(EventRing::new(ring, irq));
+        dev.eqs[index] = Some(match start {
+            Start::Fresh => EventRing::new(ring, irq),
+            Start::Resumed => EventRing::resume(ring, irq),
+        });
         Ok(())
     }
 
@@ -286,9 +328,26 @@ impl Engine {
         depth: u32,
         vector: u32,
     ) -> Result<(), EngineError> {
+        self.open_cq(id, cqn, (gpa, depth), vector, Start::Fresh)
+    }
+
+    /// [`Engine::create_cq`], or for a CQ a previous datapath wrote
+    /// ([`Start::Resumed`]: it continues from its ring's header).
+    pub fn open_cq(
+        &mut self,
+        id: DeviceId,
+        cqn: u32,
+        (gpa, depth): (u64, u32),
+        vector: u32,
+        start: Start,
+    ) -> Result<(), EngineError> {
         let taken = |dev: &Device| dev.cq_by_num.contains_key(&cqn).then_some("CQ");
         let (dev, ring) = self.vector_ring(id, vector, (gpa, depth, CQE_SIZE), taken)?;
-        let index = dev.cqs.insert(Cq::new(cqn, ring, vector));
+        let cq = match start {
+            Start::Fresh => Cq::new(cqn, ring, vector),
+            Start::Resumed => Cq::resume(cqn, ring, vector),
+        };
+        let index = dev.cqs.insert(cq);
         dev.cq_by_num.insert(cqn, index);
         Ok(())
     }
@@ -308,6 +367,14 @@ impl Engine {
 
     /// A virtual QP in RESET with its rings.
     pub fn create_qp(&mut self, id: DeviceId, s: &QpSetup) -> Result<(), EngineError> {
+        self.open_qp(id, s, Start::Fresh)
+    }
+
+    /// [`Engine::create_qp`], or for a QP a previous datapath ran
+    /// ([`Start::Resumed`]: its rings continue from their headers; it is
+    /// in RESET until vdev moves it on — to ERR, flushing what is posted,
+    /// or back to INIT).
+    pub fn open_qp(&mut self, id: DeviceId, s: &QpSetup, start: Start) -> Result<(), EngineError> {
         let serial = self.next_serial;
         let di = self.devices.index(&id).ok_or(EngineError::UnknownDevice)?;
         let dev = self.device_mut(id)?;
@@ -352,8 +419,19 @@ impl Engine {
             GuestRing::new(&dev.mem, r.gpa, r.depth, r.stride, MAX_RING_DEPTH)
         };
         let (sq, rq) = (ring(&s.sq)?, ring(&s.rq)?);
-        sq.reset_device_line();
-        rq.reset_device_line();
+        let (sq_done, rq_done) = match start {
+            Start::Fresh => {
+                sq.reset_device_line();
+                rq.reset_device_line();
+                (0, 0)
+            }
+            // A header the guest scribbled on only misplaces its own
+            // QP's work: every index is taken modulo the ring's depth.
+            Start::Resumed => (
+                sq.device_index().unwrap_or(0),
+                rq.device_index().unwrap_or(0),
+            ),
+        };
         let pqp = s.vqpn as usize % dev.pqps.len().max(1);
         let qp = Qp {
             device: id,
@@ -381,8 +459,8 @@ impl Engine {
             recv_cq,
             conn: None,
             access: 0,
-            sq_done: 0,
-            sq_seen: 0,
+            sq_done,
+            sq_seen: sq_done,
             head: Box::default(),
             has_head: false,
             sent: 0,
@@ -391,7 +469,7 @@ impl Engine {
             waiting: false,
             queued: false,
             turn_left: 0,
-            rq_done: 0,
+            rq_done,
             rq_head: Box::default(),
             has_rq_head: false,
             rq_taken: 0,

@@ -168,6 +168,31 @@ impl KeyTable {
         reg: &MrRegistration,
         mem: &GuestMemory,
     ) -> Result<(u32, u32), EngineError> {
+        self.insert(device, reg, mem, None)
+    }
+
+    /// Records a region a previous hostd had registered as (`lkey`,
+    /// `rkey`), under those keys: the driver and its peers hold them.
+    /// Refused ([`EngineError::KeyTaken`]) when a key's table slot holds
+    /// another region now (one registered since this hostd started).
+    pub fn restore(
+        &mut self,
+        device: DeviceId,
+        reg: &MrRegistration,
+        mem: &GuestMemory,
+        (lkey, rkey): (u32, u32),
+    ) -> Result<(u32, u32), EngineError> {
+        self.insert(device, reg, mem, Some((lkey, rkey)))
+    }
+
+    /// [`KeyTable::register`], under `keys` when given.
+    fn insert(
+        &mut self,
+        device: DeviceId,
+        reg: &MrRegistration,
+        mem: &GuestMemory,
+        keys: Option<(u32, u32)>,
+    ) -> Result<(u32, u32), EngineError> {
         if reg.access & !access::MR_KNOWN != 0 {
             return Err(EngineError::Invalid("unknown access flags"));
         }
@@ -212,16 +237,27 @@ impl KeyTable {
         if self.counts.get(&device).copied().unwrap_or(0) >= MAX_MRS_PER_DEVICE {
             return Err(EngineError::Limit("memory regions"));
         }
-        let lkey_index = self.slot_index()?;
-        let rkey_index = match self.slot_index() {
-            Ok(i) => i,
-            Err(e) => {
-                self.free.push(lkey_index);
-                return Err(e);
+        let (lkey, rkey) = match keys {
+            Some((lkey, rkey)) => {
+                self.claim(lkey, rkey)?;
+                (lkey, rkey)
+            }
+            None => {
+                let lkey_index = self.slot_index()?;
+                let rkey_index = match self.slot_index() {
+                    Ok(i) => i,
+                    Err(e) => {
+                        self.free.push(lkey_index);
+                        return Err(e);
+                    }
+                };
+                (
+                    (lkey_index << 8) | u32::from(self.tag()),
+                    (rkey_index << 8) | u32::from(self.tag()),
+                )
             }
         };
-        let lkey = (lkey_index << 8) | u32::from(self.tag());
-        let rkey = (rkey_index << 8) | u32::from(self.tag());
+        let (lkey_index, rkey_index) = (index_of(lkey), index_of(rkey));
         let mr = Mr {
             device,
             pd: reg.pd,
@@ -233,10 +269,38 @@ impl KeyTable {
             lkey,
             rkey,
         };
-        self.entries[rkey_index as usize] = Some(Entry::Rkey { lkey, rkey });
-        self.entries[lkey_index as usize] = Some(Entry::Region(mr));
+        self.entries[rkey_index] = Some(Entry::Rkey { lkey, rkey });
+        self.entries[lkey_index] = Some(Entry::Region(mr));
         *self.counts.entry(device).or_insert(0) += 1;
         Ok((lkey, rkey))
+    }
+
+    /// Takes the table slots of `lkey` and `rkey`, if both are free, distinct
+    /// and not 0 (a restored region's keys).
+    fn claim(&mut self, lkey: u32, rkey: u32) -> Result<(), EngineError> {
+        let (l, r) = (index_of(lkey), index_of(rkey));
+        // A restored key lies at most a device's worth of regions (twice:
+        // two keys each) beyond the table's end, so that one request of a
+        // hostile vdev grows the table by no more than that.
+        let reach = self.entries.len().max(1) + 2 * MAX_MRS_PER_DEVICE;
+        if l == 0 || r == 0 || l == r || l.max(r) >= MAX_MRS.min(reach) {
+            return Err(EngineError::Invalid("restored keys"));
+        }
+        for i in [l, r] {
+            if self.entries.get(i).is_some_and(Option::is_some) {
+                return Err(EngineError::KeyTaken(if i == l { lkey } else { rkey }));
+            }
+        }
+        if self.entries.is_empty() {
+            self.entries.push(None);
+        }
+        // Slots between the table's end and the claimed ones are free.
+        while self.entries.len() <= l.max(r) {
+            self.free.push(self.entries.len() as u32);
+            self.entries.push(None);
+        }
+        self.free.retain(|&i| i as usize != l && i as usize != r);
+        Ok(())
     }
 
     /// A free table index (never 0, so no key is 0).
@@ -844,5 +908,57 @@ mod tests {
         keys.remove_device(DEV);
         assert!(keys.local(DEV, 1, &sge(0, 8, b), 0).is_none());
         assert!(keys.local(DEV + 1, 1, &sge(0, 8, c), 0).is_some());
+    }
+
+    /// A restarted hostd takes a region back under the keys its driver
+    /// and peers hold, wherever they lie in the table, and hands out none
+    /// of them afterwards; keys whose slot holds another region now, or
+    /// that are malformed, are refused.
+    #[test]
+    fn restored_regions_keep_their_keys() {
+        let (mem, _) = memory(&[(0, 8192)]);
+        let mut before = KeyTable::new();
+        for _ in 0..5 {
+            register(&mut before, &mem, DEV, 0, &[(0, 0, 16)]);
+        }
+        let (lkey, rkey) = register(&mut before, &mem, DEV, 0x1000, &[(0, 0, 4096)]);
+
+        let mut after = KeyTable::new();
+        let region = reg(1, ALL, 0x1000, &[(0, 0, 4096)]);
+        assert_eq!(
+            after.restore(DEV, &region, &mem, (lkey, rkey)),
+            Ok((lkey, rkey))
+        );
+        assert!(after.local(DEV, 1, &sge(0x1000, 16, lkey), 0).is_some());
+        assert!(after
+            .remote(DEV, 1, rkey, 0x1000, 16, access::REMOTE_WRITE)
+            .is_some());
+        // New regions fill the slots below and beyond, never these.
+        for _ in 0..12 {
+            let (l, r) = register(&mut after, &mem, DEV, 0, &[(0, 0, 16)]);
+            for key in [l, r] {
+                assert!(
+                    index_of(key) != index_of(lkey) && index_of(key) != index_of(rkey),
+                    "{key:#x}"
+                );
+            }
+        }
+        let (l, _) = register(&mut after, &mem, DEV, 0, &[(0, 0, 16)]);
+        assert_eq!(
+            after.restore(DEV, &region, &mem, (l, 0x1_0000)),
+            Err(EngineError::KeyTaken(l))
+        );
+        assert_eq!(
+            after.restore(DEV, &region, &mem, (0x12, 0x1_0000)),
+            Err(EngineError::Invalid("restored keys")),
+            "index 0 is no key"
+        );
+        assert_eq!(
+            after.restore(DEV, &region, &mem, (0x7fff_0000, 0x1_0000)),
+            Err(EngineError::Invalid("restored keys")),
+            "far beyond the table"
+        );
+        after.deregister(DEV, lkey).expect("deregistered");
+        assert!(after.local(DEV, 1, &sge(0x1000, 16, lkey), 0).is_none());
     }
 }

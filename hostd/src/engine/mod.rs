@@ -29,6 +29,7 @@
 //! and the engine's work lists keep their capacity.
 
 mod control;
+pub use control::Start;
 pub mod guest;
 pub mod keys;
 mod rc;
@@ -92,6 +93,8 @@ pub enum EngineError {
     UnknownSlot(u32),
     #[error("Unknown key {0:#x}")]
     UnknownKey(u32),
+    #[error("Key {0:#x} names another region now")]
+    KeyTaken(u32),
     #[error("Unknown QP {0}")]
     UnknownQp(u32),
     #[error("QP {0} already exists")]
@@ -127,7 +130,9 @@ impl EngineError {
             EngineError::SlotExists(_) | EngineError::QpExists(_) | EngineError::Exists(_) => {
                 libc::EEXIST
             }
-            EngineError::CqBusy { .. } | EngineError::Busy(..) => libc::EBUSY,
+            EngineError::CqBusy { .. } | EngineError::Busy(..) | EngineError::KeyTaken(_) => {
+                libc::EBUSY
+            }
             EngineError::Invalid(_) => libc::EINVAL,
             EngineError::Limit(_) => libc::ENOSPC,
             EngineError::Unsupported(_) => libc::EOPNOTSUPP,

@@ -14,6 +14,7 @@ use vrdma_hostd_protocol::messages::SrqSetup;
 use vrdma_spec::limits::{MAX_RING_DEPTH, MAX_WQE_STRIDE};
 use vrdma_spec::ring::event_kind;
 
+use super::control::Start;
 use super::guest::{self, GuestRing};
 use super::rc::{pending, QpRef};
 use super::wqe::{self, Malformed, RecvLimits};
@@ -49,6 +50,18 @@ impl Srq {
 impl Engine {
     /// A shared receive queue numbered `s.srqn`.
     pub fn create_srq(&mut self, id: DeviceId, s: &SrqSetup) -> Result<(), EngineError> {
+        self.open_srq(id, s, Start::Fresh)
+    }
+
+    /// [`Engine::create_srq`], or for an SRQ a previous datapath took
+    /// receives from ([`Start::Resumed`]: its ring continues from its
+    /// header).
+    pub fn open_srq(
+        &mut self,
+        id: DeviceId,
+        s: &SrqSetup,
+        start: Start,
+    ) -> Result<(), EngineError> {
         let dev = self.device_mut(id)?;
         if dev.srq_by_num.contains_key(&s.srqn) {
             return Err(EngineError::Exists("SRQ"));
@@ -66,12 +79,18 @@ impl Engine {
             s.ring.stride,
             MAX_RING_DEPTH,
         )?;
-        ring.reset_device_line();
+        let taken = match start {
+            Start::Fresh => {
+                ring.reset_device_line();
+                0
+            }
+            Start::Resumed => ring.device_index().unwrap_or(0),
+        };
         let index = dev.srqs.insert(Srq {
             srqn: s.srqn,
             ring,
             limits: RecvLimits { max_sge: s.max_sge },
-            taken: 0,
+            taken,
             limit: s.limit,
             users: 0,
             lost: false,

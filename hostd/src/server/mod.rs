@@ -36,6 +36,7 @@ use crate::config::Config;
 use crate::datapath::Datapath;
 use crate::engine::guest::SharedMapping;
 use crate::engine::EngineError;
+use crate::engine::Start;
 use crate::gids::{self, Gid, Peer};
 use crate::lids::LidTable;
 use crate::net::directory::Directory;
@@ -301,7 +302,10 @@ impl Server {
     ) -> Result<Response, Refusal> {
         let takes_fd = matches!(
             request,
-            Request::AddMemory { .. } | Request::SetDoorbell { .. } | Request::CreateEq { .. }
+            Request::AddMemory { .. }
+                | Request::SetDoorbell { .. }
+                | Request::CreateEq { .. }
+                | Request::ResumeEq { .. }
         );
         if !takes_fd && !files.is_empty() {
             return Err(refuse(
@@ -331,6 +335,14 @@ impl Server {
         }
         let Some(s) = session.as_ref() else {
             return Err(refuse(libc::EPROTO, "The first request must be Hello"));
+        };
+        // An object a previous hostd served continues from its rings.
+        let start = match &request {
+            Request::ResumeEq { .. }
+            | Request::ResumeCq { .. }
+            | Request::ResumeQp(_)
+            | Request::ResumeSrq(_) => Start::Resumed,
+            _ => Start::Fresh,
         };
         let id = s.id;
         match request {
@@ -362,30 +374,16 @@ impl Server {
                 Ok(Response::Ok)
             }
             Request::RegisterMr(mr) => {
-                let policy = self.tenant_policy(&s.tenant)?;
                 let mut engine = self.datapath.lock();
-                if let Err(q) = engine.accounts().check_mr(id, mr.len, &policy) {
-                    engine.accounts_mut().quota_rejected(&s.tenant, q.quota);
-                    drop(engine);
-                    tracing::warn!(
-                        tenant = %s.tenant,
-                        device = %s.device,
-                        quota = q.quota,
-                        limit = q.limit,
-                        used = q.used,
-                        requested = mr.len,
-                        "Memory registration refused by the tenant's quota"
-                    );
-                    return Err(refuse(
-                        libc::ENOMEM,
-                        format!(
-                            "Registering {} bytes exceeds quota {} = {} of tenant {} ({} in use)",
-                            mr.len, q.quota, q.limit, s.tenant, q.used
-                        ),
-                    ));
-                }
+                self.check_mr_quota(&mut engine, s, &mr)?;
                 let (lkey, rkey) = engine.register_mr(id, &mr)?;
                 Ok(Response::MrKeys { lkey, rkey })
+            }
+            Request::RestoreMr { lkey, rkey, mr } => {
+                let mut engine = self.datapath.lock();
+                self.check_mr_quota(&mut engine, s, &mr)?;
+                engine.restore_mr(id, &mr, (lkey, rkey))?;
+                Ok(Response::Ok)
             }
             Request::DeregisterMr { lkey } => {
                 self.datapath.lock().deregister_mr(id, lkey)?;
@@ -397,11 +395,11 @@ impl Server {
                 self.datapath.wake();
                 Ok(Response::Ok)
             }
-            Request::CreateEq { vector, gpa, depth } => {
+            Request::CreateEq { vector, gpa, depth } | Request::ResumeEq { vector, gpa, depth } => {
                 let irq = one_eventfd(files, "CreateEq")?;
                 self.datapath
                     .lock()
-                    .create_eq(id, vector, gpa, depth, irq)?;
+                    .open_eq(id, vector, (gpa, depth), irq, start)?;
                 Ok(Response::Ok)
             }
             Request::CreateCq {
@@ -409,18 +407,24 @@ impl Server {
                 gpa,
                 depth,
                 vector,
+            }
+            | Request::ResumeCq {
+                cqn,
+                gpa,
+                depth,
+                vector,
             } => {
                 self.datapath
                     .lock()
-                    .create_cq(id, cqn, gpa, depth, vector)?;
+                    .open_cq(id, cqn, (gpa, depth), vector, start)?;
                 Ok(Response::Ok)
             }
             Request::DestroyCq { cqn } => {
                 self.datapath.lock().destroy_cq(id, cqn)?;
                 Ok(Response::Ok)
             }
-            Request::CreateQp(setup) => {
-                self.datapath.lock().create_qp(id, &setup)?;
+            Request::CreateQp(setup) | Request::ResumeQp(setup) => {
+                self.datapath.lock().open_qp(id, &setup, start)?;
                 Ok(Response::Ok)
             }
             Request::ModifyQp(modify) => {
@@ -443,8 +447,8 @@ impl Server {
                 self.datapath.lock().destroy_qp(id, vqpn)?;
                 Ok(Response::Ok)
             }
-            Request::CreateSrq(setup) => {
-                self.datapath.lock().create_srq(id, &setup)?;
+            Request::CreateSrq(setup) | Request::ResumeSrq(setup) => {
+                self.datapath.lock().open_srq(id, &setup, start)?;
                 Ok(Response::Ok)
             }
             Request::ModifySrq { srqn, limit } => {
@@ -490,6 +494,37 @@ impl Server {
                 Ok(Response::Ok)
             }
         }
+    }
+
+    /// Refuses a region of `mr.len` bytes beyond the memory quota of the
+    /// session's tenant (over all its devices), counting the refusal.
+    fn check_mr_quota(
+        &self,
+        engine: &mut crate::engine::Engine,
+        s: &Session,
+        mr: &vrdma_hostd_protocol::messages::MrRegistration,
+    ) -> Result<(), Refusal> {
+        let policy = self.tenant_policy(&s.tenant)?;
+        let Err(q) = engine.accounts().check_mr(s.id, mr.len, &policy) else {
+            return Ok(());
+        };
+        engine.accounts_mut().quota_rejected(&s.tenant, q.quota);
+        tracing::warn!(
+            tenant = %s.tenant,
+            device = %s.device,
+            quota = q.quota,
+            limit = q.limit,
+            used = q.used,
+            requested = mr.len,
+            "Memory registration refused by the tenant's quota"
+        );
+        Err(refuse(
+            libc::ENOMEM,
+            format!(
+                "Registering {} bytes exceeds quota {} = {} of tenant {} ({} in use)",
+                mr.len, q.quota, q.limit, s.tenant, q.used
+            ),
+        ))
     }
 
     /// Refuses a connection towards a GID whose device is outside the

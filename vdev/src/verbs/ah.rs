@@ -17,6 +17,20 @@ pub struct AddressHandle {
     pub attr: AhAttr,
 }
 
+impl AddressHandle {
+    /// AH `ahn` as hostd's datapath needs it.
+    pub(super) fn setup(&self, ahn: u32) -> AhSetup {
+        AhSetup {
+            ahn,
+            pd: self.pdn,
+            dgid: self.attr.dgid,
+            flow_label: self.attr.flow_label.get(),
+            hop_limit: self.attr.hop_limit,
+            traffic_class: self.attr.traffic_class,
+        }
+    }
+}
+
 impl RdmaDevice {
     pub(super) fn create_ah(&mut self, req: &CreateAhReq) -> VerbResult<AhHandle> {
         let pdn = req.pdn.get();
@@ -25,19 +39,11 @@ impl RdmaDevice {
         let attr = req.attr;
         validate_av(&attr)?;
         let ahn = self.new_handle();
+        let ah = AddressHandle { pdn, attr };
         if let Some(fabric) = &self.fabric {
-            fabric
-                .create_ah(AhSetup {
-                    ahn,
-                    pd: pdn,
-                    dgid: attr.dgid,
-                    flow_label: attr.flow_label.get(),
-                    hop_limit: attr.hop_limit,
-                    traffic_class: attr.traffic_class,
-                })
-                .map_err(VerbError::Fabric)?;
+            fabric.create_ah(ah.setup(ahn)).map_err(VerbError::Fabric)?;
         }
-        self.ahs.insert(ahn, AddressHandle { pdn, attr });
+        self.ahs.insert(ahn, ah);
         taken.keep();
         self.pd_mut(pdn)?.qps += 1;
         Ok(AhHandle {

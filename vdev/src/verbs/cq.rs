@@ -37,7 +37,7 @@ impl RdmaDevice {
         let cqn = self.new_handle();
         if let Some(fabric) = &self.fabric {
             fabric
-                .create_cq(cqn, ring_addr, depth, comp_vector)
+                .create_cq(cqn, (ring_addr, depth), comp_vector, false)
                 .map_err(VerbError::Fabric)?;
         }
         self.cqs.insert(

@@ -14,6 +14,7 @@ mod cq;
 mod error;
 mod mr;
 mod notify;
+mod port;
 mod qp;
 mod share;
 mod srq;
@@ -40,6 +41,7 @@ pub use cq::CompletionQueue;
 pub use error::{VerbError, VerbResult};
 pub use mr::MemoryRegion;
 pub use notify::{EventRing, FdError, NotifyFds};
+pub use port::Restored;
 pub use qp::QueuePair;
 pub use share::{DeviceShare, Usage};
 pub use srq::SharedReceiveQueue;
@@ -608,8 +610,7 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
             // 4x width, EDR speed: what ibv_devinfo shows as 100 Gb/s.
             active_width: 2,
             active_speed: 32,
-            // LinkUp.
-            phys_state: 5,
+            phys_state: port::PHYS_LINK_UP,
             reserved: [0; 4],
         },
         gid: identity.gid,

@@ -191,6 +191,25 @@ impl RdmaDevice {
             let rkey = random_unique(u32::MAX, &[0, lkey], taken);
             return Ok((lkey, rkey));
         };
+        let (lkey, rkey) = fabric
+            .register_mr(self.mr_registration(pdn, shadow)?)
+            .map_err(VerbError::Fabric)?;
+        // vdev finds regions by key: keys that are 0, equal or already in
+        // use would make two regions one. (Not deregistered here: the lkey
+        // may name another region.)
+        if lkey == 0 || rkey == 0 || lkey == rkey || taken(lkey) || taken(rkey) {
+            return Err(VerbError::Fabric(FabricError::Keys { lkey, rkey }));
+        }
+        Ok((lkey, rkey))
+    }
+
+    /// A region of PD `pdn` over `shadow` as hostd registers it: its
+    /// pieces in the memory slots hostd was given.
+    pub(super) fn mr_registration(
+        &self,
+        pdn: u32,
+        shadow: &ShadowRegion,
+    ) -> VerbResult<MrRegistration> {
         let mut segments = Vec::new();
         for seg in shadow.segments() {
             let slot = self.slot_number(&seg.slot).ok_or_else(|| {
@@ -205,23 +224,13 @@ impl RdmaDevice {
                 len: seg.len,
             });
         }
-        let registration = MrRegistration {
+        Ok(MrRegistration {
             pd: pdn,
             access: shadow.access,
             iova: shadow.iova,
             len: shadow.len,
             segments,
-        };
-        let (lkey, rkey) = fabric
-            .register_mr(registration)
-            .map_err(VerbError::Fabric)?;
-        // vdev finds regions by key: keys that are 0, equal or already in
-        // use would make two regions one. (Not deregistered here: the lkey
-        // may name another region.)
-        if lkey == 0 || rkey == 0 || lkey == rkey || taken(lkey) || taken(rkey) {
-            return Err(VerbError::Fabric(FabricError::Keys { lkey, rkey }));
-        }
-        Ok((lkey, rkey))
+        })
     }
 
     pub(super) fn dereg_mr(&mut self, handle: u32) -> VerbResult<()> {

@@ -19,7 +19,6 @@ use vrdma_spec::zerocopy::IntoBytes;
 use vrdma_spec::control::{CreateEqReq, SetDoorbellReq};
 use vrdma_spec::limits::MAX_QPS;
 use vrdma_spec::ring::{self, doorbell};
-use vrdma_spec::verbs::PortState;
 
 use super::{RdmaDevice, VerbError, VerbResult};
 
@@ -62,7 +61,7 @@ impl FdError {
 
 /// Why vdev could not post an event itself.
 #[derive(Debug, thiserror::Error)]
-enum PostError {
+pub(super) enum PostError {
     #[error("completion vector {0} has no event ring")]
     NoRing(u32),
     #[error("the event ring is outside guest memory")]
@@ -169,7 +168,7 @@ impl RdmaDevice {
         self.reset_ring(addr)?;
         if let (Some(fabric), Some(call)) = (&self.fabric, &call) {
             fabric
-                .create_eq(vector, addr, depth, call.as_fd())
+                .create_eq(vector, (addr, depth), call.as_fd(), false)
                 .map_err(VerbError::Fabric)?;
         }
         self.eqs.insert(
@@ -182,37 +181,9 @@ impl RdmaDevice {
         Ok(())
     }
 
-    /// hostd went away: the port is down. `QUERY_PORT` says so from now on
-    /// (a real NIC whose link dropped), and the driver gets one
-    /// [`ring::event_kind::PORT_ERROR`] on event ring 0. hostd's channel
-    /// closing means it detached the device (or died): nobody else writes
-    /// the ring any more, so vdev continues it from the index hostd
-    /// published. Once only: a port already down stays silent.
-    pub fn port_lost(&mut self) {
-        if self.config.port.state == u8::from(PortState::Down) {
-            return;
-        }
-        self.config.port.state = PortState::Down.into();
-        // Disabled: what ibv_devinfo shows for a port whose link is off.
-        self.config.port.phys_state = 3;
-        self.fail_qps();
-        match self.post_event(0, ring::event_kind::PORT_ERROR, 1) {
-            Ok(()) => {}
-            // A context whose driver has not started yet (vdev prepares
-            // the next one ahead): it finds the port down when it asks.
-            Err(e @ PostError::NoRing(_)) => {
-                tracing::debug!(tenant = %self.tenant(), "No port event posted: {e}");
-            }
-            Err(e) => {
-                tracing::warn!(tenant = %self.tenant(), error = %vrdma_errors::error_chain(&e),
-                "The driver cannot be told its port is down")
-            }
-        }
-    }
-
     /// Writes an event on `vector`'s ring and interrupts the driver, as the
     /// device's datapath would; only while the datapath is detached.
-    fn post_event(&self, vector: u32, kind: u16, object: u32) -> Result<(), PostError> {
+    pub(super) fn post_event(&self, vector: u32, kind: u16, object: u32) -> Result<(), PostError> {
         let eq = self.event_ring(vector).ok_or(PostError::NoRing(vector))?;
         let at = |offset: u64| GuestAddress(eq.ring_addr + offset);
         let load = |offset| {
@@ -256,7 +227,7 @@ impl RdmaDevice {
 
     /// An eventfd of the device for hostd; a missing one is logged, since
     /// it is the frontend's (the VMM's) mistake rather than the driver's.
-    fn lend_fd(
+    pub(super) fn lend_fd(
         &self,
         command: &'static str,
         lend: impl FnOnce(&dyn NotifyFds) -> Result<OwnedFd, FdError>,

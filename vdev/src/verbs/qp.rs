@@ -9,7 +9,7 @@ use vrdma_spec::control::{
 use vrdma_spec::limits::{CapLimits, Caps, QpGrant, MAX_QPS};
 use vrdma_spec::qp_state::{check_mask, mask};
 use vrdma_spec::ring::WorkRingGeometry;
-use vrdma_spec::verbs::{access, Mtu, PortState, QpState, QpType};
+use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
 
 use vrdma_tenant_policy::Limits;
 
@@ -102,13 +102,6 @@ impl RdmaDevice {
         })?;
         // Unique among all the device's contexts' QPs.
         let qpn = self.share.new_qpn();
-        let created = self.mirror_new_qp(req, qpn, db_index, &grant);
-        if let Err(e) = created {
-            self.db_indexes.free(db_index);
-            self.share.free_qpn(qpn);
-            return Err(e);
-        }
-        taken.keep();
         let mut caps = grant.caps;
         if srqn.is_some() {
             // Its receives are the SRQ's: it has no receive queue of its
@@ -117,27 +110,31 @@ impl RdmaDevice {
             caps.max_recv_sge = 0;
         }
         let granted = wire_caps(caps);
+        let qp = QueuePair {
+            qpn,
+            qp_type,
+            pdn,
+            send_cqn,
+            recv_cqn,
+            sq_sig_all: req.sq_sig_all != 0,
+            cap: granted,
+            sq: (sq_addr, sq),
+            rq: (rq_addr, rq),
+            db_index,
+            srqn,
+            state: QpState::Reset,
+            attr: reset_attr(granted),
+        };
+        if let Err(e) = self.mirror_new_qp(&qp) {
+            self.db_indexes.free(db_index);
+            self.share.free_qpn(qpn);
+            return Err(e);
+        }
+        taken.keep();
         if let Some(srq) = srqn.and_then(|n| self.srqs.get_mut(&n)) {
             srq.users += 1;
         }
-        self.qps.insert(
-            qpn,
-            QueuePair {
-                qpn,
-                qp_type,
-                pdn,
-                send_cqn,
-                recv_cqn,
-                sq_sig_all: req.sq_sig_all != 0,
-                cap: granted,
-                sq: (sq_addr, sq),
-                rq: (rq_addr, rq),
-                db_index,
-                srqn,
-                state: QpState::Reset,
-                attr: reset_attr(granted),
-            },
-        );
+        self.qps.insert(qpn, qp);
         self.pd_mut(pdn)?.qps += 1;
         for cqn in [send_cqn, recv_cqn] {
             if let Some(cq) = self.cqs.get_mut(&cqn) {
@@ -161,60 +158,46 @@ impl RdmaDevice {
     }
 
     /// Resets the checked rings of a new QP and tells hostd about it.
-    fn mirror_new_qp(
-        &self,
-        req: &CreateQpReq,
-        qpn: u32,
-        db_index: u32,
-        grant: &QpGrant,
-    ) -> VerbResult<()> {
-        let (sq_addr, rq_addr) = (req.sq_ring_addr.get(), req.rq_ring_addr.get());
-        self.reset_ring(sq_addr)?;
-        self.reset_ring(rq_addr)?;
+    fn mirror_new_qp(&self, qp: &QueuePair) -> VerbResult<()> {
+        self.reset_ring(qp.sq.0)?;
+        self.reset_ring(qp.rq.0)?;
         let Some(fabric) = &self.fabric else {
             return Ok(());
         };
-        let ring = |gpa, g: WorkRingGeometry| WorkRing {
-            gpa,
-            depth: g.depth,
-            stride: g.stride,
-        };
-        fabric
-            .create_qp(QpSetup {
-                vqpn: qpn,
-                qp_type: req.qp_type,
-                pd: req.pdn.get(),
-                db_index,
-                send_cqn: req.send_cqn.get(),
-                recv_cqn: req.recv_cqn.get(),
-                sq_sig_all: req.sq_sig_all != 0,
-                sq: ring(sq_addr, grant.sq),
-                rq: ring(rq_addr, grant.rq),
-                max_send_sge: grant.caps.max_send_sge,
-                max_recv_sge: grant.caps.max_recv_sge,
-                max_inline_data: grant.caps.max_inline_data,
-                srqn: (req.srqn.get() != NO_SRQ).then(|| req.srqn.get()),
-            })
-            .map_err(VerbError::Fabric)
+        fabric.create_qp(qp.setup()).map_err(VerbError::Fabric)
     }
 
-    /// The port went down with the datapath that ran every QP: each QP is
-    /// in ERR now (QUERY_QP says so; nothing it holds will complete), and
-    /// its rings carry the ERROR flag, as the datapath would have set it.
-    pub(super) fn fail_qps(&mut self) {
+    /// The port went down with the datapath that ran every QP: each QP
+    /// past INIT (RTR, RTS, SQD, SQE) was connected through it, or sending,
+    /// and is in ERR now (QUERY_QP says so), its rings carrying the ERROR
+    /// flag, as the datapath would have set it. A QP in RESET or INIT had
+    /// nothing running and stays as it is (its posted receives wait for
+    /// the port to come back). Returns the QPs that went to ERR (already
+    /// in ERR: not again), for their QP_FATAL events.
+    pub(super) fn fail_qps(&mut self) -> Vec<u32> {
+        let mut failed = Vec::new();
         for qp in self.qps.values_mut() {
+            if matches!(qp.state, QpState::Reset | QpState::Init | QpState::Err) {
+                continue;
+            }
             qp.state = QpState::Err;
             qp.attr.qp_state = QpState::Err.into();
             qp.attr.cur_qp_state = QpState::Err.into();
+            failed.push(qp.qpn);
         }
-        for qp in self.qps.values() {
+        failed.sort_unstable();
+        for qpn in &failed {
+            let Some(qp) = self.qps.get(qpn) else {
+                continue;
+            };
             for (addr, _) in [qp.sq, qp.rq] {
                 if let Err(e) = self.flag_ring_error(addr) {
-                    tracing::warn!(tenant = %self.tenant(), qpn = qp.qpn, error = %e,
+                    tracing::warn!(tenant = %self.tenant(), qpn, error = %e,
                         "Cannot flag the QP's ring in error");
                 }
             }
         }
+        failed
     }
 
     /// A QP can enter ERR on its own in hostd's datapath (a WQE failed, a
@@ -222,7 +205,7 @@ impl RdmaDevice {
     /// takes the datapath's ERR over. With the port down there is no
     /// datapath to ask: the QPs are in ERR already ([`Self::fail_qps`]).
     fn adopt_datapath_state(&mut self, qpn: u32) -> VerbResult<()> {
-        if self.config.port.state == u8::from(PortState::Down) {
+        if self.port_down() {
             return Ok(());
         }
         let (Some(fabric), Some(qp)) = (&self.fabric, self.qps.get_mut(&qpn)) else {
@@ -337,6 +320,50 @@ impl RdmaDevice {
     /// The QP numbered `qpn`.
     pub fn qp(&self, qpn: u32) -> Option<&QueuePair> {
         self.qps.get(&qpn)
+    }
+}
+
+impl QueuePair {
+    /// The QP as hostd's datapath needs it.
+    pub(super) fn setup(&self) -> QpSetup {
+        let ring = |(gpa, g): (u64, WorkRingGeometry)| WorkRing {
+            gpa,
+            depth: g.depth,
+            stride: g.stride,
+        };
+        QpSetup {
+            vqpn: self.qpn,
+            qp_type: self.qp_type.into(),
+            pd: self.pdn,
+            db_index: self.db_index,
+            send_cqn: self.send_cqn,
+            recv_cqn: self.recv_cqn,
+            sq_sig_all: self.sq_sig_all,
+            sq: ring(self.sq),
+            rq: ring(self.rq),
+            max_send_sge: self.cap.max_send_sge.get(),
+            max_recv_sge: self.cap.max_recv_sge.get(),
+            max_inline_data: self.cap.max_inline_data.get(),
+            srqn: self.srqn,
+        }
+    }
+
+    /// What hostd is told to bring this QP, resumed on a restarted hostd in
+    /// RESET, back to its state: INIT with its access flags (and a UD QP's
+    /// Q_Key), or ERR, flushing what it holds; nothing for RESET.
+    pub(super) fn restoring(&self) -> Option<QpModify> {
+        let to = match self.state {
+            QpState::Reset => return None,
+            QpState::Init => QpState::Init,
+            _ => QpState::Err,
+        };
+        Some(QpModify {
+            vqpn: self.qpn,
+            state: to.into(),
+            connection: None,
+            access: (to == QpState::Init).then(|| self.attr.qp_access_flags.get()),
+            qkey: (to == QpState::Init && self.qp_type == QpType::Ud).then(|| self.attr.qkey.get()),
+        })
     }
 }
 

@@ -28,6 +28,24 @@ pub struct SharedReceiveQueue {
     pub(super) users: u32,
 }
 
+impl SharedReceiveQueue {
+    /// SRQ `srqn` as hostd's datapath needs it.
+    pub(super) fn setup(&self, srqn: u32) -> SrqSetup {
+        let (gpa, geometry) = self.ring;
+        SrqSetup {
+            srqn,
+            pd: self.pdn,
+            ring: WorkRing {
+                gpa,
+                depth: geometry.depth,
+                stride: geometry.stride,
+            },
+            max_sge: self.max_sge,
+            limit: self.limit,
+        }
+    }
+}
+
 impl RdmaDevice {
     pub(super) fn create_srq(&mut self, req: &CreateSrqReq) -> VerbResult<SrqAttr> {
         let pdn = req.pdn.get();
@@ -56,32 +74,20 @@ impl RdmaDevice {
         self.check_ring(addr, geometry.ring_bytes())?;
         self.reset_ring(addr)?;
         let srqn = self.new_handle();
+        let srq = SharedReceiveQueue {
+            pdn,
+            ring: (addr, geometry),
+            max_wr: geometry.depth,
+            max_sge,
+            limit,
+            users: 0,
+        };
         if let Some(fabric) = &self.fabric {
             fabric
-                .create_srq(SrqSetup {
-                    srqn,
-                    pd: pdn,
-                    ring: WorkRing {
-                        gpa: addr,
-                        depth: geometry.depth,
-                        stride: geometry.stride,
-                    },
-                    max_sge,
-                    limit,
-                })
+                .create_srq(srq.setup(srqn))
                 .map_err(VerbError::Fabric)?;
         }
-        self.srqs.insert(
-            srqn,
-            SharedReceiveQueue {
-                pdn,
-                ring: (addr, geometry),
-                max_wr: geometry.depth,
-                max_sge,
-                limit,
-                users: 0,
-            },
-        );
+        self.srqs.insert(srqn, srq);
         self.pd_mut(pdn)?.qps += 1;
         taken.keep();
         Ok(SrqAttr {

@@ -495,6 +495,21 @@ impl GuestRing {
             .map(|a| u32::from_le(a.load(Ordering::Acquire)))
     }
 
+    /// The device's index as its header holds it (what a previous
+    /// datapath last published), to continue the ring from.
+    pub fn device_index(&self) -> Option<u32> {
+        self.place
+            .u32_at(DEVICE_INDEX_OFFSET)
+            .map(|a| u32::from_le(a.load(Ordering::Acquire)))
+    }
+
+    /// The CQ arm sequence number last answered, as the header holds it.
+    pub fn notified_sn(&self) -> Option<u32> {
+        self.place
+            .u32_at(DEVICE_NOTIFIED_SN_OFFSET)
+            .map(|a| u32::from_le(a.load(Ordering::Acquire)))
+    }
+
     /// The driver's CQ arm word.
     pub fn driver_arm(&self) -> Option<u32> {
         self.place
@@ -735,6 +750,21 @@ impl Cq {
     /// A CQ over `ring` (its device line is cleared: a fresh CQ).
     pub fn new(cqn: u32, ring: GuestRing, vector: u32) -> Self {
         ring.reset_device_line();
+        Cq::fresh(cqn, ring, vector)
+    }
+
+    /// A CQ over `ring` that a previous datapath wrote: it continues from
+    /// the producer index and notified sequence number in its header.
+    pub fn resume(cqn: u32, ring: GuestRing, vector: u32) -> Self {
+        let (producer, notified_sn) = (ring.device_index(), ring.notified_sn());
+        Cq {
+            producer: producer.unwrap_or(0),
+            notified_sn: notified_sn.unwrap_or(0),
+            ..Cq::fresh(cqn, ring, vector)
+        }
+    }
+
+    fn fresh(cqn: u32, ring: GuestRing, vector: u32) -> Self {
         Cq {
             cqn,
             ring,
@@ -812,10 +842,16 @@ impl EventRing {
     /// An event ring over `ring` interrupting through `irq`.
     pub fn new(ring: GuestRing, irq: EventFd) -> Self {
         ring.reset_device_line();
+        EventRing::resume(ring, irq)
+    }
+
+    /// An event ring a previous datapath (or vdev, while there was none)
+    /// wrote: it continues from the producer index in its header.
+    pub fn resume(ring: GuestRing, irq: EventFd) -> Self {
         EventRing {
+            producer: ring.device_index().unwrap_or(0),
             ring,
             irq,
-            producer: 0,
             lost_events: 0,
             lost: false,
         }

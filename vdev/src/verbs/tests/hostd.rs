@@ -143,8 +143,16 @@ impl Drop for FakeHostd {
     }
 }
 
+/// Serves every registration (a re-registration after a restart too),
+/// each on a thread of its own, until the test ends.
 fn serve(listener: Listener, script: Arc<Script>, tx: mpsc::Sender<(Request, Vec<File>)>) {
-    let channel = listener.accept().expect("accept");
+    while let Ok(channel) = listener.accept() {
+        let (script, tx) = (script.clone(), tx.clone());
+        std::thread::spawn(move || serve_one(channel, script, tx));
+    }
+}
+
+fn serve_one(channel: Channel, script: Arc<Script>, tx: mpsc::Sender<(Request, Vec<File>)>) {
     let (hello, _): (Request, _) = channel.recv().expect("hello");
     assert!(matches!(hello, Request::OpenContext { .. }), "{hello:?}");
     let (_notifications, theirs) = Channel::pair().expect("pair");
@@ -644,4 +652,197 @@ fn memory_regions_take_the_keys_hostd_assigns() {
     release(&mut dev, Opcode::DeregMr, mr.handle.get()).expect("dereg");
     assert_eq!(hostd.next_plain(), Request::DeregisterMr { lkey: 0x100 });
     assert_eq!(dev.registered_bytes(), 0);
+}
+
+/// The event in slot `index` of event ring `eq` (of 4 slots).
+fn event_at(dev: &RdmaDevice, eq: u64, index: u32) -> (u16, u32) {
+    let mut raw = [0u8; ring::EVENT_SIZE];
+    dev.mem
+        .read_slice(
+            &mut raw,
+            GuestAddress(eq + ring::event_entry_offset(index, 4)),
+        )
+        .expect("event");
+    let event = ring::Event::read_from_bytes(&raw).expect("event size");
+    (event.kind.get(), event.object.get())
+}
+
+/// A context that lost hostd registers again with the hostd that comes
+/// back and hands it everything it had: its memory, doorbell page and
+/// event ring (with their eventfds), its CQ and MR (under the MR's keys),
+/// and its QPs — the connected one in ERR (hostd flushes it), the one in
+/// INIT with its access flags, the one in RESET as it is. The port goes
+/// DOWN with PORT_ERROR and the connected QP's QP_FATAL, and ACTIVE again
+/// with PORT_ACTIVE, all on event ring 0, which hostd then resumes.
+#[test]
+fn a_restarted_hostd_gets_the_context_back_and_the_port_comes_up() {
+    let fds = fds_with(Some(EventFd::new(libc::EFD_NONBLOCK).expect("eventfd")));
+    let (hostd, fabric) = FakeHostd::start("restore");
+    let mut dev = RdmaDevice::with_fabric(identity(), Limits::default(), fabric, fds.clone());
+    dev.update_memory(memfd_memory());
+    set_doorbell(&mut dev, DOORBELL).expect("doorbell");
+    let eq = MEM_BASE + 0x31_0000;
+    create_eq(&mut dev, 0, 4, eq).expect("EQ of vector 0");
+    let (pdn, cqn) = pd_and_cq(&mut dev);
+    let flags = access::LOCAL_WRITE | access::REMOTE_WRITE;
+    let mr = reg_mr(&mut dev, pdn, MEM_BASE + 0x5000, 0x3000, flags).expect("mr");
+    let mut qp = |n: u64| {
+        let base = MEM_BASE + 0x10_0000 + n * 0x2_0000;
+        create_qp(&mut dev, pdn, cqn, base, base + 0x1_0000)
+            .expect("qp")
+            .qpn
+            .get()
+    };
+    let (connected, waiting, fresh) = (qp(0), qp(1), qp(2));
+    modify(&mut dev, connected, INIT_MASK, init_attr()).expect("INIT");
+    modify(&mut dev, connected, RTR_MASK, rtr_attr()).expect("RTR");
+    modify(&mut dev, connected, RTS_MASK, rts_attr()).expect("RTS");
+    modify(&mut dev, waiting, INIT_MASK, init_attr()).expect("INIT");
+    // AddMemory, SetDoorbell, CreateEq, CreateCq, RegisterMr, 3 CreateQp,
+    // 4 QueryQp and ModifyQp: what the first hostd had.
+    for _ in 0..16 {
+        hostd.next();
+    }
+    hostd.assert_quiet("the objects' creation");
+    // hostd wrote 2 events, the driver read them; it also left the CQ's
+    // producer at 3, which the next hostd continues from (vdev does not
+    // touch it).
+    set_indices(&dev, eq, 2, 2);
+    let cq_ring = dev.cq(cqn).expect("cq").ring_addr;
+    dev.mem
+        .write_obj(
+            3u32.to_le(),
+            GuestAddress(cq_ring + ring::DEVICE_INDEX_OFFSET),
+        )
+        .expect("CQ index");
+
+    dev.port_lost();
+    assert_eq!(port_state(&mut dev), u8::from(PortState::Down));
+    assert_eq!(read_u32(&dev, eq + ring::DEVICE_INDEX_OFFSET), 4);
+    assert_eq!(event_at(&dev, eq, 2), (ring::event_kind::PORT_ERROR, 1));
+    assert_eq!(
+        event_at(&dev, eq, 3),
+        (ring::event_kind::QP_FATAL, connected),
+        "the connected QP failed with the port"
+    );
+    assert_eq!(query_state(&mut dev, connected), QpState::Err);
+    assert_eq!(
+        query_state(&mut dev, waiting),
+        QpState::Init,
+        "INIT lives on"
+    );
+    assert_eq!(query_state(&mut dev, fresh), QpState::Reset);
+    let call0 = fds.call0.as_ref().expect("vector 0's call");
+    assert_eq!(call0.read().expect("interrupts"), 2, "PORT_ERROR, QP_FATAL");
+    hostd.assert_quiet("the port going down");
+    // The driver read both events.
+    set_indices(&dev, eq, 4, 4);
+
+    let fabric = dev.fabric().cloned().expect("fabric");
+    let welcome = fabric.reconnect().expect("registered again");
+    let restored = dev.restore(&welcome);
+    assert_eq!(
+        restored,
+        Restored {
+            // A memory slot, the doorbell, an event ring, a CQ, an MR and
+            // three QPs.
+            objects: 8,
+            refused: 0,
+            flushed_qps: 1,
+            gid_changed: false,
+        }
+    );
+    assert_eq!(port_state(&mut dev), u8::from(PortState::Active));
+    assert_eq!(event_at(&dev, eq, 0), (ring::event_kind::PORT_ACTIVE, 1));
+    assert_eq!(read_u32(&dev, eq + ring::DEVICE_INDEX_OFFSET), 5);
+    assert_eq!(call0.read().expect("interrupt"), 1);
+    assert_eq!(
+        read_u32(&dev, cq_ring + ring::DEVICE_INDEX_OFFSET),
+        3,
+        "the CQ's ring is left for hostd to continue"
+    );
+
+    let (request, files) = hostd.next();
+    assert!(
+        matches!(
+            request,
+            Request::AddMemory {
+                slot: 0,
+                gpa: MEM_BASE,
+                ..
+            }
+        ) && files.len() == 1,
+        "{request:?}"
+    );
+    let (request, files) = hostd.next();
+    assert_eq!(
+        (request, files.len()),
+        (Request::SetDoorbell { gpa: DOORBELL }, 1)
+    );
+    let (request, files) = hostd.next();
+    assert_eq!(
+        (request, files.len()),
+        (
+            Request::ResumeEq {
+                vector: 0,
+                gpa: eq,
+                depth: 4
+            },
+            1
+        ),
+        "the event ring continues at its index (after PORT_ACTIVE)"
+    );
+    assert_eq!(
+        hostd.next_plain(),
+        Request::ResumeCq {
+            cqn,
+            gpa: cq_ring,
+            depth: dev.cq(cqn).expect("cq").depth,
+            vector: 0
+        }
+    );
+    let Request::RestoreMr {
+        lkey,
+        rkey,
+        mr: reg,
+    } = hostd.next_plain()
+    else {
+        panic!("RestoreMr expected");
+    };
+    assert_eq!(
+        (lkey, rkey),
+        (mr.lkey.get(), mr.rkey.get()),
+        "the same keys"
+    );
+    assert_eq!((reg.pd, reg.access, reg.len), (pdn, flags, 0x3000));
+    let mut qps = std::collections::BTreeMap::new();
+    for _ in 0..5 {
+        match hostd.next_plain() {
+            Request::ResumeQp(setup) => {
+                assert_eq!(setup, dev.qp(setup.vqpn).expect("qp").setup());
+                qps.entry(setup.vqpn).or_insert_with(Vec::new);
+            }
+            Request::ModifyQp(m) => {
+                qps.entry(m.vqpn).or_insert_with(Vec::new).push(m);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    let state = |m: &QpModify| QpState::try_from(m.state).expect("state");
+    let moves = |qpn: u32| -> Vec<(QpState, Option<u32>)> {
+        qps[&qpn].iter().map(|m| (state(m), m.access)).collect()
+    };
+    assert_eq!(moves(connected), [(QpState::Err, None)], "flushed");
+    assert_eq!(
+        moves(waiting),
+        [(QpState::Init, Some(access::REMOTE_WRITE))],
+        "INIT again, with its access flags"
+    );
+    assert_eq!(moves(fresh), [], "RESET as it was");
+    hostd.assert_quiet("the restore");
+
+    // The context works on: a new QP reaches the new hostd.
+    let base = MEM_BASE + 0x10_0000 + 3 * 0x2_0000;
+    create_qp(&mut dev, pdn, cqn, base, base + 0x1_0000).expect("a new QP");
+    assert!(matches!(hostd.next_plain(), Request::CreateQp(_)));
 }
