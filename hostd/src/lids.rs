@@ -16,7 +16,7 @@ use std::collections::HashMap;
 /// Device names remembered per tenant once disconnected.
 pub const REMEMBERED_PER_TENANT: usize = 64;
 /// Largest LID (unicast range 0x0001–0xbfff).
-pub const MAX_LID: u16 = 0xbfff;
+pub const MAX_LID: u16 = vrdma_spec::verbs::lid::MAX_UNICAST;
 
 /// A remembered device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -53,15 +53,22 @@ pub struct LidTable {
 
 impl Default for LidTable {
     fn default() -> Self {
-        LidTable {
-            by_device: HashMap::new(),
-            next: 1,
-            clock: 0,
-        }
+        LidTable::starting_at(1)
     }
 }
 
 impl LidTable {
+    /// A table whose fresh LIDs start at `first` (the ones below are
+    /// taken: on an InfiniBand host, LID 1 is hostd's, the subnet
+    /// manager's).
+    pub fn starting_at(first: u16) -> Self {
+        LidTable {
+            by_device: HashMap::new(),
+            next: first.max(1),
+            clock: 0,
+        }
+    }
+
     /// The LID `device` of `tenant` gets: its own if it is remembered,
     /// else one of the tenant's forgotten devices' (see the module doc) or
     /// a fresh one. `connected` says whether a LID is in use now. Nothing
@@ -145,6 +152,13 @@ mod tests {
             "a restart keeps the LID"
         );
         assert_eq!(connect(&mut t, "beta", "one"), c, "names are per tenant");
+    }
+
+    #[test]
+    fn lids_below_the_first_are_never_given() {
+        let mut t = LidTable::starting_at(2);
+        assert_eq!(connect(&mut t, "alpha", "one"), 2);
+        assert_eq!(connect(&mut t, "beta", "one"), 3);
     }
 
     #[test]

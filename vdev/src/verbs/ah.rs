@@ -6,7 +6,7 @@
 use vrdma_hostd_protocol::messages::AhSetup;
 use vrdma_spec::control::{AhAttr, AhHandle, CreateAhReq};
 
-use super::qp::validate_av;
+use super::qp::{destination, validate_av};
 use super::share::Counted;
 use super::{RdmaDevice, VerbError, VerbResult};
 
@@ -23,14 +23,16 @@ impl RdmaDevice {
         self.pd_mut(pdn)?;
         let taken = self.share.take(Counted::Ah, self.limits.max_ah)?;
         let attr = req.attr;
-        validate_av(&attr)?;
+        validate_av(&attr, self.identity.link_layer)?;
+        let (dgid, dlid) = destination(&attr);
         let ahn = self.new_handle();
         if let Some(fabric) = &self.fabric {
             fabric
                 .create_ah(AhSetup {
                     ahn,
                     pd: pdn,
-                    dgid: attr.dgid,
+                    dgid,
+                    dlid,
                     flow_label: attr.flow_label.get(),
                     hop_limit: attr.hop_limit,
                     traffic_class: attr.traffic_class,

@@ -3,6 +3,7 @@
 //! [`notify`], what hostd is told in [`hostd`].
 
 mod hostd;
+mod infiniband;
 mod notify;
 mod qp;
 mod srq;
@@ -30,6 +31,7 @@ fn identity() -> DeviceIdentity {
     DeviceIdentity {
         tenant: Arc::from("t1"),
         lid: 5,
+        link_layer: Default::default(),
         gid: vrdma_spec::gid::loopback_gid(5),
         comp_vectors: 2,
         max_queue_size: 256,
