@@ -53,16 +53,7 @@ fn the_port_reports_infiniband_its_lid_and_the_subnet_manager() {
     assert_eq!(port.state, 4, "ACTIVE");
     assert_eq!(dev.config().port, port, "the config space says the same");
     // GID 0 stays the device's GID, of type IB.
-    let gid: QueryGidResp = run(
-        &mut dev,
-        Opcode::QueryGid,
-        QueryGidReq {
-            port_num: 1,
-            ..Default::default()
-        }
-        .as_bytes(),
-    )
-    .expect("gid");
+    let gid = query_gid0(&mut dev);
     assert_eq!(gid.gid, vrdma_spec::gid::loopback_gid(5));
     assert_eq!(gid.gid_type.get(), gid_type::IB);
 }
