@@ -69,6 +69,7 @@ fn identity() -> DeviceIdentity {
     DeviceIdentity {
         tenant: Arc::from(TENANT),
         lid: 1,
+        link_layer: Default::default(),
         gid: vrdma_spec::gid::loopback_gid(1),
         comp_vectors: COMP_VECTORS,
         max_queue_size: 256,

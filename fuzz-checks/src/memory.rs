@@ -172,6 +172,7 @@ pub fn check(data: &[u8]) {
     let identity = DeviceIdentity {
         tenant: Arc::from("fuzz"),
         lid: 1,
+        link_layer: Default::default(),
         gid: vrdma_spec::gid::loopback_gid(1),
         comp_vectors: 1,
         max_queue_size: 256,

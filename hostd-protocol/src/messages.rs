@@ -23,7 +23,37 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// ([`Request::OpenContext`]). 7: a vdev brings a context's objects back
 /// to a restarted hostd ([`Request::ResumeEq`], [`Request::ResumeCq`],
 /// [`Request::ResumeQp`], [`Request::ResumeSrq`], [`Request::RestoreMr`]).
-pub const PROTOCOL_VERSION: u32 = 7;
+/// 8: the port's link layer (the Welcome's `link_layer`): on an
+/// InfiniBand port an address vector without a GRH names its destination
+/// by LID (`dlid` of [`QpConnection`] and [`AhSetup`]).
+pub const PROTOCOL_VERSION: u32 = 8;
+
+/// The LID of hostd itself on an InfiniBand port: it is the subnet
+/// manager (`sm_lid` of every port); devices get LIDs from 2 on.
+pub const SM_LID: u16 = 1;
+
+/// The link layer of every port of a host (hostd's `[port] link_layer`).
+/// The LIDs hostd assigns are the ports' LIDs only on InfiniBand: a RoCE
+/// (Ethernet) port has none.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PortLinkLayer {
+    /// RoCEv2: peers are named by GID, every address vector has a GRH.
+    #[default]
+    Ethernet,
+    /// InfiniBand: hostd is the subnet manager, a port's LID names it, and
+    /// an address vector needs a GRH only to name a peer by GID.
+    Infiniband,
+}
+
+impl From<PortLinkLayer> for vrdma_spec::verbs::LinkLayer {
+    fn from(l: PortLinkLayer) -> Self {
+        match l {
+            PortLinkLayer::Ethernet => vrdma_spec::verbs::LinkLayer::Ethernet,
+            PortLinkLayer::Infiniband => vrdma_spec::verbs::LinkLayer::Infiniband,
+        }
+    }
+}
 
 /// A request from vdev to hostd.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -195,7 +225,13 @@ pub struct SrqSetup {
 pub struct AhSetup {
     pub ahn: u32,
     pub pd: u32,
+    /// The destination's GID (zeros when `dlid` names it).
     pub dgid: [u8; 16],
+    /// Set when the address vector has no GRH (an InfiniBand port): the
+    /// destination is the device with this LID, which hostd resolves to
+    /// its GID; its datagrams then arrive without a GRH.
+    #[serde(default)]
+    pub dlid: Option<u16>,
     pub flow_label: u32,
     pub hop_limit: u8,
     pub traffic_class: u8,
@@ -254,8 +290,13 @@ pub struct QpModify {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct QpConnection {
-    /// The peer's GID (an IPv4-mapped address, [`vrdma_spec::gid`]).
+    /// The peer's GID (an IPv4-mapped address, [`vrdma_spec::gid`]; zeros
+    /// when `dlid` names the peer).
     pub dgid: [u8; 16],
+    /// Set when the address vector has no GRH (an InfiniBand port): the
+    /// peer is the device with this LID, which hostd resolves to its GID.
+    #[serde(default)]
+    pub dlid: Option<u16>,
     /// The peer's QP number (24 bits).
     pub dest_qpn: u32,
     /// GRH flow label (20 bits).
@@ -329,9 +370,11 @@ pub enum Response {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Welcome {
-    /// The device's LID on this host (it names the device; the port
-    /// reports no LID, its link layer being Ethernet).
+    /// The device's LID on this host: it names the device, and on an
+    /// InfiniBand port it is the port's LID (an Ethernet port has none).
     pub lid: u16,
+    /// The link layer of the device's port.
+    pub link_layer: PortLinkLayer,
     /// The device's GID: what its peers' connections name it by, and
     /// entry 0 of its port's GID table (an IPv4-mapped address).
     pub gid: [u8; 16],
@@ -448,6 +491,7 @@ mod tests {
             state: 2,
             connection: Some(QpConnection {
                 dgid: vrdma_spec::gid::ipv4_mapped([10, 200, 1, 2]),
+                dlid: Some(0x1234),
                 dest_qpn: 9,
                 flow_label: 0xfffff,
                 hop_limit: 64,
@@ -473,6 +517,43 @@ mod tests {
             decode::<Response>(&bytes).expect("decode"),
             Response::QpState { state: 6 }
         );
+    }
+
+    #[test]
+    fn the_link_layer_and_lid_addressing_round_trip() {
+        let welcome = Response::Welcome(Box::new(Welcome {
+            lid: 2,
+            link_layer: PortLinkLayer::Infiniband,
+            gid: vrdma_spec::gid::loopback_gid(2),
+            physical_queues: 1,
+            policy: vrdma_tenant_policy::Policy::default_policy().tenants[0].clone(),
+            active_mtu: 4096,
+        }));
+        let bytes = encode(&welcome).expect("encode");
+        assert!(
+            String::from_utf8_lossy(&bytes).contains(r#""link_layer":"infiniband""#),
+            "the link layer travels by name"
+        );
+        assert_eq!(decode::<Response>(&bytes).expect("decode"), welcome);
+        let ah = Request::CreateAh(AhSetup {
+            ahn: 1,
+            pd: 2,
+            dgid: [0; 16],
+            dlid: Some(3),
+            flow_label: 0,
+            hop_limit: 0,
+            traffic_class: 0,
+        });
+        let bytes = encode(&ah).expect("encode");
+        assert_eq!(decode::<Request>(&bytes).expect("decode"), ah);
+        // A GRH-addressed AH may leave `dlid` out.
+        let grh = br#"{"create_ah":{"ahn":1,"pd":2,"dgid":[0,0,0,0,0,0,0,0,0,0,0,0,0,0,0,0],
+            "flow_label":0,"hop_limit":64,"traffic_class":0}}"#;
+        match decode::<Request>(grh).expect("decode") {
+            Request::CreateAh(s) => assert_eq!(s.dlid, None),
+            other => panic!("{other:?}"),
+        }
+        assert!(decode::<PortLinkLayer>(br#""token_ring""#).is_err());
     }
 
     #[test]

@@ -12,12 +12,19 @@
 //! hosts): this host's name, the cluster file (validated here, see
 //! [`crate::net::directory::cluster`]) and the directory (`static` or
 //! `etcd`). Without it hostd runs single-host.
+//!
+//! The `[port]` table says what the ports of the host's devices are:
+//! `link_layer = "ethernet"` (RoCEv2, the default: devices are named by
+//! GID) or `"infiniband"` (hostd is the subnet manager and the LIDs it
+//! assigns are the ports' LIDs, so programs may address peers by LID; only
+//! single-host, as the wire between hosts is RoCEv2).
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
 use clap::Parser;
 use serde::Deserialize;
+use vrdma_hostd_protocol::messages::PortLinkLayer;
 use vrdma_isolation::config::{SandboxArgs, SandboxConfig, SandboxConfigError, SandboxFile};
 use vrdma_isolation::cpus::MAX_CPUS;
 use vrdma_isolation::daemon::{parse_config, read_config_file, ConfigFileError};
@@ -99,6 +106,10 @@ pub struct Args {
     /// Line rate of the NIC's port in Mbit/s (the modelled link).
     #[arg(long)]
     pub line_rate_mbps: Option<u32>,
+    /// Link layer of the devices' ports: ethernet (RoCEv2) or infiniband
+    /// (LIDs; single-host only).
+    #[arg(long, value_parser = parse_link_layer)]
+    pub link_layer: Option<PortLinkLayer>,
     /// The sandbox: the same flags, meaning and checks as vdev's.
     #[command(flatten)]
     pub sandbox: SandboxArgs,
@@ -118,8 +129,31 @@ struct FileConfig {
     line_rate_mbps: Option<u32>,
     #[serde(default)]
     sandbox: SandboxFile,
+    #[serde(default)]
+    port: PortFile,
     fabric: Option<FabricFile>,
 }
+
+/// The `[port]` table of the config file.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PortFile {
+    link_layer: Option<PortLinkLayer>,
+}
+
+/// `--link-layer`: the names the config file takes.
+fn parse_link_layer(name: &str) -> Result<PortLinkLayer, LinkLayerName> {
+    match name {
+        "ethernet" => Ok(PortLinkLayer::Ethernet),
+        "infiniband" => Ok(PortLinkLayer::Infiniband),
+        _ => Err(LinkLayerName),
+    }
+}
+
+/// A `--link-layer` that names no link layer.
+#[derive(Debug, thiserror::Error)]
+#[error("must be `ethernet` or `infiniband`")]
+pub struct LinkLayerName;
 
 /// The `[fabric]` table of the config file.
 #[derive(Debug, Deserialize)]
@@ -213,6 +247,8 @@ pub struct Config {
     pub line_rate_mbps: u32,
     /// The walls hostd puts up around itself.
     pub sandbox: SandboxConfig,
+    /// The link layer of every device's port.
+    pub link_layer: PortLinkLayer,
     /// The cluster this hostd is part of; `None`: single host.
     pub fabric: Option<FabricConfig>,
 }
@@ -296,6 +332,7 @@ impl TryFrom<Args> for Config {
                 .or(file.line_rate_mbps)
                 .unwrap_or(DEFAULT_LINE_RATE_MBPS),
             sandbox,
+            link_layer: args.link_layer.or(file.port.link_layer).unwrap_or_default(),
             fabric,
         };
         config.validate()?;
@@ -360,6 +397,14 @@ impl Config {
                      directory)",
                 ));
             }
+        }
+        if self.link_layer == PortLinkLayer::Infiniband && self.fabric.is_some() {
+            return Err(invalid(
+                "port.link_layer",
+                "infiniband",
+                "cannot be used with [fabric]: the wire between hosts is RoCEv2, which \
+                 needs an Ethernet link layer",
+            ));
         }
         if self.admin_socket == self.socket {
             return Err(invalid(
@@ -516,6 +561,7 @@ mod tests {
                 spin_us: DEFAULT_SPIN_US,
                 line_rate_mbps: 400_000,
                 sandbox: SandboxConfig::defaults(DEFAULT_RLIMIT_NOFILE),
+                link_layer: PortLinkLayer::Ethernet,
                 fabric: None,
             }
         );
@@ -607,6 +653,8 @@ mod tests {
             ("queues_per_device = 2", "queues_per_device"),
             ("[[tenant]]\nname = \"a\"", "tenant"),
             ("spin_us = \"big\"", "spin_us"),
+            ("[port]\nlink_layer = \"token_ring\"", "link_layer"),
+            ("[port]\nlid = 3", "lid"),
         ];
         let dir = ScratchDir::new("hostd-config-errors");
         for (i, (text, key)) in cases.iter().enumerate() {
@@ -683,6 +731,42 @@ mod tests {
                 with_file(&dir, "bad-sandbox.toml", text, &["--socket", "/tmp/s"]).expect_err(text);
             assert!(error_chain(&err).contains(key), "{text:?} gave {err}");
         }
+    }
+
+    #[test]
+    fn the_port_link_layer_from_file_and_flag() {
+        let dir = ScratchDir::new("hostd-config-port");
+        let ib = "socket = \"/tmp/s\"\n[port]\nlink_layer = \"infiniband\"\n";
+        let config = with_file(&dir, "ib.toml", ib, &[]).expect("valid");
+        assert_eq!(config.link_layer, PortLinkLayer::Infiniband);
+        let eth = "socket = \"/tmp/s\"\n[port]\nlink_layer = \"ethernet\"\n";
+        let config = with_file(&dir, "eth.toml", eth, &[]).expect("valid");
+        assert_eq!(config.link_layer, PortLinkLayer::Ethernet);
+        // The flag wins over the file.
+        let config = with_file(&dir, "ib.toml", ib, &["--link-layer", "ethernet"]).expect("valid");
+        assert_eq!(config.link_layer, PortLinkLayer::Ethernet);
+        let config = parse(&["--socket", "/tmp/s", "--link-layer", "infiniband"]).expect("valid");
+        assert_eq!(config.link_layer, PortLinkLayer::Infiniband);
+        let refused = Args::try_parse_from(["hostd", "--socket", "/tmp/s", "--link-layer", "ib"])
+            .expect_err("not a link layer");
+        assert!(refused.to_string().contains("ethernet"), "{refused}");
+    }
+
+    #[test]
+    fn infiniband_is_single_host() {
+        let dir = ScratchDir::new("hostd-config-ib-fabric");
+        dir.write("cluster.toml", CLUSTER);
+        let text = "socket = \"/tmp/s\"\n[port]\nlink_layer = \"infiniband\"\n\
+                    [fabric]\nhost = \"h1\"\ncluster = \"cluster.toml\"\n";
+        let err = with_file(&dir, "ib-fabric.toml", text, &[]).expect_err("IB with a fabric");
+        let chain = error_chain(&err);
+        assert!(
+            chain.contains("port.link_layer") && chain.contains("RoCEv2"),
+            "{chain}"
+        );
+        // The same cluster with Ethernet ports is fine.
+        let text = text.replace("infiniband", "ethernet");
+        with_file(&dir, "eth-fabric.toml", &text, &[]).expect("valid");
     }
 
     const CLUSTER: &str = "[[host]]\nname = \"h1\"\naddress = \"10.200.0.1\"\n\

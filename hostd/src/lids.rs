@@ -19,7 +19,7 @@ use std::collections::HashMap;
 /// Device names remembered per tenant once disconnected.
 pub const REMEMBERED_PER_TENANT: usize = 64;
 /// Largest LID (unicast range 0x0001–0xbfff).
-pub const MAX_LID: u16 = 0xbfff;
+pub const MAX_LID: u16 = vrdma_spec::verbs::lid::MAX_UNICAST;
 
 /// A remembered device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,25 +47,44 @@ pub struct Assignment {
 pub struct Exhausted;
 
 /// LIDs by (tenant, device name).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct LidTable {
     by_device: HashMap<(String, String), Remembered>,
+    /// The lowest LID a device may get.
+    first: u16,
     clock: u64,
 }
 
-/// Where the search for `device` of `tenant`'s fresh LID starts: a hash
-/// of the two (FNV-1a: stable across runs, builds and Rust versions), so
-/// the device finds the same LID after hostd restarted unless another
-/// name took it first.
-fn home_lid(tenant: &str, device: &str) -> u16 {
+/// Where the search for `device` of `tenant`'s fresh LID starts, in
+/// `first..=MAX_LID`: a hash of the two (FNV-1a: stable across runs,
+/// builds and Rust versions), so the device finds the same LID after hostd
+/// restarted unless another name took it first.
+fn home_lid(tenant: &str, device: &str, first: u16) -> u16 {
     let hash = (tenant.bytes().chain([0]).chain(device.bytes()))
         .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
         });
-    1 + (hash % u64::from(MAX_LID)) as u16
+    first + (hash % u64::from(MAX_LID - first + 1)) as u16
+}
+
+impl Default for LidTable {
+    fn default() -> Self {
+        LidTable::starting_at(1)
+    }
 }
 
 impl LidTable {
+    /// A table whose fresh LIDs start at `first` (the ones below are
+    /// taken: on an InfiniBand host, LID 1 is hostd's, the subnet
+    /// manager's).
+    pub fn starting_at(first: u16) -> Self {
+        LidTable {
+            by_device: HashMap::new(),
+            first: first.clamp(1, MAX_LID),
+            clock: 0,
+        }
+    }
+
     /// The LID `device` of `tenant` gets: its own if it is remembered,
     /// else one of the tenant's forgotten devices' (see the module doc) or
     /// a fresh one. `connected` says whether a LID is in use now. Nothing
@@ -96,9 +115,11 @@ impl LidTable {
             }
         }
         let used: std::collections::HashSet<u16> = self.by_device.values().map(|r| r.lid).collect();
-        let home = home_lid(tenant, device);
-        let fresh = (0..MAX_LID)
-            .map(|i| (home - 1 + i) % MAX_LID + 1)
+        let first = self.first;
+        let span = MAX_LID - first + 1;
+        let home = home_lid(tenant, device, first);
+        let fresh = (0..span)
+            .map(|i| first + (home - first + i) % span)
             .find(|&lid| !used.contains(&lid) && !connected(lid))
             .ok_or(Exhausted)?;
         Ok(assignment(fresh, None, true))
@@ -150,6 +171,24 @@ mod tests {
             "a restart keeps the LID"
         );
         assert_eq!(connect(&mut t, "beta", "one"), c, "names are per tenant");
+    }
+
+    #[test]
+    fn lids_below_the_first_are_never_given() {
+        let mut t = LidTable::starting_at(2);
+        for i in 0..1000 {
+            assert!(connect(&mut t, "alpha", &format!("d{i}")) >= 2);
+        }
+        // Every LID but the first's: the last fresh one is found by the
+        // wrap-around, never below `first`.
+        let mut t = LidTable::starting_at(MAX_LID - 1);
+        let a = connect(&mut t, "alpha", "one");
+        let b = connect(&mut t, "beta", "one");
+        assert_eq!(
+            std::collections::BTreeSet::from([a, b]),
+            std::collections::BTreeSet::from([MAX_LID - 1, MAX_LID])
+        );
+        assert!(t.assign("gamma", "one", |_| false).is_err());
     }
 
     #[test]

@@ -66,7 +66,11 @@ pub const SPEC_VERSION_MAJOR: u16 = 3;
 /// and MODIFY_QP's address vector must carry a GRH naming the peer's GID.
 /// 2: shared receive queues (`CREATE_SRQ` … `DESTROY_SRQ`, `srqn` in
 /// `CREATE_QP`, the SRQ_LIMIT and QP_LAST_WQE_REACHED events).
-pub const SPEC_VERSION_MINOR: u16 = 2;
+/// 3: the port's link layer may be InfiniBand — the port has a LID, an
+/// address vector without a GRH names its destination by `dlid`, and a UD
+/// receive's CQE carries the sender's LID in `slid` (the upper half of what
+/// was a 32-bit `vendor_err`, never set before).
+pub const SPEC_VERSION_MINOR: u16 = 3;
 
 /// Index of the control virtqueue (verbs control path).
 pub const CONTROL_QUEUE: u16 = 0;

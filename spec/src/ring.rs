@@ -38,7 +38,7 @@
 //! (it failed on its own) go to event ring 0, those of a CQ (it overran) to
 //! the CQ's own.
 
-use zerocopy::little_endian::{U32, U64};
+use zerocopy::little_endian::{U16, U32, U64};
 
 use crate::wire_struct;
 
@@ -223,7 +223,10 @@ wire_struct! {
         /// [`wc_flags`].
         pub wc_flags: u8,
         pub reserved: u8,
-        pub vendor_err: U32,
+        pub vendor_err: U16,
+        /// A UD receive's sender's LID on an InfiniBand port (0 on an
+        /// Ethernet port, which has no LIDs, and in every other CQE).
+        pub slid: U16,
         pub byte_len: U32,
         pub imm_data: [u8; 4],
         pub qp_num: U32,

@@ -107,6 +107,18 @@ wire_enum! {
     }
 }
 
+/// LIDs (IBA 4.1.3): 0 is reserved, 0x0001–0xbfff are unicast,
+/// 0xc000–0xfffe multicast and 0xffff is the permissive LID.
+pub mod lid {
+    /// The largest unicast LID.
+    pub const MAX_UNICAST: u16 = 0xbfff;
+
+    /// Whether `lid` names one port (unicast).
+    pub const fn is_unicast(lid: u16) -> bool {
+        lid != 0 && lid <= MAX_UNICAST
+    }
+}
+
 wire_enum! {
     /// Send work-request opcodes (`enum ibv_wr_opcode`).
     SendOpcode: u8 {

@@ -185,6 +185,7 @@ fn serve_vdev(channel: Channel, tx: mpsc::Sender<(Request, Vec<File>)>) {
     let (_notifications, theirs) = Channel::pair().expect("notification channel");
     let welcome = Response::Welcome(Box::new(Welcome {
         lid: 0x20,
+        link_layer: Default::default(),
         gid: STAND_IN_GID,
         physical_queues: 2,
         policy: Policy::default_policy().tenants[0].clone(),

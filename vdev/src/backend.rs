@@ -468,6 +468,7 @@ mod tests {
         DeviceIdentity {
             tenant: Arc::from("t1"),
             lid: 1,
+            link_layer: Default::default(),
             gid: vrdma_spec::gid::loopback_gid(1),
             comp_vectors: 1,
             max_queue_size: 256,

@@ -12,8 +12,8 @@ use std::sync::{Mutex, Weak};
 
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
 use vrdma_hostd_protocol::messages::{
-    AhSetup, MrRegistration, Notification, QpModify, QpSetup, Request, Response, SrqSetup,
-    TenantPolicy, Welcome, PROTOCOL_VERSION,
+    AhSetup, MrRegistration, Notification, PortLinkLayer, QpModify, QpSetup, Request, Response,
+    SrqSetup, TenantPolicy, Welcome, PROTOCOL_VERSION,
 };
 
 use crate::seccomp::{Role, Threads};
@@ -60,8 +60,11 @@ pub struct Fabric {
     path: PathBuf,
     tenant: String,
     device: String,
-    /// The LID hostd assigned this device (it names the device).
+    /// The LID hostd assigned this device (it names the device; on an
+    /// InfiniBand port it is the port's LID).
     pub lid: u16,
+    /// The link layer of the device's port, as hostd's host has it.
+    pub link_layer: PortLinkLayer,
     /// The GID hostd assigned this device: its port's GID 0, what peers
     /// connect to.
     pub gid: [u8; 16],
@@ -89,6 +92,7 @@ impl Fabric {
             tenant: tenant.into(),
             device: device.into(),
             lid: welcome.lid,
+            link_layer: welcome.link_layer,
             gid: welcome.gid,
             // A hostd that says less than 256 gets the smallest MTU.
             active_mtu: vrdma_spec::verbs::Mtu::at_most(welcome.active_mtu)

@@ -180,7 +180,9 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
     let identity = DeviceIdentity {
         tenant: Arc::from(config.tenant.as_str()),
         lid: config.lid,
-        // Without hostd the device is alone: its GID only names it.
+        // Without hostd the device is alone, on a RoCE port: its GID only
+        // names it.
+        link_layer: Default::default(),
         gid: vrdma_spec::gid::loopback_gid(config.lid),
         comp_vectors: config.comp_vectors,
         max_queue_size: config.queue_size,

@@ -294,6 +294,8 @@ impl Session<'_> {
         };
         let connection = input.bool().then(|| QpConnection {
             dgid: self.gid(input),
+            // A LID-addressed peer: this hostd's ports are Ethernet.
+            dlid: input.u8().is_multiple_of(8).then(|| input.u16()),
             dest_qpn: match input.u8() % 5 {
                 0 => 0x0100_0000,
                 1 => input.u32(),

@@ -676,6 +676,7 @@ fn modify(state: QpState, connection: Option<QpConnection>, access: Option<u32>)
 fn beta_connection(lid: u16) -> QpConnection {
     QpConnection {
         dgid: vrdma_spec::gid::loopback_gid(lid),
+        dlid: None,
         dest_qpn: BETA_QP,
         flow_label: 0,
         hop_limit: 64,

@@ -421,6 +421,10 @@ impl Model {
     /// Reachability (the server), then the engine's checks.
     fn predict_modify(&self, m: &QpModify, lid: u16, (beta, delta): (u16, u16)) -> Expect {
         if let Some(c) = &m.connection {
+            // The ports are Ethernet: a peer named by LID is no peer.
+            if c.dlid.is_some() {
+                return refuse(libc::EINVAL);
+            }
             // Without a fabric a device's GID is derived from its LID.
             if c.dgid == loopback_gid(delta) {
                 return refuse(libc::EACCES);

@@ -133,7 +133,8 @@ unsafe fn step(cq: *mut ibv_cq_ex) -> c_int {
         Ok(_) => {
             cq_box.empty_polls.store(0, Ordering::Relaxed);
             // The path (slid/sl) is looked up only if read_slid/read_sl ask.
-            let wc = fill_wc(&one[0], (0, 0));
+            // The device's slid is kept for `path`, which completes it.
+            let wc = fill_wc(&one[0], (one[0].slid, 0));
             cq_box.current.set(wc);
             // SAFETY: the application's live CQ: these two fields are the
             // inline accessors' (`cq->wr_id`, `cq->status`).
@@ -229,7 +230,9 @@ unsafe fn path(cq: *mut ibv_cq_ex) -> (u16, u8) {
     let receive = wc.opcode & crate::abi::IBV_WC_RECV != 0;
     let grh = wc.wc_flags & crate::abi::IBV_WC_GRH != 0;
     // SAFETY: a live CQ.
-    completion_path(receive, grh, || unsafe { qp_path(cq.cast(), wc.qp_num) })
+    completion_path(receive, grh, wc.slid, || unsafe {
+        qp_path(cq.cast(), wc.qp_num)
+    })
 }
 
 /// `ibv_wc_read_slid`.

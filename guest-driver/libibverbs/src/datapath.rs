@@ -450,15 +450,20 @@ fn push_recv(
 /// are RoCEv2 over IPv4.
 pub(crate) const UD_ROCE_V2_IPV4_SL: u8 = 0x8 | 0x2;
 
-/// The (slid, sl) of a completion: a UD receive's (it carries a GRH, as
-/// only UD receives do) is LID 0 and [`UD_ROCE_V2_IPV4_SL`]; another
-/// receive's is its QP's path, which `qp_path` looks up; a send's is zero.
+/// The (slid, sl) of a completion: a UD receive's on an InfiniBand port
+/// is the sender's LID the device reported (`slid`, never 0 there: with
+/// or without a GRH) and SL 0; a UD receive's on a RoCE port (it carries
+/// a GRH, as only UD receives do there) is LID 0 and
+/// [`UD_ROCE_V2_IPV4_SL`]; another receive's is its QP's path, which
+/// `qp_path` looks up; a send's is zero.
 pub(crate) fn completion_path(
     receive: bool,
     grh: bool,
+    slid: u16,
     qp_path: impl FnOnce() -> Option<(u16, u8)>,
 ) -> (u16, u8) {
     match (receive, grh) {
+        (true, _) if slid != 0 => (slid, 0),
         (true, true) => (0, UD_ROCE_V2_IPV4_SL),
         (true, false) => qp_path().unwrap_or((0, 0)),
         (false, _) => (0, 0),
@@ -534,8 +539,9 @@ pub(crate) unsafe extern "C" fn poll_cq(
             for (dst, src) in out[total..].iter_mut().zip(&buf[..got]) {
                 let grh = src.wc_flags & wc_flags::GRH != 0;
                 // SAFETY: a live CQ's context is open.
-                let path =
-                    completion_path(is_receive(src), grh, || unsafe { qp_path(cq, src.qp_num) });
+                let path = completion_path(is_receive(src), grh, src.slid, || unsafe {
+                    qp_path(cq, src.qp_num)
+                });
                 *dst = fill_wc(src, path);
             }
             total += got;
@@ -757,6 +763,7 @@ mod tests {
             qp_num: 0x1234,
             src_qp: 0x5678,
             wc_flags: (IBV_WC_WITH_IMM | IBV_WC_GRH) as u8,
+            slid: 0,
         };
         let out = fill_wc(&wc, (17, 3));
         assert_eq!(out.wr_id, 5);
@@ -787,12 +794,21 @@ mod tests {
         let path = || Some((17, 3));
         // A UD receive (it has a GRH): mlx5's RoCE packet type, whose low
         // 3 bits UCX compares with 2 (IPv4).
-        assert_eq!(completion_path(true, true, path), (0, 0xa));
+        assert_eq!(completion_path(true, true, 0, path), (0, 0xa));
         assert_eq!(UD_ROCE_V2_IPV4_SL & 0x7, 2);
         // An RC/UC receive: its QP's path; a QP the library does not know: 0.
-        assert_eq!(completion_path(true, false, path), (17, 3));
-        assert_eq!(completion_path(true, false, || None), (0, 0));
+        assert_eq!(completion_path(true, false, 0, path), (17, 3));
+        assert_eq!(completion_path(true, false, 0, || None), (0, 0));
         // A send completion has no path.
-        assert_eq!(completion_path(false, false, path), (0, 0));
+        assert_eq!(completion_path(false, false, 0, path), (0, 0));
+    }
+
+    #[test]
+    fn a_ud_receive_on_an_infiniband_port_names_its_sender_by_lid() {
+        let path = || Some((17, 3));
+        // With or without a GRH: the LID the device reported, SL 0.
+        assert_eq!(completion_path(true, false, 5, path), (5, 0));
+        assert_eq!(completion_path(true, true, 5, path), (5, 0));
+        assert_eq!(completion_path(false, false, 5, path), (0, 0));
     }
 }

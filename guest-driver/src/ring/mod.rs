@@ -111,6 +111,8 @@ pub struct WorkCompletion {
     pub src_qp: u32,
     /// [`wc_flags`] bits.
     pub wc_flags: u8,
+    /// A UD receive's sender's LID on an InfiniBand port, else 0.
+    pub slid: u16,
 }
 
 impl Default for WorkCompletion {
@@ -125,6 +127,7 @@ impl Default for WorkCompletion {
             qp_num: 0,
             src_qp: 0,
             wc_flags: 0,
+            slid: 0,
         }
     }
 }
@@ -142,12 +145,13 @@ impl From<&Cqe> for WorkCompletion {
             wr_id: cqe.wr_id.get(),
             status,
             opcode: WcOpcode::try_from(cqe.opcode).ok(),
-            vendor_err: cqe.vendor_err.get(),
+            vendor_err: u32::from(cqe.vendor_err.get()),
             byte_len: cqe.byte_len.get(),
             imm_data: (cqe.wc_flags & wc_flags::WITH_IMM != 0).then_some(cqe.imm_data),
             qp_num: cqe.qp_num.get(),
             src_qp: cqe.src_qp.get(),
             wc_flags: cqe.wc_flags,
+            slid: cqe.slid.get(),
         }
     }
 }

@@ -18,8 +18,7 @@ use vrdma_tenant_policy::TenantPolicy;
 use super::guest::{Cq, DoorbellPage, EventRing, GuestRing, SharedMapping};
 use super::rc::{Qp, QpRef};
 use super::wqe::{RecvLimits, SendLimits};
-use super::{Device, DeviceId, Doorbell, Engine, EngineError, Pqp, MAX_VECTORS};
-use crate::gids::Gid;
+use super::{Address, Device, DeviceId, Doorbell, Engine, EngineError, Pqp, MAX_VECTORS};
 use crate::ids::Slab;
 
 /// Smallest stride of a work ring (a cache line holds the fixed part).
@@ -38,15 +37,15 @@ pub enum Start {
 }
 
 impl Engine {
-    /// A vdev connected: device `id` of `tenant` with `gid`, its virtual
+    /// A vdev connected: device `id` of `tenant` at `address`, its virtual
     /// QPs multiplexed onto physical QPs `pqps` (at least one). Another
     /// context of a device attaches as a device of its own with the same
-    /// GID.
+    /// address.
     pub fn attach_device(
         &mut self,
         id: DeviceId,
         tenant: &str,
-        gid: Gid,
+        address: Address,
         pqps: &[u32],
         policy: &TenantPolicy,
     ) -> Result<(), EngineError> {
@@ -61,6 +60,7 @@ impl Engine {
         }
         self.sched.add_device(id, tenant);
         let rank = self.sched.rank(id).unwrap_or(u8::MAX);
+        let Address { gid, lid } = address;
         let contexts = self.gids.entry(gid).or_default();
         let first = contexts.is_empty();
         contexts.push(id);
@@ -68,6 +68,7 @@ impl Engine {
             id,
             tenant: Arc::from(tenant),
             gid,
+            lid,
             mem: Default::default(),
             doorbell: None,
             eqs: Vec::new(),

@@ -161,6 +161,16 @@ struct Pqp {
     staged: Option<QpRef>,
 }
 
+/// How a device's port is addressed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Address {
+    /// Its GID: what connections towards it name.
+    pub gid: Gid,
+    /// Its port's LID on an InfiniBand port, 0 on an Ethernet port (which
+    /// has none): what its UD receivers see as the sender's `slid`.
+    pub lid: u16,
+}
+
 /// A connected device (one vdev, one tenant VM).
 #[derive(Debug)]
 pub struct Device {
@@ -168,6 +178,8 @@ pub struct Device {
     pub tenant: Arc<str>,
     /// Its GID: what connections towards it name.
     pub gid: Gid,
+    /// Its port's LID (0 on Ethernet): [`Address::lid`].
+    pub lid: u16,
     mem: GuestMemory,
     doorbell: Option<Doorbell>,
     eqs: Vec<Option<EventRing>>,

@@ -23,7 +23,7 @@ use vrdma_tenant_policy::{Policy, PriorityClass, TenantPolicy};
 use zerocopy::{FromBytes, IntoBytes};
 
 use super::guest::SharedMapping;
-use super::{DeviceId, Engine, EngineError};
+use super::{Address, DeviceId, Engine, EngineError};
 use crate::gids::Gid;
 use crate::scheduler::Scheduler;
 
@@ -200,6 +200,7 @@ pub fn gid(n: u16) -> Gid {
 pub fn connection(dest_gid: Gid, dest_qpn: u32) -> QpConnection {
     QpConnection {
         dgid: dest_gid,
+        dlid: None,
         dest_qpn,
         flow_label: 0,
         hop_limit: 64,
@@ -268,14 +269,24 @@ fn set_word(mem: &SharedMapping, at: u64, v: u32) {
 }
 
 impl Side {
-    /// A device `id` with GID `gid(n)` attached to `engine`: memory, doorbell,
-    /// event ring, CQ and the data region registered.
+    /// A device `id` with GID `gid(n)` attached to `engine` (on an
+    /// Ethernet port): memory, doorbell, event ring, CQ and the data
+    /// region registered.
     pub fn new(engine: &mut Engine, id: DeviceId, n: u16, policy: &TenantPolicy) -> Self {
-        let gid = gid(n);
+        let address = Address {
+            gid: gid(n),
+            lid: 0,
+        };
+        Self::at(engine, id, address, policy)
+    }
+
+    /// [`Side::new`] with the port at `address` (a LID: InfiniBand).
+    pub fn at(engine: &mut Engine, id: DeviceId, address: Address, policy: &TenantPolicy) -> Self {
+        let gid = address.gid;
         let file = sealed_memfd("engine-test", MEM).expect("memfd");
         let mem = SharedMapping::map(file.try_clone().expect("dup"), 0, MEM).expect("map");
         engine
-            .attach_device(id, &policy.name, gid, &[id as u32 - 1], policy)
+            .attach_device(id, &policy.name, address, &[id as u32 - 1], policy)
             .expect("attach");
         engine
             .add_memory(id, 0, 0, SharedMapping::map(file, 0, MEM).expect("map"))

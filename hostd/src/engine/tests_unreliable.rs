@@ -51,6 +51,7 @@ fn ah(ahn: u32, dgid: [u8; 16]) -> AhSetup {
         ahn,
         pd: 1,
         dgid,
+        dlid: None,
         flow_label: 0,
         hop_limit: 64,
         traffic_class: 0x20,
@@ -105,6 +106,7 @@ fn a_datagram_lands_after_its_grh_with_the_senders_qpn() {
     assert_eq!(r.wc_flags, wc_flags::GRH | wc_flags::WITH_IMM);
     assert_eq!(r.imm_data, [9, 8, 7, 6]);
     assert_eq!((r.qp_num.get(), r.src_qp.get()), (B_UD, A_UD));
+    assert_eq!(r.slid.get(), 0, "an Ethernet port has no LID");
     assert_eq!(env.b.bytes(0x100 + 40, 8), b"datagram");
     // The GRH as rxe writes it for RoCEv2 over IPv4: 20 zero bytes, then
     // the IPv4 header of the packet.
@@ -126,6 +128,66 @@ fn a_datagram_lands_after_its_grh_with_the_senders_qpn() {
         .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
         .sum();
     assert_eq!((sum & 0xffff) + (sum >> 16), 0xffff);
+}
+
+/// On an InfiniBand port: a datagram through an AH without a GRH (named
+/// by LID; hostd put the LID's GID in `dgid`) arrives without one — the
+/// 40 bytes before the message untouched, no `GRH` flag —, one through an
+/// AH with a GRH arrives with it, and both name the sending port's LID.
+#[test]
+fn on_infiniband_a_datagram_has_a_grh_only_if_its_ah_had_one_and_names_its_senders_lid() {
+    let mut env = ud_env();
+    let policy = super::testing::tenant("ta", vrdma_tenant_policy::PriorityClass::Normal);
+    let port = super::Address {
+        gid: gid(30),
+        lid: 7,
+    };
+    let mut c = super::testing::Side::at(&mut env.engine, 3, port, &policy);
+    let c_ud = c.add_qp_of(&mut env.engine, 0x301, 4);
+    ud_up(&mut env, 3, 0x301, QKEY);
+    let by_lid = AhSetup {
+        dlid: Some(2),
+        ..ah(1, gid(20))
+    };
+    env.engine.create_ah(3, &by_lid).expect("AH by LID");
+    env.engine
+        .create_ah(3, &ah(2, gid(20)))
+        .expect("AH with a GRH");
+    let lkey = env.b.lkey;
+    env.b.fill(0x100, &[0xaa; 40]);
+    env.b.post_recv(1, 5, &[sge(IOVA + 0x100, 40 + 64, lkey)]);
+    env.b.post_recv(1, 6, &[sge(IOVA + 0x200, 40 + 64, lkey)]);
+    for (wr_id, ahn) in [(1, 1), (2, 2)] {
+        c.fill(0, b"from C");
+        let mut wqe = send(wr_id, SendOpcode::Send);
+        UdDest {
+            ah: ahn,
+            remote_qpn: B_UD,
+            remote_qkey: QKEY,
+        }
+        .write(&mut wqe);
+        let lkey = c.lkey;
+        c.post_sges(c_ud, &wqe, &[sge(IOVA, 6, lkey)]);
+    }
+    for _ in 0..100 {
+        env.engine.round(&[3, 2], env.now);
+    }
+    assert_eq!(
+        ids(&c.poll()),
+        vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+    let b = env.b.poll();
+    assert_eq!(
+        ids(&b),
+        vec![(5, WcStatus::Success), (6, WcStatus::Success)]
+    );
+    let flags_lids: Vec<_> = b.iter().map(|r| (r.wc_flags, r.slid.get())).collect();
+    assert_eq!(flags_lids, [(0, 7), (wc_flags::GRH, 7)]);
+    assert!(b.iter().all(|r| r.byte_len.get() == GRH_SIZE + 6));
+    assert_eq!(env.b.bytes(0x100, 40), [0xaa; 40], "no GRH written");
+    assert_eq!(env.b.bytes(0x100 + 40, 6), b"from C");
+    assert_eq!(env.b.bytes(0x200 + 40, 6), b"from C");
+    assert_eq!(env.b.bytes(0x200 + 20, 1), [0x45], "the GRH, as on RoCE");
 }
 
 #[test]

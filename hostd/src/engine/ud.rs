@@ -12,7 +12,11 @@
 //! [`DropCounts`]. The receive buffer starts with the 40-byte GRH as Linux
 //! rxe writes it for RoCEv2 over IPv4: 20 zero bytes, then the IPv4 header
 //! of the packet the message would have been (`rxe_resp.c`, the
-//! `roce4grh` of `union rdma_network_hdr`).
+//! `roce4grh` of `union rdma_network_hdr`). On an InfiniBand port an AH
+//! may have no GRH (it named its destination by LID): its datagrams
+//! arrive as on IB, the message still after the 40 bytes a GRH would
+//! take, those bytes untouched and the completion without `GRH`; the
+//! completion's `slid` is the sending port's LID (0 on Ethernet).
 
 use std::net::Ipv4Addr;
 use std::sync::Arc;
@@ -40,6 +44,9 @@ pub struct Ah {
     pub tenant: Arc<str>,
     pub hop_limit: u8,
     pub traffic_class: u8,
+    /// Whether its datagrams carry a GRH (always on Ethernet; on
+    /// InfiniBand only when the address vector had one).
+    pub grh: bool,
 }
 
 /// Why UD or UC messages were dropped, counted where they would have
@@ -117,6 +124,7 @@ impl Engine {
                 tenant: dest,
                 hop_limit: s.hop_limit,
                 traffic_class: s.traffic_class,
+                grh: s.dlid.is_none(),
             },
         );
         Ok(())
@@ -200,21 +208,27 @@ impl Engine {
             self.count_drop(dest_di, Drop::Qkey);
             return done(WcStatus::Success);
         }
-        let grh = grh(&src_gid, &ah, work);
-        self.deliver_datagram(qref, peer, work, &grh, vqpn);
+        let grh = ah.grh.then(|| grh(&src_gid, &ah, work));
+        let slid = self.devices.at(di).map_or(0, |d| d.lid);
+        let from = Sender {
+            qpn: vqpn,
+            lid: slid,
+        };
+        self.deliver_datagram(qref, peer, work, grh.as_ref().map(|g| &g[..]), from);
         done(WcStatus::Success)
     }
 
-    /// Puts the GRH and the message into `peer`'s next receive and
-    /// completes it, or drops the message (no receive, or one too short or
-    /// whose buffers fail their checks: the receive stays posted).
+    /// Puts the GRH (if the datagram has one) and the message into
+    /// `peer`'s next receive and completes it, or drops the message (no
+    /// receive, or one too short or whose buffers fail their checks: the
+    /// receive stays posted).
     fn deliver_datagram(
         &mut self,
         qref: QpRef,
         peer: QpRef,
         work: &SendWork,
-        grh: &[u8],
-        src_qp: u32,
+        grh: Option<&[u8]>,
+        from: Sender,
     ) {
         let Some(p) = self.qps.get(peer) else {
             return;
@@ -256,7 +270,7 @@ impl Engine {
             p.rq_head.sges(),
             access::LOCAL_WRITE,
         );
-        let copied = keys::write_bytes(grh, &dst)
+        let copied = grh.is_none_or(|grh| keys::write_bytes(grh, &dst))
             && match work.local {
                 Local::Inline(_) => keys::scatter(work.inline(), &dst, u64::from(GRH_SIZE)),
                 _ => {
@@ -272,10 +286,11 @@ impl Engine {
             wr_id: p.rq_head.wr_id.into(),
             status: WcStatus::Success.into(),
             opcode: WcOpcode::Recv.into(),
-            wc_flags: wc_flags::GRH,
+            wc_flags: if grh.is_some() { wc_flags::GRH } else { 0 },
+            slid: from.lid.into(),
             byte_len: u32::try_from(needed).unwrap_or(u32::MAX).into(),
             qp_num: p.vqpn.into(),
-            src_qp: src_qp.into(),
+            src_qp: from.qpn.into(),
             ..Cqe::default()
         };
         if work.opcode == SendOpcode::SendWithImm {
@@ -285,6 +300,14 @@ impl Engine {
         let solicited = work.flags & send_flags::SOLICITED != 0;
         self.complete_recv(peer, &cqe, solicited);
     }
+}
+
+/// Who sent a datagram, as its receiver's completion names it.
+#[derive(Debug, Clone, Copy)]
+struct Sender {
+    qpn: u32,
+    /// The sending port's LID (0 on Ethernet).
+    lid: u16,
 }
 
 /// The GRH of a UD message from the device of `src` through `ah`: as

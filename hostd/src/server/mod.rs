@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::channel::{Channel, ChannelError, Listener};
-use vrdma_hostd_protocol::messages::{Notification, Request, Response};
+use vrdma_hostd_protocol::messages::{Notification, PortLinkLayer, Request, Response, SM_LID};
 use vrdma_hostd_protocol::shm::ShmError;
 use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
 
@@ -162,8 +162,13 @@ impl Server {
         datapath
             .lock()
             .configure_tenants(&policy.tenants, Instant::now());
+        // On an InfiniBand port hostd is the subnet manager, with its LID.
+        let first_lid = match config.link_layer {
+            PortLinkLayer::Ethernet => 1,
+            PortLinkLayer::Infiniband => SM_LID + 1,
+        };
         let registry = Registry {
-            lids: LidTable::default(),
+            lids: LidTable::starting_at(first_lid),
             connected: HashMap::new(),
             by_gid: HashMap::new(),
             free_pqps: (0..config.physical_qps).collect(),
@@ -427,8 +432,9 @@ impl Server {
                 self.datapath.lock().open_qp(id, &setup, start)?;
                 Ok(Response::Ok)
             }
-            Request::ModifyQp(modify) => {
-                if let Some(conn) = &modify.connection {
+            Request::ModifyQp(mut modify) => {
+                if let Some(conn) = &mut modify.connection {
+                    conn.dgid = self.destination(conn.dgid, conn.dlid)?;
                     self.check_reachable(s, &conn.dgid)?;
                 }
                 self.datapath.lock().modify_qp(id, &modify)?;
@@ -463,8 +469,9 @@ impl Server {
                 self.datapath.lock().destroy_srq(id, srqn)?;
                 Ok(Response::Ok)
             }
-            Request::CreateAh(setup) => {
+            Request::CreateAh(mut setup) => {
                 // A UD destination is checked as a connection is at RTR.
+                setup.dgid = self.destination(setup.dgid, setup.dlid)?;
                 self.check_reachable(s, &setup.dgid)?;
                 self.datapath.lock().create_ah(id, &setup)?;
                 Ok(Response::Ok)
@@ -525,6 +532,31 @@ impl Server {
                 mr.len, q.quota, q.limit, s.tenant, q.used
             ),
         ))
+    }
+
+    /// The GID an address vector names: its GRH's `dgid`, or — on an
+    /// InfiniBand port, without a GRH — the GID of the device whose port
+    /// has LID `dlid` (`ENOENT` if none has; `EINVAL` on an Ethernet port,
+    /// which has no LIDs). The engine only ever sees GIDs.
+    fn destination(&self, dgid: Gid, dlid: Option<u16>) -> Result<Gid, Refusal> {
+        let Some(lid) = dlid else {
+            return Ok(dgid);
+        };
+        if self.config.link_layer != PortLinkLayer::Infiniband {
+            return Err(refuse(
+                libc::EINVAL,
+                format!(
+                    "LID {lid:#x} names no port: the ports' link layer is Ethernet, an \
+                     address vector needs a GRH"
+                ),
+            ));
+        }
+        self.registry().gid_of_lid(lid).ok_or_else(|| {
+            refuse(
+                libc::ENOENT,
+                format!("No device with LID {lid:#x} is connected here"),
+            )
+        })
     }
 
     /// Refuses a connection towards a GID whose device is outside the

@@ -7,12 +7,12 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use vrdma_hostd_protocol::channel::Channel;
-use vrdma_hostd_protocol::messages::{Welcome, PROTOCOL_VERSION};
+use vrdma_hostd_protocol::messages::{PortLinkLayer, Welcome, PROTOCOL_VERSION};
 use vrdma_tenant_policy::{Policy, TenantPolicy};
 
 use super::{refuse, set_nonblocking, Refusal, Server, MAX_CONTEXTS_PER_DEVICE};
 use crate::config::MAX_QUEUES_PER_DEVICE;
-use crate::engine::DeviceId;
+use crate::engine::{Address, DeviceId};
 use crate::gids::{self, Gid, Peer};
 use crate::lids::LidTable;
 
@@ -63,6 +63,11 @@ impl Registry {
             Some(device) => Peer::Local(device),
             None => Peer::Unknown,
         }
+    }
+
+    /// The GID of the device connected with LID `lid`.
+    pub(super) fn gid_of_lid(&self, lid: u16) -> Option<Gid> {
+        self.connected.get(&lid).map(|c| c.gid)
     }
 
     /// Devices of `tenant` connected now.
@@ -373,14 +378,27 @@ impl Server {
         if first {
             self.publish(s, &policy)?;
         }
-        self.datapath
-            .lock()
-            .attach_device(s.id, &s.tenant, s.gid, &s.pqps, &policy)?;
+        // The port's LID: an Ethernet port has none.
+        let port_lid = match self.config.link_layer {
+            PortLinkLayer::Ethernet => 0,
+            PortLinkLayer::Infiniband => s.lid,
+        };
+        self.datapath.lock().attach_device(
+            s.id,
+            &s.tenant,
+            Address {
+                gid: s.gid,
+                lid: port_lid,
+            },
+            &s.pqps,
+            &policy,
+        )?;
         self.datapath.wake();
         let active_mtu = self.config.fabric.as_ref().map_or(4096, |f| f.active_mtu());
         Ok(Welcome {
             active_mtu,
             lid: s.lid,
+            link_layer: self.config.link_layer,
             gid: s.gid,
             physical_queues: s.pqps.len() as u32,
             policy,

@@ -308,6 +308,7 @@ fn polling_reads_the_cqes_the_device_writes() {
             qp_num: 0x123,
             src_qp: 0x456,
             wc_flags: wc_flags::WITH_IMM,
+            slid: 0,
         }
     );
     assert_eq!(

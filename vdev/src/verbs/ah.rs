@@ -6,7 +6,7 @@
 use vrdma_hostd_protocol::messages::AhSetup;
 use vrdma_spec::control::{AhAttr, AhHandle, CreateAhReq};
 
-use super::qp::validate_av;
+use super::qp::{destination, validate_av};
 use super::share::Counted;
 use super::{RdmaDevice, VerbError, VerbResult};
 
@@ -20,10 +20,12 @@ pub struct AddressHandle {
 impl AddressHandle {
     /// AH `ahn` as hostd's datapath needs it.
     pub(super) fn setup(&self, ahn: u32) -> AhSetup {
+        let (dgid, dlid) = destination(&self.attr);
         AhSetup {
             ahn,
             pd: self.pdn,
-            dgid: self.attr.dgid,
+            dgid,
+            dlid,
             flow_label: self.attr.flow_label.get(),
             hop_limit: self.attr.hop_limit,
             traffic_class: self.attr.traffic_class,
@@ -37,7 +39,7 @@ impl RdmaDevice {
         self.pd_mut(pdn)?;
         let taken = self.share.take(Counted::Ah, self.limits.max_ah)?;
         let attr = req.attr;
-        validate_av(&attr)?;
+        validate_av(&attr, self.identity.link_layer)?;
         let ahn = self.new_handle();
         let ah = AddressHandle { pdn, attr };
         if let Some(fabric) = &self.fabric {

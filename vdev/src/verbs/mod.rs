@@ -25,6 +25,7 @@ use std::sync::Arc;
 
 use rand::Rng;
 use vm_memory::{Bytes, GuestAddress, GuestMemoryBackend, GuestMemoryMmap};
+use vrdma_hostd_protocol::messages::{PortLinkLayer, SM_LID};
 use vrdma_spec::config::{DeviceAttr, DeviceConfig, PortAttr, CONFIG_MAGIC, CONFIG_SIZE};
 use vrdma_spec::control::{
     self, AhHandle, CqHandle, MrHandle, Opcode, PdHandle, QpHandle, QueryQpReq, SrqHandle,
@@ -61,8 +62,11 @@ pub const PORT_MTU: Mtu = Mtu::Mtu4096;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceIdentity {
     pub tenant: Arc<str>,
-    /// Names the device (`vrdma_<lid>`, its GUID); the port reports no LID.
+    /// Names the device (`vrdma_<lid>`, its GUID); the port reports it as
+    /// its LID only when its link layer is InfiniBand.
     pub lid: u16,
+    /// The port's link layer (hostd's; Ethernet without hostd).
+    pub link_layer: PortLinkLayer,
     /// Its port's GID 0 (RoCEv2, IPv4-mapped: `vrdma_spec::gid`).
     pub gid: [u8; 16],
     pub comp_vectors: u16,
@@ -167,6 +171,7 @@ impl RdmaDevice {
         fds: Arc<dyn NotifyFds>,
     ) -> Self {
         identity.lid = fabric.lid;
+        identity.link_layer = fabric.link_layer;
         identity.gid = fabric.gid;
         identity.active_mtu = fabric.active_mtu;
         let mut device = RdmaDevice::new(identity, local.stricter(&fabric.policy.quotas));
@@ -365,9 +370,15 @@ impl RdmaDevice {
                         req.index
                     )));
                 }
+                // An InfiniBand port's GID is an IB GID (the same 16
+                // bytes: hostd names devices by them either way).
+                let gid_type = match self.identity.link_layer {
+                    PortLinkLayer::Ethernet => control::gid_type::ROCE_V2,
+                    PortLinkLayer::Infiniband => control::gid_type::IB,
+                };
                 let resp = control::QueryGidResp {
                     gid: self.config.gid,
-                    gid_type: control::gid_type::ROCE_V2.into(),
+                    gid_type: gid_type.into(),
                     reserved: 0.into(),
                 };
                 Ok(resp.as_bytes().to_vec())
@@ -547,6 +558,13 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
     let guid = u64::from_be_bytes([b'v', b'r', 0, 0, 0, 0, 0, 0]) | u64::from(identity.lid);
     let mut name = [0u8; 32];
     let dev_name = format!("vrdma_{}", identity.lid);
+    // RoCEv2: devices are addressed by GID, there are no LIDs and no
+    // subnet manager. InfiniBand: hostd is the subnet manager and its
+    // LIDs are the ports'.
+    let (lid, sm_lid) = match identity.link_layer {
+        PortLinkLayer::Ethernet => (0, 0),
+        PortLinkLayer::Infiniband => (identity.lid, SM_LID),
+    };
     name[..dev_name.len().min(31)].copy_from_slice(&dev_name.as_bytes()[..dev_name.len().min(31)]);
     DeviceConfig {
         magic: CONFIG_MAGIC.into(),
@@ -595,15 +613,13 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
             state: PortState::Active.into(),
             max_mtu: PORT_MTU.into(),
             active_mtu: identity.active_mtu.into(),
-            // RoCEv2: devices are addressed by GID, there are no LIDs and
-            // no subnet manager.
-            link_layer: LinkLayer::Ethernet.into(),
+            link_layer: LinkLayer::from(identity.link_layer).into(),
             gid_tbl_len: 1.into(),
             port_cap_flags: 0.into(),
             max_msg_sz: vrdma_spec::limits::MAX_MSG_SIZE.into(),
             pkey_tbl_len: 1.into(),
-            lid: 0.into(),
-            sm_lid: 0.into(),
+            lid: lid.into(),
+            sm_lid: sm_lid.into(),
             lmc: 0,
             max_vl_num: 1,
             sm_sl: 0,

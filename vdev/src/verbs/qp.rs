@@ -2,14 +2,14 @@
 //! state machine with attribute validation, query and destroy — each
 //! mirrored to hostd, whose datapath runs the QP.
 
-use vrdma_hostd_protocol::messages::{QpConnection, QpModify, QpSetup, WorkRing};
+use vrdma_hostd_protocol::messages::{PortLinkLayer, QpConnection, QpModify, QpSetup, WorkRing};
 use vrdma_spec::control::{
     AhAttr, CreateQpReq, CreateQpResp, ModifyQpReq, QpAttr, QpCap, QueryQpResp, NO_SRQ,
 };
 use vrdma_spec::limits::{CapLimits, Caps, QpGrant, MAX_QPS};
 use vrdma_spec::qp_state::{check_mask, mask};
 use vrdma_spec::ring::WorkRingGeometry;
-use vrdma_spec::verbs::{access, Mtu, QpState, QpType};
+use vrdma_spec::verbs::{access, lid, Mtu, QpState, QpType};
 
 use vrdma_tenant_policy::Limits;
 
@@ -226,7 +226,7 @@ impl RdmaDevice {
         let qpn = req.qpn.get();
         let attr_mask = req.attr_mask.get();
         self.adopt_datapath_state(qpn)?;
-        let port_mtu = self.config.port.active_mtu;
+        let (port_mtu, link) = (self.config.port.active_mtu, self.identity.link_layer);
         let max_rd_atomic = self.limits.max_rd_atomic;
         let qp = self.qps.get_mut(&qpn).ok_or(VerbError::NoObject {
             kind: "QP",
@@ -247,7 +247,7 @@ impl RdmaDevice {
         };
         check_supported_mask(attr_mask)?;
         check_mask(qp.qp_type, qp.state, next, attr_mask).map_err(VerbError::Transition)?;
-        validate_attr(a, attr_mask, port_mtu, max_rd_atomic)?;
+        validate_attr(a, attr_mask, port_mtu, link, max_rd_atomic)?;
         let mut merged = qp.attr;
         apply_attr(&mut merged, a, attr_mask);
         if let Some(fabric) = &self.fabric {
@@ -432,14 +432,16 @@ fn transition(qp: &QueuePair, to: QpState, attr: &QpAttr, attr_mask: u32) -> QpM
 }
 
 /// The connection the QP's stored attributes describe (the peer named by
-/// the address vector's GRH).
+/// the address vector: [`destination`]).
 fn connection_of(attr: &QpAttr) -> QpConnection {
     let av = &attr.ah_attr;
+    let (dgid, dlid) = destination(av);
     // The stored path MTU is always valid (checked when set, 4096 at
     // creation and RESET).
     let path_mtu = Mtu::try_from(attr.path_mtu).unwrap_or(PORT_MTU);
     QpConnection {
-        dgid: av.dgid,
+        dgid,
+        dlid,
         dest_qpn: attr.dest_qp_num.get(),
         flow_label: av.flow_label.get(),
         hop_limit: av.hop_limit,
@@ -477,23 +479,34 @@ fn check_supported_mask(attr_mask: u32) -> VerbResult<()> {
     Ok(())
 }
 
-/// Checks an address vector (a QP's path, an address handle): port 1, a
-/// GRH naming GID index 0 as the source and an IPv4-mapped destination
-/// GID, a 20-bit flow label.
-pub(super) fn validate_av(av: &AhAttr) -> VerbResult<()> {
+/// Checks an address vector (a QP's path, an address handle) for a port
+/// of link layer `link`: port 1, and either a GRH naming GID index 0 as
+/// the source and an IPv4-mapped destination GID with a 20-bit flow label,
+/// or — only on an InfiniBand port, where the GRH is optional — a unicast
+/// `dlid` (not 0, not the permissive LID, not multicast: vrdma has no
+/// multicast).
+pub(super) fn validate_av(av: &AhAttr, link: PortLinkLayer) -> VerbResult<()> {
     let bad = |what: String| Err(VerbError::Invalid(what));
     if av.port_num != 1 {
         return bad(format!("ah_attr.port_num {}", av.port_num));
     }
-    // RoCE: the peer is named by its GID in the GRH (the LID is
-    // ignored), as on rxe.
     if av.is_global == 0 {
-        return bad(
-            "ah_attr.is_global 0: the port's link layer is Ethernet (RoCEv2), so the \
-             address vector needs a GRH with the peer's GID (rc_pingpong -g 0, \
-             perftest -x 0)"
-                .into(),
-        );
+        return match link {
+            // RoCE: the peer is named by its GID in the GRH (the LID is
+            // ignored), as on rxe.
+            PortLinkLayer::Ethernet => bad(
+                "ah_attr.is_global 0: the port's link layer is Ethernet (RoCEv2), so the \
+                 address vector needs a GRH with the peer's GID (rc_pingpong -g 0, \
+                 perftest -x 0)"
+                    .into(),
+            ),
+            PortLinkLayer::Infiniband if !lid::is_unicast(av.dlid.get()) => bad(format!(
+                "ah_attr.dlid {:#x} without a GRH: a destination LID must be unicast \
+                 (0x1-0xbfff; multicast is not supported)",
+                av.dlid
+            )),
+            PortLinkLayer::Infiniband => Ok(()),
+        };
     }
     if av.sgid_index != 0 {
         return bad(format!(
@@ -516,8 +529,25 @@ pub(super) fn validate_av(av: &AhAttr) -> VerbResult<()> {
     Ok(())
 }
 
+/// Who a valid address vector names, as hostd is told: the GRH's
+/// destination GID, or without a GRH (an InfiniBand port) the
+/// destination LID, which hostd resolves.
+pub(super) fn destination(av: &AhAttr) -> ([u8; 16], Option<u16>) {
+    if av.is_global == 0 {
+        ([0; 16], Some(av.dlid.get()))
+    } else {
+        (av.dgid, None)
+    }
+}
+
 /// Checks the value of every attribute the mask names.
-fn validate_attr(a: &QpAttr, attr_mask: u32, port_mtu: u8, max_rd_atomic: u32) -> VerbResult<()> {
+fn validate_attr(
+    a: &QpAttr,
+    attr_mask: u32,
+    port_mtu: u8,
+    link: PortLinkLayer,
+    max_rd_atomic: u32,
+) -> VerbResult<()> {
     let has = |bit| attr_mask & bit != 0;
     let bad = |what: String| Err(VerbError::Invalid(what));
     if has(mask::PORT) && a.port_num != 1 {
@@ -540,7 +570,7 @@ fn validate_attr(a: &QpAttr, attr_mask: u32, port_mtu: u8, max_rd_atomic: u32) -
         }
     }
     if has(mask::AV) {
-        validate_av(&a.ah_attr)?;
+        validate_av(&a.ah_attr, link)?;
     }
     if has(mask::DEST_QPN) && a.dest_qp_num.get() > QPN_MASK {
         return bad(format!(

@@ -22,6 +22,7 @@ const QP: usize = 0;
 fn connection(dgid: [u8; 16], dest_qpn: u32) -> QpConnection {
     QpConnection {
         dgid,
+        dlid: None,
         dest_qpn,
         flow_label: 0,
         hop_limit: 64,

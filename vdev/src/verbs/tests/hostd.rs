@@ -158,6 +158,7 @@ fn serve_one(channel: Channel, script: Arc<Script>, tx: mpsc::Sender<(Request, V
     let (_notifications, theirs) = Channel::pair().expect("pair");
     let welcome = Response::Welcome(Box::new(Welcome {
         lid: 9,
+        link_layer: Default::default(),
         gid: HOSTD_GID,
         physical_queues: 4,
         policy: Policy::default_policy().tenants[0].clone(),
@@ -457,6 +458,7 @@ fn cqs_and_qps_reach_hostd_with_their_rings_and_grants() {
     // requester's as they stand (not set yet).
     let at_rtr = QpConnection {
         dgid: PEER_GID,
+        dlid: None,
         dest_qpn: 0x1234,
         flow_label: 0x1_2345,
         hop_limit: 64,

@@ -3,6 +3,7 @@
 //! [`notify`], what hostd is told in [`hostd`].
 
 mod hostd;
+mod infiniband;
 mod notify;
 mod qp;
 mod srq;
@@ -30,6 +31,7 @@ fn identity() -> DeviceIdentity {
     DeviceIdentity {
         tenant: Arc::from("t1"),
         lid: 5,
+        link_layer: Default::default(),
         gid: vrdma_spec::gid::loopback_gid(5),
         comp_vectors: 2,
         max_queue_size: 256,
@@ -263,6 +265,15 @@ fn qp_fixture(dev: &mut RdmaDevice) -> (u32, u32, u32) {
     (pdn, cqn, qp.qpn.get())
 }
 
+/// GID 0 of port 1 (QUERY_GID).
+fn query_gid0(dev: &mut RdmaDevice) -> QueryGidResp {
+    let req = QueryGidReq {
+        port_num: 1,
+        ..Default::default()
+    };
+    run(dev, Opcode::QueryGid, req.as_bytes()).expect("gid")
+}
+
 #[test]
 fn query_verbs_report_the_configured_device() {
     let mut dev = device();
@@ -283,16 +294,7 @@ fn query_verbs_report_the_configured_device() {
     );
     assert_eq!((port.lid.get(), port.sm_lid.get()), (0, 0), "RoCE: no LIDs");
     assert_eq!(port.gid_tbl_len.get(), 1);
-    let gid: QueryGidResp = run(
-        &mut dev,
-        Opcode::QueryGid,
-        QueryGidReq {
-            port_num: 1,
-            ..Default::default()
-        }
-        .as_bytes(),
-    )
-    .expect("gid");
+    let gid = query_gid0(&mut dev);
     assert_eq!(
         gid.gid,
         vrdma_spec::gid::loopback_gid(5),

@@ -8,7 +8,7 @@ use vrdma_spec::verbs::QpType;
 use super::hostd::attached;
 use super::*;
 
-fn create_ah(dev: &mut RdmaDevice, pdn: u32, attr: AhAttr) -> Result<AhHandle, i32> {
+pub(super) fn create_ah(dev: &mut RdmaDevice, pdn: u32, attr: AhAttr) -> Result<AhHandle, i32> {
     let req = CreateAhReq {
         pdn: pdn.into(),
         reserved: 0.into(),
@@ -201,6 +201,7 @@ fn hostd_is_told_the_qkey_and_each_address_handle() {
             ahn,
             pd: pdn,
             dgid: av().dgid,
+            dlid: None,
             flow_label: 0,
             hop_limit: 64,
             traffic_class: 0x20,
