@@ -164,7 +164,7 @@ mod tests {
         let b = connect(&mut t, "alpha", "two");
         let c = connect(&mut t, "beta", "one");
         assert!(a != b && b != c && a != c, "{a} {b} {c}");
-        assert_eq!(a, home_lid("alpha", "one"), "from the names");
+        assert_eq!(a, home_lid("alpha", "one", 1), "from the names");
         assert_eq!(
             connect(&mut t, "alpha", "one"),
             a,
