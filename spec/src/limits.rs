@@ -18,8 +18,13 @@ pub const MAX_INLINE_DATA: u32 = 1024;
 /// Largest stride (bytes of one slot) of a send or receive ring: the
 /// largest WQE, 64 SGEs or 1024 inline bytes after the fixed part, fits.
 pub const MAX_WQE_STRIDE: u32 = 4096;
-/// Largest number of entries of any ring (work, completion or event ring).
+/// Largest number of entries of a work or event ring.
 pub const MAX_RING_DEPTH: u32 = 1 << 16;
+/// Largest number of entries of a completion ring: 4 Mi (128 MiB of
+/// CQEs), as many as ConnectX devices offer (`max_cqe` 4 Mi − 1). A CQ's
+/// indices are free-running 32-bit counters like every ring's, so its
+/// depth is bounded by memory, not by the format.
+pub const MAX_CQ_DEPTH: u32 = 1 << 22;
 /// Largest message of one work request in bytes: the port's
 /// `max_msg_sz` (2 GiB, as on InfiniBand).
 pub const MAX_MSG_SIZE: u32 = 1 << 31;

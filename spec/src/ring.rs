@@ -271,11 +271,13 @@ wire_struct! {
     }
 }
 
-pub use crate::limits::{MAX_RING_DEPTH, MAX_WQE_STRIDE};
+pub use crate::limits::{MAX_CQ_DEPTH, MAX_RING_DEPTH, MAX_WQE_STRIDE};
 
-/// Depth of a CQ that must hold `cqe` entries: the next power of two.
+/// Depth of a CQ that must hold `cqe` entries: the next power of two, up
+/// to [`MAX_CQ_DEPTH`].
 pub fn cq_depth(cqe: u32) -> Option<u32> {
-    ring_depth(cqe)
+    let depth = cqe.max(1).checked_next_power_of_two()?;
+    (depth <= MAX_CQ_DEPTH).then_some(depth)
 }
 
 /// Bytes of a CQ ring of `depth` entries, header included.
@@ -297,8 +299,8 @@ pub fn event_entry_offset(index: u32, depth: u32) -> u64 {
     RING_HEADER_SIZE as u64 + u64::from(index & depth.wrapping_sub(1)) * EVENT_SIZE as u64
 }
 
-/// Whether `depth` is a valid depth of a completion or event ring: a power
-/// of two up to [`MAX_RING_DEPTH`].
+/// Whether `depth` is a valid depth of an event ring: a power of two up to
+/// [`MAX_RING_DEPTH`].
 pub fn valid_depth(depth: u32) -> bool {
     depth.is_power_of_two() && depth <= MAX_RING_DEPTH
 }

@@ -63,9 +63,10 @@ impl Default for Limits {
             max_mr: 1024,
             // What the programs people run ask for: UCX and perftest's UD
             // tests CQs of 8 Ki entries and more, MPI libraries queues of
-            // thousands of WRs. A CQ of 64 Ki entries is 2 MiB of the
-            // tenant's own memory.
-            max_cq_depth: 65536,
+            // thousands of WRs, and applications sharing one CQ among
+            // many QPs CQs of hundreds of thousands. A CQ of 1 Mi entries
+            // is 32 MiB of the tenant's own memory.
+            max_cq_depth: 1 << 20,
             max_qp_depth: 8192,
             max_sge: 16,
             max_inline_data: 256,
@@ -86,7 +87,7 @@ pub const CEILING: Limits = Limits {
     max_qp: spec::MAX_QPS,
     max_cq: 1 << 20,
     max_mr: 1 << 20,
-    max_cq_depth: spec::MAX_RING_DEPTH,
+    max_cq_depth: spec::MAX_CQ_DEPTH,
     max_qp_depth: spec::MAX_RING_DEPTH,
     max_sge: spec::MAX_SGE,
     max_inline_data: spec::MAX_INLINE_DATA,

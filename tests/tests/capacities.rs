@@ -211,3 +211,89 @@ fn the_send_queue_is_full_until_completions_free_it() {
     assert_eq!(full.errno(), libc::ENOMEM);
     receive_for(16..32);
 }
+
+/// Completions one CQ holds at once in the test below: more than 64 Ki
+/// (a work ring's deepest), from 9 QPs of 8 Ki WRs each.
+const QPS_ON_ONE_CQ: u64 = 9;
+const WRS_PER_QP: u64 = 8192;
+
+/// CQs as deep as programs make them (issue 14): a CQ of 1 Mi entries, the
+/// default policy's deepest, holds 9 × 8 Ki = 73,728 completions at once —
+/// past a 64 Ki ring's end — each where it belongs (per QP in posting
+/// order); `ibv_query_device` says so; and the tenant's policy still
+/// decides (`max_cq_depth` 4096: a CQ of 8192 is refused with EINVAL).
+#[test]
+fn a_cq_deeper_than_64_ki_holds_its_completions_and_the_policy_bounds_it() {
+    let policy = policy(&[
+        ("alpha", "network = \"demo\""),
+        (
+            "beta",
+            "network = \"demo\"\nquotas = { max_cq_depth = 4096 }",
+        ),
+    ]);
+    let hostd = Hostd::start(Some(&policy));
+    let (a, b) = (
+        Tenant::start(&hostd, "alpha"),
+        Tenant::start(&hostd, "beta"),
+    );
+    let attr = a.ctx.query_device().expect("query_device");
+    assert!(attr.max_cqe.get() >= 1 << 20, "max_cqe {}", attr.max_cqe);
+    let cq = a.ctx.create_cq(1 << 20, 0).expect("a CQ of 1 Mi entries");
+    let dst = b.pd.alloc_mr(4096, ALL_ACCESS).expect("beta's MR");
+    let src = a.pd.alloc_mr(64, ALL_ACCESS).expect("alpha's MR");
+    let sge = [src.sge(0, 8)];
+    let qps: Vec<_> = (0..QPS_ON_ONE_CQ)
+        .map(|_| {
+            let qa = rc_qp(&a.pd, &cq, caps(WRS_PER_QP as u32, 1, 0)).expect("create_qp");
+            let qb = b.qp(caps(16, 1, 0));
+            connect(&a, &qa, &b, &qb, Connection::default());
+            (qa, qb)
+        })
+        .collect();
+    // Every QP's queue full of signaled WRITEs; nothing polled meanwhile.
+    for (q, (qa, _)) in qps.iter().enumerate() {
+        let q = q as u64;
+        for batch in (0..WRS_PER_QP).collect::<Vec<_>>().chunks(256) {
+            let wrs: Vec<SendWr<'_>> = batch
+                .iter()
+                .map(|i| {
+                    let id = q << 32 | i;
+                    rdma(id, SendOpcode::RdmaWrite, &sge, dst.iova(), dst.rkey())
+                })
+                .collect();
+            qa.post_send(&wrs)
+                .unwrap_or_else(|e| panic!("QP {q}: post: {e}"));
+        }
+    }
+    let total = (QPS_ON_ONE_CQ * WRS_PER_QP) as usize;
+    let wcs = poll_all(&cq, total);
+    assert_eq!(wcs.len(), total, "every completion");
+    let mut next = vec![0u64; QPS_ON_ONE_CQ as usize];
+    for wc in &wcs {
+        assert_eq!(wc.status, WcStatus::Success, "{wc:?}");
+        let (q, i) = ((wc.wr_id >> 32) as usize, wc.wr_id & 0xffff_ffff);
+        assert_eq!(i, next[q], "QP {q}'s completions in posting order");
+        next[q] += 1;
+    }
+    assert_no_completion(&cq, Duration::from_millis(20));
+    drop(qps);
+
+    // beta's policy: 4096 entries at most.
+    b.ctx
+        .create_cq(4096, 0)
+        .expect("a CQ of beta's largest depth");
+    let refused = b
+        .ctx
+        .create_cq(8192, 0)
+        .expect_err("deeper than beta's max_cq_depth");
+    assert_eq!(refused.errno(), libc::EINVAL, "{refused:?}");
+}
+
+/// Polls `cq` for `n` completions, however long the datapath takes (60 s
+/// at most: `wait_completions` allows 10).
+fn poll_all(
+    cq: &vrdma_guest_driver::CompletionQueue,
+    n: usize,
+) -> Vec<vrdma_guest_driver::WorkCompletion> {
+    vrdma_tools::verbs::poll_for(cq, n, Duration::from_secs(60)).expect("poll_cq")
+}

@@ -10,7 +10,7 @@ use vrdma_hostd_protocol::messages::{
 };
 use vrdma_spec::control::MAX_MR_PIECES;
 use vrdma_spec::gid::loopback_gid;
-use vrdma_spec::limits::{MAX_QPS, MAX_RING_DEPTH, MAX_WQE_STRIDE};
+use vrdma_spec::limits::{MAX_CQ_DEPTH, MAX_QPS, MAX_RING_DEPTH, MAX_WQE_STRIDE};
 use vrdma_spec::ring::{doorbell, CQE_SIZE, EVENT_SIZE, RING_ALIGN, RING_HEADER_SIZE};
 use vrdma_spec::verbs::{access, QpState};
 use vrdma_tenant_policy::Limits;
@@ -154,9 +154,9 @@ impl Model {
         })
     }
 
-    /// A ring of `depth` entries of `stride` bytes at `gpa`.
-    fn ring(&self, gpa: u64, depth: u32, stride: u32) -> Option<Place> {
-        if !depth.is_power_of_two() || depth > MAX_RING_DEPTH || !stride.is_power_of_two() {
+    /// A ring of `depth` entries (at most `max`) of `stride` bytes at `gpa`.
+    fn ring(&self, gpa: u64, depth: u32, stride: u32, max: u32) -> Option<Place> {
+        if !depth.is_power_of_two() || depth > max || !stride.is_power_of_two() {
             return None;
         }
         let bytes = RING_HEADER_SIZE as u64 + u64::from(depth) * u64::from(stride);
@@ -167,7 +167,7 @@ impl Model {
         if !(MIN_WQE_STRIDE..=MAX_WQE_STRIDE).contains(&r.stride) {
             return None;
         }
-        self.ring(r.gpa, r.depth, r.stride)
+        self.ring(r.gpa, r.depth, r.stride, MAX_RING_DEPTH)
     }
 
     /// hostd's answer to `request` carrying `fds`, given `beta_lid` and
@@ -227,7 +227,7 @@ impl Model {
             Request::CreateEq { vector, gpa, depth } => {
                 let valid = one_eventfd && *vector < MAX_VECTORS;
                 let exists = self.eqs.contains(vector);
-                self.predict_ring(valid, exists, *gpa, *depth, EVENT_SIZE)
+                self.predict_ring(valid, exists, *gpa, (*depth, MAX_RING_DEPTH), EVENT_SIZE)
             }
             &Request::CreateCq {
                 cqn,
@@ -236,7 +236,13 @@ impl Model {
                 vector,
             } => {
                 let exists = self.cqs.contains_key(&cqn);
-                self.predict_ring(vector < MAX_VECTORS, exists, gpa, depth, CQE_SIZE)
+                self.predict_ring(
+                    vector < MAX_VECTORS,
+                    exists,
+                    gpa,
+                    (depth, MAX_CQ_DEPTH),
+                    CQE_SIZE,
+                )
             }
             Request::DestroyCq { cqn } => match self.cqs.get(cqn) {
                 None => refuse(libc::ENOENT),
@@ -319,21 +325,21 @@ impl Model {
     }
 
     /// An event ring or CQ: its arguments (`EINVAL`), then whether it
-    /// exists (`EEXIST`), then its ring of `depth` entries of `entry`
-    /// bytes at `gpa` (`EINVAL`).
+    /// exists (`EEXIST`), then its ring of `depth` entries (at most `max`)
+    /// of `entry` bytes at `gpa` (`EINVAL`).
     fn predict_ring(
         &self,
         valid: bool,
         exists: bool,
         gpa: u64,
-        depth: u32,
+        (depth, max): (u32, u32),
         entry: usize,
     ) -> Expect {
         if !valid {
             refuse(libc::EINVAL)
         } else if exists {
             refuse(libc::EEXIST)
-        } else if self.ring(gpa, depth, entry as u32).is_none() {
+        } else if self.ring(gpa, depth, entry as u32, max).is_none() {
             refuse(libc::EINVAL)
         } else {
             Expect::Ok

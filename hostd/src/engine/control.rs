@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::messages::{MrRegistration, QpModify, QpSetup};
-use vrdma_spec::limits::{MAX_QPS, MAX_RING_DEPTH, MAX_WQE_STRIDE};
+use vrdma_spec::limits::{MAX_CQ_DEPTH, MAX_QPS, MAX_RING_DEPTH, MAX_WQE_STRIDE};
 use vrdma_spec::ring::{CQE_SIZE, EVENT_SIZE};
 use vrdma_spec::verbs::{access, QpState, QpType};
 use vrdma_tenant_policy::TenantPolicy;
@@ -259,15 +259,15 @@ impl Engine {
         Ok(())
     }
 
-    /// Device `id` and a ring in its memory of `depth` entries of `entry`
-    /// bytes at `gpa`, for a new object of completion vector `vector`;
-    /// refused with `Exists` when `taken` names the object the device
-    /// already has in its place (checked before the ring).
+    /// Device `id` and a ring in its memory of `depth` entries (at most
+    /// `max`) of `entry` bytes at `gpa`, for a new object of completion
+    /// vector `vector`; refused with `Exists` when `taken` names the object
+    /// the device already has in its place (checked before the ring).
     fn vector_ring(
         &mut self,
         id: DeviceId,
         vector: u32,
-        (gpa, depth, entry): (u64, u32, usize),
+        (gpa, depth, entry, max): (u64, u32, usize, u32),
         taken: impl FnOnce(&Device) -> Option<&'static str>,
     ) -> Result<(&mut Device, GuestRing), EngineError> {
         if vector >= MAX_VECTORS {
@@ -277,7 +277,7 @@ impl Engine {
         if let Some(what) = taken(dev) {
             return Err(EngineError::Exists(what));
         }
-        let ring = GuestRing::new(&dev.mem, gpa, depth, entry as u32, MAX_RING_DEPTH)?;
+        let ring = GuestRing::new(&dev.mem, gpa, depth, entry as u32, max)?;
         Ok((dev, ring))
     }
 
@@ -309,7 +309,8 @@ impl Engine {
             let has = dev.eqs.get(index).is_some_and(Option::is_some);
             has.then_some("event ring of that vector")
         };
-        let (dev, ring) = self.vector_ring(id, vector, (gpa, depth, EVENT_SIZE), taken)?;
+        let (dev, ring) =
+            self.vector_ring(id, vector, (gpa, depth, EVENT_SIZE, MAX_RING_DEPTH), taken)?;
         if dev.eqs.len() <= index {
             dev.eqs.resize_with(index + 1, || None);
         }
@@ -343,7 +344,8 @@ impl Engine {
         start: Start,
     ) -> Result<(), EngineError> {
         let taken = |dev: &Device| dev.cq_by_num.contains_key(&cqn).then_some("CQ");
-        let (dev, ring) = self.vector_ring(id, vector, (gpa, depth, CQE_SIZE), taken)?;
+        let (dev, ring) =
+            self.vector_ring(id, vector, (gpa, depth, CQE_SIZE, MAX_CQ_DEPTH), taken)?;
         let cq = match start {
             Start::Fresh => Cq::new(cqn, ring, vector),
             Start::Resumed => Cq::resume(cqn, ring, vector),
