@@ -589,8 +589,10 @@ fn perftest_ib_write_bw_over_uc() {
 /// A C program on two vrdma devices of one process (alpha's and beta's):
 /// an SRQ of beta whose armed limit reaches `ibv_get_async_event` as
 /// IBV_EVENT_SRQ_LIMIT_REACHED naming the SRQ; `ibv_post_recv` on its QP
-/// refused; and a UD datagram whose completion and GRH make the address
-/// handle back to its sender (`ibv_create_ah_from_wc`).
+/// refused; a UD datagram whose completion and GRH make the address
+/// handle back to its sender (`ibv_create_ah_from_wc`); and a CQ of alpha
+/// overrun by sends nobody polls, which reaches `ibv_get_async_event` as
+/// IBV_EVENT_CQ_ERR naming the CQ.
 const TWO_DEVICES_C: &str = r#"
 #include <errno.h>
 #include <stdio.h>
@@ -717,6 +719,29 @@ int main(void)
 	CHECK(ibv_attach_mcast(ub, &mc, 0) == EOPNOTSUPP, "no multicast");
 	CHECK(!ibv_destroy_ah(reply) && !ibv_destroy_ah(ah) && !ibv_destroy_qp(ua) && !ibv_destroy_qp(ub),
 	      "destroy UD");
+
+	/* CQ overrun: more signaled SENDs than alpha's small CQ holds, none polled */
+	struct ibv_cq *small = ibv_create_cq(a, 2, NULL, NULL, 0);
+	CHECK(small && small->cqe >= 2, "a small CQ");
+	int over = small->cqe + 2;
+	qi.qp_type = IBV_QPT_RC; qi.send_cq = small; qi.recv_cq = small;
+	qi.cap.max_send_wr = over; qi.cap.max_recv_wr = over;
+	struct ibv_qp *oa = ibv_create_qp(pa, &qi);
+	qi.send_cq = cb; qi.recv_cq = cb;
+	struct ibv_qp *ob = ibv_create_qp(pb, &qi);
+	CHECK(oa && ob && !rc_up(oa, &gb, ob->qp_num) && !rc_up(ob, &ga, oa->qp_num), "connect");
+	rs.length = 64;
+	for (int i = 0; i < over; i++)
+		CHECK(!ibv_post_recv(ob, &rw, &bad_r), "post a receive");
+	for (int i = 0; i < over; i++)
+		CHECK(!ibv_post_send(oa, &sw, &bad_s), "post a send");
+	for (int i = 0; i < over; i++)
+		CHECK(wait_wc(cb).status == IBV_WC_SUCCESS, "receive");
+	CHECK(!ibv_get_async_event(a, &ev), "ibv_get_async_event");
+	printf("async event: %s\n", ibv_event_type_str(ev.event_type));
+	CHECK(ev.event_type == IBV_EVENT_CQ_ERR && ev.element.cq == small, "CQ error event");
+	ibv_ack_async_event(&ev);
+	CHECK(!ibv_destroy_qp(oa) && !ibv_destroy_qp(ob) && !ibv_destroy_cq(small), "destroy");
 	printf("all good\n");
 	return 0;
 }
@@ -747,4 +772,5 @@ fn srq_limit_events_and_ud_address_handles_through_the_c_api() {
         fabric.logs()
     );
     assert!(text.contains("async event: SRQ limit reached"), "{text}");
+    assert!(text.contains("async event: CQ error"), "{text}");
 }
