@@ -601,16 +601,28 @@ fn a_posted_receive_ends_an_rnr_wait_at_once() {
 #[test]
 fn a_destroyed_qp_does_nothing_more() {
     let hostd = Hostd::start("destroy", &config(64));
-    // 60 writes of 16 MiB (960 MiB, tens of milliseconds of copying even
-    // at memcpy's best: 4 MiB ones all completed once under CI load while
-    // this thread was off its core), destroyed as soon as the first
-    // completed.
+    // 30 writes of 16 MiB, then a SEND beta has no receive for (it waits
+    // in RNR for ever: the connection retries without end), then 29 more
+    // writes that RC's order keeps behind it — destroyed as soon as the
+    // first completed. However fast the first 30 go (60 writes of 16 MiB
+    // all completed twice under CI load while this thread was off its
+    // core), the QP still has work when DestroyQp comes.
     const LEN: u32 = 16 << 20;
+    const BEFORE_SEND: u64 = 30;
     let mem = DATA + 2 * u64::from(LEN);
     let (mut alpha, mut beta) = pair_with(&hostd.socket, mem, 1);
-    let rkey_b = beta.rkey();
+    let (lkey_a, rkey_b) = (alpha.lkey(), beta.rkey());
+    let remote_addr = IOVA + u64::from(LEN);
     alpha.driver().fill(0, &vec![0x5a; LEN as usize]);
-    alpha.write_many(0, 60, 0, LEN, IOVA + u64::from(LEN), rkey_b);
+    alpha.write_many(0, BEFORE_SEND, 0, LEN, remote_addr, rkey_b);
+    alpha.post_sges(
+        0,
+        &send(BEFORE_SEND, SendOpcode::Send),
+        &[sge(IOVA, 8, lkey_a)],
+    );
+    for wr_id in BEFORE_SEND + 1..60 {
+        alpha.write(0, wr_id, 0, LEN, remote_addr, rkey_b);
+    }
     let mut done = Vec::new();
     while done.is_empty() {
         done = alpha.driver_mut().poll();
@@ -620,7 +632,10 @@ fn a_destroyed_qp_does_nothing_more() {
         .expect("destroy");
     // What completed before is a prefix of what was posted, in order.
     done.extend(alpha.driver_mut().poll());
-    assert!(done.len() < 60, "all 60 completed before DestroyQp");
+    assert!(
+        done.len() as u64 <= BEFORE_SEND,
+        "the SEND without a receive, or work behind it, completed: {done:?}"
+    );
     for (i, cqe) in done.iter().enumerate() {
         assert_eq!(
             (cqe.wr_id.get(), status(cqe)),
