@@ -384,12 +384,21 @@ fn datapath_threads_run_on_their_dedicated_cpus() {
             None => panic!("no datapath thread within 5 s"),
         }
     };
-    let status = std::fs::read_to_string(datapath.join("status")).expect("status");
-    let line = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-        .expect("Cpus_allowed_list");
-    assert_eq!(line.trim(), cpu.to_string());
+    // It is named when it starts and pins itself right after: look until
+    // it has (it failed once when read between the two under CI load).
+    let allowed = || {
+        let status = std::fs::read_to_string(datapath.join("status")).expect("status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .expect("Cpus_allowed_list")
+            .trim()
+            .to_owned()
+    };
+    while allowed() != cpu.to_string() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(allowed(), cpu.to_string());
     let (mut alpha, beta) = pair(&hostd.socket);
     alpha.driver().fill(0, b"pinned");
     alpha.write(0, 1, 0, 6, IOVA, beta.rkey());

@@ -588,7 +588,8 @@ fn perftest_ib_write_bw_over_uc() {
 
 /// A C program on two vrdma devices of one process (alpha's and beta's):
 /// an SRQ of beta whose armed limit reaches `ibv_get_async_event` as
-/// IBV_EVENT_SRQ_LIMIT_REACHED naming the SRQ; `ibv_post_recv` on its QP
+/// IBV_EVENT_SRQ_LIMIT_REACHED naming the SRQ, and its QP's move to ERR as
+/// IBV_EVENT_QP_LAST_WQE_REACHED naming the QP; `ibv_post_recv` on that QP
 /// refused; a UD datagram whose completion and GRH make the address
 /// handle back to its sender (`ibv_create_ah_from_wc`); and a CQ of alpha
 /// overrun by sends nobody polls, which reaches `ibv_get_async_event` as
@@ -689,6 +690,12 @@ int main(void)
 	CHECK(ev.event_type == IBV_EVENT_SRQ_LIMIT_REACHED && ev.element.srq == srq, "SRQ limit event");
 	ibv_ack_async_event(&ev);
 	CHECK(!ibv_query_srq(srq, &lim) && lim.srq_limit == 0, "disarmed");
+	struct ibv_qp_attr to_err = { .qp_state = IBV_QPS_ERR };
+	CHECK(!ibv_modify_qp(qb, &to_err, IBV_QP_STATE), "the SRQ's QP to ERR");
+	CHECK(!ibv_get_async_event(b, &ev), "ibv_get_async_event");
+	printf("async event: %s\n", ibv_event_type_str(ev.event_type));
+	CHECK(ev.event_type == IBV_EVENT_QP_LAST_WQE_REACHED && ev.element.qp == qb, "last WQE reached");
+	ibv_ack_async_event(&ev);
 	CHECK(ibv_destroy_srq(srq) == EBUSY, "an SRQ in use is busy");
 	CHECK(!ibv_destroy_qp(qb) && !ibv_destroy_qp(qa) && !ibv_destroy_srq(srq), "destroy");
 
@@ -772,5 +779,6 @@ fn srq_limit_events_and_ud_address_handles_through_the_c_api() {
         fabric.logs()
     );
     assert!(text.contains("async event: SRQ limit reached"), "{text}");
+    assert!(text.contains("async event: last WQE reached"), "{text}");
     assert!(text.contains("async event: CQ error"), "{text}");
 }
