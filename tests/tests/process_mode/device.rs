@@ -215,14 +215,20 @@ fn completion_queues_and_what_keeps_them_busy() {
     assert_eq!(driver_errno(ctx.get_event(1, Some(Duration::ZERO))), EINVAL);
 
     assert_eq!(
-        driver_errno(ctx.create_cq(Limits::default().max_cq_depth + 1, 0)),
+        device_errno(ctx.create_cq(Limits::default().max_cq_depth + 1, 0)),
         EINVAL,
-        "above max_cqe (64 Ki, the ring format's most: the driver knows)"
+        "above max_cqe (the policy's 1 Mi: the device refuses)"
     );
-    // The default fits what programs ask for (UCX, perftest's UD tests).
+    assert_eq!(
+        driver_errno(ctx.create_cq(vrdma_spec::limits::MAX_CQ_DEPTH + 1, 0)),
+        EINVAL,
+        "above the format's 4 Mi: the driver knows"
+    );
+    // The default fits what programs ask for (UCX, perftest's UD tests,
+    // CQs shared by many QPs).
     let deep = ctx
         .create_cq(Limits::default().max_cq_depth, 0)
-        .expect("a CQ of 64 Ki entries");
+        .expect("a CQ of 1 Mi entries");
     destroyed(deep.destroy());
     assert_eq!(device_errno(ctx.create_cq(16, 1)), EINVAL, "no vector 1");
     assert_eq!(driver_errno(ctx.create_cq(u32::MAX, 0)), EINVAL);
