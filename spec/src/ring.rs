@@ -276,8 +276,7 @@ pub use crate::limits::{MAX_CQ_DEPTH, MAX_RING_DEPTH, MAX_WQE_STRIDE};
 /// Depth of a CQ that must hold `cqe` entries: the next power of two, up
 /// to [`MAX_CQ_DEPTH`].
 pub fn cq_depth(cqe: u32) -> Option<u32> {
-    let depth = cqe.max(1).checked_next_power_of_two()?;
-    (depth <= MAX_CQ_DEPTH).then_some(depth)
+    depth_up_to(cqe, MAX_CQ_DEPTH)
 }
 
 /// Bytes of a CQ ring of `depth` entries, header included.
@@ -306,8 +305,13 @@ pub fn valid_depth(depth: u32) -> bool {
 }
 
 fn ring_depth(entries: u32) -> Option<u32> {
+    depth_up_to(entries, MAX_RING_DEPTH)
+}
+
+/// The next power of two of `entries` (at least 1), if it is at most `max`.
+fn depth_up_to(entries: u32, max: u32) -> Option<u32> {
     let depth = entries.max(1).checked_next_power_of_two()?;
-    (depth <= MAX_RING_DEPTH).then_some(depth)
+    (depth <= max).then_some(depth)
 }
 
 /// Shape of a work ring: its number of slots and the bytes of one slot.

@@ -105,6 +105,27 @@ pub fn chosen_transports(log: &str) -> BTreeMap<u32, BTreeSet<String>> {
     chosen
 }
 
+/// Fails unless UCX's log `text` shows each of `processes` processes
+/// choosing transports, all of them `transport` (e.g. `rc_verbs`) on port 1
+/// of vrdma's first device: nothing fell back to shared memory or TCP.
+#[track_caller]
+pub fn assert_chose_only(text: &str, processes: usize, transport: &str) {
+    let expected = BTreeSet::from([format!("{transport}/{}:1", device_name(0))]);
+    let chosen = chosen_transports(text);
+    assert_eq!(
+        chosen.len(),
+        processes,
+        "UCX logged the transports of {} processes, not {processes}:\n{text}",
+        chosen.len()
+    );
+    for (pid, used) in &chosen {
+        assert!(
+            !used.is_empty() && used.is_subset(&expected),
+            "process {pid} chose {used:?}, not only {expected:?}:\n{text}"
+        );
+    }
+}
+
 /// The pid in a UCX log line's second bracket, `[<host>:<pid> :<thread>]`.
 fn log_pid(line: &str) -> Option<u32> {
     let rest = line.split_once("] [")?.1;

@@ -16,7 +16,6 @@
 //! exists ([`vrdma_tests::ucx`]); the tests install it as an operator does,
 //! and leave it.
 
-use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::Duration;
 
@@ -24,7 +23,7 @@ use vrdma_tests::c_program::build_mpi_program;
 use vrdma_tests::daemon::{IbverbsShim, TempDir};
 use vrdma_tests::need;
 use vrdma_tests::two_tenants::{finish, run_one, run_pair_with, serial, Fabric};
-use vrdma_tests::ucx::{chosen_transports, device_name, install_device_node, ucx_env};
+use vrdma_tests::ucx::{assert_chose_only, device_name, install_device_node, ucx_env};
 
 /// A choice of UCX transports: what `UCX_TLS` says, the transport UCX
 /// must then choose for every endpoint, and for each ucx_perftest test the
@@ -68,32 +67,6 @@ const UD: Transports = Transports {
 /// ucx_perftest's message size and iterations.
 const SIZE: u64 = 4096;
 const ITERS: u64 = 1000;
-
-impl Transports {
-    /// The one `transport/device` UCX may choose: on vrdma's device.
-    fn on_vrdma(&self) -> BTreeSet<String> {
-        BTreeSet::from([format!("{}/{}:1", self.chosen, device_name(0))])
-    }
-}
-
-/// Fails unless UCX's log `text` shows each of `processes` processes
-/// choosing transports, all of them in `expected`.
-#[track_caller]
-fn assert_chose_only(text: &str, processes: usize, expected: &BTreeSet<String>) {
-    let chosen = chosen_transports(text);
-    assert_eq!(
-        chosen.len(),
-        processes,
-        "UCX logged the transports of {} processes, not {processes}:\n{text}",
-        chosen.len()
-    );
-    for (pid, used) in &chosen {
-        assert!(
-            !used.is_empty() && used.is_subset(expected),
-            "process {pid} chose {used:?}, not only {expected:?}:\n{text}"
-        );
-    }
-}
 
 /// A tenant's bytes of work of `kind` (send, write, read, recv) in hostd.
 fn bytes(fabric: &Fabric, tenant: &str, kind: &str) -> u64 {
@@ -159,8 +132,8 @@ fn perftest(fabric: &Fabric, tls: &Transports, test: &str, kind: &str, movers: &
         ucx_env(c, tls.tls);
     });
     let client = run.client_text();
-    assert_chose_only(&client, 1, &tls.on_vrdma());
-    assert_chose_only(&run.server_text(), 1, &tls.on_vrdma());
+    assert_chose_only(&client, 1, tls.chosen);
+    assert_chose_only(&run.server_text(), 1, tls.chosen);
     let tls = tls.tls;
     let row = client
         .lines()
@@ -270,7 +243,7 @@ fn mpi_pingpong(ranks: usize) {
     }
     // Each rank's UCX chose rc_verbs on vrdma for its endpoints, nothing
     // else (no shared memory, no TCP).
-    assert_chose_only(&text, ranks, &RC.on_vrdma());
+    assert_chose_only(&text, ranks, RC.chosen);
     // And hostd moved it: each rank sent its partner 20 messages of 1 MiB
     // (the largest size) across the two tenants, as RDMA or sends.
     let moved = traffic("alpha") + traffic("beta") - before;

@@ -27,14 +27,13 @@
 //! (`scripts/test` installs them); fills the cache of `tests/vm/prepare.sh`
 //! on its first run.
 
-use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use vrdma_tests::c_program::{build_c_program, build_mpi_program};
 use vrdma_tests::daemon::{Hostd, IbverbsShim, TempDir, Vdev};
-use vrdma_tests::ucx::chosen_transports;
+use vrdma_tests::ucx::assert_chose_only;
 use vrdma_tests::vm::{self, Guest, GuestConfig, VrdmaDevice, QEMU_VIRTIO_ID};
 
 /// The devices' PCI functions (context slots) and first PCI slots.
@@ -244,21 +243,6 @@ fn output(console: &str, name: &str) -> String {
     rest.split_once(&end)
         .map(|(text, _)| text.to_owned())
         .unwrap_or_else(|| panic!("output {name} has no end:\n{console}"))
-}
-
-/// Fails unless UCX's log `text` shows `processes` processes choosing
-/// transports, all of them `transport` on vrdma0's port 1.
-#[track_caller]
-fn assert_chose_only(text: &str, processes: usize, transport: &str) {
-    let expected = BTreeSet::from([format!("{transport}/vrdma0:1")]);
-    let chosen = chosen_transports(text);
-    assert_eq!(chosen.len(), processes, "{text}");
-    for (pid, used) in &chosen {
-        assert!(
-            !used.is_empty() && used.is_subset(&expected),
-            "process {pid} chose {used:?}, not only {expected:?}:\n{text}"
-        );
-    }
 }
 
 /// hostd's view of tenant alpha: its QPs.

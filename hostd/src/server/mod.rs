@@ -434,8 +434,7 @@ impl Server {
             }
             Request::ModifyQp(mut modify) => {
                 if let Some(conn) = &mut modify.connection {
-                    conn.dgid = self.destination(conn.dgid, conn.dlid)?;
-                    self.check_reachable(s, &conn.dgid)?;
+                    conn.dgid = self.reachable_destination(s, conn.dgid, conn.dlid)?;
                 }
                 self.datapath.lock().modify_qp(id, &modify)?;
                 // Work posted before RTS, or to flush at ERR: let the
@@ -471,8 +470,7 @@ impl Server {
             }
             Request::CreateAh(mut setup) => {
                 // A UD destination is checked as a connection is at RTR.
-                setup.dgid = self.destination(setup.dgid, setup.dlid)?;
-                self.check_reachable(s, &setup.dgid)?;
+                setup.dgid = self.reachable_destination(s, setup.dgid, setup.dlid)?;
                 self.datapath.lock().create_ah(id, &setup)?;
                 Ok(Response::Ok)
             }
@@ -532,6 +530,20 @@ impl Server {
                 mr.len, q.quota, q.limit, s.tenant, q.used
             ),
         ))
+    }
+
+    /// The GID an address vector names ([`Server::destination`]), refused
+    /// unless the session's tenant may reach it ([`Server::check_reachable`]):
+    /// one check for a connection at RTR and a UD address handle alike.
+    fn reachable_destination(
+        &self,
+        s: &Session,
+        dgid: Gid,
+        dlid: Option<u16>,
+    ) -> Result<Gid, Refusal> {
+        let dgid = self.destination(dgid, dlid)?;
+        self.check_reachable(s, &dgid)?;
+        Ok(dgid)
     }
 
     /// The GID an address vector names: its GRH's `dgid`, or — on an

@@ -360,16 +360,8 @@ impl Initramfs {
                 .parent()
                 .map(|d| d.to_string_lossy().trim_start_matches('/').to_owned());
             for soname in dynamic.needed {
-                let (lib_guest, lib_host) = GUEST_TREE_LIB_DIRS
-                    .iter()
-                    .map(|dir| dir.to_string())
-                    .chain(origin.clone())
-                    .map(|dir| {
-                        let guest = format!("/{dir}/{soname}");
-                        let host = resolve_in_tree(&self.guest_tree, &guest);
-                        (guest, host)
-                    })
-                    .find(|(_, host)| host.is_file())
+                let (lib_guest, lib_host) = self
+                    .tree_library(&soname, origin.as_deref())
                     .ok_or_else(|| VmError::GuestTree {
                         path: guest.clone(),
                         reason: format!("needs {soname}, which the guest tree lacks"),
@@ -378,6 +370,22 @@ impl Initramfs {
             }
         }
         Ok(())
+    }
+
+    /// Where the guest tree has shared library `soname`, as (guest path,
+    /// host file): the first of Debian's library directories that holds
+    /// it, then `extra` (a directory relative to the tree's root).
+    fn tree_library(&self, soname: &str, extra: Option<&str>) -> Option<(String, PathBuf)> {
+        GUEST_TREE_LIB_DIRS
+            .iter()
+            .copied()
+            .chain(extra)
+            .map(|dir| {
+                let guest = format!("/{dir}/{soname}");
+                let host = resolve_in_tree(&self.guest_tree, &guest);
+                (guest, host)
+            })
+            .find(|(_, host)| host.is_file())
     }
 
     /// Adds host-built ELF file `host` at `guest` with what it needs: from
@@ -414,14 +422,12 @@ impl Initramfs {
                 {
                     Some(lib) => pending.push((lib, format!("{GUEST_LIB_DIR}/{soname}"))),
                     None => {
-                        let lib = GUEST_TREE_LIB_DIRS
-                            .iter()
-                            .map(|dir| format!("/{dir}/{soname}"))
-                            .find(|g| resolve_in_tree(&self.guest_tree, g).is_file())
-                            .ok_or_else(|| VmError::GuestTree {
-                                path: host.display().to_string(),
-                                reason: format!("needs {soname}, which the guest tree lacks"),
-                            })?;
+                        let (lib, _) =
+                            self.tree_library(&soname, None)
+                                .ok_or_else(|| VmError::GuestTree {
+                                    path: host.display().to_string(),
+                                    reason: format!("needs {soname}, which the guest tree lacks"),
+                                })?;
                         self.guest_programs.push(lib);
                     }
                 }
