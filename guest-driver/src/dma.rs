@@ -353,9 +353,8 @@ fn map_hugepages(size: usize) -> io::Result<usize> {
     Ok(ptr as usize)
 }
 
-/// Free 2 MiB hugepages, from /proc/meminfo (the default hugepage size is
-/// 2 MiB on x86-64).
-/// Hugepages free for a new mapping: free and not reserved by another
+/// 2 MiB hugepages free for a new mapping, from /proc/meminfo (the default
+/// hugepage size is 2 MiB on x86-64): free and not reserved by another
 /// process's mapping that has not touched them yet.
 fn free_hugepages() -> io::Result<usize> {
     let meminfo = std::fs::read_to_string("/proc/meminfo")?;
