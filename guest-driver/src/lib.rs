@@ -21,7 +21,8 @@
 //! - [`ring`]: the send/receive/completion rings of the data path.
 //! - `doorbell`: the doorbell page (which QPs have new work).
 //! - `event_ring`: the event rings, one per completion vector.
-//! - `user_mem`: moving application memory onto shared memory for `reg_mr`.
+//! - `user_mem`: moving application memory onto shared memory for `reg_mr`;
+//!   `write_freeze` holds the other threads' writes while pages move.
 //! - `control`: the control queue (verbs commands).
 //! - [`device`]: device bring-up, commands, doorbells, events.
 //! - [`verbs`]: the verbs-shaped API ([`Context`] and the objects it makes).
@@ -42,6 +43,7 @@ pub mod transport;
 mod user_mem;
 pub mod verbs;
 pub mod virtqueue;
+mod write_freeze;
 
 pub use device::{DeviceEvent, DeviceOptions};
 pub use error::{DestroyError, Error, PostError, Result};

@@ -29,6 +29,21 @@ use std::os::fd::{AsFd, AsRawFd};
 use crate::dma::{map_shared, sealed_memfd, DmaRegion, PAGE_SIZE};
 use crate::error::{Error, Result};
 use crate::transport::Transport;
+use crate::write_freeze::{SignalsBlocked, WriteFreeze};
+
+/// Says once per process that application memory is moved without holding
+/// the other threads' writes, and why.
+fn warn_unfrozen_once(why: &io::Error) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| {
+        tracing::warn!(
+            error = %why,
+            "Application memory is moved onto shared memory without holding other threads' \
+             writes (userfaultfd write protection is unavailable): a write another thread \
+             makes to a page while ibv_reg_mr moves it may be lost"
+        );
+    });
+}
 
 /// One memfd that replaced a page range of the application's memory.
 #[derive(Debug)]
@@ -150,12 +165,17 @@ impl UserRegions {
         let os = |what| move |source| Error::Os { what, source };
         // Copy the current contents through a temporary mapping of the memfd.
         let tmp = map_shared(file.as_fd(), size).map_err(os("map a memfd"))?;
+        // From the copy until the memfd is mapped, the other threads' writes
+        // to these pages are held (see `write_freeze`); nothing in between
+        // allocates or logs.
+        let signals = SignalsBlocked::new();
+        // SAFETY: the range is mapped (caller's contract); this thread only
+        // reads it, and makes system calls, until the freeze is dropped.
+        let freeze = unsafe { WriteFreeze::new(start, len) };
         // SAFETY: the source range is readable (caller's contract), the
         // destination is the `size`-byte mapping just made; they are distinct
         // mappings, so they do not overlap.
         unsafe { std::ptr::copy_nonoverlapping(start as *const u8, tmp, size) };
-        // SAFETY: unmapping exactly the temporary mapping made above.
-        unsafe { libc::munmap(tmp.cast(), size) };
         // SAFETY: replaces the caller's pages (their contract allows it) with
         // the memfd now holding the same bytes.
         let fixed = unsafe {
@@ -168,10 +188,25 @@ impl UserRegions {
                 0,
             )
         };
-        if fixed == libc::MAP_FAILED {
-            return Err(os("map a memfd over application memory")(
-                io::Error::last_os_error(),
-            ));
+        let fixed = if fixed == libc::MAP_FAILED {
+            Err(io::Error::last_os_error())
+        } else {
+            Ok(())
+        };
+        // Ends the freeze: the held writers retry, on the memfd.
+        let unfrozen = match freeze {
+            Ok(freeze) => {
+                drop(freeze);
+                None
+            }
+            Err(e) => Some(e),
+        };
+        drop(signals);
+        // SAFETY: unmapping exactly the temporary mapping made above.
+        unsafe { libc::munmap(tmp.cast(), size) };
+        fixed.map_err(os("map a memfd over application memory"))?;
+        if let Some(e) = unfrozen {
+            warn_unfrozen_once(&e);
         }
         let region = UserRegion { len, file, refs: 1 };
         transport.add_memory(&region.dma_region(start))?;
@@ -249,6 +284,59 @@ mod tests {
         assert_eq!(regions.len(), 0);
         // SAFETY: the mapping stays in place after release.
         unsafe { p.add(100).write_volatile(1) };
+    }
+
+    /// Another thread of the application keeps writing to the pages while
+    /// they move onto the memfd: none of its writes may be lost (malloc's
+    /// own bookkeeping in a neighbouring chunk is such a writer).
+    #[test]
+    fn writes_of_other_threads_during_the_move_are_kept() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        const PAGES: usize = 64;
+        let t = Recorder::default();
+        let mut regions = UserRegions::default();
+        for round in 0..20 {
+            let p = anon(PAGES) as usize;
+            let stop = Arc::new(AtomicBool::new(false));
+            let started = Arc::new(AtomicBool::new(false));
+            let (s, st) = (Arc::clone(&stop), Arc::clone(&started));
+            // Increments a counter in the first and in the last page with
+            // plain read-modify-write: a write lost to the move shows as a
+            // counter behind the number of increments.
+            let writer = std::thread::spawn(move || {
+                let counters = [p as *mut u64, (p + (PAGES - 1) * PAGE_SIZE + 8) as *mut u64];
+                let mut n = 0u64;
+                while !s.load(Ordering::Relaxed) {
+                    for c in counters {
+                        // SAFETY: inside the test's mapping, which stays
+                        // mapped (its pages move, the addresses stay).
+                        unsafe { c.write_volatile(c.read_volatile() + 1) };
+                    }
+                    n += 1;
+                    st.store(true, Ordering::Relaxed);
+                }
+                n
+            });
+            while !started.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+            let start = p as u64;
+            // SAFETY: the test owns the pages.
+            let held =
+                unsafe { regions.acquire(&t, start, start + (PAGES * PAGE_SIZE) as u64) }.unwrap();
+            stop.store(true, Ordering::Relaxed);
+            let n = writer.join().unwrap();
+            // SAFETY: the counters are inside the (now shared) mapping.
+            let got = unsafe {
+                [
+                    (p as *const u64).read_volatile(),
+                    ((p + (PAGES - 1) * PAGE_SIZE + 8) as *const u64).read_volatile(),
+                ]
+            };
+            assert_eq!(got, [n, n], "round {round}: writes were lost");
+            regions.release(&t, &held);
+        }
     }
 
     #[test]
