@@ -14,10 +14,15 @@
 //! mapping itself stays in place afterwards: the application still owns that
 //! memory and keeps using it.
 //!
+//! The move holds the other threads' writes to those pages from the copy
+//! until the memfd is mapped (`write_freeze`): a write in between would
+//! land on the old pages and be lost, and a `free` on another thread is
+//! such a write (malloc keeps its lists in the chunks).
+//!
 //! Caveats (documented on `reg_mr`): whole pages become shared, including
-//! bytes outside the registered range that share a page with it; writes by
-//! other threads to those pages while the copy is being made are lost; the
-//! pages become readable and writable; memory that is already file-backed
+//! bytes outside the registered range that share a page with it; where
+//! userfaultfd is unavailable the writes are not held (said once in the
+//! log); the pages become readable and writable; memory that is already file-backed
 //! shared memory (or hugetlb) is remapped like any other. A page-aligned
 //! buffer (posix_memalign, mmap) is the expected case.
 

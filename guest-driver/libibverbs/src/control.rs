@@ -109,8 +109,8 @@ pub unsafe extern "C" fn ibv_reg_mr_iova(
 /// # Safety
 ///
 /// `pd` is a live PD; `[addr, addr + length)` is memory the application
-/// owns and keeps mapped while the MR exists, and no other thread writes
-/// the pages it touches during this call.
+/// owns and keeps mapped while the MR exists (other threads may write to
+/// its pages meanwhile: the move holds their writes).
 pub unsafe extern "C" fn ibv_reg_mr_iova2(
     pd: *mut ibv_pd,
     addr: *mut c_void,

@@ -323,9 +323,12 @@ impl ProtectionDomain {
     /// - `[addr, addr + len)` must be mapped, readable memory of this process
     ///   that stays mapped while the MR exists.
     /// - Every page it touches may be replaced by a shared read-write mapping
-    ///   with the same contents: no other thread may write those pages while
-    ///   this call runs (such writes may be lost), and the pages must not be
-    ///   a mapping whose identity matters (another memfd, a file, hugetlb).
+    ///   with the same contents, and the pages must not be a mapping whose
+    ///   identity matters (another memfd, a file, hugetlb). Other threads
+    ///   may go on writing to those pages: their writes wait while the pages
+    ///   move (userfaultfd write protection); only where userfaultfd is
+    ///   unavailable (a seccomp filter refusing it) may such a write be
+    ///   lost, and the library then says so once.
     pub unsafe fn reg_mr(&self, addr: *mut u8, len: usize, access: u32) -> Result<MemoryRegion> {
         // SAFETY: forwarded from the caller.
         unsafe { self.reg_mr_iova(addr, len, addr as u64, access) }
