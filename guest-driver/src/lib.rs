@@ -22,7 +22,8 @@
 //! - `doorbell`: the doorbell page (which QPs have new work).
 //! - `event_ring`: the event rings, one per completion vector.
 //! - `user_mem`: moving application memory onto shared memory for `reg_mr`;
-//!   `write_freeze` holds the other threads' writes while pages move.
+//!   `write_freeze` holds the other threads' writes while pages move,
+//!   `fork_copy` gives a forked child its own copy of the shared pages.
 //! - `control`: the control queue (verbs commands).
 //! - [`device`]: device bring-up, commands, doorbells, events.
 //! - [`verbs`]: the verbs-shaped API ([`Context`] and the objects it makes).
@@ -34,6 +35,7 @@ pub mod device;
 pub mod dma;
 pub mod error;
 mod event_ring;
+mod fork_copy;
 mod memory;
 pub mod pagemap;
 pub mod ring;

@@ -3,38 +3,41 @@
 //! vhost-user can only share memory that is backed by a file descriptor, so
 //! `reg_mr` on ordinary (anonymous, malloc'd) memory moves it onto a memfd in
 //! place: the whole pages covering the range are copied into a new memfd,
-//! which is then mapped `MAP_SHARED | MAP_FIXED` over the very same virtual
-//! range. The application's pointer keeps working, now backed by shared
-//! memory, and the pages are announced to vdev as a new memory region with
+//! which is then mapped `MAP_SHARED` over the very same virtual range. The
+//! application's pointer keeps working, now backed by shared memory, and the
+//! pages are announced to vdev as a new memory region with
 //! `guest_phys_addr == userspace_addr ==` their address.
 //!
 //! Regions are reference-counted per page range: overlapping registrations
 //! share the regions they overlap (new regions are created only for pages not
-//! yet covered), and the last deregistration removes a region from vdev. The
-//! mapping itself stays in place afterwards: the application still owns that
-//! memory and keeps using it.
+//! yet covered). The last deregistration removes a region from vdev and
+//! moves its pages back onto private anonymous memory, as they were: the
+//! application still owns that memory and keeps using it.
 //!
-//! The move holds the other threads' writes to those pages from the copy
-//! until the memfd is mapped (`write_freeze`): a write in between would
-//! land on the old pages and be lost, and a `free` on another thread is
-//! such a write (malloc keeps its lists in the chunks).
+//! Both moves hold the other threads' writes to those pages from the copy
+//! until the new pages are in place (`write_freeze`): a write in between
+//! would land on the old pages and be lost, and a `free` on another thread
+//! is such a write (malloc keeps its lists in the chunks). While a region
+//! is shared, a forked child gets a private copy of it (`fork_copy`).
 //!
 //! Caveats (documented on `reg_mr`): whole pages become shared, including
 //! bytes outside the registered range that share a page with it; where
 //! userfaultfd is unavailable the writes are not held (said once in the
-//! log); the pages become readable and writable; memory that is already file-backed
-//! shared memory (or hugetlb) is remapped like any other. A page-aligned
-//! buffer (posix_memalign, mmap) is the expected case.
+//! log); the pages become readable and writable; memory that is already
+//! file-backed shared memory (or hugetlb) is remapped like any other. A
+//! page-aligned buffer (posix_memalign, mmap) is the expected case.
 
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd};
+use std::os::unix::fs::MetadataExt;
 
 use crate::dma::{map_shared, sealed_memfd, DmaRegion, PAGE_SIZE};
 use crate::error::{Error, Result};
+use crate::fork_copy;
 use crate::transport::Transport;
-use crate::write_freeze::{SignalsBlocked, WriteFreeze};
+use crate::write_freeze::replace_pages;
 
 /// Says once per process that application memory is moved without holding
 /// the other threads' writes, and why.
@@ -43,9 +46,9 @@ fn warn_unfrozen_once(why: &io::Error) {
     WARNED.call_once(|| {
         tracing::warn!(
             error = %why,
-            "Application memory is moved onto shared memory without holding other threads' \
-             writes (userfaultfd write protection is unavailable): a write another thread \
-             makes to a page while ibv_reg_mr moves it may be lost"
+            "Application memory is moved without holding other threads' writes (userfaultfd \
+             write protection is unavailable): a write another thread makes to a page while \
+             ibv_reg_mr or ibv_dereg_mr moves it may be lost"
         );
     });
 }
@@ -135,7 +138,8 @@ impl UserRegions {
     }
 
     /// Drops one reference on each region in `starts`; removes from the
-    /// device the regions no one holds any more.
+    /// device the regions no one holds any more, and gives their pages back
+    /// to the application as private memory.
     pub(crate) fn release(&mut self, transport: &dyn Transport, starts: &[u64]) {
         for start in starts {
             let Some(region) = self.regions.get_mut(start) else {
@@ -149,7 +153,9 @@ impl UserRegions {
             if let Err(e) = transport.remove_memory(&region.dma_region(*start)) {
                 tracing::warn!(error = %e, start, "Cannot remove a user memory region");
             }
-            self.regions.remove(start);
+            if let Some(region) = self.regions.remove(start) {
+                region.restore(*start);
+            }
         }
     }
 
@@ -168,53 +174,20 @@ impl UserRegions {
         let size = usize::try_from(len).map_err(|_| Error::InvalidArgument("region too large"))?;
         let file = sealed_memfd(c"vrdma-user-mr", size)?;
         let os = |what| move |source| Error::Os { what, source };
-        // Copy the current contents through a temporary mapping of the memfd.
-        let tmp = map_shared(file.as_fd(), size).map_err(os("map a memfd"))?;
-        // From the copy until the memfd is mapped, the other threads' writes
-        // to these pages are held (see `write_freeze`); nothing in between
-        // allocates or logs.
-        let signals = SignalsBlocked::new();
-        // SAFETY: the range is mapped (caller's contract); this thread only
-        // reads it, and makes system calls, until the freeze is dropped.
-        let freeze = unsafe { WriteFreeze::new(start, len) };
-        // SAFETY: the source range is readable (caller's contract), the
-        // destination is the `size`-byte mapping just made; they are distinct
-        // mappings, so they do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(start as *const u8, tmp, size) };
-        // SAFETY: replaces the caller's pages (their contract allows it) with
-        // the memfd now holding the same bytes.
-        let fixed = unsafe {
-            libc::mmap(
-                start as *mut libc::c_void,
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED | libc::MAP_FIXED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        let fixed = if fixed == libc::MAP_FAILED {
-            Err(io::Error::last_os_error())
-        } else {
-            Ok(())
-        };
-        // Ends the freeze: the held writers retry, on the memfd.
-        let unfrozen = match freeze {
-            Ok(freeze) => {
-                drop(freeze);
-                None
-            }
-            Err(e) => Some(e),
-        };
-        drop(signals);
-        // SAFETY: unmapping exactly the temporary mapping made above.
-        unsafe { libc::munmap(tmp.cast(), size) };
-        fixed.map_err(os("map a memfd over application memory"))?;
+        let shared = map_shared(file.as_fd(), size).map_err(os("map a memfd"))?;
+        // SAFETY: the range may be replaced (caller's contract); `shared` is
+        // the fresh `size`-byte mapping of the memfd.
+        let unfrozen = unsafe { replace_pages(start, len, shared) }
+            .map_err(os("map a memfd over application memory"))?;
         if let Some(e) = unfrozen {
             warn_unfrozen_once(&e);
         }
         let region = UserRegion { len, file, refs: 1 };
-        transport.add_memory(&region.dma_region(start))?;
+        fork_copy::remember(start, len, region.file.as_raw_fd());
+        if let Err(e) = transport.add_memory(&region.dma_region(start)) {
+            region.restore(start);
+            return Err(e.into());
+        }
         tracing::debug!(
             start = format_args!("{start:#x}"),
             len,
@@ -222,6 +195,99 @@ impl UserRegions {
         );
         Ok(region)
     }
+}
+
+impl UserRegion {
+    /// Moves the region's pages back onto private anonymous memory with the
+    /// same contents (the device no longer reaches them). Pages the
+    /// application unmapped meanwhile — against `reg_mr`'s contract — are
+    /// left alone: something else may be mapped there now.
+    fn restore(self, start: u64) {
+        if !self.still_mapped_at(start) {
+            tracing::warn!(
+                start = format_args!("{start:#x}"),
+                len = self.len,
+                "Registered memory was unmapped before its MR was deregistered"
+            );
+            fork_copy::forget(start);
+            return;
+        }
+        let size = self.len as usize;
+        // SAFETY: a fresh anonymous mapping at a kernel-chosen address.
+        let private = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        let moved = if private == libc::MAP_FAILED {
+            Err(io::Error::last_os_error())
+        } else {
+            // SAFETY: the range is this region's shared mapping (checked
+            // above), which the application lets the library replace with
+            // the same contents; `private` is the fresh mapping.
+            unsafe { replace_pages(start, self.len, private.cast()) }
+        };
+        match moved {
+            Ok(None) => {}
+            Ok(Some(e)) => warn_unfrozen_once(&e),
+            // The pages stay shared, and reachable by no device: only a
+            // forked child would share them (the fork copy goes with the
+            // region).
+            Err(e) => tracing::warn!(
+                error = %e,
+                start = format_args!("{start:#x}"),
+                "Cannot give deregistered memory back as private memory; it stays shared"
+            ),
+        }
+        fork_copy::forget(start);
+    }
+
+    /// Whether every page of the region is still a mapping of its memfd
+    /// (`/proc/self/maps`: the mappings over the range are all of the
+    /// memfd's inode and cover it whole).
+    fn still_mapped_at(&self, start: u64) -> bool {
+        let Ok(inode) = self.file.metadata().map(|m| m.ino()) else {
+            return false;
+        };
+        let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+            return false;
+        };
+        covered_by_inode(&maps, start, start + self.len, inode)
+    }
+}
+
+/// Whether the mappings listed in `maps` (`/proc/<pid>/maps` format) cover
+/// `[start, end)` without a hole, all of them mapping `inode`.
+fn covered_by_inode(maps: &str, start: u64, end: u64, inode: u64) -> bool {
+    let mut next = start;
+    for line in maps.lines() {
+        let mut fields = line.split_ascii_whitespace();
+        let (Some(range), Some(ino)) = (fields.next(), fields.nth(3)) else {
+            continue;
+        };
+        let Some((lo, hi)) = range.split_once('-') else {
+            continue;
+        };
+        let (Ok(lo), Ok(hi)) = (u64::from_str_radix(lo, 16), u64::from_str_radix(hi, 16)) else {
+            continue;
+        };
+        if hi <= next || lo >= end {
+            continue;
+        }
+        if lo > next || ino.parse::<u64>() != Ok(inode) {
+            return false;
+        }
+        next = hi;
+        if next >= end {
+            return true;
+        }
+    }
+    false
 }
 
 #[cfg(test)]
@@ -287,8 +353,65 @@ mod tests {
             vec![(start, 2 * PAGE_SIZE as u64)]
         );
         assert_eq!(regions.len(), 0);
+        // The pages are private anonymous memory again, with the bytes
+        // written while they were shared.
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        assert!(covered_by_inode(
+            &maps,
+            start,
+            start + 2 * PAGE_SIZE as u64,
+            0
+        ));
         // SAFETY: the mapping stays in place after release.
-        unsafe { p.add(100).write_volatile(1) };
+        unsafe {
+            assert_eq!(p.add(PAGE_SIZE + 8).read_volatile(), 0x5a);
+            p.add(100).write_volatile(1);
+        }
+    }
+
+    /// Memory the application unmapped before deregistering is not mapped
+    /// again by the release (something else may live there by then).
+    #[test]
+    fn a_release_after_munmap_maps_nothing() {
+        let t = Recorder::default();
+        let mut regions = UserRegions::default();
+        let start = anon(3) as u64 + PAGE_SIZE as u64;
+        // SAFETY: the test owns the pages.
+        let held = unsafe { regions.acquire(&t, start, start + PAGE_SIZE as u64) }.unwrap();
+        // SAFETY: unmapping the test's page (the region's).
+        let r = unsafe { libc::munmap(start as *mut libc::c_void, PAGE_SIZE) };
+        assert_eq!(r, 0);
+        regions.release(&t, &held);
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        let mapped = maps.lines().any(|l| {
+            let (lo, hi) = l.split_once(' ').unwrap().0.split_once('-').unwrap();
+            let (lo, hi) = (
+                u64::from_str_radix(lo, 16).unwrap(),
+                u64::from_str_radix(hi, 16).unwrap(),
+            );
+            lo <= start && start < hi
+        });
+        assert!(!mapped, "the release mapped the unmapped page again");
+    }
+
+    #[test]
+    fn maps_coverage_is_read_exactly() {
+        let maps = "1000-3000 rw-s 00000000 00:01 77 /memfd:x (deleted)\n\
+                    3000-4000 rw-s 00002000 00:01 77 /memfd:x (deleted)\n\
+                    5000-6000 rw-p 00000000 00:00 0\n";
+        assert!(covered_by_inode(maps, 0x1000, 0x4000, 77));
+        assert!(covered_by_inode(maps, 0x2000, 0x3000, 77));
+        assert!(
+            !covered_by_inode(maps, 0x1000, 0x5000, 77),
+            "a hole at the end"
+        );
+        assert!(
+            !covered_by_inode(maps, 0x0, 0x2000, 77),
+            "a hole at the start"
+        );
+        assert!(!covered_by_inode(maps, 0x3000, 0x6000, 77));
+        assert!(covered_by_inode(maps, 0x5000, 0x6000, 0));
+        assert!(!covered_by_inode(maps, 0x5000, 0x6000, 77), "another inode");
     }
 
     /// Another thread of the application keeps writing to the pages while
@@ -327,9 +450,11 @@ mod tests {
                 std::hint::spin_loop();
             }
             let start = p as u64;
+            // Moved onto the memfd and back, the writer running throughout.
             // SAFETY: the test owns the pages.
             let held =
                 unsafe { regions.acquire(&t, start, start + (PAGES * PAGE_SIZE) as u64) }.unwrap();
+            regions.release(&t, &held);
             stop.store(true, Ordering::Relaxed);
             let n = writer.join().unwrap();
             // SAFETY: the counters are inside the (now shared) mapping.
@@ -340,7 +465,67 @@ mod tests {
                 ]
             };
             assert_eq!(got, [n, n], "round {round}: writes were lost");
-            regions.release(&t, &held);
+        }
+    }
+
+    /// A forked child gets its own copy of the moved pages, as it would of
+    /// ordinary memory: its writes (malloc's, in a heap page) must not
+    /// reach the parent, nor the parent's reach it.
+    #[test]
+    fn a_forked_child_writes_to_its_own_copy() {
+        let t = Recorder::default();
+        let mut regions = UserRegions::default();
+        let p = anon(2);
+        let start = p as u64;
+        // SAFETY: the test owns the pages.
+        let held = unsafe { regions.acquire(&t, start, start + 2 * PAGE_SIZE as u64) }.unwrap();
+        // SAFETY: inside the mapping.
+        unsafe { p.add(PAGE_SIZE).write_volatile(1) };
+        let mut pipe = [0; 2];
+        // SAFETY: a valid array of two fds.
+        assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+        // SAFETY: the child only reads and writes memory, makes system
+        // calls and calls _exit (async-signal-safe).
+        let child = unsafe { libc::fork() };
+        assert!(child >= 0);
+        if child == 0 {
+            // SAFETY: in the child's copy of the mapping; the pipe's fds.
+            unsafe {
+                p.add(PAGE_SIZE).write_volatile(2);
+                let mut seen = 0u8;
+                // Waits for the parent's write, then reports what it sees.
+                libc::read(pipe[0], std::ptr::from_mut(&mut seen).cast(), 1);
+                let got = p.add(PAGE_SIZE).read_volatile();
+                libc::_exit(if got == 2 { 0 } else { 10 + i32::from(got) });
+            }
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        // SAFETY: inside the mapping.
+        unsafe { p.add(PAGE_SIZE).write_volatile(3) };
+        // SAFETY: writes one byte to the pipe.
+        assert_eq!(unsafe { libc::write(pipe[1], [0u8].as_ptr().cast(), 1) }, 1);
+        let mut status = 0;
+        // SAFETY: waits for our child.
+        assert_eq!(unsafe { libc::waitpid(child, &mut status, 0) }, child);
+        assert_eq!(
+            libc::WEXITSTATUS(status),
+            0,
+            "the child saw the parent's write (10 + value)"
+        );
+        // SAFETY: inside the mapping.
+        let now = unsafe { p.add(PAGE_SIZE).read_volatile() };
+        assert_eq!(now, 3, "the child's write reached the parent");
+        // The parent's mapping is still the device's.
+        let region = regions.regions.get(&start).unwrap();
+        let mut byte = [0u8; 1];
+        std::os::unix::fs::FileExt::read_exact_at(&region.file, &mut byte, PAGE_SIZE as u64)
+            .unwrap();
+        assert_eq!(byte[0], 3);
+        regions.release(&t, &held);
+        // SAFETY: our fds.
+        unsafe {
+            libc::close(pipe[0]);
+            libc::close(pipe[1]);
         }
     }
 

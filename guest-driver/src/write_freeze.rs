@@ -62,7 +62,9 @@ const UFFD_API: u64 = 0xaa;
 /// `userfaultfd()` flag: handle faults of user-mode accesses only (allowed
 /// without privilege; a kernel write to a frozen page then gets EFAULT).
 const UFFD_USER_MODE_ONLY: libc::c_int = 1;
-/// Unpopulated pages are write-protected too (Linux 6.4).
+/// Write protection of shared memory (memfds) too (Linux 5.19).
+const UFFD_FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
+/// Unpopulated anonymous pages are write-protected too (Linux 6.4).
 const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
 const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
 const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
@@ -80,7 +82,7 @@ const STACK_MARGIN: u64 = 256 * 1024;
 /// Writes to a page range held (by every thread but this one) until
 /// dropped.
 #[derive(Debug)]
-pub(crate) struct WriteFreeze {
+struct WriteFreeze {
     uffd: OwnedFd,
     start: u64,
     len: u64,
@@ -100,7 +102,7 @@ impl WriteFreeze {
     /// range, allocate, log, or take a lock another thread may hold while
     /// writing to the range; signals should be blocked (a handler writing
     /// there would block the thread for good).
-    pub(crate) unsafe fn new(start: u64, len: u64) -> io::Result<Self> {
+    unsafe fn new(start: u64, len: u64) -> io::Result<Self> {
         let page = PAGE_SIZE as u64;
         if !start.is_multiple_of(page) || !len.is_multiple_of(page) || len == 0 {
             return Err(io::Error::from_raw_os_error(libc::EINVAL));
@@ -186,14 +188,15 @@ impl Drop for WriteFreeze {
 
 /// A userfaultfd with the API handshake done: full mode where permitted
 /// (kernel writes to frozen pages wait too), user-mode-only otherwise.
-/// Asks for `UFFD_FEATURE_WP_UNPOPULATED` (Linux 6.4) first; returns
-/// whether it has it.
+/// Asks for the newest write-protection features first, then fewer;
+/// returns whether it has `UFFD_FEATURE_WP_UNPOPULATED`.
 fn open() -> io::Result<(OwnedFd, bool)> {
+    const SHMEM: u64 = UFFD_FEATURE_WP_HUGETLBFS_SHMEM;
     let mut last = io::Error::from_raw_os_error(libc::ENOSYS);
     for extra in [0, UFFD_USER_MODE_ONLY] {
-        for features in [UFFD_FEATURE_WP_UNPOPULATED, 0] {
+        for features in [SHMEM | UFFD_FEATURE_WP_UNPOPULATED, SHMEM, 0] {
             match open_with(extra, features) {
-                Ok(uffd) => return Ok((uffd, features != 0)),
+                Ok(uffd) => return Ok((uffd, features & UFFD_FEATURE_WP_UNPOPULATED != 0)),
                 Err(e) => last = e,
             }
         }
@@ -233,14 +236,68 @@ fn ioctl(fd: &OwnedFd, request: libc::c_ulong, arg: *mut libc::c_void) -> io::Re
     Ok(())
 }
 
+/// Replaces the pages of `[start, start + len)` by `with`, a mapping of
+/// `len` bytes made for the purpose: copies the range's contents into it
+/// and moves it over the range, holding the other threads' writes to the
+/// range from the copy until the move is done. Returns why the writes
+/// could not be held, if they could not (the move is made all the same).
+///
+/// # Safety
+///
+/// `[start, start + len)` (page-aligned) must be mapped, readable memory of
+/// this process that may be replaced by `with` with the same contents;
+/// `with` must be a distinct mapping of `len` bytes, which this call
+/// consumes (moved over the range, or unmapped when it fails).
+pub(crate) unsafe fn replace_pages(
+    start: u64,
+    len: u64,
+    with: *mut u8,
+) -> io::Result<Option<io::Error>> {
+    let size = len as usize;
+    // From the copy until the move, nothing here allocates, logs or takes a
+    // lock: a thread held on the range may hold any of those.
+    let signals = SignalsBlocked::new();
+    // SAFETY: the range is mapped (caller's contract); this thread only
+    // reads it, and makes system calls, until the freeze is dropped.
+    let freeze = unsafe { WriteFreeze::new(start, len) };
+    // SAFETY: the range is readable and `with` is a distinct `len`-byte
+    // mapping (caller's contract): they do not overlap.
+    unsafe { std::ptr::copy_nonoverlapping(start as *const u8, with, size) };
+    // SAFETY: moves the caller's mapping over the caller's range, which
+    // their contract lets this call replace.
+    let moved = unsafe {
+        libc::mremap(
+            with.cast(),
+            size,
+            size,
+            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
+            start as *mut libc::c_void,
+        )
+    };
+    let moved = if moved == libc::MAP_FAILED {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    };
+    // Ends the freeze: the held writers retry, on the new pages.
+    let unfrozen = freeze.err();
+    drop(signals);
+    if let Err(e) = moved {
+        // SAFETY: `with` was not moved: unmapping the caller's mapping.
+        unsafe { libc::munmap(with.cast(), size) };
+        return Err(e);
+    }
+    Ok(unfrozen)
+}
+
 /// Blocks every signal on this thread until dropped (a handler must not
 /// run, and perhaps write to a frozen range, on the freezing thread).
-pub(crate) struct SignalsBlocked {
+struct SignalsBlocked {
     old: libc::sigset_t,
 }
 
 impl SignalsBlocked {
-    pub(crate) fn new() -> Self {
+    fn new() -> Self {
         // SAFETY: sigset_t is plain data; sigfillset and pthread_sigmask
         // write only to the sets passed.
         unsafe {
@@ -283,11 +340,23 @@ mod tests {
         p as u64
     }
 
+    /// A shared mapping of a memfd, as a registered range is.
+    fn memfd_pages(pages: usize) -> u64 {
+        let file = crate::dma::sealed_memfd(c"freeze-test", pages * PAGE_SIZE).unwrap();
+        let p = crate::dma::map_shared(std::os::fd::AsFd::as_fd(&file), pages * PAGE_SIZE).unwrap();
+        p as u64
+    }
+
     /// A writer blocks while frozen, reads go on, and the write lands
-    /// once the freeze ends.
+    /// once the freeze ends: on private memory (a move onto a memfd) and
+    /// on a memfd's (a move back).
     #[test]
     fn a_write_waits_for_the_end_of_the_freeze() {
-        let p = anon(2);
+        a_write_waits_on(anon(2));
+        a_write_waits_on(memfd_pages(2));
+    }
+
+    fn a_write_waits_on(p: u64) {
         let page = PAGE_SIZE as u64;
         // SAFETY: the test's own mapping; this thread does not write to it.
         let freeze = match unsafe { WriteFreeze::new(p, 2 * page) } {

@@ -235,9 +235,11 @@ pub unsafe extern "C" fn ibv_read_sysfs_file(
     })
 }
 
-/// `ibv_fork_init`: nothing to do. Registered memory is a `MAP_SHARED`
-/// memfd mapping, which a child shares instead of copying on write, so the
-/// parent's registrations stay valid across `fork()`.
+/// `ibv_fork_init`: nothing to do. In process mode registered memory is a
+/// `MAP_SHARED` memfd mapping, which the parent keeps across `fork()` (its
+/// registrations stay valid) while the child gets a private copy of it,
+/// made before `fork()` returns in the child (the guest driver's
+/// `fork_copy`), as a kernel copies DMA-pinned pages.
 pub extern "C" fn ibv_fork_init() -> c_int {
     0
 }
@@ -254,7 +256,7 @@ pub extern "C" fn ibv_dofork_range(_base: *mut c_void, _size: usize) -> c_int {
 
 /// `ibv_is_fork_initialized`: `IBV_FORK_UNNEEDED`, whether or not
 /// `ibv_fork_init` was called: registrations survive `fork()` without it
-/// (process mode: shared mappings, see [`ibv_fork_init`]; VM mode:
+/// (process mode: the child's copy, see [`ibv_fork_init`]; VM mode:
 /// registered pages are always kept out of children, `MADV_DONTFORK`), as
 /// on a kernel that copies DMA pages on fork.
 pub extern "C" fn ibv_is_fork_initialized() -> ibv_fork_status {
