@@ -404,6 +404,30 @@ fn extended_verbs_between_two_tenants() {
     );
 }
 
+/// Heap memory registered as programs register it (`tests/c/heap_memory.c`,
+/// alpha and beta in one process): another thread freeing, allocating and
+/// incrementing beside buffers registered and deregistered 200 times loses
+/// no write (malloc would abort on a corrupted list); after `fork()` the
+/// child's writes to a registered malloc'd buffer stay the child's, the
+/// parent's registration still takes beta's RDMA WRITE, and after
+/// `ibv_dereg_mr` a child's writes stay its own as well.
+#[test]
+fn heap_memory_survives_other_threads_and_fork() {
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let dir = TempDir::new("ibverbs-heap");
+    let exe = build_c_program(&dir, "heap_memory", include_str!("../c/heap_memory.c"));
+    let fabric = Fabric::start();
+    let devices = format!(
+        "a={},b={}",
+        fabric.alpha.socket.display(),
+        fabric.beta.socket.display()
+    );
+    run_c_program(&shim, &exe, Path::new(&devices), "heap memory OK", || {
+        fabric.logs()
+    });
+}
+
 /// `name@VERSION` (default versions `name@@VERSION`) of every symbol a
 /// shared library defines, and its version definitions.
 fn exports_of(
