@@ -18,6 +18,8 @@
 use std::cell::UnsafeCell;
 use std::sync::Once;
 
+use crate::raw_mm;
+
 /// One moved range: its address, length, and the memfd holding it.
 #[derive(Clone, Copy)]
 struct Moved {
@@ -104,51 +106,26 @@ extern "C" fn child() {
 /// the caller is the only thread (no one else uses the range meanwhile).
 unsafe fn copy_private(m: Moved) -> Result<(), ()> {
     let len = usize::try_from(m.len).map_err(|_| ())?;
-    // SAFETY: a fresh anonymous mapping at a kernel-chosen address.
-    let tmp = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    if tmp == libc::MAP_FAILED {
-        return Err(());
-    }
+    // The system calls themselves (`raw_mm`): a hooked `mmap` may take a
+    // lock that another thread of the parent held at the fork, which no
+    // one in the child will release.
+    let tmp = raw_mm::map_anonymous(len).map_err(|_| ())?;
     let mut done = 0usize;
     while done < len {
         // SAFETY: reads into the rest of the fresh `len`-byte mapping.
-        let n = unsafe {
-            libc::pread(
-                m.fd,
-                tmp.cast::<u8>().add(done).cast(),
-                len - done,
-                done as libc::off_t,
-            )
-        };
+        let n = unsafe { libc::pread(m.fd, tmp.add(done).cast(), len - done, done as libc::off_t) };
         if n <= 0 {
             // SAFETY: unmapping the mapping made above.
-            unsafe { libc::munmap(tmp, len) };
+            unsafe { raw_mm::unmap(tmp, len) };
             return Err(());
         }
         done += n.unsigned_abs();
     }
-    // SAFETY: moves the copy over the range (its shared mapping goes).
-    let moved = unsafe {
-        libc::mremap(
-            tmp,
-            len,
-            len,
-            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-            m.start as *mut libc::c_void,
-        )
-    };
-    if moved == libc::MAP_FAILED {
+    // SAFETY: moves the copy over the range (its shared mapping goes),
+    // which the caller's contract allows.
+    if unsafe { raw_mm::move_over(tmp, len, m.start) }.is_err() {
         // SAFETY: as above.
-        unsafe { libc::munmap(tmp, len) };
+        unsafe { raw_mm::unmap(tmp, len) };
         return Err(());
     }
     Ok(())

@@ -23,7 +23,8 @@
 //! - `event_ring`: the event rings, one per completion vector.
 //! - `user_mem`: moving application memory onto shared memory for `reg_mr`;
 //!   `write_freeze` holds the other threads' writes while pages move,
-//!   `fork_copy` gives a forked child its own copy of the shared pages.
+//!   `fork_copy` gives a forked child its own copy of the shared pages,
+//!   `raw_mm` makes the mapping system calls past programs' hooks.
 //! - `control`: the control queue (verbs commands).
 //! - [`device`]: device bring-up, commands, doorbells, events.
 //! - [`verbs`]: the verbs-shaped API ([`Context`] and the objects it makes).
@@ -38,6 +39,7 @@ mod event_ring;
 mod fork_copy;
 mod memory;
 pub mod pagemap;
+mod raw_mm;
 pub mod ring;
 #[cfg(test)]
 mod testing;

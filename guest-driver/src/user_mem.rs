@@ -36,6 +36,7 @@ use std::os::unix::fs::MetadataExt;
 use crate::dma::{map_shared, sealed_memfd, DmaRegion, PAGE_SIZE};
 use crate::error::{Error, Result};
 use crate::fork_copy;
+use crate::raw_mm;
 use crate::transport::Transport;
 use crate::write_freeze::replace_pages;
 
@@ -213,25 +214,12 @@ impl UserRegion {
             return;
         }
         let size = self.len as usize;
-        // SAFETY: a fresh anonymous mapping at a kernel-chosen address.
-        let private = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                size,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        let moved = if private == libc::MAP_FAILED {
-            Err(io::Error::last_os_error())
-        } else {
+        let moved = raw_mm::map_anonymous(size).and_then(|private| {
             // SAFETY: the range is this region's shared mapping (checked
             // above), which the application lets the library replace with
             // the same contents; `private` is the fresh mapping.
-            unsafe { replace_pages(start, self.len, private.cast()) }
-        };
+            unsafe { replace_pages(start, self.len, private) }
+        });
         match moved {
             Ok(None) => {}
             Ok(Some(e)) => warn_unfrozen_once(&e),

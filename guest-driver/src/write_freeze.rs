@@ -19,13 +19,16 @@
 //!
 //! While frozen, the freezing thread must not allocate, log or take a lock
 //! another thread may hold: that thread may be blocked on the range while
-//! holding it (an allocator lock, for one). Its own writes to the range
-//! would block it for good, so a range near its stack is not frozen.
+//! holding it (an allocator lock, for one). Nor may it call C library
+//! functions a program may hook (UCX patches `mmap`, `mremap`, `madvise`):
+//! it makes the system calls itself (`raw_mm`). Its own writes to the range would
+//! block it for good, so a range near its stack is not frozen.
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use crate::dma::PAGE_SIZE;
+use crate::raw_mm;
 
 /// `struct uffdio_api` of `<linux/userfaultfd.h>`.
 #[repr(C)]
@@ -264,27 +267,15 @@ pub(crate) unsafe fn replace_pages(
     // mapping (caller's contract): they do not overlap.
     unsafe { std::ptr::copy_nonoverlapping(start as *const u8, with, size) };
     // SAFETY: moves the caller's mapping over the caller's range, which
-    // their contract lets this call replace.
-    let moved = unsafe {
-        libc::mremap(
-            with.cast(),
-            size,
-            size,
-            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-            start as *mut libc::c_void,
-        )
-    };
-    let moved = if moved == libc::MAP_FAILED {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    };
+    // their contract lets this call replace (the system call itself: see
+    // the module documentation).
+    let moved = unsafe { raw_mm::move_over(with, size, start) };
     // Ends the freeze: the held writers retry, on the new pages.
     let unfrozen = freeze.err();
     drop(signals);
     if let Err(e) = moved {
         // SAFETY: `with` was not moved: unmapping the caller's mapping.
-        unsafe { libc::munmap(with.cast(), size) };
+        unsafe { raw_mm::unmap(with, size) };
         return Err(e);
     }
     Ok(unfrozen)
