@@ -176,6 +176,7 @@ impl UserRegions {
         let file = sealed_memfd(c"vrdma-user-mr", size)?;
         let os = |what| move |source| Error::Os { what, source };
         let shared = map_shared(file.as_fd(), size).map_err(os("map a memfd"))?;
+        populate(shared, size);
         // SAFETY: the range may be replaced (caller's contract); `shared` is
         // the fresh `size`-byte mapping of the memfd.
         let unfrozen = unsafe { replace_pages(start, len, shared) }
@@ -215,6 +216,7 @@ impl UserRegion {
         }
         let size = self.len as usize;
         let moved = raw_mm::map_anonymous(size).and_then(|private| {
+            populate(private, size);
             // SAFETY: the range is this region's shared mapping (checked
             // above), which the application lets the library replace with
             // the same contents; `private` is the fresh mapping.
@@ -235,18 +237,90 @@ impl UserRegion {
         fork_copy::forget(start);
     }
 
-    /// Whether every page of the region is still a mapping of its memfd
-    /// (`/proc/self/maps`: the mappings over the range are all of the
-    /// memfd's inode and cover it whole).
+    /// Whether every page of the region is still a mapping of its memfd:
+    /// the mappings over the range are all of the memfd's inode and cover
+    /// it whole. Asked of `/proc/self/maps` with `PROCMAP_QUERY` (Linux
+    /// 6.11), which finds each mapping directly; older kernels' text is
+    /// read whole (it costs ~150 µs in a process with many mappings).
     fn still_mapped_at(&self, start: u64) -> bool {
         let Ok(inode) = self.file.metadata().map(|m| m.ino()) else {
             return false;
         };
-        let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else {
+        let Ok(maps) = File::open("/proc/self/maps") else {
             return false;
         };
-        covered_by_inode(&maps, start, start + self.len, inode)
+        let end = start + self.len;
+        match covered_by_inode_query(&maps, start, end, inode) {
+            Ok(covered) => covered,
+            Err(_) => std::io::read_to_string(maps)
+                .is_ok_and(|text| covered_by_inode(&text, start, end, inode)),
+        }
     }
+}
+
+/// `struct procmap_query` of `<linux/fs.h>`.
+#[repr(C)]
+#[derive(Default)]
+struct ProcmapQuery {
+    size: u64,
+    query_flags: u64,
+    query_addr: u64,
+    vma_start: u64,
+    vma_end: u64,
+    vma_flags: u64,
+    vma_page_size: u64,
+    vma_offset: u64,
+    inode: u64,
+    dev_major: u32,
+    dev_minor: u32,
+    vma_name_size: u32,
+    build_id_size: u32,
+    vma_name_addr: u64,
+    build_id_addr: u64,
+}
+
+/// `_IOWR('f', 17, struct procmap_query)`.
+const PROCMAP_QUERY: libc::c_ulong = 0xc068_6611;
+
+/// [`covered_by_inode`] through `PROCMAP_QUERY` on an open
+/// `/proc/self/maps`; an error when the kernel lacks the query.
+fn covered_by_inode_query(maps: &File, start: u64, end: u64, inode: u64) -> io::Result<bool> {
+    let mut next = start;
+    while next < end {
+        let mut q = ProcmapQuery {
+            size: std::mem::size_of::<ProcmapQuery>() as u64,
+            query_addr: next,
+            ..ProcmapQuery::default()
+        };
+        // SAFETY: the query structure is alive and sized for the call; the
+        // kernel writes only into it (no name or build id is asked for).
+        let r = unsafe { libc::ioctl(maps.as_raw_fd(), PROCMAP_QUERY, &mut q) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            // No mapping covers `next`: a hole.
+            return if e.raw_os_error() == Some(libc::ENOENT) {
+                Ok(false)
+            } else {
+                Err(e)
+            };
+        }
+        if q.inode != inode || q.vma_end <= next {
+            return Ok(false);
+        }
+        next = q.vma_end;
+    }
+    Ok(true)
+}
+
+/// Faults in the pages of a fresh mapping the move will fill, before the
+/// move holds the other threads' writes: a page fault costs more than the
+/// copy of its page (here, 16 MiB: 19 ms to fault in a memfd's pages,
+/// 11 ms an anonymous mapping's, against 7–9 ms for the held copy).
+/// Best effort (older kernels lack `MADV_POPULATE_WRITE`).
+fn populate(mapping: *mut u8, len: usize) {
+    // SAFETY: madvise on a mapping the caller just made; POPULATE_WRITE
+    // only faults its pages in.
+    unsafe { libc::madvise(mapping.cast(), len, libc::MADV_POPULATE_WRITE) };
 }
 
 /// Whether the mappings listed in `maps` (`/proc/<pid>/maps` format) cover
@@ -380,6 +454,35 @@ mod tests {
             lo <= start && start < hi
         });
         assert!(!mapped, "the release mapped the unmapped page again");
+    }
+
+    /// The query and the text give the same answers on this process.
+    #[test]
+    fn maps_coverage_by_query_matches_the_text() {
+        let t = Recorder::default();
+        let mut regions = UserRegions::default();
+        let start = anon(4) as u64 + PAGE_SIZE as u64;
+        let page = PAGE_SIZE as u64;
+        // SAFETY: the test owns the pages.
+        let held = unsafe { regions.acquire(&t, start, start + 2 * page) }.unwrap();
+        let region = regions.regions.get(&start).unwrap();
+        let inode = region.file.metadata().unwrap().ino();
+        let maps = File::open("/proc/self/maps").unwrap();
+        let text = std::fs::read_to_string("/proc/self/maps").unwrap();
+        for (lo, hi, want) in [
+            (start, start + 2 * page, true),
+            (start + page, start + 2 * page, true),
+            (start - page, start + 2 * page, false),
+            (start, start + 3 * page, false),
+        ] {
+            match covered_by_inode_query(&maps, lo, hi, inode) {
+                Ok(got) => assert_eq!(got, want, "query [{lo:#x}, {hi:#x})"),
+                Err(e) => assert_eq!(e.raw_os_error(), Some(libc::ENOTTY), "{e}"),
+            }
+            assert_eq!(covered_by_inode(&text, lo, hi, inode), want, "text");
+        }
+        assert!(region.still_mapped_at(start));
+        regions.release(&t, &held);
     }
 
     #[test]

@@ -273,6 +273,7 @@ fn run(args: &Args, tests: &[Test], targets: &mut Targets) -> Result<()> {
                 }
             } else if test == Test::RegMr {
                 reg_mr::run(&host, args.reg_size)?;
+                reg_mr::run_app_memory(&a)?;
             }
         }
     }
