@@ -359,19 +359,7 @@ mod tests {
 
     /// Anonymous private pages, as malloc would give.
     fn anon(pages: usize) -> *mut u8 {
-        // SAFETY: a fresh anonymous mapping.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                pages * PAGE_SIZE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        p.cast()
+        crate::raw_mm::map_anonymous(pages * PAGE_SIZE).expect("an anonymous mapping")
     }
 
     #[test]

@@ -316,19 +316,7 @@ mod tests {
     use std::time::Duration;
 
     fn anon(pages: usize) -> u64 {
-        // SAFETY: a fresh anonymous mapping.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                pages * PAGE_SIZE,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        assert_ne!(p, libc::MAP_FAILED);
-        p as u64
+        crate::raw_mm::map_anonymous(pages * PAGE_SIZE).expect("an anonymous mapping") as u64
     }
 
     /// A shared mapping of a memfd, as a registered range is.
