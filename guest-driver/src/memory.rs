@@ -17,7 +17,7 @@ use crate::dma::{DmaArena, DmaError, HUGE_PAGE_SIZE, PAGE_SIZE};
 use crate::error::{Error, Result};
 use crate::pagemap::Pagemap;
 use crate::transport::{MemoryModel, Transport};
-use crate::user_mem::{page_span, UserRegions};
+use crate::user_mem::{self, page_span, Holder};
 
 /// Where application memory registered with `reg_mr` is, for the device.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -43,27 +43,41 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 /// The driver's memory, in the transport's model.
+///
+/// What application memory `reg_mr` takes is process-wide (the moved pages
+/// of `user_mem::regions`, the locked pages of [`pinned`]): several
+/// contexts may register the same pages.
 #[derive(Debug)]
 pub(crate) enum DeviceMemory {
     SharedFiles {
-        user_regions: Mutex<UserRegions>,
+        /// This context, among the holders of user regions.
+        holder: Holder,
     },
     GuestPhysical {
         pagemap: Pagemap,
-        pinned: Mutex<PinnedPages>,
     },
+}
+
+/// The process's locked application pages.
+fn pinned() -> MutexGuard<'static, PinnedPages> {
+    static PINNED: Mutex<PinnedPages> = Mutex::new(PinnedPages {
+        refs: BTreeMap::new(),
+    });
+    lock(&PINNED)
 }
 
 impl DeviceMemory {
     /// The memory of a device reached through a transport with `model`.
     pub(crate) fn new(model: MemoryModel) -> Result<Self> {
         Ok(match model {
-            MemoryModel::SharedFiles => Self::SharedFiles {
-                user_regions: Mutex::new(UserRegions::default()),
-            },
+            MemoryModel::SharedFiles => {
+                static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+                Self::SharedFiles {
+                    holder: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                }
+            }
             MemoryModel::GuestPhysical => Self::GuestPhysical {
                 pagemap: Pagemap::open().map_err(|e| Error::Dma(DmaError::Pagemap(e)))?,
-                pinned: Mutex::new(PinnedPages::default()),
             },
         })
     }
@@ -114,15 +128,14 @@ impl DeviceMemory {
         let (start, end) =
             page_span(va, len).ok_or(Error::InvalidArgument("range wraps around"))?;
         match self {
-            Self::SharedFiles { user_regions } => {
-                let mut regions = lock(user_regions);
+            Self::SharedFiles { holder } => {
                 // SAFETY: the caller's contract covers every page of the range.
-                let held = unsafe { regions.acquire(transport, start, end)? };
+                let held = unsafe { user_mem::regions().acquire(*holder, transport, start, end)? };
                 // User regions are announced with device address == VA.
                 Ok((Placement::Contiguous(va), Hold::Shared(held)))
             }
-            Self::GuestPhysical { pagemap, pinned } => {
-                lock(pinned).pin(start, end)?;
+            Self::GuestPhysical { pagemap } => {
+                pinned().pin(start, end)?;
                 let hold = Hold::Pinned { start, end };
                 match pagemap.segments(va, len) {
                     Ok(segments) if segments.len() == 1 => {
@@ -141,11 +154,11 @@ impl DeviceMemory {
     /// Gives up what [`DeviceMemory::acquire`] took.
     pub(crate) fn release(&self, transport: &dyn Transport, hold: &Hold) {
         match (self, hold) {
-            (Self::SharedFiles { user_regions }, Hold::Shared(starts)) => {
-                lock(user_regions).release(transport, starts);
+            (Self::SharedFiles { holder }, Hold::Shared(starts)) => {
+                user_mem::regions().release(*holder, transport, starts);
             }
-            (Self::GuestPhysical { pinned, .. }, Hold::Pinned { start, end }) => {
-                lock(pinned).unpin(*start, *end);
+            (Self::GuestPhysical { .. }, Hold::Pinned { start, end }) => {
+                pinned().unpin(*start, *end);
             }
             _ => tracing::error!(?hold, "Releasing memory of another memory model"),
         }
@@ -153,7 +166,8 @@ impl DeviceMemory {
 }
 
 /// Reference counts of locked application pages: `mlock` does not nest, so
-/// a page is unlocked only when the last MR over it goes.
+/// a page is unlocked only when the last MR over it goes — of any context
+/// of the process ([`pinned`]).
 ///
 /// A pinned page is also kept out of children (`MADV_DONTFORK`, as
 /// rdma-core's fork support does): after a `fork`, the first write to a
@@ -269,8 +283,50 @@ fn runs(pages: &[u64]) -> impl Iterator<Item = (u64, u64)> + '_ {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::StubTransport;
+    use vm_memory::{Bytes, GuestAddress};
 
     const P: u64 = PAGE_SIZE as u64;
+
+    /// The byte at `addr` as a device reached through `t` sees it.
+    fn device_byte(t: &StubTransport, addr: u64) -> u8 {
+        t.memory().read_obj(GuestAddress(addr)).unwrap()
+    }
+
+    /// The same pages registered by two contexts (two devices, or one
+    /// opened twice) are moved once: both devices reach the memory the
+    /// application sees, until the last of them lets go.
+    #[test]
+    fn two_contexts_registering_the_same_pages_share_one_memfd() {
+        let (t1, t2) = (StubTransport::default(), StubTransport::default());
+        let m1 = DeviceMemory::new(MemoryModel::SharedFiles).unwrap();
+        let m2 = DeviceMemory::new(MemoryModel::SharedFiles).unwrap();
+        let p = crate::raw_mm::map_anonymous(2 * PAGE_SIZE).unwrap();
+        let base = p as u64;
+        // SAFETY: the test's own mapping, registered whole, then its first
+        // page.
+        let (_, h1) = unsafe { m1.acquire(&t1, base, 2 * P) }.unwrap();
+        // SAFETY: as above.
+        let (_, h2) = unsafe { m2.acquire(&t2, base + 100, 10) }.unwrap();
+        assert_eq!(*t2.added.lock().unwrap(), vec![(base, 2 * P)]);
+        // SAFETY: inside the mapping.
+        unsafe { p.add(200).write_volatile(0x3c) };
+        assert_eq!(device_byte(&t1, base + 200), 0x3c);
+        assert_eq!(device_byte(&t2, base + 200), 0x3c);
+        m1.release(&t1, &h1);
+        assert_eq!(*t1.removed.lock().unwrap(), vec![(base, 2 * P)]);
+        // The pages stay shared for the second context.
+        // SAFETY: inside the mapping.
+        unsafe { p.add(P as usize + 300).write_volatile(0x4d) };
+        assert_eq!(device_byte(&t2, base + P + 300), 0x4d);
+        m2.release(&t2, &h2);
+        assert_eq!(*t2.removed.lock().unwrap(), vec![(base, 2 * P)]);
+        // SAFETY: the mapping stays, private again, with its bytes.
+        unsafe {
+            assert_eq!(p.add(200).read_volatile(), 0x3c);
+            assert_eq!(p.add(P as usize + 300).read_volatile(), 0x4d);
+        }
+    }
 
     #[test]
     fn runs_merge_adjacent_pages() {

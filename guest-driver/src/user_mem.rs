@@ -54,15 +54,33 @@ fn warn_unfrozen_once(why: &io::Error) {
     });
 }
 
+/// Which of the process's open devices (a `DeviceMemory`, one per
+/// context) holds a region.
+pub(crate) type Holder = u64;
+
 /// One memfd that replaced a page range of the application's memory.
 #[derive(Debug)]
 struct UserRegion {
     len: u64,
     file: File,
-    refs: u32,
+    /// The contexts holding the region, with their count of MRs over it;
+    /// each announced the memfd to its device.
+    holders: Vec<(Holder, u32)>,
 }
 
 impl UserRegion {
+    /// One more MR of `holder` over the region; the first of a context
+    /// announces the memfd to its device.
+    fn hold(&mut self, holder: Holder, transport: &dyn Transport, start: u64) -> Result<()> {
+        if let Some(h) = self.holders.iter_mut().find(|h| h.0 == holder) {
+            h.1 += 1;
+            return Ok(());
+        }
+        transport.add_memory(&self.dma_region(start))?;
+        self.holders.push((holder, 1));
+        Ok(())
+    }
+
     fn dma_region(&self, start: u64) -> DmaRegion<'_> {
         DmaRegion {
             fd: self.file.as_fd(),
@@ -74,9 +92,25 @@ impl UserRegion {
 }
 
 /// The regions made from application memory, by start address.
+///
+/// One set per process ([`regions`]), not per context: a page can be moved
+/// onto a memfd only once. A second context registering memory over the
+/// same pages — the same buffer registered on two devices, or twice on one
+/// device opened twice — announces the same memfd to its own device; had
+/// it moved the pages again, the first device would go on reaching the
+/// memfd the application no longer sees.
 #[derive(Debug, Default)]
 pub(crate) struct UserRegions {
     regions: BTreeMap<u64, UserRegion>,
+}
+
+/// The process's user regions.
+pub(crate) fn regions() -> std::sync::MutexGuard<'static, UserRegions> {
+    static REGIONS: std::sync::Mutex<UserRegions> = std::sync::Mutex::new(UserRegions {
+        regions: BTreeMap::new(),
+    });
+    // The guarded state is consistent between calls.
+    REGIONS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Whole pages covering `[addr, addr + len)`.
@@ -88,9 +122,10 @@ pub(crate) fn page_span(addr: u64, len: u64) -> Option<(u64, u64)> {
 }
 
 impl UserRegions {
-    /// Makes `[start, end)` (page-aligned) device-reachable, creating regions
-    /// for pages not yet covered; returns the starts of every region it
-    /// holds a reference on, for [`UserRegions::release`].
+    /// Makes `[start, end)` (page-aligned) reachable by `holder`'s device,
+    /// through `transport`, creating regions for pages not yet covered;
+    /// returns the starts of every region it holds a reference on, for
+    /// [`UserRegions::release`].
     ///
     /// # Safety
     ///
@@ -99,6 +134,7 @@ impl UserRegions {
     /// (see the module documentation).
     pub(crate) unsafe fn acquire(
         &mut self,
+        holder: Holder,
         transport: &dyn Transport,
         start: u64,
         end: u64,
@@ -111,26 +147,30 @@ impl UserRegions {
                 .range_mut(..=cur)
                 .next_back()
                 .filter(|(&s, r)| s + r.len > cur);
-            if let Some((&s, region)) = covering {
-                region.refs += 1;
-                held.push(s);
-                cur = s + region.len;
-                continue;
-            }
-            let gap_end = self
-                .regions
-                .range(cur..)
-                .next()
-                .map_or(end, |(&s, _)| s.min(end));
-            // SAFETY: `[cur, gap_end)` is inside the caller's range.
-            match unsafe { Self::create(transport, cur, gap_end - cur) } {
-                Ok(region) => {
-                    self.regions.insert(cur, region);
-                    held.push(cur);
-                    cur = gap_end;
+            let step = match covering {
+                Some((&s, region)) => region
+                    .hold(holder, transport, s)
+                    .map(|()| (s, s + region.len)),
+                None => {
+                    let gap_end = self
+                        .regions
+                        .range(cur..)
+                        .next()
+                        .map_or(end, |(&s, _)| s.min(end));
+                    // SAFETY: `[cur, gap_end)` is inside the caller's range.
+                    unsafe { Self::create(holder, transport, cur, gap_end - cur) }.map(|region| {
+                        self.regions.insert(cur, region);
+                        (cur, gap_end)
+                    })
+                }
+            };
+            match step {
+                Ok((s, next)) => {
+                    held.push(s);
+                    cur = next;
                 }
                 Err(e) => {
-                    self.release(transport, &held);
+                    self.release(holder, transport, &held);
                     return Err(e);
                 }
             }
@@ -138,24 +178,36 @@ impl UserRegions {
         Ok(held)
     }
 
-    /// Drops one reference on each region in `starts`; removes from the
-    /// device the regions no one holds any more, and gives their pages back
-    /// to the application as private memory.
-    pub(crate) fn release(&mut self, transport: &dyn Transport, starts: &[u64]) {
+    /// Drops one of `holder`'s references on each region in `starts`;
+    /// removes from its device the regions it no longer holds, and gives
+    /// the pages no context holds any more back to the application as
+    /// private memory.
+    pub(crate) fn release(&mut self, holder: Holder, transport: &dyn Transport, starts: &[u64]) {
         for start in starts {
             let Some(region) = self.regions.get_mut(start) else {
                 tracing::error!(start, "Releasing an unknown user memory region");
                 continue;
             };
-            region.refs -= 1;
-            if region.refs > 0 {
+            let Some(i) = region.holders.iter().position(|h| h.0 == holder) else {
+                tracing::error!(
+                    start,
+                    holder,
+                    "Releasing a user memory region the context does not hold"
+                );
+                continue;
+            };
+            region.holders[i].1 -= 1;
+            if region.holders[i].1 > 0 {
                 continue;
             }
+            region.holders.swap_remove(i);
             if let Err(e) = transport.remove_memory(&region.dma_region(*start)) {
                 tracing::warn!(error = %e, start, "Cannot remove a user memory region");
             }
-            if let Some(region) = self.regions.remove(start) {
-                region.restore(*start);
+            if region.holders.is_empty() {
+                if let Some(region) = self.regions.remove(start) {
+                    region.restore(*start);
+                }
             }
         }
     }
@@ -171,7 +223,12 @@ impl UserRegions {
     /// # Safety
     ///
     /// As for [`UserRegions::acquire`].
-    unsafe fn create(transport: &dyn Transport, start: u64, len: u64) -> Result<UserRegion> {
+    unsafe fn create(
+        holder: Holder,
+        transport: &dyn Transport,
+        start: u64,
+        len: u64,
+    ) -> Result<UserRegion> {
         let size = usize::try_from(len).map_err(|_| Error::InvalidArgument("region too large"))?;
         let file = sealed_memfd(c"vrdma-user-mr", size)?;
         let os = |what| move |source| Error::Os { what, source };
@@ -184,7 +241,11 @@ impl UserRegions {
         if let Some(e) = unfrozen {
             warn_unfrozen_once(&e);
         }
-        let region = UserRegion { len, file, refs: 1 };
+        let region = UserRegion {
+            len,
+            file,
+            holders: vec![(holder, 1)],
+        };
         fork_copy::remember(start, len, region.file.as_raw_fd());
         if let Err(e) = transport.add_memory(&region.dma_region(start)) {
             region.restore(start);
@@ -379,7 +440,7 @@ mod tests {
         unsafe { std::ptr::copy_nonoverlapping(b"before".as_ptr(), p.add(100), 6) };
         let start = p as u64;
         // SAFETY: the test owns the pages.
-        let held = unsafe { regions.acquire(&t, start, start + 2 * PAGE_SIZE as u64) }.unwrap();
+        let held = unsafe { regions.acquire(1, &t, start, start + 2 * PAGE_SIZE as u64) }.unwrap();
         assert_eq!(held, vec![start]);
         assert_eq!(
             *t.added.lock().unwrap(),
@@ -397,7 +458,7 @@ mod tests {
         std::os::unix::fs::FileExt::read_exact_at(&region.file, &mut byte, PAGE_SIZE as u64 + 8)
             .unwrap();
         assert_eq!(byte[0], 0x5a);
-        regions.release(&t, &held);
+        regions.release(1, &t, &held);
         assert_eq!(
             *t.removed.lock().unwrap(),
             vec![(start, 2 * PAGE_SIZE as u64)]
@@ -427,11 +488,11 @@ mod tests {
         let mut regions = UserRegions::default();
         let start = anon(3) as u64 + PAGE_SIZE as u64;
         // SAFETY: the test owns the pages.
-        let held = unsafe { regions.acquire(&t, start, start + PAGE_SIZE as u64) }.unwrap();
+        let held = unsafe { regions.acquire(1, &t, start, start + PAGE_SIZE as u64) }.unwrap();
         // SAFETY: unmapping the test's page (the region's).
         let r = unsafe { libc::munmap(start as *mut libc::c_void, PAGE_SIZE) };
         assert_eq!(r, 0);
-        regions.release(&t, &held);
+        regions.release(1, &t, &held);
         let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
         let mapped = maps.lines().any(|l| {
             let (lo, hi) = l.split_once(' ').unwrap().0.split_once('-').unwrap();
@@ -452,7 +513,7 @@ mod tests {
         let start = anon(4) as u64 + PAGE_SIZE as u64;
         let page = PAGE_SIZE as u64;
         // SAFETY: the test owns the pages.
-        let held = unsafe { regions.acquire(&t, start, start + 2 * page) }.unwrap();
+        let held = unsafe { regions.acquire(1, &t, start, start + 2 * page) }.unwrap();
         let region = regions.regions.get(&start).unwrap();
         let inode = region.file.metadata().unwrap().ino();
         let maps = File::open("/proc/self/maps").unwrap();
@@ -470,7 +531,7 @@ mod tests {
             assert_eq!(covered_by_inode(&text, lo, hi, inode), want, "text");
         }
         assert!(region.still_mapped_at(start));
-        regions.release(&t, &held);
+        regions.release(1, &t, &held);
     }
 
     #[test]
@@ -531,9 +592,9 @@ mod tests {
             let start = p as u64;
             // Moved onto the memfd and back, the writer running throughout.
             // SAFETY: the test owns the pages.
-            let held =
-                unsafe { regions.acquire(&t, start, start + (PAGES * PAGE_SIZE) as u64) }.unwrap();
-            regions.release(&t, &held);
+            let held = unsafe { regions.acquire(1, &t, start, start + (PAGES * PAGE_SIZE) as u64) }
+                .unwrap();
+            regions.release(1, &t, &held);
             stop.store(true, Ordering::Relaxed);
             let n = writer.join().unwrap();
             // SAFETY: the counters are inside the (now shared) mapping.
@@ -557,7 +618,7 @@ mod tests {
         let p = anon(2);
         let start = p as u64;
         // SAFETY: the test owns the pages.
-        let held = unsafe { regions.acquire(&t, start, start + 2 * PAGE_SIZE as u64) }.unwrap();
+        let held = unsafe { regions.acquire(1, &t, start, start + 2 * PAGE_SIZE as u64) }.unwrap();
         // SAFETY: inside the mapping.
         unsafe { p.add(PAGE_SIZE).write_volatile(1) };
         let mut pipe = [0; 2];
@@ -600,7 +661,7 @@ mod tests {
         std::os::unix::fs::FileExt::read_exact_at(&region.file, &mut byte, PAGE_SIZE as u64)
             .unwrap();
         assert_eq!(byte[0], 3);
-        regions.release(&t, &held);
+        regions.release(1, &t, &held);
         // SAFETY: our fds.
         unsafe {
             libc::close(pipe[0]);
@@ -615,18 +676,18 @@ mod tests {
         let p = anon(4) as u64;
         let page = PAGE_SIZE as u64;
         // SAFETY: the test owns the 4 pages.
-        let a = unsafe { regions.acquire(&t, p + page, p + 2 * page) }.unwrap();
+        let a = unsafe { regions.acquire(1, &t, p + page, p + 2 * page) }.unwrap();
         // Covers pages 0..4: a new region before, the shared one, one after.
         // SAFETY: as above.
-        let b = unsafe { regions.acquire(&t, p, p + 4 * page) }.unwrap();
+        let b = unsafe { regions.acquire(1, &t, p, p + 4 * page) }.unwrap();
         assert_eq!(b, vec![p, p + page, p + 2 * page]);
         assert_eq!(
             *t.added.lock().unwrap(),
             vec![(p + page, page), (p, page), (p + 2 * page, 2 * page)]
         );
-        regions.release(&t, &a);
+        regions.release(1, &t, &a);
         assert!(t.removed.lock().unwrap().is_empty(), "still used by b");
-        regions.release(&t, &b);
+        regions.release(1, &t, &b);
         assert_eq!(t.removed.lock().unwrap().len(), 3);
         assert_eq!(regions.len(), 0);
     }

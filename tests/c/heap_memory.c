@@ -11,6 +11,9 @@
  *    buffer still lands there (its registration survived); the child sees
  *    the buffer as it was at the fork, not the parent's later writes.
  * 3. After ibv_dereg_mr, a child's writes stay the child's as well.
+ * 4. One malloc'd buffer registered on both devices: a WRITE through
+ *    each device's MR lands in the memory the program reads, also after
+ *    the other device's MR is gone.
  *
  * Prints "heap memory OK" and exits 0 when every check holds. */
 #include <pthread.h>
@@ -194,6 +197,49 @@ static void a_child_gets_its_own_copy(struct side *a, struct side *b)
 	free(buf);
 }
 
+/* `from` WRITEs `len` bytes of `value` into `mr` (at `at`) through its QP. */
+static void write_into(struct side *from, struct ibv_mr *mr, unsigned char *at, size_t len,
+		       unsigned char value, const char *what)
+{
+	unsigned char *src = aligned_alloc(4096, 4096);
+	CHECK(src && len <= 4096, "aligned_alloc");
+	memset(src, value, len);
+	struct ibv_mr *smr = ibv_reg_mr(from->pd, src, 4096, IBV_ACCESS_LOCAL_WRITE);
+	CHECK(smr, "%s: ibv_reg_mr of the source", what);
+	struct ibv_sge sge = { .addr = (uintptr_t)src, .length = len, .lkey = smr->lkey };
+	struct ibv_send_wr wr = {
+		.wr_id = 2, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+		.send_flags = IBV_SEND_SIGNALED,
+		.wr.rdma = { .remote_addr = (uintptr_t)at, .rkey = mr->rkey },
+	}, *bad;
+	CHECK(ibv_post_send(from->qp, &wr, &bad) == 0, "%s: ibv_post_send", what);
+	poll_one(from->cq, what);
+	CHECK(ibv_dereg_mr(smr) == 0, "%s: ibv_dereg_mr of the source", what);
+	free(src);
+	for (size_t i = 0; i < len; i++)
+		CHECK(at[i] == value, "%s: byte %zu is %#x, not %#x", what, i, at[i], value);
+}
+
+static void one_buffer_on_both_devices(struct side *a, struct side *b)
+{
+	int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
+	unsigned char *buf = malloc(LEN);
+	CHECK(buf, "malloc");
+	memset(buf, 0, LEN);
+	struct ibv_mr *on_a = ibv_reg_mr(a->pd, buf, LEN, access);
+	struct ibv_mr *on_b = ibv_reg_mr(b->pd, buf, LEN, access);
+	CHECK(on_a && on_b, "ibv_reg_mr of one buffer on both devices");
+	write_into(b, on_a, buf, 1000, 0xa1, "b's WRITE through a's MR");
+	write_into(a, on_b, buf + 1000, 1000, 0xb2, "a's WRITE through b's MR");
+	CHECK(ibv_dereg_mr(on_a) == 0, "ibv_dereg_mr on a");
+	write_into(a, on_b, buf + 2000, 1000, 0xc3, "a's WRITE through b's MR, a's gone");
+	CHECK(buf[0] == 0xa1 && buf[1000] == 0xb2, "earlier WRITEs lost");
+	CHECK(ibv_dereg_mr(on_b) == 0, "ibv_dereg_mr on b");
+	CHECK(buf[0] == 0xa1 && buf[1000] == 0xb2 && buf[2999] == 0xc3, "bytes lost at dereg");
+	printf("one buffer on both devices: every WRITE landed where the program reads\n");
+	free(buf);
+}
+
 int main(void)
 {
 	struct ibv_device **list = ibv_get_device_list(NULL);
@@ -206,6 +252,7 @@ int main(void)
 
 	writes_of_other_threads_are_kept(&a);
 	a_child_gets_its_own_copy(&a, &b);
+	one_buffer_on_both_devices(&a, &b);
 
 	ibv_destroy_qp(a.qp), ibv_destroy_qp(b.qp);
 	ibv_destroy_cq(a.cq), ibv_destroy_cq(b.cq);

@@ -410,7 +410,9 @@ fn extended_verbs_between_two_tenants() {
 /// no write (malloc would abort on a corrupted list); after `fork()` the
 /// child's writes to a registered malloc'd buffer stay the child's, the
 /// parent's registration still takes beta's RDMA WRITE, and after
-/// `ibv_dereg_mr` a child's writes stay its own as well.
+/// `ibv_dereg_mr` a child's writes stay its own as well; one malloc'd
+/// buffer registered on both devices takes WRITEs through either MR, also
+/// after the other is gone.
 #[test]
 fn heap_memory_survives_other_threads_and_fork() {
     let _serial = serial();
