@@ -156,47 +156,6 @@ static void poll_one(struct ibv_cq *cq, const char *what)
 	CHECK(n == 1 && wc.status == IBV_WC_SUCCESS, "%s: status %d", what, wc.status);
 }
 
-static void a_child_gets_its_own_copy(struct side *a, struct side *b)
-{
-	unsigned char *buf = malloc(LEN);
-	void *neighbour = malloc(100);
-	CHECK(buf && neighbour, "malloc");
-	memset(buf, 0x11, LEN);
-	memset(neighbour, 0x77, 100);
-	struct ibv_mr *mr = ibv_reg_mr(a->pd, buf, LEN,
-				       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
-	CHECK(mr, "ibv_reg_mr");
-	fork_and_scribble(buf, 0x11, 0x22);
-
-	/* b writes into the parent's buffer: the registration survived. */
-	unsigned char *src = aligned_alloc(4096, 4096);
-	CHECK(src, "aligned_alloc");
-	memset(src, 0x5a, LEN);
-	struct ibv_mr *smr = ibv_reg_mr(b->pd, src, 4096, IBV_ACCESS_LOCAL_WRITE);
-	CHECK(smr, "ibv_reg_mr b");
-	struct ibv_sge sge = { .addr = (uintptr_t)src, .length = LEN, .lkey = smr->lkey };
-	struct ibv_send_wr wr = {
-		.wr_id = 1, .sg_list = &sge, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
-		.send_flags = IBV_SEND_SIGNALED,
-		.wr.rdma = { .remote_addr = (uintptr_t)buf, .rkey = mr->rkey },
-	}, *bad;
-	CHECK(ibv_post_send(b->qp, &wr, &bad) == 0, "ibv_post_send");
-	poll_one(b->cq, "WRITE after fork");
-	for (int i = 0; i < LEN; i++)
-		CHECK(buf[i] == 0x5a, "the WRITE after the fork missed the parent's byte %d", i);
-	for (int i = 0; i < 100; i++)
-		CHECK(((unsigned char *)neighbour)[i] == 0x77, "a neighbouring chunk changed");
-	printf("after fork: the child's writes stayed its own, b's WRITE reached the parent\n");
-
-	CHECK(ibv_dereg_mr(mr) == 0, "ibv_dereg_mr");
-	fork_and_scribble(buf, 0x5a, 0x33);
-	printf("after dereg: the child's writes stayed its own\n");
-	CHECK(ibv_dereg_mr(smr) == 0, "ibv_dereg_mr b");
-	free(src);
-	free(neighbour);
-	free(buf);
-}
-
 /* `from` WRITEs `len` bytes of `value` into `mr` (at `at`) through its QP. */
 static void write_into(struct side *from, struct ibv_mr *mr, unsigned char *at, size_t len,
 		       unsigned char value, const char *what)
@@ -218,6 +177,31 @@ static void write_into(struct side *from, struct ibv_mr *mr, unsigned char *at, 
 	free(src);
 	for (size_t i = 0; i < len; i++)
 		CHECK(at[i] == value, "%s: byte %zu is %#x, not %#x", what, i, at[i], value);
+}
+
+static void a_child_gets_its_own_copy(struct side *a, struct side *b)
+{
+	unsigned char *buf = malloc(LEN);
+	void *neighbour = malloc(100);
+	CHECK(buf && neighbour, "malloc");
+	memset(buf, 0x11, LEN);
+	memset(neighbour, 0x77, 100);
+	struct ibv_mr *mr = ibv_reg_mr(a->pd, buf, LEN,
+				       IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE);
+	CHECK(mr, "ibv_reg_mr");
+	fork_and_scribble(buf, 0x11, 0x22);
+
+	/* b writes into the parent's buffer: the registration survived. */
+	write_into(b, mr, buf, LEN, 0x5a, "b's WRITE after the fork");
+	for (int i = 0; i < 100; i++)
+		CHECK(((unsigned char *)neighbour)[i] == 0x77, "a neighbouring chunk changed");
+	printf("after fork: the child's writes stayed its own, b's WRITE reached the parent\n");
+
+	CHECK(ibv_dereg_mr(mr) == 0, "ibv_dereg_mr");
+	fork_and_scribble(buf, 0x5a, 0x33);
+	printf("after dereg: the child's writes stayed its own\n");
+	free(neighbour);
+	free(buf);
 }
 
 static void one_buffer_on_both_devices(struct side *a, struct side *b)
