@@ -11,52 +11,35 @@
 //! kernel does the same for DMA-pinned pages: it copies them into the
 //! child at fork.
 //!
-//! The ranges live in one process-wide list under a pthread mutex that the
-//! `pthread_atfork` prepare handler takes, so no thread holds it across
-//! the fork and the child (a single thread) may read the list.
+//! The moved ranges are `user_mem`'s process-wide regions. The
+//! `pthread_atfork` prepare handler takes their lock, so no thread holds
+//! it across the fork (nor is halfway through a move); the child, a single
+//! thread, copies every region, then empties the list: its memory is
+//! private again, and it holds no registration of its own. A context the
+//! child opens starts from nothing, as one in a new process would.
 
-use std::cell::UnsafeCell;
-use std::sync::Once;
+use std::cell::RefCell;
+use std::sync::{MutexGuard, Once};
 
 use crate::raw_mm;
+use crate::user_mem::{self, UserRegions};
 
 /// One moved range: its address, length, and the memfd holding it.
 #[derive(Clone, Copy)]
-struct Moved {
-    start: u64,
-    len: u64,
-    fd: libc::c_int,
+pub(crate) struct Moved {
+    pub(crate) start: u64,
+    pub(crate) len: u64,
+    pub(crate) fd: libc::c_int,
 }
 
-struct Registry {
-    lock: UnsafeCell<libc::pthread_mutex_t>,
-    ranges: UnsafeCell<Vec<Moved>>,
+thread_local! {
+    /// The regions' lock, held by the forking thread from the prepare
+    /// handler to the parent's or the child's.
+    static HELD: RefCell<Option<MutexGuard<'static, UserRegions>>> = const { RefCell::new(None) };
 }
 
-// SAFETY: `ranges` is only touched with `lock` held (`with_ranges`), or in
-// a forked child, whose only thread runs the child handler while the
-// parent's forking thread held `lock` through the fork.
-unsafe impl Sync for Registry {}
-
-static REGISTRY: Registry = Registry {
-    lock: UnsafeCell::new(libc::PTHREAD_MUTEX_INITIALIZER),
-    ranges: UnsafeCell::new(Vec::new()),
-};
-
-fn with_ranges<R>(f: impl FnOnce(&mut Vec<Moved>) -> R) -> R {
-    // SAFETY: a statically initialized mutex, locked and unlocked by this
-    // thread; the list is ours while it is held.
-    unsafe {
-        libc::pthread_mutex_lock(REGISTRY.lock.get());
-        let r = f(&mut *REGISTRY.ranges.get());
-        libc::pthread_mutex_unlock(REGISTRY.lock.get());
-        r
-    }
-}
-
-/// Records `[start, start + len)`, now a shared mapping of `fd`, for the
-/// children of later forks. `fd` must stay open until [`forget`].
-pub(crate) fn remember(start: u64, len: u64, fd: libc::c_int) {
+/// Installs the fork handlers (once per process).
+pub(crate) fn install() {
     static HANDLERS: Once = Once::new();
     HANDLERS.call_once(|| {
         // SAFETY: the handlers are functions of this library that take no
@@ -66,35 +49,31 @@ pub(crate) fn remember(start: u64, len: u64, fd: libc::c_int) {
             tracing::error!(errno = r, "Cannot register the fork handlers");
         }
     });
-    with_ranges(|ranges| ranges.push(Moved { start, len, fd }));
-}
-
-/// Forgets the range starting at `start` (before its memfd is closed).
-pub(crate) fn forget(start: u64) {
-    with_ranges(|ranges| ranges.retain(|m| m.start != start));
 }
 
 extern "C" fn prepare() {
-    // SAFETY: see `with_ranges`; released by `parent` or `child`.
-    unsafe { libc::pthread_mutex_lock(REGISTRY.lock.get()) };
+    let regions = user_mem::regions();
+    HELD.with(|h| *h.borrow_mut() = Some(regions));
 }
 
 extern "C" fn parent() {
-    // SAFETY: taken by `prepare` on this thread.
-    unsafe { libc::pthread_mutex_unlock(REGISTRY.lock.get()) };
+    HELD.with(|h| drop(h.borrow_mut().take()));
 }
 
 extern "C" fn child() {
-    // SAFETY: this process's only thread; the parent's forking thread held
-    // the lock, so the list is whole. Nothing here allocates.
-    let ranges = unsafe { &*REGISTRY.ranges.get() };
-    for m in ranges {
-        // A copy that cannot be made leaves the range shared, as before.
-        // SAFETY: `copy_private`'s contract: the range is the memfd's.
-        let _ = unsafe { copy_private(*m) };
-    }
-    // SAFETY: the lock is this thread's (copied from the forking thread).
-    unsafe { libc::pthread_mutex_unlock(REGISTRY.lock.get()) };
+    HELD.with(|h| {
+        let Some(mut regions) = h.borrow_mut().take() else {
+            return;
+        };
+        for m in regions.moved() {
+            // A copy that cannot be made leaves the range shared, as
+            // before.
+            // SAFETY: `copy_private`'s contract: the range is the memfd's,
+            // and this is the process's only thread.
+            let _ = unsafe { copy_private(m) };
+        }
+        regions.forget_all();
+    });
 }
 
 /// Replaces the shared mapping of `m` by a private anonymous copy of the

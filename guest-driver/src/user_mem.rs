@@ -212,6 +212,21 @@ impl UserRegions {
         }
     }
 
+    /// Every region: where it is and the memfd holding it.
+    pub(crate) fn moved(&self) -> impl Iterator<Item = fork_copy::Moved> + '_ {
+        self.regions.iter().map(|(&start, r)| fork_copy::Moved {
+            start,
+            len: r.len,
+            fd: r.file.as_raw_fd(),
+        })
+    }
+
+    /// Drops every region without touching the pages or any device: in a
+    /// forked child, which owns none of them (its copies are private).
+    pub(crate) fn forget_all(&mut self) {
+        self.regions.clear();
+    }
+
     /// Number of regions.
     #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
@@ -246,7 +261,7 @@ impl UserRegions {
             file,
             holders: vec![(holder, 1)],
         };
-        fork_copy::remember(start, len, region.file.as_raw_fd());
+        fork_copy::install();
         if let Err(e) = transport.add_memory(&region.dma_region(start)) {
             region.restore(start);
             return Err(e.into());
@@ -272,7 +287,6 @@ impl UserRegion {
                 len = self.len,
                 "Registered memory was unmapped before its MR was deregistered"
             );
-            fork_copy::forget(start);
             return;
         }
         let size = self.len as usize;
@@ -295,7 +309,6 @@ impl UserRegion {
                 "Cannot give deregistered memory back as private memory; it stays shared"
             ),
         }
-        fork_copy::forget(start);
     }
 
     /// Whether every page of the region is still a mapping of its memfd:
@@ -613,12 +626,16 @@ mod tests {
     /// reach the parent, nor the parent's reach it.
     #[test]
     fn a_forked_child_writes_to_its_own_copy() {
+        // The process's regions, as a context's registration makes them
+        // (the fork handlers copy those); the lock is not held across the
+        // fork.
+        const HOLDER: Holder = u64::MAX;
         let t = Recorder::default();
-        let mut regions = UserRegions::default();
         let p = anon(2);
         let start = p as u64;
         // SAFETY: the test owns the pages.
-        let held = unsafe { regions.acquire(1, &t, start, start + 2 * PAGE_SIZE as u64) }.unwrap();
+        let held =
+            unsafe { regions().acquire(HOLDER, &t, start, start + 2 * PAGE_SIZE as u64) }.unwrap();
         // SAFETY: inside the mapping.
         unsafe { p.add(PAGE_SIZE).write_volatile(1) };
         let mut pipe = [0; 2];
@@ -636,7 +653,13 @@ mod tests {
                 // Waits for the parent's write, then reports what it sees.
                 libc::read(pipe[0], std::ptr::from_mut(&mut seen).cast(), 1);
                 let got = p.add(PAGE_SIZE).read_volatile();
-                libc::_exit(if got == 2 { 0 } else { 10 + i32::from(got) });
+                // The child holds none of the parent's regions.
+                let inherited = regions().len();
+                libc::_exit(match (got, inherited) {
+                    (2, 0) => 0,
+                    (2, _) => 9,
+                    _ => 10 + i32::from(got),
+                });
             }
         }
         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -650,18 +673,23 @@ mod tests {
         assert_eq!(
             libc::WEXITSTATUS(status),
             0,
-            "the child saw the parent's write (10 + value)"
+            "the child saw the parent's write (10 + value) or kept its regions (9)"
         );
         // SAFETY: inside the mapping.
         let now = unsafe { p.add(PAGE_SIZE).read_volatile() };
         assert_eq!(now, 3, "the child's write reached the parent");
         // The parent's mapping is still the device's.
-        let region = regions.regions.get(&start).unwrap();
         let mut byte = [0u8; 1];
-        std::os::unix::fs::FileExt::read_exact_at(&region.file, &mut byte, PAGE_SIZE as u64)
+        let file = regions()
+            .regions
+            .get(&start)
+            .unwrap()
+            .file
+            .try_clone()
             .unwrap();
+        std::os::unix::fs::FileExt::read_exact_at(&file, &mut byte, PAGE_SIZE as u64).unwrap();
         assert_eq!(byte[0], 3);
-        regions.release(1, &t, &held);
+        regions().release(HOLDER, &t, &held);
         // SAFETY: our fds.
         unsafe {
             libc::close(pipe[0]);
