@@ -320,13 +320,13 @@ pub fn memcpy_rate(size: usize, total: usize, trials: usize) -> f64 {
 }
 
 /// A zeroed-then-filled page-aligned heap buffer.
-struct PageBuffer {
+pub struct PageBuffer {
     ptr: std::ptr::NonNull<u8>,
     layout: std::alloc::Layout,
 }
 
 impl PageBuffer {
-    fn new(len: usize, fill: u8) -> Option<Self> {
+    pub fn new(len: usize, fill: u8) -> Option<Self> {
         let layout = std::alloc::Layout::from_size_align(len.max(1), 4096).ok()?;
         // SAFETY: `layout` has a non-zero size.
         let ptr = std::ptr::NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })?;
@@ -335,13 +335,13 @@ impl PageBuffer {
         Some(buf)
     }
 
-    fn bytes(&self) -> &[u8] {
+    pub fn bytes(&self) -> &[u8] {
         // SAFETY: `ptr` is a live, initialised allocation of `layout.size()`
         // bytes, owned by `self`.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.layout.size()) }
     }
 
-    fn bytes_mut(&mut self) -> &mut [u8] {
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
         // SAFETY: as in `bytes`, and `&mut self` makes the borrow unique.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.layout.size()) }
     }

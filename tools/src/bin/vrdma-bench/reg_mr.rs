@@ -11,6 +11,7 @@ use vrdma_spec::verbs::access;
 use vrdma_spec::zerocopy::IntoBytes;
 use vrdma_tools::vmm::{self, Vmm};
 
+use crate::baselines::{memcpy_rate, PageBuffer};
 use crate::host::{Host, Tenant};
 use crate::report::{percentiles, us};
 use crate::{verbs, BenchError, Result};
@@ -72,30 +73,35 @@ const APP_SIZES: [usize; 3] = [4096, 1 << 20, 16 << 20];
 /// onto a memfd (other threads' writes held meanwhile) and announces them,
 /// `dereg_mr` moves them back. Against, at their best on the same warm
 /// range: what a kernel driver does instead, pinning the pages (`mlock`
-/// and `munlock`), and the two copies the moves make (`memcpy` twice).
+/// and `munlock`), and the two copies the moves make (the bench's memcpy
+/// baseline, twice).
 pub fn run_app_memory(tenant: &Tenant) -> Result<()> {
     for size in APP_SIZES {
-        let range = AppMemory::new(size)?;
+        let no_memory = |what| BenchError::Baseline {
+            what,
+            source: std::io::ErrorKind::OutOfMemory.into(),
+        };
+        let mut range = PageBuffer::new(size, 0x5a)
+            .ok_or_else(|| no_memory("registration of application memory"))?;
         let rw = access::LOCAL_WRITE | access::REMOTE_WRITE | access::REMOTE_READ;
         let (mut reg, mut dereg) = (Vec::new(), Vec::new());
         for _ in 0..ROUNDS {
             let start = Instant::now();
-            // SAFETY: `range` is this function's own anonymous mapping,
-            // mapped while the MR lives and touched by no other thread.
-            let mr = unsafe { tenant.pd.reg_mr(range.ptr, size, rw) }
+            // SAFETY: `range` is this function's own heap buffer, alive
+            // while the MR lives and touched by no other thread.
+            let mr = unsafe { tenant.pd.reg_mr(range.bytes_mut().as_mut_ptr(), size, rw) }
                 .map_err(verbs("register application memory"))?;
             reg.push(start.elapsed());
             let start = Instant::now();
             drop(mr);
             dereg.push(start.elapsed());
         }
-        let pin = best_of(|| range.pin_and_unpin())?;
-        let mut copy_to = AppMemory::new(size)?;
-        let copies = best_of(|| {
-            copy_to.copy_from(&range);
-            copy_to.copy_from(&range);
-            Ok(())
-        })?;
+        let pin = best_of(|| pin_and_unpin(range.bytes()))?;
+        let rate = memcpy_rate(size, size, ROUNDS);
+        if rate <= 0.0 {
+            return Err(no_memory("memcpy"));
+        }
+        let copies = Duration::from_secs_f64(2.0 * size as f64 / rate);
         let (reg50, _) = percentiles(&mut reg);
         let (dereg50, _) = percentiles(&mut dereg);
         let whole = reg50 + dereg50;
@@ -126,67 +132,24 @@ fn best_of(mut f: impl FnMut() -> Result<()>) -> Result<Duration> {
     Ok(best)
 }
 
-/// Anonymous private memory, touched, as a malloc'd buffer is.
-struct AppMemory {
-    ptr: *mut u8,
-    len: usize,
-}
-
-impl AppMemory {
-    fn new(len: usize) -> Result<Self> {
-        // SAFETY: a fresh anonymous mapping at a kernel-chosen address.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                -1,
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(BenchError::Baseline {
-                what: "registration of application memory (mmap)",
-                source: std::io::Error::last_os_error(),
-            });
+/// Locks `bytes` into memory and unlocks them: what a kernel driver's
+/// pinning costs.
+fn pin_and_unpin(bytes: &[u8]) -> Result<()> {
+    let (addr, len) = (bytes.as_ptr().cast::<libc::c_void>(), bytes.len());
+    // SAFETY: mlock/munlock of memory this borrow keeps alive change no
+    // byte.
+    let r = unsafe {
+        if libc::mlock(addr, len) != 0 {
+            -1
+        } else {
+            libc::munlock(addr, len)
         }
-        // SAFETY: the `len` bytes just mapped.
-        unsafe { std::ptr::write_bytes(ptr.cast::<u8>(), 0x5a, len) };
-        Ok(Self {
-            ptr: ptr.cast(),
-            len,
-        })
+    };
+    if r != 0 {
+        return Err(BenchError::Baseline {
+            what: "pinning (mlock; is RLIMIT_MEMLOCK too low?)",
+            source: std::io::Error::last_os_error(),
+        });
     }
-
-    fn pin_and_unpin(&self) -> Result<()> {
-        // SAFETY: mlock/munlock of this mapping change no byte.
-        let r = unsafe {
-            if libc::mlock(self.ptr.cast(), self.len) != 0 {
-                -1
-            } else {
-                libc::munlock(self.ptr.cast(), self.len)
-            }
-        };
-        if r != 0 {
-            return Err(BenchError::Baseline {
-                what: "pinning (mlock; is RLIMIT_MEMLOCK too low?)",
-                source: std::io::Error::last_os_error(),
-            });
-        }
-        Ok(())
-    }
-
-    fn copy_from(&mut self, other: &AppMemory) {
-        // SAFETY: two distinct mappings of at least `len` bytes each.
-        unsafe { std::ptr::copy_nonoverlapping(other.ptr, self.ptr, self.len.min(other.len)) };
-        std::hint::black_box(self.ptr);
-    }
-}
-
-impl Drop for AppMemory {
-    fn drop(&mut self) {
-        // SAFETY: unmapping this value's own mapping.
-        unsafe { libc::munmap(self.ptr.cast(), self.len) };
-    }
+    Ok(())
 }
