@@ -1,7 +1,7 @@
 //! The memory-mapping system calls, made directly.
 //!
-//! Programs hook the C library's `mmap`, `munmap` and `mremap` (UCX's
-//! memory hooks patch them to invalidate its caches); a hook allocates,
+//! Programs hook the C library's `mmap`, `munmap`, `mremap` and `madvise`
+//! (UCX's memory hooks patch them to invalidate its caches); a hook allocates,
 //! takes locks and writes memory. Where the library must not do any of
 //! that — while other threads' writes are held (`write_freeze`), or in a
 //! forked child, where a lock another thread of the parent held stays
@@ -54,6 +54,18 @@ pub(crate) unsafe fn move_over(from: *mut u8, len: usize, to: u64) -> io::Result
             to,
         )
     };
+    check(r).map(|_| ())
+}
+
+/// Faults in the pages of `[addr, addr + len)` as private writable pages
+/// (`MADV_POPULATE_WRITE`, Linux 5.14), without changing a byte.
+///
+/// # Safety
+///
+/// The range is mapped memory of this process.
+pub(crate) unsafe fn populate_write(addr: *mut u8, len: usize) -> io::Result<()> {
+    // SAFETY: forwarded from the caller; the advice only faults pages in.
+    let r = unsafe { libc::syscall(libc::SYS_madvise, addr, len, libc::MADV_POPULATE_WRITE) };
     check(r).map(|_| ())
 }
 

@@ -89,6 +89,61 @@ impl UserRegion {
             device_addr: start,
         }
     }
+
+    /// Moves the region's pages back onto private anonymous memory with the
+    /// same contents (the device no longer reaches them). Pages the
+    /// application unmapped meanwhile — against `reg_mr`'s contract — are
+    /// left alone: something else may be mapped there now.
+    fn restore(self, start: u64) {
+        if !self.still_mapped_at(start) {
+            tracing::warn!(
+                start = format_args!("{start:#x}"),
+                len = self.len,
+                "Registered memory was unmapped before its MR was deregistered"
+            );
+            return;
+        }
+        let size = self.len as usize;
+        let moved = raw_mm::map_anonymous(size).and_then(|private| {
+            populate(private, size);
+            // SAFETY: the range is this region's shared mapping (checked
+            // above), which the application lets the library replace with
+            // the same contents; `private` is the fresh mapping.
+            unsafe { replace_pages(start, self.len, private) }
+        });
+        match moved {
+            Ok(None) => {}
+            Ok(Some(e)) => warn_unfrozen_once(&e),
+            // The pages stay shared, and reachable by no device: only a
+            // forked child would share them (the fork copy goes with the
+            // region).
+            Err(e) => tracing::warn!(
+                error = %e,
+                start = format_args!("{start:#x}"),
+                "Cannot give deregistered memory back as private memory; it stays shared"
+            ),
+        }
+    }
+
+    /// Whether every page of the region is still a mapping of its memfd:
+    /// the mappings over the range are all of the memfd's inode and cover
+    /// it whole. Asked of `/proc/self/maps` with `PROCMAP_QUERY` (Linux
+    /// 6.11), which finds each mapping directly; older kernels' text is
+    /// read whole (it costs ~150 µs in a process with many mappings).
+    fn still_mapped_at(&self, start: u64) -> bool {
+        let Ok(inode) = self.file.metadata().map(|m| m.ino()) else {
+            return false;
+        };
+        let Ok(maps) = File::open("/proc/self/maps") else {
+            return false;
+        };
+        let end = start + self.len;
+        match covered_by_inode_query(&maps, start, end, inode) {
+            Ok(covered) => covered,
+            Err(_) => std::io::read_to_string(maps)
+                .is_ok_and(|text| covered_by_inode(&text, start, end, inode)),
+        }
+    }
 }
 
 /// The regions made from application memory, by start address.
@@ -275,63 +330,6 @@ impl UserRegions {
     }
 }
 
-impl UserRegion {
-    /// Moves the region's pages back onto private anonymous memory with the
-    /// same contents (the device no longer reaches them). Pages the
-    /// application unmapped meanwhile — against `reg_mr`'s contract — are
-    /// left alone: something else may be mapped there now.
-    fn restore(self, start: u64) {
-        if !self.still_mapped_at(start) {
-            tracing::warn!(
-                start = format_args!("{start:#x}"),
-                len = self.len,
-                "Registered memory was unmapped before its MR was deregistered"
-            );
-            return;
-        }
-        let size = self.len as usize;
-        let moved = raw_mm::map_anonymous(size).and_then(|private| {
-            populate(private, size);
-            // SAFETY: the range is this region's shared mapping (checked
-            // above), which the application lets the library replace with
-            // the same contents; `private` is the fresh mapping.
-            unsafe { replace_pages(start, self.len, private) }
-        });
-        match moved {
-            Ok(None) => {}
-            Ok(Some(e)) => warn_unfrozen_once(&e),
-            // The pages stay shared, and reachable by no device: only a
-            // forked child would share them (the fork copy goes with the
-            // region).
-            Err(e) => tracing::warn!(
-                error = %e,
-                start = format_args!("{start:#x}"),
-                "Cannot give deregistered memory back as private memory; it stays shared"
-            ),
-        }
-    }
-
-    /// Whether every page of the region is still a mapping of its memfd:
-    /// the mappings over the range are all of the memfd's inode and cover
-    /// it whole. Asked of `/proc/self/maps` with `PROCMAP_QUERY` (Linux
-    /// 6.11), which finds each mapping directly; older kernels' text is
-    /// read whole (it costs ~150 µs in a process with many mappings).
-    fn still_mapped_at(&self, start: u64) -> bool {
-        let Ok(inode) = self.file.metadata().map(|m| m.ino()) else {
-            return false;
-        };
-        let Ok(maps) = File::open("/proc/self/maps") else {
-            return false;
-        };
-        let end = start + self.len;
-        match covered_by_inode_query(&maps, start, end, inode) {
-            Ok(covered) => covered,
-            Err(_) => std::io::read_to_string(maps)
-                .is_ok_and(|text| covered_by_inode(&text, start, end, inode)),
-        }
-    }
-}
-
 /// `struct procmap_query` of `<linux/fs.h>`.
 #[repr(C)]
 #[derive(Default)]
@@ -392,9 +390,8 @@ fn covered_by_inode_query(maps: &File, start: u64, end: u64, inode: u64) -> io::
 /// 11 ms an anonymous mapping's, against 7–9 ms for the held copy).
 /// Best effort (older kernels lack `MADV_POPULATE_WRITE`).
 fn populate(mapping: *mut u8, len: usize) {
-    // SAFETY: madvise on a mapping the caller just made; POPULATE_WRITE
-    // only faults its pages in.
-    unsafe { libc::madvise(mapping.cast(), len, libc::MADV_POPULATE_WRITE) };
+    // SAFETY: a mapping the caller just made.
+    let _ = unsafe { raw_mm::populate_write(mapping, len) };
 }
 
 /// Whether the mappings listed in `maps` (`/proc/<pid>/maps` format) cover

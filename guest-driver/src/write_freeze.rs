@@ -123,18 +123,8 @@ impl WriteFreeze {
         // only: fault them in, as private writable pages, without changing
         // a byte (for a moment, as much memory again as the untouched pages).
         if !unpopulated_too {
-            // SAFETY: madvise on the caller's mapped range; POPULATE_WRITE
-            // only faults pages in.
-            let r = unsafe {
-                libc::madvise(
-                    start as *mut libc::c_void,
-                    len as usize,
-                    libc::MADV_POPULATE_WRITE,
-                )
-            };
-            if r != 0 {
-                return Err(io::Error::last_os_error());
-            }
+            // SAFETY: the caller's mapped range.
+            unsafe { raw_mm::populate_write(start as *mut u8, len as usize) }?;
         }
         let range = UffdioRange { start, len };
         let mut register = UffdioRegister {
