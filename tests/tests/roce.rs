@@ -485,6 +485,71 @@ fn unmodified_programs_run_between_tenants_on_different_hosts() {
     }
 }
 
+/// UD and UC between hosts: Debian's pingpongs with their data checked
+/// (`-c`), 10,000 exchanges each, and perftest's UD SEND and UC WRITE
+/// bandwidth; then a UD address handle towards a network the tenant may
+/// not reach is refused, and the datagrams' way is counted per peer.
+#[test]
+fn ud_and_uc_run_between_tenants_on_different_hosts() {
+    let _one = serial();
+    vrdma_tests::need::root("network namespaces");
+    let shim = IbverbsShim::new();
+    let fabric = Fabric::start();
+    let before = packets_to(fabric.hostd(1), "h2");
+    let r = run_between_h1_and_h2(
+        &fabric,
+        &shim,
+        &[
+            (
+                "ibv_ud_pingpong",
+                &["-g", "0", "-n", "10000", "-s", "1024", "-c"],
+            ),
+            (
+                "ibv_uc_pingpong",
+                &["-g", "0", "-n", "10000", "-s", "4096", "-c"],
+            ),
+            (
+                "ib_send_bw",
+                &["-c", "UD", "-x", "0", "-s", "1024", "-n", "2000"],
+            ),
+            (
+                "ib_write_bw",
+                &["-c", "UC", "-x", "0", "-s", "65536", "-n", "500"],
+            ),
+        ],
+        Duration::from_secs(120),
+    );
+    assert!(
+        text(&r.1).contains("10000 iters"),
+        "the UD client ran every exchange:\n{}",
+        text(&r.1)
+    );
+    // 10,000 datagrams each way at least crossed the bridge, as UDP.
+    assert!(packets_to(fabric.hostd(1), "h2") >= before + 20_000);
+    // alpha (blue) may not address beta (red): its address handle is
+    // refused, and the program says so.
+    let (s, c) = pair(
+        &shim,
+        fabric.device(1, "alpha"),
+        fabric.device(3, "beta"),
+        "ibv_ud_pingpong",
+        &["-g", "0", "-n", "10"],
+        Duration::from_secs(20),
+    );
+    assert!(
+        !s.status.success() && !c.status.success(),
+        "alpha and beta exchanged datagrams:\n{}\n{}",
+        text(&s),
+        text(&c)
+    );
+    assert!(
+        text(&s).contains("Failed to create AH") || text(&c).contains("Failed to create AH"),
+        "refused at the AH:\n{}\n{}",
+        text(&s),
+        text(&c)
+    );
+}
+
 #[test]
 fn a_tenant_cannot_connect_to_another_network_on_another_host() {
     let _one = serial();

@@ -15,8 +15,8 @@
 //! it reaches its vdev through a unix socket.
 //!
 //! Each program runs in both directions, vrdma server with rxe client and
-//! rxe server with vrdma client: `ibv_rc_pingpong` with `-c` (the data
-//! checked), perftest's `ib_write_bw`, `ib_read_bw`, `ib_send_bw` and
+//! rxe server with vrdma client: `ibv_rc_pingpong`, `ibv_ud_pingpong` and
+//! `ibv_uc_pingpong` with `-c` (the data checked), perftest's `ib_write_bw`, `ib_read_bw`, `ib_send_bw` and
 //! `ib_atomic_bw`, all at path MTU 1024 (`-m 1024`: the guest's rxe port
 //! runs at 1024 on eth0's MTU of 1500; vrdma's port reports 4096). Both
 //! sides must exit 0. The test runs every case, then fails with each
@@ -123,6 +123,22 @@ const RXE_OUTSTANDING: &[&str] = &["-o", "16"];
 const CASES: &[Case] = &[
     Case {
         program: "ibv_rc_pingpong",
+        gid_flag: "-g",
+        args: &["-m", MTU, "-n", "200", "-s", "4096", "-c"],
+        rxe_args: &[],
+        client_says: pingpong_done,
+    },
+    // UD: datagrams of 512 bytes (with the GRH well inside rxe's 1024),
+    // the data checked.
+    Case {
+        program: "ibv_ud_pingpong",
+        gid_flag: "-g",
+        args: &["-n", "200", "-s", "512", "-c"],
+        rxe_args: &[],
+        client_says: pingpong_done,
+    },
+    Case {
+        program: "ibv_uc_pingpong",
         gid_flag: "-g",
         args: &["-m", MTU, "-n", "200", "-s", "4096", "-c"],
         rxe_args: &[],

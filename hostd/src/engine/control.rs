@@ -11,7 +11,7 @@ use std::time::Instant;
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::messages::{MrRegistration, QpModify, QpSetup};
 use vrdma_spec::limits::{MAX_CQ_DEPTH, MAX_QPS, MAX_RING_DEPTH, MAX_WQE_STRIDE};
-use vrdma_spec::ring::{CQE_SIZE, EVENT_SIZE};
+use vrdma_spec::ring::{CQE_SIZE, EVENT_SIZE, QKEY_CONTROLLED};
 use vrdma_spec::verbs::{access, QpState, QpType};
 use vrdma_tenant_policy::TenantPolicy;
 
@@ -86,6 +86,7 @@ impl Engine {
                 })
                 .collect(),
             rank,
+            policy: policy.clone(),
             counters: Default::default(),
         });
         if first {
@@ -480,6 +481,7 @@ impl Engine {
             peer: None,
             issued: 0,
             remote: None,
+            ud_psn: 0,
         };
         for index in [send_cq, recv_cq] {
             if let Some(cq) = dev.cqs.get_mut(index) {
@@ -535,6 +537,12 @@ impl Engine {
                 return Err(EngineError::Invalid("flow label exceeds 20 bits"));
             }
         }
+        if m.qkey.is_some_and(|k| k & QKEY_CONTROLLED != 0) {
+            // vdev refuses it first; a compromised one gets the same.
+            return Err(EngineError::Privileged(
+                "a Q_Key with the high bit set is reserved to privileged QPs",
+            ));
+        }
         if m.access.is_some_and(|a| a & !access::QP_SUPPORTED != 0) {
             return Err(EngineError::Invalid("unknown QP access flags"));
         }
@@ -545,14 +553,8 @@ impl Engine {
         if qp.state == QpState::Err && !matches!(to, QpState::Reset | QpState::Err) {
             return Err(EngineError::Invalid("the QP is in the error state"));
         }
-        match (qp.qp_type, &m.connection) {
-            (QpType::Ud, Some(_)) => return Err(EngineError::Invalid("a UD QP has no connection")),
-            // UC runs between devices of this host only, for now: its
-            // wire transport (no ACKs, PSN sequence only) is not built.
-            (QpType::Uc, Some(c)) if !self.gids.contains_key(&c.dgid) => {
-                return Err(EngineError::Unsupported("UC towards another host"))
-            }
-            _ => {}
+        if qp.qp_type == QpType::Ud && m.connection.is_some() {
+            return Err(EngineError::Invalid("a UD QP has no connection"));
         }
         let Some(qp) = self.qps.get_mut(qref) else {
             return Err(EngineError::UnknownQp(m.vqpn));
@@ -686,6 +688,9 @@ impl Engine {
         }
         for dev in self.devices.values_mut() {
             dev.rank = self.sched.rank(dev.id).unwrap_or(u8::MAX);
+            if let Some(t) = tenants.iter().find(|t| *t.name == *dev.tenant) {
+                dev.policy = t.clone();
+            }
         }
     }
 

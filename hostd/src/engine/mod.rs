@@ -115,6 +115,8 @@ pub enum EngineError {
     Limit(&'static str),
     #[error("Not supported: {0}")]
     Unsupported(&'static str),
+    #[error("Not permitted: {0}")]
+    Privileged(&'static str),
 }
 
 impl EngineError {
@@ -136,6 +138,7 @@ impl EngineError {
             EngineError::Invalid(_) => libc::EINVAL,
             EngineError::Limit(_) => libc::ENOSPC,
             EngineError::Unsupported(_) => libc::EOPNOTSUPP,
+            EngineError::Privileged(_) => libc::EPERM,
         }
     }
 }
@@ -198,6 +201,9 @@ pub struct Device {
     pqps: Vec<Pqp>,
     /// Its tenant's class (0 = realtime), for segmenting its long messages.
     rank: u8,
+    /// Its tenant's policy as last put in force: which networks datagrams
+    /// from another host may come from.
+    policy: vrdma_tenant_policy::TenantPolicy,
     /// What its work did (folded into its tenant's account when asked or
     /// when it goes).
     counters: CompletionCounts,

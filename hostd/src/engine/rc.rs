@@ -59,6 +59,10 @@ pub fn rnr_timer(code: u8) -> Duration {
     Duration::from_micros(u64::from(units) * 10)
 }
 
+/// How long a send waits for room in a full packet queue (the kernel
+/// drains it in microseconds).
+pub const QUEUE_WAIT: Duration = Duration::from_micros(20);
+
 /// A QP's index in the engine's slab.
 pub type QpRef = usize;
 
@@ -69,6 +73,9 @@ pub enum WaitKind {
     Rnr,
     /// The packet was lost (no responder, or not ready): retried.
     Retry,
+    /// The packet queue towards the network was full: run again shortly,
+    /// unchanged (a datagram waits for room; it is not dropped).
+    Queue,
 }
 
 /// A send WQE waiting to be retried.
@@ -151,6 +158,9 @@ pub struct Qp {
     pub issued: u32,
     /// The transport state, when the peer is on another host.
     pub remote: Option<Box<super::wire::state::RemoteQp>>,
+    /// A UD QP's next send PSN on the wire (receivers do not check it,
+    /// as in IBA 9.7.6.1.1 and rxe; it counts datagrams for a capture).
+    pub ud_psn: u32,
 }
 
 impl Qp {
@@ -289,6 +299,9 @@ pub(super) enum Step {
     },
     Rnr(Duration),
     Dropped,
+    /// The packet queue is full: the WQE runs again after [`QUEUE_WAIT`],
+    /// nothing of it done.
+    Blocked,
     /// The message goes on from byte `next`; this step moved `moved`.
     Segment {
         next: u64,
@@ -361,7 +374,7 @@ impl Engine {
         let segmented = self.sched.outranked(rank, now);
         let chunk = if segmented { SEGMENT } else { STEP };
         let step = if ud {
-            self.ud_send(qref, &work)
+            self.ud_send(qref, &work, now)
         } else {
             self.transfer(qref, &work, offset, chunk)
         };
@@ -415,6 +428,17 @@ impl Engine {
                     return Outcome::default();
                 }
                 (WcStatus::RetryExcErr, None)
+            }
+            Step::Blocked => {
+                if let Some(qp) = self.qps.get_mut(qref) {
+                    qp.wait = Some(Wait {
+                        kind: WaitKind::Queue,
+                        due: now + QUEUE_WAIT,
+                        left: 0,
+                    });
+                    qp.waiting = true;
+                }
+                return Outcome::default();
             }
         };
         let moved = if status == WcStatus::Success {
@@ -475,7 +499,7 @@ impl Engine {
         let limit = match (kind, qp.conn) {
             (WaitKind::Rnr, Some(c)) => c.rnr_retry,
             (WaitKind::Retry, Some(c)) => c.retry_cnt,
-            (_, None) => 0,
+            (WaitKind::Queue, _) | (_, None) => 0,
         };
         let left = match qp.wait {
             Some(w) if w.kind == kind => w.left,

@@ -172,10 +172,13 @@ pub struct Env {
     pub now: Instant,
 }
 
-/// A tenant policy for the tests: class `class`, unlimited.
+/// A tenant policy for the tests: class `class`, unlimited, its network
+/// its name.
 pub fn tenant(name: &str, class: PriorityClass) -> TenantPolicy {
     let mut t = Policy::default_policy().tenants[0].clone();
     t.name = name.into();
+    t.network = None;
+    t.reachable.clear();
     t.priority.class = class;
     t
 }

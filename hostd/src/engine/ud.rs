@@ -20,6 +20,7 @@
 
 use std::net::Ipv4Addr;
 use std::sync::Arc;
+use std::time::Instant;
 
 use vrdma_hostd_protocol::messages::AhSetup;
 use vrdma_roce::{
@@ -40,8 +41,10 @@ pub struct Ah {
     pub pd: u32,
     pub dgid: Gid,
     /// The destination device's tenant when the AH was created (and its
-    /// reachability checked).
+    /// reachability checked); empty for a remote one.
     pub tenant: Arc<str>,
+    /// Its GID is on another host: datagrams go on the wire.
+    pub remote: bool,
     pub hop_limit: u8,
     pub traffic_class: u8,
     /// Whether its datagrams carry a GRH (always on Ethernet; on
@@ -100,18 +103,26 @@ pub enum Drop {
 }
 
 impl Engine {
-    /// An address handle `s.ahn` of device `id`; the destination must be a
-    /// device of this host (hostd checked the tenant may reach it).
+    /// An address handle `s.ahn` of device `id` (hostd checked the tenant
+    /// may reach its destination): a device of this host, or — when the
+    /// engine is on a fabric — a GID on another host, whose datagrams go
+    /// on the wire.
     pub fn create_ah(&mut self, id: DeviceId, s: &AhSetup) -> Result<(), EngineError> {
-        let dest = self
+        let local = self
             .gids
             .get(&s.dgid)
             .and_then(|contexts| contexts.first())
             .and_then(|d| self.devices.get(d))
-            .map(|d| Arc::clone(&d.tenant))
-            .ok_or(EngineError::Unsupported(
-                "UD towards another host (UD runs between devices of one host)",
-            ))?;
+            .map(|d| Arc::clone(&d.tenant));
+        let (tenant, remote) = match local {
+            Some(tenant) => (tenant, false),
+            None if self.wire.is_some() => (Arc::from(""), true),
+            None => {
+                return Err(EngineError::Unsupported(
+                    "UD towards another host (this hostd is on no fabric)",
+                ))
+            }
+        };
         let dev = self.device_mut(id)?;
         if dev.ahs.contains_key(&s.ahn) {
             return Err(EngineError::Exists("AH"));
@@ -121,7 +132,8 @@ impl Engine {
             Ah {
                 pd: s.pd,
                 dgid: s.dgid,
-                tenant: dest,
+                tenant,
+                remote,
                 hop_limit: s.hop_limit,
                 traffic_class: s.traffic_class,
                 grh: s.dlid.is_none(),
@@ -154,7 +166,7 @@ impl Engine {
 
     /// Sends UD WQE `work` of QP `qref`: the step completes it (successfully
     /// unless the WQE itself is wrong), whatever becomes of the message.
-    pub(super) fn ud_send(&mut self, qref: QpRef, work: &SendWork) -> Step {
+    pub(super) fn ud_send(&mut self, qref: QpRef, work: &SendWork, now: Instant) -> Step {
         let Some(qp) = self.qps.get(qref) else {
             return done(WcStatus::LocQpOpErr);
         };
@@ -184,6 +196,9 @@ impl Engine {
         } else {
             dest.remote_qkey
         };
+        if ah.remote {
+            return self.ud_send_remote(qref, work, &ah, dest.remote_qpn, qkey, now);
+        }
         // The destination: the AH's device, still of the tenant it was
         // checked against, and its UD QP.
         // (any of its contexts: a QP number names one QP of the device).
@@ -230,6 +245,19 @@ impl Engine {
         grh: Option<&[u8]>,
         from: Sender,
     ) {
+        let message = Datagram {
+            payload: Payload::Local(qref, work),
+            length: work.length,
+            imm: (work.opcode == SendOpcode::SendWithImm).then_some(work.imm_data),
+            solicited: work.flags & send_flags::SOLICITED != 0,
+            grh,
+            from,
+        };
+        self.deliver(peer, &message);
+    }
+
+    /// Delivers `m` to UD QP `peer` (see [`Engine::deliver_datagram`]).
+    pub(super) fn deliver(&mut self, peer: QpRef, m: &Datagram<'_>) {
         let Some(p) = self.qps.get(peer) else {
             return;
         };
@@ -250,11 +278,10 @@ impl Engine {
             }
             return;
         }
-        let (Some(qp), Some(p)) = (self.qps.get(qref), self.qps.get(peer)) else {
+        let Some(p) = self.qps.get(peer) else {
             return;
         };
-        let (device, pd) = (qp.device, qp.pd);
-        let needed = u64::from(GRH_SIZE) + work.length;
+        let needed = u64::from(GRH_SIZE) + m.length;
         let ok = p.rq_head.length >= needed
             && self
                 .keys
@@ -270,13 +297,18 @@ impl Engine {
             p.rq_head.sges(),
             access::LOCAL_WRITE,
         );
-        let copied = grh.is_none_or(|grh| keys::write_bytes(grh, &dst))
-            && match work.local {
-                Local::Inline(_) => keys::scatter(work.inline(), &dst, u64::from(GRH_SIZE)),
-                _ => {
-                    let src = SgeList::new(&self.keys, device, pd, work.sges(), 0);
-                    keys::copy_between(&src, 0, &dst, u64::from(GRH_SIZE), work.length)
-                }
+        let at = u64::from(GRH_SIZE);
+        let copied = m.grh.is_none_or(|grh| keys::write_bytes(grh, &dst))
+            && match m.payload {
+                Payload::Bytes(bytes) => keys::scatter(bytes, &dst, at),
+                Payload::Local(qref, work) => match (work.local, self.qps.get(qref)) {
+                    (Local::Inline(_), _) => keys::scatter(work.inline(), &dst, at),
+                    (_, Some(qp)) => {
+                        let src = SgeList::new(&self.keys, qp.device, qp.pd, work.sges(), 0);
+                        keys::copy_between(&src, 0, &dst, at, work.length)
+                    }
+                    (_, None) => false,
+                },
             };
         if !copied {
             self.count_drop(dest_di, Drop::Invalid);
@@ -286,28 +318,46 @@ impl Engine {
             wr_id: p.rq_head.wr_id.into(),
             status: WcStatus::Success.into(),
             opcode: WcOpcode::Recv.into(),
-            wc_flags: if grh.is_some() { wc_flags::GRH } else { 0 },
-            slid: from.lid.into(),
+            wc_flags: if m.grh.is_some() { wc_flags::GRH } else { 0 },
+            slid: m.from.lid.into(),
             byte_len: u32::try_from(needed).unwrap_or(u32::MAX).into(),
             qp_num: p.vqpn.into(),
-            src_qp: from.qpn.into(),
+            src_qp: m.from.qpn.into(),
             ..Cqe::default()
         };
-        if work.opcode == SendOpcode::SendWithImm {
-            cqe.imm_data = work.imm_data;
+        if let Some(imm) = m.imm {
+            cqe.imm_data = imm;
             cqe.wc_flags |= wc_flags::WITH_IMM;
         }
-        let solicited = work.flags & send_flags::SOLICITED != 0;
-        self.complete_recv(peer, &cqe, solicited);
+        self.complete_recv(peer, &cqe, m.solicited);
     }
+}
+
+/// A datagram on its way into a receive.
+pub(super) struct Datagram<'a> {
+    pub payload: Payload<'a>,
+    pub length: u64,
+    pub imm: Option<[u8; 4]>,
+    pub solicited: bool,
+    /// The 40 bytes the receive buffer starts with, if it has a GRH.
+    pub grh: Option<&'a [u8]>,
+    pub from: Sender,
+}
+
+/// Where a datagram's bytes are.
+pub(super) enum Payload<'a> {
+    /// In the send WQE of a QP of this host.
+    Local(QpRef, &'a SendWork),
+    /// In a packet that came from the wire.
+    Bytes(&'a [u8]),
 }
 
 /// Who sent a datagram, as its receiver's completion names it.
 #[derive(Debug, Clone, Copy)]
-struct Sender {
-    qpn: u32,
+pub(super) struct Sender {
+    pub qpn: u32,
     /// The sending port's LID (0 on Ethernet).
-    lid: u16,
+    pub lid: u16,
 }
 
 /// The GRH of a UD message from the device of `src` through `ah`: as

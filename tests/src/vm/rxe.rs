@@ -53,6 +53,7 @@ pub const PROGRAMS: &[&str] = &[
     "/usr/bin/ibv_devices",
     "/usr/bin/ibv_rc_pingpong",
     "/usr/bin/ibv_ud_pingpong",
+    "/usr/bin/ibv_uc_pingpong",
     "/usr/bin/ib_write_bw",
     "/usr/bin/ib_read_bw",
     "/usr/bin/ib_send_bw",

@@ -42,6 +42,8 @@ pub enum VerbError {
     Fabric(#[source] FabricError),
     #[error("No eventfd for hostd")]
     Notify(#[source] FdError),
+    #[error("Not permitted: {0}")]
+    Privileged(&'static str),
 }
 
 impl VerbError {
@@ -60,6 +62,7 @@ impl VerbError {
             VerbError::Exists(_) => libc::EEXIST,
             VerbError::Fabric(e) => e.errno(),
             VerbError::Notify(e) => e.errno(),
+            VerbError::Privileged(_) => libc::EPERM,
         }
     }
 }

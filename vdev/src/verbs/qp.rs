@@ -8,7 +8,7 @@ use vrdma_spec::control::{
 };
 use vrdma_spec::limits::{CapLimits, Caps, QpGrant, MAX_QPS};
 use vrdma_spec::qp_state::{check_mask, mask};
-use vrdma_spec::ring::WorkRingGeometry;
+use vrdma_spec::ring::{WorkRingGeometry, QKEY_CONTROLLED};
 use vrdma_spec::verbs::{access, lid, Mtu, QpState, QpType};
 
 use vrdma_tenant_policy::Limits;
@@ -247,6 +247,14 @@ impl RdmaDevice {
         };
         check_supported_mask(attr_mask)?;
         check_mask(qp.qp_type, qp.state, next, attr_mask).map_err(VerbError::Transition)?;
+        if attr_mask & mask::QKEY != 0 && a.qkey.get() & QKEY_CONTROLLED != 0 {
+            // A controlled Q_Key (high bit) is the privileged QPs' (QP1's
+            // 0x80010000): Linux refuses it to users without CAP_NET_RAW
+            // with EPERM, and a tenant is never privileged.
+            return Err(VerbError::Privileged(
+                "a Q_Key with the high bit set is reserved to privileged QPs",
+            ));
+        }
         validate_attr(a, attr_mask, port_mtu, link, max_rd_atomic)?;
         let mut merged = qp.attr;
         apply_attr(&mut merged, a, attr_mask);

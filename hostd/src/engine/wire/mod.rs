@@ -1,26 +1,32 @@
-//! RC service between a QP of this host and one on another host, as
-//! RoCEv2 packets: hostd is the NIC's transport. [`requester`] puts send
-//! WQEs on the wire and completes them when answered; [`responder`] takes
-//! request packets in PSN order; this module owns the packet queues (the
-//! [`PacketIo`] a NIC's physical queues stand for), receives and
-//! dispatches, and keeps the per-peer counters.
+//! RC, UC and UD service between a QP of this host and one on another
+//! host, as RoCEv2 packets: hostd is the NIC's transport. [`requester`]
+//! puts RC and UC send WQEs on the wire (RC's complete when answered,
+//! UC's when sent); [`responder`] takes RC request packets in PSN order,
+//! [`uc`] UC ones (no acknowledgements: a gap drops the message it
+//! interrupts); [`datagram`] sends and receives UD. This module owns the
+//! packet queues (the [`PacketIo`] a NIC's physical queues stand for),
+//! receives and dispatches, and keeps the per-peer counters.
 //!
-//! A packet is accepted only if it parses (ICRC included), is addressed
-//! to a GID of a device here, names a QP of that device that is connected
-//! to exactly the packet's source GID, and that source is a GID the
-//! directory knows. Tenants never build packets: hostd does, from WQEs it
+//! A packet is accepted only if it parses (ICRC included), its source is
+//! a GID the directory knows, it is addressed to a GID of a device here
+//! and names a QP of that device of the packet's transport, which is
+//! connected to exactly the packet's source GID (RC, UC) or whose
+//! tenant may reach the source's network (UD). Tenants never build packets: hostd does, from WQEs it
 //! checked.
 
+mod datagram;
 mod peers;
 mod requester;
 mod responder;
 pub mod state;
+mod uc;
 
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vrdma_roce::{Bth, Headers, Ipv4Meta, Psn};
+use vrdma_spec::verbs::QpType;
 
 use crate::net::directory::Directory;
 use crate::net::io::{InPacket, OutPacket, PacketIo};
@@ -66,8 +72,24 @@ pub mod op {
     pub const ATOMIC_ACK: u8 = 0x12;
     pub const CMP_SWAP: u8 = 0x13;
     pub const FETCH_ADD: u8 = 0x14;
+    /// What UC's opcodes add to RC's (IBA table 37: transport 001).
+    pub const UC: u8 = 0x20;
+    /// The transport bits of an opcode.
+    pub const TRANSPORT: u8 = 0xe0;
+    /// UD's SEND ONLY, without and with immediate (transport 011).
+    pub const UD_SEND_ONLY: u8 = 0x64;
+    pub const UD_SEND_ONLY_IMM: u8 = 0x65;
 
-    /// The opcode of `code` (one of the constants above, all RC opcodes).
+    /// Whether `code` (an RC or UC operation) starts a message.
+    pub fn is_first_or_only(code: u8) -> bool {
+        matches!(
+            code,
+            SEND_FIRST | SEND_ONLY | SEND_ONLY_IMM | WRITE_FIRST | WRITE_ONLY | WRITE_ONLY_IMM
+        )
+    }
+
+    /// The opcode of `code` (one of the constants above, or an RC one
+    /// plus [`UC`]).
     pub fn opcode(code: u8) -> Opcode {
         Opcode::from_u8(code).unwrap_or(Opcode::RcSendOnly)
     }
@@ -388,7 +410,7 @@ impl Engine {
                 return;
             }
         };
-        let Some(peer) = w.peers.of_gid(&*w.directory, meta.src) else {
+        let Some((peer, network)) = w.peers.source(&*w.directory, meta.src) else {
             w.peers.dropped(0, "unknown_source");
             return;
         };
@@ -398,10 +420,21 @@ impl Engine {
             return;
         }
         let code = pkt.bth.opcode as u8;
-        if code > op::FETCH_ADD {
-            w.drop_packet(peer, "unsupported_opcode");
-            return;
-        }
+        let transport = match code & op::TRANSPORT {
+            0 if code <= op::FETCH_ADD => QpType::Rc,
+            op::UC => QpType::Uc,
+            _ if matches!(code, op::UD_SEND_ONLY | op::UD_SEND_ONLY_IMM) => {
+                // The IPv4 header is the GRH's second half (parse_ipv4
+                // took 20 bytes of it).
+                let ip_header = bytes.get(..20).unwrap_or(&[]);
+                self.datagram(w, peer, &network, &meta, ip_header, &pkt);
+                return;
+            }
+            _ => {
+                w.drop_packet(peer, "unsupported_opcode");
+                return;
+            }
+        };
         let Some(qref) = self.remote_qp_for(meta.dst, pkt.bth.dest_qp) else {
             tracing::debug!(dst = %meta.dst, qpn = pkt.bth.dest_qp, src = %meta.src, "Packet for an unknown QP dropped");
             w.drop_packet(peer, "unknown_qp");
@@ -410,6 +443,10 @@ impl Engine {
         let Some(qp) = self.qps.get(qref) else {
             return;
         };
+        if qp.qp_type != transport {
+            w.drop_packet(peer, "wrong_transport");
+            return;
+        }
         let Some(remote) = qp.remote.as_deref() else {
             w.drop_packet(peer, "not_connected");
             return;
@@ -418,7 +455,13 @@ impl Engine {
             w.drop_packet(peer, "not_connected");
             return;
         }
-        if op::is_request(code) {
+        if transport == QpType::Uc {
+            if !qp.receives() {
+                w.drop_packet(peer, "qp_not_ready");
+                return;
+            }
+            self.uc_request(w, qref, &pkt, now);
+        } else if op::is_request(code) {
             if !qp.receives() {
                 w.drop_packet(peer, "qp_not_ready");
                 return;
@@ -502,6 +545,7 @@ impl Engine {
         let dst = Ipv4Addr::from(vrdma_spec::gid::ipv4_of(&c.dgid)?);
         let qp = self.qps.get(qref)?;
         let src = Ipv4Addr::from(vrdma_spec::gid::ipv4_of(&self.devices.at(qp.dev)?.gid)?);
+        let uc = qp.qp_type == QpType::Uc;
         let peer = self.peer_index(dst);
         Some(state::Connection {
             path: Path {
@@ -519,6 +563,7 @@ impl Engine {
             min_rnr_timer: c.min_rnr_timer,
             max_rd_atomic: c.max_rd_atomic,
             peer,
+            unacknowledged: uc,
         })
     }
 
@@ -558,3 +603,5 @@ fn source_peer(w: &mut Wire, bytes: &[u8]) -> usize {
 mod link;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_unreliable;

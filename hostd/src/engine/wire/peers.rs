@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -70,8 +71,9 @@ pub struct Peers {
     pub global: PeerStats,
     hosts: Vec<PeerStats>,
     by_name: HashMap<String, usize>,
-    /// GID → peer index, as the directory said at `generation`.
-    by_gid: HashMap<Ipv4Addr, usize>,
+    /// GID → peer index and the GID's network, as the directory said at
+    /// `generation`.
+    by_gid: HashMap<Ipv4Addr, (usize, Arc<str>)>,
     generation: u64,
 }
 
@@ -98,13 +100,23 @@ impl Peers {
 
     /// The peer index of the host serving `gid`, if the directory knows it.
     pub fn of_gid(&mut self, directory: &dyn Directory, gid: Ipv4Addr) -> Option<usize> {
+        self.source(directory, gid).map(|(i, _)| i)
+    }
+
+    /// The peer index of the host serving `gid` and the tenant network
+    /// `gid` is in, if the directory knows it.
+    pub fn source(
+        &mut self,
+        directory: &dyn Directory,
+        gid: Ipv4Addr,
+    ) -> Option<(usize, Arc<str>)> {
         let generation = directory.generation();
         if generation != self.generation {
             self.by_gid.clear();
             self.generation = generation;
         }
-        if let Some(&i) = self.by_gid.get(&gid) {
-            return Some(i);
+        if let Some((i, network)) = self.by_gid.get(&gid) {
+            return Some((*i, Arc::clone(network)));
         }
         let entry = directory.lookup(gid)?;
         let i = match self.by_name.get(&entry.host) {
@@ -119,8 +131,9 @@ impl Peers {
                 i
             }
         };
-        self.by_gid.insert(gid, i);
-        Some(i)
+        let network: Arc<str> = Arc::from(entry.network);
+        self.by_gid.insert(gid, (i, Arc::clone(&network)));
+        Some((i, network))
     }
 
     /// A packet of `len` bytes went to peer `i`.

@@ -39,10 +39,12 @@ impl Engine {
         } else {
             0
         };
+        let uc = remote.conn.unacknowledged;
+        // UC has SENDs and WRITEs only (IBA table 38).
         let unsupported = matches!(
             qp.head.opcode,
             SendOpcode::LocalInv | SendOpcode::BindMw | SendOpcode::SendWithInv
-        );
+        ) || (uc && answered_with_data(qp.head.opcode));
         let misaligned = matches!(
             qp.head.opcode,
             SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd
@@ -93,7 +95,7 @@ impl Engine {
         if !remote.take_on(&mut qp.head, npkts, None) {
             return Outcome::default();
         }
-        if remote.due.is_none() {
+        if remote.due.is_none() && !remote.conn.unacknowledged {
             remote.due = ack_timeout(remote.conn.timeout).map(|t| now + t);
         }
         qp.has_head = false;
@@ -115,8 +117,20 @@ impl Engine {
 
     /// Sends the packets of `qref`'s window not sent in this pass, as far
     /// as its window of unacknowledged packets and the packet queue allow.
-    /// Returns whether some are left to send.
+    /// Returns whether some are left to send. A UC message is done once
+    /// its last packet is queued: it completes then, in order.
     pub(super) fn pump(&mut self, w: &mut Wire, qref: QpRef, now: Instant) -> bool {
+        let more = self.pump_window(w, qref, now);
+        let uc = (self.qps.get(qref))
+            .and_then(|q| q.remote.as_deref())
+            .is_some_and(|r| r.conn.unacknowledged);
+        if uc {
+            self.retire(w, qref, now);
+        }
+        more
+    }
+
+    fn pump_window(&mut self, w: &mut Wire, qref: QpRef, now: Instant) -> bool {
         let Some(qp) = self.qps.get(qref) else {
             return false;
         };
@@ -161,6 +175,7 @@ impl Engine {
             let Some(remote) = self.qps.get_mut(qref).and_then(|q| q.remote.as_deref_mut()) else {
                 return false;
             };
+            let uc = remote.conn.unacknowledged;
             let Some(m) = remote.inflight.get_mut(i) else {
                 return false;
             };
@@ -174,6 +189,14 @@ impl Engine {
             m.sent = if m.reads() { m.npkts } else { k + 1 };
             if m.reads() {
                 m.asked = Some(m.got);
+            }
+            if uc {
+                // Nothing comes back: a sent packet is as good as
+                // acknowledged, and the message is done with its last.
+                m.answered = m.all_sent();
+                remote.acked = psn;
+                remote.high = psn.add(1);
+                continue;
             }
             // A READ request takes the PSNs of all its responses.
             let (psn, end) = if m.reads() {
@@ -649,8 +672,14 @@ fn send_packet(
         (true, false, false, true, false) => op::WRITE_LAST,
         (true, false, false, true, true) => op::WRITE_LAST_IMM,
     };
-    bth.opcode = op::opcode(code);
-    bth.ack_req = last || k % ACK_EVERY == ACK_EVERY - 1;
+    if remote.conn.unacknowledged {
+        // The same operation in UC's opcode range; nothing is acknowledged.
+        bth.opcode = op::opcode(code | op::UC);
+        bth.ack_req = false;
+    } else {
+        bth.opcode = op::opcode(code);
+        bth.ack_req = last || k % ACK_EVERY == ACK_EVERY - 1;
+    }
     bth.solicited = last && work.flags & send_flags::SOLICITED != 0;
     h.bth = bth;
     if write && first {
@@ -664,9 +693,27 @@ fn send_packet(
         h.imm = Some(work.imm_data);
     }
     let len = usize::try_from(n).unwrap_or(0);
-    let inline = work.inline();
-    let sges = work.sges();
-    w.emit(&path, &h, len, |out| {
+    w.emit(
+        &path,
+        &h,
+        len,
+        fill_payload(keys_table, device, pd, work, offset),
+    )
+}
+
+/// Copies `work`'s bytes from `offset` on into a packet's payload (false:
+/// its local memory failed its checks): from the WQE's inline data, or
+/// gathered from its SGEs.
+pub(super) fn fill_payload<'a>(
+    keys_table: &'a keys::KeyTable,
+    device: crate::engine::DeviceId,
+    pd: u32,
+    work: &'a crate::engine::wqe::SendWork,
+    offset: u64,
+) -> impl FnOnce(&mut [u8]) -> bool + 'a {
+    move |out| {
+        let inline = work.inline();
+        let sges = work.sges();
         if !inline.is_empty() || sges.is_empty() {
             let start = usize::try_from(offset).unwrap_or(usize::MAX);
             return match inline.get(start..start.saturating_add(out.len())) {
@@ -679,5 +726,5 @@ fn send_packet(
         }
         let src = SgeList::new(keys_table, device, pd, sges, 0);
         keys::gather(&src, offset, out)
-    })
+    }
 }

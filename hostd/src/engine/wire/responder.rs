@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use vrdma_roce::{Aeth, AtomicAckEth, NakCode, Packet, Psn};
 use vrdma_spec::ring::{wc_flags, Cqe};
-use vrdma_spec::verbs::{access, WcOpcode, WcStatus};
+use vrdma_spec::verbs::{access, QpType, WcOpcode, WcStatus};
 
 use super::state::{packets, ReadResponse, Receiving};
 use super::{op, Emit, Wire};
@@ -21,7 +21,7 @@ use crate::engine::rc::{QpRef, Step};
 use crate::engine::{rnr_timer, Engine};
 
 /// What taking a request packet came to.
-enum Verdict {
+pub(super) enum Verdict {
     /// Taken: the expected PSN moves on by this many.
     Taken(u32),
     /// No receive: RNR NAK, the PSN stays.
@@ -105,7 +105,7 @@ impl Engine {
     }
 
     /// Takes the request packet at the expected PSN.
-    fn take_request(
+    pub(super) fn take_request(
         &mut self,
         w: &mut Wire,
         qref: QpRef,
@@ -212,11 +212,7 @@ impl Engine {
         let recv_id = qp.rq_head.wr_id;
         let end = offset + pkt.payload.len() as u64;
         if end > qp.rq_head.length {
-            self.refuse_receive(qref, recv_id, WcStatus::LocLenErr);
-            return Verdict::Nak {
-                code: NakCode::InvalidRequest,
-                fatal: true,
-            };
+            return self.receive_refused(qref, recv_id, WcStatus::LocLenErr);
         }
         let landed = {
             let dst = SgeList::new(
@@ -229,11 +225,7 @@ impl Engine {
             keys::scatter(pkt.payload, &dst, offset)
         };
         if !landed {
-            self.refuse_receive(qref, recv_id, WcStatus::LocProtErr);
-            return Verdict::Nak {
-                code: NakCode::RemoteOperationalError,
-                fatal: true,
-            };
+            return self.receive_refused(qref, recv_id, WcStatus::LocProtErr);
         }
         let last = op::is_last_or_only(opcode);
         let Some(remote) = self.qps.get_mut(qref).and_then(|q| q.remote.as_deref_mut()) else {
@@ -260,6 +252,23 @@ impl Engine {
         }
         self.complete_recv(qref, &cqe, pkt.bth.solicited);
         Verdict::Taken(1)
+    }
+
+    /// The SEND for `qref`'s head receive `recv_id` does not fit it or its
+    /// buffers failed their checks (`status`): an RC responder completes
+    /// the receive so, NAKs and fails; a UC one drops the message and
+    /// keeps the receive posted (no completion, as rxe's class D error).
+    fn receive_refused(&mut self, qref: QpRef, recv_id: u64, status: WcStatus) -> Verdict {
+        let code = if status == WcStatus::LocLenErr {
+            NakCode::InvalidRequest
+        } else {
+            NakCode::RemoteOperationalError
+        };
+        let rc = (self.qps.get(qref)).is_some_and(|q| q.qp_type == QpType::Rc);
+        if rc {
+            self.refuse_receive(qref, recv_id, status);
+        }
+        Verdict::Nak { code, fatal: rc }
     }
 
     /// An RDMA WRITE packet: its target checked (the first packet's RETH

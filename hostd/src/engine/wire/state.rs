@@ -55,6 +55,9 @@ pub struct Connection {
     pub max_rd_atomic: u8,
     /// The peer host's index in the wire's counters.
     pub peer: usize,
+    /// UC: nothing is acknowledged, retried or timed; a message is done
+    /// when its last packet is sent, and a gap drops what it interrupts.
+    pub unacknowledged: bool,
 }
 
 /// The local ACK timeout of `code`: 4.096 µs × 2^code, none for 0 (IBA
@@ -230,6 +233,9 @@ pub struct RemoteQp {
     /// A PSN sequence error NAK was sent and nothing in sequence came since
     /// (one NAK per gap).
     pub nak_sent: bool,
+    /// UC: a packet of the message being received was lost; the rest of
+    /// it is dropped until a message's first packet comes.
+    pub dropping: bool,
 }
 
 impl RemoteQp {
@@ -256,6 +262,7 @@ impl RemoteQp {
             atomics_next: 0,
             ack_due: false,
             nak_sent: false,
+            dropping: false,
             conn,
         }
     }
@@ -351,7 +358,7 @@ impl RemoteQp {
         self.window = self.window.saturating_mul(2).min(WINDOW_PACKETS);
         self.retry_left = self.conn.retry_cnt;
         self.rnr_left = self.conn.rnr_retry;
-        self.due = if self.inflight.is_empty() {
+        self.due = if self.inflight.is_empty() || self.conn.unacknowledged {
             None
         } else {
             ack_timeout(self.conn.timeout).map(|t| now + t)

@@ -24,7 +24,7 @@ use crate::seccomp::Threads;
 
 /// A directory that knows a fixed set of GIDs (the static and etcd
 /// directories have their own tests).
-struct Known(HashMap<Ipv4Addr, GidEntry>);
+pub(super) struct Known(pub(super) HashMap<Ipv4Addr, GidEntry>);
 
 impl Directory for Known {
     fn lookup(&self, gid: Ipv4Addr) -> Option<GidEntry> {
@@ -53,40 +53,51 @@ impl Directory for Known {
     }
 }
 
-fn ip(n: u16) -> Ipv4Addr {
+pub(super) fn ip(n: u16) -> Ipv4Addr {
     Ipv4Addr::from(vrdma_spec::gid::ipv4_of(&gid(n)).unwrap_or([0; 4]))
 }
 
 /// Two hosts, one device and QP each: A (GID n=10, QP 100) on host "ha",
 /// B (n=20, QP 200) on "hb".
-struct Hosts {
-    link: Link,
-    a: Engine,
-    b: Engine,
-    sa: Side,
-    sb: Side,
-    now: Instant,
+pub(super) struct Hosts {
+    pub(super) link: Link,
+    pub(super) a: Engine,
+    pub(super) b: Engine,
+    pub(super) sa: Side,
+    pub(super) sb: Side,
+    pub(super) now: Instant,
     /// B's host is down (its engine runs no rounds).
     b_down: bool,
 }
 
+/// GID n=10 on host "ha" and n=20 on "hb", both in tenant t's network.
 fn directory() -> Arc<dyn Directory> {
-    let entry = |n: u16, host: &str| {
+    directory_with(&[(10, "ha", "t"), (20, "hb", "t")])
+}
+
+/// A directory of `(n, host, network)` entries.
+pub(super) fn directory_with(entries: &[(u16, &str, &str)]) -> Arc<dyn Directory> {
+    let entry = |&(n, host, network): &(u16, &str, &str)| {
         (
             ip(n),
             GidEntry {
                 gid: ip(n),
                 host: host.into(),
                 tenant: "t".into(),
-                network: "net".into(),
+                network: network.into(),
             },
         )
     };
-    Arc::new(Known(HashMap::from([entry(10, "ha"), entry(20, "hb")])))
+    Arc::new(Known(entries.iter().map(entry).collect()))
 }
 
 impl Hosts {
-    fn new(mtu: u32) -> Self {
+    pub(super) fn new(mtu: u32) -> Self {
+        Self::with_directory(mtu, directory())
+    }
+
+    /// [`Hosts::new`] with `directory` as both hosts' view.
+    pub(super) fn with_directory(mtu: u32, directory: Arc<dyn Directory>) -> Self {
         let link = Link::default();
         let policy = tenant("t", PriorityClass::Normal);
         let mut a = Engine::new(Scheduler::new(None));
@@ -95,8 +106,11 @@ impl Hosts {
         let mut sb = Side::new(&mut b, 1, 20, &policy);
         sa.add_qp(&mut a, 100, CAPS);
         sb.add_qp(&mut b, 200, CAPS);
-        a.attach_wire(Wire::new(Box::new(link.end(&[ip(10)])), directory()));
-        b.attach_wire(Wire::new(Box::new(link.end(&[ip(20)])), directory()));
+        a.attach_wire(Wire::new(
+            Box::new(link.end(&[ip(10)])),
+            Arc::clone(&directory),
+        ));
+        b.attach_wire(Wire::new(Box::new(link.end(&[ip(20)])), directory));
         let mut hosts = Hosts {
             link,
             a,
@@ -138,7 +152,7 @@ impl Hosts {
     /// Runs both hosts until neither has work, advancing the clock past
     /// timers when both are idle, for up to `limit` of simulated time.
     /// Returns A's and B's completions.
-    fn run_for(&mut self, limit: Duration) -> (Vec<Cqe>, Vec<Cqe>) {
+    pub(super) fn run_for(&mut self, limit: Duration) -> (Vec<Cqe>, Vec<Cqe>) {
         let end = self.now + limit;
         let (mut ca, mut cb) = (Vec::new(), Vec::new());
         while self.now < end {
@@ -170,11 +184,11 @@ impl Hosts {
     }
 }
 
-fn status(c: &Cqe) -> WcStatus {
+pub(super) fn status(c: &Cqe) -> WcStatus {
     WcStatus::try_from(c.status).unwrap_or(WcStatus::GeneralErr)
 }
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
+pub(super) fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()

@@ -128,6 +128,15 @@ fn ud_and_uc_qps_walk_their_own_state_tables() {
         Err(libc::EINVAL),
         "INIT needs a Q_Key"
     );
+    let privileged = QpAttr {
+        qkey: 0x8001_0000.into(),
+        ..init
+    };
+    assert_eq!(
+        modify(&mut dev, ud, init_mask, privileged),
+        Err(libc::EPERM),
+        "QP1's Q_Key (a controlled one) is privileged, as Linux has it"
+    );
     modify(&mut dev, ud, init_mask, init).expect("INIT");
     assert_eq!(
         query_qp(&mut dev, ud).expect("query").attr.qkey.get(),
@@ -177,7 +186,7 @@ fn hostd_is_told_the_qkey_and_each_address_handle() {
     }
     let init = QpAttr {
         qp_state: QpState::Init.into(),
-        qkey: 0x8000_0042.into(),
+        qkey: 0x0000_0042.into(),
         port_num: 1,
         ..QpAttr::default()
     };
@@ -191,7 +200,7 @@ fn hostd_is_told_the_qkey_and_each_address_handle() {
             state: QpState::Init.into(),
             connection: None,
             access: None,
-            qkey: Some(0x8000_0042),
+            qkey: Some(0x0000_0042),
         })
     );
     let ahn = create_ah(&mut dev, pdn, av()).expect("AH").ahn.get();
