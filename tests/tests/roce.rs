@@ -550,6 +550,127 @@ fn ud_and_uc_run_between_tenants_on_different_hosts() {
     );
 }
 
+/// UCX with its default choice among vrdma's transports between alpha on
+/// h1 and alpha on h2 — `UCX_TLS=^sm`: UCX sees both sides on one
+/// machine, and what it would use between processes of one host (shared
+/// memory, CMA) cannot exist between hosts; vrdma's device the only
+/// network device:
+/// ucx_perftest's tag latency and bandwidth, puts and gets, the server
+/// named by its address; then Open MPI over UCX, 4 ranks on 2 hosts (2 on
+/// each host's alpha device), the checked ping-pong and allreduce. UCX's
+/// log shows vrdma's transports only, and the bytes crossed between the
+/// hosts.
+#[test]
+fn ucx_and_open_mpi_run_between_hosts() {
+    use vrdma_tests::ucx::{assert_chose_among, device_name, install_device_node};
+    let _one = serial();
+    vrdma_tests::need::root("network namespaces");
+    vrdma_tests::need::program("ucx_perftest", "ucx-utils");
+    vrdma_tests::need::program("mpirun", "openmpi-bin");
+    install_device_node(0);
+    let shim = IbverbsShim::new();
+    let fabric = Fabric::start();
+    let vrdma = ["rc_verbs", "ud_verbs"];
+    let ucx = |cmd: &mut Command| {
+        cmd.env("UCX_TLS", "^sm")
+            .env("UCX_NET_DEVICES", format!("{}:1", device_name(0)))
+            .env("UCX_LOG_LEVEL", "info");
+    };
+    for test in ["tag_lat", "tag_bw", "ucp_put_bw", "ucp_get"] {
+        let before = packets_to(fabric.hostd(2), "h1");
+        let port = next_port().to_string();
+        let args = ["-t", test, "-s", "4096", "-n", "1000", "-p", &port];
+        let mut server = shim.command("ucx_perftest", fabric.device(1, "alpha"));
+        ucx(&mut server);
+        let server = server.args(args).spawn().expect("spawn ucx_perftest");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let mut client = shim.command("ucx_perftest", fabric.device(2, "alpha"));
+        ucx(&mut client);
+        let client = client
+            .args(args)
+            .arg("127.0.0.1")
+            .spawn()
+            .expect("spawn ucx_perftest");
+        let c = wait(client, Duration::from_secs(60));
+        let s = wait(server, Duration::from_secs(10));
+        assert_ok(
+            &fabric,
+            &format!("ucx_perftest -t {test}"),
+            &(s.clone(), c.clone()),
+        );
+        let row = text(&c);
+        let row = (row.lines())
+            .find(|l| l.starts_with("Final:"))
+            .unwrap_or_else(|| panic!("{test}: no result:\n{row}"))
+            .to_owned();
+        assert_chose_among(&text(&c), 1, &vrdma);
+        assert_chose_among(&text(&s), 1, &vrdma);
+        let crossed = packets_to(fabric.hostd(2), "h1") - before;
+        assert!(crossed >= 1000, "{test}: {crossed} packets from h2 to h1");
+        eprintln!("ucx_perftest -t {test} between hosts: {row}");
+    }
+    // Open MPI: ranks 0 and 1 on h1's alpha device, 2 and 3 on h2's.
+    let dir = TempDir::new("roce-mpi");
+    let exe = vrdma_tests::c_program::build_mpi_program(
+        &dir,
+        "mpi_pingpong",
+        include_str!("../c/mpi_pingpong.c"),
+    );
+    let exe = exe.to_str().expect("UTF-8 path");
+    let before = packets_to(fabric.hostd(1), "h2");
+    let mut mpirun = shim.command("mpirun", fabric.device(1, "alpha"));
+    ucx(&mut mpirun);
+    mpirun
+        .args(["--allow-run-as-root", "--oversubscribe"])
+        .args([
+            "-x",
+            "LD_LIBRARY_PATH",
+            "-x",
+            "UCX_TLS",
+            "-x",
+            "UCX_NET_DEVICES",
+        ])
+        .args(["-x", "UCX_LOG_LEVEL"])
+        .args([
+            "--mca",
+            "pml",
+            "ucx",
+            "--mca",
+            "btl",
+            "^vader,tcp,openib,uct",
+        ])
+        .args(["--mca", "osc", "ucx"]);
+    for host in [1, 2] {
+        let device = format!("VRDMA_DEVICES={}", fabric.device(host, "alpha").display());
+        if host == 2 {
+            mpirun.arg(":");
+        }
+        mpirun.args(["-np", "2", "-x", &device, exe]);
+    }
+    let out = wait(
+        mpirun.spawn().expect("spawn mpirun"),
+        Duration::from_secs(180),
+    );
+    let all = text(&out);
+    assert!(
+        out.status.success(),
+        "mpirun: {:?}\n{all}\n{}",
+        out.status,
+        fabric.logs()
+    );
+    for rank in 0..4 {
+        let ok = format!("rank {rank} of 4 partner {} OK", (rank + 2) % 4);
+        assert!(all.contains(&ok), "no {ok:?}:\n{all}");
+    }
+    // A rank's endpoint to itself is UCX's in-process `self`.
+    assert_chose_among(&all, 4, &["rc_verbs", "ud_verbs", "self/memory0"]);
+    let crossed = packets_to(fabric.hostd(1), "h2") - before;
+    assert!(crossed >= 10_000, "mpirun: {crossed} packets from h1 to h2");
+}
+
 #[test]
 fn a_tenant_cannot_connect_to_another_network_on_another_host() {
     let _one = serial();
