@@ -262,21 +262,22 @@ impl Engine {
             return;
         };
         let dest_di = p.dev;
-        if !self.has_receive(peer) {
-            self.count_drop(dest_di, Drop::NoReceive);
-            return;
-        }
         // No RNR for UD: the time argument is never used. A malformed
         // receive completes in error and moves the QP to ERR, as on RC.
-        if let Err(step) = self.head_receive(peer, std::time::Duration::ZERO) {
-            if let Step::Complete {
+        match self.head_receive(peer, std::time::Duration::ZERO) {
+            Ok(()) => {}
+            Err(Step::Rnr(_)) => {
+                self.count_drop(dest_di, Drop::NoReceive);
+                return;
+            }
+            Err(Step::Complete {
                 fail_responder: Some(p),
                 ..
-            } = step
-            {
+            }) => {
                 self.fail_qp(p, false, "a receive it posted is malformed");
+                return;
             }
-            return;
+            Err(_) => return,
         }
         let Some(p) = self.qps.get(peer) else {
             return;

@@ -727,6 +727,10 @@ pub struct Cq {
     /// Completion vector of its events.
     pub vector: u32,
     producer: u32,
+    /// The driver's consumer index as last read: while it leaves room the
+    /// index (a line the driver's core writes) is not read again (it only
+    /// moves forward, so a stale value under-estimates the room).
+    seen_consumer: u32,
     /// Arm sequence number last answered with an event.
     notified_sn: u32,
     /// It overran once; its CQ_ERROR event was sent.
@@ -757,8 +761,11 @@ impl Cq {
     /// the producer index and notified sequence number in its header.
     pub fn resume(cqn: u32, ring: GuestRing, vector: u32) -> Self {
         let (producer, notified_sn) = (ring.device_index(), ring.notified_sn());
+        let producer = producer.unwrap_or(0);
         Cq {
-            producer: producer.unwrap_or(0),
+            producer,
+            // Unknown: read at the first completion.
+            seen_consumer: producer.wrapping_sub(ring.depth()),
             notified_sn: notified_sn.unwrap_or(0),
             ..Cq::fresh(cqn, ring, vector)
         }
@@ -770,6 +777,7 @@ impl Cq {
             ring,
             vector,
             producer: 0,
+            seen_consumer: 0,
             notified_sn: 0,
             overrun: false,
             users: 0,
@@ -790,9 +798,11 @@ impl Cq {
         if self.lost {
             return Err(CqFull::Lost);
         }
-        let consumer = self.ring.driver_index().unwrap_or(self.producer);
-        if self.producer.wrapping_sub(consumer) >= self.ring.depth() {
-            return Err(CqFull::Overrun);
+        if self.producer.wrapping_sub(self.seen_consumer) >= self.ring.depth() {
+            self.seen_consumer = self.ring.driver_index().unwrap_or(self.producer);
+            if self.producer.wrapping_sub(self.seen_consumer) >= self.ring.depth() {
+                return Err(CqFull::Overrun);
+            }
         }
         if !self
             .ring

@@ -12,6 +12,7 @@
 mod baselines;
 mod cores;
 mod cross;
+mod cross_ud;
 mod host;
 mod latency;
 mod netns;
