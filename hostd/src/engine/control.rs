@@ -87,6 +87,7 @@ impl Engine {
                 .collect(),
             rank,
             policy: policy.clone(),
+            gsi: Default::default(),
             counters: Default::default(),
         });
         if first {

@@ -29,6 +29,7 @@
 //! and the engine's work lists keep their capacity.
 
 mod control;
+pub mod gsi;
 pub use control::Start;
 pub mod guest;
 pub mod keys;
@@ -204,6 +205,9 @@ pub struct Device {
     /// Its tenant's policy as last put in force: which networks datagrams
     /// from another host may come from.
     policy: vrdma_tenant_policy::TenantPolicy,
+    /// QP1: the CM MADs waiting for its control plane (kept in the first
+    /// context of a device).
+    gsi: gsi::Gsi,
     /// What its work did (folded into its tenant's account when asked or
     /// when it goes).
     counters: CompletionCounts,

@@ -416,3 +416,27 @@ fn uc_reaches_only_uc() {
     assert!(b.is_empty(), "an RC QP takes no UC message");
     assert_eq!(dropped(&env, 1).no_qp, 1);
 }
+
+#[test]
+fn a_cm_mad_reaches_qp1_of_a_device_of_this_host_only_within_the_tenants_networks() {
+    use super::gsi::{Mad, GSI_QPN, MAD_LEN};
+    let mut env = Env::new();
+    let policy = super::testing::tenant("ta", vrdma_tenant_policy::PriorityClass::Normal);
+    let _c = env.add_side(3, 30, &policy, 300);
+    let mut bytes = Box::new([0u8; MAD_LEN]);
+    bytes[..4].copy_from_slice(&[1, 0x07, 2, 0x03]);
+    let to = |n: u16| Mad {
+        peer: gid(n),
+        peer_qpn: GSI_QPN,
+        traffic_class: 0,
+        bytes: bytes.clone(),
+    };
+    env.engine.gsi_send(1, &to(30)).expect("same tenant");
+    let got = env.engine.take_gsi(3, 8).expect("take");
+    assert_eq!(got.len(), 1);
+    assert_eq!((got[0].peer, got[0].peer_qpn), (gid(10), GSI_QPN));
+    // B is tenant tb, in a network of its own.
+    let refused = env.engine.gsi_send(1, &to(20)).map_err(|e| e.errno());
+    assert_eq!(refused, Err(libc::EPERM));
+    assert!(env.engine.take_gsi(2, 8).expect("take").is_empty());
+}

@@ -111,6 +111,11 @@ impl Engine {
         ip_header: &[u8],
         pkt: &Packet<'_>,
     ) {
+        if pkt.bth.dest_qp == crate::engine::gsi::GSI_QPN {
+            let tos = ip_header.get(1).copied().unwrap_or(0);
+            self.gsi_receive(w, peer, network, meta, tos, pkt);
+            return;
+        }
         let Some(deth) = pkt.deth else {
             w.drop_packet(peer, "missing_deth");
             return;

@@ -312,7 +312,7 @@ impl Wire {
         }
     }
 
-    fn drop_packet(&mut self, peer: usize, why: &'static str) {
+    pub(in crate::engine) fn drop_packet(&mut self, peer: usize, why: &'static str) {
         self.peers.dropped(peer, why);
     }
 

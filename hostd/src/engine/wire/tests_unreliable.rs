@@ -15,7 +15,7 @@ use super::link::Faults;
 use super::tests::{directory_with, pattern, status, Hosts};
 use crate::engine::testing::{connection, gid, remote, send, sge, Side, IOVA};
 use crate::engine::ud::DropCounts;
-use crate::engine::Engine;
+use crate::engine::{gsi, Engine};
 
 const QKEY: u32 = 0x1111_1111;
 /// The UD QPs of A and B (their second QP: index 1 on each side).
@@ -335,4 +335,79 @@ fn a_controlled_qkey_is_refused_to_a_tenant_qp() {
     };
     let refused = h.a.modify_qp(1, &m).map_err(|e| e.errno());
     assert_eq!(refused, Err(libc::EPERM), "QP1's Q_Key is privileged");
+}
+
+/// A CM MAD (base version 1, class 0x07, method SEND, attribute REQ) with
+/// `tag` in its first data byte.
+fn cm_mad(tag: u8) -> Box<[u8; gsi::MAD_LEN]> {
+    let mut m = Box::new([0u8; gsi::MAD_LEN]);
+    m[..4].copy_from_slice(&[1, 0x07, 2, 0x03]);
+    m[16..18].copy_from_slice(&0x0010u16.to_be_bytes());
+    m[24] = tag;
+    m
+}
+
+fn mad_to(peer: u16, tag: u8) -> gsi::Mad {
+    gsi::Mad {
+        peer: gid(peer),
+        peer_qpn: gsi::GSI_QPN,
+        traffic_class: 0,
+        bytes: cm_mad(tag),
+    }
+}
+
+#[test]
+fn a_cm_mad_travels_from_qp1_to_qp1_between_hosts() {
+    let mut h = Hosts::new(1024);
+    h.a.gsi_send(1, &mad_to(20, 7)).expect("send");
+    h.run_for(RUN);
+    let got = h.b.take_gsi(1, 16).expect("take");
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].peer, gid(10), "the source GID");
+    assert_eq!(got[0].peer_qpn, gsi::GSI_QPN);
+    assert_eq!(got[0].bytes, cm_mad(7));
+    assert_eq!(h.a.gsi_counts(1).map(|c| c.sent), Some(1));
+    assert_eq!(h.b.gsi_counts(1).map(|c| c.received), Some(1));
+    assert!(h.b.take_gsi(1, 16).expect("take").is_empty(), "taken once");
+}
+
+#[test]
+fn qp1_carries_cm_mads_only_and_no_tenant_qp_reaches_it() {
+    let mut h = ud_hosts(Hosts::new(1024));
+    let mut not_cm = mad_to(20, 1);
+    not_cm.bytes[1] = 0x04; // performance management
+    let refused = h.a.gsi_send(1, &not_cm).map_err(|e| e.errno());
+    assert_eq!(refused, Err(libc::EINVAL));
+    // A tenant's UD QP sending to QP1 with QP1's Q_Key: the controlled
+    // bit makes it its own Q_Key, which QP1 does not take.
+    ud_send(&mut h.sa, 1, &cm_mad(9)[..], gsi::GSI_QPN, gsi::GSI_QKEY);
+    h.run_for(RUN);
+    assert!(h.b.take_gsi(1, 16).expect("take").is_empty());
+    assert_eq!(peer_drops(&h.b, "gsi_qkey"), 1);
+}
+
+#[test]
+fn a_cm_mad_from_a_network_the_receiver_may_not_reach_is_dropped() {
+    let dir = directory_with(&[(10, "ha", "other"), (20, "hb", "t")]);
+    let mut h = Hosts::with_directory(1024, dir);
+    h.a.gsi_send(1, &mad_to(20, 3)).expect("send");
+    h.run_for(RUN);
+    assert!(h.b.take_gsi(1, 16).expect("take").is_empty());
+    assert_eq!(peer_drops(&h.b, "gsi_unreachable_source"), 1);
+}
+
+#[test]
+fn a_device_queues_a_bounded_number_of_mads() {
+    let mut h = Hosts::new(1024);
+    for i in 0..gsi::GSI_QUEUE + 5 {
+        h.a.gsi_send(1, &mad_to(20, i as u8)).expect("send");
+        if i % 32 == 31 {
+            h.run_for(Duration::from_millis(1));
+        }
+    }
+    h.run_for(RUN);
+    let got = h.b.take_gsi(1, usize::MAX).expect("take");
+    assert_eq!(got.len(), gsi::GSI_QUEUE);
+    assert_eq!(h.b.gsi_counts(1).map(|c| c.queue_full), Some(5));
+    assert_eq!(peer_drops(&h.b, "gsi_queue_full"), 5);
 }
