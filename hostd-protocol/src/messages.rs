@@ -26,7 +26,7 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// 8: the port's link layer (the Welcome's `link_layer`): on an
 /// InfiniBand port an address vector without a GRH names its destination
 /// by LID (`dlid` of [`QpConnection`] and [`AhSetup`]).
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// The LID of hostd itself on an InfiniBand port: it is the subnet
 /// manager (`sm_lid` of every port); devices get LIDs from 2 on.
@@ -141,8 +141,8 @@ pub enum Request {
     DestroySrq { srqn: u32 },
     /// An address handle: UD sends naming `ahn` go to `dgid`. hostd checks
     /// the destination as it checks a connection at RTR (its tenant's
-    /// network must be reachable: `EACCES`; unknown: `ENOENT`; on another
-    /// host: `EOPNOTSUPP`, UD stays on the host for now).
+    /// network must be reachable: `EACCES`; unknown: `ENOENT`); a GID on
+    /// another host makes its datagrams go on the wire.
     CreateAh(AhSetup),
     /// The AH is destroyed: sends naming it fail from now on.
     DestroyAh { ahn: u32 },
@@ -183,6 +183,38 @@ pub enum Request {
         rkey: u32,
         mr: MrRegistration,
     },
+    /// One fd: an eventfd hostd signals when connection-manager MADs
+    /// arrive for the device's QP1 (then [`Request::TakeMads`]).
+    GsiNotify,
+    /// Sends a connection-manager MAD from the device's QP1 to QP1 of
+    /// `peer`: checked as a connection at RTR (`EACCES`, `ENOENT`); a MAD
+    /// of another class or size is refused (`EINVAL`).
+    SendMad(MadOut),
+    /// Up to `max` MADs that arrived for the device's QP1, oldest first;
+    /// answered with [`Response::Mads`].
+    TakeMads { max: u32 },
+}
+
+/// A MAD the device's control plane sends from QP1.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MadOut {
+    pub peer: [u8; 16],
+    /// The IP TOS of its packet (the path's traffic class).
+    pub traffic_class: u8,
+    /// The 256-byte MAD.
+    pub mad: Vec<u8>,
+}
+
+/// A MAD that arrived on the device's QP1.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MadIn {
+    /// Its source GID and QP number.
+    pub peer: [u8; 16],
+    pub peer_qpn: u32,
+    pub traffic_class: u8,
+    pub mad: Vec<u8>,
 }
 
 /// A message hostd sends on its own, on the notification channel (the
@@ -362,6 +394,8 @@ pub enum Response {
     SrqLimit { limit: u32 },
     /// Answer to `RegisterMr`: the region's keys (distinct, never 0).
     MrKeys { lkey: u32, rkey: u32 },
+    /// Answer to [`Request::TakeMads`].
+    Mads(Vec<MadIn>),
     /// The request was refused: a positive errno and why.
     Refused { errno: i32, reason: String },
 }

@@ -56,6 +56,8 @@ pub enum Answer {
     State(u8),
     /// A QuerySrq's limit.
     SrqLimit(u32),
+    /// A TakeMads's MADs.
+    Mads(Vec<vrdma_hostd_protocol::messages::MadIn>),
     Refused(i32),
     /// hostd closed the connection (or it broke).
     Gone,
@@ -128,6 +130,7 @@ impl RogueVdev {
             Ok((Response::MrKeys { lkey, rkey }, _)) => Answer::Keys(lkey, rkey),
             Ok((Response::QpState { state }, _)) => Answer::State(state),
             Ok((Response::SrqLimit { limit }, _)) => Answer::SrqLimit(limit),
+            Ok((Response::Mads(mads), _)) => Answer::Mads(mads),
             Ok((Response::Refused { errno, .. }, _)) => Answer::Refused(errno),
             Ok((Response::Welcome(_), _)) => panic!("hostd answered Welcome to {request:?}"),
             // Closed, or reset while hostd shut a failed device down.

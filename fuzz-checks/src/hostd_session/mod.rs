@@ -418,7 +418,12 @@ impl Session<'_> {
                 self.welcomed(w.lid, w.gid, w.physical_queues, &files);
                 true
             }
-            (Response::Ok, Expect::Ok | Expect::OkOrErr) => true,
+            (Response::Ok, Expect::Ok | Expect::OkOrErr | Expect::Either) => true,
+            // No MAD is ever sent to the session's devices.
+            (Response::Mads(mads), Expect::Either) => {
+                assert!(mads.is_empty(), "MADs for {request:?}: {mads:?}");
+                false
+            }
             (Response::MrKeys { lkey, rkey }, Expect::Keys) => {
                 self.check_keys(request, *lkey, *rkey);
                 keys = Some((*lkey, *rkey));

@@ -276,6 +276,11 @@ impl Model {
             | Request::ResumeSrq(_)
             | Request::RestoreMr { .. } => Expect::Either,
             Request::ResetDevice => Expect::Ok,
+            Request::GsiNotify if one_eventfd => Expect::Ok,
+            Request::GsiNotify => refuse(libc::EINVAL),
+            // Whether a MAD goes depends on the GIDs the host knows; what
+            // QP1 carries has its own tests (hostd's engine and chaos).
+            Request::SendMad(_) | Request::TakeMads { .. } => Expect::Either,
             Request::QuotaRejected { quota } => {
                 let limits = serde_json::to_value(Limits::default()).ok();
                 let known = limits
@@ -495,7 +500,10 @@ impl Model {
             | Request::QuerySrq { .. }
             | Request::DestroySrq { .. }
             | Request::CreateAh(_)
-            | Request::DestroyAh { .. } => {}
+            | Request::DestroyAh { .. }
+            | Request::GsiNotify
+            | Request::SendMad(_)
+            | Request::TakeMads { .. } => {}
             &Request::AddMemory {
                 slot,
                 gpa,

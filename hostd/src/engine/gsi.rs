@@ -20,6 +20,7 @@ use std::collections::VecDeque;
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
+use vmm_sys_util::eventfd::EventFd;
 use vrdma_roce::{Bth, Deth, Headers, Ipv4Meta, Opcode, Packet, Psn, DEFAULT_PKEY};
 use vrdma_spec::gid::{ipv4_mapped, ipv4_of};
 
@@ -67,6 +68,8 @@ pub struct GsiCounts {
 #[derive(Debug, Default)]
 pub struct Gsi {
     queue: VecDeque<Mad>,
+    /// Signalled when a MAD joins an empty queue.
+    notify: Option<EventFd>,
     pub counts: GsiCounts,
 }
 
@@ -138,6 +141,17 @@ impl Engine {
         Ok(dev.gsi.queue.drain(..n).collect())
     }
 
+    /// From now on `notify` is signalled when a MAD arrives for device
+    /// `id` and none was waiting.
+    pub fn set_gsi_notify(&mut self, id: DeviceId, notify: EventFd) -> Result<(), EngineError> {
+        let dev = self.device_mut(id)?;
+        if !dev.gsi.queue.is_empty() {
+            let _ = notify.write(1);
+        }
+        dev.gsi.notify = Some(notify);
+        Ok(())
+    }
+
     /// What QP1 of device `id` did.
     pub fn gsi_counts(&self, id: DeviceId) -> Option<GsiCounts> {
         self.devices.get(&id).map(|d| d.gsi.counts)
@@ -153,6 +167,12 @@ impl Engine {
             }
             dev.gsi.queue.push_back(mad);
             dev.gsi.counts.received += 1;
+            if dev.gsi.queue.len() == 1 {
+                if let Some(n) = &dev.gsi.notify {
+                    // A full counter already wakes the reader.
+                    let _ = n.write(1);
+                }
+            }
         }
     }
 

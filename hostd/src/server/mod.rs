@@ -27,13 +27,16 @@ use std::time::Instant;
 
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::channel::{Channel, ChannelError, Listener};
-use vrdma_hostd_protocol::messages::{Notification, PortLinkLayer, Request, Response, SM_LID};
+use vrdma_hostd_protocol::messages::{
+    MadIn, Notification, PortLinkLayer, Request, Response, SM_LID,
+};
 use vrdma_hostd_protocol::shm::ShmError;
 use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
 
 use crate::accept::{serve_connections, Connections};
 use crate::config::Config;
 use crate::datapath::Datapath;
+use crate::engine::gsi::{Mad, GSI_QPN, MAD_LEN};
 use crate::engine::guest::SharedMapping;
 use crate::engine::EngineError;
 use crate::engine::Start;
@@ -308,6 +311,7 @@ impl Server {
         let takes_fd = matches!(
             request,
             Request::AddMemory { .. }
+                | Request::GsiNotify
                 | Request::SetDoorbell { .. }
                 | Request::CreateEq { .. }
                 | Request::ResumeEq { .. }
@@ -477,6 +481,40 @@ impl Server {
             Request::DestroyAh { ahn } => {
                 self.datapath.lock().destroy_ah(id, ahn)?;
                 Ok(Response::Ok)
+            }
+            Request::GsiNotify => {
+                let notify = one_eventfd(files, "GsiNotify")?;
+                self.datapath.lock().set_gsi_notify(id, notify)?;
+                Ok(Response::Ok)
+            }
+            Request::SendMad(out) => {
+                // QP1 reaches what the tenant's QPs may reach.
+                let peer = self.reachable_destination(s, out.peer, None)?;
+                let bytes = <[u8; MAD_LEN]>::try_from(out.mad.as_slice())
+                    .map_err(|_| refuse(libc::EINVAL, "A MAD is 256 bytes"))?;
+                let mad = Mad {
+                    peer,
+                    peer_qpn: GSI_QPN,
+                    traffic_class: out.traffic_class,
+                    bytes: Box::new(bytes),
+                };
+                self.datapath.lock().gsi_send(id, &mad)?;
+                self.datapath.wake();
+                Ok(Response::Ok)
+            }
+            Request::TakeMads { max } => {
+                let max = usize::try_from(max).unwrap_or(usize::MAX);
+                let mads = self.datapath.lock().take_gsi(id, max)?;
+                Ok(Response::Mads(
+                    (mads.into_iter())
+                        .map(|m| MadIn {
+                            peer: m.peer,
+                            peer_qpn: m.peer_qpn,
+                            traffic_class: m.traffic_class,
+                            mad: m.bytes.to_vec(),
+                        })
+                        .collect(),
+                ))
             }
             Request::ResetDevice => {
                 self.datapath.lock().reset_device(id);

@@ -188,6 +188,7 @@ impl Attacker<'_> {
             }
         }
         self.hostile_create_qp(rogue);
+        self.hostile_mads(rogue);
         self.expect_answer(
             "an unknown quota key",
             rogue.call(
@@ -197,6 +198,52 @@ impl Attacker<'_> {
                 &[],
             ),
             Answer::Refused(libc::EINVAL),
+        );
+    }
+
+    /// QP1 carries connection-manager MADs only, to GIDs the tenant may
+    /// reach, and hands the device only what came for it.
+    fn hostile_mads(&mut self, rogue: &mut RogueVdev) {
+        use vrdma_hostd_protocol::messages::MadOut;
+        let mut cm = vec![0u8; 256];
+        cm[..4].copy_from_slice(&[1, 0x07, 2, 0x03]);
+        let send = |peer: [u8; 16], mad: Vec<u8>| {
+            Request::SendMad(MadOut {
+                peer,
+                traffic_class: 0,
+                mad,
+            })
+        };
+        let mut smp = cm.clone();
+        smp[1] = 0x81; // a subnet management MAD
+        for (what, request, errno) in [
+            (
+                "a MAD of another class",
+                send(self.secrets.gid, smp),
+                libc::EINVAL,
+            ),
+            (
+                "a short MAD",
+                send(self.secrets.gid, cm[..100].to_vec()),
+                libc::EINVAL,
+            ),
+            (
+                "a MAD to a GID nobody has",
+                send(vrdma_spec::gid::ipv4_mapped([127, 99, 9, 9]), cm.clone()),
+                libc::ENOENT,
+            ),
+            (
+                "GsiNotify without its eventfd",
+                Request::GsiNotify,
+                libc::EINVAL,
+            ),
+        ] {
+            self.expect_answer(what, rogue.call(&request, &[]), Answer::Refused(errno));
+        }
+        self.expect_answer(
+            "MADs of another device",
+            rogue.call(&Request::TakeMads { max: 64 }, &[]),
+            Answer::Mads(Vec::new()),
         );
     }
 
