@@ -1,0 +1,1 @@
+//! Tests of the crate as a whole.
