@@ -989,7 +989,7 @@ impl Agent {
                 ),
             );
             self.dreq_stale(now, old);
-            return Err(DropReason::UnexpectedState);
+            return Ok(());
         }
         let mra = self.config.mra_service_timeout;
         let Some(c) = self.conns.get_mut(&id) else {

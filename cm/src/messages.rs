@@ -400,6 +400,8 @@ impl Rej {
     }
 
     pub(crate) fn decode(r: &Reader) -> Result<Rej, DecodeError> {
+        // Fields are checked in wire order.
+        let message = TargetMessage::decode("REJ Message Rejected", r.u8(at(8)))?;
         let ari_length = r.u8(at(9)) >> 1;
         if usize::from(ari_length) > ARI_SIZE {
             return Err(DecodeError::LengthTooLong {
@@ -410,7 +412,7 @@ impl Rej {
         Ok(Rej {
             local_comm_id: r.u32(at(0)),
             remote_comm_id: r.u32(at(4)),
-            message: TargetMessage::decode("REJ Message Rejected", r.u8(at(8)))?,
+            message,
             ari_length,
             reason: RejectReason(r.u16(at(10))),
             ari: r.bytes(at(12)),
