@@ -17,7 +17,9 @@
 //! - [`policy`]: the tenant policy file parser.
 //! - [`memory`]: memory-table changes interleaved with MRs and key lookups.
 //! - [`roce`]: the RoCEv2 packet parser (what a peer host sends).
+//! - [`cm`]: the IB CM MAD codec and agent (what a peer's CM sends to QP1).
 
+pub mod cm;
 pub mod control;
 pub mod hostd;
 pub mod hostd_session;
@@ -42,4 +44,5 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("policy", policy::check),
     ("memory", memory::check),
     ("roce_packet", roce::check),
+    ("cm_mad", cm::check),
 ];

@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 
 use proptest::prelude::*;
-use vrdma_fuzz_checks::{control, hostd, hostd_session, memory, policy, rings, roce, wqe, TARGETS};
+use vrdma_fuzz_checks::{
+    cm, control, hostd, hostd_session, memory, policy, rings, roce, wqe, TARGETS,
+};
 
 fn config() -> ProptestConfig {
     cases(256)
@@ -69,6 +71,20 @@ proptest! {
         let mut data = vec![mode];
         data.extend_from_slice(&rest);
         roce::check(&data);
+    }
+
+    #[test]
+    fn cm_mads(data in proptest::collection::vec(any::<u8>(), 0..300)) {
+        cm::check(&data);
+    }
+
+    /// A valid CM header on random bodies (mode 1), and agent sessions
+    /// (modes 2 and 3): random bytes alone stop at the MAD header.
+    #[test]
+    fn cm_mads_sealed(mode in 1u8..4, rest in proptest::collection::vec(any::<u8>(), 0..1024)) {
+        let mut data = vec![mode];
+        data.extend_from_slice(&rest);
+        cm::check(&data);
     }
 }
 
