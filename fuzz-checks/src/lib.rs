@@ -17,6 +17,8 @@
 //! - [`policy`]: the tenant policy file parser.
 //! - [`memory`]: memory-table changes interleaved with MRs and key lookups.
 //! - [`roce`]: the RoCEv2 packet parser (what a peer host sends).
+//! - [`wire`]: hostile packets from the network against hostd's engine on
+//!   a wire (UD, UC and RC between hosts).
 
 pub mod control;
 pub mod hostd;
@@ -27,6 +29,7 @@ pub mod policy;
 pub mod rings;
 pub mod roce;
 pub mod server;
+pub mod wire;
 pub mod wqe;
 
 /// A check function: panics when `data` breaks an invariant.
@@ -42,4 +45,5 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("policy", policy::check),
     ("memory", memory::check),
     ("roce_packet", roce::check),
+    ("wire_packets", wire::check),
 ];
