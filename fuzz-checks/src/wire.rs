@@ -112,13 +112,13 @@ const RQ_PSN: u32 = 0xff_fff8;
 /// Each device's guest memory: doorbell page, event ring and CQ where
 /// `engine::testing` puts them, then this check's smaller rings and data
 /// region (fresh memory per input stays cheap).
-const MEM: u64 = 0x30000;
+const MEM: u64 = 0x20000;
 const RINGS: u64 = 0x5000;
 /// Each QP's send ring, then its receive ring half-way.
-const QP_SPAN: u64 = 0x4000;
-const DEPTH: u32 = 16;
+const QP_SPAN: u64 = 0x2000;
+const DEPTH: u32 = 8;
 const STRIDE: u32 = 256;
-const DATA: u64 = 0x20000;
+const DATA: u64 = 0xc000;
 const DATA_LEN: u64 = MEM - DATA;
 /// Receive buffers at the start of the data region: room for a GRH and a
 /// 4096-byte datagram.
@@ -327,33 +327,43 @@ struct DeviceMemory {
     /// The check's view of it.
     view: SharedMapping,
     /// What it holds at the start of each input.
-    template: SharedMapping,
+    template: Vec<u8>,
     kick: EventFd,
     irq: EventFd,
+    /// Its tenant.
+    policy: TenantPolicy,
 }
 
 impl DeviceMemory {
-    fn new(name: &str, fill: impl Fn(&SharedMapping)) -> Self {
-        let map = |file: &File| {
-            let dup = file.try_clone().expect("dup memfd");
-            SharedMapping::map(dup, 0, MEM).expect("map memfd")
-        };
-        let file = sealed_memfd(name, MEM).expect("memfd");
-        let template_file = sealed_memfd("fuzz-wire-template", MEM).expect("memfd");
-        let template = map(&template_file);
-        fill(&template);
+    fn new(tenant_name: &str, template: Vec<u8>) -> Self {
+        assert_eq!(template.len() as u64, MEM);
+        let file = sealed_memfd("fuzz-wire", MEM).expect("memfd");
+        let dup = file.try_clone().expect("dup memfd");
         DeviceMemory {
-            view: map(&file),
+            view: SharedMapping::map(dup, 0, MEM).expect("map memfd"),
             file,
             template,
             kick: EventFd::new(EFD_NONBLOCK).expect("eventfd"),
             irq: EventFd::new(EFD_NONBLOCK).expect("eventfd"),
+            policy: tenant(tenant_name, PriorityClass::Normal),
         }
     }
 
-    /// Back to the template.
+    /// Back to the template (at memcpy speed: hostd's copies are made for
+    /// memory a guest may change under them, and instrumented here).
     fn reset(&self) {
-        assert!(self.template.copy_to(0, &self.view, 0, MEM as usize));
+        // SAFETY: `view` maps MEM bytes, the template's length (checked at
+        // creation), of a memfd that only this thread uses and that no
+        // engine or driver uses now (the previous input's are gone, the
+        // next one's not made yet); `template` is private memory, so the
+        // two do not overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.template.as_ptr(),
+                self.view.as_ptr(),
+                self.template.len(),
+            )
+        };
     }
 
     fn mapping(&self) -> SharedMapping {
@@ -382,12 +392,14 @@ struct Memory {
 
 thread_local! {
     static MEMORY: Memory = Memory {
-        victim: DeviceMemory::new("fuzz-wire-victim", |_| {}),
-        bystander: DeviceMemory::new("fuzz-wire-bystander", |m| {
-            // Its data region: `i % 251 ^ 0x5a` at byte `i`.
-            let pattern: Vec<u8> = (0..DATA_LEN).map(|i| (i % 251) as u8 ^ 0x5a).collect();
-            assert!(m.write(DATA as usize, &pattern));
-        }),
+        victim: DeviceMemory::new("t", vec![0; MEM as usize]),
+        // Its data region holds `i % 251 ^ 0x5a` at byte `i`.
+        bystander: DeviceMemory::new(
+            "by",
+            (0..MEM)
+                .map(|i| if i < DATA { 0 } else { ((i - DATA) % 251) as u8 ^ 0x5a })
+                .collect(),
+        ),
         snapshot: std::cell::RefCell::new(Vec::new()),
     };
 }
@@ -415,10 +427,6 @@ struct Host<'m> {
     cqes: Vec<Cqe>,
 }
 
-fn policy(name: &str) -> TenantPolicy {
-    tenant(name, PriorityClass::Normal)
-}
-
 /// The setup of the `n`th QP of a device, in this check's layout.
 fn setup(n: usize, vqpn: u32, qp_type: u8) -> QpSetup {
     let base = RINGS + n as u64 * QP_SPAN;
@@ -435,23 +443,18 @@ fn setup(n: usize, vqpn: u32, qp_type: u8) -> QpSetup {
     }
 }
 
-/// Attaches device `id` (GID `gid(n)`, tenant `name`) with its memory,
-/// doorbell, event ring, CQ and data region; returns its driver and keys.
-fn device(
-    engine: &mut Engine,
-    id: DeviceId,
-    n: u16,
-    name: &str,
-    mem: &DeviceMemory,
-) -> (Driver, u32, u32) {
+/// Attaches device `id` (GID `gid(n)`, the tenant of `mem`) with its
+/// memory, doorbell, event ring, CQ and data region; returns its driver
+/// and keys.
+fn device(engine: &mut Engine, id: DeviceId, n: u16, mem: &DeviceMemory) -> (Driver, u32, u32) {
     mem.reset();
     let address = Address {
         gid: gid(n),
         lid: 0,
     };
-    let policy = policy(name);
+    let policy = &mem.policy;
     engine
-        .attach_device(id, name, address, &[id as u32 - 1], &policy)
+        .attach_device(id, &policy.name, address, &[id as u32 - 1], policy)
         .expect("attach");
     engine.add_memory(id, 0, 0, mem.mapping()).expect("memory");
     let kick = mem.kick.try_clone().expect("dup eventfd");
@@ -539,9 +542,9 @@ impl<'m> Host<'m> {
             last_psn: HashMap::new(),
         })));
         engine.attach_wire(Wire::new(Box::new(net.clone()), directory()));
-        let (mut victim, lkey, rkey) = device(&mut engine, VICTIM, VICTIM_N, "t", &memory.victim);
+        let (mut victim, lkey, rkey) = device(&mut engine, VICTIM, VICTIM_N, &memory.victim);
         let (mut bystander, by_lkey, by_rkey) =
-            device(&mut engine, BYSTANDER, BYSTANDER_N, "by", &memory.bystander);
+            device(&mut engine, BYSTANDER, BYSTANDER_N, &memory.bystander);
         for (n, vqpn, qp_type) in [(0, RC, 2), (1, UD, 4), (2, UC, 3)] {
             let s = setup(n, vqpn, qp_type);
             engine.create_qp(VICTIM, &s).expect("qp");
