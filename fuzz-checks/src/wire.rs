@@ -37,6 +37,7 @@
 //! afterwards a well-formed datagram from the remote GID still lands in a
 //! posted receive, GRH and bytes as sent.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fs::File;
 use std::io;
@@ -68,7 +69,7 @@ use vrdma_roce::{
 };
 use vrdma_spec::ring::{wc_flags, Cqe, UdDest, GRH_SIZE};
 use vrdma_spec::verbs::{QpState, SendOpcode, WcOpcode, WcStatus};
-use vrdma_tenant_policy::{Policy, PriorityClass, TenantPolicy};
+use vrdma_tenant_policy::{Policy, PriorityClass};
 
 use crate::input::Input;
 
@@ -120,6 +121,9 @@ const DEPTH: u32 = 8;
 const STRIDE: u32 = 256;
 const DATA: u64 = 0xc000;
 const DATA_LEN: u64 = MEM - DATA;
+/// The bystander's memory: the same layout, a 4 KiB data region (the
+/// whole of it is compared after every input).
+const BY_MEM: u64 = DATA + 0x1000;
 /// Receive buffers at the start of the data region: room for a GRH and a
 /// 4096-byte datagram.
 const RECV_LEN: u64 = 0x1080;
@@ -136,7 +140,7 @@ fn ip(n: u16) -> Ipv4Addr {
 }
 
 pub fn check(data: &[u8]) {
-    run(data);
+    exec(data, false);
 }
 
 /// What one input came to, for the tests of the check itself.
@@ -146,23 +150,34 @@ pub struct Report {
     pub cqes: Vec<Cqe>,
     /// Packets the engine sent (opcode, destination QP, PSN).
     pub sent: Vec<(Opcode, u32, Psn)>,
-    /// Packets the wire dropped, by reason (every peer).
+    /// Packets the wire dropped in this input, by reason (every peer).
     pub drops: BTreeMap<String, u64>,
 }
 
 /// [`check`], returning what happened.
 pub fn run(data: &[u8]) -> Report {
+    exec(data, true)
+}
+
+/// [`check`]; with `report`, what happened (the drops are counted only
+/// then: the wire's counters are maps of strings).
+fn exec(data: &[u8], report: bool) -> Report {
     let mut input = Input::new(data);
-    MEMORY.with(|memory| {
-        let mut host = Host::new(memory);
-        for _ in 0..MAX_STEPS {
-            if input.is_empty() {
-                break;
-            }
-            host.step(&mut input);
+    // Out of its cell while it runs: a check that fails drops it, and the
+    // next input gets a new one.
+    let mut host = HOST
+        .with(|h| h.borrow_mut().take())
+        .unwrap_or_else(Host::new);
+    host.begin(report);
+    for _ in 0..MAX_STEPS {
+        if input.is_empty() {
+            break;
         }
-        host.finish()
-    })
+        host.step(&mut input);
+    }
+    let report = host.finish(report);
+    HOST.with(|h| *h.borrow_mut() = Some(host));
+    report
 }
 
 /// A directory that knows the remote GID (network "t"), a GID of network
@@ -319,94 +334,12 @@ impl PacketIo for Queues {
     }
 }
 
-/// One device's memory, kept by the thread from input to input (made
-/// once: a memfd and mappings per input would dominate), and the
-/// eventfds its doorbell and event ring take.
-struct DeviceMemory {
-    file: File,
-    /// The check's view of it.
-    view: SharedMapping,
-    /// What it holds at the start of each input.
-    template: Vec<u8>,
-    kick: EventFd,
-    irq: EventFd,
-    /// Its tenant.
-    policy: TenantPolicy,
-}
-
-impl DeviceMemory {
-    fn new(tenant_name: &str, template: Vec<u8>) -> Self {
-        assert_eq!(template.len() as u64, MEM);
-        let file = sealed_memfd("fuzz-wire", MEM).expect("memfd");
-        let dup = file.try_clone().expect("dup memfd");
-        DeviceMemory {
-            view: SharedMapping::map(dup, 0, MEM).expect("map memfd"),
-            file,
-            template,
-            kick: EventFd::new(EFD_NONBLOCK).expect("eventfd"),
-            irq: EventFd::new(EFD_NONBLOCK).expect("eventfd"),
-            policy: tenant(tenant_name, PriorityClass::Normal),
-        }
-    }
-
-    /// Back to the template (at memcpy speed: hostd's copies are made for
-    /// memory a guest may change under them, and instrumented here).
-    fn reset(&self) {
-        // SAFETY: `view` maps MEM bytes, the template's length (checked at
-        // creation), of a memfd that only this thread uses and that no
-        // engine or driver uses now (the previous input's are gone, the
-        // next one's not made yet); `template` is private memory, so the
-        // two do not overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.template.as_ptr(),
-                self.view.as_ptr(),
-                self.template.len(),
-            )
-        };
-    }
-
-    fn mapping(&self) -> SharedMapping {
-        let dup = self.file.try_clone().expect("dup memfd");
-        SharedMapping::map(dup, 0, MEM).expect("map memfd")
-    }
-
-    /// The memory's bytes now.
-    fn bytes(&self) -> &[u8] {
-        // SAFETY: `view` maps MEM bytes of a memfd that only this thread
-        // uses (its engine and driver included), and nothing of this
-        // thread runs while the slice is alive (the caller only compares
-        // or copies it), so nothing writes them meanwhile; the slice
-        // borrows `self`, which keeps the mapping.
-        unsafe { std::slice::from_raw_parts(self.view.as_ptr(), self.view.len()) }
-    }
-}
-
-/// Per thread (property tests run in parallel): both devices' memories
-/// and the bystander's bytes at the start of an input.
-struct Memory {
-    victim: DeviceMemory,
-    bystander: DeviceMemory,
-    snapshot: std::cell::RefCell<Vec<u8>>,
-}
-
-thread_local! {
-    static MEMORY: Memory = Memory {
-        victim: DeviceMemory::new("t", vec![0; MEM as usize]),
-        // Its data region holds `i % 251 ^ 0x5a` at byte `i`.
-        bystander: DeviceMemory::new(
-            "by",
-            (0..MEM)
-                .map(|i| if i < DATA { 0 } else { ((i - DATA) % 251) as u8 ^ 0x5a })
-                .collect(),
-        ),
-        snapshot: std::cell::RefCell::new(Vec::new()),
-    };
-}
-
-/// The engine, its two devices' drivers and the network.
-struct Host<'m> {
-    memory: &'m Memory,
+/// The engine, its two devices' drivers and the network: made once per
+/// thread (an engine with its wire and two devices takes hundreds of
+/// allocations, which would dominate every input under the fuzzer's
+/// sanitizer), and brought back to the same state at the start of every
+/// input ([`Host::begin`]).
+struct Host {
     engine: Engine,
     victim: Driver,
     bystander: Driver,
@@ -424,7 +357,17 @@ struct Host<'m> {
     /// the packets sent "in sequence" go.
     rc_epsn: Psn,
     uc_epsn: Psn,
+    /// The victim's CQEs in this input.
     cqes: Vec<Cqe>,
+    /// The bystander's memory once its driver had set it up.
+    snapshot: Vec<u8>,
+    /// The wire's drops by reason when the input began.
+    drops: BTreeMap<String, u64>,
+}
+
+thread_local! {
+    /// One per thread (property tests run in parallel).
+    static HOST: RefCell<Option<Host>> = const { RefCell::new(None) };
 }
 
 /// The setup of the `n`th QP of a device, in this check's layout.
@@ -443,38 +386,41 @@ fn setup(n: usize, vqpn: u32, qp_type: u8) -> QpSetup {
     }
 }
 
-/// Attaches device `id` (GID `gid(n)`, the tenant of `mem`) with its
-/// memory, doorbell, event ring, CQ and data region; returns its driver
-/// and keys.
-fn device(engine: &mut Engine, id: DeviceId, n: u16, mem: &DeviceMemory) -> (Driver, u32, u32) {
-    mem.reset();
+/// Attaches device `id` (GID `gid(n)`, tenant `name`) with its memory,
+/// doorbell, event ring, CQ and data region; returns its driver and keys.
+fn device(engine: &mut Engine, id: DeviceId, n: u16, name: &str, mem: u64) -> (Driver, u32, u32) {
     let address = Address {
         gid: gid(n),
         lid: 0,
     };
-    let policy = &mem.policy;
+    let policy = tenant(name, PriorityClass::Normal);
     engine
-        .attach_device(id, &policy.name, address, &[id as u32 - 1], policy)
+        .attach_device(id, name, address, &[id as u32 - 1], &policy)
         .expect("attach");
-    engine.add_memory(id, 0, 0, mem.mapping()).expect("memory");
-    let kick = mem.kick.try_clone().expect("dup eventfd");
+    let file = sealed_memfd("fuzz-wire", mem).expect("memfd");
+    let map = |file: &File| {
+        let dup = file.try_clone().expect("dup memfd");
+        SharedMapping::map(dup, 0, mem).expect("map memfd")
+    };
+    engine.add_memory(id, 0, 0, map(&file)).expect("memory");
+    let kick = EventFd::new(EFD_NONBLOCK).expect("eventfd");
     engine.set_doorbell(id, DOORBELL, kick).expect("doorbell");
-    let irq = mem.irq.try_clone().expect("dup eventfd");
+    let irq = EventFd::new(EFD_NONBLOCK).expect("eventfd");
     engine.create_eq(id, 0, EQ, EQ_DEPTH, irq).expect("eq");
     engine.create_cq(id, CQN, CQ, CQ_DEPTH, 0).expect("cq");
     let region = MrRegistration {
         pd: 1,
         access: ALL,
         iova: IOVA,
-        len: DATA_LEN,
+        len: mem - DATA,
         segments: vec![MrSegment {
             slot: 0,
             offset: DATA,
-            len: DATA_LEN,
+            len: mem - DATA,
         }],
     };
     let (lkey, rkey) = engine.register_mr(id, &region).expect("mr");
-    (Driver::new(mem.mapping()), lkey, rkey)
+    (Driver::new(map(&file)), lkey, rkey)
 }
 
 /// The connection of a victim QP to `dest_qpn` at the remote GID.
@@ -532,8 +478,8 @@ fn victim_index(vqpn: u32) -> Option<usize> {
     }
 }
 
-impl<'m> Host<'m> {
-    fn new(memory: &'m Memory) -> Self {
+impl Host {
+    fn new() -> Self {
         let mut engine = Engine::new(Scheduler::new(None));
         let net = Queues(Arc::new(Mutex::new(Net {
             inbox: VecDeque::new(),
@@ -542,9 +488,9 @@ impl<'m> Host<'m> {
             last_psn: HashMap::new(),
         })));
         engine.attach_wire(Wire::new(Box::new(net.clone()), directory()));
-        let (mut victim, lkey, rkey) = device(&mut engine, VICTIM, VICTIM_N, &memory.victim);
+        let (mut victim, lkey, rkey) = device(&mut engine, VICTIM, VICTIM_N, "t", MEM);
         let (mut bystander, by_lkey, by_rkey) =
-            device(&mut engine, BYSTANDER, BYSTANDER_N, &memory.bystander);
+            device(&mut engine, BYSTANDER, BYSTANDER_N, "by", BY_MEM);
         for (n, vqpn, qp_type) in [(0, RC, 2), (1, UD, 4), (2, UC, 3)] {
             let s = setup(n, vqpn, qp_type);
             engine.create_qp(VICTIM, &s).expect("qp");
@@ -570,8 +516,10 @@ impl<'m> Host<'m> {
             traffic_class: 0,
         };
         engine.create_ah(VICTIM, &ah).expect("remote AH");
+        // The bystander's data region: `i % 251 ^ 0x5a` at byte `i`.
+        let pattern: Vec<u8> = (0..BY_MEM - DATA).map(|i| (i % 251) as u8 ^ 0x5a).collect();
+        assert!(bystander.mem.write(DATA as usize, &pattern));
         let mut host = Host {
-            memory,
             engine,
             victim,
             bystander,
@@ -586,23 +534,67 @@ impl<'m> Host<'m> {
             rc_epsn: Psn::new(RQ_PSN),
             uc_epsn: Psn::new(RQ_PSN),
             cqes: Vec::new(),
+            snapshot: Vec::new(),
+            drops: BTreeMap::new(),
         };
         // The bystander's receives (whole buffers of its data region),
         // then the victim's.
         let by_lkey = host.by_lkey;
-        for (qp, wr_id) in [(0, 1), (1, 2)] {
-            let buf = sge(IOVA + wr_id * RECV_LEN, RECV_LEN as u32, by_lkey);
+        for (qp, wr_id) in [(0, 0), (1, 1)] {
+            let buf = sge(IOVA + wr_id * 0x800, 0x800, by_lkey);
             host.bystander.post_recv(qp, wr_id, &[buf]);
         }
         host.top_up();
         host.settle();
         // What no packet may change: the bystander's memory as its driver
         // left it.
-        let mut snapshot = memory.snapshot.borrow_mut();
-        snapshot.clear();
-        snapshot.extend_from_slice(memory.bystander.bytes());
-        drop(snapshot);
+        host.snapshot = host.bystander_bytes().to_vec();
         host
+    }
+
+    /// The start of an input: the network empty and well, the victim's
+    /// QPs reset and connected again (fresh PSNs, nothing posted) with
+    /// receives posted. The rest of the host is as the last input left it
+    /// (which its end checked): its memory, CQ and event ring positions,
+    /// the wire's counters, the clock.
+    fn begin(&mut self, report: bool) {
+        {
+            let mut net = self.net.net();
+            net.inbox.clear();
+            net.trouble = Trouble::None;
+            net.sent.clear();
+            net.last_psn.clear();
+        }
+        self.cqes.clear();
+        if report {
+            self.drops = self.drops();
+        }
+        self.reconnect(RC, PEER_RC);
+        self.reconnect(UC, PEER_UC);
+        modify(&mut self.engine, VICTIM, UD, QpState::Reset, None, None);
+        ud_up(&mut self.engine, VICTIM, UD);
+        self.top_up();
+    }
+
+    /// The packets the wire dropped so far, by reason (every peer).
+    fn drops(&self) -> BTreeMap<String, u64> {
+        let peers = self.engine.wire().map(|w| w.peers.snapshot());
+        let mut all = BTreeMap::new();
+        for (reason, n) in peers.into_iter().flatten().flat_map(|p| p.drops) {
+            *all.entry(reason).or_insert(0) += n;
+        }
+        all
+    }
+
+    /// The bystander's memory now.
+    fn bystander_bytes(&self) -> &[u8] {
+        let mem = &self.bystander.mem;
+        // SAFETY: the bystander's memory is a memfd only this thread uses
+        // (its engine and driver included), and nothing of this thread runs
+        // while the slice is alive (callers only compare or copy it), so
+        // nothing writes it meanwhile; the slice borrows `self`, which
+        // keeps the mapping.
+        unsafe { std::slice::from_raw_parts(mem.as_ptr(), mem.len()) }
     }
 
     fn step(&mut self, input: &mut Input<'_>) {
@@ -660,14 +652,17 @@ impl<'m> Host<'m> {
                 break;
             }
         }
-        for cqe in self.victim.poll() {
+        let cqes = &mut self.cqes;
+        self.victim.poll_each(|cqe| {
             assert!(WcStatus::try_from(cqe.status).is_ok(), "{cqe:?}");
             let qpn = cqe.qp_num.get();
             assert!(victim_index(qpn).is_some(), "a CQE of QP {qpn}: {cqe:?}");
-            if self.cqes.len() < 4096 {
-                self.cqes.push(cqe);
+            if cqes.len() < 4096 {
+                cqes.push(cqe);
             }
-        }
+        });
+        // Events (a QP's fatal error) are taken as a driver does.
+        self.victim.events_each(|_, _| {});
         self.top_up();
     }
 
@@ -1046,7 +1041,7 @@ impl<'m> Host<'m> {
     }
 
     /// The invariants at the end, and that the engine still serves.
-    fn finish(mut self) -> Report {
+    fn finish(&mut self, report: bool) -> Report {
         for vqpn in [BY_RC, BY_UD] {
             assert_eq!(
                 self.engine.query_qp(BYSTANDER, vqpn),
@@ -1059,7 +1054,7 @@ impl<'m> Host<'m> {
             Ok(QpState::Rts),
             "the victim's UD QP left RTS"
         );
-        let same = *self.memory.snapshot.borrow() == self.memory.bystander.bytes();
+        let same = self.snapshot == self.bystander_bytes();
         assert!(same, "the bystander's memory changed");
         // A well-formed datagram from the remote host still lands.
         self.net.net().trouble = Trouble::None;
@@ -1087,17 +1082,19 @@ impl<'m> Host<'m> {
         assert_eq!(got[..20], [0; 20], "GRH");
         assert_eq!(got[20..40], d[..20], "GRH: the IPv4 header");
         assert_eq!(&got[40..], text);
-        let drops = (self.engine.wire())
-            .map(|w| w.peers.snapshot())
-            .unwrap_or_default()
-            .into_iter()
-            .flat_map(|p| p.drops)
-            .fold(BTreeMap::new(), |mut all, (k, v)| {
-                *all.entry(k).or_insert(0) += v;
-                all
-            });
+        if !report {
+            self.cqes.clear();
+            return Report::default();
+        }
+        let mut drops = self.drops();
+        for (reason, before) in &self.drops {
+            if let Some(n) = drops.get_mut(reason) {
+                *n -= before;
+            }
+        }
+        drops.retain(|_, n| *n > 0);
         Report {
-            cqes: self.cqes,
+            cqes: std::mem::take(&mut self.cqes),
             sent: std::mem::take(&mut self.net.net().sent),
             drops,
         }
