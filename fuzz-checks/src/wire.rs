@@ -28,6 +28,10 @@
 //! and reconnected, and the packet queues misbehave (full, failing). After
 //! each step the engine runs rounds until it is idle.
 //!
+//! The host is made once per thread and brought back to the same state
+//! at the start of every input (its network empty, the victim's QPs reset
+//! and connected again with receives posted): see [`Host::begin`].
+//!
 //! Invariants: no panic; every CQE the victim gets has a valid status and
 //! names one of its QPs; every packet the engine sends parses, comes from
 //! the victim's GID and goes to the remote GID (no packet of anyone's
@@ -112,7 +116,8 @@ const RQ_PSN: u32 = 0xff_fff8;
 
 /// Each device's guest memory: doorbell page, event ring and CQ where
 /// `engine::testing` puts them, then this check's smaller rings and data
-/// region (fresh memory per input stays cheap).
+/// region (the bystander's memory, all of it compared after every input,
+/// stays small).
 const MEM: u64 = 0x20000;
 const RINGS: u64 = 0x5000;
 /// Each QP's send ring, then its receive ring half-way.
