@@ -18,6 +18,8 @@
 //! - [`memory`]: memory-table changes interleaved with MRs and key lookups.
 //! - [`roce`]: the RoCEv2 packet parser (what a peer host sends).
 //! - [`cm`]: the IB CM MAD codec and agent (what a peer's CM sends to QP1).
+//! - [`wire`]: hostile packets from the network against hostd's engine on
+//!   a wire (UD, UC and RC between hosts).
 
 pub mod cm;
 pub mod control;
@@ -29,6 +31,7 @@ pub mod policy;
 pub mod rings;
 pub mod roce;
 pub mod server;
+pub mod wire;
 pub mod wqe;
 
 /// A check function: panics when `data` breaks an invariant.
@@ -45,4 +48,5 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("memory", memory::check),
     ("roce_packet", roce::check),
     ("cm_mad", cm::check),
+    ("wire_packets", wire::check),
 ];

@@ -86,7 +86,7 @@ fn seal_icrc(udp: &mut [u8], ip: &Ipv4Meta) {
 /// Makes a datagram's IPv4 version and IHL, total length, protocol, UDP
 /// length, header checksum and ICRC valid (for the addresses and ports its
 /// headers hold), leaving every other byte.
-fn seal_datagram(dgram: &mut [u8]) {
+pub(crate) fn seal_datagram(dgram: &mut [u8]) {
     if dgram.len() < IP_UDP_LEN || dgram.len() > usize::from(u16::MAX) {
         return;
     }

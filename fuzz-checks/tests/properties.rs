@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use proptest::prelude::*;
 use vrdma_fuzz_checks::{
-    cm, control, hostd, hostd_session, memory, policy, rings, roce, wqe, TARGETS,
+    cm, control, hostd, hostd_session, memory, policy, rings, roce, wire, wqe, TARGETS,
 };
 
 fn config() -> ProptestConfig {
@@ -107,6 +107,40 @@ proptest! {
     fn hostile_rings(data in proptest::collection::vec(any::<u8>(), 0..1024)) {
         rings::check(&data);
     }
+}
+
+proptest! {
+    // Each case builds an engine with two small devices on a wire (about
+    // 1 ms a case in a debug build).
+    #![proptest_config(cases(96))]
+
+    #[test]
+    fn wire_packets(data in proptest::collection::vec(any::<u8>(), 0..1024)) {
+        wire::check(&data);
+    }
+
+    /// Batches of packets built from fields (the first byte of each step
+    /// a batch, of each packet a structured one): random bytes alone make
+    /// every other step something else and half the packets raw.
+    #[test]
+    fn wire_packets_structured(steps in proptest::collection::vec(wire_batch(), 1..6)) {
+        wire::check(&steps.concat());
+    }
+}
+
+/// One step of the `wire` check's input that is a batch of structured
+/// packets: the step's opcode (0-3), the count, then each packet's kind
+/// (0-1) and its fields.
+fn wire_batch() -> impl Strategy<Value = Vec<u8>> {
+    let packet = (0u8..2, proptest::collection::vec(any::<u8>(), wire::FIELDS))
+        .prop_map(|(kind, fields)| [vec![kind], fields].concat());
+    (0u8..4, proptest::collection::vec(packet, 1..5)).prop_map(|(step, packets)| {
+        let mut v = vec![step, packets.len() as u8 - 1];
+        for p in packets {
+            v.extend(p);
+        }
+        v
+    })
 }
 
 /// Policy-shaped TOML: tenant tables with known and unknown keys.
