@@ -263,6 +263,35 @@ fn two_hosts_share_a_view_through_etcd() {
     );
     drop(d3);
 
+    // A view that has not caught up misses a GID published after it was
+    // read (h3 here runs no watch: its view is the one read at open); the
+    // control path's lookup reads that key from etcd and finds it.
+    let lagging = EtcdDirectory::open(EtcdOptions {
+        host: "h3".into(),
+        cluster_file: file_h3.clone(),
+        cluster: Cluster::load(&file_h3).expect("cluster h3"),
+        endpoints: vec![etcd.client],
+        lease_seconds: LEASE,
+        networks: Default::default(),
+    })
+    .expect("etcd reachable");
+    let late = entry([10, 200, 2, 2], "h2", "beta", "blue");
+    d2.publish(&late).expect("h2's second GID");
+    assert_eq!(lagging.lookup(late.gid), None, "no watch: not in the view");
+    assert_eq!(lagging.lookup_fresh(late.gid).as_ref(), Some(&late));
+    assert_eq!(
+        lagging.lookup(late.gid).as_ref(),
+        Some(&late),
+        "now in the view"
+    );
+    assert_eq!(
+        lagging.lookup_fresh(Ipv4Addr::new(10, 200, 9, 9)),
+        None,
+        "a GID nobody published"
+    );
+    drop(lagging);
+    d2.withdraw(late.gid).expect("withdraw h2's second GID");
+
     // Withdraw removes.
     d2.withdraw(b.gid).expect("withdraw");
     within(Duration::from_secs(1), "the withdrawal reaches h1", || {

@@ -621,7 +621,7 @@ impl Server {
                     // Another host's device, if the directory knows it.
                     let entry = (self.directory())
                         .zip(vrdma_spec::gid::ipv4_of(dgid))
-                        .and_then(|(d, ip)| d.lookup(ip.into()))
+                        .and_then(|(d, ip)| d.lookup_fresh(ip.into()))
                         .filter(|e| {
                             self.config
                                 .fabric

@@ -8,7 +8,10 @@
 //! A host whose hostd stops keeping its lease alive (crash, partition)
 //! disappears from every view once the lease expires. The view is a range
 //! read of `/vrdma/`, then a watch from the next revision, applied to a
-//! local map behind a lock: lookups never wait on the network. Entries
+//! local map behind a lock: lookups never wait on the network, except
+//! one on the control path that missed the view ([`Directory::lookup_fresh`]:
+//! a read of that one key, at most [`READS_PER_SECOND`], so that a GID
+//! published a moment ago on another host is found at RTR). Entries
 //! come from other hosts and are not trusted: each is validated (key and
 //! value agree, names valid, addresses usable); a bad one is skipped and
 //! logged.
@@ -60,6 +63,10 @@ const MAX_BACKOFF: Duration = Duration::from_secs(2);
 const MIN_BACKOFF: Duration = Duration::from_millis(100);
 /// How often the watch thread looks whether it should stop, at most.
 const WATCH_POLL: Duration = Duration::from_millis(500);
+/// Reads of one key on a lookup that missed the view, at most, per
+/// second (a tenant connecting to GIDs nobody has must not turn into a
+/// flood of requests to etcd; past it, a miss answers from the view).
+const READS_PER_SECOND: u32 = 50;
 
 /// Why talking to etcd failed.
 #[derive(Debug, thiserror::Error)]
@@ -113,6 +120,8 @@ enum Command {
     Withdraw(Ipv4Addr),
     /// Put this host's entry again (its address changed on reload).
     PublishHost,
+    /// Read one GID's key (a lookup that missed the view).
+    Read(Ipv4Addr),
 }
 
 type Reply = mpsc::SyncSender<Result<(), DirectoryError>>;
@@ -140,6 +149,8 @@ struct Shared {
     /// etcd answered the last request (for logging changes of state).
     healthy: AtomicBool,
     stop: AtomicBool,
+    /// Reads on a miss in the current second: (its start, how many).
+    reads: Mutex<(Instant, u32)>,
 }
 
 /// The directory `directory = "etcd"` configures.
@@ -197,6 +208,7 @@ impl EtcdDirectory {
             published: Mutex::new(BTreeMap::new()),
             healthy: AtomicBool::new(true),
             stop: AtomicBool::new(false),
+            reads: Mutex::new((Instant::now(), 0)),
         });
         shared.register().map_err(DirectoryError::Etcd)?;
         shared.resync().map_err(DirectoryError::Etcd)?;
@@ -410,7 +422,43 @@ impl Shared {
             Command::Publish(entry) => self.publish(&entry),
             Command::Withdraw(gid) => self.withdraw(gid),
             Command::PublishHost => self.put_host().map_err(DirectoryError::Etcd),
+            Command::Read(gid) => self.read_gid(gid).map_err(DirectoryError::Etcd),
         }
+    }
+
+    /// Reads `gid`'s key (a linearizable read) into the view. An absent
+    /// key changes nothing: deletions are the watch's to apply, in order.
+    fn read_gid(&self, gid: Ipv4Addr) -> Result<(), EtcdError> {
+        let answer = self.call(
+            "the GID's read",
+            "/v3/kv/range",
+            &json!({ "key": b64(&gid_key(gid)) }),
+        )?;
+        let mut view = self.view_mut();
+        let mut changed = false;
+        for kv in answer
+            .get("kvs")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
+            changed |= apply(&mut view, kv, false);
+        }
+        if changed {
+            self.changed();
+        }
+        Ok(())
+    }
+
+    /// Whether one more read on a miss fits this second's budget.
+    fn may_read(&self) -> bool {
+        let mut reads = self.reads.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if now.duration_since(reads.0) >= Duration::from_secs(1) {
+            *reads = (now, 0);
+        }
+        reads.1 += 1;
+        reads.1 <= READS_PER_SECOND
     }
 
     fn publish(&self, entry: &GidEntry) -> Result<(), DirectoryError> {
@@ -868,6 +916,21 @@ fn watch_thread(shared: &Shared, mut revision: Option<i64>) {
 impl Directory for EtcdDirectory {
     fn lookup(&self, gid: Ipv4Addr) -> Option<GidEntry> {
         self.shared.view().gids.get(&gid).cloned()
+    }
+
+    fn lookup_fresh(&self, gid: Ipv4Addr) -> Option<GidEntry> {
+        if let Some(entry) = self.lookup(gid) {
+            return Some(entry);
+        }
+        if !self.shared.may_read() {
+            tracing::debug!(%gid, "Lookup missed the view; over the read budget, not asking etcd");
+            return None;
+        }
+        if let Err(e) = self.run(Command::Read(gid)) {
+            tracing::debug!(%gid, "Lookup missed the view and etcd could not be read: {}",
+                vrdma_errors::error_chain(&e));
+        }
+        self.lookup(gid)
     }
 
     fn hosts(&self) -> Vec<HostEntry> {

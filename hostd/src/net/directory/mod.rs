@@ -95,6 +95,14 @@ pub enum DirectoryError {
 pub trait Directory: Send + Sync {
     /// Where `gid` lives, as the directory knows now.
     fn lookup(&self, gid: Ipv4Addr) -> Option<GidEntry>;
+    /// Like [`Directory::lookup`], but a miss asks the directory's source
+    /// of truth before answering "unknown": a GID another host published a
+    /// moment ago may not be in this view yet (etcd brings a lagging watch
+    /// up to date only every 100 ms). For the control path (RTR, address
+    /// handles): it may wait one round trip to the directory.
+    fn lookup_fresh(&self, gid: Ipv4Addr) -> Option<GidEntry> {
+        self.lookup(gid)
+    }
     /// Every host it knows (for `vrdmactl peers`).
     fn hosts(&self) -> Vec<HostEntry>;
     /// Announces that this host serves `entry` (a device came).
