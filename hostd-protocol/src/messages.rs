@@ -25,8 +25,11 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// [`Request::ResumeQp`], [`Request::ResumeSrq`], [`Request::RestoreMr`]).
 /// 8: the port's link layer (the Welcome's `link_layer`): on an
 /// InfiniBand port an address vector without a GRH names its destination
-/// by LID (`dlid` of [`QpConnection`] and [`AhSetup`]).
-pub const PROTOCOL_VERSION: u32 = 9;
+/// by LID (`dlid` of [`QpConnection`] and [`AhSetup`]). 9: QP1 for the
+/// device's connection manager ([`Request::GsiNotify`],
+/// [`Request::SendMad`], [`Request::TakeMads`]). 10: address resolution
+/// for the connection manager ([`Request::ResolveGid`]).
+pub const PROTOCOL_VERSION: u32 = 10;
 
 /// The LID of hostd itself on an InfiniBand port: it is the subnet
 /// manager (`sm_lid` of every port); devices get LIDs from 2 on.
@@ -193,6 +196,12 @@ pub enum Request {
     /// Up to `max` MADs that arrived for the device's QP1, oldest first;
     /// answered with [`Response::Mads`].
     TakeMads { max: u32 },
+    /// Whether the device may reach `gid` (rdma_cm's address resolution):
+    /// `Ok`, or refused as a connection at RTR would be (`EACCES`: outside
+    /// the networks the tenant may reach; `ENOENT`: no such device here or
+    /// in the directory). vdev answers both refusals alike, so that a
+    /// tenant cannot tell another network's addresses from unused ones.
+    ResolveGid { gid: [u8; 16] },
 }
 
 /// A MAD the device's control plane sends from QP1.

@@ -12,8 +12,8 @@ use std::sync::{Mutex, Weak};
 
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
 use vrdma_hostd_protocol::messages::{
-    AhSetup, MrRegistration, Notification, PortLinkLayer, QpModify, QpSetup, Request, Response,
-    SrqSetup, TenantPolicy, Welcome, PROTOCOL_VERSION,
+    AhSetup, MadIn, MadOut, MrRegistration, Notification, PortLinkLayer, QpModify, QpSetup,
+    Request, Response, SrqSetup, TenantPolicy, Welcome, PROTOCOL_VERSION,
 };
 
 use crate::seccomp::{Role, Threads};
@@ -330,6 +330,36 @@ impl Fabric {
 
     pub fn destroy_ah(&self, ahn: u32) -> Result<(), FabricError> {
         self.call(&Request::DestroyAh { ahn }, &[])
+    }
+
+    /// From now on hostd signals `notify` (an eventfd) when MADs arrive
+    /// for the device's QP1 and none was waiting: the connection manager
+    /// then takes them with [`Fabric::take_mads`].
+    pub fn gsi_notify(&self, notify: &vmm_sys_util::eventfd::EventFd) -> Result<(), FabricError> {
+        self.call(&Request::GsiNotify, &[notify.as_raw_fd()])
+    }
+
+    /// Sends a connection-manager MAD from the device's QP1 to QP1 of
+    /// `mad.peer`; hostd refuses a peer the tenant may not reach
+    /// (`EACCES`), an unknown one (`ENOENT`) and anything but a 256-byte
+    /// CM MAD (`EINVAL`).
+    pub fn send_mad(&self, mad: MadOut) -> Result<(), FabricError> {
+        self.call(&Request::SendMad(mad), &[])
+    }
+
+    /// Up to `max` MADs that arrived for the device's QP1, oldest first.
+    pub fn take_mads(&self, max: u32) -> Result<Vec<MadIn>, FabricError> {
+        match self.request(&Request::TakeMads { max }, &[])? {
+            Response::Mads(mads) => Ok(mads),
+            other => Err(FabricError::Unexpected(Box::new(other))),
+        }
+    }
+
+    /// Whether the device may reach GID `gid` (the check a connection gets
+    /// at RTR): `Ok`, or refused with `EACCES` (not reachable) or `ENOENT`
+    /// (unknown). Callers that answer a tenant treat both alike.
+    pub fn resolve_gid(&self, gid: [u8; 16]) -> Result<(), FabricError> {
+        self.call(&Request::ResolveGid { gid }, &[])
     }
 
     /// Everything of the device's driver goes: QPs, CQs, event rings, MRs

@@ -23,6 +23,8 @@
 //!   (namespaces, landlock, privileges, seccomp; `vrdma-isolation` builds
 //!   them), in the order `main.rs` runs them.
 //! - [`seccomp`]: vdev's thread roles and the system calls each may make.
+//! - [`cm`]: the device's connection manager (rdma_cm's semantics over
+//!   vrdma-cm's agent, on QP1 through hostd), one thread per device.
 //!
 //! Start-up is split so that everything needing the file system or
 //! privileges happens before the sandbox: [`open`] binds the listener (and,
@@ -30,6 +32,7 @@
 //! first hostd registration), then [`run`] serves inside the sandbox.
 
 pub mod backend;
+pub mod cm;
 pub mod config;
 pub mod control;
 pub mod fabric;

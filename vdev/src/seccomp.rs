@@ -20,6 +20,10 @@
 //!   filter from the thread that starts the daemon.
 //! - [`Role::PolicyListener`] — hostd's policy notifications, received and
 //!   applied to the device's quotas.
+//! - [`Role::Cm`] — the device's connection manager (`crate::cm`): sleeps
+//!   in `ppoll` on QP1's eventfd and its wake-up eventfd with the agent's
+//!   next deadline as timeout, takes and sends CM MADs over the hostd
+//!   channel, signals owners' event eventfds.
 //!
 //! vdev has no datapath thread: hostd reads the tenants' rings itself.
 //!
@@ -42,12 +46,14 @@ pub enum Role {
     VhostUser,
     /// hostd's policy notifications.
     PolicyListener,
+    /// The connection manager's thread.
+    Cm,
 }
 
 impl Role {
     /// The roles of the threads vdev starts after its main thread has
     /// installed [`Role::Main`]'s filter.
-    pub const SPAWNED: [Role; 2] = [Role::VhostUser, Role::PolicyListener];
+    pub const SPAWNED: [Role; 3] = [Role::VhostUser, Role::PolicyListener, Role::Cm];
 }
 
 impl ThreadRole for Role {
@@ -56,6 +62,7 @@ impl ThreadRole for Role {
             Role::Main => main_rules()?,
             Role::VhostUser => vhost_user_rules()?,
             Role::PolicyListener => policy_listener_rules()?,
+            Role::Cm => cm_rules(),
         };
         Ok(common_rules()?.merge(own))
     }
@@ -67,6 +74,7 @@ impl fmt::Display for Role {
             Role::Main => "main",
             Role::VhostUser => "vhost-user",
             Role::PolicyListener => "policy-listener",
+            Role::Cm => "cm",
         })
     }
 }
@@ -157,6 +165,20 @@ fn policy_listener_rules() -> Result<Rules, SeccompError> {
     Ok(r)
 }
 
+/// The connection manager: waits, talks to hostd over the registration's
+/// channel, signals eventfds. Nothing else.
+fn cm_rules() -> Rules {
+    let mut r = Rules::new();
+    // Sleeps on QP1's eventfd and its wake-up eventfd until the agent's
+    // next deadline (eventfds are read and written with the common
+    // read/write; the clock is the common clock_gettime).
+    r.allow(libc::SYS_ppoll);
+    // TakeMads and SendMad on the context's hostd channel, and answers.
+    r.allow(libc::SYS_sendmsg);
+    r.allow(libc::SYS_recvmsg);
+    r
+}
+
 #[cfg(test)]
 mod tests {
     use vrdma_isolation::seccomp::testing::{
@@ -168,7 +190,7 @@ mod tests {
     use super::*;
 
     /// Every role, the main thread's first.
-    const ROLES: [Role; 3] = [Role::Main, Role::VhostUser, Role::PolicyListener];
+    const ROLES: [Role; 4] = [Role::Main, Role::VhostUser, Role::PolicyListener, Role::Cm];
 
     const SEQPACKET: u64 = (libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC) as u64;
     const UNIX: u64 = libc::AF_UNIX as u64;
@@ -222,6 +244,15 @@ mod tests {
                 ("recvmsg", libc::SYS_recvmsg, [7, 0, 0, 0, 0, 0]),
                 fcntl(libc::F_DUPFD_CLOEXEC),
             ],
+            Role::Cm => vec![
+                ("ppoll", libc::SYS_ppoll, [0, 2, 0, 0, 8, 0]),
+                ("recvmsg", libc::SYS_recvmsg, [7, 0, 0, 0, 0, 0]),
+                ("sendmsg", libc::SYS_sendmsg, [7, 0, 0x4000, 0, 0, 0]),
+                ("read eventfd", libc::SYS_read, [9, 0, 8, 0, 0, 0]),
+                ("write eventfd", libc::SYS_write, [10, 0, 8, 0, 0, 0]),
+                ("futex", libc::SYS_futex, [0, 128, 2, 0, 0, 0]),
+                ("clock_gettime", libc::SYS_clock_gettime, [1, 0, 0, 0, 0, 0]),
+            ],
         };
         calls.push(sched_yield);
         calls
@@ -265,8 +296,9 @@ mod tests {
                 ),
                 (
                     ("sendmsg", libc::SYS_sendmsg, [7, 0, 0, 0, 0, 0]),
-                    &[Main, VhostUser],
+                    &[Main, VhostUser, Cm],
                 ),
+                (("ppoll", libc::SYS_ppoll, [0, 2, 0, 0, 8, 0]), &[Cm]),
             ],
         );
     }
@@ -330,6 +362,11 @@ mod tests {
                 Role::PolicyListener,
                 ("recvmsg", libc::SYS_recvmsg, [BAD, 0, 0, 0, 0, 0]),
                 ("sendmsg", libc::SYS_sendmsg, [BAD, 0, 0, 0, 0, 0]),
+            ),
+            (
+                Role::Cm,
+                ("ppoll", libc::SYS_ppoll, [0, 0, 1, 0, 8, 0]),
+                unix_socket(),
             ),
         ]);
     }

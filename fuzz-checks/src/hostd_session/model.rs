@@ -281,6 +281,8 @@ impl Model {
             // Whether a MAD goes depends on the GIDs the host knows; what
             // QP1 carries has its own tests (hostd's engine and chaos).
             Request::SendMad(_) | Request::TakeMads { .. } => Expect::Either,
+            // Reachability depends on the GIDs and directory the host has.
+            Request::ResolveGid { .. } => Expect::Either,
             Request::QuotaRejected { quota } => {
                 let limits = serde_json::to_value(Limits::default()).ok();
                 let known = limits
@@ -503,7 +505,8 @@ impl Model {
             | Request::DestroyAh { .. }
             | Request::GsiNotify
             | Request::SendMad(_)
-            | Request::TakeMads { .. } => {}
+            | Request::TakeMads { .. }
+            | Request::ResolveGid { .. } => {}
             &Request::AddMemory {
                 slot,
                 gpa,

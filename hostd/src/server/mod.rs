@@ -516,6 +516,11 @@ impl Server {
                         .collect(),
                 ))
             }
+            Request::ResolveGid { gid } => {
+                // The check a connection gets at RTR, with nothing created.
+                self.check_reachable(s, &gid)?;
+                Ok(Response::Ok)
+            }
             Request::ResetDevice => {
                 self.datapath.lock().reset_device(id);
                 self.datapath.wake();
