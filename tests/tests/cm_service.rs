@@ -1,0 +1,481 @@
+//! vdev's connection manager service (`vrdma_vdev::cm`) through a real
+//! hostd process: devices of tenants registered as vdev registers them
+//! (`Fabric::connect`), each with its CM service (thread, QP1 eventfd),
+//! speaking rdma_cm to each other over QP1 — listen/connect/accept with
+//! private data and crossed QP attributes, reject, no listener, another
+//! network, disconnect, a listener that goes away mid-handshake, SIDR for
+//! UD, and 1,000 connect/disconnect cycles that leave nothing behind.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vrdma_cm::MessageKind;
+use vrdma_spec::verbs::QpState;
+use vrdma_tests::daemon::Hostd;
+use vrdma_vdev::cm::{
+    CmConfig, CmEvent, CmEventKind, CmOwner, CmService, ConnParam, IdNum, IdState, PortSpace,
+    ADDR_ERROR_STATUS, UNREACHABLE_STATUS,
+};
+use vrdma_vdev::fabric::Fabric;
+use vrdma_vdev::seccomp::Threads;
+
+const POLICY: &str = r#"
+[[tenant]]
+name = "alpha"
+network = "blue"
+
+[[tenant]]
+name = "gamma"
+network = "blue"
+
+[[tenant]]
+name = "beta"
+network = "red"
+"#;
+
+const WAIT: Duration = Duration::from_secs(5);
+
+/// A device registered with hostd, and its connection manager.
+struct Device {
+    tenant: &'static str,
+    ip: Ipv4Addr,
+    cm: CmService,
+    _fabric: Arc<Fabric>,
+}
+
+impl Device {
+    fn new(hostd: &Hostd, tenant: &'static str, config: CmConfig) -> Device {
+        let name = format!("cm-{tenant}");
+        let fabric = Arc::new(Fabric::connect(&hostd.socket, tenant, &name).expect("register"));
+        let ip = Ipv4Addr::from(vrdma_spec::gid::ipv4_of(&fabric.gid).expect("an IPv4 GID"));
+        let cm = CmService::start(fabric.clone(), tenant, config, &Threads::unfiltered())
+            .expect("CM service");
+        Device {
+            tenant,
+            ip,
+            cm,
+            _fabric: fabric,
+        }
+    }
+
+    fn owner(&self) -> CmOwner {
+        self.cm.open_owner().expect("owner")
+    }
+}
+
+/// Short CM timers, so that timeouts and timewait end within a test: a
+/// REQ is resent every 2·4 ms + 64 ms, 3 times; timewait is 128 ms.
+fn fast() -> CmConfig {
+    CmConfig {
+        packet_life_time: 10,
+        cm_response_timeout: 14,
+        max_cm_retries: 3,
+        sidr_timeout: 14,
+        sidr_retries: 3,
+        ..CmConfig::default()
+    }
+}
+
+/// The next event of `owner`, which must be of `kind`.
+#[track_caller]
+fn expect(owner: &CmOwner, kind: CmEventKind) -> CmEvent {
+    let e = owner
+        .wait_event(WAIT)
+        .expect("event")
+        .unwrap_or_else(|| panic!("no event within {WAIT:?}; expected {kind:?}"));
+    assert_eq!(e.kind, kind, "{e:?}");
+    e
+}
+
+/// Nothing arrives for `owner` within `d`.
+#[track_caller]
+fn quiet(owner: &CmOwner, d: Duration) {
+    if let Some(e) = owner.wait_event(d).expect("event") {
+        panic!("unexpected event {e:?}");
+    }
+}
+
+fn param(data: &[u8], qpn: u32, psn: u32) -> ConnParam {
+    ConnParam {
+        private_data: data.to_vec(),
+        responder_resources: 4,
+        initiator_depth: 2,
+        retry_count: 7,
+        rnr_retry_count: 7,
+        qp_num: qpn,
+        starting_psn: Some(psn),
+        ..ConnParam::default()
+    }
+}
+
+/// A listener of `ps` on `port` of `dev`.
+fn listener(dev: &Device, owner: &CmOwner, ps: PortSpace, port: u16) -> IdNum {
+    let id = owner.create_id(ps, None).expect("create_id");
+    let bound = owner
+        .bind_addr(id, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port))
+        .expect("bind");
+    assert_eq!(bound.port(), port);
+    owner.listen(id, 16).expect("listen");
+    let _ = dev;
+    id
+}
+
+/// An ID of `owner` resolved (address and route) towards `to`.
+fn resolved(owner: &CmOwner, ps: PortSpace, to: SocketAddrV4) -> IdNum {
+    let id = owner.create_id(ps, None).expect("create_id");
+    owner.resolve_addr(id, None, to).expect("resolve_addr");
+    expect(owner, CmEventKind::AddrResolved);
+    owner.resolve_route(id).expect("resolve_route");
+    expect(owner, CmEventKind::RouteResolved);
+    id
+}
+
+/// Connects `a` to `b`'s listener on `port` and establishes: (active ID,
+/// passive ID).
+fn establish(
+    a: (&CmOwner, Ipv4Addr),
+    b: &CmOwner,
+    port: u16,
+    qpns: (u32, u32),
+) -> (IdNum, IdNum) {
+    let (ao, bip) = a;
+    let id = resolved(ao, PortSpace::Tcp, SocketAddrV4::new(bip, port));
+    ao.connect(id, &param(b"hi", qpns.0, 1)).expect("connect");
+    let req = expect(b, CmEventKind::ConnectRequest);
+    b.accept(req.id, &param(b"ok", qpns.1, 2)).expect("accept");
+    expect(ao, CmEventKind::ConnectResponse);
+    ao.establish(id).expect("establish");
+    expect(ao, CmEventKind::Established);
+    expect(b, CmEventKind::Established);
+    (id, req.id)
+}
+
+#[test]
+fn listen_connect_accept_establish_then_disconnect_on_both_sides() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    let b = Device::new(&hostd, "gamma", fast());
+    let (ao, bo) = (a.owner(), b.owner());
+    let lid = listener(&b, &bo, PortSpace::Tcp, 7471);
+
+    let id = resolved(&ao, PortSpace::Tcp, SocketAddrV4::new(b.ip, 7471));
+    let info = ao.query(id).expect("query");
+    assert_eq!(*info.src.ip(), a.ip, "bound to the device's address");
+    assert!(info.src.port() >= 32768, "an ephemeral port: {}", info.src);
+    let route = info.route.expect("route");
+    assert_eq!(route.pkey, 0xffff);
+    assert_eq!(route.dgid, vrdma_spec::gid::ipv4_mapped(b.ip.octets()));
+    assert_eq!(route.sgid, vrdma_spec::gid::ipv4_mapped(a.ip.octets()));
+    let init = ao.init_qp_attr(id, QpState::Init).expect("INIT");
+    assert_eq!((init.qp_state, init.port_num, init.pkey_index), (QpState::Init, 1, 0));
+    // RTR needs the peer: refused before the REP.
+    assert_eq!(
+        ao.init_qp_attr(id, QpState::Rtr).map_err(|e| e.errno()),
+        Err(libc::EINVAL)
+    );
+
+    let hello = b"hello from alpha";
+    ao.connect(id, &param(hello, 0x111, 0xabc)).expect("connect");
+    let req = expect(&bo, CmEventKind::ConnectRequest);
+    assert_eq!(req.listen_id, lid);
+    assert_ne!(req.id, lid, "a new ID for the request");
+    assert_eq!(&req.private_data()[..hello.len()], hello);
+    assert_eq!(req.private_data().len(), 56, "a REQ's field after the CMA header");
+    assert_eq!(req.qp_num, 0x111);
+    // The receiver's view: the sender's initiator depth is its responder
+    // resources.
+    assert_eq!((req.responder_resources, req.initiator_depth), (2, 4));
+    let passive = bo.query(req.id).expect("query");
+    assert_eq!(passive.dst, info.src, "the CMA header's source");
+    assert_eq!(passive.src, SocketAddrV4::new(b.ip, 7471));
+    assert_eq!(passive.state, IdState::Connect);
+    // Before accept the passive side already has its RTR attributes.
+    let early = bo.init_qp_attr(req.id, QpState::Rtr).expect("RTR before accept");
+    assert_eq!(early.dest_qp_num, 0x111);
+
+    let welcome = b"welcome, alpha";
+    bo.accept(req.id, &param(welcome, 0x222, 0xdef)).expect("accept");
+    let rep = expect(&ao, CmEventKind::ConnectResponse);
+    assert_eq!(&rep.private_data()[..welcome.len()], welcome);
+    assert_eq!(rep.private_data().len(), 196);
+    assert_eq!(rep.qp_num, 0x222);
+
+    // Each side's dest QPN is the other's QPN; PSNs crossed.
+    let (a_rtr, a_rts) = (
+        ao.init_qp_attr(id, QpState::Rtr).expect("RTR"),
+        ao.init_qp_attr(id, QpState::Rts).expect("RTS"),
+    );
+    let (b_rtr, b_rts) = (
+        bo.init_qp_attr(req.id, QpState::Rtr).expect("RTR"),
+        bo.init_qp_attr(req.id, QpState::Rts).expect("RTS"),
+    );
+    assert_eq!(a_rtr.dest_qp_num, 0x222);
+    assert_eq!(b_rtr.dest_qp_num, 0x111);
+    assert_eq!((a_rtr.rq_psn, a_rts.sq_psn), (0xabc, 0xdef));
+    assert_eq!((b_rtr.rq_psn, b_rts.sq_psn), (0xdef, 0xabc));
+    assert_eq!(a_rtr.path_mtu, b_rtr.path_mtu);
+    assert_eq!(a_rtr.ah_attr.dgid, route.dgid);
+    assert_eq!(b_rtr.ah_attr.dgid, route.sgid);
+    // Resources: what one side may have outstanding, the other accepts.
+    assert_eq!(a_rts.max_rd_atomic, b_rtr.max_dest_rd_atomic);
+    assert_eq!(b_rts.max_rd_atomic, a_rtr.max_dest_rd_atomic);
+    assert_eq!((a_rts.retry_cnt, a_rts.rnr_retry), (7, 7));
+    assert_eq!((b_rts.retry_cnt, b_rts.rnr_retry), (7, 7));
+    assert_eq!(a_rtr.min_rnr_timer, 0);
+    assert!(a_rts.timeout > 0 && b_rts.timeout > 0);
+
+    ao.establish(id).expect("establish (RTU)");
+    expect(&ao, CmEventKind::Established);
+    expect(&bo, CmEventKind::Established);
+    assert_eq!(a.cm.counters().connections_live, 1);
+    assert_eq!(b.cm.counters().connections_live, 1);
+
+    // Disconnect: DREQ → the peer's DISCONNECTED; its DREP → ours.
+    ao.disconnect(id).expect("disconnect");
+    expect(&bo, CmEventKind::Disconnected);
+    bo.disconnect(req.id).expect("DREP");
+    expect(&ao, CmEventKind::Disconnected);
+    // Timewait ends on both sides.
+    expect(&ao, CmEventKind::TimewaitExit);
+    expect(&bo, CmEventKind::TimewaitExit);
+    for dev in [&a, &b] {
+        let c = dev.cm.counters();
+        assert_eq!(c.connections_live, 0, "{}", dev.tenant);
+        assert_eq!(c.agent_connections, 0, "{}", dev.tenant);
+        assert_eq!(c.send_failed, 0, "{}", dev.tenant);
+    }
+    let (ca, cb) = (a.cm.counters(), b.cm.counters());
+    assert_eq!(ca.sent(MessageKind::Req), 1);
+    assert_eq!(cb.received(MessageKind::Req), 1);
+    assert_eq!(cb.sent(MessageKind::Rep), 1);
+    assert_eq!(cb.received(MessageKind::Rtu), 1);
+    assert_eq!(ca.sent(MessageKind::Dreq), 1);
+    assert_eq!(ca.received(MessageKind::Drep), 1);
+}
+
+#[test]
+fn reject_carries_private_data_and_no_listener_is_rejected_as_invalid_service_id() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    let b = Device::new(&hostd, "gamma", fast());
+    let (ao, bo) = (a.owner(), b.owner());
+    listener(&b, &bo, PortSpace::Tcp, 7000);
+
+    let id = resolved(&ao, PortSpace::Tcp, SocketAddrV4::new(b.ip, 7000));
+    ao.connect(id, &param(b"may I?", 0x10, 1)).expect("connect");
+    let req = expect(&bo, CmEventKind::ConnectRequest);
+    bo.reject(req.id, b"no, thank you").expect("reject");
+    let rej = expect(&ao, CmEventKind::Rejected);
+    assert_eq!(rej.status, 28, "consumer defined");
+    assert_eq!(&rej.private_data()[..13], b"no, thank you");
+    assert_eq!(rej.private_data().len(), 148);
+    assert_eq!(ao.query(id).expect("query").state, IdState::Disconnect);
+
+    // Nobody listens on 7001.
+    let id = resolved(&ao, PortSpace::Tcp, SocketAddrV4::new(b.ip, 7001));
+    ao.connect(id, &param(b"anyone?", 0x11, 1)).expect("connect");
+    let rej = expect(&ao, CmEventKind::Rejected);
+    assert_eq!(rej.status, 8, "invalid service ID");
+    quiet(&bo, Duration::from_millis(100));
+    assert_eq!(b.cm.counters().sent(MessageKind::Rej), 2);
+}
+
+#[test]
+fn another_network_gets_addr_error_and_its_target_sees_nothing() {
+    let hostd = Hostd::start(Some(POLICY));
+    let b = Device::new(&hostd, "gamma", fast());
+    let r = Device::new(&hostd, "beta", fast());
+    let (bo, ro) = (b.owner(), r.owner());
+    listener(&b, &bo, PortSpace::Tcp, 7100);
+    let before = b.cm.counters();
+
+    // An address in another network and one nobody has: the same answer.
+    for dst in [b.ip, Ipv4Addr::new(203, 0, 113, 77)] {
+        let id = ro.create_id(PortSpace::Tcp, None).expect("create_id");
+        ro.resolve_addr(id, None, SocketAddrV4::new(dst, 7100))
+            .expect("resolve_addr");
+        let e = expect(&ro, CmEventKind::AddrError);
+        assert_eq!(e.status, ADDR_ERROR_STATUS, "{dst}");
+        // Nothing further is possible from there.
+        assert_eq!(
+            ro.resolve_route(id).map_err(|e| e.errno()),
+            Err(libc::EINVAL)
+        );
+        assert_eq!(
+            ro.connect(id, &param(b"x", 1, 1)).map_err(|e| e.errno()),
+            Err(libc::EINVAL)
+        );
+    }
+    assert_eq!(r.cm.counters().addr_errors, 2);
+    quiet(&bo, Duration::from_millis(200));
+    let after = b.cm.counters();
+    assert_eq!(after.received, before.received, "no MAD reached gamma");
+    assert_eq!(after.ids, before.ids);
+}
+
+#[test]
+fn ports_are_per_device_and_bound_once() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    let b = Device::new(&hostd, "gamma", fast());
+    let (b1, b2, ao) = (b.owner(), b.owner(), a.owner());
+    listener(&b, &b1, PortSpace::Tcp, 7200);
+    // Another owner of the same device: EADDRINUSE, with the address or any.
+    for ip in [Ipv4Addr::UNSPECIFIED, b.ip] {
+        let id = b2.create_id(PortSpace::Tcp, None).expect("create_id");
+        let err = b2
+            .bind_addr(id, SocketAddrV4::new(ip, 7200))
+            .expect_err("bound twice");
+        assert_eq!(err.errno(), libc::EADDRINUSE);
+    }
+    // UDP's port 7200 is another space; another device's 7200 another table.
+    let u = b2.create_id(PortSpace::Udp, None).expect("create_id");
+    b2.bind_addr(u, SocketAddrV4::new(b.ip, 7200)).expect("UDP 7200");
+    listener(&a, &ao, PortSpace::Tcp, 7200);
+    // Not the device's address: EADDRNOTAVAIL.
+    let id = b2.create_id(PortSpace::Tcp, None).expect("create_id");
+    let err = b2
+        .bind_addr(id, SocketAddrV4::new(a.ip, 7300))
+        .expect_err("foreign address");
+    assert_eq!(err.errno(), libc::EADDRNOTAVAIL);
+    // Closing the owner frees its port.
+    drop(b1);
+    let id = b2.create_id(PortSpace::Tcp, None).expect("create_id");
+    b2.bind_addr(id, SocketAddrV4::new(b.ip, 7200))
+        .expect("free again");
+}
+
+#[test]
+fn a_listener_that_goes_away_mid_handshake_leaves_the_connector_rejected_or_unreachable() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    let b = Device::new(&hostd, "gamma", fast());
+    let ao = a.owner();
+
+    // The listener's owner closes with the request unanswered: REJ.
+    let bo = b.owner();
+    listener(&b, &bo, PortSpace::Tcp, 7400);
+    let id = resolved(&ao, PortSpace::Tcp, SocketAddrV4::new(b.ip, 7400));
+    ao.connect(id, &param(b"knock", 0x20, 1)).expect("connect");
+    expect(&bo, CmEventKind::ConnectRequest);
+    let started = Instant::now();
+    drop(bo);
+    let e = expect(&ao, CmEventKind::Rejected);
+    assert_eq!(e.status, 28);
+    assert!(started.elapsed() < Duration::from_secs(1));
+
+    // The whole connection manager stops after the request arrived: the
+    // connector's REQ goes unanswered through its retries.
+    let bo = b.owner();
+    listener(&b, &bo, PortSpace::Tcp, 7401);
+    let id = resolved(&ao, PortSpace::Tcp, SocketAddrV4::new(b.ip, 7401));
+    ao.connect(id, &param(b"knock", 0x21, 1)).expect("connect");
+    expect(&bo, CmEventKind::ConnectRequest);
+    let started = Instant::now();
+    b.cm.stop();
+    let e = expect(&ao, CmEventKind::Unreachable);
+    assert_eq!(e.status, UNREACHABLE_STATUS);
+    let took = started.elapsed();
+    println!("UNREACHABLE after {took:?}");
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert_eq!(a.cm.counters().connections_live, 0);
+}
+
+#[test]
+fn sidr_resolves_a_ud_service_and_a_missing_one_is_unreachable() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    let b = Device::new(&hostd, "gamma", fast());
+    let (ao, bo) = (a.owner(), b.owner());
+    let lid = listener(&b, &bo, PortSpace::Udp, 5000);
+
+    let id = resolved(&ao, PortSpace::Udp, SocketAddrV4::new(b.ip, 5000));
+    let init = ao.init_qp_attr(id, QpState::Init).expect("INIT");
+    assert_eq!(init.qkey, 0x0123_4567, "RDMA_UDP_QKEY");
+    ao.connect(id, &param(b"which QP?", 0, 0)).expect("SIDR_REQ");
+    let req = expect(&bo, CmEventKind::ConnectRequest);
+    assert_eq!(req.listen_id, lid);
+    assert_eq!(&req.private_data()[..9], b"which QP?");
+    assert_eq!(req.private_data().len(), 180);
+    assert_eq!(req.ah_attr.dgid, vrdma_spec::gid::ipv4_mapped(a.ip.octets()));
+    let mut answer = param(b"this one", 0x333, 0);
+    answer.qkey = 0;
+    bo.accept(req.id, &answer).expect("SIDR_REP");
+    let est = expect(&ao, CmEventKind::Established);
+    assert_eq!(est.qp_num, 0x333);
+    assert_eq!(est.qkey, 0x0123_4567);
+    assert_eq!(est.ah_attr.dgid, vrdma_spec::gid::ipv4_mapped(b.ip.octets()));
+    assert_eq!(&est.private_data()[..8], b"this one");
+    let info = ao.query(id).expect("query");
+    assert_eq!((info.remote_qpn, info.remote_qkey), (0x333, 0x0123_4567));
+
+    // No UD listener on 5001: SIDR_REP "unsupported" → UNREACHABLE.
+    let id = resolved(&ao, PortSpace::Udp, SocketAddrV4::new(b.ip, 5001));
+    ao.connect(id, &param(b"", 0, 0)).expect("SIDR_REQ");
+    let e = expect(&ao, CmEventKind::Unreachable);
+    assert_eq!(e.status, 1, "SIDR status unsupported");
+    let (ca, cb) = (a.cm.counters(), b.cm.counters());
+    assert_eq!(ca.sent(MessageKind::SidrReq), 2);
+    assert_eq!(cb.sent(MessageKind::SidrRep), 2);
+}
+
+#[test]
+fn a_thousand_connect_disconnect_cycles_leave_nothing_behind() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    let b = Device::new(&hostd, "gamma", fast());
+    let (ao, bo) = (a.owner(), b.owner());
+    let lid = listener(&b, &bo, PortSpace::Tcp, 7500);
+    let (a0, b0) = (a.cm.counters(), b.cm.counters());
+    let hostd_before = (hostd.tenant_stats("alpha"), hostd.tenant_stats("gamma"));
+
+    const CYCLES: u32 = 1000;
+    let started = Instant::now();
+    for n in 0..CYCLES {
+        let (active, passive) = establish((&ao, b.ip), &bo, 7500, (0x1000 + n, 0x8000 + n));
+        ao.disconnect(active).expect("disconnect");
+        expect(&bo, CmEventKind::Disconnected);
+        bo.disconnect(passive).expect("DREP");
+        expect(&ao, CmEventKind::Disconnected);
+        ao.destroy_id(active).expect("destroy");
+        bo.destroy_id(passive).expect("destroy");
+    }
+    let took = started.elapsed();
+    let rate = f64::from(CYCLES) / took.as_secs_f64();
+    println!(
+        "{CYCLES} connect/establish/disconnect/destroy cycles in {took:?}: {rate:.0} cycles/s"
+    );
+
+    // Timewait drains; then everything is where it started.
+    let deadline = Instant::now() + WAIT;
+    while a.cm.counters().agent_connections + b.cm.counters().agent_connections > 0 {
+        assert!(Instant::now() < deadline, "timewait does not drain");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    for (dev, start) in [(&a, &a0), (&b, &b0)] {
+        let now = dev.cm.counters();
+        assert_eq!(now.connections_live, start.connections_live, "{}", dev.tenant);
+        assert_eq!(now.ids, start.ids, "{}", dev.tenant);
+        assert_eq!(now.listeners, start.listeners, "{}", dev.tenant);
+        assert_eq!(now.agent_connections, 0, "{}", dev.tenant);
+        assert_eq!(now.send_failed, 0, "{}", dev.tenant);
+        assert_eq!(now.events_dropped, 0, "{}", dev.tenant);
+        assert_eq!(now.transmits_lost + now.events_lost, 0, "{}", dev.tenant);
+    }
+    let (ca, cb) = (a.cm.counters(), b.cm.counters());
+    assert_eq!(ca.sent(MessageKind::Req), u64::from(CYCLES));
+    assert_eq!(cb.received(MessageKind::Rtu), u64::from(CYCLES));
+    assert_eq!(ca.received(MessageKind::Drep), u64::from(CYCLES));
+    assert_eq!(ca.retransmits + cb.retransmits, 0, "nothing was lost");
+    let hostd_after = (hostd.tenant_stats("alpha"), hostd.tenant_stats("gamma"));
+    for (before, after) in [
+        (&hostd_before.0, &hostd_after.0),
+        (&hostd_before.1, &hostd_after.1),
+    ] {
+        assert_eq!(before["usage"], after["usage"], "hostd's usage");
+        assert_eq!(before["errors"], after["errors"], "hostd's error counters");
+    }
+    // The listener still serves.
+    assert_eq!(bo.query(lid).expect("listener").state, IdState::Listen);
+}
