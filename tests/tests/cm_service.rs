@@ -473,8 +473,10 @@ fn a_thousand_connect_disconnect_cycles_leave_nothing_behind() {
         (&hostd_before.0, &hostd_after.0),
         (&hostd_before.1, &hostd_after.1),
     ] {
-        assert_eq!(before["usage"], after["usage"], "hostd's usage");
-        assert_eq!(before["errors"], after["errors"], "hostd's error counters");
+        for key in ["usage", "ops", "errors", "dropped", "quota_rejections"] {
+            assert!(before.get(key).is_some(), "hostd reports no {key}");
+            assert_eq!(before[key], after[key], "hostd's {key}");
+        }
     }
     // The listener still serves.
     assert_eq!(bo.query(lid).expect("listener").state, IdState::Listen);
