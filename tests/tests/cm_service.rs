@@ -133,12 +133,7 @@ fn resolved(owner: &CmOwner, ps: PortSpace, to: SocketAddrV4) -> IdNum {
 
 /// Connects `a` to `b`'s listener on `port` and establishes: (active ID,
 /// passive ID).
-fn establish(
-    a: (&CmOwner, Ipv4Addr),
-    b: &CmOwner,
-    port: u16,
-    qpns: (u32, u32),
-) -> (IdNum, IdNum) {
+fn establish(a: (&CmOwner, Ipv4Addr), b: &CmOwner, port: u16, qpns: (u32, u32)) -> (IdNum, IdNum) {
     let (ao, bip) = a;
     let id = resolved(ao, PortSpace::Tcp, SocketAddrV4::new(bip, port));
     ao.connect(id, &param(b"hi", qpns.0, 1)).expect("connect");
@@ -168,7 +163,10 @@ fn listen_connect_accept_establish_then_disconnect_on_both_sides() {
     assert_eq!(route.dgid, vrdma_spec::gid::ipv4_mapped(b.ip.octets()));
     assert_eq!(route.sgid, vrdma_spec::gid::ipv4_mapped(a.ip.octets()));
     let init = ao.init_qp_attr(id, QpState::Init).expect("INIT");
-    assert_eq!((init.qp_state, init.port_num, init.pkey_index), (QpState::Init, 1, 0));
+    assert_eq!(
+        (init.qp_state, init.port_num, init.pkey_index),
+        (QpState::Init, 1, 0)
+    );
     // RTR needs the peer: refused before the REP.
     assert_eq!(
         ao.init_qp_attr(id, QpState::Rtr).map_err(|e| e.errno()),
@@ -176,12 +174,17 @@ fn listen_connect_accept_establish_then_disconnect_on_both_sides() {
     );
 
     let hello = b"hello from alpha";
-    ao.connect(id, &param(hello, 0x111, 0xabc)).expect("connect");
+    ao.connect(id, &param(hello, 0x111, 0xabc))
+        .expect("connect");
     let req = expect(&bo, CmEventKind::ConnectRequest);
     assert_eq!(req.listen_id, lid);
     assert_ne!(req.id, lid, "a new ID for the request");
     assert_eq!(&req.private_data()[..hello.len()], hello);
-    assert_eq!(req.private_data().len(), 56, "a REQ's field after the CMA header");
+    assert_eq!(
+        req.private_data().len(),
+        56,
+        "a REQ's field after the CMA header"
+    );
     assert_eq!(req.qp_num, 0x111);
     // The receiver's view: the sender's initiator depth is its responder
     // resources.
@@ -191,11 +194,14 @@ fn listen_connect_accept_establish_then_disconnect_on_both_sides() {
     assert_eq!(passive.src, SocketAddrV4::new(b.ip, 7471));
     assert_eq!(passive.state, IdState::Connect);
     // Before accept the passive side already has its RTR attributes.
-    let early = bo.init_qp_attr(req.id, QpState::Rtr).expect("RTR before accept");
+    let early = bo
+        .init_qp_attr(req.id, QpState::Rtr)
+        .expect("RTR before accept");
     assert_eq!(early.dest_qp_num, 0x111);
 
     let welcome = b"welcome, alpha";
-    bo.accept(req.id, &param(welcome, 0x222, 0xdef)).expect("accept");
+    bo.accept(req.id, &param(welcome, 0x222, 0xdef))
+        .expect("accept");
     let rep = expect(&ao, CmEventKind::ConnectResponse);
     assert_eq!(&rep.private_data()[..welcome.len()], welcome);
     assert_eq!(rep.private_data().len(), 196);
@@ -274,7 +280,8 @@ fn reject_carries_private_data_and_no_listener_is_rejected_as_invalid_service_id
 
     // Nobody listens on 7001.
     let id = resolved(&ao, PortSpace::Tcp, SocketAddrV4::new(b.ip, 7001));
-    ao.connect(id, &param(b"anyone?", 0x11, 1)).expect("connect");
+    ao.connect(id, &param(b"anyone?", 0x11, 1))
+        .expect("connect");
     let rej = expect(&ao, CmEventKind::Rejected);
     assert_eq!(rej.status, 8, "invalid service ID");
     quiet(&bo, Duration::from_millis(100));
@@ -331,7 +338,8 @@ fn ports_are_per_device_and_bound_once() {
     }
     // UDP's port 7200 is another space; another device's 7200 another table.
     let u = b2.create_id(PortSpace::Udp, None).expect("create_id");
-    b2.bind_addr(u, SocketAddrV4::new(b.ip, 7200)).expect("UDP 7200");
+    b2.bind_addr(u, SocketAddrV4::new(b.ip, 7200))
+        .expect("UDP 7200");
     listener(&a, &ao, PortSpace::Tcp, 7200);
     // Not the device's address: EADDRNOTAVAIL.
     let id = b2.create_id(PortSpace::Tcp, None).expect("create_id");
@@ -393,19 +401,26 @@ fn sidr_resolves_a_ud_service_and_a_missing_one_is_unreachable() {
     let id = resolved(&ao, PortSpace::Udp, SocketAddrV4::new(b.ip, 5000));
     let init = ao.init_qp_attr(id, QpState::Init).expect("INIT");
     assert_eq!(init.qkey, 0x0123_4567, "RDMA_UDP_QKEY");
-    ao.connect(id, &param(b"which QP?", 0, 0)).expect("SIDR_REQ");
+    ao.connect(id, &param(b"which QP?", 0, 0))
+        .expect("SIDR_REQ");
     let req = expect(&bo, CmEventKind::ConnectRequest);
     assert_eq!(req.listen_id, lid);
     assert_eq!(&req.private_data()[..9], b"which QP?");
     assert_eq!(req.private_data().len(), 180);
-    assert_eq!(req.ah_attr.dgid, vrdma_spec::gid::ipv4_mapped(a.ip.octets()));
+    assert_eq!(
+        req.ah_attr.dgid,
+        vrdma_spec::gid::ipv4_mapped(a.ip.octets())
+    );
     let mut answer = param(b"this one", 0x333, 0);
     answer.qkey = 0;
     bo.accept(req.id, &answer).expect("SIDR_REP");
     let est = expect(&ao, CmEventKind::Established);
     assert_eq!(est.qp_num, 0x333);
     assert_eq!(est.qkey, 0x0123_4567);
-    assert_eq!(est.ah_attr.dgid, vrdma_spec::gid::ipv4_mapped(b.ip.octets()));
+    assert_eq!(
+        est.ah_attr.dgid,
+        vrdma_spec::gid::ipv4_mapped(b.ip.octets())
+    );
     assert_eq!(&est.private_data()[..8], b"this one");
     let info = ao.query(id).expect("query");
     assert_eq!((info.remote_qpn, info.remote_qkey), (0x333, 0x0123_4567));
@@ -455,7 +470,11 @@ fn a_thousand_connect_disconnect_cycles_leave_nothing_behind() {
     }
     for (dev, start) in [(&a, &a0), (&b, &b0)] {
         let now = dev.cm.counters();
-        assert_eq!(now.connections_live, start.connections_live, "{}", dev.tenant);
+        assert_eq!(
+            now.connections_live, start.connections_live,
+            "{}",
+            dev.tenant
+        );
         assert_eq!(now.ids, start.ids, "{}", dev.tenant);
         assert_eq!(now.listeners, start.listeners, "{}", dev.tenant);
         assert_eq!(now.agent_connections, 0, "{}", dev.tenant);
