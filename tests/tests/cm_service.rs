@@ -500,3 +500,72 @@ fn a_thousand_connect_disconnect_cycles_leave_nothing_behind() {
     // The listener still serves.
     assert_eq!(bo.query(lid).expect("listener").state, IdState::Listen);
 }
+
+#[test]
+fn destroying_or_closing_ends_connections_as_rdma_cm_does() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    let b = Device::new(&hostd, "gamma", fast());
+    let bo = b.owner();
+    listener(&b, &bo, PortSpace::Tcp, 7700);
+
+    // An established ID destroyed: its DREQ tells the peer.
+    let ao = a.owner();
+    let (active, passive) = establish((&ao, b.ip), &bo, 7700, (0x50, 0x60));
+    ao.destroy_id(active).expect("destroy");
+    expect(&bo, CmEventKind::Disconnected);
+    assert_eq!(a.cm.counters().sent(MessageKind::Dreq), 1);
+    bo.destroy_id(passive).expect("destroy");
+
+    // A context closing with an established connection: DREQ too.
+    let (_, passive) = establish((&ao, b.ip), &bo, 7700, (0x51, 0x61));
+    drop(ao);
+    expect(&bo, CmEventKind::Disconnected);
+    bo.destroy_id(passive).expect("destroy");
+
+    // The active side destroyed while its REQ waits: REJ (timeout), and
+    // the passive ID learns it.
+    let ao = a.owner();
+    let id = resolved(&ao, PortSpace::Tcp, SocketAddrV4::new(b.ip, 7700));
+    ao.connect(id, &param(b"", 0x52, 1)).expect("connect");
+    let req = expect(&bo, CmEventKind::ConnectRequest);
+    ao.destroy_id(id).expect("destroy");
+    let rej = expect(&bo, CmEventKind::Rejected);
+    assert_eq!(rej.id, req.id);
+    assert_eq!(rej.status, 4, "timeout: the requester gave up");
+    quiet(&ao, Duration::from_millis(100));
+
+    let deadline = Instant::now() + WAIT;
+    while a.cm.counters().agent_connections + b.cm.counters().agent_connections > 0 {
+        assert!(Instant::now() < deadline, "connections linger");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(a.cm.counters().ids, 0);
+}
+
+#[test]
+fn a_full_backlog_refuses_further_requests() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    let b = Device::new(&hostd, "gamma", fast());
+    let (ao, bo) = (a.owner(), b.owner());
+    let l = bo.create_id(PortSpace::Tcp, None).expect("create_id");
+    bo.bind_addr(l, SocketAddrV4::new(b.ip, 7800)).expect("bind");
+    bo.listen(l, 1).expect("listen");
+    let to = SocketAddrV4::new(b.ip, 7800);
+    let first = resolved(&ao, PortSpace::Tcp, to);
+    ao.connect(first, &param(b"1", 0x70, 1)).expect("connect");
+    let req = expect(&bo, CmEventKind::ConnectRequest);
+    // The backlog (1) holds the unanswered request: the next is refused.
+    let second = resolved(&ao, PortSpace::Tcp, to);
+    ao.connect(second, &param(b"2", 0x71, 1)).expect("connect");
+    let rej = expect(&ao, CmEventKind::Rejected);
+    assert_eq!((rej.id, rej.status), (second, 28));
+    assert_eq!(b.cm.counters().requests_refused, 1);
+    // Answered, it makes room.
+    bo.reject(req.id, b"").expect("reject");
+    expect(&ao, CmEventKind::Rejected);
+    let third = resolved(&ao, PortSpace::Tcp, to);
+    ao.connect(third, &param(b"3", 0x72, 1)).expect("connect");
+    expect(&bo, CmEventKind::ConnectRequest);
+}
