@@ -550,7 +550,8 @@ fn a_full_backlog_refuses_further_requests() {
     let b = Device::new(&hostd, "gamma", fast());
     let (ao, bo) = (a.owner(), b.owner());
     let l = bo.create_id(PortSpace::Tcp, None).expect("create_id");
-    bo.bind_addr(l, SocketAddrV4::new(b.ip, 7800)).expect("bind");
+    bo.bind_addr(l, SocketAddrV4::new(b.ip, 7800))
+        .expect("bind");
     bo.listen(l, 1).expect("listen");
     let to = SocketAddrV4::new(b.ip, 7800);
     let first = resolved(&ao, PortSpace::Tcp, to);
@@ -568,4 +569,30 @@ fn a_full_backlog_refuses_further_requests() {
     let third = resolved(&ao, PortSpace::Tcp, to);
     ao.connect(third, &param(b"3", 0x72, 1)).expect("connect");
     expect(&bo, CmEventKind::ConnectRequest);
+}
+
+#[test]
+fn rdma_ps_ib_connects_rc_with_ipv4_addresses() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    let b = Device::new(&hostd, "gamma", fast());
+    let (ao, bo) = (a.owner(), b.owner());
+    listener(&b, &bo, PortSpace::Ib, 7900);
+    // Another port space than TCP's: TCP's 7900 reaches no listener.
+    let tcp = resolved(&ao, PortSpace::Tcp, SocketAddrV4::new(b.ip, 7900));
+    ao.connect(tcp, &param(b"", 0x90, 1)).expect("connect");
+    assert_eq!(expect(&ao, CmEventKind::Rejected).status, 8);
+    let id = resolved(&ao, PortSpace::Ib, SocketAddrV4::new(b.ip, 7900));
+    ao.connect(id, &param(b"ib", 0x91, 1)).expect("connect");
+    let req = expect(&bo, CmEventKind::ConnectRequest);
+    assert_eq!(&req.private_data()[..2], b"ib");
+    bo.accept(req.id, &param(b"", 0x92, 2)).expect("accept");
+    expect(&ao, CmEventKind::ConnectResponse);
+    ao.establish(id).expect("establish");
+    expect(&ao, CmEventKind::Established);
+    expect(&bo, CmEventKind::Established);
+    assert_eq!(
+        ao.init_qp_attr(id, QpState::Rtr).expect("RTR").dest_qp_num,
+        0x92
+    );
 }
