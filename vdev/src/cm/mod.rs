@@ -141,3 +141,6 @@ impl CmError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;
