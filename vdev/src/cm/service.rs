@@ -154,7 +154,7 @@ impl Drop for CmService {
 /// The thread: wait for MADs or the next deadline, take the MADs, run the
 /// timers, send; until stopped or the registration ends.
 fn serve(shared: &Shared) {
-    let mut retry_take = false;
+    let (mut retry_take, mut failing) = (false, false);
     loop {
         if shared.stop.load(Ordering::Acquire) {
             break;
@@ -180,6 +180,9 @@ fn serve(shared: &Shared) {
         loop {
             match shared.fabric.take_mads(TAKE_BATCH) {
                 Ok(mads) => {
+                    if std::mem::take(&mut failing) {
+                        tracing::info!(tenant = %shared.tenant, "CM MADs are taken again");
+                    }
                     let now = Instant::now();
                     let mut st = shared.lock();
                     for mad in &mads {
@@ -197,8 +200,12 @@ fn serve(shared: &Shared) {
                         return;
                     }
                     shared.lock().note_take_failed();
-                    tracing::warn!(tenant = %shared.tenant,
-                        "Cannot take CM MADs from hostd: {}", vrdma_errors::error_chain(&e));
+                    // Once per outage (hostd away: retried every 100 ms).
+                    if !failing {
+                        tracing::warn!(tenant = %shared.tenant,
+                            "Cannot take CM MADs from hostd: {}", vrdma_errors::error_chain(&e));
+                    }
+                    failing = true;
                     retry_take = true;
                     break;
                 }

@@ -679,6 +679,8 @@ impl State {
     }
 
     fn destroy_quietly(&mut self, now: Instant, id: IdNum) {
+        // A request not answered yet leaves its listener's backlog.
+        self.release_backlog(id);
         let Some(i) = self.ids.remove(&id) else {
             return;
         };
@@ -960,7 +962,10 @@ impl State {
                 e.rnr_retry_count = req.rnr_retry_count;
                 e.srq = u8::from(req.srq);
                 e.qp_num = req.local_qpn;
-                self.post(owner, e);
+                if !self.post(owner, e) {
+                    // Nobody will answer it: refuse it now (REJ 28).
+                    self.destroy_quietly(now, id);
+                }
             }
             Err(why) => {
                 // Linux's cma refuses such a REQ with REJ 28 and no data.
@@ -992,7 +997,15 @@ impl State {
                     port_num: 1,
                     ..AhAttr::default()
                 };
-                self.post(owner, e);
+                if !self.post(owner, e) {
+                    // Nobody will answer it: refuse it now.
+                    let _ = self.agent.sidr_reject(conn, SidrStatus::REJECT, &[]);
+                    self.by_conn.remove(&conn);
+                    self.ids.remove(&id);
+                    if let Some(l) = self.ids.get_mut(&listener) {
+                        l.waiting = l.waiting.saturating_sub(1);
+                    }
+                }
             }
             Err(why) => {
                 self.counts.requests_refused += 1;
@@ -1066,13 +1079,16 @@ impl State {
         Ok((listener, owner, id, user))
     }
 
-    fn post(&mut self, owner: OwnerId, event: CmEvent) {
+    /// Queues `event` for `owner`; false (counted, logged) if its queue
+    /// is full or gone.
+    fn post(&mut self, owner: OwnerId, event: CmEvent) -> bool {
         let pushed = self.owners.get_mut(&owner).is_some_and(|q| q.push(event));
         if !pushed {
             self.counts.events_dropped += 1;
             tracing::warn!(tenant = %self.tenant, owner = owner.0, id = %event.id,
                 kind = ?event.kind, "CM event dropped: the owner's queue is full or gone");
         }
+        pushed
     }
 
     /// The agent's view of an ID's connection (for tests and reports).

@@ -301,3 +301,27 @@ fn unreachable_and_unknown_destinations_give_one_answer() {
     let init = a.st.init_qp_attr(oa, u, QpState::Init).unwrap();
     assert_eq!(init.qkey, super::qp_attr::RDMA_UDP_QKEY);
 }
+
+#[test]
+fn destroying_an_unanswered_request_frees_its_place_in_the_backlog() {
+    let (mut a, mut b) = (dev(A), dev(B));
+    let (oa, ob) = (a.st.create_owner().unwrap(), b.st.create_owner().unwrap());
+    let l = b.st.create_id(ob, PortSpace::Tcp, None).unwrap();
+    b.st.bind_addr(ob, l, SocketAddrV4::new(B, 80)).unwrap();
+    b.st.listen(ob, l, 1).unwrap();
+    let now = Instant::now();
+    for round in 0..3 {
+        let id = resolved(&mut a, oa, SocketAddrV4::new(B, 80));
+        a.st.connect(now, oa, id, &ConnParam::default(), &a.qp1)
+            .unwrap();
+        deliver(&a, A, &mut b);
+        let req = b.st.get_event(ob).unwrap().expect("a request each round");
+        assert_eq!(req.kind, CmEventKind::ConnectRequest, "round {round}");
+        // Destroyed unanswered: REJ to the requester, room in the backlog.
+        b.st.destroy_id(now, ob, req.id, &b.qp1).unwrap();
+        deliver(&b, B, &mut a);
+        let rej = a.st.get_event(oa).unwrap().unwrap();
+        assert_eq!((rej.kind, rej.status), (CmEventKind::Rejected, 28));
+    }
+    assert_eq!(b.st.counters().requests_refused, 0);
+}
