@@ -71,6 +71,8 @@ pub struct Counters {
     /// UD and UC messages dropped on their way to the tenant's QPs
     /// ([`crate::engine::ud::DropCounts`]).
     pub dropped: crate::engine::ud::DropCounts,
+    /// CM MADs its devices' QP1s carried.
+    pub gsi: crate::engine::gsi::GsiCounts,
 }
 
 impl Counters {
@@ -93,6 +95,13 @@ impl Counters {
             }
         }
         self.dropped.add(&counts.dropped);
+        self.add_gsi(&counts.gsi);
+    }
+
+    fn add_gsi(&mut self, gsi: &crate::engine::gsi::GsiCounts) {
+        self.gsi.sent += gsi.sent;
+        self.gsi.received += gsi.received;
+        self.gsi.queue_full += gsi.queue_full;
     }
 
     /// Adds `other` to these counters.
@@ -108,6 +117,7 @@ impl Counters {
             *self.quota_rejections.entry(quota.clone()).or_insert(0) += n;
         }
         self.dropped.add(&other.dropped);
+        self.add_gsi(&other.gsi);
     }
 }
 
@@ -445,6 +455,10 @@ pub struct TenantStats {
     /// UD and UC messages dropped on their way to its QPs, by reason
     /// (`qkey`, `no_receive`, `no_qp`, `invalid`).
     pub dropped: BTreeMap<String, u64>,
+    /// Connection-manager MADs its devices' QP1s carried: `sent`,
+    /// `received`, `queue_full` (arrived while 256 waited: dropped).
+    #[serde(default)]
+    pub gsi: BTreeMap<String, u64>,
     /// Seconds its work waited for rate-limit tokens, by kind (send, read).
     pub throttled_seconds: BTreeMap<String, f64>,
     /// What it holds now over all its devices ([`USAGE`]).
@@ -486,6 +500,14 @@ impl TenantStats {
                 .collect(),
             quota_rejections: c.quota_rejections.clone(),
             dropped: c.dropped.by_reason(),
+            gsi: [
+                ("sent", c.gsi.sent),
+                ("received", c.gsi.received),
+                ("queue_full", c.gsi.queue_full),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v))
+            .collect(),
             throttled_seconds: [("send", throttled[0]), ("read", throttled[1])]
                 .into_iter()
                 .map(|(k, d)| (k.to_owned(), d.as_secs_f64()))
@@ -595,6 +617,14 @@ pub fn render_prometheus(stats: &Stats) -> String {
         "UD and UC messages dropped on their way to the tenant's QPs, by reason.",
         "reason",
         each(|t| &t.dropped),
+    );
+    family(
+        &mut out,
+        "vrdma_tenant_gsi_mads_total",
+        "counter",
+        "Connection-manager MADs the tenant's QP1s carried (sent, received, queue_full).",
+        "what",
+        each(|t| &t.gsi),
     );
     family(
         &mut out,

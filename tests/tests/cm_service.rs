@@ -488,6 +488,32 @@ fn a_thousand_connect_disconnect_cycles_leave_nothing_behind() {
     assert_eq!(ca.received(MessageKind::Drep), u64::from(CYCLES));
     assert_eq!(ca.retransmits + cb.retransmits, 0, "nothing was lost");
     let hostd_after = (hostd.tenant_stats("alpha"), hostd.tenant_stats("gamma"));
+    // hostd carried every MAD each CM sent, to the other, and dropped none.
+    let gsi = |stats: &serde_json::Value, what: &str| stats["gsi"][what].as_u64().expect("gsi");
+    let delta = |i: usize, what: &str| {
+        let (b, a) = match i {
+            0 => (&hostd_before.0, &hostd_after.0),
+            _ => (&hostd_before.1, &hostd_after.1),
+        };
+        gsi(a, what) - gsi(b, what)
+    };
+    assert_eq!(delta(0, "sent"), ca.sent_total() - a0.sent_total());
+    assert_eq!(delta(1, "sent"), cb.sent_total() - b0.sent_total());
+    assert_eq!(delta(1, "received"), delta(0, "sent"));
+    assert_eq!(delta(0, "received"), delta(1, "sent"));
+    assert_eq!(
+        ca.received_total() - a0.received_total(),
+        delta(0, "received")
+    );
+    assert_eq!(
+        gsi(&hostd_after.0, "queue_full") + gsi(&hostd_after.1, "queue_full"),
+        0
+    );
+    println!(
+        "hostd carried {} MADs alpha → gamma and {} back",
+        delta(0, "sent"),
+        delta(1, "sent")
+    );
     for (before, after) in [
         (&hostd_before.0, &hostd_after.0),
         (&hostd_before.1, &hostd_after.1),

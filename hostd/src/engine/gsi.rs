@@ -54,7 +54,8 @@ pub struct Mad {
     pub bytes: Box<[u8; MAD_LEN]>,
 }
 
-/// What QP1 of a device did.
+/// What QP1 of a device did (kept in the device's counters, folded into
+/// its tenant's: `vrdmactl stats`' `gsi`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GsiCounts {
     pub sent: u64,
@@ -70,7 +71,6 @@ pub struct Gsi {
     queue: VecDeque<Mad>,
     /// Signalled when a MAD joins an empty queue.
     notify: Option<EventFd>,
-    pub counts: GsiCounts,
 }
 
 /// Whether `bytes` is a CM MAD hostd carries.
@@ -154,7 +154,7 @@ impl Engine {
 
     /// What QP1 of device `id` did.
     pub fn gsi_counts(&self, id: DeviceId) -> Option<GsiCounts> {
-        self.devices.get(&id).map(|d| d.gsi.counts)
+        self.devices.get(&id).map(|d| d.counters.gsi)
     }
 
     /// Queues `mad` for device `dest`'s control plane (counted, or
@@ -162,11 +162,11 @@ impl Engine {
     fn gsi_deliver(&mut self, dest: DeviceId, mad: Mad) {
         if let Some(dev) = self.devices.get_mut(&dest) {
             if dev.gsi.queue.len() >= GSI_QUEUE {
-                dev.gsi.counts.queue_full += 1;
+                dev.counters.gsi.queue_full += 1;
                 return;
             }
             dev.gsi.queue.push_back(mad);
-            dev.gsi.counts.received += 1;
+            dev.counters.gsi.received += 1;
             if dev.gsi.queue.len() == 1 {
                 if let Some(n) = &dev.gsi.notify {
                     // A full counter already wakes the reader.
@@ -178,7 +178,7 @@ impl Engine {
 
     fn gsi_count(&mut self, id: DeviceId, f: impl FnOnce(&mut GsiCounts)) {
         if let Some(dev) = self.devices.get_mut(&id) {
-            f(&mut dev.gsi.counts);
+            f(&mut dev.counters.gsi);
         }
     }
 

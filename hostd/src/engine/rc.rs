@@ -249,6 +249,8 @@ pub struct CompletionCounts {
     pub errors: [u64; 32],
     /// UD and UC messages dropped on their way to this device's QPs.
     pub dropped: super::ud::DropCounts,
+    /// What the device's QP1 carried for its connection manager.
+    pub gsi: super::gsi::GsiCounts,
 }
 
 impl CompletionCounts {
