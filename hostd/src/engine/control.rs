@@ -104,11 +104,18 @@ impl Engine {
     pub fn detach_device(&mut self, id: DeviceId) {
         self.reset_device(id);
         let di = self.devices.index(&id);
-        if let Some(dev) = self.devices.remove(&id) {
+        if let Some(mut dev) = self.devices.remove(&id) {
             if let Some(contexts) = self.gids.get_mut(&dev.gid) {
+                let held_qp1 = contexts.first() == Some(&id);
                 contexts.retain(|&d| d != id);
                 match contexts.first() {
-                    Some(&other) => self.accounts.hand_over(id, other),
+                    Some(&other) => {
+                        self.accounts.hand_over(id, other);
+                        if held_qp1 {
+                            let gsi = std::mem::take(&mut dev.gsi);
+                            self.gsi_hand_over(gsi, other);
+                        }
+                    }
                     None => {
                         self.gids.remove(&dev.gid);
                     }

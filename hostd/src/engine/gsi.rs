@@ -131,25 +131,41 @@ impl Engine {
     /// Up to `max` MADs that arrived for device `id` (any context of it),
     /// oldest first.
     pub fn take_gsi(&mut self, id: DeviceId, max: usize) -> Result<Vec<Mad>, EngineError> {
-        let gid = self.devices.get(&id).ok_or(EngineError::UnknownDevice)?.gid;
-        let owner = (self.gids.get(&gid))
-            .and_then(|contexts| contexts.first())
-            .copied()
-            .unwrap_or(id);
+        let owner = self.gsi_owner(id)?;
         let dev = self.device_mut(owner)?;
         let n = dev.gsi.queue.len().min(max);
         Ok(dev.gsi.queue.drain(..n).collect())
     }
 
     /// From now on `notify` is signalled when a MAD arrives for device
-    /// `id` and none was waiting.
+    /// `id` (any context of it) and none was waiting.
     pub fn set_gsi_notify(&mut self, id: DeviceId, notify: EventFd) -> Result<(), EngineError> {
-        let dev = self.device_mut(id)?;
+        let owner = self.gsi_owner(id)?;
+        let dev = self.device_mut(owner)?;
         if !dev.gsi.queue.is_empty() {
             let _ = notify.write(1);
         }
         dev.gsi.notify = Some(notify);
         Ok(())
+    }
+
+    /// The context that holds QP1 of context `id`'s device: its first
+    /// (QP1 is the device's, whichever context asks).
+    fn gsi_owner(&self, id: DeviceId) -> Result<DeviceId, EngineError> {
+        let gid = self.devices.get(&id).ok_or(EngineError::UnknownDevice)?.gid;
+        Ok((self.gids.get(&gid))
+            .and_then(|contexts| contexts.first())
+            .copied()
+            .unwrap_or(id))
+    }
+
+    /// Context `gone`, which held its device's QP1, is leaving and `next`
+    /// is its device's first context now: QP1's waiting MADs and eventfd
+    /// move there.
+    pub(super) fn gsi_hand_over(&mut self, gsi: Gsi, next: DeviceId) {
+        if let Some(dev) = self.devices.get_mut(&next) {
+            dev.gsi = gsi;
+        }
     }
 
     /// What QP1 of device `id` did.

@@ -440,3 +440,45 @@ fn a_cm_mad_reaches_qp1_of_a_device_of_this_host_only_within_the_tenants_network
     assert_eq!(refused, Err(libc::EPERM));
     assert!(env.engine.take_gsi(2, 8).expect("take").is_empty());
 }
+
+#[test]
+fn qp1_is_the_devices_whichever_context_asks_or_leaves() {
+    use super::gsi::{Mad, GSI_QPN, MAD_LEN};
+    use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+    let mut env = Env::new();
+    let policy = super::testing::tenant("ta", vrdma_tenant_policy::PriorityClass::Normal);
+    // Contexts 3 and 4 of one device (GID 30).
+    let _c = env.add_side(3, 30, &policy, 300);
+    let _d = env.add_side(4, 30, &policy, 400);
+    let mut bytes = Box::new([0u8; MAD_LEN]);
+    bytes[..4].copy_from_slice(&[1, 0x07, 2, 0x03]);
+    let to = |tag: u8| {
+        let mut b = bytes.clone();
+        b[24] = tag;
+        Mad {
+            peer: gid(30),
+            peer_qpn: GSI_QPN,
+            traffic_class: 0,
+            bytes: b,
+        }
+    };
+    // The second context asks to be woken: a MAD wakes it.
+    let woken = EventFd::new(EFD_NONBLOCK).expect("eventfd");
+    env.engine
+        .set_gsi_notify(4, woken.try_clone().expect("dup"))
+        .expect("notify");
+    env.engine.gsi_send(1, &to(1)).expect("send");
+    assert_eq!(woken.read().ok(), Some(1), "the asking context is woken");
+    env.engine.gsi_send(1, &to(2)).expect("send");
+    // The first context leaves: what waits, and the eventfd, stay with
+    // the device.
+    env.engine.detach_device(3);
+    let got = env.engine.take_gsi(4, 8).expect("take");
+    assert_eq!(got.iter().map(|m| m.bytes[24]).collect::<Vec<_>>(), [1, 2]);
+    env.engine.gsi_send(1, &to(3)).expect("send");
+    assert_eq!(
+        woken.read().ok(),
+        Some(1),
+        "still woken after the hand-over"
+    );
+}
