@@ -46,7 +46,11 @@ struct Device {
 
 impl Device {
     fn new(hostd: &Hostd, tenant: &'static str, config: CmConfig) -> Device {
-        let name = format!("cm-{tenant}");
+        // A name of its own each time: hostd tears a closed registration
+        // down asynchronously.
+        static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let name = format!("cm-{tenant}-{n}");
         let fabric = Arc::new(Fabric::connect(&hostd.socket, tenant, &name).expect("register"));
         let ip = Ipv4Addr::from(vrdma_spec::gid::ipv4_of(&fabric.gid).expect("an IPv4 GID"));
         let cm = CmService::start(fabric.clone(), tenant, config, &Threads::unfiltered())
@@ -621,4 +625,38 @@ fn rdma_ps_ib_connects_rc_with_ipv4_addresses() {
         ao.init_qp_attr(id, QpState::Rtr).expect("RTR").dest_qp_num,
         0x92
     );
+}
+
+#[test]
+fn a_peer_that_stops_answering_times_out_disconnect_and_accept() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+
+    // DREQ unanswered: DISCONNECTED with −ETIMEDOUT after the retries.
+    let b = Device::new(&hostd, "gamma", fast());
+    let (ao, bo) = (a.owner(), b.owner());
+    listener(&b, &bo, PortSpace::Tcp, 8000);
+    let (active, _) = establish((&ao, b.ip), &bo, 8000, (0xa0, 0xb0));
+    b.cm.stop();
+    let started = Instant::now();
+    ao.disconnect(active).expect("disconnect");
+    let e = expect(&ao, CmEventKind::Disconnected);
+    assert_eq!(e.status, UNREACHABLE_STATUS, "timed out");
+    println!("DREQ timed out after {:?}", started.elapsed());
+    drop(bo);
+    drop(b);
+
+    // REP unanswered (the active side's CM stopped after sending its
+    // REQ): the passive ID becomes UNREACHABLE.
+    let c = Device::new(&hostd, "gamma", fast());
+    let co = c.owner();
+    listener(&c, &co, PortSpace::Tcp, 8001);
+    let id = resolved(&ao, PortSpace::Tcp, SocketAddrV4::new(c.ip, 8001));
+    ao.connect(id, &param(b"", 0xa1, 1)).expect("connect");
+    let req = expect(&co, CmEventKind::ConnectRequest);
+    a.cm.stop();
+    co.accept(req.id, &param(b"", 0xb1, 2)).expect("accept");
+    let e = expect(&co, CmEventKind::Unreachable);
+    assert_eq!((e.id, e.status), (req.id, UNREACHABLE_STATUS));
+    assert_eq!(c.cm.counters().connections_live, 0);
 }
