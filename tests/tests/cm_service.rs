@@ -660,3 +660,33 @@ fn a_peer_that_stops_answering_times_out_disconnect_and_accept() {
     assert_eq!((e.id, e.status), (req.id, UNREACHABLE_STATUS));
     assert_eq!(c.cm.counters().connections_live, 0);
 }
+
+#[test]
+fn the_service_carries_on_with_a_restarted_hostd() {
+    let mut hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    let b = Device::new(&hostd, "gamma", fast());
+    let (ao, bo) = (a.owner(), b.owner());
+    listener(&b, &bo, PortSpace::Tcp, 8100);
+    establish((&ao, b.ip), &bo, 8100, (0xc0, 0xd0));
+
+    hostd.restart().expect("hostd starts again");
+    for dev in [&a, &b] {
+        let deadline = Instant::now() + WAIT;
+        while let Err(e) = dev._fabric.reconnect() {
+            assert!(Instant::now() < deadline, "{}: {e}", dev.tenant);
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        // Without it the new hostd never wakes the service (checked: the
+        // next CONNECT_REQUEST then never arrives).
+        dev.cm.hostd_restarted().expect("QP1 wake-ups again");
+    }
+    // The listener and the port space survived; a new connection works
+    // through the new hostd.
+    let (active, passive) = establish((&ao, b.ip), &bo, 8100, (0xc1, 0xd1));
+    assert_eq!(b.cm.counters().connections_live, 2);
+    ao.disconnect(active).expect("disconnect");
+    expect(&bo, CmEventKind::Disconnected);
+    bo.disconnect(passive).expect("DREP");
+    expect(&ao, CmEventKind::Disconnected);
+}

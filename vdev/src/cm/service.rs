@@ -126,6 +126,21 @@ impl CmService {
         })
     }
 
+    /// The device was registered again with a restarted hostd
+    /// ([`Fabric::reconnect`]): asks the new hostd for QP1's wake-ups and
+    /// takes what already waits. Connections of the old hostd's time run
+    /// on (their peers may still answer); none is torn down here.
+    pub fn hostd_restarted(&self) -> Result<(), CmError> {
+        self.shared
+            .fabric
+            .gsi_notify(&self.shared.gsi)
+            .map_err(CmError::Fabric)?;
+        let _ = self.shared.wake.write(1);
+        tracing::info!(tenant = %self.shared.tenant,
+            "Connection manager attached to the restarted hostd");
+        Ok(())
+    }
+
     /// The counters now.
     pub fn counters(&self) -> CmCounters {
         self.shared.lock().counters()
@@ -181,7 +196,15 @@ fn serve(shared: &Shared) {
             match shared.fabric.take_mads(TAKE_BATCH) {
                 Ok(mads) => {
                     if std::mem::take(&mut failing) {
-                        tracing::info!(tenant = %shared.tenant, "CM MADs are taken again");
+                        // hostd may be a new one (the registration was made
+                        // again): ask it for QP1's wake-ups again.
+                        match shared.fabric.gsi_notify(&shared.gsi) {
+                            Ok(()) => tracing::info!(tenant = %shared.tenant,
+                                "CM MADs are taken again"),
+                            Err(e) => tracing::warn!(tenant = %shared.tenant,
+                                "CM MADs are taken again, but without wake-ups: {}",
+                                vrdma_errors::error_chain(&e)),
+                        }
                     }
                     let now = Instant::now();
                     let mut st = shared.lock();
