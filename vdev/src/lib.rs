@@ -201,6 +201,8 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
     // of them ends (hostd may be restarting, or out of this uid's reach).
     let mut held_back = false;
     let mut link = link::Link::new(&config.tenant);
+    // The device's connection manager, on one context's registration.
+    let mut cm: Option<DeviceCm> = None;
     // What a context's listener calls when hostd goes away.
     let lost = |id: u64| -> Box<dyn FnOnce() + Send> {
         let events = events.clone();
@@ -237,6 +239,9 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     gid = %std::net::Ipv6Addr::from(fabric.gid),
                     physical_queues = fabric.physical_queues, "Registered with hostd");
             }
+            if let (None, Some(fabric)) = (&cm, &fabric) {
+                cm = DeviceCm::start(config, next_id, fabric, threads);
+            }
             let backend =
                 VrdmaBackend::in_share(identity.clone(), config.limits, fabric, share.clone());
             backend
@@ -262,6 +267,10 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     if link.retry(backend_of, threads, lost) {
                         // Registrations work again: further contexts too.
                         held_back = false;
+                        match &cm {
+                            Some(c) => c.hostd_restarted(&config.tenant),
+                            None => cm = DeviceCm::on_any(config, &contexts, threads),
+                        }
                     }
                     continue;
                 }
@@ -287,6 +296,13 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     continue;
                 };
                 link.forget(id);
+                // The CM stops before the registration it uses ends, and
+                // starts again on another context's.
+                if cm.as_ref().is_some_and(|c| c.context == id) {
+                    // Stopped (its thread joined) before the next starts.
+                    drop(cm.take());
+                    cm = DeviceCm::on_any(config, &contexts, threads);
+                }
                 held_back = false;
                 let _ = thread.join();
                 // Whatever the driver left, hostd drops it (one
@@ -307,11 +323,18 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
             }
             Event::Failed(id, error, l) => {
                 link.forget(id);
+                let cm_lost = cm.as_ref().is_some_and(|c| c.context == id);
+                if cm_lost {
+                    drop(cm.take());
+                }
                 if let Some(Context { backend, thread }) = contexts.remove(&id) {
                     let _ = thread.join();
                     if let Some(fabric) = backend.device().fabric() {
                         fabric.close();
                     }
+                }
+                if cm_lost {
+                    cm = DeviceCm::on_any(config, &contexts, threads);
                 }
                 if contexts.is_empty() {
                     return Err(error);
@@ -324,6 +347,59 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                 accepting = false;
                 held_back = true;
             }
+        }
+    }
+}
+
+/// The device's connection manager ([`cm::CmService`]) and the context
+/// whose registration with hostd it uses. Nothing in the guest reaches it
+/// yet (the device contract has no CM commands): it answers peers as a
+/// device with no listeners does (REJ "invalid service ID", SIDR
+/// "unsupported").
+struct DeviceCm {
+    service: cm::CmService,
+    context: u64,
+}
+
+impl DeviceCm {
+    /// Starts the CM on context `context`'s registration; `None` (logged)
+    /// if it cannot start: the device works on without one.
+    fn start(
+        config: &Config,
+        context: u64,
+        fabric: &Arc<Fabric>,
+        threads: &Threads,
+    ) -> Option<DeviceCm> {
+        let started =
+            cm::CmService::start(fabric.clone(), &config.tenant, cm::CmConfig::default(), threads);
+        match started {
+            Ok(service) => Some(DeviceCm { service, context }),
+            Err(e) => {
+                tracing::warn!(tenant = %config.tenant, context,
+                    "No connection manager: {}", vrdma_errors::error_chain(&e));
+                None
+            }
+        }
+    }
+
+    /// Starts the CM on the registration of any context of `contexts`
+    /// that has one.
+    fn on_any(
+        config: &Config,
+        contexts: &std::collections::HashMap<u64, Context>,
+        threads: &Threads,
+    ) -> Option<DeviceCm> {
+        let (&id, fabric) = contexts
+            .iter()
+            .find_map(|(id, c)| Some((id, c.backend.device().fabric()?.clone())))?;
+        DeviceCm::start(config, id, &fabric, threads)
+    }
+
+    /// hostd came back and the contexts registered again.
+    fn hostd_restarted(&self, tenant: &str) {
+        if let Err(e) = self.service.hostd_restarted() {
+            tracing::warn!(tenant, "The connection manager cannot reach the restarted hostd: {}",
+                vrdma_errors::error_chain(&e));
         }
     }
 }

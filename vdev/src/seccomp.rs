@@ -108,6 +108,10 @@ fn main_rules() -> Result<Rules, SeccompError> {
     // A re-registration waits while hostd still tears the previous one of
     // the same device down (it answers EBUSY until then).
     r.allow(libc::SYS_clock_nanosleep);
+    // The device's connection manager is started here, on a context's
+    // registration: its two eventfds (QP1's wake-ups, its own wake-up),
+    // the first lent to hostd with GsiNotify (sendmsg, above).
+    r.allow(libc::SYS_eventfd2);
     // At exit the listener's socket file is removed; landlock (no rights)
     // or file permissions refuse it when sandboxed, which is harmless —
     // the next start replaces the file — but must not be a seccomp kill.
@@ -218,6 +222,7 @@ mod tests {
                 ("unlink", libc::SYS_unlink, [0; 6]),
                 statx_by_descriptor(),
                 fcntl(libc::F_DUPFD_CLOEXEC),
+                ("eventfd2", libc::SYS_eventfd2, [0, 0o4000, 0, 0, 0, 0]),
             ],
             Role::VhostUser => vec![
                 ("accept4", libc::SYS_accept4, [3, 0, 0, 0o2000000, 0, 0]),
@@ -281,7 +286,7 @@ mod tests {
                     &[Main],
                 ),
                 (statx_by_descriptor(), &[Main, VhostUser]),
-                (("eventfd2", libc::SYS_eventfd2, [0; 6]), &[VhostUser]),
+                (("eventfd2", libc::SYS_eventfd2, [0; 6]), &[Main, VhostUser]),
                 (
                     ("accept4", libc::SYS_accept4, [3, 0, 0, 0, 0, 0]),
                     &[VhostUser],
