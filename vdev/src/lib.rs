@@ -370,8 +370,12 @@ impl DeviceCm {
         fabric: &Arc<Fabric>,
         threads: &Threads,
     ) -> Option<DeviceCm> {
-        let started =
-            cm::CmService::start(fabric.clone(), &config.tenant, cm::CmConfig::default(), threads);
+        let started = cm::CmService::start(
+            fabric.clone(),
+            &config.tenant,
+            cm::CmConfig::default(),
+            threads,
+        );
         match started {
             Ok(service) => Some(DeviceCm { service, context }),
             Err(e) => {
@@ -398,8 +402,11 @@ impl DeviceCm {
     /// hostd came back and the contexts registered again.
     fn hostd_restarted(&self, tenant: &str) {
         if let Err(e) = self.service.hostd_restarted() {
-            tracing::warn!(tenant, "The connection manager cannot reach the restarted hostd: {}",
-                vrdma_errors::error_chain(&e));
+            tracing::warn!(
+                tenant,
+                "The connection manager cannot reach the restarted hostd: {}",
+                vrdma_errors::error_chain(&e)
+            );
         }
     }
 }

@@ -9,7 +9,8 @@
 //!   threads through the launcher, joins them, and releases the device
 //!   when the frontend leaves; when hostd restarted, registers every
 //!   context again and hands hostd its objects back (guest memory slots,
-//!   duplicates of the doorbell and interrupt eventfds: `crate::link`).
+//!   duplicates of the doorbell and interrupt eventfds: `crate::link`);
+//!   starts the device's connection manager (its eventfds are made here).
 //! - [`Role::VhostUser`] — the thread that runs vhost-user-backend's daemon
 //!   for one frontend (accepts it on the listener, waits for it to leave)
 //!   and the threads that library starts from it: the request thread
