@@ -7,7 +7,9 @@
 //! - [`ports`]: the device's port spaces (bind, EADDRINUSE, port 0).
 //! - [`ids`]: CM IDs and their states.
 //! - [`state`]: the service's state under one lock — the agent, the IDs,
-//!   the owners' event queues — and every command and MAD applied to it.
+//!   the owners' event queues — and every command and MAD applied to it;
+//!   `state/events.rs` turns the agent's events into rdma_cm events and
+//!   checks connect requests as Linux's cma does.
 //! - [`event`]: rdma_cm events as fixed-size records, queued per owner
 //!   with an eventfd.
 //! - [`qp_attr`]: `rdma_init_qp_attr` for INIT, RTR and RTS.
