@@ -392,6 +392,25 @@ fn a_listener_that_goes_away_mid_handshake_leaves_the_connector_rejected_or_unre
     println!("UNREACHABLE after {took:?}");
     assert!(took < Duration::from_secs(2), "{took:?}");
     assert_eq!(a.cm.counters().connections_live, 0);
+
+    // The listener's device goes away altogether (its registration ends,
+    // as when its vdev is killed): hostd refuses the retransmissions to a
+    // GID nobody has, and the connector gives up as before.
+    let c = Device::new(&hostd, "gamma", fast());
+    let co = c.owner();
+    listener(&c, &co, PortSpace::Tcp, 7402);
+    let id = resolved(&ao, PortSpace::Tcp, SocketAddrV4::new(c.ip, 7402));
+    ao.connect(id, &param(b"knock", 0x22, 1)).expect("connect");
+    expect(&co, CmEventKind::ConnectRequest);
+    let refused_before = a.cm.counters().send_failed;
+    c.cm.stop();
+    c._fabric.close();
+    let e = expect(&ao, CmEventKind::Unreachable);
+    assert_eq!(e.status, UNREACHABLE_STATUS);
+    assert!(
+        a.cm.counters().send_failed > refused_before,
+        "hostd refused the REQ's retransmissions"
+    );
 }
 
 #[test]
