@@ -69,13 +69,14 @@ impl Device {
 }
 
 /// Short CM timers, so that timeouts and timewait end within a test: a
-/// REQ is resent every 2·4 ms + 64 ms, 3 times; timewait is 128 ms.
+/// REQ is resent every 2·4 ms + 256 ms, 3 times (UNREACHABLE after about
+/// 1 s); timewait is 128 ms.
 fn fast() -> CmConfig {
     CmConfig {
         packet_life_time: 10,
-        cm_response_timeout: 14,
+        cm_response_timeout: 16,
         max_cm_retries: 3,
-        sidr_timeout: 14,
+        sidr_timeout: 16,
         sidr_retries: 3,
         ..CmConfig::default()
     }
@@ -390,7 +391,7 @@ fn a_listener_that_goes_away_mid_handshake_leaves_the_connector_rejected_or_unre
     assert_eq!(e.status, UNREACHABLE_STATUS);
     let took = started.elapsed();
     println!("UNREACHABLE after {took:?}");
-    assert!(took < Duration::from_secs(2), "{took:?}");
+    assert!(took < Duration::from_secs(3), "{took:?}");
     assert_eq!(a.cm.counters().connections_live, 0);
 
     // The listener's device goes away altogether (its registration ends,
@@ -461,8 +462,10 @@ fn sidr_resolves_a_ud_service_and_a_missing_one_is_unreachable() {
 #[test]
 fn a_thousand_connect_disconnect_cycles_leave_nothing_behind() {
     let hostd = Hostd::start(Some(POLICY));
-    let a = Device::new(&hostd, "alpha", fast());
-    let b = Device::new(&hostd, "gamma", fast());
+    // Linux's timers (retransmits after seconds: a loaded machine causes
+    // none, so the MAD counts below are exact); timewait is 2 s.
+    let a = Device::new(&hostd, "alpha", CmConfig::default());
+    let b = Device::new(&hostd, "gamma", CmConfig::default());
     let (ao, bo) = (a.owner(), b.owner());
     let lid = listener(&b, &bo, PortSpace::Tcp, 7500);
     let (a0, b0) = (a.cm.counters(), b.cm.counters());
@@ -486,7 +489,7 @@ fn a_thousand_connect_disconnect_cycles_leave_nothing_behind() {
     );
 
     // Timewait drains; then everything is where it started.
-    let deadline = Instant::now() + WAIT;
+    let deadline = Instant::now() + 2 * WAIT;
     while a.cm.counters().agent_connections + b.cm.counters().agent_connections > 0 {
         assert!(Instant::now() < deadline, "timewait does not drain");
         std::thread::sleep(Duration::from_millis(20));
