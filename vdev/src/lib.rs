@@ -370,12 +370,12 @@ impl DeviceCm {
         fabric: &Arc<Fabric>,
         threads: &Threads,
     ) -> Option<DeviceCm> {
-        let started = cm::CmService::start(
-            fabric.clone(),
-            &config.tenant,
-            cm::CmConfig::default(),
-            threads,
-        );
+        // Routes get the port's active MTU, as hostd's network allows it.
+        let cm_config = cm::CmConfig {
+            path_mtu: fabric.active_mtu.into(),
+            ..cm::CmConfig::default()
+        };
+        let started = cm::CmService::start(fabric.clone(), &config.tenant, cm_config, threads);
         match started {
             Ok(service) => Some(DeviceCm { service, context }),
             Err(e) => {
