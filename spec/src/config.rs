@@ -49,7 +49,10 @@ wire_struct! {
         /// Address handles (in what was reserved before version 3.2: a
         /// device of an older minor version reports 0 here).
         pub max_ah: U32,
-        pub reserved: [u8; 1],
+        /// The CM event queue's index (`2 + num_comp_vectors`) when the
+        /// device has a connection manager, 0 when it has none (since 3.4;
+        /// reserved and 0 before). See [`crate::cm`].
+        pub cm_queue: u8,
     }
 }
 

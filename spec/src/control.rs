@@ -12,6 +12,7 @@
 
 use zerocopy::little_endian::{U16, U32, U64};
 
+use crate::cm;
 use crate::verbs::wire_enum;
 use crate::wire_struct;
 
@@ -40,6 +41,22 @@ wire_enum! {
         DestroySrq = 20,
         CreateAh = 21,
         DestroyAh = 22,
+        /// The connection manager's commands (§5.6, [`crate::cm`]).
+        CmOpenChannel = 23,
+        CmCloseChannel = 24,
+        CmCreateId = 25,
+        CmBindAddr = 26,
+        CmListen = 27,
+        CmResolveAddr = 28,
+        CmResolveRoute = 29,
+        CmConnect = 30,
+        CmAccept = 31,
+        CmReject = 32,
+        CmEstablish = 33,
+        CmDisconnect = 34,
+        CmDestroyId = 35,
+        CmInitQpAttr = 36,
+        CmQueryId = 37,
     }
 }
 
@@ -79,6 +96,20 @@ impl Opcode {
             Opcode::QuerySrq | Opcode::DestroySrq => size_of::<SrqHandle>(),
             Opcode::CreateAh => size_of::<CreateAhReq>(),
             Opcode::DestroyAh => size_of::<AhHandle>(),
+            Opcode::CmOpenChannel => 0,
+            Opcode::CmCloseChannel => size_of::<cm::CmChannelHandle>(),
+            Opcode::CmCreateId => size_of::<cm::CmCreateIdReq>(),
+            Opcode::CmBindAddr => size_of::<cm::CmBindReq>(),
+            Opcode::CmListen => size_of::<cm::CmListenReq>(),
+            Opcode::CmResolveAddr => size_of::<cm::CmResolveAddrReq>(),
+            Opcode::CmConnect | Opcode::CmAccept => size_of::<cm::CmConnReq>(),
+            Opcode::CmReject => size_of::<cm::CmRejectReq>(),
+            Opcode::CmInitQpAttr => size_of::<cm::CmInitQpAttrReq>(),
+            Opcode::CmResolveRoute
+            | Opcode::CmEstablish
+            | Opcode::CmDisconnect
+            | Opcode::CmDestroyId
+            | Opcode::CmQueryId => size_of::<cm::CmIdReq>(),
         }
     }
 
@@ -98,6 +129,21 @@ impl Opcode {
             Opcode::QueryQp => size_of::<QueryQpResp>(),
             Opcode::CreateSrq | Opcode::QuerySrq => size_of::<SrqAttr>(),
             Opcode::CreateAh => size_of::<AhHandle>(),
+            Opcode::CmOpenChannel => size_of::<cm::CmChannelHandle>(),
+            Opcode::CmCreateId => size_of::<cm::CmIdReq>(),
+            Opcode::CmBindAddr => size_of::<cm::CmAddr>(),
+            Opcode::CmInitQpAttr => size_of::<cm::CmQpAttrResp>(),
+            Opcode::CmQueryId => size_of::<cm::CmIdInfo>(),
+            Opcode::CmCloseChannel
+            | Opcode::CmListen
+            | Opcode::CmResolveAddr
+            | Opcode::CmResolveRoute
+            | Opcode::CmConnect
+            | Opcode::CmAccept
+            | Opcode::CmReject
+            | Opcode::CmEstablish
+            | Opcode::CmDisconnect
+            | Opcode::CmDestroyId => 0,
             Opcode::DeallocPd
             | Opcode::DeregMr
             | Opcode::DestroyCq
@@ -562,11 +608,11 @@ mod tests {
 
     #[test]
     fn opcodes_round_trip() {
-        for code in 1..=22u16 {
+        for code in 1..=37u16 {
             let op = Opcode::try_from(code).expect("defined opcode");
             assert_eq!(u16::from(op), code);
         }
         assert!(Opcode::try_from(0).is_err());
-        assert!(Opcode::try_from(23).is_err());
+        assert!(Opcode::try_from(38).is_err());
     }
 }

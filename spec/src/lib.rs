@@ -17,6 +17,7 @@
 //!   work-completion status) with the numeric values libibverbs uses.
 //! - [`qp_state`]: the RC queue-pair state machine and its attribute-mask rules.
 
+pub mod cm;
 pub mod config;
 pub mod control;
 pub mod gid;
@@ -70,7 +71,9 @@ pub const SPEC_VERSION_MAJOR: u16 = 3;
 /// address vector without a GRH names its destination by `dlid`, and a UD
 /// receive's CQE carries the sender's LID in `slid` (the upper half of what
 /// was a 32-bit `vendor_err`, never set before).
-pub const SPEC_VERSION_MINOR: u16 = 3;
+/// 4: the connection manager — the `CM_*` control commands and the CM
+/// event queue (`DeviceAttr::cm_queue`, [`cm`]).
+pub const SPEC_VERSION_MINOR: u16 = 4;
 
 /// Index of the control virtqueue (verbs control path).
 pub const CONTROL_QUEUE: u16 = 0;
@@ -85,6 +88,13 @@ pub const FIRST_EVENT_QUEUE: u16 = 2;
 
 /// Number of virtqueues a device with `num_comp_vectors` completion vectors has.
 pub const fn num_queues(num_comp_vectors: u16) -> u16 {
+    FIRST_EVENT_QUEUE + num_comp_vectors
+}
+
+/// Index of the CM event queue of a device with `num_comp_vectors`
+/// completion vectors and a connection manager: the queue after the event
+/// queues (a device with a CM has `num_queues(n) + 1` queues).
+pub const fn cm_queue(num_comp_vectors: u16) -> u16 {
     FIRST_EVENT_QUEUE + num_comp_vectors
 }
 
