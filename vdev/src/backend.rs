@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
-use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringT};
+use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringEpollHandler, VringT};
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
 use virtio_bindings::virtio_ring::{VIRTIO_RING_F_EVENT_IDX, VIRTIO_RING_F_INDIRECT_DESC};
 use virtio_queue::{QueueOwnedT, QueueT};
@@ -29,8 +29,13 @@ use vrdma_tenant_policy::Limits;
 use crate::control;
 use crate::fabric::Fabric;
 use crate::seccomp::Threads;
+use crate::verbs::cm::{CmEventWatch, CmSlot};
 use crate::verbs::{DeviceIdentity, DeviceShare, RdmaDevice};
 use crate::vrings::{self, DeviceVring, VringTable};
+
+/// The worker's event number of the CM event queue's kicks (its second
+/// queue: vhost-user-backend numbers a worker's events within its mask).
+const CM_QUEUE_EVENT: u16 = 1;
 
 /// Why handling a queue event failed.
 #[derive(Debug, thiserror::Error)]
@@ -75,6 +80,39 @@ struct Inner {
     vrings: Arc<VringTable>,
     /// Control-queue entries skipped because they named no descriptor.
     bad_heads: AtomicU64,
+    /// The CM event queue's index, if the device has a connection manager.
+    cm_queue: Option<u16>,
+}
+
+/// The worker's epoll set, where the context's CM channels' eventfds are
+/// watched (under the event id [`VrdmaBackend::cm_event_id`]).
+struct EpollWatch {
+    handler: std::sync::Weak<VringEpollHandler<VrdmaBackend>>,
+    data: u64,
+}
+
+impl std::fmt::Debug for EpollWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpollWatch")
+            .field("data", &self.data)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CmEventWatch for EpollWatch {
+    fn watch(&self, fd: std::os::fd::RawFd) -> io::Result<()> {
+        let handler = self
+            .handler
+            .upgrade()
+            .ok_or_else(|| io::Error::other("the worker is gone"))?;
+        handler.register_listener(fd, EventSet::IN, self.data)
+    }
+
+    fn unwatch(&self, fd: std::os::fd::RawFd) {
+        if let Some(handler) = self.handler.upgrade() {
+            let _ = handler.unregister_listener(fd, EventSet::IN, self.data);
+        }
+    }
 }
 
 impl VrdmaBackend {
@@ -91,14 +129,33 @@ impl VrdmaBackend {
         fabric: Option<Arc<Fabric>>,
         share: DeviceShare,
     ) -> Self {
+        Self::in_share_with_cm(identity, limits, fabric, share, None)
+    }
+
+    /// [`VrdmaBackend::in_share`] for a device with a connection manager,
+    /// found in `cm` while it runs: the device has one more queue, the CM
+    /// event queue (`2 + num_comp_vectors`), served here.
+    pub fn in_share_with_cm(
+        identity: DeviceIdentity,
+        limits: Limits,
+        fabric: Option<Arc<Fabric>>,
+        share: DeviceShare,
+        cm: Option<CmSlot>,
+    ) -> Self {
         let vrings = Arc::new(VringTable::default());
-        let device = match fabric {
+        let mut device = match fabric {
             Some(fabric) => {
                 RdmaDevice::with_fabric(identity.clone(), limits, fabric, vrings.clone())
             }
             None => RdmaDevice::new(identity.clone(), limits),
         }
         .in_share(share);
+        let cm_queue = cm
+            .is_some()
+            .then(|| vrdma_spec::cm_queue(identity.comp_vectors));
+        if let Some(slot) = cm {
+            device = device.with_cm(slot);
+        }
         VrdmaBackend {
             inner: Arc::new(Inner {
                 identity,
@@ -109,6 +166,7 @@ impl VrdmaBackend {
                 exit_consumers: Mutex::new(Vec::new()),
                 vrings,
                 bad_heads: AtomicU64::new(0),
+                cm_queue,
             }),
         }
     }
@@ -133,6 +191,15 @@ impl VrdmaBackend {
             });
         }
         self.inner.vrings.set(created);
+        if self.inner.cm_queue.is_some() {
+            if let Some(handler) = daemon.get_epoll_handlers().first() {
+                let watch = EpollWatch {
+                    handler: Arc::downgrade(handler),
+                    data: self.cm_event_id(),
+                };
+                self.device().cm_mut().set_watch(Arc::new(watch));
+            }
+        }
         Ok(daemon)
     }
 
@@ -194,6 +261,75 @@ impl VrdmaBackend {
 
     fn tenant(&self) -> &str {
         &self.inner.identity.tenant
+    }
+
+    /// The worker's event id of the CM channels' eventfds: past the queues
+    /// and the exit event (vhost-user-backend reserves `0..=num_queues`).
+    fn cm_event_id(&self) -> u64 {
+        self.num_queues() as u64 + 1
+    }
+
+    /// Moves the context's waiting CM events into the buffers the driver
+    /// posted on the CM event queue, and interrupts the driver. Runs when
+    /// a channel's eventfd fires and when the driver kicks the queue (it
+    /// posted buffers). Events stay queued while no buffer is posted.
+    fn deliver_cm_events(&self) {
+        let Some(index) = self.inner.cm_queue else {
+            return;
+        };
+        let tenant = self.tenant();
+        let Some(vring) = self.inner.vrings.get(index) else {
+            return;
+        };
+        let atomic = self
+            .inner
+            .mem
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let Some(atomic) = atomic else {
+            return;
+        };
+        let mem = atomic.memory();
+        let event_idx = self.inner.event_idx.load(Ordering::Relaxed);
+        let mut device = self.device();
+        loop {
+            let delivered = {
+                let mut state = vring.get_mut();
+                let queue = state.get_queue_mut();
+                if !queue.ready() {
+                    // The driver did not set the CM queue up: events wait.
+                    return;
+                }
+                device.cm_mut().deliver(&mem, queue)
+            };
+            if delivered.events + delivered.bad_buffers > 0 {
+                match vring.needs_notification() {
+                    Ok(true) => {
+                        if let Err(e) = vring.signal_used_queue() {
+                            tracing::warn!(tenant, error = %e, "CM event queue: cannot signal the driver");
+                        }
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(tenant, error = %e, "CM event queue: cannot decide whether to signal")
+                    }
+                }
+            }
+            if !event_idx {
+                return;
+            }
+            // Ask for the driver's next kick; buffers it posted meanwhile
+            // are taken now.
+            match vring.enable_notification() {
+                Ok(true) if delivered.events > 0 => continue,
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::warn!(tenant, error = %e, "CM event queue: cannot enable notifications");
+                    return;
+                }
+            }
+        }
     }
 
     /// Drains the control queue, answering every chain, with the EVENT_IDX
@@ -302,7 +438,8 @@ impl VhostUserBackend for VrdmaBackend {
     type Vring = DeviceVring;
 
     fn num_queues(&self) -> usize {
-        usize::from(vrdma_spec::num_queues(self.inner.identity.comp_vectors))
+        let queues = usize::from(vrdma_spec::num_queues(self.inner.identity.comp_vectors));
+        queues + usize::from(self.inner.cm_queue.is_some())
     }
 
     fn max_queue_size(&self) -> usize {
@@ -314,7 +451,8 @@ impl VhostUserBackend for VrdmaBackend {
     /// queue's kicks are left for hostd, which sleeps on them, and the
     /// event queues' for nobody (the driver posts nothing there).
     fn queues_per_thread(&self) -> Vec<u64> {
-        vec![1 << CONTROL_QUEUE]
+        let cm = self.inner.cm_queue.map_or(0, |q| 1u64 << q);
+        vec![(1 << CONTROL_QUEUE) | cm]
     }
 
     fn features(&self) -> u64 {
@@ -437,11 +575,21 @@ impl VhostUserBackend for VrdmaBackend {
         vrings: &[DeviceVring],
         _thread_id: usize,
     ) -> io::Result<()> {
-        // The worker serves only the control queue: its event is 0 and
-        // `vrings` holds only that vring.
+        // The worker serves the control queue (its event 0, the first of
+        // `vrings`) and, on a device with a CM, the CM event queue (event
+        // 1) and the CM channels' eventfds.
         match (device_event, vrings.first()) {
             (CONTROL_QUEUE, Some(vring)) => {
                 self.process_control_queue(vring);
+                Ok(())
+            }
+            // The worker's events are numbered within its queue mask: the
+            // CM event queue, after the control queue, is its event 1.
+            (event, _)
+                if self.inner.cm_queue.is_some()
+                    && (event == CM_QUEUE_EVENT || u64::from(event) == self.cm_event_id()) =>
+            {
+                self.deliver_cm_events();
                 Ok(())
             }
             _ => Err(BackendError::UnknownEvent(device_event).into()),

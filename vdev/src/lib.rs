@@ -193,6 +193,9 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
     };
     let device_name = device_name(&config.socket);
     let share = verbs::DeviceShare::default();
+    // On hostd the device has a connection manager: its contexts find it
+    // here while it runs, and advertise the CM event queue.
+    let cm_slot = config.hostd.is_some().then(verbs::cm::CmSlot::default);
     let (events, happened) = std::sync::mpsc::channel();
     let mut listener = Some(listener);
     let mut contexts: std::collections::HashMap<u64, Context> = Default::default();
@@ -239,11 +242,16 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     gid = %std::net::Ipv6Addr::from(fabric.gid),
                     physical_queues = fabric.physical_queues, "Registered with hostd");
             }
-            if let (None, Some(fabric)) = (&cm, &fabric) {
-                cm = DeviceCm::start(config, next_id, fabric, threads);
+            if let (None, Some(fabric), Some(slot)) = (&cm, &fabric, &cm_slot) {
+                cm = DeviceCm::start(config, next_id, fabric, slot, threads);
             }
-            let backend =
-                VrdmaBackend::in_share(identity.clone(), config.limits, fabric, share.clone());
+            let backend = VrdmaBackend::in_share_with_cm(
+                identity.clone(),
+                config.limits,
+                fabric,
+                share.clone(),
+                cm_slot.clone(),
+            );
             backend
                 .listen_for_policy(threads, lost(next_id))
                 .map_err(Error::Setup)?;
@@ -267,9 +275,12 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     if link.retry(backend_of, threads, lost) {
                         // Registrations work again: further contexts too.
                         held_back = false;
-                        match &cm {
-                            Some(c) => c.hostd_restarted(&config.tenant),
-                            None => cm = DeviceCm::on_any(config, &contexts, threads),
+                        match (&cm, &cm_slot) {
+                            (Some(c), _) => c.hostd_restarted(&config.tenant),
+                            (None, Some(slot)) => {
+                                cm = DeviceCm::on_any(config, &contexts, slot, threads)
+                            }
+                            (None, None) => {}
                         }
                     }
                     continue;
@@ -301,7 +312,9 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                 if cm.as_ref().is_some_and(|c| c.context == id) {
                     // Stopped (its thread joined) before the next starts.
                     drop(cm.take());
-                    cm = DeviceCm::on_any(config, &contexts, threads);
+                    cm = cm_slot
+                        .as_ref()
+                        .and_then(|slot| DeviceCm::on_any(config, &contexts, slot, threads));
                 }
                 held_back = false;
                 let _ = thread.join();
@@ -334,7 +347,9 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     }
                 }
                 if cm_lost {
-                    cm = DeviceCm::on_any(config, &contexts, threads);
+                    cm = cm_slot
+                        .as_ref()
+                        .and_then(|slot| DeviceCm::on_any(config, &contexts, slot, threads));
                 }
                 if contexts.is_empty() {
                     return Err(error);
@@ -352,13 +367,22 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
 }
 
 /// The device's connection manager ([`cm::CmService`]) and the context
-/// whose registration with hostd it uses. Nothing in the guest reaches it
-/// yet (the device contract has no CM commands): it answers peers as a
-/// device with no listeners does (REJ "invalid service ID", SIDR
-/// "unsupported").
+/// whose registration with hostd it uses. The contexts reach it through
+/// the device's [`verbs::cm::CmSlot`] (the `CM_*` commands): published
+/// there while it runs, withdrawn when it stops. Channels opened on a
+/// service that stopped (its context ended) keep their IDs, whose MADs
+/// no longer flow; new channels open on the next one.
 struct DeviceCm {
-    service: cm::CmService,
+    service: Arc<cm::CmService>,
+    slot: verbs::cm::CmSlot,
     context: u64,
+}
+
+impl Drop for DeviceCm {
+    fn drop(&mut self) {
+        self.slot.set(None);
+        self.service.stop();
+    }
 }
 
 impl DeviceCm {
@@ -368,6 +392,7 @@ impl DeviceCm {
         config: &Config,
         context: u64,
         fabric: &Arc<Fabric>,
+        slot: &verbs::cm::CmSlot,
         threads: &Threads,
     ) -> Option<DeviceCm> {
         // Routes get the port's active MTU, as hostd's network allows it.
@@ -377,7 +402,15 @@ impl DeviceCm {
         };
         let started = cm::CmService::start(fabric.clone(), &config.tenant, cm_config, threads);
         match started {
-            Ok(service) => Some(DeviceCm { service, context }),
+            Ok(service) => {
+                let service = Arc::new(service);
+                slot.set(Some(service.clone()));
+                Some(DeviceCm {
+                    service,
+                    slot: slot.clone(),
+                    context,
+                })
+            }
             Err(e) => {
                 tracing::warn!(tenant = %config.tenant, context,
                     "No connection manager: {}", vrdma_errors::error_chain(&e));
@@ -391,12 +424,13 @@ impl DeviceCm {
     fn on_any(
         config: &Config,
         contexts: &std::collections::HashMap<u64, Context>,
+        slot: &verbs::cm::CmSlot,
         threads: &Threads,
     ) -> Option<DeviceCm> {
         let (&id, fabric) = contexts
             .iter()
             .find_map(|(id, c)| Some((id, c.backend.device().fabric()?.clone())))?;
-        DeviceCm::start(config, id, &fabric, threads)
+        DeviceCm::start(config, id, &fabric, slot, threads)
     }
 
     /// hostd came back and the contexts registered again.

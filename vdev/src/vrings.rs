@@ -189,6 +189,15 @@ impl VringTable {
         self.len() == 0
     }
 
+    /// The vring of queue `queue`, if the daemon made one.
+    pub fn get(&self, queue: u16) -> Option<DeviceVring> {
+        self.vrings
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(usize::from(queue))
+            .cloned()
+    }
+
     /// A new descriptor of queue `queue`'s kick (`call` false) or call
     /// (`call` true) eventfd. Duplicated with `fcntl(F_DUPFD_CLOEXEC)`
     /// (what `File::try_clone` does), which vdev's seccomp filter allows.

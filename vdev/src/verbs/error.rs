@@ -44,6 +44,12 @@ pub enum VerbError {
     Notify(#[source] FdError),
     #[error("Not permitted: {0}")]
     Privileged(&'static str),
+    #[error("No such device: {0}")]
+    NoDevice(&'static str),
+    #[error("The connection manager refused")]
+    Cm(#[source] crate::cm::CmError),
+    #[error("Cannot watch a CM channel")]
+    Io(#[source] std::io::Error),
 }
 
 impl VerbError {
@@ -63,6 +69,9 @@ impl VerbError {
             VerbError::Fabric(e) => e.errno(),
             VerbError::Notify(e) => e.errno(),
             VerbError::Privileged(_) => libc::EPERM,
+            VerbError::NoDevice(_) => libc::ENODEV,
+            VerbError::Cm(e) => e.errno(),
+            VerbError::Io(_) => libc::EIO,
         }
     }
 }

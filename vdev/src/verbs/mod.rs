@@ -10,6 +10,7 @@
 //! eventfds hostd needs come through [`NotifyFds`].
 
 mod ah;
+pub mod cm;
 mod cq;
 mod error;
 mod mr;
@@ -120,12 +121,15 @@ pub struct RdmaDevice {
     /// hostd's numbers for the guest memory slots it was given.
     slot_numbers: HashMap<SlotId, u32>,
     next_slot_number: u32,
+    /// This context's CM channels (none on a device without a CM).
+    cm: cm::ContextCm,
 }
 
 impl RdmaDevice {
     /// A device with no objects and no guest memory yet.
     pub fn new(identity: DeviceIdentity, limits: Limits) -> Self {
         let config = build_config(&identity, &limits);
+        let identity_tenant = identity.tenant.clone();
         RdmaDevice {
             identity,
             limits,
@@ -149,7 +153,32 @@ impl RdmaDevice {
             notify_fds: None,
             slot_numbers: HashMap::new(),
             next_slot_number: 0,
+            cm: cm::ContextCm::new(identity_tenant, None),
         }
+    }
+
+    /// This context as one of a device with a connection manager, which
+    /// its contexts find in `slot`: config space advertises the CM event
+    /// queue (`cm_queue`), and the `CM_*` commands are served.
+    pub fn with_cm(mut self, slot: cm::CmSlot) -> Self {
+        self.cm = cm::ContextCm::new(self.identity.tenant.clone(), Some(slot));
+        self.config.device.cm_queue = self.cm_queue_index();
+        self
+    }
+
+    /// The CM event queue's index, 0 without a CM.
+    fn cm_queue_index(&self) -> u8 {
+        if self.cm.enabled() {
+            // At most 2 + 64.
+            vrdma_spec::cm_queue(self.identity.comp_vectors) as u8
+        } else {
+            0
+        }
+    }
+
+    /// This context's CM side.
+    pub fn cm_mut(&mut self) -> &mut cm::ContextCm {
+        &mut self.cm
     }
 
     /// This context as one of the device whose contexts share `share`
@@ -193,6 +222,7 @@ impl RdmaDevice {
         tracing::info!(tenant = %self.identity.tenant, old = ?self.limits, new = ?limits, "Quotas changed");
         self.limits = limits;
         self.config = build_config(&self.identity, &limits);
+        self.config.device.cm_queue = self.cm_queue_index();
     }
 
     /// The hostd link, if any.
@@ -274,6 +304,7 @@ impl RdmaDevice {
     /// the old driver's is touched any more), then vdev forgets them.
     /// Memory slots stay known to hostd. Nothing to release, nothing sent.
     pub fn release_all(&mut self) {
+        self.cm.close_all();
         let (pds, mrs, cqs, qps) = self.object_counts();
         let eqs = self.eqs.len();
         let (srqs, ahs) = (self.srqs.len(), self.ahs.len());
@@ -419,6 +450,21 @@ impl RdmaDevice {
             }
             Opcode::CreateAh => respond(payload, |req| self.create_ah(&req)),
             Opcode::DestroyAh => respond(payload, |req: AhHandle| self.destroy_ah(req.ahn.get())),
+            Opcode::CmOpenChannel
+            | Opcode::CmCloseChannel
+            | Opcode::CmCreateId
+            | Opcode::CmBindAddr
+            | Opcode::CmListen
+            | Opcode::CmResolveAddr
+            | Opcode::CmResolveRoute
+            | Opcode::CmConnect
+            | Opcode::CmAccept
+            | Opcode::CmReject
+            | Opcode::CmEstablish
+            | Opcode::CmDisconnect
+            | Opcode::CmDestroyId
+            | Opcode::CmInitQpAttr
+            | Opcode::CmQueryId => self.cm.execute(opcode, payload),
         }
     }
 
@@ -607,7 +653,8 @@ fn build_config(identity: &DeviceIdentity, limits: &Limits) -> DeviceConfig {
             max_pkeys: 1.into(),
             phys_port_cnt: 1,
             max_ah: limits.max_ah.into(),
-            reserved: [0; 1],
+            // A device with a connection manager says so: `RdmaDevice::with_cm`.
+            cm_queue: 0,
         },
         port: PortAttr {
             state: PortState::Active.into(),
