@@ -22,6 +22,7 @@ use vrdma_spec::ring::{event_kind, Event};
 use vrdma_spec::{CONTROL_QUEUE, DOORBELL_QUEUE, FIRST_EVENT_QUEUE, SPEC_VERSION_MAJOR};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout};
 
+use crate::cm::{CmQueue, CM_QUEUE_SIZE};
 use crate::control::ControlQueue;
 use crate::dma::{DmaArena, DmaBuf, DEFAULT_ARENA_SIZE, PAGE_SIZE};
 use crate::error::{Error, Result};
@@ -165,6 +166,8 @@ pub struct Device {
     /// Memory the device may still use because destroying its object
     /// failed: kept until the device goes away rather than reused.
     quarantine: Mutex<Vec<Box<dyn Any + Send>>>,
+    /// The CM event queue, when the device advertises one.
+    cm: Option<Mutex<CmQueue>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -259,6 +262,26 @@ impl Device {
             lines.push(vq);
         }
 
+        // The CM event queue, when the device has a connection manager
+        // (`cm_queue` right after the event queues); a device that
+        // advertises another index, or fewer queues, is used without.
+        let cm_index = u16::from(config.device.cm_queue);
+        let cm = if cm_index != 0
+            && cm_index == vrdma_spec::cm_queue(vectors)
+            && transport.num_queues() > cm_index
+        {
+            let vq = SplitQueue::new(&arena, queue_size(CM_QUEUE_SIZE), event_idx)?;
+            setup(cm_index, &vq)?;
+            let bufs = (0..vq.size())
+                .map(|_| arena.alloc_zeroed(vrdma_spec::cm::CM_EVENT_SIZE, 64))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let mut queue = CmQueue::new(cm_index, vq, bufs);
+            queue.post_all()?;
+            Some(Mutex::new(queue))
+        } else {
+            None
+        };
+
         let arenas = Arenas {
             list: Mutex::new(vec![arena]),
             size: options.arena_size,
@@ -285,6 +308,7 @@ impl Device {
             _lines: lines,
             memory,
             quarantine: Mutex::new(Vec::new()),
+            cm,
         };
         dev.give_rings()?;
         tracing::info!(
@@ -314,6 +338,11 @@ impl Device {
             self.command_no_reply(Opcode::CreateEq, req.as_bytes())?;
         }
         Ok(())
+    }
+
+    /// The CM event queue, if the device has a connection manager.
+    pub(crate) fn cm(&self) -> Option<&Mutex<CmQueue>> {
+        self.cm.as_ref()
     }
 
     /// The config space read at open.

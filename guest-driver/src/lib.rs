@@ -31,6 +31,7 @@
 //!
 //! Wire formats all come from [`vrdma_spec`].
 
+pub mod cm;
 mod control;
 pub mod device;
 pub mod dma;
@@ -49,6 +50,7 @@ pub mod verbs;
 pub mod virtqueue;
 mod write_freeze;
 
+pub use cm::{CmChannel, CmEvent, CmId, ConnParam};
 pub use device::{DeviceEvent, DeviceOptions};
 pub use error::{DestroyError, Error, PostError, Result};
 pub use ring::{RecvWr, SendPayload, SendWr, Sge, UdDest, WorkCompletion};

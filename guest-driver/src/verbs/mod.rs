@@ -188,6 +188,18 @@ impl Context {
     pub fn acknowledge_event(&self, comp_vector: u16) -> Result<()> {
         self.dev.acknowledge_event(comp_vector)
     }
+
+    /// Opens a CM channel (`rdma_create_event_channel`) on the device's
+    /// connection manager; ENODEV if the device has none.
+    pub fn cm_channel(&self) -> Result<crate::cm::CmChannel> {
+        crate::cm::CmChannel::open(Arc::clone(&self.dev))
+    }
+
+    /// Whether the device advertises a connection manager (and its CM
+    /// event queue was set up).
+    pub fn has_cm(&self) -> bool {
+        self.dev.cm().is_some()
+    }
 }
 
 /// A PD's or CQ's handle as the device gave it (`ALLOC_PD`'s and
