@@ -21,7 +21,7 @@ use vrdma_spec::verbs::{QpState, SendOpcode, WcOpcode, WcStatus};
 use vrdma_spec::zerocopy::{FromBytes, FromZeros, IntoBytes};
 use vrdma_tests::daemon::{Hostd, Vdev};
 use vrdma_tests::tenant::{
-    blue_and_red, default_caps, fill, one, read_mr, rdma, signaled, Tenant, ALL_ACCESS,
+    blue_and_red, default_caps, fill, one, rdma, read_mr, signaled, Tenant, ALL_ACCESS,
 };
 use vrdma_tools::vmm::{Desc, Vmm, FREE};
 
@@ -34,10 +34,12 @@ fn ip_of(t: &Tenant) -> Ipv4Addr {
 /// The next event of `ch`, which must be of `kind`.
 #[track_caller]
 fn expect(ch: &CmChannel, kind: u32, t: &Tenant) -> CmEvent {
-    let e = ch
-        .wait_event(WAIT)
-        .expect("get_event")
-        .unwrap_or_else(|| panic!("no event within {WAIT:?}; expected kind {kind}\n{}", t.vdev.log()));
+    let e = ch.wait_event(WAIT).expect("get_event").unwrap_or_else(|| {
+        panic!(
+            "no event within {WAIT:?}; expected kind {kind}\n{}",
+            t.vdev.log()
+        )
+    });
     assert_eq!(e.kind, kind, "{e:?}");
     e
 }
@@ -91,9 +93,15 @@ fn connect_accept_move_qps_write_send_and_disconnect_through_the_cm() {
     let hostd = Hostd::start(Some(&blue_and_red()));
     let server = Tenant::start(&hostd, "alpha");
     let client = Tenant::start(&hostd, "beta");
-    assert!(server.ctx.has_cm() && client.ctx.has_cm(), "the devices advertise a CM queue");
+    assert!(
+        server.ctx.has_cm() && client.ctx.has_cm(),
+        "the devices advertise a CM queue"
+    );
     let cm_queue = u16::from(server.ctx.config().device.cm_queue);
-    assert_eq!(cm_queue, vrdma_spec::cm_queue(server.ctx.num_comp_vectors()));
+    assert_eq!(
+        cm_queue,
+        vrdma_spec::cm_queue(server.ctx.num_comp_vectors())
+    );
     let (sch, cch) = (
         server.ctx.cm_channel().expect("server channel"),
         client.ctx.cm_channel().expect("client channel"),
@@ -112,7 +120,11 @@ fn connect_accept_move_qps_write_send_and_disconnect_through_the_cm() {
     // Client: resolve, a QP in INIT, connect with private data.
     let id = resolved(&cch, &client, SocketAddrV4::new(ip_of(&server), 7471));
     let info = cch.query(id).expect("query");
-    assert_eq!(info.src.ip, ip_of(&client).octets(), "bound to the device's address");
+    assert_eq!(
+        info.src.ip,
+        ip_of(&client).octets(),
+        "bound to the device's address"
+    );
     assert_eq!(info.route_valid, 1);
     assert_eq!(info.dgid, server.gid);
     let cqp = client.qp(default_caps());
@@ -132,7 +144,11 @@ fn connect_accept_move_qps_write_send_and_disconnect_through_the_cm() {
     let req = expect(&sch, event_kind::CONNECT_REQUEST, &server);
     assert_eq!(req.listen_id, Some(listener));
     assert_ne!(req.id, listener, "a new ID for the request");
-    assert_eq!(req.private_data.len(), 56, "a REQ's field after the CMA header");
+    assert_eq!(
+        req.private_data.len(),
+        56,
+        "a REQ's field after the CMA header"
+    );
     assert_eq!(&req.private_data[..hello.len()], hello);
     assert_eq!(req.qp_num, cqp.qp_num());
     let sqp = server.qp(default_caps());
@@ -181,9 +197,13 @@ fn connect_accept_move_qps_write_send_and_disconnect_through_the_cm() {
     cqp.post_send(&[rdma(1, SendOpcode::RdmaWrite, &sge, smr.iova(), smr.rkey())])
         .expect("post WRITE");
     let wc = one(&client.cq);
-    assert_eq!((wc.status, wc.opcode), (WcStatus::Success, Some(WcOpcode::RdmaWrite)));
+    assert_eq!(
+        (wc.status, wc.opcode),
+        (WcStatus::Success, Some(WcOpcode::RdmaWrite))
+    );
     assert_eq!(read_mr(&smr, 0, 1024), data, "the WRITE's bytes");
-    cmr.write(1024, b"a SEND through the CM's QP").expect("write");
+    cmr.write(1024, b"a SEND through the CM's QP")
+        .expect("write");
     let sge = [cmr.sge(1024, 26)];
     let wr = signaled(SendWr::new(
         2,
@@ -193,7 +213,10 @@ fn connect_accept_move_qps_write_send_and_disconnect_through_the_cm() {
     cqp.post_send(&[wr]).expect("post SEND");
     assert_eq!(one(&client.cq).status, WcStatus::Success);
     let wc = one(&server.cq);
-    assert_eq!((wc.wr_id, wc.status, wc.byte_len), (77, WcStatus::Success, 26));
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (77, WcStatus::Success, 26)
+    );
     assert_eq!(read_mr(&smr, 2048, 26), b"a SEND through the CM's QP");
 
     // Disconnect: the server sees DISCONNECTED, answers; then the client.
@@ -240,9 +263,16 @@ fn no_listener_is_rejected_another_network_is_an_address_error() {
         .resolve_addr(id2, None, SocketAddrV4::new(ip_of(&alpha), 1), WAIT)
         .expect("resolve_addr");
     expect(&other, event_kind::ADDR_RESOLVED, &beta);
-    assert_eq!(ch.get_event().expect("get_event"), None, "nothing for the first channel");
+    assert_eq!(
+        ch.get_event().expect("get_event"),
+        None,
+        "nothing for the first channel"
+    );
     // Another channel's ID is unknown on this one.
-    assert_eq!(ch.resolve_route(id2).map_err(|e| e.errno()), Err(libc::EINVAL));
+    assert_eq!(
+        ch.resolve_route(id2).map_err(|e| e.errno()),
+        Err(libc::EINVAL)
+    );
 }
 
 fn addr(ip: Ipv4Addr, port: u16) -> CmAddr {
@@ -275,7 +305,10 @@ fn hostile_cm_requests_and_event_buffers_get_their_errnos() {
     // A second context of the same device, speaking the protocol by hand.
     let mut vmm = Vmm::attach(&beta.vdev.socket);
     let cm_queue = u16::from(vmm.config.device.cm_queue);
-    assert_eq!(cm_queue, vrdma_spec::cm_queue(vmm.config.num_comp_vectors.get()));
+    assert_eq!(
+        cm_queue,
+        vrdma_spec::cm_queue(vmm.config.num_comp_vectors.get())
+    );
     let open: CmChannelHandle = vmm.ok(Opcode::CmOpenChannel, &[]);
     let c = open.channel.get();
     let create = |channel: u32, ps: u32, qp_type: u8| CmCreateIdReq {
@@ -296,34 +329,96 @@ fn hostile_cm_requests_and_event_buffers_get_their_errnos() {
     };
     let mut short = header(12).as_bytes().to_vec();
     short.extend_from_slice(&req.as_bytes()[..12]);
-    assert_eq!(vmm.raw_command(&short, 64).0, libc::EINVAL as u32, "short payload");
+    assert_eq!(
+        vmm.raw_command(&short, 64).0,
+        libc::EINVAL as u32,
+        "short payload"
+    );
     let mut long = header(20).as_bytes().to_vec();
     long.extend_from_slice(req.as_bytes());
     long.extend_from_slice(&[0; 4]);
-    assert_eq!(vmm.raw_command(&long, 64).0, libc::EINVAL as u32, "trailing bytes");
+    assert_eq!(
+        vmm.raw_command(&long, 64).0,
+        libc::EINVAL as u32,
+        "trailing bytes"
+    );
     let mut full = header(16).as_bytes().to_vec();
     full.extend_from_slice(req.as_bytes());
-    assert_eq!(vmm.raw_command(&full, 12).0, libc::EINVAL as u32, "no response room");
+    assert_eq!(
+        vmm.raw_command(&full, 12).0,
+        libc::EINVAL as u32,
+        "no response room"
+    );
 
     // Values.
     let errno = |vmm: &mut Vmm, op: Opcode, payload: &[u8]| vmm.errno(op, payload) as i32;
-    assert_eq!(errno(&mut vmm, Opcode::CmCreateId, create(99, port_space::TCP, 0).as_bytes()), libc::EINVAL, "unknown channel");
-    assert_eq!(errno(&mut vmm, Opcode::CmCreateId, create(c, 0x1234, 0).as_bytes()), libc::EINVAL, "unknown port space");
-    assert_eq!(errno(&mut vmm, Opcode::CmCreateId, create(c, port_space::TCP, 9).as_bytes()), libc::EINVAL, "QP type 9");
-    assert_eq!(errno(&mut vmm, Opcode::CmCreateId, create(c, port_space::TCP, 4).as_bytes()), libc::EOPNOTSUPP, "TCP with UD");
+    assert_eq!(
+        errno(
+            &mut vmm,
+            Opcode::CmCreateId,
+            create(99, port_space::TCP, 0).as_bytes()
+        ),
+        libc::EINVAL,
+        "unknown channel"
+    );
+    assert_eq!(
+        errno(
+            &mut vmm,
+            Opcode::CmCreateId,
+            create(c, 0x1234, 0).as_bytes()
+        ),
+        libc::EINVAL,
+        "unknown port space"
+    );
+    assert_eq!(
+        errno(
+            &mut vmm,
+            Opcode::CmCreateId,
+            create(c, port_space::TCP, 9).as_bytes()
+        ),
+        libc::EINVAL,
+        "QP type 9"
+    );
+    assert_eq!(
+        errno(
+            &mut vmm,
+            Opcode::CmCreateId,
+            create(c, port_space::TCP, 4).as_bytes()
+        ),
+        libc::EOPNOTSUPP,
+        "TCP with UD"
+    );
     // The driver context's listener is another owner's: unknown here.
     for op in [Opcode::CmQueryId, Opcode::CmDestroyId, Opcode::CmDisconnect] {
-        assert_eq!(errno(&mut vmm, op, id_req(c, listener.0).as_bytes()), libc::EINVAL, "{op:?} of a foreign ID");
+        assert_eq!(
+            errno(&mut vmm, op, id_req(c, listener.0).as_bytes()),
+            libc::EINVAL,
+            "{op:?} of a foreign ID"
+        );
     }
-    assert_eq!(errno(&mut vmm, Opcode::CmQueryId, id_req(c, 0xdead).as_bytes()), libc::EINVAL, "unknown ID");
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmQueryId, id_req(c, 0xdead).as_bytes()),
+        libc::EINVAL,
+        "unknown ID"
+    );
     // Its port is taken, device-wide; an address not the device's.
     let bind = |port: u16, ip: Ipv4Addr| CmBindReq {
         channel: c.into(),
         id: mine.into(),
         addr: addr(ip, port),
     };
-    assert_eq!(errno(&mut vmm, Opcode::CmBindAddr, bind(7000, beta_ip).as_bytes()), libc::EADDRINUSE);
-    assert_eq!(errno(&mut vmm, Opcode::CmBindAddr, bind(7001, Ipv4Addr::new(10, 9, 9, 9)).as_bytes()), libc::EADDRNOTAVAIL);
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmBindAddr, bind(7000, beta_ip).as_bytes()),
+        libc::EADDRINUSE
+    );
+    assert_eq!(
+        errno(
+            &mut vmm,
+            Opcode::CmBindAddr,
+            bind(7001, Ipv4Addr::new(10, 9, 9, 9)).as_bytes()
+        ),
+        libc::EADDRNOTAVAIL
+    );
     // Reserved flags, overlong private data, a QP state init_qp_attr has
     // none for, a 25-bit QPN.
     let resolve = CmResolveAddrReq {
@@ -333,30 +428,50 @@ fn hostile_cm_requests_and_event_buffers_get_their_errnos() {
         flags: 0x80.into(),
         ..CmResolveAddrReq::default()
     };
-    assert_eq!(errno(&mut vmm, Opcode::CmResolveAddr, resolve.as_bytes()), libc::EINVAL);
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmResolveAddr, resolve.as_bytes()),
+        libc::EINVAL
+    );
     let mut conn = CmConnReq::new_zeroed();
     conn.channel = c.into();
     conn.id = mine.into();
     conn.private_data_len = 300.into();
-    assert_eq!(errno(&mut vmm, Opcode::CmConnect, conn.as_bytes()), libc::EINVAL, "private_data_len 300");
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmConnect, conn.as_bytes()),
+        libc::EINVAL,
+        "private_data_len 300"
+    );
     conn.private_data_len = 0.into();
     conn.qp_num = 0x100_0000.into();
-    assert_eq!(errno(&mut vmm, Opcode::CmAccept, conn.as_bytes()), libc::EINVAL, "25-bit QPN");
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmAccept, conn.as_bytes()),
+        libc::EINVAL,
+        "25-bit QPN"
+    );
     let init = CmInitQpAttrReq {
         channel: c.into(),
         id: mine.into(),
         qp_state: 6.into(),
         reserved: [0; 4],
     };
-    assert_eq!(errno(&mut vmm, Opcode::CmInitQpAttr, init.as_bytes()), libc::EINVAL);
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmInitQpAttr, init.as_bytes()),
+        libc::EINVAL
+    );
     // Connect before resolving: the wrong state.
     conn.qp_num = 0x123.into();
-    assert_eq!(errno(&mut vmm, Opcode::CmConnect, conn.as_bytes()), libc::EINVAL);
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmConnect, conn.as_bytes()),
+        libc::EINVAL
+    );
     let close = |channel: u32| CmChannelHandle {
         channel: channel.into(),
         reserved: [0; 4],
     };
-    assert_eq!(errno(&mut vmm, Opcode::CmCloseChannel, close(c + 7).as_bytes()), libc::EINVAL);
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmCloseChannel, close(c + 7).as_bytes()),
+        libc::EINVAL
+    );
 
     // Event buffers: an event waits while none is posted; a buffer too
     // short is returned unused; the next, whole one gets the record.
@@ -367,11 +482,18 @@ fn hostile_cm_requests_and_event_buffers_get_their_errnos() {
         dst: addr(beta_ip, 7000),
         ..CmResolveAddrReq::default()
     };
-    assert_eq!(errno(&mut vmm, Opcode::CmResolveAddr, resolve.as_bytes()), 0);
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmResolveAddr, resolve.as_bytes()),
+        0
+    );
     std::thread::sleep(Duration::from_millis(100));
     let buf = FREE + 0x10000;
     events.submit(&vmm.mem, 0, &[Desc::write(buf, 100)]);
-    assert_eq!(events.wait_used(&vmm.mem), (0, 0), "a 100-byte buffer is returned unused");
+    assert_eq!(
+        events.wait_used(&vmm.mem),
+        (0, 0),
+        "a 100-byte buffer is returned unused"
+    );
     events.submit(&vmm.mem, 1, &[Desc::write(buf, CM_EVENT_SIZE as u32)]);
     assert_eq!(events.wait_used(&vmm.mem), (1, CM_EVENT_SIZE as u32));
     let mut bytes = [0u8; CM_EVENT_SIZE];
@@ -381,7 +503,11 @@ fn hostile_cm_requests_and_event_buffers_get_their_errnos() {
     assert_eq!(record.kind.get(), event_kind::ADDR_RESOLVED);
     assert_eq!((record.channel.get(), record.id.get()), (c, mine));
     // A buffer outside guest memory: returned unused, the vdev lives on.
-    events.submit(&vmm.mem, 2, &[Desc::write(0xdead_0000_0000, CM_EVENT_SIZE as u32)]);
+    events.submit(
+        &vmm.mem,
+        2,
+        &[Desc::write(0xdead_0000_0000, CM_EVENT_SIZE as u32)],
+    );
     let route = id_req(c, mine);
     assert_eq!(errno(&mut vmm, Opcode::CmResolveRoute, route.as_bytes()), 0);
     assert_eq!(events.wait_used(&vmm.mem), (2, 0));
@@ -393,10 +519,19 @@ fn hostile_cm_requests_and_event_buffers_get_their_errnos() {
     assert_eq!(record.kind.get(), event_kind::ROUTE_RESOLVED);
 
     // The driver's context was not disturbed: its listener is there.
-    assert_eq!(ch.query(listener).expect("query").state, vrdma_spec::cm::id_state::LISTEN);
+    assert_eq!(
+        ch.query(listener).expect("query").state,
+        vrdma_spec::cm::id_state::LISTEN
+    );
     // Closing the channel destroys its IDs: the port is free again.
-    assert_eq!(errno(&mut vmm, Opcode::CmCloseChannel, close(c).as_bytes()), 0);
-    assert_eq!(errno(&mut vmm, Opcode::CmQueryId, id_req(c, mine).as_bytes()), libc::EINVAL);
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmCloseChannel, close(c).as_bytes()),
+        0
+    );
+    assert_eq!(
+        errno(&mut vmm, Opcode::CmQueryId, id_req(c, mine).as_bytes()),
+        libc::EINVAL
+    );
 }
 
 #[test]
@@ -405,5 +540,8 @@ fn a_device_without_hostd_has_no_connection_manager() {
     let mut vmm = Vmm::attach(&vdev.socket);
     assert_eq!(vmm.config.device.cm_queue, 0, "no CM queue advertised");
     assert_eq!(vmm.errno(Opcode::CmOpenChannel, &[]) as i32, libc::ENODEV);
-    assert_eq!(vmm.errno(Opcode::CmQueryId, id_req(1, 1).as_bytes()) as i32, libc::ENODEV);
+    assert_eq!(
+        vmm.errno(Opcode::CmQueryId, id_req(1, 1).as_bytes()) as i32,
+        libc::ENODEV
+    );
 }
