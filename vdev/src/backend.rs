@@ -279,6 +279,7 @@ impl VrdmaBackend {
         };
         let tenant = self.tenant();
         let Some(vring) = self.inner.vrings.get(index) else {
+            self.device().cm_mut().clear_signals();
             return;
         };
         let atomic = self
@@ -288,11 +289,15 @@ impl VrdmaBackend {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         let Some(atomic) = atomic else {
+            self.device().cm_mut().clear_signals();
             return;
         };
         let mem = atomic.memory();
         let event_idx = self.inner.event_idx.load(Ordering::Relaxed);
         let mut device = self.device();
+        // Whatever follows, the channels' eventfds are quiet again (events
+        // wait in their channels until a buffer is posted).
+        device.cm_mut().clear_signals();
         loop {
             let delivered = {
                 let mut state = vring.get_mut();

@@ -300,6 +300,17 @@ impl ContextCm {
         }
     }
 
+    /// Resets the channels' eventfds (level-triggered in the worker's
+    /// epoll set): what is queued stays queued, and an event queued after
+    /// this makes them readable again. Called before every look at the
+    /// queue, also when the driver has not set it up, so that waiting
+    /// events never keep the worker spinning.
+    pub fn clear_signals(&self) {
+        for owner in self.channels.values() {
+            clear_eventfd(owner.event_fd());
+        }
+    }
+
     /// Moves waiting events into the buffers the driver posted on the CM
     /// event queue, one record per buffer, channel by channel in turn;
     /// events stay in their channel's queue while no buffer is posted. A
@@ -309,9 +320,7 @@ impl ContextCm {
     /// pass makes them readable again.
     pub fn deliver<Q: QueueOwnedT>(&mut self, mem: &GuestMemoryMmap, queue: &mut Q) -> Delivered {
         let mut done = Delivered::default();
-        for owner in self.channels.values() {
-            clear_eventfd(owner.event_fd());
-        }
+        self.clear_signals();
         let mut progress = true;
         while progress {
             progress = false;
