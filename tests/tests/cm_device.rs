@@ -275,6 +275,16 @@ fn no_listener_is_rejected_another_network_is_an_address_error() {
     );
 }
 
+/// CPU time (user + system, in clock ticks) process `pid` used so far.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+    // Fields after the command name (which ends with the last ')'):
+    // utime and stime are the 12th and 13th.
+    let rest = &stat[stat.rfind(')').expect("comm") + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    fields[11].parse::<u64>().expect("utime") + fields[12].parse::<u64>().expect("stime")
+}
+
 fn addr(ip: Ipv4Addr, port: u16) -> CmAddr {
     CmAddr {
         ip: ip.octets(),
@@ -473,9 +483,9 @@ fn hostile_cm_requests_and_event_buffers_get_their_errnos() {
         libc::EINVAL
     );
 
-    // Event buffers: an event waits while none is posted; a buffer too
-    // short is returned unused; the next, whole one gets the record.
-    let mut events = vmm.queue(cm_queue, FREE);
+    // Event buffers: an event waits while the queue is not even set up,
+    // and vdev does not spin on it meanwhile; a buffer too short is
+    // returned unused; the next, whole one gets the record.
     let resolve = CmResolveAddrReq {
         channel: c.into(),
         id: mine.into(),
@@ -486,7 +496,14 @@ fn hostile_cm_requests_and_event_buffers_get_their_errnos() {
         errno(&mut vmm, Opcode::CmResolveAddr, resolve.as_bytes()),
         0
     );
-    std::thread::sleep(Duration::from_millis(100));
+    let before = cpu_ticks(beta.vdev.pid());
+    std::thread::sleep(Duration::from_millis(500));
+    let spent = cpu_ticks(beta.vdev.pid()) - before;
+    assert!(
+        spent <= 10,
+        "vdev used {spent} ticks in 500 ms with an event waiting"
+    );
+    let mut events = vmm.queue(cm_queue, FREE);
     let buf = FREE + 0x10000;
     events.submit(&vmm.mem, 0, &[Desc::write(buf, 100)]);
     assert_eq!(
