@@ -594,3 +594,54 @@ fn poll_in(fd: BorrowedFd<'_>, timeout: Duration) -> Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(kind: u32, id: u32, data: &[u8]) -> CmEventRecord {
+        let mut r = CmEventRecord::new_zeroed();
+        r.kind = kind.into();
+        r.status = (-110).into();
+        r.channel = 3.into();
+        r.id = id.into();
+        r.listen_id = 9.into();
+        r.qp_num = 0x123.into();
+        r.private_data_len = (data.len() as u16).into();
+        r.private_data[..data.len()].copy_from_slice(data);
+        r
+    }
+
+    #[test]
+    fn a_record_decodes_into_its_channel_and_event() {
+        let r = record(event_kind::CONNECT_REQUEST, 7, b"hello");
+        let (channel, e) = CmEvent::decode(r.as_bytes()).expect("decodes");
+        assert_eq!(channel, 3);
+        assert_eq!(e.kind, event_kind::CONNECT_REQUEST);
+        assert_eq!((e.id, e.listen_id), (CmId(7), Some(CmId(9))));
+        assert_eq!((e.status, e.qp_num), (-110, 0x123));
+        assert_eq!(e.private_data, b"hello");
+        assert_eq!(e.ah_attr, None, "no GRH: no UD address");
+    }
+
+    #[test]
+    fn malformed_records_are_refused() {
+        let good = record(event_kind::ESTABLISHED, 7, &[]);
+        let bytes = good.as_bytes();
+        assert!(matches!(
+            CmEvent::decode(&bytes[..CM_EVENT_SIZE - 1]),
+            Err(Error::Protocol(_))
+        ));
+        let mut long = good;
+        long.private_data_len = 257.into();
+        assert!(matches!(
+            CmEvent::decode(long.as_bytes()),
+            Err(Error::Protocol(_))
+        ));
+        let nobody = record(event_kind::ESTABLISHED, 0, &[]);
+        assert!(matches!(
+            CmEvent::decode(nobody.as_bytes()),
+            Err(Error::Protocol(_))
+        ));
+    }
+}

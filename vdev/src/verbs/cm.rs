@@ -548,3 +548,119 @@ pub fn event_record(channel: u32, e: &CmEvent) -> CmEventRecord {
     }
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn errno(cm: &mut ContextCm, op: Opcode, payload: &[u8]) -> i32 {
+        cm.execute(op, payload)
+            .map(|_| 0)
+            .unwrap_or_else(|e| e.errno())
+    }
+
+    #[test]
+    fn a_device_without_a_cm_answers_enodev() {
+        let mut cm = ContextCm::new(Arc::from("t1"), None);
+        assert!(!cm.enabled());
+        assert_eq!(errno(&mut cm, Opcode::CmOpenChannel, &[]), libc::ENODEV);
+        let req = CmIdReq::default();
+        assert_eq!(
+            errno(&mut cm, Opcode::CmQueryId, req.as_bytes()),
+            libc::ENODEV
+        );
+    }
+
+    #[test]
+    fn a_cm_that_does_not_run_has_no_channels_and_no_ids() {
+        let mut cm = ContextCm::new(Arc::from("t1"), Some(CmSlot::default()));
+        assert!(cm.enabled());
+        assert_eq!(errno(&mut cm, Opcode::CmOpenChannel, &[]), libc::ENODEV);
+        let req = CmIdReq {
+            channel: 1.into(),
+            id: 1.into(),
+        };
+        for op in [Opcode::CmQueryId, Opcode::CmDestroyId, Opcode::CmEstablish] {
+            assert_eq!(errno(&mut cm, op, req.as_bytes()), libc::EINVAL, "{op:?}");
+        }
+        let close = CmChannelHandle {
+            channel: 1.into(),
+            reserved: [0; 4],
+        };
+        assert_eq!(
+            errno(&mut cm, Opcode::CmCloseChannel, close.as_bytes()),
+            libc::EINVAL
+        );
+        // A payload of the wrong size never reaches a decoder's success.
+        assert_eq!(errno(&mut cm, Opcode::CmQueryId, &[0; 3]), libc::EINVAL);
+    }
+
+    #[test]
+    fn connection_parameters_are_checked() {
+        let mut req = CmConnReq::new_zeroed();
+        req.qp_num = 0x12_3456.into();
+        req.private_data_len = 3.into();
+        req.private_data[..3].copy_from_slice(b"abc");
+        let p = conn_param(&req).expect("valid");
+        assert_eq!(
+            (p.qp_num, p.private_data.as_slice()),
+            (0x12_3456, &b"abc"[..])
+        );
+        assert_eq!(p.starting_psn, None);
+        req.flags = cm_flags::PSN_VALID.into();
+        req.starting_psn = 0xff_ffff.into();
+        assert_eq!(
+            conn_param(&req).expect("valid").starting_psn,
+            Some(0xff_ffff)
+        );
+        let refused = |f: &dyn Fn(&mut CmConnReq)| {
+            let mut r = req;
+            f(&mut r);
+            conn_param(&r).map(|_| ()).map_err(|e| e.errno())
+        };
+        assert_eq!(
+            refused(&|r| r.private_data_len = 257.into()),
+            Err(libc::EINVAL)
+        );
+        assert_eq!(
+            refused(&|r| r.qp_num = 0x100_0000.into()),
+            Err(libc::EINVAL)
+        );
+        assert_eq!(
+            refused(&|r| r.starting_psn = 0x100_0000.into()),
+            Err(libc::EINVAL)
+        );
+        assert_eq!(refused(&|r| r.flags = 0x2.into()), Err(libc::EINVAL));
+    }
+
+    #[test]
+    fn an_event_becomes_its_record() {
+        let mut e =
+            CmEvent::bare(IdNum(5), cm::CmEventKind::ConnectRequest, 0).with_private_data(&[7; 56]);
+        e.listen_id = IdNum(2);
+        e.qp_num = 0x77;
+        e.responder_resources = 4;
+        e.initiator_depth = 2;
+        let r = event_record(9, &e);
+        assert_eq!(r.kind.get(), vrdma_spec::cm::event_kind::CONNECT_REQUEST);
+        assert_eq!((r.channel.get(), r.id.get(), r.listen_id.get()), (9, 5, 2));
+        assert_eq!(
+            (r.qp_num.get(), r.responder_resources, r.initiator_depth),
+            (0x77, 4, 2)
+        );
+        assert_eq!(r.private_data(), &[7; 56]);
+        assert_eq!(r.ah_attr.is_global, 0, "no UD address");
+        let ud = CmEvent {
+            ah_attr: cm::AhAttr {
+                dgid: [1; 16],
+                hop_limit: 64,
+                port_num: 1,
+                ..cm::AhAttr::default()
+            },
+            ..CmEvent::bare(IdNum(6), cm::CmEventKind::Established, 0)
+        };
+        let r = event_record(1, &ud);
+        assert_eq!((r.ah_attr.is_global, r.ah_attr.dgid), (1, [1; 16]));
+        assert_eq!(r.status.get(), 0);
+    }
+}
