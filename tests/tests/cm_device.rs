@@ -562,3 +562,93 @@ fn a_device_without_hostd_has_no_connection_manager() {
         libc::ENODEV
     );
 }
+
+#[test]
+fn a_context_that_ends_disconnects_its_connections_and_the_device_serves_on() {
+    let hostd = Hostd::start(Some(&blue_and_red()));
+    let alpha = Tenant::start(&hostd, "alpha");
+    let beta = Tenant::start(&hostd, "beta");
+    let sch = alpha.ctx.cm_channel().expect("channel");
+    let listener = sch.create_id(port_space::TCP, None).expect("create_id");
+    sch.bind_addr(listener, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7200))
+        .expect("bind");
+    sch.listen(listener, 4).expect("listen");
+
+    // A second context of beta's device connects by hand (QP-less, as
+    // UCX does: a made-up QP number, then ESTABLISH).
+    let mut vmm = Vmm::attach(&beta.vdev.socket);
+    let c = vmm
+        .ok::<CmChannelHandle>(Opcode::CmOpenChannel, &[])
+        .channel
+        .get();
+    let create = CmCreateIdReq {
+        channel: c.into(),
+        port_space: port_space::TCP.into(),
+        qp_type: 0,
+        reserved: [0; 7],
+    };
+    let id = vmm
+        .ok::<CmIdReq>(Opcode::CmCreateId, create.as_bytes())
+        .id
+        .get();
+    let resolve = CmResolveAddrReq {
+        channel: c.into(),
+        id: id.into(),
+        dst: addr(ip_of(&alpha), 7200),
+        ..CmResolveAddrReq::default()
+    };
+    assert_eq!(vmm.errno(Opcode::CmResolveAddr, resolve.as_bytes()), 0);
+    assert_eq!(
+        vmm.errno(Opcode::CmResolveRoute, id_req(c, id).as_bytes()),
+        0
+    );
+    let mut conn = CmConnReq::new_zeroed();
+    conn.channel = c.into();
+    conn.id = id.into();
+    conn.qp_num = 0x4242.into();
+    conn.retry_count = 7;
+    conn.rnr_retry_count = 7;
+    assert_eq!(vmm.errno(Opcode::CmConnect, conn.as_bytes()), 0);
+    let req = expect(&sch, event_kind::CONNECT_REQUEST, &alpha);
+    assert_eq!(req.qp_num, 0x4242);
+    let accepted = ConnParam {
+        qp_num: 0x5151,
+        responder_resources: 1,
+        initiator_depth: 1,
+        ..ConnParam::default()
+    };
+    sch.accept(req.id, &accepted).expect("accept");
+    // The REP comes asynchronously: ESTABLISH is refused until it did.
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        match vmm.errno(Opcode::CmEstablish, id_req(c, id).as_bytes()) as i32 {
+            0 => break,
+            libc::EINVAL if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            other => panic!("ESTABLISH: errno {other}\n{}", beta.vdev.log()),
+        }
+    }
+    expect(&sch, event_kind::ESTABLISHED, &alpha);
+
+    // The frontend goes: its context's channels close, its connection is
+    // disconnected (a DREQ), and alpha hears of it.
+    drop(vmm);
+    expect(&sch, event_kind::DISCONNECTED, &alpha);
+    sch.disconnect(req.id).expect("DREP");
+
+    // beta's vdev lives on and serves its other context's CM.
+    let ch = beta
+        .ctx
+        .cm_channel()
+        .expect("channel after the other context ended");
+    let id = resolved(&ch, &beta, SocketAddrV4::new(ip_of(&alpha), 7200));
+    ch.connect(id, &param(b"again", &beta.qp(default_caps())))
+        .expect("connect");
+    let again = expect(&sch, event_kind::CONNECT_REQUEST, &alpha);
+    assert_eq!(&again.private_data[..5], b"again");
+    // All of it under vdev's seccomp filters.
+    let (filtered, threads) = beta.vdev.seccomp_threads();
+    assert!(threads > 0, "vdev runs");
+    assert_eq!(filtered, threads, "every vdev thread is filtered");
+}
