@@ -67,13 +67,7 @@ fn param(data: &[u8], qp: &QueuePair) -> ConnParam {
 
 /// A channel with an ID of the TCP port space resolved towards `to`.
 fn resolved(ch: &CmChannel, t: &Tenant, to: SocketAddrV4) -> CmId {
-    let id = ch.create_id(port_space::TCP, None).expect("create_id");
-    ch.resolve_addr(id, None, to, Duration::from_secs(2))
-        .expect("resolve_addr");
-    expect(ch, event_kind::ADDR_RESOLVED, t);
-    ch.resolve_route(id).expect("resolve_route");
-    expect(ch, event_kind::ROUTE_RESOLVED, t);
-    id
+    resolved_in(ch, t, port_space::TCP, to)
 }
 
 /// Whether `fd` becomes readable within `ms` milliseconds.
@@ -651,4 +645,136 @@ fn a_context_that_ends_disconnects_its_connections_and_the_device_serves_on() {
     let (filtered, threads) = beta.vdev.seccomp_threads();
     assert!(threads > 0, "vdev runs");
     assert_eq!(filtered, threads, "every vdev thread is filtered");
+}
+
+/// A UD QP of `t` moved to RTS with the attributes the CM gives `id`.
+fn ud_qp_for(ch: &CmChannel, id: CmId, t: &Tenant) -> QueuePair {
+    let qp =
+        t.pd.create_qp(&vrdma_guest_driver::QpInitAttr {
+            send_cq: &t.cq,
+            recv_cq: &t.cq,
+            cap: default_caps(),
+            qp_type: vrdma_spec::verbs::QpType::Ud,
+            sq_sig_all: false,
+            srq: None,
+        })
+        .expect("UD QP");
+    move_qp(ch, id, &qp, QpState::Init);
+    move_qp(ch, id, &qp, QpState::Rtr);
+    move_qp(ch, id, &qp, QpState::Rts);
+    qp
+}
+
+#[test]
+fn sidr_gives_the_ud_peer_and_a_datagram_reaches_it() {
+    let hostd = Hostd::start(Some(&blue_and_red()));
+    let server = Tenant::start(&hostd, "alpha");
+    let client = Tenant::start(&hostd, "beta");
+    let (sch, cch) = (
+        server.ctx.cm_channel().expect("channel"),
+        client.ctx.cm_channel().expect("channel"),
+    );
+    let listener = sch.create_id(port_space::UDP, None).expect("create_id");
+    sch.bind_addr(listener, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 5000))
+        .expect("bind");
+    sch.listen(listener, 4).expect("listen");
+
+    // udaddy's way: SIDR_REQ, the passive side answers with its UD QP.
+    let cid = resolved_in(
+        &cch,
+        &client,
+        port_space::UDP,
+        SocketAddrV4::new(ip_of(&server), 5000),
+    );
+    let cqp = ud_qp_for(&cch, cid, &client);
+    cch.connect(cid, &param(b"which QP?", &cqp))
+        .expect("SIDR_REQ");
+    let req = expect(&sch, event_kind::CONNECT_REQUEST, &server);
+    assert_eq!(req.private_data.len(), 180, "a SIDR_REQ's field");
+    assert_eq!(&req.private_data[..9], b"which QP?");
+    let from = req.ah_attr.expect("the requester's address");
+    assert_eq!(from.dgid, client.gid);
+    let sqp = ud_qp_for(&sch, req.id, &server);
+    let smr = server.pd.alloc_mr(4096, ALL_ACCESS).expect("MR");
+    let recv_sge = [smr.sge(0, 40 + 64)];
+    sqp.post_recv(&[RecvWr {
+        wr_id: 9,
+        sg_list: &recv_sge,
+    }])
+    .expect("post_recv");
+    sch.accept(req.id, &param(b"this one", &sqp))
+        .expect("SIDR_REP");
+    let est = expect(&cch, event_kind::ESTABLISHED, &client);
+    assert_eq!(est.qp_num, sqp.qp_num());
+    assert_eq!(est.qkey, 0x0123_4567, "RDMA_UDP_QKEY");
+    assert_eq!(&est.private_data[..8], b"this one");
+    let to = est.ah_attr.expect("the responder's address");
+    assert_eq!(to.dgid, server.gid);
+
+    // The event's address vector is an AH; the datagram arrives.
+    let ah = client.pd.create_ah(&to).expect("AH from the event");
+    let cmr = client.pd.alloc_mr(4096, ALL_ACCESS).expect("MR");
+    cmr.write(0, b"a datagram").expect("fill");
+    let sge = [cmr.sge(0, 10)];
+    let wr = signaled(
+        SendWr::new(
+            1,
+            SendOpcode::Send,
+            vrdma_guest_driver::SendPayload::Sges(&sge),
+        )
+        .to_ud(vrdma_guest_driver::UdDest {
+            ah: ah.ahn(),
+            remote_qpn: est.qp_num,
+            remote_qkey: est.qkey,
+        }),
+    );
+    cqp.post_send(&[wr]).expect("post_send");
+    assert_eq!(one(&client.cq).status, WcStatus::Success);
+    let wc = one(&server.cq);
+    assert_eq!(
+        (wc.wr_id, wc.status, wc.byte_len),
+        (9, WcStatus::Success, 50)
+    );
+    assert_eq!(read_mr(&smr, 40, 10), b"a datagram");
+}
+
+/// An ID of `ps` resolved (address and route) towards `to`.
+fn resolved_in(ch: &CmChannel, t: &Tenant, ps: u32, to: SocketAddrV4) -> CmId {
+    let id = ch.create_id(ps, None).expect("create_id");
+    ch.resolve_addr(id, None, to, Duration::from_secs(2))
+        .expect("resolve_addr");
+    expect(ch, event_kind::ADDR_RESOLVED, t);
+    ch.resolve_route(id).expect("resolve_route");
+    expect(ch, event_kind::ROUTE_RESOLVED, t);
+    id
+}
+
+#[test]
+fn many_more_events_than_buffers_all_arrive_in_order_per_channel() {
+    let hostd = Hostd::start(Some(&blue_and_red()));
+    let alpha = Tenant::start(&hostd, "alpha");
+    let beta = Tenant::start(&hostd, "beta");
+    let to = SocketAddrV4::new(ip_of(&alpha), 9);
+    let (one_ch, two_ch) = (
+        beta.ctx.cm_channel().expect("channel"),
+        beta.ctx.cm_channel().expect("channel"),
+    );
+    // 150 events on each channel while nobody reads: far more than the
+    // driver's 32 buffers.
+    const N: usize = 150;
+    let mut ids = (Vec::new(), Vec::new());
+    for _ in 0..N {
+        for (ch, ids) in [(&one_ch, &mut ids.0), (&two_ch, &mut ids.1)] {
+            let id = ch.create_id(port_space::TCP, None).expect("create_id");
+            ch.resolve_addr(id, None, to, WAIT).expect("resolve_addr");
+            ids.push(id);
+        }
+    }
+    for (ch, ids) in [(&one_ch, &ids.0), (&two_ch, &ids.1)] {
+        for (n, &id) in ids.iter().enumerate() {
+            let e = expect(ch, event_kind::ADDR_RESOLVED, &beta);
+            assert_eq!(e.id, id, "event {n} of channel {}", ch.channel());
+        }
+        assert_eq!(ch.get_event().expect("get_event"), None);
+    }
 }
