@@ -28,6 +28,9 @@
 //! - `control`: the control queue (verbs commands).
 //! - [`device`]: device bring-up, commands, doorbells, events.
 //! - [`verbs`]: the verbs-shaped API ([`Context`] and the objects it makes).
+//! - [`cm`]: the device's connection manager (rdma_cm): CM channels
+//!   ([`Context::cm_channel`]) over the `CM_*` commands, and the CM event
+//!   queue whose records are dispatched to their channels.
 //!
 //! Wire formats all come from [`vrdma_spec`].
 
