@@ -29,7 +29,7 @@ use vrdma_tenant_policy::Limits;
 use crate::control;
 use crate::fabric::Fabric;
 use crate::seccomp::Threads;
-use crate::verbs::cm::{CmEventWatch, CmSlot};
+use crate::verbs::cm::{cm_queue_index, CmEventWatch, CmSlot};
 use crate::verbs::{DeviceIdentity, DeviceShare, RdmaDevice};
 use crate::vrings::{self, DeviceVring, VringTable};
 
@@ -150,9 +150,12 @@ impl VrdmaBackend {
             None => RdmaDevice::new(identity.clone(), limits),
         }
         .in_share(share);
-        let cm_queue = cm
-            .is_some()
-            .then(|| vrdma_spec::cm_queue(identity.comp_vectors));
+        // A device whose CM queue would not fit the worker's queue mask
+        // has no CM.
+        let (cm_queue, cm) = match (cm, cm_queue_index(identity.comp_vectors)) {
+            (Some(slot), Some(index)) => (Some(index), Some(slot)),
+            _ => (None, None),
+        };
         if let Some(slot) = cm {
             device = device.with_cm(slot);
         }
@@ -456,7 +459,11 @@ impl VhostUserBackend for VrdmaBackend {
     /// queue's kicks are left for hostd, which sleeps on them, and the
     /// event queues' for nobody (the driver posts nothing there).
     fn queues_per_thread(&self) -> Vec<u64> {
-        let cm = self.inner.cm_queue.map_or(0, |q| 1u64 << q);
+        let cm = self
+            .inner
+            .cm_queue
+            .and_then(|q| 1u64.checked_shl(u32::from(q)))
+            .unwrap_or(0);
         vec![(1 << CONTROL_QUEUE) | cm]
     }
 

@@ -195,7 +195,12 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
     let share = verbs::DeviceShare::default();
     // On hostd the device has a connection manager: its contexts find it
     // here while it runs, and advertise the CM event queue.
-    let cm_slot = config.hostd.is_some().then(verbs::cm::CmSlot::default);
+    let cm_fits = verbs::cm::cm_queue_index(config.comp_vectors).is_some();
+    if config.hostd.is_some() && !cm_fits {
+        tracing::warn!(tenant = %config.tenant, vectors = config.comp_vectors,
+            "No connection manager for the guest: its event queue would be past queue 63");
+    }
+    let cm_slot = (config.hostd.is_some() && cm_fits).then(verbs::cm::CmSlot::default);
     let (events, happened) = std::sync::mpsc::channel();
     let mut listener = Some(listener);
     let mut contexts: std::collections::HashMap<u64, Context> = Default::default();

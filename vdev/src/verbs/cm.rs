@@ -31,6 +31,14 @@ use crate::cm::{self, CmEvent, CmOwner, CmService, ConnParam, IdNum, IdState, Po
 /// Channels one context may have open at once.
 pub const MAX_CHANNELS: usize = 64;
 
+/// The CM event queue's index on a device with `comp_vectors` completion
+/// vectors, if the device can have one: the queue joins the vhost-user
+/// worker's 64-bit queue mask, so it must be below 64 (up to 61 vectors).
+pub fn cm_queue_index(comp_vectors: u16) -> Option<u16> {
+    let index = vrdma_spec::cm_queue(comp_vectors);
+    (u32::from(index) < u64::BITS).then_some(index)
+}
+
 /// Where the contexts of a device find its connection manager: set while
 /// one runs (vdev starts it when the device registers with hostd).
 #[derive(Debug, Clone, Default)]
@@ -557,6 +565,14 @@ mod tests {
         cm.execute(op, payload)
             .map(|_| 0)
             .unwrap_or_else(|e| e.errno())
+    }
+
+    #[test]
+    fn the_cm_queue_follows_the_event_queues_within_the_worker_mask() {
+        assert_eq!(cm_queue_index(1), Some(3));
+        assert_eq!(cm_queue_index(61), Some(63));
+        assert_eq!(cm_queue_index(62), None);
+        assert_eq!(cm_queue_index(64), None);
     }
 
     #[test]
