@@ -228,7 +228,7 @@ fn connect_accept_move_qps_write_send_and_disconnect_through_the_cm() {
 }
 
 #[test]
-fn no_listener_is_rejected_another_network_is_an_address_error() {
+fn no_listener_or_a_reject_is_rejected_another_network_is_an_address_error() {
     let hostd = Hostd::start(Some(&blue_and_red()));
     let alpha = Tenant::start(&hostd, "alpha");
     let beta = Tenant::start(&hostd, "beta");
@@ -241,14 +241,34 @@ fn no_listener_is_rejected_another_network_is_an_address_error() {
     ch.connect(id, &param(b"anyone?", &qp)).expect("connect");
     let rej = expect(&ch, event_kind::REJECTED, &beta);
     assert_eq!(rej.id, id);
-    assert!(rej.status > 0, "a REJ reason: {}", rej.status);
+    assert_eq!(rej.status, 8, "REJ reason 8, invalid service ID");
+
+    // alpha listens on 7300 and rejects, with its reason in private data.
+    let sch = alpha.ctx.cm_channel().expect("channel");
+    let listener = sch.create_id(port_space::TCP, None).expect("create_id");
+    sch.bind_addr(listener, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7300))
+        .expect("bind");
+    sch.listen(listener, 4).expect("listen");
+    let id = resolved(&ch, &beta, SocketAddrV4::new(ip_of(&alpha), 7300));
+    ch.connect(id, &param(b"let me in", &qp)).expect("connect");
+    let req = expect(&sch, event_kind::CONNECT_REQUEST, &alpha);
+    assert_eq!(
+        sch.reject(req.id, &[0; 300]).map_err(|e| e.errno()),
+        Err(libc::EINVAL),
+        "more than 256 bytes: the driver refuses"
+    );
+    sch.reject(req.id, b"full").expect("reject");
+    let rej = expect(&ch, event_kind::REJECTED, &beta);
+    assert_eq!(rej.status, 28, "consumer reject");
+    assert_eq!(rej.private_data.len(), 148, "a REJ's field");
+    assert_eq!(&rej.private_data[..4], b"full");
 
     // gamma is in red: its address does not resolve for beta.
     let id = ch.create_id(port_space::TCP, None).expect("create_id");
     ch.resolve_addr(id, None, SocketAddrV4::new(ip_of(&gamma), 7471), WAIT)
         .expect("resolve_addr");
     let e = expect(&ch, event_kind::ADDR_ERROR, &beta);
-    assert!(e.status < 0, "a negative errno: {}", e.status);
+    assert_eq!(e.status, -libc::EHOSTUNREACH);
 
     // Events go to their own channel only.
     let other = beta.ctx.cm_channel().expect("second channel");
@@ -555,6 +575,15 @@ fn a_device_without_hostd_has_no_connection_manager() {
         vmm.errno(Opcode::CmQueryId, id_req(1, 1).as_bytes()) as i32,
         libc::ENODEV
     );
+    drop(vmm);
+    // The guest driver sees no CM either, and works as before.
+    let ctx = vrdma_guest_driver::Context::open_vhost_user(&vdev.socket).expect("open");
+    assert!(!ctx.has_cm());
+    assert_eq!(
+        ctx.cm_channel().map(|_| ()).map_err(|e| e.errno()),
+        Err(libc::ENODEV)
+    );
+    ctx.alloc_pd().expect("verbs as before");
 }
 
 #[test]
