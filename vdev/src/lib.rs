@@ -239,8 +239,13 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     gid = %std::net::Ipv6Addr::from(fabric.gid),
                     physical_queues = fabric.physical_queues, "Registered with hostd");
             }
-            if let (None, Some(fabric)) = (&cm, &fabric) {
-                cm = DeviceCm::start(config, next_id, fabric, threads);
+            if let Some(fabric) = &fabric {
+                match &mut cm {
+                    None => cm = DeviceCm::start(config, next_id, fabric, threads),
+                    // Parked since its context ended: this one's now.
+                    Some(c) if c.context.is_none() => c.rebind(config, next_id, fabric),
+                    Some(_) => {}
+                }
             }
             let backend =
                 VrdmaBackend::in_share(identity.clone(), config.limits, fabric, share.clone());
@@ -267,8 +272,9 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     if link.retry(backend_of, threads, lost) {
                         // Registrations work again: further contexts too.
                         held_back = false;
-                        match &cm {
-                            Some(c) => c.hostd_restarted(&config.tenant),
+                        match &mut cm {
+                            Some(c) if c.context.is_some() => c.hostd_restarted(&config.tenant),
+                            Some(c) => c.rebind_any(config, &contexts),
                             None => cm = DeviceCm::on_any(config, &contexts, threads),
                         }
                     }
@@ -298,10 +304,10 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                 link.forget(id);
                 // The CM stops before the registration it uses ends, and
                 // starts again on another context's.
-                if cm.as_ref().is_some_and(|c| c.context == id) {
-                    // Stopped (its thread joined) before the next starts.
-                    drop(cm.take());
-                    cm = DeviceCm::on_any(config, &contexts, threads);
+                // The CM moves to another context's registration before
+                // this one's ends (its thread and state carry on).
+                if let Some(c) = cm.as_mut().filter(|c| c.context == Some(id)) {
+                    c.rebind_any(config, &contexts);
                 }
                 held_back = false;
                 let _ = thread.join();
@@ -323,18 +329,14 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
             }
             Event::Failed(id, error, l) => {
                 link.forget(id);
-                let cm_lost = cm.as_ref().is_some_and(|c| c.context == id);
-                if cm_lost {
-                    drop(cm.take());
-                }
                 if let Some(Context { backend, thread }) = contexts.remove(&id) {
                     let _ = thread.join();
                     if let Some(fabric) = backend.device().fabric() {
                         fabric.close();
                     }
                 }
-                if cm_lost {
-                    cm = DeviceCm::on_any(config, &contexts, threads);
+                if let Some(c) = cm.as_mut().filter(|c| c.context == Some(id)) {
+                    c.rebind_any(config, &contexts);
                 }
                 if contexts.is_empty() {
                     return Err(error);
@@ -352,13 +354,15 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
 }
 
 /// The device's connection manager ([`cm::CmService`]) and the context
-/// whose registration with hostd it uses. Nothing in the guest reaches it
-/// yet (the device contract has no CM commands): it answers peers as a
-/// device with no listeners does (REJ "invalid service ID", SIDR
-/// "unsupported").
+/// whose registration with hostd it uses (`None`: that context ended and
+/// no other has one; the next registration takes it). One thread for the
+/// device's life: it moves between registrations, it is not restarted.
+/// Nothing in the guest reaches it yet (the device contract has no CM
+/// commands): it answers peers as a device with no listeners does (REJ
+/// "invalid service ID", SIDR "unsupported").
 struct DeviceCm {
     service: cm::CmService,
-    context: u64,
+    context: Option<u64>,
 }
 
 impl DeviceCm {
@@ -377,7 +381,10 @@ impl DeviceCm {
         };
         let started = cm::CmService::start(fabric.clone(), &config.tenant, cm_config, threads);
         match started {
-            Ok(service) => Some(DeviceCm { service, context }),
+            Ok(service) => Some(DeviceCm {
+                service,
+                context: Some(context),
+            }),
             Err(e) => {
                 tracing::warn!(tenant = %config.tenant, context,
                     "No connection manager: {}", vrdma_errors::error_chain(&e));
@@ -393,10 +400,29 @@ impl DeviceCm {
         contexts: &std::collections::HashMap<u64, Context>,
         threads: &Threads,
     ) -> Option<DeviceCm> {
-        let (&id, fabric) = contexts
-            .iter()
-            .find_map(|(id, c)| Some((id, c.backend.device().fabric()?.clone())))?;
+        let (id, fabric) = any_registration(contexts)?;
         DeviceCm::start(config, id, &fabric, threads)
+    }
+
+    /// Moves the CM to context `context`'s registration.
+    fn rebind(&mut self, config: &Config, context: u64, fabric: &Arc<Fabric>) {
+        match self.service.rebind(fabric.clone()) {
+            Ok(()) => self.context = Some(context),
+            Err(e) => {
+                self.context = None;
+                tracing::warn!(tenant = %config.tenant, context,
+                    "The connection manager cannot use this context's registration: {}",
+                    vrdma_errors::error_chain(&e));
+            }
+        }
+    }
+
+    /// Moves the CM to any registration of `contexts`, or parks it.
+    fn rebind_any(&mut self, config: &Config, contexts: &std::collections::HashMap<u64, Context>) {
+        match any_registration(contexts) {
+            Some((id, fabric)) => self.rebind(config, id, &fabric),
+            None => self.context = None,
+        }
     }
 
     /// hostd came back and the contexts registered again.
@@ -409,6 +435,16 @@ impl DeviceCm {
             );
         }
     }
+}
+
+/// A context of `contexts` with a live registration, and that registration.
+fn any_registration(
+    contexts: &std::collections::HashMap<u64, Context>,
+) -> Option<(u64, Arc<Fabric>)> {
+    contexts.iter().find_map(|(&id, c)| {
+        let fabric = c.backend.device().fabric()?.clone();
+        (!fabric.closed()).then_some((id, fabric))
+    })
 }
 
 /// Serves context `id` on a thread of the vhost-user role: it creates
