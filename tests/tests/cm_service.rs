@@ -712,3 +712,30 @@ fn the_service_carries_on_with_a_restarted_hostd() {
     bo.disconnect(passive).expect("DREP");
     expect(&ao, CmEventKind::Disconnected);
 }
+
+#[test]
+fn the_service_moves_to_another_context_of_its_device() {
+    let hostd = Hostd::start(Some(POLICY));
+    let a = Device::new(&hostd, "alpha", fast());
+    // Two contexts of gamma's device; the CM starts on the first's.
+    let first = Arc::new(Fabric::connect(&hostd.socket, "gamma", "cm-two").expect("first"));
+    let second = Arc::new(Fabric::connect(&hostd.socket, "gamma", "cm-two").expect("second"));
+    assert_eq!(first.gid, second.gid, "one device");
+    let bip = Ipv4Addr::from(vrdma_spec::gid::ipv4_of(&first.gid).expect("IPv4"));
+    let cm = CmService::start(first.clone(), "gamma", fast(), &Threads::unfiltered())
+        .expect("CM service");
+    let (ao, bo) = (a.owner(), cm.open_owner().expect("owner"));
+    listener(&a, &bo, PortSpace::Tcp, 8200);
+    let (one, _) = establish((&ao, bip), &bo, 8200, (0xe0, 0xf0));
+
+    // The first context ends: the CM goes on through the second, with its
+    // listener and its established connection.
+    cm.rebind(second.clone()).expect("rebind");
+    first.close();
+    let (two, _) = establish((&ao, bip), &bo, 8200, (0xe1, 0xf1));
+    assert_eq!(cm.counters().connections_live, 2);
+    ao.disconnect(one).expect("disconnect");
+    expect(&bo, CmEventKind::Disconnected);
+    ao.disconnect(two).expect("disconnect");
+    expect(&bo, CmEventKind::Disconnected);
+}

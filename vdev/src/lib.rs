@@ -247,8 +247,13 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     gid = %std::net::Ipv6Addr::from(fabric.gid),
                     physical_queues = fabric.physical_queues, "Registered with hostd");
             }
-            if let (None, Some(fabric), Some(slot)) = (&cm, &fabric, &cm_slot) {
-                cm = DeviceCm::start(config, next_id, fabric, slot, threads);
+            if let (Some(fabric), Some(slot)) = (&fabric, &cm_slot) {
+                match &mut cm {
+                    None => cm = DeviceCm::start(config, next_id, fabric, slot, threads),
+                    // Parked since its context ended: this one's now.
+                    Some(c) if c.context.is_none() => c.rebind(config, next_id, fabric),
+                    Some(_) => {}
+                }
             }
             let backend = VrdmaBackend::in_share_with_cm(
                 identity.clone(),
@@ -280,8 +285,11 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     if link.retry(backend_of, threads, lost) {
                         // Registrations work again: further contexts too.
                         held_back = false;
-                        match (&cm, &cm_slot) {
-                            (Some(c), _) => c.hostd_restarted(&config.tenant),
+                        match (&mut cm, &cm_slot) {
+                            (Some(c), _) if c.context.is_some() => {
+                                c.hostd_restarted(&config.tenant)
+                            }
+                            (Some(c), _) => c.rebind_any(config, &contexts),
                             (None, Some(slot)) => {
                                 cm = DeviceCm::on_any(config, &contexts, slot, threads)
                             }
@@ -314,12 +322,10 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                 link.forget(id);
                 // The CM stops before the registration it uses ends, and
                 // starts again on another context's.
-                if cm.as_ref().is_some_and(|c| c.context == id) {
-                    // Stopped (its thread joined) before the next starts.
-                    drop(cm.take());
-                    cm = cm_slot
-                        .as_ref()
-                        .and_then(|slot| DeviceCm::on_any(config, &contexts, slot, threads));
+                // The CM moves to another context's registration before
+                // this one's ends (its thread and state carry on).
+                if let Some(c) = cm.as_mut().filter(|c| c.context == Some(id)) {
+                    c.rebind_any(config, &contexts);
                 }
                 held_back = false;
                 let _ = thread.join();
@@ -341,20 +347,14 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
             }
             Event::Failed(id, error, l) => {
                 link.forget(id);
-                let cm_lost = cm.as_ref().is_some_and(|c| c.context == id);
-                if cm_lost {
-                    drop(cm.take());
-                }
                 if let Some(Context { backend, thread }) = contexts.remove(&id) {
                     let _ = thread.join();
                     if let Some(fabric) = backend.device().fabric() {
                         fabric.close();
                     }
                 }
-                if cm_lost {
-                    cm = cm_slot
-                        .as_ref()
-                        .and_then(|slot| DeviceCm::on_any(config, &contexts, slot, threads));
+                if let Some(c) = cm.as_mut().filter(|c| c.context == Some(id)) {
+                    c.rebind_any(config, &contexts);
                 }
                 if contexts.is_empty() {
                     return Err(error);
@@ -372,15 +372,16 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
 }
 
 /// The device's connection manager ([`cm::CmService`]) and the context
-/// whose registration with hostd it uses. The contexts reach it through
-/// the device's [`verbs::cm::CmSlot`] (the `CM_*` commands): published
-/// there while it runs, withdrawn when it stops. Channels opened on a
-/// service that stopped (its context ended) keep their IDs, whose MADs
-/// no longer flow; new channels open on the next one.
+/// whose registration with hostd it uses (`None`: that context ended and
+/// no other has one; the next registration takes it). One thread for the
+/// device's life: it moves between registrations, it is not restarted.
+/// The contexts reach it through the device's [`verbs::cm::CmSlot`] (the
+/// `CM_*` commands), where it is published from its start to vdev's end;
+/// a context's channels stay valid while it moves between registrations.
 struct DeviceCm {
     service: Arc<cm::CmService>,
     slot: verbs::cm::CmSlot,
-    context: u64,
+    context: Option<u64>,
 }
 
 impl Drop for DeviceCm {
@@ -413,7 +414,7 @@ impl DeviceCm {
                 Some(DeviceCm {
                     service,
                     slot: slot.clone(),
-                    context,
+                    context: Some(context),
                 })
             }
             Err(e) => {
@@ -432,10 +433,29 @@ impl DeviceCm {
         slot: &verbs::cm::CmSlot,
         threads: &Threads,
     ) -> Option<DeviceCm> {
-        let (&id, fabric) = contexts
-            .iter()
-            .find_map(|(id, c)| Some((id, c.backend.device().fabric()?.clone())))?;
+        let (id, fabric) = any_registration(contexts)?;
         DeviceCm::start(config, id, &fabric, slot, threads)
+    }
+
+    /// Moves the CM to context `context`'s registration.
+    fn rebind(&mut self, config: &Config, context: u64, fabric: &Arc<Fabric>) {
+        match self.service.rebind(fabric.clone()) {
+            Ok(()) => self.context = Some(context),
+            Err(e) => {
+                self.context = None;
+                tracing::warn!(tenant = %config.tenant, context,
+                    "The connection manager cannot use this context's registration: {}",
+                    vrdma_errors::error_chain(&e));
+            }
+        }
+    }
+
+    /// Moves the CM to any registration of `contexts`, or parks it.
+    fn rebind_any(&mut self, config: &Config, contexts: &std::collections::HashMap<u64, Context>) {
+        match any_registration(contexts) {
+            Some((id, fabric)) => self.rebind(config, id, &fabric),
+            None => self.context = None,
+        }
     }
 
     /// hostd came back and the contexts registered again.
@@ -448,6 +468,16 @@ impl DeviceCm {
             );
         }
     }
+}
+
+/// A context of `contexts` with a live registration, and that registration.
+fn any_registration(
+    contexts: &std::collections::HashMap<u64, Context>,
+) -> Option<(u64, Arc<Fabric>)> {
+    contexts.iter().find_map(|(&id, c)| {
+        let fabric = c.backend.device().fabric()?.clone();
+        (!fabric.closed()).then_some((id, fabric))
+    })
 }
 
 /// Serves context `id` on a thread of the vhost-user role: it creates

@@ -31,7 +31,9 @@ const TAKE_RETRY: Duration = Duration::from_millis(100);
 /// What the thread and the handles share.
 struct Shared {
     state: Mutex<State>,
-    fabric: Arc<Fabric>,
+    /// The registration QP1 is reached through (a context's; replaced by
+    /// [`CmService::rebind`] when that context ends).
+    fabric: Mutex<Arc<Fabric>>,
     /// Signalled by hostd when MADs arrive.
     gsi: EventFd,
     /// Signalled by commands that bring a deadline forward, and by stop.
@@ -45,12 +47,20 @@ impl Shared {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn fabric(&self) -> Arc<Fabric> {
+        self.fabric
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     /// Runs `f` on the state; wakes the thread if the agent's next
     /// deadline moved earlier.
     fn command<T>(&self, f: impl FnOnce(&mut State, Instant, &Fabric) -> T) -> T {
+        let fabric = self.fabric();
         let mut st = self.lock();
         let before = st.next_deadline();
-        let out = f(&mut st, Instant::now(), &self.fabric);
+        let out = f(&mut st, Instant::now(), &fabric);
         let after = st.next_deadline();
         drop(st);
         let earlier = match (before, after) {
@@ -96,7 +106,7 @@ impl CmService {
         fabric.gsi_notify(&gsi).map_err(CmError::Fabric)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
-            fabric,
+            fabric: Mutex::new(fabric),
             gsi,
             wake,
             stop: AtomicBool::new(false),
@@ -132,12 +142,25 @@ impl CmService {
     /// on (their peers may still answer); none is torn down here.
     pub fn hostd_restarted(&self) -> Result<(), CmError> {
         self.shared
-            .fabric
+            .fabric()
             .gsi_notify(&self.shared.gsi)
             .map_err(CmError::Fabric)?;
         let _ = self.shared.wake.write(1);
         tracing::info!(tenant = %self.shared.tenant,
             "Connection manager attached to the restarted hostd");
+        Ok(())
+    }
+
+    /// QP1 is reached through `fabric` from now on (another context's
+    /// registration, when the one in use ends): hostd is asked for QP1's
+    /// wake-ups on it, and the thread carries on with it. The device's IDs
+    /// and connections stay as they are.
+    pub fn rebind(&self, fabric: Arc<Fabric>) -> Result<(), CmError> {
+        fabric
+            .gsi_notify(&self.shared.gsi)
+            .map_err(CmError::Fabric)?;
+        *self.shared.fabric.lock().unwrap_or_else(|p| p.into_inner()) = fabric;
+        let _ = self.shared.wake.write(1);
         Ok(())
     }
 
@@ -192,13 +215,23 @@ fn serve(shared: &Shared) {
             break;
         }
         retry_take = false;
+        let fabric = shared.fabric();
+        if fabric.closed() {
+            // Its context ended: nothing to take until the service is
+            // rebound (which wakes it); timers still run.
+            let now = Instant::now();
+            let mut st = shared.lock();
+            st.tick(now);
+            st.flush(now, &*fabric);
+            continue;
+        }
         loop {
-            match shared.fabric.take_mads(TAKE_BATCH) {
+            match fabric.take_mads(TAKE_BATCH) {
                 Ok(mads) => {
                     if std::mem::take(&mut failing) {
                         // hostd may be a new one (the registration was made
                         // again): ask it for QP1's wake-ups again.
-                        match shared.fabric.gsi_notify(&shared.gsi) {
+                        match fabric.gsi_notify(&shared.gsi) {
                             Ok(()) => tracing::info!(tenant = %shared.tenant,
                                 "CM MADs are taken again"),
                             Err(e) => tracing::warn!(tenant = %shared.tenant,
@@ -211,16 +244,16 @@ fn serve(shared: &Shared) {
                     for mad in &mads {
                         st.handle_mad(now, mad);
                     }
-                    st.flush(now, &*shared.fabric);
+                    st.flush(now, &*fabric);
                     if mads.len() < TAKE_BATCH as usize {
                         break;
                     }
                 }
                 Err(e) => {
-                    if shared.fabric.closed() {
+                    if fabric.closed() {
                         tracing::debug!(tenant = %shared.tenant,
-                            "The device's registration ended; the connection manager stops");
-                        return;
+                            "The registration in use ended; waiting to be rebound");
+                        break;
                     }
                     shared.lock().note_take_failed();
                     // Once per outage (hostd away: retried every 100 ms).
@@ -237,7 +270,7 @@ fn serve(shared: &Shared) {
         let now = Instant::now();
         let mut st = shared.lock();
         st.tick(now);
-        st.flush(now, &*shared.fabric);
+        st.flush(now, &*fabric);
     }
     tracing::debug!(tenant = %shared.tenant, "Connection manager stopped");
 }
