@@ -807,3 +807,52 @@ fn many_more_events_than_buffers_all_arrive_in_order_per_channel() {
         assert_eq!(ch.get_event().expect("get_event"), None);
     }
 }
+
+#[test]
+fn the_channels_of_a_context_keep_working_when_the_context_the_cm_uses_ends() {
+    let hostd = Hostd::start(Some(&blue_and_red()));
+    let alpha = Tenant::start(&hostd, "alpha");
+    // beta's first context (whose registration the CM uses) is a bare
+    // frontend; the driver's is the second.
+    let vdev = Vdev::on_hostd(&hostd, "beta", &[]);
+    let first = Vmm::attach(&vdev.socket);
+    let beta = Tenant::open(vdev);
+    let sch = beta.ctx.cm_channel().expect("channel");
+    let listener = sch.create_id(port_space::TCP, None).expect("create_id");
+    sch.bind_addr(listener, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7400))
+        .expect("bind");
+    sch.listen(listener, 4).expect("listen");
+    let cch = alpha.ctx.cm_channel().expect("channel");
+    let to = SocketAddrV4::new(ip_of(&beta), 7400);
+    let connect = |data: &[u8]| {
+        let id = resolved(&cch, &alpha, to);
+        let p = ConnParam {
+            qp_num: 0x100,
+            ..param(data, &alpha.qp(default_caps()))
+        };
+        cch.connect(id, &p).expect("connect");
+        let req = expect(&sch, event_kind::CONNECT_REQUEST, &beta);
+        assert_eq!(&req.private_data[..data.len()], data);
+        let a = ConnParam {
+            qp_num: 0x200,
+            ..ConnParam::default()
+        };
+        sch.accept(req.id, &a).expect("accept");
+        expect(&cch, event_kind::CONNECT_RESPONSE, &alpha);
+        cch.establish(id).expect("establish");
+        expect(&cch, event_kind::ESTABLISHED, &alpha);
+        expect(&sch, event_kind::ESTABLISHED, &beta);
+        (id, req.id)
+    };
+    let (active, passive) = connect(b"before");
+
+    // The CM's context goes: the CM moves to the driver's registration.
+    drop(first);
+    beta.vdev.wait_settled(1);
+    cch.disconnect(active).expect("disconnect");
+    expect(&sch, event_kind::DISCONNECTED, &beta);
+    sch.disconnect(passive).expect("DREP");
+    expect(&cch, event_kind::DISCONNECTED, &alpha);
+    // The listener still hears new requests.
+    connect(b"after");
+}
