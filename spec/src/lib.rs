@@ -9,6 +9,8 @@
 //! - [`config`]: the virtio config space (device capabilities and limits).
 //! - [`gid`]: the port's GID (an IPv4-mapped RoCEv2 address).
 //! - [`control`]: control-queue commands and their payloads.
+//! - [`cm`]: the connection manager's commands (`CM_*`) and the event
+//!   records of the CM event queue.
 //! - [`limits`]: what the format carries (SGEs, inline bytes, depths, QPs)
 //!   and the arithmetic of what a QP is granted: one source for every side.
 //! - [`ring`]: send/receive/completion/event ring layouts, WQE, CQE and
