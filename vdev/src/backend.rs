@@ -4,8 +4,10 @@
 //! features and vhost-user protocol features of the device, serves the config
 //! space, takes memory-table updates (revoking shadows whose memory went
 //! away), and drains the control queue into the [`RdmaDevice`]. It serves
-//! the control queue only: the doorbell and event queues are notification
-//! lines between the driver and hostd ([`crate::vrings`]).
+//! the control queue and, on a device with a connection manager, the CM
+//! event queue (`verbs/cm.rs` fills its buffers); the doorbell and event
+//! queues are notification lines between the driver and hostd
+//! ([`crate::vrings`]).
 
 use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
@@ -454,10 +456,12 @@ impl VhostUserBackend for VrdmaBackend {
         usize::from(self.inner.identity.max_queue_size)
     }
 
-    /// One worker thread, which serves the control queue alone: a queue in
-    /// no thread's mask never has its kick eventfd polled, so the doorbell
-    /// queue's kicks are left for hostd, which sleeps on them, and the
-    /// event queues' for nobody (the driver posts nothing there).
+    /// One worker thread, which serves the control queue and, on a device
+    /// with a CM, the CM event queue (whose kicks say buffers were
+    /// posted): a queue in no thread's mask never has its kick eventfd
+    /// polled, so the doorbell queue's kicks are left for hostd, which
+    /// sleeps on them, and the event queues' for nobody (the driver posts
+    /// nothing there).
     fn queues_per_thread(&self) -> Vec<u64> {
         let cm = self
             .inner
