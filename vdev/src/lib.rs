@@ -24,7 +24,9 @@
 //!   them), in the order `main.rs` runs them.
 //! - [`seccomp`]: vdev's thread roles and the system calls each may make.
 //! - [`cm`]: the device's connection manager (rdma_cm's semantics over
-//!   vrdma-cm's agent, on QP1 through hostd), one thread per device.
+//!   vrdma-cm's agent, on QP1 through hostd), one thread per device; the
+//!   guest reaches it through `verbs::cm` (the `CM_*` commands, a context's
+//!   CM channels, and the CM event queue).
 //!
 //! Start-up is split so that everything needing the file system or
 //! privileges happens before the sandbox: [`open`] binds the listener (and,
