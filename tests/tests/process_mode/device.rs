@@ -26,8 +26,8 @@ fn queries_match_the_config_space() {
     assert_eq!(dev.sys_image_guid.get(), guid);
     assert_eq!(
         dev.fw_ver.get(),
-        3 << 32 | 3,
-        "(major << 32) | minor of spec 3.3"
+        3 << 32 | 4,
+        "(major << 32) | minor of spec 3.4"
     );
     assert_eq!(
         (dev.vendor_id.get(), dev.vendor_part_id.get()),
