@@ -856,3 +856,50 @@ fn the_channels_of_a_context_keep_working_when_the_context_the_cm_uses_ends() {
     // The listener still hears new requests.
     connect(b"after");
 }
+
+#[test]
+fn random_cm_requests_get_answers_and_leave_the_device_serving() {
+    let hostd = Hostd::start(Some(&blue_and_red()));
+    let beta = Tenant::start(&hostd, "beta");
+    let mut vmm = Vmm::attach(&beta.vdev.socket);
+    let seed = vrdma_tests::rng::seed_from_env();
+    let mut rng = vrdma_tests::rng::Rng(seed);
+    let mut channel = vmm
+        .ok::<CmChannelHandle>(Opcode::CmOpenChannel, &[])
+        .channel
+        .get();
+    let mut answered = [0u32; 2];
+    for n in 0..3000 {
+        let code = 24 + rng.below(14) as u16;
+        let opcode = Opcode::try_from(code).expect("a CM opcode");
+        let mut payload = rng.bytes(opcode.request_len());
+        // Mostly this context's channel and small IDs, so that commands
+        // get past the first checks.
+        if payload.len() >= 8 && !rng.chance(8) {
+            payload[..4].copy_from_slice(&channel.to_le_bytes());
+            let id = 1 + rng.below(40) as u32;
+            payload[4..8].copy_from_slice(&id.to_le_bytes());
+        }
+        let (status, _) = vmm.command(opcode, &payload);
+        answered[usize::from(status == 0)] += 1;
+        if opcode == Opcode::CmCloseChannel && status == 0 || n % 500 == 499 {
+            // Keep a channel to play with.
+            let (s, bytes) = vmm.command(Opcode::CmOpenChannel, &[]);
+            if s == 0 {
+                channel = CmChannelHandle::read_from_bytes(&bytes)
+                    .expect("handle")
+                    .channel
+                    .get();
+            }
+        }
+    }
+    assert!(answered[1] > 0, "some commands succeeded (seed {seed})");
+    // The device and its CM still serve the driver's context.
+    let ch = beta.ctx.cm_channel().expect("channel");
+    let id = ch.create_id(port_space::TCP, None).expect("create_id");
+    ch.resolve_addr(id, None, SocketAddrV4::new(ip_of(&beta), 1), WAIT)
+        .expect("resolve_addr");
+    expect(&ch, event_kind::ADDR_RESOLVED, &beta);
+    let (filtered, threads) = beta.vdev.seccomp_threads();
+    assert!(threads > 0 && filtered == threads, "vdev runs, filtered");
+}
