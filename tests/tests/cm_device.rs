@@ -496,6 +496,19 @@ fn hostile_cm_requests_and_event_buffers_get_their_errnos() {
         errno(&mut vmm, Opcode::CmCloseChannel, close(c + 7).as_bytes()),
         libc::EINVAL
     );
+    // 64 channels a context: the 64th opens, the 65th is ENOMEM.
+    let mut extra = Vec::new();
+    for _ in 1..64 {
+        let h: CmChannelHandle = vmm.ok(Opcode::CmOpenChannel, &[]);
+        extra.push(h.channel.get());
+    }
+    assert_eq!(errno(&mut vmm, Opcode::CmOpenChannel, &[]), libc::ENOMEM);
+    for ch in extra {
+        assert_eq!(
+            errno(&mut vmm, Opcode::CmCloseChannel, close(ch).as_bytes()),
+            0
+        );
+    }
 
     // Event buffers: an event waits while the queue is not even set up,
     // and vdev does not spin on it meanwhile; a buffer too short is

@@ -155,11 +155,11 @@ impl ContextCm {
                     "the connection manager is not running (no hostd)",
                 ))?;
                 if self.channels.len() >= MAX_CHANNELS {
-                    return Err(VerbError::Limit {
-                        limit: "CM channels per context",
-                        current: self.channels.len() as u64,
-                        max: MAX_CHANNELS as u64,
-                    });
+                    // ENOMEM, as the service's own limits (not a tenant
+                    // quota: nothing to report to hostd).
+                    return Err(VerbError::Cm(cm::CmError::TooMany(
+                        "CM channels of this context",
+                    )));
                 }
                 let owner = service.open_owner().map_err(VerbError::Cm)?;
                 if let Some(w) = &self.watch {
