@@ -46,24 +46,7 @@ pub const MAX_CHANNEL_EVENTS: usize = 4096;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CmId(pub u32);
 
-/// `struct rdma_conn_param` (and, for UD accepts, the QP's Q_Key).
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct ConnParam {
-    /// At most 256 bytes (what fits the message: 56 in a REQ, 196 in a
-    /// REP, else the device refuses with EINVAL).
-    pub private_data: Vec<u8>,
-    pub responder_resources: u8,
-    pub initiator_depth: u8,
-    pub flow_control: bool,
-    pub retry_count: u8,
-    pub rnr_retry_count: u8,
-    pub srq: bool,
-    pub qp_num: u32,
-    /// The QP's receive PSN; `None`: the ID's own.
-    pub starting_psn: Option<u32>,
-    /// UD accept: the QP's Q_Key (0: `RDMA_UDP_QKEY`).
-    pub qkey: u32,
-}
+pub use vrdma_spec::cm::ConnParam;
 
 /// One CM event, decoded from a copy of its record.
 #[derive(Debug, Clone, PartialEq, Eq)]

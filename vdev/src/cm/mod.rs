@@ -60,29 +60,7 @@ impl fmt::Display for IdNum {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct OwnerId(pub u32);
 
-/// What `rdma_connect` and `rdma_accept` are given (`struct
-/// rdma_conn_param`), plus the PSN and, for UD, the Q_Key.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct ConnParam {
-    /// At most 56 bytes in a REQ, 196 in a REP, 180 in a SIDR_REQ, 136 in
-    /// a SIDR_REP.
-    pub private_data: Vec<u8>,
-    pub responder_resources: u8,
-    pub initiator_depth: u8,
-    pub flow_control: bool,
-    /// At most 7 (more is cut to 7, as rdma_cm does).
-    pub retry_count: u8,
-    pub rnr_retry_count: u8,
-    pub srq: bool,
-    /// The caller's QP (24 bits).
-    pub qp_num: u32,
-    /// The QP's receive PSN; `None`: the ID's own (drawn at random when
-    /// it was created, as rdma_cm's `seq_num`).
-    pub starting_psn: Option<u32>,
-    /// UD accept: the Q_Key of the QP; 0 means rdma_cm's
-    /// [`qp_attr::RDMA_UDP_QKEY`].
-    pub qkey: u32,
-}
+pub use vrdma_spec::cm::ConnParam;
 
 /// Why a command was refused (nothing changed), with the errno rdma_cm
 /// would give.

@@ -8,32 +8,10 @@ use vrdma_spec::verbs::{QpState, QpType};
 
 use super::event::AhAttr;
 
-/// `enum ibv_qp_attr_mask` bits (`<infiniband/verbs.h>`).
-pub mod mask {
-    pub const STATE: u32 = 1 << 0;
-    pub const ACCESS_FLAGS: u32 = 1 << 3;
-    pub const PKEY_INDEX: u32 = 1 << 4;
-    pub const PORT: u32 = 1 << 5;
-    pub const QKEY: u32 = 1 << 6;
-    pub const AV: u32 = 1 << 7;
-    pub const PATH_MTU: u32 = 1 << 8;
-    pub const TIMEOUT: u32 = 1 << 9;
-    pub const RETRY_CNT: u32 = 1 << 10;
-    pub const RNR_RETRY: u32 = 1 << 11;
-    pub const RQ_PSN: u32 = 1 << 12;
-    pub const MAX_QP_RD_ATOMIC: u32 = 1 << 13;
-    pub const MIN_RNR_TIMER: u32 = 1 << 15;
-    pub const SQ_PSN: u32 = 1 << 16;
-    pub const MAX_DEST_RD_ATOMIC: u32 = 1 << 17;
-    pub const DEST_QPN: u32 = 1 << 20;
-}
-
-/// `IBV_ACCESS_*` bits.
-pub mod access {
-    pub const REMOTE_WRITE: u32 = 1 << 1;
-    pub const REMOTE_READ: u32 = 1 << 2;
-    pub const REMOTE_ATOMIC: u32 = 1 << 3;
-}
+/// `enum ibv_qp_attr_mask` bits and `IBV_ACCESS_*` bits, as the device
+/// contract defines them.
+pub use vrdma_spec::qp_state::mask;
+pub use vrdma_spec::verbs::access;
 
 /// The Q_Key rdma_cm gives UD QPs of IP port spaces (`RDMA_UDP_QKEY`).
 pub const RDMA_UDP_QKEY: u32 = 0x0123_4567;
