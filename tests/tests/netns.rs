@@ -98,6 +98,20 @@ fn exchange(
 /// what arrived.
 fn send_numbered(from: &Host, to: &Host, port: u16) -> Vec<Vec<u8>> {
     let addr = SocketAddrV4::new(to.underlay, port);
+    // Resolve the neighbour first: until ARP answers, the kernel holds only
+    // ~200 KB of datagrams for it and drops the oldest, so on a loaded
+    // machine a slow first ARP exchange (through the relay) would lose the
+    // stream's head and fail the test for a reason it does not test.
+    let warm = SocketAddrV4::new(to.underlay, port.wrapping_add(100));
+    let got = exchange(from, to, warm, |socket| {
+        socket.send_to(b"warm", warm).expect("send");
+    });
+    assert_eq!(
+        got.len(),
+        1,
+        "one datagram reaches {} (ARP passes)",
+        to.name
+    );
     let got = exchange(from, to, addr, |socket| {
         for n in 0..COUNT {
             socket.send_to(&datagram(n), addr).expect("send");
@@ -471,8 +485,17 @@ fn the_relay_harms_nothing_but_roce() {
     // Another UDP port: every datagram intact, in order (and ARP, which
     // every frame between the hosts needed, passed).
     let got = send_numbered(h1, h2, ROCE_V2_PORT + 1);
-    assert!(got == (0..COUNT).map(datagram).collect::<Vec<_>>());
     tcp_echo(h1, h2);
     let stats = cluster.stop_relay();
     assert_eq!((stats.roce, stats.dropped), (0, 0), "{stats:?}");
+    let intact = got
+        .iter()
+        .enumerate()
+        .take_while(|(n, d)| **d == datagram(*n as u32))
+        .count();
+    assert!(
+        got.len() == COUNT as usize && intact == got.len(),
+        "{} of {COUNT} datagrams arrived, the first {intact} intact and in order; {stats:?}",
+        got.len()
+    );
 }
