@@ -4,17 +4,26 @@
 //! lookups, copies, CQE writes, events) after a warm-up.
 
 use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use vrdma_hostd::engine::testing::{remote, send, sge, Env, IOVA};
 use vrdma_spec::ring::{send_flags, CQ_ARM_NEXT};
 use vrdma_spec::verbs::{SendOpcode, WcStatus};
 
-/// Counts allocations while `COUNTING` is set (only the test's thread
-/// allocates then: the engine runs on it).
+/// Counts the allocations of the thread that set `COUNTING` (the engine
+/// runs on the test's thread; the test harness's own threads, which
+/// allocate when the machine is loaded, are not the datapath).
 struct Counting;
 
-static COUNTING: AtomicBool = AtomicBool::new(false);
+thread_local! {
+    // `const` with a plain Cell: reading it never allocates.
+    static COUNTING: Cell<bool> = const { Cell::new(false) };
+}
+
+fn counting() -> bool {
+    COUNTING.try_with(Cell::get).unwrap_or(false)
+}
 static ALLOCATIONS: AtomicUsize = AtomicUsize::new(0);
 static ABORT: AtomicBool = AtomicBool::new(false);
 
@@ -22,7 +31,7 @@ static ABORT: AtomicBool = AtomicBool::new(false);
 // counter is an atomic and never allocates.
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
+        if counting() {
             ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
             if ABORT.load(Ordering::Relaxed) {
                 std::process::abort();
@@ -38,7 +47,7 @@ unsafe impl GlobalAlloc for Counting {
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
+        if counting() {
             ALLOCATIONS.fetch_add(1, Ordering::Relaxed);
         }
         // SAFETY: as for `alloc` and `dealloc`.
@@ -108,12 +117,12 @@ fn steady_state_work_allocates_nothing() {
         std::env::var_os("ABORT_ON_ALLOC").is_some(),
         Ordering::SeqCst,
     );
-    COUNTING.store(true, Ordering::SeqCst);
+    COUNTING.set(true);
     let mut completed = 0;
     for round in 50..1050 {
         completed += one_of_each(&mut env, round);
     }
-    COUNTING.store(false, Ordering::SeqCst);
+    COUNTING.set(false);
     let allocations = ALLOCATIONS.load(Ordering::SeqCst);
     assert_eq!(completed, 7000);
     assert_eq!(
