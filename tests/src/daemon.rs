@@ -316,7 +316,7 @@ impl Hostd {
     }
 }
 
-/// A directory holding `libibverbs.so.1` → the workspace's drop-in cdylib
+/// A directory holding `libibverbs.so.1` and `librdmacm.so.1` → the workspace's drop-in cdylib
 /// (vrdma-libibverbs), to put first on a library path; removed on drop.
 #[derive(Debug)]
 pub struct IbverbsShim(TempDir);
@@ -345,8 +345,12 @@ impl IbverbsShim {
                 )
             });
         let tmp = TempDir::new("ibverbs-shim");
-        std::os::unix::fs::symlink(&lib, tmp.path().join("libibverbs.so.1"))
-            .expect("symlink libibverbs.so.1");
+        // librdmacm.so.1 is a second name of the same file (the loader
+        // maps it once: see guest-driver/libibverbs/src/rdmacm).
+        for name in ["libibverbs.so.1", "librdmacm.so.1"] {
+            std::os::unix::fs::symlink(&lib, tmp.path().join(name))
+                .unwrap_or_else(|e| panic!("symlink {name}: {e}"));
+        }
         IbverbsShim(tmp)
     }
 

@@ -488,30 +488,53 @@ fn exports_of(
     (symbols, versions)
 }
 
-/// The drop-in library exports exactly what Debian's libibverbs.so.1
-/// exports: every function and variable under the same version node, the
-/// old `IBVERBS_1.0` versions beside the current ones, the same version
+/// The drop-in library exports exactly what Debian's libibverbs.so.1 and
+/// librdmacm.so.1 export (it is both: `librdmacm.so.1` is a second name
+/// of the file): every function and variable under the same version node,
+/// the old `IBVERBS_1.0` versions beside the current ones, the same version
 /// definitions, and nothing more (no extras are allowed: a program built
 /// against vrdma's library must also run on rdma-core's).
 #[test]
-fn exports_match_debians_libibverbs() {
+fn exports_match_debians_libibverbs_and_librdmacm() {
+    use std::collections::BTreeSet;
     let debian = Path::new("/usr/lib/x86_64-linux-gnu/libibverbs.so.1");
     need::file(debian, "libibverbs1");
+    let debian_cm = Path::new("/usr/lib/x86_64-linux-gnu/librdmacm.so.1");
+    need::file(debian_cm, "librdmacm1");
     let shim = IbverbsShim::new();
     let ours = shim.path().join("libibverbs.so.1");
-    let (theirs_syms, theirs_versions) = exports_of(debian);
+    let (mut theirs_syms, theirs_versions) = exports_of(debian);
+    let (cm_syms, cm_versions) = exports_of(debian_cm);
     let (ours_syms, ours_versions) = exports_of(&ours);
     assert!(theirs_syms.len() > 150, "Debian's exports: {theirs_syms:?}");
+    assert_eq!(cm_syms.len(), 68, "Debian's librdmacm exports: {cm_syms:?}");
+    theirs_syms.extend(cm_syms);
     let missing: Vec<_> = theirs_syms.difference(&ours_syms).collect();
     let extra: Vec<_> = ours_syms.difference(&theirs_syms).collect();
     assert!(
         missing.is_empty() && extra.is_empty(),
-        "missing from vrdma's libibverbs: {missing:?}\nexported only by vrdma's: {extra:?}"
+        "missing from vrdma's library: {missing:?}\nexported only by vrdma's: {extra:?}"
     );
     assert!(ours_syms.contains("ibv_alloc_pd@IBVERBS_1.0"));
     assert!(ours_syms.contains("ibv_alloc_pd@@IBVERBS_1.1"));
     assert!(ours_syms.contains("ibv_query_qp_data_in_order@@IBVERBS_1.14"));
-    assert_eq!(ours_versions, theirs_versions, "version definitions");
+    assert!(ours_syms.contains("rdma_establish@@RDMACM_1.2"));
+    // libibverbs' definitions keep their indices (librdmacm's follow).
+    let (ours_cm, ours_ibv): (BTreeSet<String>, BTreeSet<String>) = ours_versions
+        .into_iter()
+        .partition(|v| v.contains("RDMACM_"));
+    assert_eq!(ours_ibv, theirs_versions, "libibverbs' version definitions");
+    let names = |v: &BTreeSet<String>| -> BTreeSet<String> {
+        v.iter()
+            .filter(|d| d.contains("RDMACM_"))
+            .filter_map(|d| d.split_whitespace().last().map(str::to_owned))
+            .collect()
+    };
+    assert_eq!(
+        names(&ours_cm),
+        names(&cm_versions),
+        "librdmacm's version definitions"
+    );
 }
 
 /// `ibv_srq_pingpong`: 16 QPs on each side take their receives from one

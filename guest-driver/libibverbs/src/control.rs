@@ -306,7 +306,7 @@ pub(crate) fn ah_to_wire(a: &ibv_ah_attr) -> AhAttr {
     }
 }
 
-fn ah_from_wire(a: &AhAttr) -> ibv_ah_attr {
+pub(crate) fn ah_from_wire(a: &AhAttr) -> ibv_ah_attr {
     ibv_ah_attr {
         grh: ibv_global_route {
             dgid: ibv_gid { raw: a.dgid },

@@ -18,7 +18,7 @@
 //! (`__vrdma_compat_<name>`) that `.symver` exports as `<name>@<node>`;
 //! `libibverbs.map` only has to define the node.
 
-use crate::{compat_1_0, control, device, events, misc, qp_ex, query, srq, unsupported};
+use crate::{compat_1_0, control, device, events, misc, qp_ex, query, rdmacm, srq, unsupported};
 
 /// One trampoline: `$label`, a `jmp` to `$path` in its own section (kept:
 /// `R`, since no code refers to it), then `$extra` (a `.symver`).
@@ -228,6 +228,82 @@ export! {
             verbs_register_driver_34 => unsupported::verbs_register_driver_34,
             verbs_set_ops => unsupported::verbs_set_ops,
             verbs_uninit_context => unsupported::verbs_uninit_context,
+        }
+        "RDMACM_1.0" {
+            raccept => rdmacm::refused::raccept,
+            rbind => rdmacm::refused::rbind,
+            rclose => rdmacm::refused::rclose,
+            rconnect => rdmacm::refused::rconnect,
+            rdma_accept => rdmacm::id::rdma_accept,
+            rdma_ack_cm_event => rdmacm::event::rdma_ack_cm_event,
+            rdma_bind_addr => rdmacm::id::rdma_bind_addr,
+            rdma_connect => rdmacm::id::rdma_connect,
+            rdma_create_ep => rdmacm::addrinfo::rdma_create_ep,
+            rdma_create_event_channel => rdmacm::channel::rdma_create_event_channel,
+            rdma_create_id => rdmacm::id::rdma_create_id,
+            rdma_create_qp => rdmacm::qp::rdma_create_qp,
+            rdma_create_qp_ex => rdmacm::qp::rdma_create_qp_ex,
+            rdma_create_srq => rdmacm::qp::rdma_create_srq,
+            rdma_create_srq_ex => rdmacm::qp::rdma_create_srq_ex,
+            rdma_destroy_ep => rdmacm::addrinfo::rdma_destroy_ep,
+            rdma_destroy_event_channel => rdmacm::channel::rdma_destroy_event_channel,
+            rdma_destroy_id => rdmacm::id::rdma_destroy_id,
+            rdma_destroy_qp => rdmacm::qp::rdma_destroy_qp,
+            rdma_destroy_srq => rdmacm::qp::rdma_destroy_srq,
+            rdma_disconnect => rdmacm::id::rdma_disconnect,
+            rdma_event_str => rdmacm::event::rdma_event_str,
+            rdma_free_devices => rdmacm::devices::rdma_free_devices,
+            rdma_freeaddrinfo => rdmacm::addrinfo::rdma_freeaddrinfo,
+            rdma_get_cm_event => rdmacm::event::rdma_get_cm_event,
+            rdma_get_devices => rdmacm::devices::rdma_get_devices,
+            rdma_get_dst_port => rdmacm::id::rdma_get_dst_port,
+            rdma_get_request => rdmacm::id::rdma_get_request,
+            rdma_get_src_port => rdmacm::id::rdma_get_src_port,
+            rdma_getaddrinfo => rdmacm::addrinfo::rdma_getaddrinfo,
+            rdma_join_multicast => rdmacm::refused::rdma_join_multicast,
+            rdma_leave_multicast => rdmacm::refused::rdma_leave_multicast,
+            rdma_listen => rdmacm::id::rdma_listen,
+            rdma_migrate_id => rdmacm::id::rdma_migrate_id,
+            rdma_notify => rdmacm::id::rdma_notify,
+            rdma_reject => rdmacm::id::rdma_reject,
+            rdma_resolve_addr => rdmacm::id::rdma_resolve_addr,
+            rdma_resolve_route => rdmacm::id::rdma_resolve_route,
+            rdma_set_option => rdmacm::id::rdma_set_option,
+            rfcntl => rdmacm::refused::rfcntl,
+            rgetpeername => rdmacm::refused::rgetpeername,
+            rgetsockname => rdmacm::refused::rgetsockname,
+            rgetsockopt => rdmacm::refused::rgetsockopt,
+            riomap => rdmacm::refused::riomap,
+            riounmap => rdmacm::refused::riounmap,
+            riowrite => rdmacm::refused::riowrite,
+            rlisten => rdmacm::refused::rlisten,
+            rpoll => rdmacm::refused::rpoll,
+            rread => rdmacm::refused::rread,
+            rreadv => rdmacm::refused::rreadv,
+            rrecv => rdmacm::refused::rrecv,
+            rrecvfrom => rdmacm::refused::rrecvfrom,
+            rrecvmsg => rdmacm::refused::rrecvmsg,
+            rselect => rdmacm::refused::rselect,
+            rsend => rdmacm::refused::rsend,
+            rsendmsg => rdmacm::refused::rsendmsg,
+            rsendto => rdmacm::refused::rsendto,
+            rsetsockopt => rdmacm::refused::rsetsockopt,
+            rshutdown => rdmacm::refused::rshutdown,
+            rsocket => rdmacm::refused::rsocket,
+            rwrite => rdmacm::refused::rwrite,
+            rwritev => rdmacm::refused::rwritev,
+        }
+        "RDMACM_1.1" {
+            rdma_join_multicast_ex => rdmacm::refused::rdma_join_multicast_ex,
+        }
+        "RDMACM_1.2" {
+            rdma_establish => rdmacm::id::rdma_establish,
+            rdma_init_qp_attr => rdmacm::id::rdma_init_qp_attr,
+        }
+        "RDMACM_1.3" {
+            rdma_get_remote_ece => rdmacm::refused::rdma_get_remote_ece,
+            rdma_reject_ece => rdmacm::id::rdma_reject_ece,
+            rdma_set_local_ece => rdmacm::refused::rdma_set_local_ece,
         }
     }
     versioned {

@@ -24,6 +24,8 @@
 //! - [`unsupported`]: refusals (memory windows, XRC, ...) and the
 //!   provider interface.
 //! - [`misc`]: enum strings, rates, sysfs and fork helpers.
+//! - `rdmacm`: librdmacm (`librdmacm.so.1` is a second name of this
+//!   library), over the devices' own connection managers.
 //!
 //! Every exported function catches panics ([`ffi`]) and reports errors the
 //! way libibverbs does (a returned errno, or NULL/-1 with `errno` set).
@@ -54,6 +56,7 @@ pub mod misc;
 mod objects;
 mod qp_ex;
 pub mod query;
+mod rdmacm;
 pub mod srq;
 pub mod unsupported;
 
