@@ -42,24 +42,31 @@ fn pair(
     // Output goes to files: wait_output reads pipes only once a program
     // ends, and a verbose rping fills a 64 KiB pipe (and blocks) first.
     let dir = TempDir::new("rdmacm-out");
+    // stdout and stderr apart: rping's buffered stdout and unbuffered
+    // stderr would interleave mid-line in one file.
     let start = |side: &str, vdev: &Vdev, args: &[String]| {
-        let out = std::fs::File::create(dir.path().join(side)).expect("output file");
-        let err = out.try_clone().expect("output file");
-        let child = shim
-            .command(program, &vdev.socket)
+        let file = |ext: &str| {
+            std::fs::File::create(dir.path().join(format!("{side}.{ext}"))).expect("output file")
+        };
+        shim.command(program, &vdev.socket)
             .args(args)
-            .stdout(out)
-            .stderr(err)
+            .stdout(file("out"))
+            .stderr(file("err"))
             .spawn()
-            .expect("start");
-        child
+            .expect("start")
     };
     let s = start("server", &fabric.alpha, server);
     std::thread::sleep(Duration::from_millis(500));
     let c = start("client", &fabric.beta, client);
     let (co, _) = wait_output(c, Duration::from_secs(60));
     let (so, _) = wait_output(s, Duration::from_secs(20));
-    let read = |side: &str| std::fs::read_to_string(dir.path().join(side)).unwrap_or_default();
+    let read = |side: &str| {
+        let part = |ext: &str| {
+            std::fs::read_to_string(dir.path().join(format!("{side}.{ext}"))).unwrap_or_default()
+        };
+        // stdout first, whole lines; then stderr.
+        format!("{}{}", part("out"), part("err"))
+    };
     (
         read("server"),
         read("client"),
