@@ -8,6 +8,7 @@ use std::net::Ipv4Addr;
 use std::sync::OnceLock;
 
 use vrdma_guest_driver::cm::CmChannel;
+use vrdma_guest_driver::vrdma_spec::gid;
 
 use crate::abi::{ibv_context, ibv_device_attr, ibv_gid, ibv_pd};
 use crate::context::Ctx;
@@ -82,7 +83,7 @@ fn open(entry: &'static device::DeviceEntry) -> Option<CmDevice> {
         .then(|| {
             // SAFETY: every bit pattern of the union is a valid byte array.
             let raw = unsafe { gid.raw };
-            ipv4_of_gid(&raw)
+            gid::ipv4_of(&raw).map(Ipv4Addr::from)
         })
         .flatten();
     // SAFETY: a context this library opened.
@@ -116,21 +117,6 @@ fn open(entry: &'static device::DeviceEntry) -> Option<CmDevice> {
             0
         },
     })
-}
-
-/// The IPv4 address of an IPv4-mapped GID (`::ffff:a.b.c.d`).
-pub(crate) fn ipv4_of_gid(gid: &[u8; 16]) -> Option<Ipv4Addr> {
-    (gid[..10] == [0; 10] && gid[10..12] == [0xff, 0xff])
-        .then(|| Ipv4Addr::new(gid[12], gid[13], gid[14], gid[15]))
-}
-
-/// The IPv4-mapped GID of `ip`.
-pub(crate) fn gid_of_ipv4(ip: Ipv4Addr) -> [u8; 16] {
-    let mut gid = [0u8; 16];
-    gid[10] = 0xff;
-    gid[11] = 0xff;
-    gid[12..].copy_from_slice(&ip.octets());
-    gid
 }
 
 /// `rdma_get_devices`: a NULL-terminated array (malloc'd; freed by

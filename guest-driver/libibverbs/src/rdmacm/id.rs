@@ -21,7 +21,7 @@ use vrdma_guest_driver::vrdma_spec::verbs::{QpState, QpType};
 
 use super::channel::{lock, pump, Channel, ROUTES};
 use super::cm_call;
-use super::devices::{self, gid_of_ipv4, CmDevice};
+use super::devices::{self, CmDevice};
 use super::event;
 use super::qp;
 use crate::abi::{
@@ -223,7 +223,7 @@ impl Id {
             ib.sgid.raw = if info.route_valid != 0 {
                 info.sgid
             } else {
-                gid_of_ipv4(*src.ip())
+                vrdma_guest_driver::vrdma_spec::gid::ipv4_mapped(src.ip().octets())
             };
             if info.route_valid != 0 {
                 ib.dgid.raw = info.dgid;

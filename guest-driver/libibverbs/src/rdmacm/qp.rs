@@ -221,6 +221,17 @@ pub unsafe extern "C" fn rdma_destroy_qp(id: *mut rdma_cm_id) {
     });
 }
 
+/// Creates an SRQ on `pd` and makes it the ID's (`id->srq`).
+fn srq_on(id: &Id, pd: *mut ibv_pd, attr: &mut ibv_srq_init_attr) -> VResult<()> {
+    // SAFETY: a live PD and a valid structure.
+    let s = unsafe { srq::ibv_create_srq(pd, attr) };
+    if s.is_null() {
+        return Err(super::channel::errno());
+    }
+    view(id).srq = s;
+    Ok(())
+}
+
 /// `rdma_create_srq_ex`: a basic SRQ on the ID (with a receive CQ and
 /// channel if it has none); XRC SRQs are EOPNOTSUPP, as the device has no
 /// XRC.
@@ -248,13 +259,8 @@ pub unsafe extern "C" fn rdma_create_srq_ex(
             srq_context: a.srq_context,
             attr: a.attr,
         };
-        // SAFETY: a live PD and a valid structure.
-        let s = unsafe { srq::ibv_create_srq(pd, &mut basic) };
-        if s.is_null() {
-            return Err(super::channel::errno());
-        }
+        srq_on(our, pd, &mut basic)?;
         a.attr = basic.attr;
-        view(our).srq = s;
         Ok(())
     })
 }
@@ -274,13 +280,7 @@ pub unsafe extern "C" fn rdma_create_srq(
         // SAFETY: the caller's live ID and structure.
         let (our, a) = unsafe { (Id::from_raw(id)?, &mut *attr) };
         let pd = if pd.is_null() { our.cm().pd } else { pd };
-        // SAFETY: a live PD and a valid structure.
-        let s = unsafe { srq::ibv_create_srq(pd, a) };
-        if s.is_null() {
-            return Err(super::channel::errno());
-        }
-        view(our).srq = s;
-        Ok(())
+        srq_on(our, pd, a)
     })
 }
 
