@@ -21,6 +21,20 @@ pub fn build_c_program(dir: &TempDir, name: &str, source: &str) -> PathBuf {
     compile(Command::new("cc"), dir, name, source, &["-libverbs"])
 }
 
+/// Like [`build_c_program`], for a program of Debian's librdmacm
+/// (`<rdma/rdma_cma.h>`, linked with `-lrdmacm`).
+pub fn build_rdmacm_program(dir: &TempDir, name: &str, source: &str) -> PathBuf {
+    need::program("cc", "gcc");
+    need::file(Path::new("/usr/include/rdma/rdma_cma.h"), "librdmacm-dev");
+    compile(
+        Command::new("cc"),
+        dir,
+        name,
+        source,
+        &["-lrdmacm", "-libverbs"],
+    )
+}
+
 /// Compiles the MPI program `source` as `dir/name` with Open MPI's `mpicc`
 /// (`-z now`, as packaged programs are linked).
 pub fn build_mpi_program(dir: &TempDir, name: &str, source: &str) -> PathBuf {

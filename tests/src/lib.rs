@@ -22,6 +22,7 @@ pub use vrdma_tools::{app_memory, vmm};
 
 pub mod c_program;
 pub mod daemon;
+pub mod hosts;
 pub mod need;
 pub mod netns;
 pub mod pyunit;

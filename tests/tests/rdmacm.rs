@@ -1,102 +1,513 @@
-//! Debian's rdma_cm programs (rdmacm-utils) run unmodified on vrdma's
-//! drop-in `librdmacm.so.1`, between two process-mode tenants of one hostd,
-//! connecting by the server device's IP address.
+//! Debian's unmodified rdma_cm programs on vrdma's drop-in
+//! `librdmacm.so.1`, each between two tenants of one host and between two
+//! hosts (the multi-host namespaces of [`vrdma_tests::hosts`]), the client
+//! naming the server by its device's IP address as on a RoCE NIC:
+//! rdmacm-utils (rping, ucmatose, udaddy, rdma_server/rdma_client,
+//! cmtime), perftest over rdma_cm (`-R`), qperf on RoCE ports (`-cm1`) and
+//! libfabric's verbs provider with connected endpoints. Then the ways a
+//! connection fails (nobody listening, another tenant's address, the
+//! server killed) and 1,000 connect/disconnect cycles that leave the
+//! devices' counters where they started.
+//!
+//! Every program runs inside its host's network namespace, where its
+//! device's address is on the host's interface (as an RoCE NIC's GID is
+//! its netdev's address); the programs' own TCP exchanges (qperf's,
+//! libfabric's) go to that address too.
 
 use std::net::Ipv4Addr;
-use std::time::Duration;
+use std::process::{Child, Command};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use vrdma_tests::daemon::{wait_output, IbverbsShim, TempDir, Vdev};
+use vrdma_tests::daemon::{tcp_listening, wait_output, IbverbsShim, TempDir};
+use vrdma_tests::hosts::Fabric;
 use vrdma_tests::need;
-use vrdma_tests::two_tenants::{next_port, serial, Fabric};
 
-/// The IPv4 address of `vdev`'s device (its IPv4-mapped GID 0), as
-/// `ibv_devinfo -v` prints it through the shim.
-fn ip_of(shim: &IbverbsShim, vdev: &Vdev) -> Ipv4Addr {
-    let out = shim
-        .command("ibv_devinfo", &vdev.socket)
-        .arg("-v")
-        .output()
-        .expect("run ibv_devinfo");
-    let text = String::from_utf8_lossy(&out.stdout);
-    text.lines()
-        .find_map(|l| {
-            let l = l.trim();
-            l.strip_prefix("GID[  0]:")
-                .and_then(|g| g.trim().split(',').next())
-                .and_then(|g| g.trim().strip_prefix("::ffff:"))
-                .and_then(|ip| ip.parse().ok())
-        })
-        .unwrap_or_else(|| panic!("no IPv4 GID in ibv_devinfo -v:\n{text}"))
+static SERIAL: Mutex<()> = Mutex::new(());
+
+/// One cluster at a time: the machine has two cores.
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Runs `program server_args` on alpha and, once it listens, `program
-/// client_args` on beta; returns both outputs (stdout + stderr).
-fn pair(
-    fabric: &Fabric,
-    shim: &IbverbsShim,
-    program: &str,
-    server: &[String],
-    client: &[String],
-) -> (String, String, bool, bool) {
-    need::program(program, "rdmacm-utils");
-    // Output goes to files: wait_output reads pipes only once a program
-    // ends, and a verbose rping fills a 64 KiB pipe (and blocks) first.
-    let dir = TempDir::new("rdmacm-out");
-    // stdout and stderr apart: rping's buffered stdout and unbuffered
-    // stderr would interleave mid-line in one file.
-    let start = |side: &str, vdev: &Vdev, args: &[String]| {
+/// A port no other test of this run uses.
+fn next_port() -> u16 {
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    20000 + (std::process::id() % 10000) as u16 + NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// Where the two ends of a pair run.
+#[derive(Clone, Copy, Debug)]
+enum Placement {
+    /// h1's alpha serves h1's gamma (same network, same hostd).
+    OneHost,
+    /// h1's alpha serves h2's alpha: every packet crosses the bridge.
+    TwoHosts,
+}
+
+const BOTH: [Placement; 2] = [Placement::OneHost, Placement::TwoHosts];
+
+impl Placement {
+    fn server(self) -> (usize, &'static str) {
+        (1, "alpha")
+    }
+
+    fn client(self) -> (usize, &'static str) {
+        match self {
+            Placement::OneHost => (1, "gamma"),
+            Placement::TwoHosts => (2, "alpha"),
+        }
+    }
+
+    /// The server device's address, which clients connect to.
+    fn server_ip(self) -> Ipv4Addr {
+        let (host, tenant) = self.server();
+        Fabric::ip(host, tenant)
+    }
+}
+
+/// How a test knows the server is ready for its client.
+#[derive(Clone, Copy)]
+enum Ready {
+    /// The server's vdev logged an rdma_cm listen on this port.
+    Listen(u16),
+    /// A TCP port (the program's own exchange) listens on the server's
+    /// address.
+    Tcp(u16),
+}
+
+/// What the two ends of a pair printed and how they ended.
+struct Pair {
+    server: String,
+    client: String,
+    server_ok: bool,
+    client_ok: bool,
+    /// How each ended (for a failure's message).
+    statuses: String,
+}
+
+impl Pair {
+    fn both_ok(&self) -> bool {
+        self.server_ok && self.client_ok
+    }
+}
+
+/// The test's daemons and the drop-in libraries.
+struct Setup {
+    fabric: Fabric,
+    shim: IbverbsShim,
+    out: TempDir,
+}
+
+impl Setup {
+    fn start() -> Self {
+        need::root("network namespaces");
+        Setup {
+            fabric: Fabric::start(),
+            shim: IbverbsShim::new(),
+            out: TempDir::new("rdmacm-out"),
+        }
+    }
+
+    fn command(&self, (host, tenant): (usize, &str), program: &str) -> Command {
+        self.fabric.command(&self.shim, host, tenant, program)
+    }
+
+    /// Starts `program args` at `end` with its output in files named
+    /// `tag.out` and `tag.err` (a verbose rping fills a pipe and blocks
+    /// before a test would read it).
+    fn spawn(&self, end: (usize, &str), program: &str, args: &[String], tag: &str) -> Child {
         let file = |ext: &str| {
-            std::fs::File::create(dir.path().join(format!("{side}.{ext}"))).expect("output file")
+            std::fs::File::create(self.out.path().join(format!("{tag}.{ext}")))
+                .expect("output file")
         };
-        shim.command(program, &vdev.socket)
+        self.command(end, program)
             .args(args)
             .stdout(file("out"))
             .stderr(file("err"))
             .spawn()
-            .expect("start")
-    };
-    let s = start("server", &fabric.alpha, server);
-    std::thread::sleep(Duration::from_millis(500));
-    let c = start("client", &fabric.beta, client);
-    let (co, _) = wait_output(c, Duration::from_secs(60));
-    let (so, _) = wait_output(s, Duration::from_secs(20));
-    let read = |side: &str| {
+            .unwrap_or_else(|e| panic!("start {program}: {e}"))
+    }
+
+    /// What `tag` printed: stdout's lines, then stderr's.
+    fn output(&self, tag: &str) -> String {
         let part = |ext: &str| {
-            std::fs::read_to_string(dir.path().join(format!("{side}.{ext}"))).unwrap_or_default()
+            std::fs::read_to_string(self.out.path().join(format!("{tag}.{ext}")))
+                .unwrap_or_default()
         };
-        // stdout first, whole lines; then stderr.
         format!("{}{}", part("out"), part("err"))
-    };
-    (
-        read("server"),
-        read("client"),
-        so.status.success(),
-        co.status.success(),
-    )
+    }
+
+    /// Times the server's vdev logged a listen on `port`.
+    fn listens(&self, placement: Placement, port: u16) -> usize {
+        let (host, tenant) = placement.server();
+        let needle = format!(":{port} ");
+        (self.fabric.vdev(host, tenant).log().lines())
+            .filter(|l| l.contains("Listening") && l.contains(&needle))
+            .count()
+    }
+
+    /// Waits until the server is `ready` (it listened once more than
+    /// `before` times), or 20 s.
+    fn wait_ready(&self, placement: Placement, ready: Ready, before: usize) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let is_ready = || match ready {
+            Ready::Listen(port) => self.listens(placement, port) > before,
+            // From /proc: a probe connection would be the server's one
+            // client (qperf's, fi_pingpong's).
+            Ready::Tcp(port) => {
+                (self.fabric.cluster.host(placement.server().0)).run(move || tcp_listening(port))
+            }
+        };
+        while !is_ready() {
+            assert!(Instant::now() < deadline, "the server never became ready");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Runs `server` (program, arguments) then, once it is `ready`,
+    /// `client`; waits for both (the client up to `timeout`).
+    fn pair(
+        &self,
+        placement: Placement,
+        server: (&str, &[String]),
+        client: (&str, &[String]),
+        ready: Ready,
+        timeout: Duration,
+    ) -> Pair {
+        let tag = format!("{}-{placement:?}", client.0);
+        let before = match ready {
+            Ready::Listen(port) => self.listens(placement, port),
+            Ready::Tcp(_) => 0,
+        };
+        let s = self.spawn(
+            placement.server(),
+            server.0,
+            server.1,
+            &format!("{tag}-server"),
+        );
+        self.wait_ready(placement, ready, before);
+        let c = self.spawn(
+            placement.client(),
+            client.0,
+            client.1,
+            &format!("{tag}-client"),
+        );
+        let (co, client_killed) = wait_output(c, timeout);
+        // cmtime's server serves until it is killed.
+        let serves_forever = server.0 == "cmtime";
+        let (so, server_killed) = wait_output(
+            s,
+            Duration::from_millis(if serves_forever { 500 } else { 20_000 }),
+        );
+        Pair {
+            server: self.output(&format!("{tag}-server")),
+            client: self.output(&format!("{tag}-client")),
+            server_ok: if serves_forever {
+                server_killed
+            } else {
+                so.status.success()
+            },
+            client_ok: co.status.success(),
+            statuses: format!(
+                "server {:?}{}, client {:?}{}",
+                so.status,
+                if server_killed {
+                    " (killed: still running)"
+                } else {
+                    ""
+                },
+                co.status,
+                if client_killed {
+                    " (killed after the timeout)"
+                } else {
+                    ""
+                },
+            ),
+        }
+    }
+
+    /// [`Setup::pair`] of one program with the same arguments on both
+    /// sides, the client's followed by `client_tail`.
+    fn same(
+        &self,
+        placement: Placement,
+        program: &str,
+        args: &[&str],
+        client_tail: &[&str],
+        ready: Ready,
+    ) -> Pair {
+        let server = strings(args);
+        let client = [server.clone(), strings(client_tail)].concat();
+        self.pair(
+            placement,
+            (program, &server),
+            (program, &client),
+            ready,
+            Duration::from_secs(90),
+        )
+    }
+
+    /// Fails the test unless both ends of `pair` exited 0.
+    #[track_caller]
+    fn assert_ok(&self, what: &str, placement: Placement, pair: &Pair) {
+        assert!(
+            pair.both_ok(),
+            "{what} ({placement:?}) failed: {}\n--- server:\n{}\n--- client:\n{}\n{}",
+            pair.statuses,
+            pair.server,
+            pair.client,
+            self.fabric.logs()
+        );
+    }
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| (*s).to_owned()).collect()
 }
 
 #[test]
-fn rping_verifies_1000_pings_between_two_tenants() {
+fn rping_verifies_1000_pings_by_ip_address() {
+    need::program("rping", "rdmacm-utils");
     let _one = serial();
-    let fabric = Fabric::start();
-    let shim = IbverbsShim::new();
-    let ip = ip_of(&shim, &fabric.alpha).to_string();
-    let port = next_port().to_string();
-    let s: Vec<String> = ["-s", "-v", "-V", "-C", "1000", "-a", "0.0.0.0", "-p", &port]
-        .map(String::from)
-        .to_vec();
-    let c: Vec<String> = ["-c", "-v", "-V", "-C", "1000", "-a", &ip, "-p", &port]
-        .map(String::from)
-        .to_vec();
-    let (so, co, sok, cok) = pair(&fabric, &shim, "rping", &s, &c);
+    let t = Setup::start();
+    for placement in BOTH {
+        let port = next_port();
+        let (ip, p) = (placement.server_ip().to_string(), port.to_string());
+        let common = strings(&["-v", "-V", "-C", "1000", "-p", &p]);
+        let server = [strings(&["-s", "-a", "0.0.0.0"]), common.clone()].concat();
+        let client = [strings(&["-c", "-a", &ip]), common].concat();
+        let r = t.pair(
+            placement,
+            ("rping", &server),
+            ("rping", &client),
+            Ready::Listen(port),
+            Duration::from_secs(60),
+        );
+        t.assert_ok("rping", placement, &r);
+        let pings = (r.client.lines())
+            .filter(|l| l.starts_with("ping data: rdma-ping-"))
+            .count();
+        assert_eq!(pings, 1000, "{placement:?}: the client verified every ping");
+    }
+}
+
+#[test]
+fn ucmatose_udaddy_rdma_server_and_cmtime_connect_by_ip_address() {
+    need::program("ucmatose", "rdmacm-utils");
+    let _one = serial();
+    let t = Setup::start();
+    for placement in BOTH {
+        let ip = placement.server_ip().to_string();
+        // ucmatose: 10 RC connections at once, messages both ways.
+        let port = next_port();
+        let p = port.to_string();
+        let r = t.same(
+            placement,
+            "ucmatose",
+            &["-p", &p, "-c", "10"],
+            &["-s", &ip],
+            Ready::Listen(port),
+        );
+        t.assert_ok("ucmatose -c 10", placement, &r);
+        for text in [&r.server, &r.client] {
+            assert!(
+                text.contains("data transfers complete") && text.contains("return status 0"),
+                "ucmatose ({placement:?}):\n{text}"
+            );
+        }
+        // udaddy: UD through SIDR on rdma_cm's UDP port space (its port is
+        // fixed, 7174); the server answers through an AH it builds from
+        // each datagram's GRH.
+        let r = t.same(placement, "udaddy", &[], &["-s", &ip], Ready::Listen(7174));
+        t.assert_ok("udaddy", placement, &r);
+        for text in [&r.server, &r.client] {
+            assert!(
+                text.contains("data transfers complete") && text.contains("return status 0"),
+                "udaddy ({placement:?}):\n{text}"
+            );
+        }
+        // rdma_server/rdma_client: the synchronous calls (rdma_getaddrinfo,
+        // rdma_create_ep, rdma_get_request) and rdma_verbs.h's helpers.
+        let port = next_port();
+        let p = port.to_string();
+        let r = t.pair(
+            placement,
+            ("rdma_server", &strings(&["-p", &p])),
+            ("rdma_client", &strings(&["-s", &ip, "-p", &p])),
+            Ready::Listen(port),
+            Duration::from_secs(30),
+        );
+        t.assert_ok("rdma_server/rdma_client", placement, &r);
+        assert!(r.server.contains("rdma_server: end 0"), "{}", r.server);
+        assert!(r.client.contains("rdma_client: end 0"), "{}", r.client);
+        // cmtime: 100 connections set up and torn down concurrently,
+        // each step timed.
+        let port = next_port();
+        let p = port.to_string();
+        let r = t.same(
+            placement,
+            "cmtime",
+            &["-p", &p],
+            &["-s", &ip],
+            Ready::Listen(port),
+        );
+        t.assert_ok("cmtime", placement, &r);
+        for step in [
+            "resolve addr",
+            "resolve route",
+            "create qp",
+            "connect",
+            "disconnect",
+        ] {
+            assert!(
+                r.client.lines().any(|l| l.starts_with(step)),
+                "cmtime ({placement:?}) timed {step}:\n{}",
+                r.client
+            );
+        }
+    }
+}
+
+#[test]
+fn perftest_connects_through_rdma_cm() {
+    need::program("ib_write_bw", "perftest");
+    let _one = serial();
+    let t = Setup::start();
+    for placement in BOTH {
+        let ip = placement.server_ip().to_string();
+        for (program, args) in [
+            ("ib_write_bw", &["-s", "65536", "-n", "1000"][..]),
+            ("ib_read_lat", &["-n", "1000"][..]),
+            ("ib_send_bw", &["-s", "65536", "-n", "1000"][..]),
+            ("ib_send_bw", &["-c", "UD", "-n", "1000"][..]),
+        ] {
+            let port = next_port();
+            let p = port.to_string();
+            let mut common = vec!["-R", "-p", &p];
+            common.extend_from_slice(args);
+            let r = t.same(placement, program, &common, &[&ip], Ready::Listen(port));
+            let what = format!("{program} -R {}", args.join(" "));
+            t.assert_ok(&what, placement, &r);
+            // The result row: the message size first, then figures.
+            let row = (r.client.lines())
+                .map(str::split_whitespace)
+                .filter_map(|mut w| Some((w.next()?.parse::<u64>().ok()?, w.count())))
+                .next();
+            assert!(
+                matches!(row, Some((_, n)) if n >= 3),
+                "{what} ({placement:?}) reported no result:\n{}",
+                r.client
+            );
+        }
+    }
+}
+
+/// Every RC test of qperf 0.4.11 (`qperf --help tests`), which it runs
+/// through rdma_cm with `-cm1`. Its UC and UD tests cannot run on any RoCE
+/// port: qperf uses rdma_cm for RC only (`rd_params` sets `use_cm` to 0
+/// for every other transport) and addresses the peer by LID without a
+/// GRH, which a RoCE device refuses (`EINVAL`: RoCE needs a GRH), as
+/// Linux's ib core does for rxe and every RoCE NIC. tests/tests/qperf.rs
+/// runs all 21 of them on InfiniBand ports.
+const QPERF_RC_TESTS: [&str; 12] = [
+    "rc_bi_bw",
+    "rc_bw",
+    "rc_compare_swap_mr",
+    "rc_fetch_add_mr",
+    "rc_lat",
+    "rc_rdma_read_bw",
+    "rc_rdma_read_lat",
+    "rc_rdma_write_bw",
+    "rc_rdma_write_lat",
+    "rc_rdma_write_poll_lat",
+    "ver_rc_compare_swap",
+    "ver_rc_fetch_add",
+];
+
+#[test]
+fn qperf_runs_every_rc_test_on_roce_ports_through_rdma_cm() {
+    need::program("qperf", "qperf");
+    let _one = serial();
+    let t = Setup::start();
+    for placement in BOTH {
+        let ip = placement.server_ip().to_string();
+        let port = next_port();
+        let p = port.to_string();
+        let mut client = strings(&[&ip, "--listen_port", &p, "-cm1", "--time", "1"]);
+        client.extend(strings(&QPERF_RC_TESTS));
+        client.push("quit".into());
+        let r = t.pair(
+            placement,
+            ("qperf", &strings(&["--listen_port", &p])),
+            ("qperf", &client),
+            Ready::Tcp(port),
+            Duration::from_secs(120),
+        );
+        t.assert_ok("qperf -cm1", placement, &r);
+        assert!(
+            r.server.trim().is_empty(),
+            "the server reported:\n{}",
+            r.server
+        );
+        for test in QPERF_RC_TESTS {
+            // Each test's name line, then its figures (all non-zero).
+            let figures: Vec<f64> = (r.client.lines())
+                .skip_while(|l| *l != format!("{test}:"))
+                .skip(1)
+                .take_while(|l| l.starts_with(' '))
+                .filter_map(|l| l.split('=').nth(1)?.split_whitespace().next()?.parse().ok())
+                .collect();
+            assert!(
+                !figures.is_empty() && figures.iter().all(|&v| v > 0.0),
+                "qperf {test} ({placement:?}):\n{}",
+                r.client
+            );
+        }
+    }
+}
+
+#[test]
+fn libfabric_verbs_provider_runs_connected_endpoints() {
+    need::program("fi_pingpong", "libfabric-bin");
+    let _one = serial();
+    let t = Setup::start();
+    // fi_info finds the device's address on the host's interface and
+    // offers connected (FI_EP_MSG) endpoints on it.
+    let out = t
+        .command((1, "alpha"), "fi_info")
+        .args(["-p", "verbs", "-t", "FI_EP_MSG"])
+        .output()
+        .expect("run fi_info");
+    let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        sok && cok,
-        "rping failed\n--- server:\n{so}\n--- client:\n{co}\n{}",
-        fabric.logs()
+        out.status.success() && text.contains("domain: vrdma0") && text.contains("FI_EP_MSG"),
+        "fi_info -p verbs:\n{text}{}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    let pings = co
-        .lines()
-        .filter(|l| l.starts_with("ping data: rdma-ping-"))
-        .count();
-    assert_eq!(pings, 1000, "the client verified every ping:\n{co}");
+    for placement in BOTH {
+        let ip = placement.server_ip().to_string();
+        let port = next_port();
+        let p = port.to_string();
+        // RDM over connected verbs endpoints (ofi_rxm); fi_pingpong's own
+        // exchange over TCP on `port`, its data (checked, -v) by RDMA.
+        // (-B: the server's port, -P: the one the client connects to).
+        let common = ["-p", "verbs;ofi_rxm", "-e", "rdm", "-I", "1000", "-v"];
+        let server = [strings(&common), strings(&["-B", &p])].concat();
+        let client = [strings(&common), strings(&["-P", &p, &ip])].concat();
+        let r = t.pair(
+            placement,
+            ("fi_pingpong", &server),
+            ("fi_pingpong", &client),
+            Ready::Tcp(port),
+            Duration::from_secs(60),
+        );
+        t.assert_ok("fi_pingpong verbs;ofi_rxm", placement, &r);
+        assert!(
+            r.client.contains("1k") || r.client.lines().any(|l| l.contains("iters")),
+            "fi_pingpong ({placement:?}) reported no result:\n{}",
+            r.client
+        );
+    }
 }

@@ -326,6 +326,10 @@ impl State {
         i.service_id = sid;
         i.backlog = if backlog == 0 { 128 } else { backlog };
         i.state = IdState::Listen;
+        // Rare and useful to operators (which services a tenant offers);
+        // the tests wait for it before starting a client.
+        let (src, backlog) = (i.src, i.backlog);
+        tracing::info!(tenant = %self.tenant, id = id.0, addr = %src, backlog, "Listening");
         Ok(())
     }
 

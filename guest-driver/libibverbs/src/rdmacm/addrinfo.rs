@@ -57,11 +57,21 @@ fn getaddrinfo(
     hints: *const rdma_addrinfo,
     res: *mut *mut rdma_addrinfo,
 ) -> Result<(), i32> {
-    if res.is_null() || (node.is_null() && service.is_null()) {
+    if res.is_null() {
         return Err(libc::EAI_NONAME);
     }
     // SAFETY: the caller's hints.
     let hints = unsafe { hints.as_ref() };
+    // The hints' own addresses, which stand for node and service when
+    // both are NULL (libfabric's verbs provider resolves its endpoints'
+    // addresses that way).
+    // SAFETY: the caller's addresses in its hints, NULL or readable.
+    let hinted = |a: *mut sockaddr| unsafe { id::ipv4_of(a) }.ok().flatten();
+    let hint_src = hints.and_then(|h| hinted(h.ai_src_addr));
+    let hint_dst = hints.and_then(|h| hinted(h.ai_dst_addr));
+    if node.is_null() && service.is_null() && hint_src.is_none() && hint_dst.is_none() {
+        return Err(libc::EAI_NONAME);
+    }
     if let Some(h) = hints {
         if h.ai_family != libc::AF_UNSPEC && h.ai_family != libc::AF_INET {
             return Err(libc::EAI_FAMILY);
@@ -115,18 +125,21 @@ fn getaddrinfo(
     }
     if passive {
         rai.ai_flags = RAI_PASSIVE as i32;
-        rai.ai_src_addr = boxed_sockaddr(addr);
-        rai.ai_src_len = len;
+    }
+    let (src, dst) = if node.is_none() && service.is_null() {
+        (hint_src, hint_dst)
+    } else if passive {
+        (Some(addr), None)
     } else {
-        rai.ai_dst_addr = boxed_sockaddr(addr);
+        (hint_src, Some(addr))
+    };
+    if let Some(src) = src {
+        rai.ai_src_addr = boxed_sockaddr(src);
+        rai.ai_src_len = len;
+    }
+    if let Some(dst) = dst {
+        rai.ai_dst_addr = boxed_sockaddr(dst);
         rai.ai_dst_len = len;
-        if let Some(h) = hints {
-            // SAFETY: the caller's source address, if any.
-            if let Ok(Some(src)) = unsafe { id::ipv4_of(h.ai_src_addr) } {
-                rai.ai_src_addr = boxed_sockaddr(src);
-                rai.ai_src_len = len;
-            }
-        }
     }
     // SAFETY: the caller's writable pointer.
     unsafe { res.write(Box::into_raw(Box::new(rai))) };

@@ -554,13 +554,27 @@ pub unsafe extern "C" fn rdma_bind_addr(id: *mut rdma_cm_id, addr: *mut sockaddr
     with_id("rdma_bind_addr", id, |id| {
         // SAFETY: the caller's address.
         let a = unsafe { ipv4_of(addr)? }.ok_or(libc::EINVAL)?;
+        let mut a = a;
         let dev = if a.ip().is_unspecified() {
             match lock(&id.st).placed {
                 Some((d, _)) => d,
                 None => devices::default_index()?,
             }
         } else {
-            devices::by_ip(*a.ip())?
+            match devices::by_ip(*a.ip()) {
+                Ok(d) => d,
+                // A loopback address no device has binds to the first
+                // device, as Linux's rdma_cm binds it (cma_bind_loopback):
+                // libfabric's verbs provider probes with 127.0.0.1. The ID
+                // takes that device's own address.
+                Err(_) if a.ip().is_loopback() => {
+                    let d = devices::default_index()?;
+                    let ip = devices::all()[d].ip.ok_or(libc::EADDRNOTAVAIL)?;
+                    a = SocketAddrV4::new(ip, a.port());
+                    d
+                }
+                Err(e) => return Err(e),
+            }
         };
         id.place(dev)?;
         let (_, cm, cm_id) = id.placed()?;
