@@ -7,6 +7,10 @@
  *
  *   cm_cycles -s -p PORT -n N         server: serves N connections, exits
  *   cm_cycles -c ADDR -p PORT -n N    client
+ *   cm_cycles -c ADDR -p PORT -n N -w client that, for a test to read the
+ *       device's counters, prints "warm" after one cycle more and waits
+ *       for a line on stdin, then prints "done" after the N cycles and
+ *       waits for the end of stdin before it exits
  *
  * Exit status 0 only if every cycle completed and every message arrived
  * intact.
@@ -193,15 +197,17 @@ int main(int argc, char **argv)
 	struct sockaddr_in dst;
 	struct timespec t0, t1;
 	const char *server = NULL;
-	int op, port = 0, n = 1, listen = 0, i;
+	int op, port = 0, n = 1, listen = 0, pause = 0, i;
+	char line[16];
 	double s;
 
-	while ((op = getopt(argc, argv, "sc:p:n:")) != -1) {
+	while ((op = getopt(argc, argv, "sc:p:n:w")) != -1) {
 		switch (op) {
 		case 's': listen = 1; break;
 		case 'c': server = optarg; break;
 		case 'p': port = atoi(optarg); break;
 		case 'n': n = atoi(optarg); break;
+		case 'w': pause = 1; break;
 		default: return 2;
 		}
 	}
@@ -219,9 +225,20 @@ int main(int argc, char **argv)
 	dst.sin_port = htons(port);
 	if (inet_pton(AF_INET, server, &dst.sin_addr) != 1)
 		return 2;
+	if (pause) {
+		if (connect_once(&dst, 0)) {
+			fprintf(stderr, "warm-up cycle failed\n");
+			return 1;
+		}
+		printf("warm\n");
+		fflush(stdout);
+		if (!fgets(line, sizeof(line), stdin))
+			return 1;
+	}
 	clock_gettime(CLOCK_MONOTONIC, &t0);
 	for (i = 0; i < n; i++) {
-		if (connect_once(&dst, i)) {
+		/* Numbered as the server counts them, the warm-up 0. */
+		if (connect_once(&dst, i + pause)) {
 			fprintf(stderr, "cycle %d failed\n", i);
 			return 1;
 		}
@@ -229,6 +246,12 @@ int main(int argc, char **argv)
 	clock_gettime(CLOCK_MONOTONIC, &t1);
 	s = (t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) / 1e9;
 	printf("client: %d cycles in %.3f s (%.0f connections/s)\n", n, s, n / s);
+	if (pause) {
+		printf("done\n");
+		fflush(stdout);
+		while (fgets(line, sizeof(line), stdin))
+			;
+	}
 	rdma_destroy_event_channel(channel);
 	return 0;
 }

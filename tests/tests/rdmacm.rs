@@ -19,6 +19,7 @@ use std::process::{Child, Command};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use vrdma_tests::c_program::build_rdmacm_program;
 use vrdma_tests::daemon::{tcp_listening, wait_output, IbverbsShim, TempDir};
 use vrdma_tests::hosts::Fabric;
 use vrdma_tests::need;
@@ -139,9 +140,8 @@ impl Setup {
         format!("{}{}", part("out"), part("err"))
     }
 
-    /// Times the server's vdev logged a listen on `port`.
-    fn listens(&self, placement: Placement, port: u16) -> usize {
-        let (host, tenant) = placement.server();
+    /// Times the vdev of `end` logged a listen on `port`.
+    fn listens(&self, (host, tenant): (usize, &str), port: u16) -> usize {
         let needle = format!(":{port} ");
         (self.fabric.vdev(host, tenant).log().lines())
             .filter(|l| l.contains("Listening") && l.contains(&needle))
@@ -153,7 +153,7 @@ impl Setup {
     fn wait_ready(&self, placement: Placement, ready: Ready, before: usize) {
         let deadline = Instant::now() + Duration::from_secs(20);
         let is_ready = || match ready {
-            Ready::Listen(port) => self.listens(placement, port) > before,
+            Ready::Listen(port) => self.listens(placement.server(), port) > before,
             // From /proc: a probe connection would be the server's one
             // client (qperf's, fi_pingpong's).
             Ready::Tcp(port) => {
@@ -178,7 +178,7 @@ impl Setup {
     ) -> Pair {
         let tag = format!("{}-{placement:?}", client.0);
         let before = match ready {
-            Ready::Listen(port) => self.listens(placement, port),
+            Ready::Listen(port) => self.listens(placement.server(), port),
             Ready::Tcp(_) => 0,
         };
         let s = self.spawn(
@@ -508,6 +508,225 @@ fn libfabric_verbs_provider_runs_connected_endpoints() {
             r.client.contains("1k") || r.client.lines().any(|l| l.contains("iters")),
             "fi_pingpong ({placement:?}) reported no result:\n{}",
             r.client
+        );
+    }
+}
+
+/// `program args` at `end`, run to its end (killed after `timeout`);
+/// returns its output, whether it exited 0, and how long it ran.
+fn run_alone(
+    t: &Setup,
+    end: (usize, &str),
+    program: &str,
+    args: &[&str],
+    timeout: Duration,
+) -> (String, bool, Duration) {
+    let tag = format!("{program}-{}-{}-alone", end.0, end.1);
+    let start = Instant::now();
+    let child = t.spawn(end, program, &strings(args), &tag);
+    let (out, killed) = wait_output(child, timeout);
+    let took = start.elapsed();
+    assert!(!killed, "{program} {args:?} did not end in {timeout:?}");
+    (t.output(&tag), out.status.success(), took)
+}
+
+/// What a tenant's device holds, as hostd counts it (QPs, MRs and their
+/// bytes, devices, queues) and its CM traffic.
+fn held(t: &Setup, (host, tenant): (usize, &str)) -> (serde_json::Value, serde_json::Value) {
+    let stats = t.fabric.hostd(host).tenant_stats(tenant);
+    (stats["usage"].clone(), stats["gsi"].clone())
+}
+
+#[test]
+fn failed_connections_fail_as_rdma_cm_reports_them() {
+    need::program("rping", "rdmacm-utils");
+    let _one = serial();
+    let t = Setup::start();
+    for placement in BOTH {
+        // Nobody listens on the port: the server's CM rejects the REQ.
+        let ip = placement.server_ip().to_string();
+        let p = next_port().to_string();
+        let (text, ok, _) = run_alone(
+            &t,
+            placement.client(),
+            "rping",
+            &["-c", "-a", &ip, "-p", &p, "-C", "1"],
+            Duration::from_secs(30),
+        );
+        assert!(
+            !ok && text.contains("RDMA_CM_EVENT_REJECTED"),
+            "{placement:?}: a connect to a port nobody listens on:\n{text}"
+        );
+    }
+    // Another tenant's address (beta, network red, on h3), where beta
+    // listens: alpha (blue) cannot even resolve it, and beta sees nothing.
+    let beta = (3, "beta");
+    let port = next_port();
+    let p = port.to_string();
+    let before = t.listens(beta, port);
+    let server = t.spawn(
+        beta,
+        "rping",
+        &strings(&["-s", "-a", "0.0.0.0", "-p", &p]),
+        "beta",
+    );
+    while t.listens(beta, port) == before {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let beta_before = held(&t, beta);
+    let beta_ip = Fabric::ip(3, "beta").to_string();
+    for client in [(1, "alpha"), (2, "gamma")] {
+        let (text, ok, _) = run_alone(
+            &t,
+            client,
+            "rping",
+            &["-c", "-a", &beta_ip, "-p", &p, "-C", "1"],
+            Duration::from_secs(30),
+        );
+        assert!(
+            !ok && text.contains("RDMA_CM_EVENT_ADDR_ERROR"),
+            "{client:?} towards another network's tenant:\n{text}"
+        );
+    }
+    assert_eq!(held(&t, beta), beta_before, "beta's device saw nothing");
+    let (out, killed) = wait_output(server, Duration::from_millis(200));
+    assert!(killed, "beta's server still waits: {:?}", out.status);
+    assert!(t.output("beta").is_empty(), "{}", t.output("beta"));
+
+    // The server killed in the middle of a connection: its device
+    // disconnects (DREQ), and the client sees DISCONNECTED and ends
+    // (rping's client then exits 0: it counts a disconnect as an end).
+    for placement in BOTH {
+        let port = next_port();
+        let (ip, p) = (placement.server_ip().to_string(), port.to_string());
+        let before = t.listens(placement.server(), port);
+        let ops_before = t
+            .fabric
+            .hostd(placement.server().0)
+            .ops(placement.server().1);
+        let common = ["-v", "-C", "1000000", "-p", &p];
+        let server = t.spawn(
+            placement.server(),
+            "rping",
+            &[strings(&["-s", "-a", "0.0.0.0"]), strings(&common)].concat(),
+            "killed-server",
+        );
+        t.wait_ready(placement, Ready::Listen(port), before);
+        let tag = format!("{placement:?}-survivor");
+        let client = t.spawn(
+            placement.client(),
+            "rping",
+            &[strings(&["-c", "-a", &ip]), strings(&common)].concat(),
+            &tag,
+        );
+        let (server_host, server_tenant) = placement.server();
+        let pinged = || t.fabric.hostd(server_host).ops(server_tenant);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while pinged() < ops_before + 1000 {
+            assert!(Instant::now() < deadline, "{placement:?}: rping never ran");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut server = server;
+        server.kill().expect("kill the server");
+        let _ = server.wait();
+        let killed_at = Instant::now();
+        let (out, hung) = wait_output(client, Duration::from_secs(30));
+        let took = killed_at.elapsed();
+        let text = t.output(&tag);
+        assert!(
+            !hung && text.contains("client DISCONNECT EVENT"),
+            "{placement:?}: the client after its server was killed ({:?}, {took:?}):\n{}\n{}",
+            out.status,
+            tail(&text, 20),
+            t.fabric.logs()
+        );
+        assert!(
+            took < Duration::from_secs(10),
+            "{placement:?}: DISCONNECTED after {took:?}"
+        );
+        eprintln!("{placement:?}: DISCONNECTED {took:?} after the server was killed");
+    }
+}
+
+fn tail(text: &str, lines: usize) -> String {
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// 1,000 connections made, used (one checked SEND) and torn down one
+/// after the other (tests/c/cm_cycles.c) leave both devices holding what
+/// they held after the first.
+#[test]
+fn a_thousand_connect_disconnect_cycles_leave_the_counters_where_they_started() {
+    use std::io::Write;
+    use std::process::Stdio;
+    let _one = serial();
+    let t = Setup::start();
+    let exe = build_rdmacm_program(&t.out, "cm_cycles", include_str!("../c/cm_cycles.c"));
+    let exe = exe.to_str().expect("UTF-8 path");
+    for placement in BOTH {
+        let port = next_port();
+        let (ip, p) = (placement.server_ip().to_string(), port.to_string());
+        let before = t.listens(placement.server(), port);
+        let server = t.spawn(
+            placement.server(),
+            exe,
+            &strings(&["-s", "-p", &p, "-n", "1001"]),
+            "cycles-server",
+        );
+        t.wait_ready(placement, Ready::Listen(port), before);
+        let tag = format!("cycles-{placement:?}");
+        let file = |ext: &str| {
+            std::fs::File::create(t.out.path().join(format!("{tag}.{ext}"))).expect("output file")
+        };
+        let mut client = t
+            .command(placement.client(), exe)
+            .args(["-c", &ip, "-p", &p, "-n", "1000", "-w"])
+            .stdin(Stdio::piped())
+            .stdout(file("out"))
+            .stderr(file("err"))
+            .spawn()
+            .expect("start cm_cycles");
+        let wait_for = |word: &str| {
+            let deadline = Instant::now() + Duration::from_secs(120);
+            while !t.output(&tag).lines().any(|l| l == word) {
+                assert!(
+                    Instant::now() < deadline,
+                    "{placement:?}: no {word:?} from cm_cycles:\n{}\n{}",
+                    t.output(&tag),
+                    t.fabric.logs()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        };
+        let ends = [placement.server(), placement.client()];
+        wait_for("warm");
+        let warm: Vec<_> = ends.iter().map(|&e| held(&t, e).0).collect();
+        let mut stdin = client.stdin.take().expect("stdin");
+        stdin.write_all(b"go\n").expect("start the cycles");
+        wait_for("done");
+        let done: Vec<_> = ends.iter().map(|&e| held(&t, e).0).collect();
+        drop(stdin);
+        let (out, _) = wait_output(client, Duration::from_secs(20));
+        let (so, _) = wait_output(server, Duration::from_secs(20));
+        let (text, server_text) = (t.output(&tag), t.output("cycles-server"));
+        assert!(
+            out.status.success() && so.status.success(),
+            "{placement:?}:\n{text}\n{server_text}"
+        );
+        assert!(
+            server_text.contains("1001 connections served"),
+            "{server_text}"
+        );
+        assert_eq!(
+            done, warm,
+            "{placement:?}: what the devices hold after 1,000 cycles"
+        );
+        eprintln!(
+            "{placement:?}: {}",
+            text.lines()
+                .find(|l| l.starts_with("client:"))
+                .unwrap_or("")
         );
     }
 }
