@@ -15,7 +15,11 @@
 //! it reaches its vdev through a unix socket.
 //!
 //! Each program runs in both directions, vrdma server with rxe client and
-//! rxe server with vrdma client: `ibv_rc_pingpong`, `ibv_ud_pingpong` and
+//! rxe server with vrdma client: rdmacm-utils' `rping -V` (100 pings, the
+//! data checked) and `ucmatose -c 10`, which connect by IP address —
+//! vrdma's librdmacm and device CM against Linux's rdma_cm and IB CM, REQ,
+//! REP, RTU, DREQ and DREP as each puts them on the wire — then
+//! `ibv_rc_pingpong`, `ibv_ud_pingpong` and
 //! `ibv_uc_pingpong` with `-c` (the data checked), perftest's `ib_write_bw`, `ib_read_bw`, `ib_send_bw` and
 //! `ib_atomic_bw`, all at path MTU 1024 (`-m 1024`: the guest's rxe port
 //! runs at 1024 on eth0's MTU of 1500; vrdma's port reports 4096). Both
@@ -82,12 +86,46 @@ network = "demo"
 /// and the port.
 struct Case {
     program: &'static str,
-    gid_flag: &'static str,
+    connect: Connect,
     args: &'static [&'static str],
     /// More arguments for the rxe side only.
     rxe_args: &'static [&'static str],
     /// What the client's stdout must hold (a result line).
     client_says: fn(&str) -> bool,
+}
+
+/// How a program finds its peer.
+enum Connect {
+    /// It exchanges its QP's address over TCP; this flag takes the GID
+    /// index, the client names the server last.
+    Tcp(&'static str),
+    /// It connects through rdma_cm by IP address: the server's
+    /// arguments, and the client's (followed by the server's address).
+    RdmaCm {
+        server: &'static [&'static str],
+        client: &'static [&'static str],
+    },
+}
+
+const RPING: Connect = Connect::RdmaCm {
+    server: &["-s", "-a", "0.0.0.0"],
+    client: &["-c", "-a"],
+};
+
+const CMATOSE: Connect = Connect::RdmaCm {
+    server: &[],
+    client: &["-s"],
+};
+
+fn rping_done(out: &str) -> bool {
+    (out.lines())
+        .filter(|l| l.starts_with("ping data: rdma-ping-"))
+        .count()
+        == 100
+}
+
+fn cmatose_done(out: &str) -> bool {
+    out.contains("data transfers complete") && out.contains("return status 0")
 }
 
 fn pingpong_done(out: &str) -> bool {
@@ -121,9 +159,27 @@ const RXE_OUTSTANDING: &[&str] = &["-o", "16"];
 /// with RETRY_EXC_ERR in 2 of 10 runs (with `-u 18` it did not); with the
 /// restart, 9 of 9 runs passed at the default timeout.
 const CASES: &[Case] = &[
+    // rdma_cm between vrdma's librdmacm and Linux's rdma_cm: the IB CM's
+    // REQ, REP and RTU, then DREQ and DREP, as each speaks them; 100
+    // pings with their data checked (-V).
+    Case {
+        program: "rping",
+        connect: RPING,
+        args: &["-v", "-V", "-C", "100"],
+        rxe_args: &[],
+        client_says: rping_done,
+    },
+    // 10 RC connections at once, messages both ways, disconnects.
+    Case {
+        program: "ucmatose",
+        connect: CMATOSE,
+        args: &["-c", "10"],
+        rxe_args: &[],
+        client_says: cmatose_done,
+    },
     Case {
         program: "ibv_rc_pingpong",
-        gid_flag: "-g",
+        connect: Connect::Tcp("-g"),
         args: &["-m", MTU, "-n", "200", "-s", "4096", "-c"],
         rxe_args: &[],
         client_says: pingpong_done,
@@ -132,49 +188,49 @@ const CASES: &[Case] = &[
     // the data checked.
     Case {
         program: "ibv_ud_pingpong",
-        gid_flag: "-g",
+        connect: Connect::Tcp("-g"),
         args: &["-n", "200", "-s", "512", "-c"],
         rxe_args: &[],
         client_says: pingpong_done,
     },
     Case {
         program: "ibv_uc_pingpong",
-        gid_flag: "-g",
+        connect: Connect::Tcp("-g"),
         args: &["-m", MTU, "-n", "200", "-s", "4096", "-c"],
         rxe_args: &[],
         client_says: pingpong_done,
     },
     Case {
         program: "ib_write_bw",
-        gid_flag: "-x",
+        connect: Connect::Tcp("-x"),
         args: &["-m", MTU, "-s", "65536", "-n", "50", "-F"],
         rxe_args: &[],
         client_says: perftest_row,
     },
     Case {
         program: "ib_read_bw",
-        gid_flag: "-x",
+        connect: Connect::Tcp("-x"),
         args: &["-m", MTU, "-s", "65536", "-n", "50", "-F"],
         rxe_args: RXE_OUTSTANDING,
         client_says: perftest_row,
     },
     Case {
         program: "ib_send_bw",
-        gid_flag: "-x",
+        connect: Connect::Tcp("-x"),
         args: &["-m", MTU, "-s", "65536", "-n", "50", "-F"],
         rxe_args: &[],
         client_says: perftest_row,
     },
     Case {
         program: "ib_atomic_bw",
-        gid_flag: "-x",
+        connect: Connect::Tcp("-x"),
         args: &["-m", MTU, "-n", "200", "-F"],
         rxe_args: RXE_OUTSTANDING,
         client_says: perftest_row,
     },
     Case {
         program: "ib_atomic_bw",
-        gid_flag: "-x",
+        connect: Connect::Tcp("-x"),
         args: &["-m", MTU, "-n", "200", "-F", "-A", "CMP_AND_SWAP"],
         rxe_args: RXE_OUTSTANDING,
         client_says: perftest_row,
@@ -201,56 +257,98 @@ struct Setup {
 }
 
 impl Setup {
-    /// The command line of `case` with GID index `gid` and TCP port `port`.
-    fn args(case: &Case, gid: u32, port: u16) -> Vec<String> {
-        let mut args = vec![
-            case.gid_flag.to_owned(),
-            gid.to_string(),
-            "-p".to_owned(),
-            port.to_string(),
-        ];
-        args.extend(case.args.iter().map(|a| (*a).to_owned()));
+    /// The command line of `case` with GID index `gid` and port `port`,
+    /// as the server (`peer` None) or as the client of `peer`.
+    fn args(case: &Case, gid: u32, port: u16, peer: Option<&str>) -> Vec<String> {
+        let mut args: Vec<String> = match (&case.connect, peer) {
+            (Connect::Tcp(flag), _) => vec![(*flag).to_owned(), gid.to_string()],
+            (Connect::RdmaCm { server, .. }, None) => strings(server),
+            (Connect::RdmaCm { client, .. }, Some(ip)) => {
+                [strings(client), vec![ip.to_owned()]].concat()
+            }
+        };
+        args.extend(["-p".to_owned(), port.to_string()]);
+        args.extend(strings(case.args));
+        if let (Connect::Tcp(_), Some(ip)) = (&case.connect, peer) {
+            args.push(ip.to_owned());
+        }
         args
     }
 
     /// `program args` on a new device of tenant alpha, inside the
     /// namespace (its TCP goes over the tap).
-    fn vrdma_command(&self, vdev: &Vdev, case: &Case, port: u16) -> Command {
+    fn vrdma_command(&self, vdev: &Vdev, case: &Case, port: u16, peer: Option<&str>) -> Command {
         let mut command = self.shim.command(case.program, &vdev.socket);
         vrdma_tests::daemon::must(supervisor::enter_netns(
             &mut command,
             Path::new(self.netns.name()),
         ));
-        command.args(Self::args(case, VRDMA_GID_INDEX, port));
+        command.args(Self::args(case, VRDMA_GID_INDEX, port, peer));
         command
     }
 
-    fn guest_command(&self, case: &Case, port: u16) -> String {
-        let mut line = vec![case.program.to_owned(), "-d".into(), RXE_DEVICE.into()];
-        line.extend(Self::args(case, self.rxe_gid_index, port));
+    fn guest_command(&self, case: &Case, port: u16, peer: Option<&str>) -> String {
+        let mut line = vec![case.program.to_owned()];
+        if let Connect::Tcp(_) = case.connect {
+            line.extend(["-d".into(), RXE_DEVICE.into()]);
+        }
+        line.extend(Self::args(case, self.rxe_gid_index, port, peer));
         line.extend(case.rxe_args.iter().map(|a| (*a).to_owned()));
         line.join(" ")
+    }
+
+    /// Whether the vrdma server of `case` on `vdev` (process `pid`)
+    /// serves `port`: its TCP port listens, or (rdma_cm) its vdev logged
+    /// the listen.
+    fn vrdma_listening(case: &Case, vdev: &Vdev, pid: u32, port: u16) -> bool {
+        match case.connect {
+            Connect::Tcp(_) => listening(pid, port),
+            Connect::RdmaCm { .. } => {
+                let needle = format!(":{port} ");
+                (vdev.log().lines()).any(|l| l.contains("Listening") && l.contains(&needle))
+            }
+        }
+    }
+
+    /// Waits until the rxe server of `case` serves `port`: its TCP port
+    /// listens, or (rdma_cm) the guest's rdma_cm has an ID listening on it.
+    fn guest_listening(&self, case: &Case, port: u16) -> Result<(), VmError> {
+        match case.connect {
+            Connect::Tcp(_) => self.guest.wait_listening(port, RUN),
+            Connect::RdmaCm { .. } => {
+                let tries = RUN.as_secs() * 10;
+                self.guest
+                    .run_ok(
+                        &format!(
+                            "i=0; until rdma resource show cm_id | grep -q ':{port}\\b'; do \
+                             i=$((i+1)); [ $i -gt {tries} ] && exit 1; sleep 0.1; done"
+                        ),
+                        RUN + Duration::from_secs(30),
+                    )
+                    .map(drop)
+            }
+        }
     }
 
     /// Runs `case` with vrdma as `side`; `Err` says what went wrong with
     /// both sides' outputs.
     fn run(&self, case: &Case, side: VrdmaSide, port: u16) -> Result<Sides, String> {
         let vdev = Vdev::on_hostd(&self.hostd, "alpha", &[]);
-        let guest_line = self.guest_command(case, port);
+        let (host_addr, guest_addr) = (HOST_ADDR.to_string(), GUEST_ADDR.to_string());
         let result = match side {
             VrdmaSide::Server => {
                 let child = self
-                    .vrdma_command(&vdev, case, port)
+                    .vrdma_command(&vdev, case, port, None)
                     .spawn()
                     .map_err(|e| format!("spawn {}: {e}", case.program))?;
                 let pid = child.id();
                 let deadline = Instant::now() + RUN;
-                while !listening(pid, port) && Instant::now() < deadline {
+                while !Self::vrdma_listening(case, &vdev, pid, port) && Instant::now() < deadline {
                     std::thread::sleep(Duration::from_millis(20));
                 }
                 let client = self
                     .guest
-                    .run(&format!("{guest_line} {HOST_ADDR}"), RUN)
+                    .run(&self.guest_command(case, port, Some(&host_addr)), RUN)
                     .map_err(|e| e.to_string());
                 let (server, late) =
                     wait_output(child, client.as_ref().map_or(Duration::ZERO, |_| RUN));
@@ -263,14 +361,14 @@ impl Setup {
                 }
             }
             VrdmaSide::Client => {
+                let guest_line = self.guest_command(case, port, None);
                 let server = self.guest.spawn(&guest_line);
-                if let Err(e) = self.guest.wait_listening(port, RUN) {
+                if let Err(e) = self.guest_listening(case, port) {
                     let _ = self.guest.kill(&server);
                     return Err(format!("`{guest_line}` never listened: {e}"));
                 }
                 let child = self
-                    .vrdma_command(&vdev, case, port)
-                    .arg(GUEST_ADDR.to_string())
+                    .vrdma_command(&vdev, case, port, Some(&guest_addr))
                     .spawn()
                     .map_err(|e| format!("spawn {}: {e}", case.program))?;
                 let (client, late) = wait_output(child, RUN);
@@ -404,6 +502,10 @@ fn listening(pid: u32, port: u16) -> bool {
     })
 }
 
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|a| (*a).to_owned()).collect()
+}
+
 /// The value of `key` (e.g. `active_mtu`) in `ibv_devinfo -v` output.
 fn devinfo_value<'a>(devinfo: &'a str, key: &str) -> Option<&'a str> {
     devinfo
@@ -419,10 +521,10 @@ fn vrdma_and_linux_soft_roce_run_debians_rdma_programs_both_ways() {
     for case in CASES {
         need::program(
             case.program,
-            if case.program.starts_with("ibv_") {
-                "ibverbs-utils"
-            } else {
-                "perftest"
+            match case.program {
+                "rping" | "ucmatose" => "rdmacm-utils",
+                p if p.starts_with("ibv_") => "ibverbs-utils",
+                _ => "perftest",
             },
         );
     }
@@ -510,7 +612,7 @@ fn vrdma_and_linux_soft_roce_run_debians_rdma_programs_both_ways() {
                     let _ = writeln!(
                         failures,
                         "##### FAIL {name}: rxe's side `{}`\n{why}\n{diagnostics}",
-                        setup.guest_command(case, port),
+                        setup.guest_command(case, port, None),
                     );
                 }
             }

@@ -67,6 +67,10 @@ pub const PROGRAMS: &[&str] = &[
     "/usr/bin/nc.openbsd",
     // libibverbs dlopens its providers from here, as /etc/libibverbs.d says.
     "/usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so",
+    // glibc dlopens it for pthread_exit's unwinding (rping's threads
+    // exit that way): "libgcc_s.so.1 must be installed for pthread_exit
+    // to work", then abort.
+    "/usr/lib/x86_64-linux-gnu/libgcc_s.so.1",
 ];
 /// Plain files from the guest tree: `driver rxe`, which makes libibverbs
 /// load the rxe provider.
