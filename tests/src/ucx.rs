@@ -75,9 +75,11 @@ pub fn ucx_env(cmd: &mut Command, tls: &str) {
 /// The transports UCX's log says each process chose: from its lines
 /// `[<time>] [<host>:<pid>:<thread>] ... ep_cfg[<n>]: tag(rc_verbs/vrdma0:1) ...`
 /// (UCX 1.13) or `... intra-node cfg#<n> tag(rc_verbs/vrdma0:1) ...`
-/// (UCX 1.18), every `transport/device` per pid.
-pub fn chosen_transports(log: &str) -> BTreeMap<u32, BTreeSet<String>> {
-    let mut chosen: BTreeMap<u32, BTreeSet<String>> = BTreeMap::new();
+/// (UCX 1.18), every `transport/device` per process (`<host>:<pid>`:
+/// processes in PID namespaces of their own may share a pid), but those
+/// of a process's endpoint to itself.
+pub fn chosen_transports(log: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let mut chosen: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for line in log.lines() {
         let lanes = if let Some((_, rest)) = line.split_once("ep_cfg[") {
             rest.split_once("]:").map(|(_, lanes)| lanes)
@@ -86,10 +88,16 @@ pub fn chosen_transports(log: &str) -> BTreeMap<u32, BTreeSet<String>> {
         } else {
             None
         };
-        let (Some(lanes), Some(pid)) = (lanes, log_pid(line)) else {
+        let (Some(lanes), Some(process)) = (lanes, log_process(line)) else {
             continue;
         };
-        let used = chosen.entry(pid).or_default();
+        // A process's endpoint to itself (`self/memory0`, with what UCX
+        // adds for its RMA, e.g. `cma/memory`) connects no two processes.
+        if lanes.contains("self/") {
+            chosen.entry(process).or_default();
+            continue;
+        }
+        let used = chosen.entry(process).or_default();
         // Each group is `feature(tl/dev tl/dev ...)`.
         for group in lanes.split(')') {
             if let Some((_, inside)) = group.split_once('(') {
@@ -132,19 +140,22 @@ pub fn assert_chose_among(text: &str, processes: usize, transports: &[&str]) {
         "UCX logged the transports of {} processes, not {processes}:\n{text}",
         chosen.len()
     );
-    for (pid, used) in &chosen {
+    for (process, used) in &chosen {
         assert!(
             !used.is_empty() && used.is_subset(&expected),
-            "process {pid} chose {used:?}, not only {expected:?}:\n{text}"
+            "process {process} chose {used:?}, not only {expected:?}:\n{text}"
         );
     }
 }
 
-/// The pid in a UCX log line's second bracket, `[<host>:<pid> :<thread>]`.
-fn log_pid(line: &str) -> Option<u32> {
+/// The process of a UCX log line, `<host>:<pid>` from its second
+/// bracket, `[<host>:<pid> :<thread>]`.
+fn log_process(line: &str) -> Option<String> {
     let rest = line.split_once("] [")?.1;
-    let field = rest.split(':').nth(1)?;
-    field.trim().parse().ok()
+    let mut fields = rest.split(':');
+    let host = fields.next()?.trim();
+    let pid: u32 = fields.next()?.trim().parse().ok()?;
+    Some(format!("{host}:{pid}"))
 }
 
 #[cfg(test)]
@@ -158,19 +169,25 @@ mod tests {
 [1796176571.485839] [vm:9929 :0]      ucp_worker.c:1763 UCX  INFO    ep_cfg[0]: tag(rc_verbs/vrdma0:1)\n\
 [1796176571.486413] [vm:10001:0]      ucp_worker.c:1763 UCX  INFO    ep_cfg[1]: tag(rc_verbs/vrdma0:1 ud_verbs/vrdma0:1) rma(posix/memory)\n\
 [1796184189.193960] [vrdma-guest:295  :0]      ucp_worker.c:1903 UCX  INFO    perftest intra-node cfg#0 rma(rc_verbs/vrdma0:1)\n\
+[1796184189.194000] [h1-0:1    :0]      ucp_worker.c:1763 UCX  INFO    ep_cfg[0]: tag(self/memory0 cma/memory rc_verbs/vrdma0:1)\n\
+[1796184189.194100] [h1-0:1    :0]      ucp_worker.c:1763 UCX  INFO    ep_cfg[1]: tag(rc_verbs/vrdma0:1)\n\
 rank 1 of 4 partner 3 OK\n";
         let chosen = chosen_transports(log);
-        assert_eq!(chosen.len(), 3);
+        assert_eq!(chosen.len(), 4);
         assert_eq!(
-            chosen[&295].iter().collect::<Vec<_>>(),
+            chosen["h1-0:1"].iter().collect::<Vec<_>>(),
             ["rc_verbs/vrdma0:1"]
         );
         assert_eq!(
-            chosen[&9929].iter().collect::<Vec<_>>(),
+            chosen["vrdma-guest:295"].iter().collect::<Vec<_>>(),
             ["rc_verbs/vrdma0:1"]
         );
         assert_eq!(
-            chosen[&10001].iter().collect::<Vec<_>>(),
+            chosen["vm:9929"].iter().collect::<Vec<_>>(),
+            ["rc_verbs/vrdma0:1"]
+        );
+        assert_eq!(
+            chosen["vm:10001"].iter().collect::<Vec<_>>(),
             ["posix/memory", "rc_verbs/vrdma0:1", "ud_verbs/vrdma0:1"]
         );
     }

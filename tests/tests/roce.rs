@@ -254,19 +254,21 @@ fn ud_and_uc_run_between_tenants_on_different_hosts() {
     );
 }
 
-/// UCX with its default choice among vrdma's transports between alpha on
-/// h1 and alpha on h2 — `UCX_TLS=^sm`: UCX sees both sides on one
-/// machine, and what it would use between processes of one host (shared
-/// memory, CMA) cannot exist between hosts; vrdma's device the only
-/// network device:
-/// ucx_perftest's tag latency and bandwidth, puts and gets, the server
-/// named by its address; then Open MPI over UCX, 4 ranks on 2 hosts (2 on
-/// each host's alpha device), the checked ping-pong and allreduce. UCX's
-/// log shows vrdma's transports only, and the bytes crossed between the
-/// hosts.
+/// UCX with its default choice of transports and devices (no `UCX_TLS`,
+/// no `UCX_NET_DEVICES`) between alpha on h1 and alpha on h2, each
+/// process in a container of its own on its host (`on_host`: the host's
+/// network namespace, IPC, PID and UTS namespaces of its own), so that UCX
+/// finds no shared memory or CMA towards another host's processes, as
+/// between two machines: ucx_perftest's tag latency and bandwidth, puts
+/// and gets, the client naming the server by its address (h1's alpha
+/// GID, over h2's eth0); then Open MPI over UCX, 4 ranks on 2 hosts (2 on
+/// each host's alpha device, each rank in a container of its own), the
+/// checked ping-pong and allreduce. UCX's log shows vrdma's transports
+/// only (a rank's endpoint to itself aside), and the bytes crossed
+/// between the hosts.
 #[test]
 fn ucx_and_open_mpi_run_between_hosts() {
-    use vrdma_tests::ucx::{assert_chose_among, device_name, install_device_node};
+    use vrdma_tests::ucx::{assert_chose_among, install_device_node};
     let _one = serial();
     vrdma_tests::need::root("network namespaces");
     vrdma_tests::need::program("ucx_perftest", "ucx-utils");
@@ -275,27 +277,27 @@ fn ucx_and_open_mpi_run_between_hosts() {
     let shim = IbverbsShim::new();
     let fabric = Fabric::start();
     let vrdma = ["rc_verbs", "ud_verbs"];
-    let ucx = |cmd: &mut Command| {
-        cmd.env("UCX_TLS", "^sm")
-            .env("UCX_NET_DEVICES", format!("{}:1", device_name(0)))
-            .env("UCX_LOG_LEVEL", "info");
-    };
     for test in ["tag_lat", "tag_bw", "ucp_put_bw", "ucp_get"] {
         let before = packets_to(fabric.hostd(2), "h1");
-        let port = next_port().to_string();
-        let args = ["-t", test, "-s", "4096", "-n", "1000", "-p", &port];
-        let mut server = shim.command("ucx_perftest", fabric.device(1, "alpha"));
-        ucx(&mut server);
+        let port: u16 = next_port();
+        let p = port.to_string();
+        let args = ["-t", test, "-s", "4096", "-n", "1000", "-p", &p];
+        // Each side a process of its host, in a container of its own
+        // there (IPC, PID and UTS namespaces): UCX, left to its default
+        // choice among every transport and device, sees no shared memory
+        // it could use towards the other host, as between two machines.
+        let mut server = on_host(&fabric, &shim, 1, "ucx_perftest");
+        server.env("UCX_LOG_LEVEL", "info");
         let server = server.args(args).spawn().expect("spawn ucx_perftest");
         let deadline = Instant::now() + Duration::from_secs(20);
-        while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
+        while !fabric.cluster.host(1).run(|| tcp_listening(port)) && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(20));
         }
-        let mut client = shim.command("ucx_perftest", fabric.device(2, "alpha"));
-        ucx(&mut client);
+        let mut client = on_host(&fabric, &shim, 2, "ucx_perftest");
+        client.env("UCX_LOG_LEVEL", "info");
         let client = client
             .args(args)
-            .arg("127.0.0.1")
+            .arg(Fabric::ip(1, "alpha").to_string())
             .spawn()
             .expect("spawn ucx_perftest");
         let c = wait(client, Duration::from_secs(60));
@@ -325,34 +327,38 @@ fn ucx_and_open_mpi_run_between_hosts() {
     );
     let exe = exe.to_str().expect("UTF-8 path");
     let before = packets_to(fabric.hostd(1), "h2");
+    // No UCX_TLS: UCX's own choice. Each rank in a container of its own
+    // on its host (as `on_host`; hostname h<host>-<rank>), so that no two
+    // ranks can share memory.
     let mut mpirun = shim.command("mpirun", fabric.device(1, "alpha"));
-    ucx(&mut mpirun);
     mpirun
+        .env("UCX_LOG_LEVEL", "info")
         .args(["--allow-run-as-root", "--oversubscribe"])
-        .args([
-            "-x",
-            "LD_LIBRARY_PATH",
-            "-x",
-            "UCX_TLS",
-            "-x",
-            "UCX_NET_DEVICES",
-        ])
-        .args(["-x", "UCX_LOG_LEVEL"])
-        .args([
-            "--mca",
-            "pml",
-            "ucx",
-            "--mca",
-            "btl",
-            "^vader,tcp,openib,uct",
-        ])
-        .args(["--mca", "osc", "ucx"]);
+        .args(["-x", "LD_LIBRARY_PATH", "-x", "UCX_LOG_LEVEL"])
+        .args(["--mca", "pml", "ucx", "--mca", "osc", "ucx"]);
     for host in [1, 2] {
         let device = format!("VRDMA_DEVICES={}", fabric.device(host, "alpha").display());
         if host == 2 {
             mpirun.arg(":");
         }
-        mpirun.args(["-np", "2", "-x", &device, exe]);
+        mpirun
+            .args(["-np", "2", "-x", &device])
+            .args([
+                "unshare",
+                "--ipc",
+                "--pid",
+                "--uts",
+                "--fork",
+                "--kill-child",
+                "--",
+            ])
+            .args([
+                "sh",
+                "-c",
+                "hostname \"$0-$OMPI_COMM_WORLD_RANK\" && exec \"$@\"",
+            ])
+            .arg(format!("h{host}"))
+            .arg(exe);
     }
     let out = wait(
         mpirun.spawn().expect("spawn mpirun"),
@@ -369,8 +375,8 @@ fn ucx_and_open_mpi_run_between_hosts() {
         let ok = format!("rank {rank} of 4 partner {} OK", (rank + 2) % 4);
         assert!(all.contains(&ok), "no {ok:?}:\n{all}");
     }
-    // A rank's endpoint to itself is UCX's in-process `self`.
-    assert_chose_among(&all, 4, &["rc_verbs", "ud_verbs", "self/memory0"]);
+    // (A rank's endpoint to itself, UCX's `self` with `cma`, is left out.)
+    assert_chose_among(&all, 4, &vrdma);
     let crossed = packets_to(fabric.hostd(1), "h2") - before;
     assert!(crossed >= 10_000, "mpirun: {crossed} packets from h1 to h2");
 }
@@ -738,4 +744,17 @@ fn pattern_on(mr: &vrdma_guest_driver::verbs::MemoryRegion, offset: usize, len: 
     let data = vrdma_tests::tenant::pattern(len, 11);
     mr.write(offset, &data).expect("fill");
     data
+}
+
+/// `program` as a process of host `host` runs it on its alpha device: in
+/// the host's network namespace, and in IPC, PID and UTS namespaces of
+/// its own (hostname `h<host>`), as in a container there.
+fn on_host(fabric: &Fabric, shim: &IbverbsShim, host: usize, program: &str) -> Command {
+    vrdma_tests::need::program("unshare", "util-linux");
+    let mut cmd = fabric.command(shim, host, "alpha", "unshare");
+    cmd.args(["--ipc", "--pid", "--uts", "--fork", "--kill-child", "--"])
+        .args(["sh", "-c", "hostname \"$0\" && exec \"$@\""])
+        .arg(format!("h{host}"))
+        .arg(program);
+    cmd
 }
