@@ -13,6 +13,7 @@ use std::io;
 use std::os::fd::{AsRawFd, FromRawFd, IntoRawFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost_user_backend::{VhostUserBackend, VhostUserDaemon, VringEpollHandler, VringT};
@@ -38,6 +39,15 @@ use crate::vrings::{self, DeviceVring, VringTable};
 /// The worker's event number of the CM event queue's kicks (its second
 /// queue: vhost-user-backend numbers a worker's events within its mask).
 const CM_QUEUE_EVENT: u16 = 1;
+
+/// How long the control queue's worker looks for the driver's next
+/// command after answering a burst, before it sleeps on the queue's kick:
+/// a connection's setup is ~15 commands on each side, each waiting for
+/// the last one's answer, and each wake-up of this thread costs tens of
+/// µs on an idle vCPU (docs/performance.md, "Connection setup"). Short:
+/// an idle device spins not at all, a busy one at most this long after
+/// its last command, on the tenant's own vdev process.
+const CONTROL_SPIN: Duration = Duration::from_micros(50);
 
 /// Why handling a queue event failed.
 #[derive(Debug, thiserror::Error)]
@@ -350,6 +360,33 @@ impl VrdmaBackend {
     /// problems are logged and the queue goes on. An error returned from
     /// here would end vhost-user-backend's worker thread, and with it the
     /// control queue for good.
+    /// Whether the driver makes a control command available within
+    /// `spin` (polled, its notifications still disabled).
+    fn next_command_within(
+        &self,
+        vring: &DeviceVring,
+        mem: &GuestMemoryMmap,
+        spin: Duration,
+    ) -> bool {
+        let start = Instant::now();
+        loop {
+            let pending = {
+                let state = vring.get_ref();
+                let queue = state.get_queue();
+                queue
+                    .avail_idx(mem, Ordering::Acquire)
+                    .is_ok_and(|avail| avail.0 != queue.next_avail())
+            };
+            if pending {
+                return true;
+            }
+            if start.elapsed() >= spin {
+                return false;
+            }
+            std::hint::spin_loop();
+        }
+    }
+
     fn process_control_queue(&self, vring: &DeviceVring) {
         let tenant = self.tenant();
         let atomic = self
@@ -430,6 +467,13 @@ impl VrdmaBackend {
             }
             if !event_idx {
                 return;
+            }
+            // A driver sends commands in bursts (a QP's creation and its
+            // transitions, a connection's setup): look for the next one
+            // for a moment before sleeping, so that it does not pay this
+            // thread's wake-up (tens of µs on an idle vCPU).
+            if self.next_command_within(vring, &mem, CONTROL_SPIN) {
+                continue;
             }
             match vring.enable_notification() {
                 Ok(true) => continue,

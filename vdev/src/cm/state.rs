@@ -116,7 +116,23 @@ pub struct State {
     next_id: u32,
     next_owner: u32,
     counts: ServiceCounts,
+    /// Destination GIDs hostd last said this device may reach, and when
+    /// (see [`State::reachable`]).
+    reachable: HashMap<[u8; 16], Instant>,
 }
+
+/// How long a destination hostd said the device may reach resolves
+/// without asking hostd again: a service connecting to the same peer
+/// many times asks once per second, not once per connection (hostd's
+/// answer is a round trip through its connection thread). Only an early
+/// answer rides on it, as an ARP cache's: hostd checks the destination
+/// again for each MAD the device sends and at each QP's RTR, so a peer the
+/// policy stops allowing is refused there at once.
+const REACHABLE_FOR: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Destinations remembered at most (a guest resolving ever new addresses
+/// makes the oldest be forgotten, not the memory grow).
+const REACHABLE_MAX: usize = 1024;
 
 impl State {
     /// The state of the device whose GID is `gid` (IPv4-mapped).
@@ -143,8 +159,38 @@ impl State {
             next_id: 0,
             next_owner: 0,
             counts: ServiceCounts::default(),
+            reachable: HashMap::new(),
             config,
         })
+    }
+
+    /// Whether the device may reach `gid`: hostd's answer, remembered for
+    /// [`REACHABLE_FOR`] when it is yes (a no is asked again each time).
+    fn reachable(&mut self, gid: [u8; 16], qp1: &dyn Qp1) -> Result<bool, CmError> {
+        let now = Instant::now();
+        if (self.reachable.get(&gid)).is_some_and(|&at| now.duration_since(at) < REACHABLE_FOR) {
+            return Ok(true);
+        }
+        match qp1.resolve_gid(gid) {
+            Ok(()) => {
+                if self.reachable.len() >= REACHABLE_MAX {
+                    self.reachable
+                        .retain(|_, at| now.duration_since(*at) < REACHABLE_FOR);
+                    if self.reachable.len() >= REACHABLE_MAX {
+                        self.reachable.clear();
+                    }
+                }
+                self.reachable.insert(gid, now);
+                Ok(true)
+            }
+            Err(FabricError::Refused { errno, .. })
+                if errno == libc::EACCES || errno == libc::ENOENT =>
+            {
+                self.reachable.remove(&gid);
+                Ok(false)
+            }
+            Err(e) => Err(CmError::Fabric(e)),
+        }
     }
 
     pub fn tenant(&self) -> &str {
@@ -357,15 +403,7 @@ impl State {
             self.bind_addr(owner, id, src)?;
         }
         let gid = vrdma_spec::gid::ipv4_mapped(dst.ip().octets());
-        let reachable = match qp1.resolve_gid(gid) {
-            Ok(()) => true,
-            Err(FabricError::Refused { errno, .. })
-                if errno == libc::EACCES || errno == libc::ENOENT =>
-            {
-                false
-            }
-            Err(e) => return Err(CmError::Fabric(e)),
-        };
+        let reachable = self.reachable(gid, qp1)?;
         let local_ip = self.local_ip;
         let i = self.id_mut(owner, id)?;
         i.dst = dst;

@@ -23,6 +23,8 @@ use crate::fabric::FabricError;
 struct Loop {
     sent: RefCell<Vec<MadOut>>,
     reachable: HashSet<[u8; 16]>,
+    /// resolve_gid calls (hostd round trips).
+    asked: std::cell::Cell<usize>,
 }
 
 impl Qp1 for Loop {
@@ -32,6 +34,7 @@ impl Qp1 for Loop {
     }
 
     fn resolve_gid(&self, gid: [u8; 16]) -> Result<(), FabricError> {
+        self.asked.set(self.asked.get() + 1);
         match self.reachable.contains(&gid) {
             true => Ok(()),
             false => Err(FabricError::Refused {
@@ -300,6 +303,32 @@ fn unreachable_and_unknown_destinations_give_one_answer() {
     let u = a.st.create_id(oa, PortSpace::Udp, None).unwrap();
     let init = a.st.init_qp_attr(oa, u, QpState::Init).unwrap();
     assert_eq!(init.qkey, super::qp_attr::RDMA_UDP_QKEY);
+}
+
+/// hostd's yes is remembered for a second (one round trip per peer, not
+/// per connection); its no is not: a peer the policy starts allowing
+/// resolves at once.
+#[test]
+fn reachable_destinations_are_asked_once_and_refused_ones_every_time() {
+    let mut a = dev(A);
+    let oa = a.st.create_owner().unwrap();
+    let mut resolve = |a: &mut Dev, dst: Ipv4Addr| {
+        let id = a.st.create_id(oa, PortSpace::Tcp, None).unwrap();
+        a.st.resolve_addr(oa, id, None, SocketAddrV4::new(dst, 1), &a.qp1)
+            .unwrap();
+        a.st.get_event(oa).unwrap().unwrap().kind
+    };
+    for _ in 0..3 {
+        assert_eq!(resolve(&mut a, B), CmEventKind::AddrResolved);
+    }
+    assert_eq!(a.qp1.asked.get(), 1, "B asked once");
+    let c = Ipv4Addr::new(10, 0, 0, 3);
+    for _ in 0..2 {
+        assert_eq!(resolve(&mut a, c), CmEventKind::AddrError);
+    }
+    assert_eq!(a.qp1.asked.get(), 3, "C asked each time");
+    a.qp1.reachable.insert(ipv4_mapped(c.octets()));
+    assert_eq!(resolve(&mut a, c), CmEventKind::AddrResolved);
 }
 
 #[test]
