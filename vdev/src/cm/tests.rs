@@ -312,7 +312,7 @@ fn unreachable_and_unknown_destinations_give_one_answer() {
 fn reachable_destinations_are_asked_once_and_refused_ones_every_time() {
     let mut a = dev(A);
     let oa = a.st.create_owner().unwrap();
-    let mut resolve = |a: &mut Dev, dst: Ipv4Addr| {
+    let resolve = |a: &mut Dev, dst: Ipv4Addr| {
         let id = a.st.create_id(oa, PortSpace::Tcp, None).unwrap();
         a.st.resolve_addr(oa, id, None, SocketAddrV4::new(dst, 1), &a.qp1)
             .unwrap();
