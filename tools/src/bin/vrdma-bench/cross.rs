@@ -109,7 +109,16 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
     latency_vs_tcp(&s, params.iters, targets)?;
     bandwidth_vs_tcp(&s, params, targets)?;
     let rc = message_rate(&s, params.secs, targets)?;
-    crate::cross_ud::message_rate(&s.a, &s.b, params.secs, rc, targets)
+    crate::cross_ud::message_rate(&s.a, &s.b, params.secs, rc, targets)?;
+    let (n1, n2) = (h1.netns_path(), h2.netns_path());
+    let ends = crate::conn_rate::Ends {
+        label: "across hosts",
+        server: (&s.a, Some(n1.clone())),
+        client: (&s.b, Some(n2.clone())),
+    };
+    let tcp = SocketAddrV4::new(h1.underlay, TCP_PORT + 10);
+    let baseline = || crate::conn_rate::tcp_setup_rate(tcp, Some(&n1), Some(&n2));
+    crate::conn_rate::run(&ends, baseline, TCP_PORT + 11, targets)
 }
 
 fn baseline(what: &'static str) -> impl FnOnce(io::Error) -> BenchError {

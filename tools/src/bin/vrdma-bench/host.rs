@@ -75,6 +75,7 @@ impl Host {
         let dir = Scratch::new(&format!("bench-{host}"))?;
         let hostd = find_binary("hostd", "vrdma-hostd")?;
         dir.write("cluster.toml", cluster)?;
+        let policy = dir.write("policy.toml", BENCH_POLICY)?;
         let config = format!(
             "[fabric]\nhost = \"{host}\"\ncluster = \"cluster.toml\"\ndirectory = \"static\"\nip_mtu = 9000\n"
         );
@@ -86,6 +87,8 @@ impl Host {
         let launch = Launch::hostd(&hostd, dir.path())
             .arg("--config")
             .arg(config)
+            .arg("--policy")
+            .arg(policy)
             .args(extra)
             .netns(netns);
         let hostd = cores::on_datapath_cpu(|| launch.start()).map_err(BenchError::Cores)??;
@@ -106,7 +109,12 @@ impl Host {
             tenant,
             Some(self.hostd.socket()),
         );
-        Ok(launch.file(&format!("{tenant}-{n}")).start()?)
+        // vdev is the host's control plane, not the tenant's application:
+        // anywhere, as hostd's other threads (connection setup is its
+        // work, none of the datapath's).
+        let vdev = cores::on_every_cpu(|| launch.file(&format!("{tenant}-{n}")).start())
+            .map_err(BenchError::Cores)??;
+        Ok(vdev)
     }
 
     /// A vdev for `tenant` and its device, opened, with a CQ of
@@ -139,6 +147,17 @@ pub struct Tenant {
 }
 
 impl Tenant {
+    /// The vdev's socket (another process may open the device there too).
+    pub fn socket(&self) -> &Path {
+        self.vdev.socket()
+    }
+
+    /// The device's IPv4 address (its IPv4-mapped GID).
+    pub fn ip(&self) -> std::net::Ipv4Addr {
+        let g = self.gid;
+        std::net::Ipv4Addr::new(g[12], g[13], g[14], g[15])
+    }
+
     /// The vdev's process.
     pub fn vdev_pid(&self) -> u32 {
         self.vdev.pid()
@@ -253,6 +272,22 @@ impl<'t> Link<'t> {
         })
     }
 }
+
+/// The embedded default policy's tenants (alpha and beta in network
+/// `demo`) with room for the connection-rate test: each holds
+/// [`crate::conn_rate::CONNECTIONS`] QPs at once, beyond the default
+/// quota of 256.
+pub const BENCH_POLICY: &str = "\
+[[tenant]]
+name = \"alpha\"
+network = \"demo\"
+quotas = { max_qp = 2048 }
+
+[[tenant]]
+name = \"beta\"
+network = \"demo\"
+quotas = { max_qp = 2048 }
+";
 
 /// A policy of tenants in one network with the given classes and weights.
 pub fn policy<'a>(tenants: impl IntoIterator<Item = (&'a str, &'a str, u32)>) -> String {

@@ -10,6 +10,7 @@
 //! frontends in this process, each side of a test on its own thread.
 
 mod baselines;
+mod conn_rate;
 mod cores;
 mod cross;
 mod cross_ud;
@@ -51,6 +52,9 @@ enum Test {
     Isolation,
     /// Bandwidth shares of two flooding normal tenants weighted 1:3.
     Weights,
+    /// Connection setup rate through rdma_cm (Debian's cmtime on the
+    /// drop-in librdmacm, 1,000 connections) against TCP's.
+    ConnRate,
 }
 
 /// The flooding tenants' operation.
@@ -237,7 +241,7 @@ fn run(args: &Args, tests: &[Test], targets: &mut Targets) -> Result<()> {
     // The two-tenant tests share one hostd on its embedded default policy.
     let two_tenant = |t: &Test| !matches!(t, Test::Scale | Test::Isolation | Test::Weights);
     if tests.iter().any(two_tenant) {
-        let host = Host::start(None, &[])?;
+        let host = Host::start(Some(host::BENCH_POLICY), &[])?;
         let a = host.tenant("alpha")?;
         let b = host.tenant("beta")?;
         println!(
@@ -275,6 +279,15 @@ fn run(args: &Args, tests: &[Test], targets: &mut Targets) -> Result<()> {
             } else if test == Test::RegMr {
                 reg_mr::run(&host, args.reg_size)?;
                 reg_mr::run_app_memory(&a)?;
+            } else if test == Test::ConnRate {
+                let ends = conn_rate::Ends {
+                    label: "same host",
+                    server: (&a, None),
+                    client: (&b, None),
+                };
+                let tcp = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 7481);
+                let baseline = || conn_rate::tcp_setup_rate(tcp, None, None);
+                conn_rate::run(&ends, baseline, 7482, targets)?;
             }
         }
     }
