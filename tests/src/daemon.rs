@@ -395,25 +395,32 @@ pub fn wait_output(
 }
 
 /// Whether something listens on TCP `port` (read from /proc, so that a
-/// server's single accept is not used up by a probe).
+/// server's single accept is not used up by a probe), in the calling
+/// thread's network namespace (a thread may have joined a test host's:
+/// `netns::Host::run`).
 pub fn tcp_listening(port: u16) -> bool {
-    // thread-self: the table of the calling thread's network namespace
-    // (a thread may have joined a test host's: `netns::Host::run`).
-    ["/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"]
-        .iter()
-        .any(|f| {
-            std::fs::read_to_string(f).is_ok_and(|table| {
-                table.lines().skip(1).any(|line| {
-                    let fields: Vec<&str> = line.split_whitespace().collect();
-                    let local_port = fields
-                        .get(1)
-                        .and_then(|a| a.rsplit(':').next())
-                        .and_then(|p| u16::from_str_radix(p, 16).ok());
-                    // State 0A is LISTEN.
-                    local_port == Some(port) && fields.get(3) == Some(&"0A")
-                })
+    tcp_listening_in(
+        &["/proc/thread-self/net/tcp", "/proc/thread-self/net/tcp6"],
+        port,
+    )
+}
+
+/// Whether one of the TCP tables `tables` (files like `/proc/net/tcp`)
+/// has a socket listening on `port`.
+pub fn tcp_listening_in(tables: &[&str], port: u16) -> bool {
+    tables.iter().any(|f| {
+        std::fs::read_to_string(f).is_ok_and(|table| {
+            table.lines().skip(1).any(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                let local_port = fields
+                    .get(1)
+                    .and_then(|a| a.rsplit(':').next())
+                    .and_then(|p| u16::from_str_radix(p, 16).ok());
+                // State 0A is LISTEN.
+                local_port == Some(port) && fields.get(3) == Some(&"0A")
             })
         })
+    })
 }
 
 impl Default for IbverbsShim {

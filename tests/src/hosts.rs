@@ -20,6 +20,7 @@ use vrdma_tools::supervisor;
 use crate::daemon::{must, wait_output, Hostd, IbverbsShim, TempDir, Vdev};
 use crate::netns::Cluster;
 
+/// The tenants: alpha and gamma in network "blue", beta alone in "red".
 pub const POLICY: &str = r#"
 [[tenant]]
 name = "alpha"

@@ -26,6 +26,7 @@ pub mod hosts;
 pub mod need;
 pub mod netns;
 pub mod pyunit;
+pub mod qperf;
 pub mod rng;
 pub mod rogue;
 pub mod tenant;

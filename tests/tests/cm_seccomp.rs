@@ -10,19 +10,11 @@ use std::time::Duration;
 
 use vrdma_isolation::seccomp::SeccompMode;
 use vrdma_tests::daemon::Hostd;
+// alpha and gamma in network blue, beta alone in red.
+use vrdma_tests::hosts::POLICY;
 use vrdma_vdev::cm::{CmConfig, CmEventKind, CmOwner, CmService, ConnParam, PortSpace};
 use vrdma_vdev::fabric::Fabric;
 use vrdma_vdev::seccomp::{Role, Threads};
-
-const POLICY: &str = r#"
-[[tenant]]
-name = "alpha"
-network = "blue"
-
-[[tenant]]
-name = "gamma"
-network = "blue"
-"#;
 
 #[track_caller]
 fn expect(owner: &CmOwner, kind: CmEventKind) {

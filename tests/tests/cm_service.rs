@@ -13,26 +13,14 @@ use std::time::{Duration, Instant};
 use vrdma_cm::MessageKind;
 use vrdma_spec::verbs::QpState;
 use vrdma_tests::daemon::Hostd;
+// alpha and gamma in network blue, beta alone in red.
+use vrdma_tests::hosts::POLICY;
 use vrdma_vdev::cm::{
     CmConfig, CmEvent, CmEventKind, CmOwner, CmService, ConnParam, IdNum, IdState, PortSpace,
     ADDR_ERROR_STATUS, UNREACHABLE_STATUS,
 };
 use vrdma_vdev::fabric::Fabric;
 use vrdma_vdev::seccomp::Threads;
-
-const POLICY: &str = r#"
-[[tenant]]
-name = "alpha"
-network = "blue"
-
-[[tenant]]
-name = "gamma"
-network = "blue"
-
-[[tenant]]
-name = "beta"
-network = "red"
-"#;
 
 const WAIT: Duration = Duration::from_secs(5);
 

@@ -10,21 +10,9 @@ use std::time::{Duration, Instant};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
 use vrdma_hostd_protocol::messages::{MadOut, Request};
 use vrdma_tests::daemon::Hostd;
+// alpha and gamma in network blue, beta alone in red.
+use vrdma_tests::hosts::POLICY;
 use vrdma_tests::rogue::{Answer, RogueVdev};
-
-const POLICY: &str = r#"
-[[tenant]]
-name = "alpha"
-network = "blue"
-
-[[tenant]]
-name = "gamma"
-network = "blue"
-
-[[tenant]]
-name = "beta"
-network = "red"
-"#;
 
 /// A REQ-shaped CM MAD (base version 1, class 0x07, method SEND,
 /// attribute 0x0010) carrying `tag`.

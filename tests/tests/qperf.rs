@@ -16,36 +16,9 @@ use std::time::{Duration, Instant};
 use vrdma_tests::c_program::build_c_program;
 use vrdma_tests::daemon::{tcp_listening, Hostd, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::need;
+use vrdma_tests::qperf;
 use vrdma_tests::tenant::blue_and_red;
 use vrdma_tests::two_tenants::{finish, next_port, run_one, run_pair, serial, Fabric};
-
-/// Every RC, UC and UD test of qperf 0.4.11 (`qperf --help tests`: RDMA
-/// send/receive, RDMA, InfiniBand atomics and their verification). The
-/// XRC tests are left out: Debian's qperf is built without XRC
-/// (`xrc_bw: bad test`), and vrdma has no XRC.
-const QPERF_TESTS: [&str; 21] = [
-    "rc_bi_bw",
-    "rc_bw",
-    "rc_compare_swap_mr",
-    "rc_fetch_add_mr",
-    "rc_lat",
-    "rc_rdma_read_bw",
-    "rc_rdma_read_lat",
-    "rc_rdma_write_bw",
-    "rc_rdma_write_lat",
-    "rc_rdma_write_poll_lat",
-    "uc_bi_bw",
-    "uc_bw",
-    "uc_lat",
-    "uc_rdma_write_bw",
-    "uc_rdma_write_lat",
-    "uc_rdma_write_poll_lat",
-    "ud_bi_bw",
-    "ud_bw",
-    "ud_lat",
-    "ver_rc_compare_swap",
-    "ver_rc_fetch_add",
-];
 
 /// hostd with InfiniBand ports, enforcing `policy` (the default one
 /// without).
@@ -59,46 +32,6 @@ fn ib_fabric() -> Fabric {
     let alpha = Vdev::on_hostd(&hostd, "alpha", &[]);
     let beta = Vdev::on_hostd(&hostd, "beta", &[]);
     Fabric { alpha, beta, hostd }
-}
-
-/// The figures qperf reported, by test: `name:` lines, each followed by
-/// `    key  =  value unit` lines. Any other line (an error) fails the test.
-fn qperf_results(text: &str) -> BTreeMap<String, Vec<(String, f64)>> {
-    let mut results: BTreeMap<String, Vec<(String, f64)>> = BTreeMap::new();
-    let mut current = None;
-    for line in text.lines().filter(|l| !l.trim().is_empty()) {
-        if let Some(test) = line.strip_suffix(':').filter(|t| !t.contains(' ')) {
-            results.entry(test.to_owned()).or_default();
-            current = Some(test.to_owned());
-            continue;
-        }
-        let figure = line.split_once('=').and_then(|(key, value)| {
-            let value = value.split_whitespace().next()?.parse::<f64>().ok()?;
-            Some((key.trim().to_owned(), value))
-        });
-        match (figure, &current) {
-            (Some(figure), Some(test)) if line.starts_with("    ") => {
-                results.entry(test.clone()).or_default().push(figure);
-            }
-            _ => panic!("qperf printed {line:?}, which is no result:\n{text}"),
-        }
-    }
-    results
-}
-
-/// The figures a qperf test reports: a bandwidth (RC: `bw`; UC and UD,
-/// whose receiver may lose messages: `send_bw` and `recv_bw`), a latency
-/// or a message rate.
-fn expected_figures(test: &str) -> &'static [&'static str] {
-    if test.ends_with("_lat") {
-        &["latency"]
-    } else if test.ends_with("_mr") || test.starts_with("ver_") {
-        &["msg_rate"]
-    } else if test.starts_with("rc_") {
-        &["bw"]
-    } else {
-        &["send_bw", "recv_bw"]
-    }
 }
 
 /// Successful work requests of `tenant` by kind, from hostd's stats.
@@ -131,12 +64,12 @@ fn qperf_runs_every_rc_uc_and_ud_test_in_one_client_run() {
     let client = shim
         .command("qperf", &fabric.alpha.socket)
         .args(["127.0.0.1", "--listen_port", &port, "--time", "1"])
-        .args(QPERF_TESTS)
+        .args(qperf::TESTS)
         // Ends the server once every test ran.
         .arg("quit")
         .spawn()
         .expect("spawn the qperf client");
-    let what = format!("qperf {}", QPERF_TESTS.join(" "));
+    let what = format!("qperf {}", qperf::TESTS.join(" "));
     let text = finish(client, &what, Duration::from_secs(120), || fabric.logs());
     let server_text = finish(server, "qperf server", Duration::from_secs(20), || {
         fabric.logs()
@@ -145,23 +78,7 @@ fn qperf_runs_every_rc_uc_and_ud_test_in_one_client_run() {
         server_text.trim().is_empty(),
         "the server reported:\n{server_text}"
     );
-    let mut results = qperf_results(&text);
-    // `quit` (the server's end) reports nothing.
-    assert_eq!(results.remove("quit"), Some(vec![]), "{text}");
-    let ran: Vec<_> = results.keys().map(String::as_str).collect();
-    let mut wanted = QPERF_TESTS.to_vec();
-    wanted.sort_unstable();
-    assert_eq!(ran, wanted, "every test reported once:\n{text}");
-    for (test, figures) in &results {
-        for key in expected_figures(test) {
-            let value = figures
-                .iter()
-                .find(|(k, _)| k == key)
-                .map(|&(_, v)| v)
-                .unwrap_or_else(|| panic!("{test}: no {key}:\n{text}"));
-            assert!(value > 0.0, "{test}: {key} = {value}:\n{text}");
-        }
-    }
+    qperf::assert_every_figure(&text, qperf::TESTS);
     // hostd moved the tests' work: the client sent, wrote, read, did
     // atomics and received (the latency tests' replies); the server
     // received, replied and wrote back.

@@ -23,6 +23,7 @@ use vrdma_tests::c_program::build_rdmacm_program;
 use vrdma_tests::daemon::{tcp_listening, wait_output, IbverbsShim, TempDir};
 use vrdma_tests::hosts::Fabric;
 use vrdma_tests::need;
+use vrdma_tests::qperf;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -404,27 +405,12 @@ fn perftest_connects_through_rdma_cm() {
     }
 }
 
-/// Every RC test of qperf 0.4.11 (`qperf --help tests`), which it runs
-/// through rdma_cm with `-cm1`. Its UC and UD tests cannot run on any RoCE
-/// port: qperf uses rdma_cm for RC only (`rd_params` sets `use_cm` to 0
-/// for every other transport) and addresses the peer by LID without a
-/// GRH, which a RoCE device refuses (`EINVAL`: RoCE needs a GRH), as
-/// Linux's ib core does for rxe and every RoCE NIC. tests/tests/qperf.rs
-/// runs all 21 of them on InfiniBand ports.
-const QPERF_RC_TESTS: [&str; 12] = [
-    "rc_bi_bw",
-    "rc_bw",
-    "rc_compare_swap_mr",
-    "rc_fetch_add_mr",
-    "rc_lat",
-    "rc_rdma_read_bw",
-    "rc_rdma_read_lat",
-    "rc_rdma_write_bw",
-    "rc_rdma_write_lat",
-    "rc_rdma_write_poll_lat",
-    "ver_rc_compare_swap",
-    "ver_rc_fetch_add",
-];
+// qperf's RC tests (`vrdma_tests::qperf::rc_tests`): its UC and UD tests
+// cannot run on any RoCE port: qperf uses rdma_cm for RC only
+// (`rd_params` sets `use_cm` to 0 for every other transport) and
+// addresses the peer by LID without a GRH, which a RoCE device refuses
+// (`EINVAL`: RoCE needs a GRH), as Linux's ib core does for rxe and every
+// RoCE NIC. tests/tests/qperf.rs runs all 21 of them on InfiniBand ports.
 
 #[test]
 fn qperf_runs_every_rc_test_on_roce_ports_through_rdma_cm() {
@@ -436,7 +422,7 @@ fn qperf_runs_every_rc_test_on_roce_ports_through_rdma_cm() {
         let port = next_port();
         let p = port.to_string();
         let mut client = strings(&[&ip, "--listen_port", &p, "-cm1", "--time", "1"]);
-        client.extend(strings(&QPERF_RC_TESTS));
+        client.extend(qperf::rc_tests().map(String::from));
         client.push("quit".into());
         let r = t.pair(
             placement,
@@ -451,20 +437,7 @@ fn qperf_runs_every_rc_test_on_roce_ports_through_rdma_cm() {
             "the server reported:\n{}",
             r.server
         );
-        for test in QPERF_RC_TESTS {
-            // Each test's name line, then its figures (all non-zero).
-            let figures: Vec<f64> = (r.client.lines())
-                .skip_while(|l| *l != format!("{test}:"))
-                .skip(1)
-                .take_while(|l| l.starts_with(' '))
-                .filter_map(|l| l.split('=').nth(1)?.split_whitespace().next()?.parse().ok())
-                .collect();
-            assert!(
-                !figures.is_empty() && figures.iter().all(|&v| v > 0.0),
-                "qperf {test} ({placement:?}):\n{}",
-                r.client
-            );
-        }
+        qperf::assert_every_figure(&r.client, qperf::rc_tests());
     }
 }
 

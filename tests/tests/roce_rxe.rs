@@ -489,17 +489,7 @@ impl Sides {
 /// Whether process `pid` listens on TCP `port`, as its own network
 /// namespace shows it (`/proc/PID/net/tcp`).
 fn listening(pid: u32, port: u16) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).is_ok_and(|table| {
-        table.lines().skip(1).any(|line| {
-            let fields: Vec<&str> = line.split_whitespace().collect();
-            let local_port = fields
-                .get(1)
-                .and_then(|a| a.rsplit(':').next())
-                .and_then(|p| u16::from_str_radix(p, 16).ok());
-            // State 0A is LISTEN.
-            local_port == Some(port) && fields.get(3) == Some(&"0A")
-        })
-    })
+    vrdma_tests::daemon::tcp_listening_in(&[&format!("/proc/{pid}/net/tcp")], port)
 }
 
 fn strings(args: &[&str]) -> Vec<String> {

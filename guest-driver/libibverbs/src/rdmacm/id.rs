@@ -254,23 +254,27 @@ impl Id {
         Ok(())
     }
 
+    /// Acknowledges the event a synchronous call left in `id->event` (the
+    /// last one it waited for), as rdma-core's library does before the
+    /// ID's next call and when the ID is destroyed.
+    pub(crate) fn ack_held_event(&self) {
+        let held = std::mem::replace(&mut self.cm_mut().event, std::ptr::null_mut());
+        if !held.is_null() {
+            // SAFETY: an event this library reported for the ID.
+            unsafe { event::rdma_ack_cm_event(held) };
+        }
+    }
+
     /// For a synchronous ID: waits for the event the call just started
     /// (rdma-core's `ucma_complete`), keeping it in `id->event`.
     pub(crate) fn complete(&self) -> VResult<()> {
         if !lock(&self.st).sync {
             return Ok(());
         }
-        let me = std::ptr::from_ref(self).cast_mut();
-        // SAFETY: as in `place`.
-        let held = unsafe { std::mem::replace(&mut (*me).cm_mut().event, std::ptr::null_mut()) };
-        if !held.is_null() {
-            // SAFETY: an event this library reported.
-            unsafe { event::rdma_ack_cm_event(held) };
-        }
+        self.ack_held_event();
         let mut out: *mut rdma_cm_event = std::ptr::null_mut();
         event::get_event(self.cm().channel, &mut out)?;
-        // SAFETY: as above.
-        unsafe { (*me).cm_mut().event = out };
+        self.cm_mut().event = out;
         // SAFETY: an event just reported.
         let e = unsafe { &*out };
         match e.status {
@@ -524,11 +528,7 @@ pub(crate) fn destroy(id: *mut rdma_cm_id) -> VResult<()> {
             }
         }
     }
-    let held = our.cm().event;
-    if !held.is_null() {
-        // SAFETY: an event this library reported for the ID.
-        unsafe { event::rdma_ack_cm_event(held) };
-    }
+    our.ack_held_event();
     {
         let mut c = lock(&our.counts);
         while c.acked < c.reported {
@@ -647,6 +647,17 @@ pub unsafe extern "C" fn rdma_listen(id: *mut rdma_cm_id, backlog: i32) -> i32 {
     })
 }
 
+/// A depth of `rdma_conn_param` (`initiator_depth`,
+/// `responder_resources`): the application's, unless it is absent or
+/// rdma_cm's "as much as the device allows" (`max_marker`, e.g.
+/// `RDMA_MAX_INIT_DEPTH`); then `otherwise`.
+fn depth(asked: Option<u8>, max_marker: u32, otherwise: u8) -> u8 {
+    match asked {
+        Some(v) if u32::from(v) != max_marker => v,
+        _ => otherwise,
+    }
+}
+
 /// `rdma_connect`.
 ///
 /// # Safety
@@ -663,16 +674,16 @@ pub unsafe extern "C" fn rdma_connect(
         id.valid_param(p, d)?;
         {
             let mut st = lock(&id.st);
-            st.initiator_depth = match p {
-                Some(p) if u32::from(p.initiator_depth) != RDMA_MAX_INIT_DEPTH => p.initiator_depth,
-                _ => d.max_initiator_depth,
-            };
-            st.responder_resources = match p {
-                Some(p) if u32::from(p.responder_resources) != RDMA_MAX_RESP_RES => {
-                    p.responder_resources
-                }
-                _ => d.max_responder_resources,
-            };
+            st.initiator_depth = depth(
+                p.map(|p| p.initiator_depth),
+                RDMA_MAX_INIT_DEPTH,
+                d.max_initiator_depth,
+            );
+            st.responder_resources = depth(
+                p.map(|p| p.responder_resources),
+                RDMA_MAX_RESP_RES,
+                d.max_responder_resources,
+            );
             st.active = true;
         }
         let (qp_num, srq) = if id.cm().qp.is_null() {
@@ -702,16 +713,18 @@ pub unsafe extern "C" fn rdma_accept(id: *mut rdma_cm_id, conn_param: *mut rdma_
         let (qp_num, srq) = id.qp_num_srq(p)?;
         let (rr, depth) = {
             let mut st = lock(&id.st);
-            st.initiator_depth = match p {
-                Some(p) if u32::from(p.initiator_depth) != RDMA_MAX_INIT_DEPTH => p.initiator_depth,
-                _ => st.initiator_depth.min(d.max_initiator_depth),
-            };
-            st.responder_resources = match p {
-                Some(p) if u32::from(p.responder_resources) != RDMA_MAX_RESP_RES => {
-                    p.responder_resources
-                }
-                _ => st.responder_resources.min(d.max_responder_resources),
-            };
+            // Unless the application says: what the request asked, within
+            // the device's limits.
+            st.initiator_depth = depth(
+                p.map(|p| p.initiator_depth),
+                RDMA_MAX_INIT_DEPTH,
+                st.initiator_depth.min(d.max_initiator_depth),
+            );
+            st.responder_resources = depth(
+                p.map(|p| p.responder_resources),
+                RDMA_MAX_RESP_RES,
+                st.responder_resources.min(d.max_responder_resources),
+            );
             (st.responder_resources, st.initiator_depth)
         };
         let ud = id.cm().qp_type == IBV_QPT_UD;
@@ -726,15 +739,8 @@ pub unsafe extern "C" fn rdma_accept(id: *mut rdma_cm_id, conn_param: *mut rdma_
             return Err(crate::ffi::errno_of(&e));
         }
         if ud {
-            let me = std::ptr::from_ref(id).cast_mut();
             if lock(&id.st).sync {
-                // SAFETY: as in `Id::place`.
-                let held =
-                    unsafe { std::mem::replace(&mut (*me).cm_mut().event, std::ptr::null_mut()) };
-                if !held.is_null() {
-                    // SAFETY: an event this library reported.
-                    unsafe { event::rdma_ack_cm_event(held) };
-                }
+                id.ack_held_event();
             }
             return Ok(());
         }
@@ -917,13 +923,7 @@ pub unsafe extern "C" fn rdma_migrate_id(
                 new_ch.push(p);
             }
             if was_sync {
-                // SAFETY: as in `Id::place`.
-                let held =
-                    unsafe { std::mem::replace(&mut (*me).cm_mut().event, std::ptr::null_mut()) };
-                if !held.is_null() {
-                    // SAFETY: an event this library reported.
-                    unsafe { event::rdma_ack_cm_event(held) };
-                }
+                our.ack_held_event();
             }
             let old = our.cm().channel;
             // SAFETY: as in `Id::place`.
@@ -958,12 +958,7 @@ pub unsafe extern "C" fn rdma_get_request(
             return Err(libc::EINVAL);
         }
         let me = std::ptr::from_ref(l).cast_mut();
-        // SAFETY: as in `Id::place`.
-        let held = unsafe { std::mem::replace(&mut (*me).cm_mut().event, std::ptr::null_mut()) };
-        if !held.is_null() {
-            // SAFETY: an event this library reported.
-            unsafe { event::rdma_ack_cm_event(held) };
-        }
+        l.ack_held_event();
         let mut ev: *mut rdma_cm_event = std::ptr::null_mut();
         event::get_event(l.cm().channel, &mut ev)?;
         // SAFETY: an event just reported.
