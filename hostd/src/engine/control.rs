@@ -482,6 +482,7 @@ impl Engine {
             queued: false,
             turn_left: 0,
             rq_done,
+            rq_seen: rq_done,
             rq_head: Box::default(),
             has_rq_head: false,
             rq_taken: 0,
@@ -627,6 +628,7 @@ impl Engine {
             qp.sq_done = qp.sq.driver_index().unwrap_or(qp.sq_done);
             qp.rq_done = qp.rq.driver_index().unwrap_or(qp.rq_done);
             qp.sq_seen = qp.sq_done;
+            qp.rq_seen = qp.rq_done;
             qp.sq.restart_device_line(qp.sq_done);
             qp.rq.restart_device_line(qp.rq_done);
         }

@@ -314,6 +314,12 @@ pub struct Engine {
     spare: Option<Box<SendWork>>,
     /// Doorbell indices taken in one round.
     rung: Vec<u32>,
+    /// Inside a round: CQEs are written at once and shown to the driver
+    /// at the round's end (`publish_completions`).
+    batching: bool,
+    /// CQs written in this round and not yet published: (device slab
+    /// index, CQ index).
+    unpublished: Vec<(usize, usize)>,
     /// The network, for QPs connected to other hosts.
     wire: Option<Box<wire::Wire>>,
     /// The port's active MTU in bytes: the largest UD message.
@@ -346,6 +352,8 @@ impl Engine {
             generation: 0,
             spare: Some(Box::default()),
             rung: Vec::new(),
+            batching: false,
+            unpublished: Vec::new(),
             wire: None,
             port_mtu: 4096,
         }
@@ -449,6 +457,7 @@ impl Engine {
     /// [`ROUND_OPS`] WQEs and [`ROUND_BYTES`] bytes.
     pub fn round(&mut self, mine: &[DeviceId], now: Instant) -> Round {
         let mut round = Round::default();
+        self.batching = true;
         round.worked |= self.wire_receive(now);
         for &id in mine {
             round.worked |= self.take_doorbells(id, now);
@@ -477,7 +486,12 @@ impl Engine {
                 Pick::Idle => break,
             }
         }
+        // Before the packets go: a ping-pong's completion is not held
+        // behind the send system call.
+        self.publish_completions();
         let (wire_due, wire_busy) = self.wire_send(now);
+        self.publish_completions();
+        self.batching = false;
         round.busy = round.preempted
             || ((ops >= ROUND_OPS || bytes >= ROUND_BYTES) && self.sched.has_work())
             || !self.flushing.is_empty()
@@ -823,7 +837,8 @@ impl Engine {
         if lost || (status == WcStatus::Success && !signaled) {
             return;
         }
-        post_cqe(dev, cq, &cqe, guest::solicits(status));
+        // Shown at once: a sender's window waits on it.
+        self.post_cqe(di, cq, &cqe, guest::solicits(status), false);
     }
 
     /// Writes a receive completion of `qref` and counts it.
@@ -847,8 +862,51 @@ impl Engine {
         dev.counters.count(cqe);
         if !lost {
             let status = WcStatus::try_from(cqe.status).unwrap_or(WcStatus::GeneralErr);
-            post_cqe(dev, cq, cqe, solicited || guest::solicits(status));
+            self.post_cqe(di, cq, cqe, solicited || guest::solicits(status), true);
         }
+    }
+
+    /// Writes `cqe` into CQ `cq` of device `di`: shown to the driver at
+    /// once, or (`later`, inside a round) at the round's end, with its
+    /// event if due.
+    fn post_cqe(&mut self, di: usize, cq: usize, cqe: &Cqe, solicited: bool, later: bool) {
+        let batching = self.batching && later;
+        let Some(dev) = self.devices.at_mut(di) else {
+            return;
+        };
+        let Device {
+            cqs, eqs, tenant, ..
+        } = dev;
+        let Some(c) = cqs.get_mut(cq) else {
+            return;
+        };
+        let written = if batching {
+            guest::complete_later(c, eqs, cqe, solicited)
+        } else {
+            guest::complete(c, eqs, cqe, solicited)
+        };
+        if !written && !c.lost {
+            tracing::debug!(tenant = %tenant, cqn = c.cqn, "CQ overrun: completion lost");
+        }
+        if written && batching && !c.publish_queued {
+            c.publish_queued = true;
+            self.unpublished.push((di, cq));
+        }
+    }
+
+    /// Shows the driver every CQE written in this round, and posts the
+    /// events they are due.
+    fn publish_completions(&mut self) {
+        let mut list = std::mem::take(&mut self.unpublished);
+        for (di, cq) in list.drain(..) {
+            if let Some(dev) = self.devices.at_mut(di) {
+                let Device { cqs, eqs, .. } = dev;
+                if let Some(c) = cqs.get_mut(cq) {
+                    guest::publish(c, eqs);
+                }
+            }
+        }
+        self.unpublished = list;
     }
 
     /// Moves QP `qref` to ERR: flags its rings, takes it off its pQP and
@@ -994,18 +1052,6 @@ impl Engine {
             qp.peer = Some((peer, serial));
         }
         Some(peer)
-    }
-}
-
-/// Writes `cqe` into CQ `cq` of `dev` (and its event, if due).
-fn post_cqe(dev: &mut Device, cq: usize, cqe: &Cqe, solicited: bool) {
-    let Device {
-        cqs, eqs, tenant, ..
-    } = dev;
-    if let Some(cq) = cqs.get_mut(cq) {
-        if !guest::complete(cq, eqs, cqe, solicited) && !cq.lost {
-            tracing::debug!(tenant = %tenant, cqn = cq.cqn, "CQ overrun: completion lost");
-        }
     }
 }
 

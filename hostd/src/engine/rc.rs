@@ -143,6 +143,11 @@ pub struct Qp {
     pub turn_left: u32,
     /// Receives completed (the receive ring's `device.index`).
     pub rq_done: u32,
+    /// The driver's producer index of the receive ring as last read:
+    /// while it is ahead of `rq_done` a receive is known to be there and
+    /// the index (a line the driver's core writes at every post) is not
+    /// read again.
+    pub rq_seen: u32,
     /// The receive at `rq_done`, when `has_rq_head`.
     pub rq_head: Box<RecvWork>,
     pub has_rq_head: bool,
@@ -692,9 +697,19 @@ impl Engine {
         if let Some(srq) = p.srq {
             return self.srq_has_receive(peer, srq);
         }
-        match p.rq_pending() {
-            Some(n) => n > 0,
-            None => {
+        let known = p.rq_seen.wrapping_sub(p.rq_done);
+        if known > 0 && known <= p.rq.depth() {
+            return true;
+        }
+        let done = p.rq_done;
+        match p.rq.driver_index() {
+            Some(producer) if producer.wrapping_sub(done) <= p.rq.depth() => {
+                if let Some(p) = self.qps.get_mut(peer) {
+                    p.rq_seen = producer;
+                }
+                producer != done
+            }
+            _ => {
                 self.fail_qp(peer, true, "receive ring producer index beyond the ring");
                 false
             }

@@ -727,6 +727,15 @@ pub struct Cq {
     /// Completion vector of its events.
     pub vector: u32,
     producer: u32,
+    /// The producer index the driver was last shown (`device.index`):
+    /// inside a datapath round CQEs are written at once and published
+    /// together at its end ([`Cq::publish`]), one index store, fence and
+    /// arm check per CQ and round instead of per CQE.
+    published: u32,
+    /// A CQE written since the last publication wakes a solicited arm.
+    solicited_pending: bool,
+    /// It is on the engine's list of CQs to publish.
+    pub publish_queued: bool,
     /// The driver's consumer index as last read: while it leaves room the
     /// index (a line the driver's core writes) is not read again (it only
     /// moves forward, so a stale value under-estimates the room).
@@ -764,6 +773,7 @@ impl Cq {
         let producer = producer.unwrap_or(0);
         Cq {
             producer,
+            published: producer,
             // Unknown: read at the first completion.
             seen_consumer: producer.wrapping_sub(ring.depth()),
             notified_sn: notified_sn.unwrap_or(0),
@@ -777,6 +787,9 @@ impl Cq {
             ring,
             vector,
             producer: 0,
+            published: 0,
+            solicited_pending: false,
+            publish_queued: false,
             seen_consumer: 0,
             notified_sn: 0,
             overrun: false,
@@ -795,6 +808,13 @@ impl Cq {
     /// wakes a CQ armed for solicited events (a solicited message, or an
     /// error).
     pub fn post(&mut self, cqe: &Cqe, solicited: bool) -> Result<Option<u32>, CqFull> {
+        self.write(cqe, solicited)?;
+        Ok(self.publish())
+    }
+
+    /// Writes `cqe` into the ring without showing it to the driver yet
+    /// ([`Cq::publish`] does), or says why it could not.
+    pub fn write(&mut self, cqe: &Cqe, solicited: bool) -> Result<(), CqFull> {
         if self.lost {
             return Err(CqFull::Lost);
         }
@@ -811,6 +831,19 @@ impl Cq {
             return Err(CqFull::Lost);
         }
         self.producer = self.producer.wrapping_add(1);
+        self.solicited_pending |= solicited;
+        Ok(())
+    }
+
+    /// Shows the driver every CQE written so far (`device.index`, release);
+    /// returns the CQN if an event is due (the CQ is armed for one of
+    /// them).
+    pub fn publish(&mut self) -> Option<u32> {
+        if self.producer == self.published || self.lost {
+            return None;
+        }
+        self.published = self.producer;
+        let solicited = std::mem::take(&mut self.solicited_pending);
         self.ring.set_device_index(self.producer);
         // The CQE is visible before the arm word is read: a driver that
         // arms and then polls finds it, or we see its arm.
@@ -823,11 +856,11 @@ impl Cq {
             _ => false,
         };
         if !fire || sn == self.notified_sn {
-            return Ok(None);
+            return None;
         }
         self.notified_sn = sn;
         self.ring.set_notified_sn(sn);
-        Ok(Some(self.cqn))
+        Some(self.cqn)
     }
 
     /// Notes an overrun; true the first time (its CQ_ERROR event is due).
@@ -910,13 +943,43 @@ pub fn complete(cq: &mut Cq, eqs: &mut [Option<EventRing>], cqe: &Cqe, solicited
             }
             true
         }
-        Err(CqFull::Overrun) => {
+        Err(full) => failed(cq, eqs, full),
+    }
+}
+
+/// Writes `cqe` on `cq` for a later [`publish`]; returns whether it was
+/// written.
+pub fn complete_later(
+    cq: &mut Cq,
+    eqs: &mut [Option<EventRing>],
+    cqe: &Cqe,
+    solicited: bool,
+) -> bool {
+    match cq.write(cqe, solicited) {
+        Ok(()) => true,
+        Err(full) => failed(cq, eqs, full),
+    }
+}
+
+/// Shows the driver what `cq` completed, and posts its event if due.
+pub fn publish(cq: &mut Cq, eqs: &mut [Option<EventRing>]) {
+    cq.publish_queued = false;
+    if let Some(cqn) = cq.publish() {
+        post_event(eqs, cq.vector, event_kind::COMPLETION, cqn);
+    }
+}
+
+/// A CQE that `cq` could not take: its CQ_ERROR event the first time it
+/// overran. Always false (nothing written).
+fn failed(cq: &mut Cq, eqs: &mut [Option<EventRing>], full: CqFull) -> bool {
+    match full {
+        CqFull::Overrun => {
             if cq.overran() {
                 post_event(eqs, cq.vector, event_kind::CQ_ERROR, cq.cqn);
             }
             false
         }
-        Err(CqFull::Lost) => false,
+        CqFull::Lost => false,
     }
 }
 
