@@ -703,3 +703,74 @@ fn a_thousand_connect_disconnect_cycles_leave_the_counters_where_they_started() 
         );
     }
 }
+
+/// A server listening on the wildcard address listens on every device of
+/// its process, as on Linux: ucmatose serving h1's alpha and gamma devices
+/// at once accepts a connection to each device's address (from h2's
+/// alpha and h2's gamma), each placed on the device it came to.
+#[test]
+fn a_wildcard_listener_serves_every_device_of_its_process() {
+    need::program("ucmatose", "rdmacm-utils");
+    let _one = serial();
+    let t = Setup::start();
+    let port = next_port();
+    let p = port.to_string();
+    let (alpha, gamma) = ((1, "alpha"), (1, "gamma"));
+    let before = [t.listens(alpha, port), t.listens(gamma, port)];
+    let both = format!(
+        "{},{}",
+        t.fabric.device(1, "alpha").display(),
+        t.fabric.device(1, "gamma").display()
+    );
+    let out = |tag: &str, ext: &str| {
+        std::fs::File::create(t.out.path().join(format!("{tag}.{ext}"))).expect("output file")
+    };
+    let server = t
+        .command(alpha, "ucmatose")
+        .env("VRDMA_DEVICES", &both)
+        .args(["-p", &p, "-c", "2"])
+        .stdout(out("both", "out"))
+        .stderr(out("both", "err"))
+        .spawn()
+        .expect("start ucmatose");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while t.listens(alpha, port) == before[0] || t.listens(gamma, port) == before[1] {
+        assert!(
+            Instant::now() < deadline,
+            "the server never listened on both devices"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let clients: Vec<_> = [
+        (2, "alpha", Fabric::ip(1, "alpha")),
+        (2, "gamma", Fabric::ip(1, "gamma")),
+    ]
+    .into_iter()
+    .map(|(host, tenant, to)| {
+        let tag = format!("to-{to}");
+        let child = t.spawn(
+            (host, tenant),
+            "ucmatose",
+            &strings(&["-s", &to.to_string(), "-p", &p, "-c", "1"]),
+            &tag,
+        );
+        (tag, child)
+    })
+    .collect();
+    for (tag, child) in clients {
+        let (o, killed) = wait_output(child, Duration::from_secs(60));
+        let text = t.output(&tag);
+        assert!(
+            o.status.success() && !killed && text.contains("return status 0"),
+            "client {tag}:\n{text}\n--- server:\n{}\n{}",
+            t.output("both"),
+            t.fabric.logs()
+        );
+    }
+    let (o, killed) = wait_output(server, Duration::from_secs(20));
+    let text = t.output("both");
+    assert!(
+        o.status.success() && !killed && text.contains("data transfers complete"),
+        "the server of both devices:\n{text}"
+    );
+}

@@ -39,6 +39,10 @@ use crate::ffi::{non_null, VResult};
 pub(crate) struct IdState {
     /// The device (index of [`devices::all`]) and the device's CM ID.
     pub(crate) placed: Option<(usize, CmId)>,
+    /// A listener on the wildcard address listens on every device, as
+    /// Linux's rdma_cm does (`cma_listen_on_all`): its CM IDs on the
+    /// devices other than the one it is placed on.
+    pub(crate) also_listening: Vec<(usize, CmId)>,
     pub(crate) sync: bool,
     /// `rdma_connect` was called: the active side.
     pub(crate) active: bool,
@@ -160,8 +164,11 @@ impl Id {
         let id = Id::alloc(channel, l.cm().context, l.cm().ps, l.cm().qp_type)?;
         // SAFETY: just made.
         let new = unsafe { &mut *id };
-        new.cm_mut().verbs = l.cm().verbs;
-        new.cm_mut().pd = l.cm().pd;
+        // The device the request came to: a wildcard listener listens on
+        // every device, and the connection is that device's.
+        let d = devices::get(dev)?;
+        new.cm_mut().verbs = d.verbs;
+        new.cm_mut().pd = d.pd;
         new.cm_mut().port_num = 1;
         lock(&new.st).placed = Some((dev, child));
         Ok(id)
@@ -173,6 +180,53 @@ impl Id {
         Ok((d, d.cm.as_ref().ok_or(libc::ENODEV)?, id))
     }
 
+    /// A wildcard listener on port `port` also listens on every other
+    /// device with a connection manager: a request to any of the
+    /// process's addresses reaches it, and its new ID is placed on the
+    /// device the request came to. A device that cannot listen there (the
+    /// port taken) fails the listen, as in Linux; what was set up is
+    /// undone.
+    fn listen_on_other_devices(&self, port: u16, backlog: u32) -> VResult<()> {
+        let Some((home, _)) = lock(&self.st).placed else {
+            return Err(libc::EINVAL);
+        };
+        let qp_type = self.device_qp_type();
+        let me = std::ptr::from_ref(self).cast_mut();
+        for (dev, d) in devices::all().iter().enumerate() {
+            let Some(cm) = d.cm.as_ref().filter(|_| dev != home) else {
+                continue;
+            };
+            let listening = cm.create_id(self.cm().ps, qp_type).and_then(|cm_id| {
+                lock(&self.st).also_listening.push((dev, cm_id));
+                lock(&ROUTES).0.insert((dev, cm_id.0), me);
+                cm.bind_addr(cm_id, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port))?;
+                cm.listen(cm_id, backlog)
+            });
+            if let Err(e) = listening {
+                for (dev, cm_id) in std::mem::take(&mut lock(&self.st).also_listening) {
+                    lock(&ROUTES).0.remove(&(dev, cm_id.0));
+                    if let Some(cm) = devices::get(dev).ok().and_then(|d| d.cm.as_ref()) {
+                        let _ = cm.destroy_id(cm_id);
+                    }
+                }
+                return Err(crate::ffi::errno_of(&e));
+            }
+        }
+        Ok(())
+    }
+
+    /// The QP type a device CM ID of this ID's port space is created
+    /// with: only `RDMA_PS_IB` IDs say.
+    fn device_qp_type(&self) -> Option<QpType> {
+        (self.cm().ps == RDMA_PS_IB).then(|| {
+            if self.cm().qp_type == IBV_QPT_UD {
+                QpType::Ud
+            } else {
+                QpType::Rc
+            }
+        })
+    }
+
     /// Places the ID on device `dev` (a no-op if it is there already;
     /// EINVAL if it is on another).
     fn place(&self, dev: usize) -> VResult<()> {
@@ -181,15 +235,8 @@ impl Id {
         }
         let d = devices::get(dev)?;
         let cm = d.cm.as_ref().ok_or(libc::ENODEV)?;
-        let qp_type = (self.cm().ps == RDMA_PS_IB).then(|| {
-            if self.cm().qp_type == IBV_QPT_UD {
-                QpType::Ud
-            } else {
-                QpType::Rc
-            }
-        });
         let cm_id = cm
-            .create_id(self.cm().ps, qp_type)
+            .create_id(self.cm().ps, self.device_qp_type())
             .map_err(|e| crate::ffi::errno_of(&e))?;
         lock(&self.st).placed = Some((dev, cm_id));
         let me = std::ptr::from_ref(self).cast_mut();
@@ -509,8 +556,11 @@ pub unsafe extern "C" fn rdma_destroy_id(id: *mut rdma_cm_id) -> i32 {
 pub(crate) fn destroy(id: *mut rdma_cm_id) -> VResult<()> {
     // SAFETY: the caller passes a live ID.
     let our = unsafe { Id::from_raw(id)? };
-    let placed = lock(&our.st).placed;
-    if let Some((dev, cm_id)) = placed {
+    let (placed, also) = {
+        let mut st = lock(&our.st);
+        (st.placed, std::mem::take(&mut st.also_listening))
+    };
+    for (dev, cm_id) in placed.into_iter().chain(also) {
         lock(&ROUTES).0.remove(&(dev, cm_id.0));
         if let Some(cm) = devices::get(dev).ok().and_then(|d| d.cm.as_ref()) {
             if let Err(e) = cm.destroy_id(cm_id) {
@@ -640,10 +690,18 @@ pub unsafe extern "C" fn rdma_listen(id: *mut rdma_cm_id, backlog: i32) -> i32 {
         if lock(&id.st).placed.is_none() {
             id.place(devices::default_index()?)?;
         }
+        let backlog = u32::try_from(backlog.max(0)).unwrap_or(0);
         let (_, cm, cm_id) = id.placed()?;
-        cm.listen(cm_id, u32::try_from(backlog.max(0)).unwrap_or(0))
+        cm.listen(cm_id, backlog)
             .map_err(|e| crate::ffi::errno_of(&e))?;
-        id.refresh()
+        id.refresh()?;
+        // SAFETY: `refresh` just wrote the bound address, an IPv4 one,
+        // into the union (vrdma's devices have IPv4 addresses only).
+        let bound = unsafe { id.cm().route.addr.__bindgen_anon_1.src_sin };
+        if bound.sin_addr.s_addr == 0 {
+            id.listen_on_other_devices(u16::from_be(bound.sin_port), backlog)?;
+        }
+        Ok(())
     })
 }
 
