@@ -94,6 +94,15 @@ pub struct Vdev {
 }
 
 impl Vdev {
+    /// How many rdma_cm listens on `port` this vdev has logged (its
+    /// device's connection manager logs each: "Listening ... addr=<ip>:<port>").
+    pub fn listens_on(&self, port: u16) -> usize {
+        let needle = format!(":{port} ");
+        (self.log().lines())
+            .filter(|l| l.contains("Listening") && l.contains(&needle))
+            .count()
+    }
+
     /// Starts vdev for `tenant` with extra command-line `args`, and waits
     /// until its socket listens.
     pub fn start(tenant: &str, args: &[&str]) -> Self {

@@ -34,3 +34,9 @@ pub mod two_tenants;
 pub mod ucx;
 pub mod vhost_tap;
 pub mod vm;
+
+/// A program's arguments as owned strings (for argument lists built from
+/// literals and formatted values).
+pub fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|a| (*a).to_owned()).collect()
+}

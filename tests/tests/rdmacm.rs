@@ -21,9 +21,10 @@ use std::time::{Duration, Instant};
 
 use vrdma_tests::c_program::build_rdmacm_program;
 use vrdma_tests::daemon::{tcp_listening, wait_output, IbverbsShim, TempDir};
-use vrdma_tests::hosts::Fabric;
+use vrdma_tests::hosts::{tail, Fabric};
 use vrdma_tests::need;
 use vrdma_tests::qperf;
+use vrdma_tests::strings;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -77,6 +78,16 @@ enum Ready {
     /// A TCP port (the program's own exchange) listens on the server's
     /// address.
     Tcp(u16),
+}
+
+/// How the server of a pair ends.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum ServerEnd {
+    /// By itself once it has served its client: it must exit 0.
+    Exits,
+    /// Never (cmtime's): it must still be serving when the client is done,
+    /// and is killed then.
+    ServesUntilKilled,
 }
 
 /// What the two ends of a pair printed and how they ended.
@@ -143,10 +154,7 @@ impl Setup {
 
     /// Times the vdev of `end` logged a listen on `port`.
     fn listens(&self, (host, tenant): (usize, &str), port: u16) -> usize {
-        let needle = format!(":{port} ");
-        (self.fabric.vdev(host, tenant).log().lines())
-            .filter(|l| l.contains("Listening") && l.contains(&needle))
-            .count()
+        self.fabric.vdev(host, tenant).listens_on(port)
     }
 
     /// Waits until the server is `ready` (it listened once more than
@@ -175,6 +183,7 @@ impl Setup {
         server: (&str, &[String]),
         client: (&str, &[String]),
         ready: Ready,
+        server_end: ServerEnd,
         timeout: Duration,
     ) -> Pair {
         let tag = format!("{}-{placement:?}", client.0);
@@ -196,8 +205,7 @@ impl Setup {
             &format!("{tag}-client"),
         );
         let (co, client_killed) = wait_output(c, timeout);
-        // cmtime's server serves until it is killed.
-        let serves_forever = server.0 == "cmtime";
+        let serves_forever = server_end == ServerEnd::ServesUntilKilled;
         let (so, server_killed) = wait_output(
             s,
             Duration::from_millis(if serves_forever { 500 } else { 20_000 }),
@@ -246,6 +254,7 @@ impl Setup {
             (program, &server),
             (program, &client),
             ready,
+            ServerEnd::Exits,
             Duration::from_secs(90),
         )
     }
@@ -264,10 +273,6 @@ impl Setup {
     }
 }
 
-fn strings(args: &[&str]) -> Vec<String> {
-    args.iter().map(|s| (*s).to_owned()).collect()
-}
-
 #[test]
 fn rping_verifies_1000_pings_by_ip_address() {
     need::program("rping", "rdmacm-utils");
@@ -284,6 +289,7 @@ fn rping_verifies_1000_pings_by_ip_address() {
             ("rping", &server),
             ("rping", &client),
             Ready::Listen(port),
+            ServerEnd::Exits,
             Duration::from_secs(60),
         );
         t.assert_ok("rping", placement, &r);
@@ -338,6 +344,7 @@ fn ucmatose_udaddy_rdma_server_and_cmtime_connect_by_ip_address() {
             ("rdma_server", &strings(&["-p", &p])),
             ("rdma_client", &strings(&["-s", &ip, "-p", &p])),
             Ready::Listen(port),
+            ServerEnd::Exits,
             Duration::from_secs(30),
         );
         t.assert_ok("rdma_server/rdma_client", placement, &r);
@@ -347,12 +354,13 @@ fn ucmatose_udaddy_rdma_server_and_cmtime_connect_by_ip_address() {
         // each step timed.
         let port = next_port();
         let p = port.to_string();
-        let r = t.same(
+        let r = t.pair(
             placement,
-            "cmtime",
-            &["-p", &p],
-            &["-s", &ip],
+            ("cmtime", &strings(&["-p", &p])),
+            ("cmtime", &strings(&["-p", &p, "-s", &ip])),
             Ready::Listen(port),
+            ServerEnd::ServesUntilKilled,
+            Duration::from_secs(90),
         );
         t.assert_ok("cmtime", placement, &r);
         for step in [
@@ -429,6 +437,7 @@ fn qperf_runs_every_rc_test_on_roce_ports_through_rdma_cm() {
             ("qperf", &strings(&["--listen_port", &p])),
             ("qperf", &client),
             Ready::Tcp(port),
+            ServerEnd::Exits,
             Duration::from_secs(120),
         );
         t.assert_ok("qperf -cm1", placement, &r);
@@ -474,6 +483,7 @@ fn libfabric_verbs_provider_runs_connected_endpoints() {
             ("fi_pingpong", &server),
             ("fi_pingpong", &client),
             Ready::Tcp(port),
+            ServerEnd::Exits,
             Duration::from_secs(60),
         );
         t.assert_ok("fi_pingpong verbs;ofi_rxm", placement, &r);
@@ -619,11 +629,6 @@ fn failed_connections_fail_as_rdma_cm_reports_them() {
         );
         eprintln!("{placement:?}: DISCONNECTED {took:?} after the server was killed");
     }
-}
-
-fn tail(text: &str, lines: usize) -> String {
-    let all: Vec<&str> = text.lines().collect();
-    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 /// 1,000 connections made, used (one checked SEND) and torn down one

@@ -342,22 +342,8 @@ fn ucx_and_open_mpi_run_between_hosts() {
             mpirun.arg(":");
         }
         mpirun
-            .args(["-np", "2", "-x", &device])
-            .args([
-                "unshare",
-                "--ipc",
-                "--pid",
-                "--uts",
-                "--fork",
-                "--kill-child",
-                "--",
-            ])
-            .args([
-                "sh",
-                "-c",
-                "hostname \"$0-$OMPI_COMM_WORLD_RANK\" && exec \"$@\"",
-            ])
-            .arg(format!("h{host}"))
+            .args(["-np", "2", "-x", &device, "unshare"])
+            .args(container(&format!("h{host}"), "-$OMPI_COMM_WORLD_RANK"))
             .arg(exe);
     }
     let out = wait(
@@ -750,11 +736,27 @@ fn pattern_on(mr: &vrdma_guest_driver::verbs::MemoryRegion, offset: usize, len: 
 /// the host's network namespace, and in IPC, PID and UTS namespaces of
 /// its own (hostname `h<host>`), as in a container there.
 fn on_host(fabric: &Fabric, shim: &IbverbsShim, host: usize, program: &str) -> Command {
-    vrdma_tests::need::program("unshare", "util-linux");
     let mut cmd = fabric.command(shim, host, "alpha", "unshare");
-    cmd.args(["--ipc", "--pid", "--uts", "--fork", "--kill-child", "--"])
-        .args(["sh", "-c", "hostname \"$0\" && exec \"$@\""])
-        .arg(format!("h{host}"))
-        .arg(program);
+    cmd.args(container(&format!("h{host}"), "")).arg(program);
     cmd
+}
+
+/// `unshare`'s arguments that run the program following them as in a
+/// container of its own: IPC, PID and UTS namespaces, hostname `name`
+/// followed by `suffix` (shell words, e.g. `-$OMPI_COMM_WORLD_RANK`).
+fn container(name: &str, suffix: &str) -> Vec<String> {
+    vrdma_tests::need::program("unshare", "util-linux");
+    let script = format!("hostname \"$0{suffix}\" && exec \"$@\"");
+    let mut args = vrdma_tests::strings(&[
+        "--ipc",
+        "--pid",
+        "--uts",
+        "--fork",
+        "--kill-child",
+        "--",
+        "sh",
+        "-c",
+    ]);
+    args.extend([script, name.to_owned()]);
+    args
 }

@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 
 use vrdma_tests::daemon::{wait_output, Hostd, IbverbsShim, TempDir, Vdev};
 use vrdma_tests::need;
+use vrdma_tests::strings;
 use vrdma_tests::vm::rxe::{self, Netns, RxeGuest, GUEST_ADDR, HOST_ADDR, RXE_DEVICE};
 use vrdma_tests::vm::{self, VmError};
 use vrdma_tools::supervisor;
@@ -303,10 +304,7 @@ impl Setup {
     fn vrdma_listening(case: &Case, vdev: &Vdev, pid: u32, port: u16) -> bool {
         match case.connect {
             Connect::Tcp(_) => listening(pid, port),
-            Connect::RdmaCm { .. } => {
-                let needle = format!(":{port} ");
-                (vdev.log().lines()).any(|l| l.contains("Listening") && l.contains(&needle))
-            }
+            Connect::RdmaCm { .. } => vdev.listens_on(port) > 0,
         }
     }
 
@@ -490,10 +488,6 @@ impl Sides {
 /// namespace shows it (`/proc/PID/net/tcp`).
 fn listening(pid: u32, port: u16) -> bool {
     vrdma_tests::daemon::tcp_listening_in(&[&format!("/proc/{pid}/net/tcp")], port)
-}
-
-fn strings(args: &[&str]) -> Vec<String> {
-    args.iter().map(|a| (*a).to_owned()).collect()
 }
 
 /// The value of `key` (e.g. `active_mtu`) in `ibv_devinfo -v` output.

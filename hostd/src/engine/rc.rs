@@ -701,15 +701,15 @@ impl Engine {
         if known > 0 && known <= p.rq.depth() {
             return true;
         }
-        let done = p.rq_done;
-        match p.rq.driver_index() {
-            Some(producer) if producer.wrapping_sub(done) <= p.rq.depth() => {
+        match pending(&p.rq, p.rq_done) {
+            Some(n) => {
+                let producer = p.rq_done.wrapping_add(n);
                 if let Some(p) = self.qps.get_mut(peer) {
                     p.rq_seen = producer;
                 }
-                producer != done
+                n > 0
             }
-            _ => {
+            None => {
                 self.fail_qp(peer, true, "receive ring producer index beyond the ring");
                 false
             }

@@ -204,10 +204,7 @@ impl Id {
             });
             if let Err(e) = listening {
                 for (dev, cm_id) in std::mem::take(&mut lock(&self.st).also_listening) {
-                    lock(&ROUTES).0.remove(&(dev, cm_id.0));
-                    if let Some(cm) = devices::get(dev).ok().and_then(|d| d.cm.as_ref()) {
-                        let _ = cm.destroy_id(cm_id);
-                    }
+                    unroute_and_destroy(dev, cm_id);
                 }
                 return Err(crate::ffi::errno_of(&e));
             }
@@ -553,6 +550,17 @@ pub unsafe extern "C" fn rdma_destroy_id(id: *mut rdma_cm_id) -> i32 {
     cm_call("rdma_destroy_id", || destroy(id))
 }
 
+/// Stops routing the events of device `dev`'s CM ID `cm_id` and
+/// destroys it there.
+fn unroute_and_destroy(dev: usize, cm_id: CmId) {
+    lock(&ROUTES).0.remove(&(dev, cm_id.0));
+    if let Some(cm) = devices::get(dev).ok().and_then(|d| d.cm.as_ref()) {
+        if let Err(e) = cm.destroy_id(cm_id) {
+            tracing::debug!(error = %e, "the device's CM ID was gone already");
+        }
+    }
+}
+
 pub(crate) fn destroy(id: *mut rdma_cm_id) -> VResult<()> {
     // SAFETY: the caller passes a live ID.
     let our = unsafe { Id::from_raw(id)? };
@@ -561,12 +569,7 @@ pub(crate) fn destroy(id: *mut rdma_cm_id) -> VResult<()> {
         (st.placed, std::mem::take(&mut st.also_listening))
     };
     for (dev, cm_id) in placed.into_iter().chain(also) {
-        lock(&ROUTES).0.remove(&(dev, cm_id.0));
-        if let Some(cm) = devices::get(dev).ok().and_then(|d| d.cm.as_ref()) {
-            if let Err(e) = cm.destroy_id(cm_id) {
-                tracing::debug!(error = %e, "the device's CM ID was gone already");
-            }
-        }
+        unroute_and_destroy(dev, cm_id);
     }
     // Events routed but not taken are not reported now; connect requests
     // to this listener take their new IDs with them.

@@ -26,7 +26,7 @@ use vrdma_tools::supervisor::{self, Scratch};
 
 use crate::host::Tenant;
 use crate::report::{Bound, Targets};
-use crate::{cores, BenchError, Result};
+use crate::{baseline, cores, BenchError, Result};
 
 /// Connections each cmtime run sets up at once.
 pub const CONNECTIONS: usize = 1000;
@@ -95,14 +95,10 @@ impl Steps {
     }
 }
 
-fn failed(what: &'static str) -> impl FnOnce(io::Error) -> BenchError {
-    move |source| BenchError::Baseline { what, source }
-}
-
 /// The drop-in libraries: `libibverbs.so` beside this binary (built by
 /// `cargo build --release -p vrdma-libibverbs`) under both its names.
 fn shim() -> Result<Scratch> {
-    let exe = std::env::current_exe().map_err(failed("find vrdma-bench's directory"))?;
+    let exe = std::env::current_exe().map_err(baseline("find vrdma-bench's directory"))?;
     let lib = exe
         .parent()
         .map(|d| d.join("libibverbs.so"))
@@ -117,7 +113,7 @@ fn shim() -> Result<Scratch> {
     let dir = Scratch::new("bench-shim")?;
     for name in ["libibverbs.so.1", "librdmacm.so.1"] {
         std::os::unix::fs::symlink(&lib, dir.path().join(name))
-            .map_err(failed("link the drop-in libraries"))?;
+            .map_err(baseline("link the drop-in libraries"))?;
     }
     Ok(dir)
 }
@@ -150,7 +146,7 @@ fn run_cmtime(shim: &Path, ends: &Ends, port: u16) -> Result<Steps> {
         )
         .and_then(|mut c| {
             c.spawn()
-                .map_err(failed("start cmtime (apt-get install rdmacm-utils)"))
+                .map_err(baseline("start cmtime (apt-get install rdmacm-utils)"))
         })
     })
     .map_err(BenchError::Cores)??;
@@ -166,7 +162,7 @@ fn run_cmtime(shim: &Path, ends: &Ends, port: u16) -> Result<Steps> {
     ];
     let client = cores::on_every_cpu(|| {
         cmtime(shim, client.0.socket(), client.1.as_deref(), &args)
-            .and_then(|mut c| c.output().map_err(failed("run cmtime's client")))
+            .and_then(|mut c| c.output().map_err(baseline("run cmtime's client")))
     })
     .map_err(BenchError::Cores)?;
     // cmtime's server serves until it is killed.
@@ -194,19 +190,7 @@ pub fn tcp_setup_rate(
     server_netns: Option<&Path>,
     client_netns: Option<&Path>,
 ) -> io::Result<f64> {
-    let enter = |netns: Option<&Path>| -> io::Result<()> {
-        if let Some(netns) = netns {
-            let file = std::fs::File::open(netns)?;
-            // SAFETY: setns(2) on a valid fd; it changes only this thread's
-            // network namespace (the thread is the scope's own), no memory.
-            let rc =
-                unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&file), libc::CLONE_NEWNET) };
-            if rc != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
-        Ok(())
-    };
+    let enter = |netns: Option<&Path>| netns.map_or(Ok(()), crate::netns::enter);
     cores::on_every_cpu(|| {
         std::thread::scope(|scope| {
             let (ready, listening) = std::sync::mpsc::channel();
@@ -263,7 +247,7 @@ pub fn run(
     let shim = shim()?;
     let mut setups = Vec::with_capacity(TRIALS);
     for trial in 0..TRIALS {
-        let tcp_rate = tcp().map_err(failed("set up TCP connections"))?;
+        let tcp_rate = tcp().map_err(baseline("set up TCP connections"))?;
         let steps = run_cmtime(shim.path(), ends, port + trial as u16)?;
         let setup = CONNECTIONS as f64 / (steps.setup_ms() / 1000.0);
         let teardown = CONNECTIONS as f64 / (steps.teardown_ms() / 1000.0);

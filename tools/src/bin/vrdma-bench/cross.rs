@@ -38,8 +38,8 @@ use crate::host::{connect, poll_ok, Host, Tenant};
 use crate::netns::{NetHost, Pair};
 use crate::report::{us, Bound, Targets};
 use crate::throughput::{self, Shape, Until};
+use crate::{baseline, BenchError, Result};
 use crate::{cores, latency};
-use crate::{BenchError, Result};
 
 /// The TCP port of the baselines, on h2's underlay address.
 const TCP_PORT: u16 = 7471;
@@ -119,10 +119,6 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
     let tcp = SocketAddrV4::new(h1.underlay, TCP_PORT + 10);
     let baseline = || crate::conn_rate::tcp_setup_rate(tcp, Some(&n1), Some(&n2));
     crate::conn_rate::run(&ends, baseline, TCP_PORT + 11, targets)
-}
-
-fn baseline(what: &'static str) -> impl FnOnce(io::Error) -> BenchError {
-    move |source| BenchError::Baseline { what, source }
 }
 
 /// 64 B WRITE p50 against TCP's half round trip.

@@ -237,6 +237,11 @@ fn main() -> Result<(), Failed> {
     Ok(())
 }
 
+/// What a baseline's I/O error means: `what` could not be measured.
+fn baseline(what: &'static str) -> impl FnOnce(std::io::Error) -> BenchError {
+    move |source| BenchError::Baseline { what, source }
+}
+
 fn run(args: &Args, tests: &[Test], targets: &mut Targets) -> Result<()> {
     // The two-tenant tests share one hostd on its embedded default policy.
     let two_tenant = |t: &Test| !matches!(t, Test::Scale | Test::Isolation | Test::Weights);

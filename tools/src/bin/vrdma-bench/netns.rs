@@ -51,14 +51,20 @@ impl NetHost {
     /// Moves the calling thread into this host's network namespace: sockets
     /// it opens from now on are the host's. Meant for threads of their own.
     pub fn enter(&self) -> std::io::Result<()> {
-        let file = File::open(self.netns_path())?;
-        // SAFETY: setns(2) on a valid fd; it changes only this thread's
-        // network namespace, no memory.
-        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(())
+        enter(&self.netns_path())
     }
+}
+
+/// Moves the calling thread into the network namespace of file `netns`
+/// (`/run/netns/<name>`). Meant for threads of their own.
+pub fn enter(netns: &Path) -> std::io::Result<()> {
+    let file = File::open(netns)?;
+    // SAFETY: setns(2) on a valid fd; it changes only this thread's
+    // network namespace, no memory.
+    if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Two hosts joined by a veth pair; removed on drop.
