@@ -668,6 +668,7 @@ impl Engine {
         let qref = self.qp_ref(id, vqpn)?;
         self.unqueue(qref);
         self.flushing.retain(|&q| q != qref);
+        self.remember_closed(qref, vqpn);
         let Some(qp) = self.qps.remove(qref) else {
             return Err(EngineError::UnknownQp(vqpn));
         };

@@ -85,6 +85,15 @@ impl Link {
         self.medium().faults = faults;
     }
 
+    /// Every packet waiting in an inbox is lost (a test's precise loss).
+    pub fn lose_queued(&self) -> usize {
+        let mut m = self.medium();
+        m.ports
+            .iter_mut()
+            .map(|p| std::mem::take(&mut p.inbox).len())
+            .sum()
+    }
+
     /// Packets harmed by faults so far.
     pub fn harmed(&self) -> u64 {
         self.medium().harmed

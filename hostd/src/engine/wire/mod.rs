@@ -14,6 +14,7 @@
 //! tenant may reach the source's network (UD). Tenants never build packets: hostd does, from WQEs it
 //! checked.
 
+mod closed;
 mod datagram;
 mod peers;
 mod requester;
@@ -180,6 +181,8 @@ pub struct Wire {
     active: Vec<QpRef>,
     /// QPs owing a coalesced acknowledgement.
     acks: Vec<QpRef>,
+    /// Destroyed RC QPs that still acknowledge what they took.
+    closed: closed::ClosedQps,
     pub peers: Peers,
 }
 
@@ -202,6 +205,7 @@ impl Wire {
             rx: (0..RX_BATCH).map(|_| InPacket::default()).collect(),
             active: Vec::new(),
             acks: Vec::new(),
+            closed: closed::ClosedQps::default(),
             peers: Peers::default(),
         }
     }
@@ -436,6 +440,18 @@ impl Engine {
             }
         };
         let Some(qref) = self.remote_qp_for(meta.dst, pkt.bth.dest_qp) else {
+            if transport == QpType::Rc && op::is_send_or_write(code) && pkt.bth.ack_req {
+                let psn = pkt.bth.psn;
+                if let Some(r) = (w.closed).answer(meta.dst, pkt.bth.dest_qp, meta.src, psn, now) {
+                    w.duplicate(r.peer);
+                    let aeth = vrdma_roce::Aeth::Ack {
+                        credits: NO_CREDITS,
+                        msn: r.msn,
+                    };
+                    responder::send_ack(w, &r.path, r.psn, aeth);
+                    return;
+                }
+            }
             tracing::debug!(dst = %meta.dst, qpn = pkt.bth.dest_qp, src = %meta.src, "Packet for an unknown QP dropped");
             w.drop_packet(peer, "unknown_qp");
             return;
@@ -577,6 +593,18 @@ impl Engine {
             (None, _) => qp.remote = None,
             (Some(c), Some(r)) => r.reconnect(c),
             (Some(c), None) => qp.remote = Some(Box::new(RemoteQp::new(c))),
+        }
+    }
+
+    /// QP `qref` (number `vqpn`) is being destroyed: if it is an RC QP
+    /// connected to another host, what it took stays acknowledged for a
+    /// while ([`closed`]).
+    pub(super) fn remember_closed(&mut self, qref: QpRef, vqpn: u32) {
+        let (Some(w), Some(qp)) = (self.wire.as_deref_mut(), self.qps.get(qref)) else {
+            return;
+        };
+        if let (QpType::Rc, Some(remote)) = (qp.qp_type, qp.remote.as_deref()) {
+            w.closed.remember(vqpn, remote, Instant::now());
         }
     }
 

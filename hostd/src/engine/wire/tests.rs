@@ -393,6 +393,46 @@ fn a_dead_peer_fails_the_requester_with_retry_exceeded_within_its_timeout() {
 }
 
 #[test]
+fn a_destroyed_qp_acknowledges_again_what_it_took_and_nothing_new() {
+    let mut h = Hosts::new(4096);
+    let (lkey_a, rkey_b) = (h.sa.lkey, h.sb.rkey);
+    h.sa.fill(0, b"last");
+    let w = remote(send(1, SendOpcode::RdmaWrite), IOVA + 0x100, rkey_b);
+    h.sa.post_sges(0, &w, &[sge(IOVA, 4, lkey_a)]);
+    // B takes the WRITE and acknowledges it; the network loses the ACK and
+    // B's program exits (its QP destroyed) before A hears anything.
+    for _ in 0..20 {
+        h.a.round(&[1], h.now);
+        h.b.round(&[1], h.now);
+        if h.sb.bytes(0x100, 4) == b"last" {
+            break;
+        }
+    }
+    assert_eq!(h.sb.bytes(0x100, 4), b"last", "B took the WRITE");
+    assert!(h.link.lose_queued() >= 1, "B's ACK was lost");
+    h.b.destroy_qp(1, 200).expect("destroy");
+    // A message B never took is not acknowledged by the closed QP.
+    let w = remote(send(2, SendOpcode::RdmaWrite), IOVA + 0x200, rkey_b);
+    h.sa.post_sges(0, &w, &[sge(IOVA, 4, lkey_a)]);
+    let (a, _) = h.run_for(Duration::from_millis(90));
+    let got: Vec<_> = a.iter().map(|c| (c.wr_id.get(), status(c))).collect();
+    assert_eq!(
+        got,
+        [(1, WcStatus::Success), (2, WcStatus::RetryExcErr)],
+        "the first WRITE acknowledged again, the second never"
+    );
+    assert_eq!(
+        h.sb.bytes(0x200, 4),
+        [0; 4],
+        "nothing written by the second"
+    );
+    let peers = h.b.wire().map(|w| w.peers.snapshot()).unwrap_or_default();
+    let ha = peers.iter().find(|p| p.host == "ha").expect("host ha");
+    assert!(ha.duplicates >= 1, "{ha:?}");
+    assert!(ha.drops.get("unknown_qp") >= Some(&1), "{ha:?}");
+}
+
+#[test]
 fn a_bad_rkey_fails_the_requester_only() {
     let mut h = Hosts::new(4096);
     let lkey_a = h.sa.lkey;
