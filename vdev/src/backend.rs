@@ -383,7 +383,11 @@ impl VrdmaBackend {
             if start.elapsed() >= spin {
                 return false;
             }
-            std::hint::spin_loop();
+            // Yield, not only spin: the tenant thread that will send the
+            // next command may be waiting for this very CPU (a process
+            // tenant, or a vCPU thread, on the vdev's core); with nothing
+            // else to run the call returns at once.
+            std::thread::yield_now();
         }
     }
 
