@@ -468,6 +468,13 @@ impl<'a> SgeList<'a> {
             last: std::cell::Cell::new(None),
         }
     }
+
+    /// Whether every SGE resolves ([`KeyTable::check_sges`]), keeping the
+    /// last one resolved for the walk that follows (a one-SGE list is
+    /// looked up once for check and copy).
+    pub fn all_valid(&self) -> bool {
+        (0..self.sges.len()).all(|i| self.get(i).is_some())
+    }
 }
 
 impl Extents for SgeList<'_> {

@@ -704,6 +704,9 @@ impl Engine {
         match pending(&p.rq, p.rq_done) {
             Some(n) => {
                 let producer = p.rq_done.wrapping_add(n);
+                // The receives just announced are fetched together (the
+                // tenant's core wrote them), as the send ring's are.
+                p.rq.prefetch_entries(p.rq_done, n);
                 if let Some(p) = self.qps.get_mut(peer) {
                     p.rq_seen = producer;
                 }

@@ -52,6 +52,33 @@ pub struct Ah {
     pub grh: bool,
 }
 
+/// Datagrams from the wire up to this many payload bytes are put into a
+/// receive in one pass with their GRH (copied together on the stack).
+const SMALL_DATAGRAM: usize = 256;
+
+/// What a datagram needs of its AH, copied out of the device's table
+/// (the AH's tenant, an `Arc`, is not cloned per datagram).
+#[derive(Debug, Clone, Copy)]
+pub struct AhPath {
+    pub dgid: Gid,
+    pub remote: bool,
+    pub hop_limit: u8,
+    pub traffic_class: u8,
+    pub grh: bool,
+}
+
+impl AhPath {
+    fn of(ah: &Ah) -> Self {
+        AhPath {
+            dgid: ah.dgid,
+            remote: ah.remote,
+            hop_limit: ah.hop_limit,
+            traffic_class: ah.traffic_class,
+            grh: ah.grh,
+        }
+    }
+}
+
 /// Why UD or UC messages were dropped, counted where they would have
 /// arrived.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -179,12 +206,12 @@ impl Engine {
             return done(WcStatus::LocLenErr);
         }
         let dest = UdDest::of_parts(work.rkey, work.remote_addr);
-        let Some(ah) = self
-            .devices
-            .at(di)
+        // The AH's fields are copied out; its tenant (an Arc) is looked at
+        // where it is, not cloned per datagram.
+        let Some(ah) = (self.devices.at(di))
             .and_then(|d| d.ahs.get(&dest.ah))
             .filter(|ah| ah.pd == pd)
-            .cloned()
+            .map(AhPath::of)
         else {
             return done(WcStatus::LocQpOpErr);
         };
@@ -205,7 +232,12 @@ impl Engine {
         let target = (self.gids.get(&ah.dgid))
             .and_then(|contexts| contexts.first())
             .and_then(|id| self.devices.index(id))
-            .filter(|&i| self.devices.at(i).is_some_and(|d| d.tenant == ah.tenant));
+            .filter(|&i| {
+                let ah_tenant = (self.devices.at(di))
+                    .and_then(|d| d.ahs.get(&dest.ah))
+                    .map(|a| &a.tenant);
+                (self.devices.at(i)).is_some_and(|d| Some(&d.tenant) == ah_tenant)
+            });
         let Some(first_di) = target else {
             self.count_drop(di, Drop::NoQp);
             return done(WcStatus::Success);
@@ -283,14 +315,6 @@ impl Engine {
             return;
         };
         let needed = u64::from(GRH_SIZE) + m.length;
-        let ok = p.rq_head.length >= needed
-            && self
-                .keys
-                .check_sges(p.device, p.pd, p.rq_head.sges(), access::LOCAL_WRITE);
-        if !ok {
-            self.count_drop(dest_di, Drop::Invalid);
-            return;
-        }
         let dst = SgeList::new(
             &self.keys,
             p.device,
@@ -298,19 +322,39 @@ impl Engine {
             p.rq_head.sges(),
             access::LOCAL_WRITE,
         );
+        if p.rq_head.length < needed || !dst.all_valid() {
+            self.count_drop(dest_di, Drop::Invalid);
+            return;
+        }
         let at = u64::from(GRH_SIZE);
-        let copied = m.grh.is_none_or(|grh| keys::write_bytes(grh, &dst))
-            && match m.payload {
-                Payload::Bytes(bytes) => keys::scatter(bytes, &dst, at),
-                Payload::Local(qref, work) => match (work.local, self.qps.get(qref)) {
-                    (Local::Inline(_), _) => keys::scatter(work.inline(), &dst, at),
-                    (_, Some(qp)) => {
-                        let src = SgeList::new(&self.keys, qp.device, qp.pd, work.sges(), 0);
-                        keys::copy_between(&src, 0, &dst, at, work.length)
+        let copied = match (m.grh, &m.payload) {
+            // A small datagram from the wire lands in one pass, GRH and
+            // payload together (one walk of the receive's SGEs, not two).
+            (Some(grh), Payload::Bytes(bytes))
+                if bytes.len() <= SMALL_DATAGRAM && grh.len() == GRH_SIZE as usize =>
+            {
+                let mut whole = [0u8; GRH_SIZE as usize + SMALL_DATAGRAM];
+                let (head, tail) = whole.split_at_mut(grh.len());
+                head.copy_from_slice(grh);
+                tail[..bytes.len()].copy_from_slice(bytes);
+                keys::write_bytes(&whole[..grh.len() + bytes.len()], &dst)
+            }
+            (grh, payload) => {
+                grh.is_none_or(|grh| keys::write_bytes(grh, &dst))
+                    && match payload {
+                        Payload::Bytes(bytes) => keys::scatter(bytes, &dst, at),
+                        Payload::Local(qref, work) => match (work.local, self.qps.get(*qref)) {
+                            (Local::Inline(_), _) => keys::scatter(work.inline(), &dst, at),
+                            (_, Some(qp)) => {
+                                let src =
+                                    SgeList::new(&self.keys, qp.device, qp.pd, work.sges(), 0);
+                                keys::copy_between(&src, 0, &dst, at, work.length)
+                            }
+                            (_, None) => false,
+                        },
                     }
-                    (_, None) => false,
-                },
-            };
+            }
+        };
         if !copied {
             self.count_drop(dest_di, Drop::Invalid);
             return;
@@ -366,7 +410,7 @@ pub(super) struct Sender {
 /// packet's IPv4 header (TOS the traffic class, TTL the hop limit, total
 /// length the whole packet's: IPv4, UDP, BTH, DETH, immediate, payload,
 /// ICRC; DF set and ID 0, as vrdma and Linux send RoCE).
-pub fn grh(src: &Gid, ah: &Ah, work: &SendWork) -> [u8; GRH_SIZE as usize] {
+pub fn grh(src: &Gid, ah: &AhPath, work: &SendWork) -> [u8; GRH_SIZE as usize] {
     let ip = |gid: &Gid| Ipv4Addr::from(vrdma_spec::gid::ipv4_of(gid).unwrap_or([0; 4]));
     let imm = if work.opcode == SendOpcode::SendWithImm {
         IMM_LEN

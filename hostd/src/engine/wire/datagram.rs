@@ -22,7 +22,7 @@ use vrdma_spec::verbs::{QpType, SendOpcode, WcStatus};
 use super::state::Path;
 use super::{Emit, Wire};
 use crate::engine::rc::{done, QpRef, Step};
-use crate::engine::ud::{Ah, Datagram, Drop, Payload, Sender};
+use crate::engine::ud::{AhPath, Datagram, Drop, Payload, Sender};
 use crate::engine::wqe::SendWork;
 use crate::engine::Engine;
 
@@ -37,7 +37,7 @@ impl Engine {
         &mut self,
         qref: QpRef,
         work: &SendWork,
-        ah: &Ah,
+        ah: &AhPath,
         dest_qpn: u32,
         qkey: u32,
         _now: Instant,

@@ -278,8 +278,17 @@ impl Wire {
     }
 
     fn count_sent(&mut self, n: usize) {
+        // A batch mostly goes to one peer: looked up once per run of it.
+        let mut last: Option<(Ipv4Addr, usize)> = None;
         for p in &self.tx[..n] {
-            let i = self.peers.of_gid(&*self.directory, p.dst).unwrap_or(0);
+            let i = match last {
+                Some((dst, i)) if dst == p.dst => i,
+                _ => {
+                    let i = self.peers.of_gid(&*self.directory, p.dst).unwrap_or(0);
+                    last = Some((p.dst, i));
+                    i
+                }
+            };
             self.peers.sent(i, p.len);
         }
     }

@@ -100,6 +100,12 @@ impl Peers {
 
     /// The peer index of the host serving `gid`, if the directory knows it.
     pub fn of_gid(&mut self, directory: &dyn Directory, gid: Ipv4Addr) -> Option<usize> {
+        if directory.generation() == self.generation {
+            if let Some(&(i, _)) = self.by_gid.get(&gid) {
+                // Known: no network name cloned for a counter's index.
+                return Some(i);
+            }
+        }
         self.source(directory, gid).map(|(i, _)| i)
     }
 
