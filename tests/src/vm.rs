@@ -428,12 +428,11 @@ impl Guest {
         let deadline = Instant::now() + timeout;
         loop {
             let console = self.console();
-            if let Some(line) = console
-                .get(mark..)
-                .unwrap_or_default()
-                .lines()
-                .find(|l| l.contains(needle))
-            {
+            let after = console.get(mark..).unwrap_or_default();
+            // Only whole lines: the serial console arrives a few bytes at
+            // a time, and a verdict read mid-line ("... PAS") is not one.
+            let whole = after.rfind('\n').map_or("", |end| &after[..end]);
+            if let Some(line) = whole.lines().find(|l| l.contains(needle)) {
                 return Ok(line.to_owned());
             }
             if let Ok(Some(status)) = self.child.try_wait() {
