@@ -40,7 +40,7 @@ use vrdma_hostd_protocol::messages::QpConnection;
 use vrdma_spec::ring::{wc_flags, Cqe};
 use vrdma_spec::verbs::{access, QpState, QpType, SendOpcode, WcOpcode, WcStatus};
 
-use super::guest::GuestRing;
+use super::guest::{GuestRing, PREFETCH_ENTRIES};
 use super::keys::{self, SgeList};
 use super::wqe::{self, Local, Malformed, RecvLimits, RecvWork, SendLimits, SendWork};
 use super::{DeviceId, Engine, RETRY_STEP, SEGMENT, STEP};
@@ -734,7 +734,17 @@ impl Engine {
         }
         let read = match p.srq {
             Some(srq) => self.take_srq_receive(peer, srq),
-            None => wqe::read_recv(&p.rq, p.rq_done, &p.recv_limits, &mut p.rq_head),
+            None => {
+                // Keep the receives a few ahead of this one on their way
+                // from the tenant's core (the first few were prefetched
+                // when announced).
+                let ahead = p.rq_done.wrapping_add(PREFETCH_ENTRIES);
+                let known = p.rq_seen.wrapping_sub(p.rq_done);
+                if known > PREFETCH_ENTRIES && known <= p.rq.depth() {
+                    p.rq.prefetch_entries(ahead, 1);
+                }
+                wqe::read_recv(&p.rq, p.rq_done, &p.recv_limits, &mut p.rq_head)
+            }
         };
         match read {
             Ok(()) => {
