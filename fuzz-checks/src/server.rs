@@ -55,6 +55,7 @@ impl Hostd {
             datapath_cpus: None,
             spin_us: Some(0),
             line_rate_mbps: None,
+            metrics_listen: None,
             link_layer: None,
             sandbox: Default::default(),
         })

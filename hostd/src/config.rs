@@ -106,6 +106,10 @@ pub struct Args {
     /// Line rate of the NIC's port in Mbit/s (the modelled link).
     #[arg(long)]
     pub line_rate_mbps: Option<u32>,
+    /// Serve Prometheus metrics over HTTP at this address (`GET /metrics`),
+    /// e.g. 127.0.0.1:9464 (default: not served).
+    #[arg(long)]
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Link layer of the devices' ports: ethernet (RoCEv2) or infiniband
     /// (LIDs; single-host only).
     #[arg(long, value_parser = parse_link_layer)]
@@ -127,6 +131,7 @@ struct FileConfig {
     datapath_cpus: Option<Vec<usize>>,
     spin_us: Option<u64>,
     line_rate_mbps: Option<u32>,
+    metrics_listen: Option<std::net::SocketAddr>,
     #[serde(default)]
     sandbox: SandboxFile,
     #[serde(default)]
@@ -245,6 +250,8 @@ pub struct Config {
     pub spin_us: u64,
     /// Line rate of the NIC's port, Mbit/s.
     pub line_rate_mbps: u32,
+    /// Where Prometheus metrics are served over HTTP; `None`: nowhere.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// The walls hostd puts up around itself.
     pub sandbox: SandboxConfig,
     /// The link layer of every device's port.
@@ -331,6 +338,7 @@ impl TryFrom<Args> for Config {
                 .line_rate_mbps
                 .or(file.line_rate_mbps)
                 .unwrap_or(DEFAULT_LINE_RATE_MBPS),
+            metrics_listen: args.metrics_listen.or(file.metrics_listen),
             sandbox,
             link_layer: args.link_layer.or(file.port.link_layer).unwrap_or_default(),
             fabric,
@@ -560,6 +568,7 @@ mod tests {
                 datapath_cpus: vec![],
                 spin_us: DEFAULT_SPIN_US,
                 line_rate_mbps: 400_000,
+                metrics_listen: None,
                 sandbox: SandboxConfig::defaults(DEFAULT_RLIMIT_NOFILE),
                 link_layer: PortLinkLayer::Ethernet,
                 fabric: None,

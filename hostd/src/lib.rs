@@ -36,6 +36,7 @@ pub mod engine;
 pub mod gids;
 pub mod ids;
 pub mod lids;
+pub mod metrics_http;
 pub mod net;
 pub mod policy;
 pub mod sandbox;
@@ -74,6 +75,10 @@ pub enum Error {
     Admin(#[source] std::io::Error),
     #[error("Cannot open the directory of the cluster")]
     Directory(#[source] net::directory::DirectoryError),
+    #[error("Cannot serve metrics over HTTP")]
+    Metrics(#[source] metrics_http::MetricsError),
+    #[error("Cannot start the metrics thread")]
+    MetricsThread(#[source] std::io::Error),
     #[error("Cannot open the RoCEv2 packet queues (UDP port {port})")]
     PacketIo {
         port: u16,
@@ -93,6 +98,8 @@ pub struct Opened {
     directory: Option<Arc<dyn net::directory::Directory>>,
     /// The packet queues RoCEv2 goes through (with a directory).
     packet_io: Option<Box<dyn net::io::PacketIo>>,
+    /// The metrics endpoint's listener (`metrics_listen`).
+    metrics: Option<metrics_http::Endpoint>,
 }
 
 impl std::fmt::Debug for Opened {
@@ -153,12 +160,18 @@ pub fn open(config: &Config) -> Result<Opened, Error> {
         }
         None => None,
     };
+    let metrics = config
+        .metrics_listen
+        .map(metrics_http::bind)
+        .transpose()
+        .map_err(Error::Metrics)?;
     Ok(Opened {
         sighup,
         admin_listener,
         listener,
         directory,
         packet_io,
+        metrics,
     })
 }
 
@@ -179,6 +192,7 @@ pub fn serve(config: &Config, opened: Opened, threads: &Threads) -> Result<(), E
         listener,
         directory,
         packet_io,
+        metrics,
     } = opened;
     let datapath = datapath(config).map_err(Error::Datapath)?;
     if let (Some(io), Some(directory)) = (packet_io, &directory) {
@@ -193,6 +207,12 @@ pub fn serve(config: &Config, opened: Opened, threads: &Threads) -> Result<(), E
     }
     admin::spawn(Arc::clone(&server), admin_listener, threads).map_err(Error::Admin)?;
     admin::spawn_sighup(Arc::clone(&server), sighup, threads).map_err(Error::Admin)?;
+    if let Some(endpoint) = metrics {
+        let addr = endpoint.addr;
+        metrics_http::spawn(Arc::clone(&server), endpoint, threads)
+            .map_err(Error::MetricsThread)?;
+        tracing::info!(%addr, "Serving Prometheus metrics over HTTP (GET /metrics)");
+    }
     tracing::info!(
         socket = %config.socket.display(),
         admin_socket = %config.admin_socket.display(),

@@ -1,0 +1,200 @@
+//! hostd's Prometheus endpoint (`--metrics-listen`): a real hostd in its
+//! sandbox (seccomp in kill mode: a call the metrics thread's role does
+//! not allow would kill hostd), scraped over TCP after real traffic; the
+//! text is `vrdmactl metrics`'s, and every request that is not a scrape
+//! gets its HTTP status without wedging the endpoint.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use vrdma_spec::verbs::{SendOpcode, WcStatus};
+use vrdma_tests::daemon::{metric_value, Hostd};
+use vrdma_tests::tenant::{qp_pair, Connection, Pair, Tenant};
+
+/// The address hostd logged it serves metrics on.
+fn metrics_addr(hostd: &Hostd) -> SocketAddr {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let log = hostd.log();
+        let addr = log
+            .lines()
+            .filter(|l| l.contains("Serving Prometheus metrics over HTTP"))
+            .find_map(|l| {
+                l.split("addr=")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse()
+                    .ok()
+            });
+        if let Some(addr) = addr {
+            return addr;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no metrics address logged:\n{log}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Sends `request` as is and returns (status code, headers, body).
+fn exchange(addr: SocketAddr, request: &[u8]) -> (u16, String, Vec<u8>) {
+    let mut s = TcpStream::connect(addr).expect("connect to the metrics endpoint");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    s.write_all(request).expect("send the request");
+    let mut answer = Vec::new();
+    s.read_to_end(&mut answer).expect("read the answer");
+    let end = answer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no header end: {:?}", String::from_utf8_lossy(&answer)));
+    let head = String::from_utf8_lossy(&answer[..end]).into_owned();
+    let body = answer[end + 4..].to_vec();
+    let code = head
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status: {head}"));
+    (code, head, body)
+}
+
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines()
+        .filter_map(|l| l.split_once(": "))
+        .find(|(k, _)| k.eq_ignore_ascii_case(name))
+        .map(|(_, v)| v)
+}
+
+#[test]
+fn hostd_serves_its_metrics_over_http_and_answers_anything_else_with_its_status() {
+    let hostd = Hostd::start_with(None, &["--metrics-listen", "127.0.0.1:0"]);
+    let addr = metrics_addr(&hostd);
+    let a = Tenant::start(&hostd, "alpha");
+    let b = Tenant::start(&hostd, "beta");
+    let (qa, qb) = qp_pair(&a, &b, Connection::default());
+    let pair = Pair {
+        qa,
+        qb,
+        a,
+        b,
+        hostd,
+    };
+    let (src, dst) = pair.mrs(4096);
+    let write = || {
+        let st = pair.rdma(
+            SendOpcode::RdmaWrite,
+            &[src.sge(0, 64)],
+            dst.iova(),
+            dst.rkey(),
+        );
+        assert_eq!(st, WcStatus::Success);
+    };
+    for _ in 0..10 {
+        write();
+    }
+
+    // A scrape: 200, the exposition format, its length, alpha's writes.
+    let (code, head, body) = exchange(addr, b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n");
+    assert_eq!(code, 200, "{head}");
+    assert_eq!(
+        header(&head, "Content-Type"),
+        Some("text/plain; version=0.0.4; charset=utf-8")
+    );
+    assert_eq!(
+        header(&head, "Content-Length"),
+        Some(&*body.len().to_string())
+    );
+    let text = String::from_utf8(body).expect("UTF-8 metrics");
+    let writes = metric_value(
+        &text,
+        "vrdma_tenant_ops_total{tenant=\"alpha\",kind=\"write\"}",
+    );
+    assert_eq!(writes, Some(10.0), "{text}");
+    // The same text vrdmactl gets on the admin socket (nothing ran since).
+    let (status, ctl, err) = pair.hostd.ctl(&["metrics"]);
+    assert_eq!(status, 0, "{err}");
+    assert_eq!(text, ctl);
+    // Prometheus's naming rules: counters end in _total, every family is
+    // typed and helped before its samples, names are vrdma_-prefixed.
+    for line in text.lines().filter(|l| l.starts_with("# TYPE ")) {
+        let mut words = line.split(' ').skip(2);
+        let (name, kind) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+        assert!(name.starts_with("vrdma_"), "{line}");
+        assert!(matches!(kind, "counter" | "gauge"), "{line}");
+        if kind == "counter" {
+            assert!(name.ends_with("_total"), "{line}");
+        }
+        assert!(
+            text.contains(&format!("# HELP {name} ")),
+            "{name} has no HELP"
+        );
+    }
+
+    // The example dashboard (docs/) asks only for series hostd serves
+    // (its per-tenant ones here; the per-peer ones come with [fabric]).
+    let dashboard = include_str!("../../docs/grafana-vrdma-hostd.json");
+    let asked: std::collections::BTreeSet<&str> = dashboard
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .filter(|w| w.starts_with("vrdma_tenant_"))
+        .collect();
+    assert!(asked.len() >= 6, "{asked:?}");
+    for name in asked {
+        assert!(
+            text.contains(&format!("# TYPE {name} ")),
+            "the dashboard asks for {name}, which hostd does not serve"
+        );
+    }
+
+    // HEAD: the same headers, no body.
+    let (code, head, body) = exchange(addr, b"HEAD /metrics HTTP/1.0\r\n\r\n");
+    assert_eq!(code, 200);
+    assert!(body.is_empty(), "HEAD has no body");
+    assert_eq!(
+        header(&head, "Content-Length"),
+        Some(&*text.len().to_string())
+    );
+
+    // Everything else gets its status.
+    let cases: [(&[u8], u16); 5] = [
+        (b"GET / HTTP/1.1\r\n\r\n", 404),
+        (b"GET /metricsx HTTP/1.1\r\n\r\n", 404),
+        (b"POST /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n", 405),
+        (b"GET /metrics HTTP/2.0\r\n\r\n", 505),
+        (b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03\r\n\r\n", 400),
+    ];
+    for (request, want) in cases {
+        let (code, head, _) = exchange(addr, request);
+        assert_eq!(code, want, "{:?}: {head}", String::from_utf8_lossy(request));
+        if want == 405 {
+            assert_eq!(header(&head, "Allow"), Some("GET, HEAD"));
+        }
+    }
+    let mut long = b"GET /metrics HTTP/1.1\r\n".to_vec();
+    for i in 0..400 {
+        long.extend_from_slice(format!("X-Padding-{i}: {}\r\n", "a".repeat(20)).as_bytes());
+    }
+    long.extend_from_slice(b"\r\n");
+    assert_eq!(exchange(addr, &long).0, 431, "a head over 8 KiB");
+
+    // A client that connects and says nothing holds the endpoint for its
+    // timeout only; a client that vanishes mid-request changes nothing.
+    let silent = TcpStream::connect(addr).expect("connect");
+    let mut half = TcpStream::connect(addr).expect("connect");
+    half.write_all(b"GET /met").expect("half a request");
+    drop(half);
+    let started = Instant::now();
+    let (code, _, _) = exchange(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+    assert_eq!(code, 200, "served after the silent client's timeout");
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "the silent client held the endpoint {:?}",
+        started.elapsed()
+    );
+    drop(silent);
+    // hostd is alive (its seccomp filters kill it on a forbidden call) and
+    // still serving its tenants.
+    write();
+}
