@@ -44,6 +44,7 @@ pub mod scheduler;
 pub mod seccomp;
 pub mod server;
 pub mod stats;
+pub mod top;
 
 use std::path::PathBuf;
 use std::sync::Arc;

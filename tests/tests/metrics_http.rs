@@ -68,32 +68,50 @@ fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-#[test]
-fn hostd_serves_its_metrics_over_http_and_answers_anything_else_with_its_status() {
-    let hostd = Hostd::start_with(None, &["--metrics-listen", "127.0.0.1:0"]);
-    let addr = metrics_addr(&hostd);
-    let a = Tenant::start(&hostd, "alpha");
-    let b = Tenant::start(&hostd, "beta");
-    let (qa, qb) = qp_pair(&a, &b, Connection::default());
-    let pair = Pair {
-        qa,
-        qb,
-        a,
-        b,
-        hostd,
-    };
-    let (src, dst) = pair.mrs(4096);
-    let write = || {
-        let st = pair.rdma(
+/// Tenants alpha and beta of `hostd`, a connected QP pair, and a 64 B
+/// WRITE from alpha into beta's memory that must succeed.
+struct Writing {
+    pair: Pair,
+    src: vrdma_guest_driver::MemoryRegion,
+    dst: vrdma_guest_driver::MemoryRegion,
+}
+
+impl Writing {
+    fn on(hostd: Hostd) -> Self {
+        let a = Tenant::start(&hostd, "alpha");
+        let b = Tenant::start(&hostd, "beta");
+        let (qa, qb) = qp_pair(&a, &b, Connection::default());
+        let pair = Pair {
+            qa,
+            qb,
+            a,
+            b,
+            hostd,
+        };
+        let (src, dst) = pair.mrs(4096);
+        Writing { pair, src, dst }
+    }
+
+    fn write(&self) {
+        let (src, dst) = (&self.src, &self.dst);
+        let st = (self.pair).rdma(
             SendOpcode::RdmaWrite,
             &[src.sge(0, 64)],
             dst.iova(),
             dst.rkey(),
         );
         assert_eq!(st, WcStatus::Success);
-    };
+    }
+}
+
+#[test]
+fn hostd_serves_its_metrics_over_http_and_answers_anything_else_with_its_status() {
+    let hostd = Hostd::start_with(None, &["--metrics-listen", "127.0.0.1:0"]);
+    let addr = metrics_addr(&hostd);
+    let w = Writing::on(hostd);
+    let pair = &w.pair;
     for _ in 0..10 {
-        write();
+        w.write();
     }
 
     // A scrape: 200, the exposition format, its length, alpha's writes.
@@ -196,5 +214,83 @@ fn hostd_serves_its_metrics_over_http_and_answers_anything_else_with_its_status(
     drop(silent);
     // hostd is alive (its seccomp filters kill it on a forbidden call) and
     // still serving its tenants.
-    write();
+    w.write();
+}
+
+#[test]
+fn vrdmactl_top_shows_each_tenants_rates_and_holdings() {
+    let w = Writing::on(Hostd::start(None));
+    let pair = &w.pair;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (frames, writes) = std::thread::scope(|scope| {
+        // alpha writes all along; beta does nothing.
+        let writer = scope.spawn(|| {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                w.write();
+                n += 1;
+            }
+            n
+        });
+        let args = ["top", "--json", "--count", "2", "--interval", "0.5"];
+        let (code, out, err) = pair.hostd.ctl(&args);
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(code, 0, "{err}");
+        (out, writer.join().expect("writer"))
+    });
+    let lines: Vec<serde_json::Value> = frames
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON frame per line"))
+        .collect();
+    assert_eq!(lines.len(), 2, "{frames}");
+    let tenant = |f: &serde_json::Value, name: &str| {
+        f["tenants"]
+            .as_array()
+            .and_then(|t| t.iter().find(|t| t["tenant"] == name))
+            .cloned()
+            .unwrap_or_else(|| panic!("{name} in {f}"))
+    };
+    let (alpha, beta) = (tenant(&lines[1], "alpha"), tenant(&lines[1], "beta"));
+    let rate = alpha["ops_per_s_by_kind"]["write"].as_f64().unwrap_or(0.0);
+    // The writer ran through both intervals (~1 s in all): the rate of the
+    // second is its share of those writes, give or take the edges.
+    assert!(rate > 0.0, "{alpha}");
+    assert!(rate <= writes as f64 / 0.4, "{rate}/s from {writes} writes");
+    assert_eq!(alpha["bytes_per_s"].as_f64(), Some(rate * 64.0), "{alpha}");
+    assert_eq!(beta["ops_per_s"].as_f64(), Some(0.0), "{beta}");
+    for t in [&alpha, &beta] {
+        assert_eq!(
+            (t["devices"].as_u64(), t["qps"].as_u64()),
+            (Some(1), Some(1)),
+            "{t}"
+        );
+        assert_eq!(t["class"], "normal", "{t}");
+    }
+
+    // The screen: a header and a row per tenant.
+    let (code, screen, err) = pair
+        .hostd
+        .ctl(&["top", "--count", "1", "--interval", "0.2"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        screen.contains("TENANT") && screen.contains("OPS/s"),
+        "{screen}"
+    );
+    for name in ["alpha", "beta"] {
+        assert!(screen.lines().any(|l| l.starts_with(name)), "{screen}");
+    }
+    // --json on the other commands, and a refused interval.
+    let (code, reload, _) = pair.hostd.ctl(&["--json", "reload"]);
+    assert_eq!(code, 1, "the built-in policy cannot be reloaded");
+    let v: serde_json::Value = serde_json::from_str(&reload).expect("JSON error");
+    assert!(v["error"].is_string(), "{reload}");
+    let (code, metrics, _) = pair.hostd.ctl(&["metrics", "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&metrics).expect("JSON metrics");
+    assert!(v["text"]
+        .as_str()
+        .is_some_and(|t| t.contains("vrdma_tenant_ops_total")));
+    let (code, _, err) = pair.hostd.ctl(&["top", "--interval", "0"]);
+    assert_eq!(code, 2, "{err}");
+    assert!(err.contains("--interval"), "{err}");
 }

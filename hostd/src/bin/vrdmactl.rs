@@ -1,15 +1,19 @@
 //! `vrdmactl`: asks a running hostd, over its admin socket, for its
-//! tenants' stats (a table, or JSON), for Prometheus metrics, or to reload
-//! its policy. Exits 0 on success, 1 when hostd reports an error (a policy
+//! tenants' stats (a table, or JSON), for Prometheus metrics, for a live
+//! view of the host (`top`), or to reload its policy. Exits 0 on success, 1 when hostd reports an error (a policy
 //! that does not load: the old one stays in force), 2 when hostd cannot be
 //! reached or answers nonsense.
 
+use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use vrdma_errors::error_chain;
 use vrdma_hostd::admin::{self, AdminRequest, AdminResponse};
+use vrdma_hostd::stats::Stats;
+use vrdma_hostd::top;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -20,6 +24,9 @@ struct Args {
     /// hostd's admin socket (hostd's `admin_socket`, default `<socket>.admin`).
     #[arg(long, default_value = "/run/vrdma/hostd.sock.admin")]
     admin_socket: PathBuf,
+    /// Print JSON instead of text (every command; before or after it).
+    #[arg(long, global = true)]
+    json: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -27,65 +34,72 @@ struct Args {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Every tenant's counters, usage and quotas.
-    Stats {
-        /// Print hostd's JSON instead of tables.
-        #[arg(long)]
-        json: bool,
-    },
-    /// The same in the Prometheus text exposition format.
+    Stats,
+    /// The same in the Prometheus text exposition format (with --json:
+    /// `{"text": ...}`).
     Metrics,
     /// The RoCEv2 transport's counters per peer host: packets, bytes,
     /// retransmissions, timeouts, NAKs by kind, RTT, drops by reason.
-    Peers {
-        /// Print hostd's JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
+    Peers,
     /// Re-read the policy file; prints what changed, or why the file was
     /// refused (the policy in force then stays).
     Reload,
+    /// One screen of what the host is doing, refreshed: per tenant its
+    /// class, devices, QPs, MRs and its rates of work, bytes, errors,
+    /// refusals, drops and throttling; per peer host the transport's
+    /// rates (with --json: one JSON object per refresh, a line each).
+    Top {
+        /// Seconds between refreshes (0.1 to 3600).
+        #[arg(long, default_value_t = 1.0)]
+        interval: f64,
+        /// Refreshes to show, then exit (default: until interrupted).
+        #[arg(long)]
+        count: Option<u64>,
+    },
 }
+
+/// Exit statuses: hostd could not be reached or answered nonsense.
+const UNREACHABLE: u8 = 2;
 
 fn main() -> ExitCode {
     let args = Args::parse();
     let request = match args.command {
-        Command::Stats { .. } => AdminRequest::Stats,
+        Command::Stats | Command::Top { .. } => AdminRequest::Stats,
         Command::Metrics => AdminRequest::Metrics,
-        Command::Peers { .. } => AdminRequest::Peers,
+        Command::Peers => AdminRequest::Peers,
         Command::Reload => AdminRequest::Reload,
     };
+    if let Command::Top { interval, count } = args.command {
+        return top(&args.admin_socket, interval, count, args.json);
+    }
     let response = match admin::call(&args.admin_socket, request) {
         Ok(response) => response,
         Err(e) => {
             eprintln!("vrdmactl: {}", error_chain(&e));
-            return ExitCode::from(2);
+            return ExitCode::from(UNREACHABLE);
         }
     };
-    match (response, args.command) {
-        (AdminResponse::Stats(stats), Command::Stats { json: true }) => {
-            match serde_json::to_string_pretty(&stats) {
-                Ok(text) => println!("{text}"),
-                Err(e) => {
-                    eprintln!("vrdmactl: {e}");
-                    return ExitCode::from(2);
-                }
-            }
-        }
-        (AdminResponse::Stats(stats), Command::Stats { json: false }) => {
+    let json = args.json;
+    let printed = match (response, args.command) {
+        (AdminResponse::Stats(stats), Command::Stats) if json => print_json(&stats),
+        (AdminResponse::Stats(stats), Command::Stats) => {
             print!("{}", admin::render_table(&stats));
+            Ok(())
         }
-        (AdminResponse::Metrics { text }, Command::Metrics) => print!("{text}"),
-        (AdminResponse::Peers(peers), Command::Peers { json: true }) => {
-            match serde_json::to_string_pretty(&peers) {
-                Ok(text) => println!("{text}"),
-                Err(e) => {
-                    eprintln!("vrdmactl: {e}");
-                    return ExitCode::from(2);
-                }
-            }
+        (AdminResponse::Metrics { text }, Command::Metrics) if json => {
+            print_json(&serde_json::json!({ "text": text }))
         }
-        (AdminResponse::Peers(peers), Command::Peers { json: false }) => {
+        (AdminResponse::Metrics { text }, Command::Metrics) => {
+            print!("{text}");
+            Ok(())
+        }
+        (AdminResponse::Peers(peers), Command::Peers) if json => print_json(&peers),
+        (AdminResponse::Peers(peers), Command::Peers) => {
             print!("{}", admin::render_peers(&peers));
+            Ok(())
+        }
+        (AdminResponse::Reloaded { file, changes }, Command::Reload) if json => {
+            print_json(&serde_json::json!({ "file": file, "changes": changes }))
         }
         (AdminResponse::Reloaded { file, changes }, Command::Reload) => {
             if changes.is_empty() {
@@ -96,15 +110,91 @@ fn main() -> ExitCode {
                     println!("  {change}");
                 }
             }
+            Ok(())
         }
         (AdminResponse::Error { message }, _) => {
+            if json {
+                // The reason on stdout for a script, and for a person.
+                let _ = print_json(&serde_json::json!({ "error": message }));
+            }
             eprintln!("vrdmactl: hostd: {message}");
             return ExitCode::FAILURE;
         }
         (other, _) => {
             eprintln!("vrdmactl: unexpected answer {other:?}");
-            return ExitCode::from(2);
+            return ExitCode::from(UNREACHABLE);
         }
+    };
+    match printed {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("vrdmactl: {e}");
+            ExitCode::from(UNREACHABLE)
+        }
+    }
+}
+
+fn print_json(value: &impl serde::Serialize) -> Result<(), serde_json::Error> {
+    println!("{}", serde_json::to_string_pretty(value)?);
+    Ok(())
+}
+
+/// The stats now, or the exit status when hostd cannot give them.
+fn sample(socket: &std::path::Path) -> Result<Stats, ExitCode> {
+    match admin::call(socket, AdminRequest::Stats) {
+        Ok(AdminResponse::Stats(stats)) => Ok(stats),
+        Ok(other) => {
+            eprintln!("vrdmactl: unexpected answer {other:?}");
+            Err(ExitCode::from(UNREACHABLE))
+        }
+        Err(e) => {
+            eprintln!("vrdmactl: {}", error_chain(&e));
+            Err(ExitCode::from(UNREACHABLE))
+        }
+    }
+}
+
+/// `vrdmactl top`: a frame per interval from consecutive samples.
+fn top(socket: &std::path::Path, interval: f64, count: Option<u64>, json: bool) -> ExitCode {
+    if !(0.1..=3600.0).contains(&interval) {
+        eprintln!("vrdmactl: --interval {interval}: must be between 0.1 and 3600 seconds");
+        return ExitCode::from(UNREACHABLE);
+    }
+    let clear = !json && std::io::stdout().is_terminal();
+    let mut before = match sample(socket) {
+        Ok(s) => s,
+        Err(code) => return code,
+    };
+    let mut taken = Instant::now();
+    let mut shown = 0u64;
+    while count.is_none_or(|n| shown < n) {
+        std::thread::sleep(Duration::from_secs_f64(interval));
+        let after = match sample(socket) {
+            Ok(s) => s,
+            Err(code) => return code,
+        };
+        let now = Instant::now();
+        let frame = top::frame(&before, &after, now - taken);
+        if json {
+            match serde_json::to_string(&frame) {
+                Ok(line) => println!("{line}"),
+                Err(e) => {
+                    eprintln!("vrdmactl: {e}");
+                    return ExitCode::from(UNREACHABLE);
+                }
+            }
+        } else {
+            if clear {
+                // Home and clear: the screen is redrawn, not scrolled.
+                print!("\x1b[H\x1b[2J");
+            }
+            print!("{}", top::render(&frame));
+            if !clear {
+                println!();
+            }
+        }
+        let _ = std::io::stdout().flush();
+        (before, taken, shown) = (after, now, shown + 1);
     }
     ExitCode::SUCCESS
 }
