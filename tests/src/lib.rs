@@ -34,6 +34,7 @@ pub mod two_tenants;
 pub mod ucx;
 pub mod vhost_tap;
 pub mod vm;
+pub mod wrapped;
 
 /// A program's arguments as owned strings (for argument lists built from
 /// literals and formatted values).

@@ -8,11 +8,11 @@
 //! `systemd-analyze verify` only.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Child, Command};
 
 use vrdma_tests::daemon::binary;
 use vrdma_tests::need;
+use vrdma_tests::wrapped::{dropped_everything, spawn_logged, wait_for_path};
 
 const UNITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/systemd");
 
@@ -84,36 +84,13 @@ fn under_unit_limits(unit_text: &str, program: &Path, args: &[&str], log: &Path)
         .map(|c| format!("+{}", c.trim_start_matches("CAP_").to_lowercase()))
         .collect();
     let setpriv = need::program("setpriv", "util-linux");
-    Command::new(setpriv)
-        .arg("--no-new-privs")
+    let mut cmd = Command::new(setpriv);
+    cmd.arg("--no-new-privs")
         .arg(format!("--bounding-set=-all,{}", caps.join(",")))
         .arg("--")
         .arg(program)
-        .args(args)
-        .env("VRDMA_LOG", "info")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log).expect("log file"))
-        .spawn()
-        .expect("start under setpriv")
-}
-
-fn wait_for_socket(path: &Path, child: &mut Child, log: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !path.exists() {
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!(
-                "exited {status} before listening:\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} never appeared",
-            path.display()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+        .args(args);
+    spawn_logged(cmd, log)
 }
 
 #[test]
@@ -135,7 +112,7 @@ fn hostd_and_vdev_serve_a_tenant_within_the_units_privileges() {
         &["--config", &config_arg],
         &hostd_log,
     );
-    wait_for_socket(&hostd_sock, &mut hostd, &hostd_log);
+    wait_for_path(&hostd_sock, "hostd", &mut hostd, &hostd_log);
 
     let vdev_config = dir.0.join("alpha.toml");
     std::fs::write(&vdev_config, "tenant = \"alpha\"\n").expect("vdev config");
@@ -156,7 +133,7 @@ fn hostd_and_vdev_serve_a_tenant_within_the_units_privileges() {
     ];
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let mut vdev = under_unit_limits(&vdev_unit, &binary("vdev"), &args, &vdev_log);
-    wait_for_socket(&vdev_sock, &mut vdev, &vdev_log);
+    wait_for_path(&vdev_sock, "vdev", &mut vdev, &vdev_log);
 
     // A tenant's device works through both.
     let ctx = vrdma_guest_driver::Context::open_vhost_user(&vdev_sock).unwrap_or_else(|e| {
@@ -172,12 +149,7 @@ fn hostd_and_vdev_serve_a_tenant_within_the_units_privileges() {
     // Both dropped everything, as without systemd: no capabilities and an
     // empty bounding set (which takes CAP_SETPCAP from the unit).
     for (log, name) in [(&hostd_log, "hostd"), (&vdev_log, "vdev")] {
-        let text = std::fs::read_to_string(log).unwrap_or_default();
-        let dropped = text
-            .lines()
-            .find(|l| l.contains("Privileges dropped: no capabilities"))
-            .unwrap_or_else(|| panic!("{name} dropped nothing:\n{text}"));
-        assert!(dropped.contains("bounding_set_left=0"), "{name}: {dropped}");
+        dropped_everything(log, name);
     }
     drop((mr, pd, ctx));
     for child in [&mut vdev, &mut hostd] {
