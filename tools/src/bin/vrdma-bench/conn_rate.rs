@@ -46,6 +46,31 @@ pub struct Ends<'a> {
     pub server: (&'a Tenant, Option<PathBuf>),
     /// The client's.
     pub client: (&'a Tenant, Option<PathBuf>),
+    /// The admin sockets of the hostds the connections go through, whose
+    /// QP1 drops each trial reports (a dropped MAD costs a connection the
+    /// CM's retry, seconds).
+    pub hostds: Vec<PathBuf>,
+}
+
+/// CM MADs dropped so far because a device's QP1 queue was full, over
+/// the hostds at `admins` (`vrdmactl stats --json`, every tenant's
+/// `gsi.queue_full`); `None` if a hostd could not say.
+fn qp1_drops(admins: &[PathBuf]) -> Option<u64> {
+    let vrdmactl = supervisor::find_binary("vrdmactl", "vrdma-hostd").ok()?;
+    let mut total = 0;
+    for admin in admins {
+        let out = Command::new(&vrdmactl)
+            .arg("--admin-socket")
+            .arg(admin)
+            .args(["stats", "--json"])
+            .output()
+            .ok()?;
+        let stats: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        for t in stats["tenants"].as_array()? {
+            total += t["gsi"]["queue_full"].as_u64().unwrap_or(0);
+        }
+    }
+    Some(total)
 }
 
 /// One cmtime run: milliseconds of each step over all connections.
@@ -248,13 +273,18 @@ pub fn run(
     let mut setups = Vec::with_capacity(TRIALS);
     for trial in 0..TRIALS {
         let tcp_rate = tcp().map_err(baseline("set up TCP connections"))?;
+        let drops_before = qp1_drops(&ends.hostds);
         let steps = run_cmtime(shim.path(), ends, port + trial as u16)?;
+        let drops = match (drops_before, qp1_drops(&ends.hostds)) {
+            (Some(b), Some(a)) => a.saturating_sub(b).to_string(),
+            _ => "unknown".to_owned(),
+        };
         let setup = CONNECTIONS as f64 / (steps.setup_ms() / 1000.0);
         let teardown = CONNECTIONS as f64 / (steps.teardown_ms() / 1000.0);
         println!(
             "conn_rate  {}: {CONNECTIONS} RC connections (cmtime) set up at {setup:.0}/s \
              (ms: id {:.1} addr {:.1} route {:.1} qp {:.1} connect {:.1}), torn down at \
-             {teardown:.0}/s | TCP {tcp_rate:.0}/s | ratio {:.2}",
+             {teardown:.0}/s, MADs dropped at QP1 {drops} | TCP {tcp_rate:.0}/s | ratio {:.2}",
             ends.label,
             steps.create_id,
             steps.resolve_addr,

@@ -67,7 +67,7 @@ pub struct Params {
 struct Setup {
     a: Tenant,
     b: Tenant,
-    _hosts: [Host; 2],
+    hosts: [Host; 2],
     pair: Pair,
 }
 
@@ -82,12 +82,7 @@ impl Setup {
         ];
         let a = hosts[0].tenant("alpha")?;
         let b = hosts[1].tenant("beta")?;
-        Ok(Setup {
-            a,
-            b,
-            _hosts: hosts,
-            pair,
-        })
+        Ok(Setup { a, b, hosts, pair })
     }
 }
 
@@ -115,6 +110,7 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
         label: "across hosts",
         server: (&s.a, Some(n1.clone())),
         client: (&s.b, Some(n2.clone())),
+        hostds: s.hosts.iter().map(Host::admin_socket).collect(),
     };
     let tcp = SocketAddrV4::new(h1.underlay, TCP_PORT + 10);
     let baseline = || crate::conn_rate::tcp_setup_rate(tcp, Some(&n1), Some(&n2));

@@ -100,6 +100,13 @@ impl Host {
         })
     }
 
+    /// hostd's admin socket (its default: next to its vdev socket).
+    pub fn admin_socket(&self) -> PathBuf {
+        let mut name = self.hostd.socket().as_os_str().to_owned();
+        name.push(".admin");
+        name.into()
+    }
+
     /// A vdev for `tenant` attached to hostd.
     pub fn vdev(&self, tenant: &str) -> Result<Daemon> {
         let n = self.vdevs.replace(self.vdevs.get() + 1);

@@ -289,6 +289,7 @@ fn run(args: &Args, tests: &[Test], targets: &mut Targets) -> Result<()> {
                     label: "same host",
                     server: (&a, None),
                     client: (&b, None),
+                    hostds: vec![host.admin_socket()],
                 };
                 let tcp = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 7481);
                 let baseline = || conn_rate::tcp_setup_rate(tcp, None, None);
