@@ -23,6 +23,9 @@ use super::state::{ack_timeout, Path, RemoteQp};
 /// Closed QPs remembered at most (a program closing thousands of QPs at
 /// once gets the rest forgotten, as every QP was before).
 const MAX_CLOSED: usize = 4096;
+/// A device's share of them: one tenant closing QPs by the thousand leaves
+/// room for the others'.
+const MAX_PER_DEVICE: usize = MAX_CLOSED / 4;
 /// How long a closed QP answers at least and at most: the peer retries
 /// for about its timeout × (retry count + 1); ours stands in for it.
 const LINGER_MIN: Duration = Duration::from_millis(100);
@@ -57,13 +60,19 @@ pub struct Reack {
 impl ClosedQps {
     /// RC QP `qpn`, connected as `remote`, was destroyed at `now`.
     pub fn remember(&mut self, qpn: u32, remote: &RemoteQp, now: Instant) {
-        if self.0.len() >= MAX_CLOSED {
+        let c = &remote.conn;
+        let gid = c.path.src;
+        let of_device = |m: &HashMap<(Ipv4Addr, u32), Closed>| {
+            // A scan, only once the table holds a share's worth (a QP's
+            // destruction is a control-path event, not per packet).
+            m.len() >= MAX_PER_DEVICE && m.keys().filter(|k| k.0 == gid).count() >= MAX_PER_DEVICE
+        };
+        if self.0.len() >= MAX_CLOSED || of_device(&self.0) {
             self.0.retain(|_, c| c.until > now);
-            if self.0.len() >= MAX_CLOSED {
+            if self.0.len() >= MAX_CLOSED || of_device(&self.0) {
                 return;
             }
         }
-        let c = &remote.conn;
         let linger = ack_timeout(c.timeout)
             .map_or(LINGER_MAX, |t| t.saturating_mul(u32::from(c.retry_cnt) + 1))
             .clamp(LINGER_MIN, LINGER_MAX);
@@ -100,5 +109,67 @@ impl ClosedQps {
             msn: c.msn,
             peer: c.peer,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::wire::state::Connection;
+
+    fn remote(gid: [u8; 4], epsn: u32) -> RemoteQp {
+        let path = Path {
+            src: Ipv4Addr::from(gid),
+            dst: Ipv4Addr::new(10, 0, 0, 99),
+            tos: 0,
+            dest_qpn: 7,
+            mtu: 4096,
+        };
+        let conn = Connection {
+            path,
+            sq_psn: 0,
+            rq_psn: epsn,
+            timeout: 14,
+            retry_cnt: 7,
+            rnr_retry: 7,
+            min_rnr_timer: 12,
+            max_rd_atomic: 1,
+            peer: 1,
+            unacknowledged: false,
+        };
+        RemoteQp::new(conn)
+    }
+
+    #[test]
+    fn a_device_gets_a_share_and_only_retransmissions_are_answered() {
+        let now = Instant::now();
+        let mut closed = ClosedQps::default();
+        let (busy, other) = ([10, 0, 0, 1], [10, 0, 0, 2]);
+        for qpn in 0..MAX_PER_DEVICE as u32 + 10 {
+            closed.remember(qpn, &remote(busy, 100), now);
+        }
+        assert_eq!(closed.0.len(), MAX_PER_DEVICE, "one device's share");
+        closed.remember(5, &remote(other, 100), now);
+        let src = Ipv4Addr::new(10, 0, 0, 99);
+        let other_ip = Ipv4Addr::from(other);
+        let old = Psn::new(90);
+        let reack = closed
+            .answer(other_ip, 5, src, old, now)
+            .expect("remembered");
+        assert_eq!((reack.psn, reack.peer), (Psn::new(99), 1));
+        // Not a retransmission, not from the peer, not this QP: nothing.
+        assert!(closed
+            .answer(other_ip, 5, src, Psn::new(100), now)
+            .is_none());
+        assert!(closed
+            .answer(other_ip, 5, Ipv4Addr::new(10, 0, 0, 98), old, now)
+            .is_none());
+        assert!(closed.answer(other_ip, 6, src, old, now).is_none());
+        // Past its linger (14: 67 ms × 8 retries), forgotten.
+        let later = now + Duration::from_secs(1);
+        assert!(closed.answer(other_ip, 5, src, old, later).is_none());
+        // Once the busy device's entries expire, it gets room again.
+        closed.remember(99_999, &remote(busy, 100), later);
+        assert!(closed.0.contains_key(&(Ipv4Addr::from(busy), 99_999)));
     }
 }
