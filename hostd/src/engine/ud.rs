@@ -206,15 +206,26 @@ impl Engine {
             return done(WcStatus::LocLenErr);
         }
         let dest = UdDest::of_parts(work.rkey, work.remote_addr);
-        // The AH's fields are copied out; its tenant (an Arc) is looked at
-        // where it is, not cloned per datagram.
-        let Some(ah) = (self.devices.at(di))
+        let Some(found) = (self.devices.at(di))
             .and_then(|d| d.ahs.get(&dest.ah))
             .filter(|ah| ah.pd == pd)
-            .map(AhPath::of)
         else {
             return done(WcStatus::LocQpOpErr);
         };
+        // The AH's fields are copied out (its tenant, an Arc, is not cloned
+        // per datagram). A local AH's destination, looked up while the AH
+        // is at hand: its device, still of the tenant it was checked
+        // against (any of its contexts: a QP number names one QP of the
+        // device).
+        let ah = AhPath::of(found);
+        let target = (!ah.remote)
+            .then(|| {
+                (self.gids.get(&ah.dgid))
+                    .and_then(|contexts| contexts.first())
+                    .and_then(|id| self.devices.index(id))
+                    .filter(|&i| (self.devices.at(i)).is_some_and(|d| d.tenant == found.tenant))
+            })
+            .flatten();
         if !self.keys.check_sges(device, pd, work.sges(), 0) {
             return done(WcStatus::LocProtErr);
         }
@@ -226,18 +237,7 @@ impl Engine {
         if ah.remote {
             return self.ud_send_remote(qref, work, &ah, dest.remote_qpn, qkey, now);
         }
-        // The destination: the AH's device, still of the tenant it was
-        // checked against, and its UD QP.
-        // (any of its contexts: a QP number names one QP of the device).
-        let target = (self.gids.get(&ah.dgid))
-            .and_then(|contexts| contexts.first())
-            .and_then(|id| self.devices.index(id))
-            .filter(|&i| {
-                let ah_tenant = (self.devices.at(di))
-                    .and_then(|d| d.ahs.get(&dest.ah))
-                    .map(|a| &a.tenant);
-                (self.devices.at(i)).is_some_and(|d| Some(&d.tenant) == ah_tenant)
-            });
+        // The destination device, then its UD QP.
         let Some(first_di) = target else {
             self.count_drop(di, Drop::NoQp);
             return done(WcStatus::Success);
