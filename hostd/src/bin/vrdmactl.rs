@@ -64,20 +64,17 @@ const UNREACHABLE: u8 = 2;
 fn main() -> ExitCode {
     let args = Args::parse();
     let request = match args.command {
-        Command::Stats | Command::Top { .. } => AdminRequest::Stats,
+        Command::Top { interval, count } => {
+            return top(&args.admin_socket, interval, count, args.json);
+        }
+        Command::Stats => AdminRequest::Stats,
         Command::Metrics => AdminRequest::Metrics,
         Command::Peers => AdminRequest::Peers,
         Command::Reload => AdminRequest::Reload,
     };
-    if let Command::Top { interval, count } = args.command {
-        return top(&args.admin_socket, interval, count, args.json);
-    }
-    let response = match admin::call(&args.admin_socket, request) {
+    let response = match call(&args.admin_socket, request) {
         Ok(response) => response,
-        Err(e) => {
-            eprintln!("vrdmactl: {}", error_chain(&e));
-            return ExitCode::from(UNREACHABLE);
-        }
+        Err(code) => return code,
     };
     let json = args.json;
     let printed = match (response, args.command) {
@@ -139,16 +136,21 @@ fn print_json(value: &impl serde::Serialize) -> Result<(), serde_json::Error> {
     Ok(())
 }
 
+/// hostd's answer to `request`, or the exit status when it cannot be
+/// reached (the reason on stderr).
+fn call(socket: &std::path::Path, request: AdminRequest) -> Result<AdminResponse, ExitCode> {
+    admin::call(socket, request).map_err(|e| {
+        eprintln!("vrdmactl: {}", error_chain(&e));
+        ExitCode::from(UNREACHABLE)
+    })
+}
+
 /// The stats now, or the exit status when hostd cannot give them.
 fn sample(socket: &std::path::Path) -> Result<Stats, ExitCode> {
-    match admin::call(socket, AdminRequest::Stats) {
-        Ok(AdminResponse::Stats(stats)) => Ok(stats),
-        Ok(other) => {
+    match call(socket, AdminRequest::Stats)? {
+        AdminResponse::Stats(stats) => Ok(stats),
+        other => {
             eprintln!("vrdmactl: unexpected answer {other:?}");
-            Err(ExitCode::from(UNREACHABLE))
-        }
-        Err(e) => {
-            eprintln!("vrdmactl: {}", error_chain(&e));
             Err(ExitCode::from(UNREACHABLE))
         }
     }
