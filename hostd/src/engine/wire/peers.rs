@@ -1,6 +1,7 @@
 //! Counters per peer host: what an operator looks at when traffic to one
 //! host goes wrong (`vrdmactl peers`, and the Prometheus output).
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashMap};
 use std::net::Ipv4Addr;
 use std::sync::Arc;
@@ -100,13 +101,8 @@ impl Peers {
 
     /// The peer index of the host serving `gid`, if the directory knows it.
     pub fn of_gid(&mut self, directory: &dyn Directory, gid: Ipv4Addr) -> Option<usize> {
-        if directory.generation() == self.generation {
-            if let Some(&(i, _)) = self.by_gid.get(&gid) {
-                // Known: no network name cloned for a counter's index.
-                return Some(i);
-            }
-        }
-        self.source(directory, gid).map(|(i, _)| i)
+        // No network name cloned for a counter's index.
+        self.known(directory, gid).map(|&(i, _)| i)
     }
 
     /// The peer index of the host serving `gid` and the tenant network
@@ -116,30 +112,37 @@ impl Peers {
         directory: &dyn Directory,
         gid: Ipv4Addr,
     ) -> Option<(usize, Arc<str>)> {
+        let (i, network) = self.known(directory, gid)?;
+        Some((*i, Arc::clone(network)))
+    }
+
+    /// `gid`'s peer index and network, from the cache of the directory's
+    /// current generation or (once per generation) from the directory.
+    fn known(&mut self, directory: &dyn Directory, gid: Ipv4Addr) -> Option<&(usize, Arc<str>)> {
         let generation = directory.generation();
         if generation != self.generation {
             self.by_gid.clear();
             self.generation = generation;
         }
-        if let Some((i, network)) = self.by_gid.get(&gid) {
-            return Some((*i, Arc::clone(network)));
-        }
-        let entry = directory.lookup(gid)?;
-        let i = match self.by_name.get(&entry.host) {
-            Some(&i) => i,
-            None => {
-                self.hosts.push(PeerStats {
-                    host: entry.host.clone(),
-                    ..PeerStats::default()
-                });
-                let i = self.hosts.len();
-                self.by_name.insert(entry.host, i);
-                i
+        match self.by_gid.entry(gid) {
+            Entry::Occupied(known) => Some(known.into_mut()),
+            Entry::Vacant(new) => {
+                let entry = directory.lookup(gid)?;
+                let i = match self.by_name.get(&entry.host) {
+                    Some(&i) => i,
+                    None => {
+                        self.hosts.push(PeerStats {
+                            host: entry.host.clone(),
+                            ..PeerStats::default()
+                        });
+                        let i = self.hosts.len();
+                        self.by_name.insert(entry.host, i);
+                        i
+                    }
+                };
+                Some(new.insert((i, Arc::from(entry.network))))
             }
-        };
-        let network: Arc<str> = Arc::from(entry.network);
-        self.by_gid.insert(gid, (i, Arc::clone(&network)));
-        Some((i, network))
+        }
     }
 
     /// A packet of `len` bytes went to peer `i`.
