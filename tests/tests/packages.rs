@@ -10,6 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output};
 
+use vrdma_tests::daemon::TempDir;
 use vrdma_tests::need;
 use vrdma_tests::vm::image_for_test;
 use vrdma_tests::wrapped::{dropped_everything, spawn_logged, wait_for_path};
@@ -38,21 +39,16 @@ fn text(out: &Output) -> String {
     )
 }
 
-/// A directory removed on drop, with what is mounted in it unmounted first.
+/// A scratch directory with what is mounted in it unmounted (on drop)
+/// before the directory goes.
 struct Scratch {
-    path: PathBuf,
+    dir: TempDir,
     mounts: Vec<PathBuf>,
 }
 
 impl Scratch {
-    fn new() -> Self {
-        let path = std::env::temp_dir().join(format!("vrdma-packages-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&path);
-        std::fs::create_dir_all(&path).expect("scratch directory");
-        Scratch {
-            path,
-            mounts: Vec::new(),
-        }
+    fn path(&self) -> &Path {
+        self.dir.path()
     }
 
     fn mount(&mut self, args: &[&str], at: &Path) {
@@ -66,7 +62,6 @@ impl Drop for Scratch {
         for at in self.mounts.iter().rev() {
             let _ = Command::new("umount").arg("-l").arg(at).status();
         }
-        let _ = std::fs::remove_dir_all(&self.path);
     }
 }
 
@@ -127,8 +122,11 @@ fn exec_start(unit: &str, instance: &str) -> String {
 fn the_packages_are_lintian_clean_install_on_debian_and_run_there() {
     let image = image_for_test("the packages test");
     let lintian = need::program("lintian", "lintian");
-    let mut scratch = Scratch::new();
-    let (host, guest) = build_packages(&scratch.path);
+    let mut scratch = Scratch {
+        dir: TempDir::new("packages"),
+        mounts: Vec::new(),
+    };
+    let (host, guest) = build_packages(scratch.path());
 
     // No lintian error (warnings: no manual pages, no closed bugs).
     let lint = Command::new(lintian)
@@ -157,9 +155,9 @@ fn the_packages_are_lintian_clean_install_on_debian_and_run_there() {
 
     // A Debian system of its own: the VM tests' root under an overlay.
     let (upper, work, root) = (
-        scratch.path.join("upper"),
-        scratch.path.join("work"),
-        scratch.path.join("root"),
+        scratch.path().join("upper"),
+        scratch.path().join("work"),
+        scratch.path().join("root"),
     );
     for d in [&upper, &work, &root] {
         std::fs::create_dir_all(d).expect("overlay directory");
@@ -206,11 +204,11 @@ fn the_packages_are_lintian_clean_install_on_debian_and_run_there() {
         root.join("etc/vrdma/vdev/blue.toml"),
     )
     .expect("the example device file");
-    let hostd_log = scratch.path.join("hostd.log");
+    let hostd_log = scratch.path().join("hostd.log");
     let mut hostd = daemon(&root, &exec_start("vrdma-hostd.service", ""), &hostd_log);
     let hostd_sock = root.join("run/vrdma/hostd.sock");
     wait_for_path(&hostd_sock, "hostd", &mut hostd, &hostd_log);
-    let vdev_log = scratch.path.join("vdev.log");
+    let vdev_log = scratch.path().join("vdev.log");
     let mut vdev = daemon(&root, &exec_start("vrdma-vdev@.service", "blue"), &vdev_log);
     wait_for_path(
         &root.join("run/vrdma/blue.sock"),

@@ -7,10 +7,10 @@
 //! started here; their mount and namespace settings are checked by
 //! `systemd-analyze verify` only.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command};
 
-use vrdma_tests::daemon::binary;
+use vrdma_tests::daemon::{binary, TempDir};
 use vrdma_tests::need;
 use vrdma_tests::wrapped::{dropped_everything, spawn_logged, wait_for_path};
 
@@ -36,38 +36,27 @@ fn with_built_binaries(text: &str) -> String {
         .replace("/usr/bin/vdev", &binary("vdev").display().to_string())
 }
 
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(tag: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!("vrdma-units-{tag}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("scratch directory");
-        // The daemons run as nobody once their sandbox is up.
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).expect("chmod");
-        Scratch(dir)
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A scratch directory the daemons can reach once they run as nobody.
+fn scratch(tag: &str) -> TempDir {
+    let dir = TempDir::new(&format!("units-{tag}"));
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).expect("chmod");
+    dir
 }
 
 #[test]
 fn systemd_analyze_finds_nothing_wrong_in_the_units() {
     let analyze = need::program("systemd-analyze", "systemd");
-    let dir = Scratch::new("verify");
+    let dir = scratch("verify");
     for name in ["vrdma-hostd.service", "vrdma-vdev@.service"] {
-        std::fs::write(dir.0.join(name), with_built_binaries(&unit(name))).expect("write unit");
+        std::fs::write(dir.path().join(name), with_built_binaries(&unit(name)))
+            .expect("write unit");
     }
     // The template is checked through an instance of it.
     let out = Command::new(analyze)
         .arg("verify")
-        .arg(dir.0.join("vrdma-hostd.service"))
-        .arg(dir.0.join("vrdma-vdev@blue.service"))
+        .arg(dir.path().join("vrdma-hostd.service"))
+        .arg(dir.path().join("vrdma-vdev@blue.service"))
         .output()
         .expect("run systemd-analyze");
     let said = String::from_utf8_lossy(&out.stderr);
@@ -96,15 +85,15 @@ fn under_unit_limits(unit_text: &str, program: &Path, args: &[&str], log: &Path)
 #[test]
 fn hostd_and_vdev_serve_a_tenant_within_the_units_privileges() {
     need::root("the daemons start as root and drop to nobody, as under systemd");
-    let dir = Scratch::new("run");
+    let dir = scratch("run");
     let (hostd_unit, vdev_unit) = (unit("vrdma-hostd.service"), unit("vrdma-vdev@.service"));
     // The units' command lines, with this test's files for /etc and /run.
-    let hostd_sock = dir.0.join("hostd.sock");
-    let config = dir.0.join("hostd.toml");
+    let hostd_sock = dir.path().join("hostd.sock");
+    let config = dir.path().join("hostd.toml");
     let text = format!("socket = \"{}\"\n", hostd_sock.display());
     std::fs::write(&config, text).expect("hostd config");
     assert!(setting(&hostd_unit, "ExecStart").ends_with("--config /etc/vrdma/hostd.toml"));
-    let hostd_log = dir.0.join("hostd.log");
+    let hostd_log = dir.path().join("hostd.log");
     let config_arg = config.display().to_string();
     let mut hostd = under_unit_limits(
         &hostd_unit,
@@ -114,15 +103,15 @@ fn hostd_and_vdev_serve_a_tenant_within_the_units_privileges() {
     );
     wait_for_path(&hostd_sock, "hostd", &mut hostd, &hostd_log);
 
-    let vdev_config = dir.0.join("alpha.toml");
+    let vdev_config = dir.path().join("alpha.toml");
     std::fs::write(&vdev_config, "tenant = \"alpha\"\n").expect("vdev config");
-    let vdev_sock = dir.0.join("alpha.sock");
+    let vdev_sock = dir.path().join("alpha.sock");
     let exec = setting(&vdev_unit, "ExecStart");
     assert!(
         exec.contains("--config /etc/vrdma/vdev/%i.toml --socket /run/vrdma/%i.sock --hostd /run/vrdma/hostd.sock"),
         "{exec}"
     );
-    let vdev_log = dir.0.join("vdev.log");
+    let vdev_log = dir.path().join("vdev.log");
     let args = [
         "--config".to_owned(),
         vdev_config.display().to_string(),
