@@ -117,7 +117,7 @@ fn tenant_rates(old: Option<&TenantStats>, t: &TenantStats, secs: f64) -> Tenant
     let usage = |key: &str| t.usage.get(key).copied().unwrap_or(0);
     TenantRates {
         tenant: t.tenant.clone(),
-        class: format!("{:?}", t.class).to_lowercase(),
+        class: t.class.name().to_owned(),
         weight: t.weight,
         devices: usage("devices"),
         qps: usage("qps"),

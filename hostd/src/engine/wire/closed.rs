@@ -83,7 +83,7 @@ impl ClosedQps {
             peer: c.peer,
             until: now + linger,
         };
-        self.0.insert((c.path.src, qpn), closed);
+        self.0.insert((gid, qpn), closed);
     }
 
     /// The acknowledgement owed for a SEND or WRITE packet `psn` from
