@@ -416,8 +416,7 @@ impl KeyTable {
     /// Whether every SGE of `sges` is accessible to `device`'s work in
     /// `pd` with `need` (zero-length SGEs are skipped, as on IB).
     pub fn check_sges(&self, device: DeviceId, pd: u32, sges: &[Sge], need: u32) -> bool {
-        sges.iter()
-            .all(|s| s.length.get() == 0 || self.local(device, pd, s, need).is_some())
+        SgeList::new(self, device, pd, sges, need).all_valid()
     }
 }
 
@@ -469,8 +468,8 @@ impl<'a> SgeList<'a> {
         }
     }
 
-    /// Whether every SGE resolves ([`KeyTable::check_sges`]), keeping the
-    /// last one resolved for the walk that follows (a one-SGE list is
+    /// Whether every SGE resolves (a zero-length one always does), keeping
+    /// the last one resolved for the walk that follows (a one-SGE list is
     /// looked up once for check and copy).
     pub fn all_valid(&self) -> bool {
         (0..self.sges.len()).all(|i| self.get(i).is_some())
