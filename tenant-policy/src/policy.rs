@@ -196,9 +196,17 @@ pub const MAX_BYTES_PER_SEC: u64 = 10_000_000_000_000;
 /// Longest tenant or network name.
 pub const MAX_NAME_LEN: usize = 64;
 
-/// Whether `name` is a valid tenant or network name: `[A-Za-z0-9_.-]{1,64}`.
+/// Whether `name` is a valid tenant or network name: `[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}`.
 pub fn is_valid_name(name: &str) -> bool {
-    (1..=MAX_NAME_LEN).contains(&name.len())
+    // A name becomes part of paths (sockets, directories), log labels and
+    // metric labels: it starts with a letter, digit or `_`, so `.`, `..`,
+    // a hidden file or something read as an option (`-x`) never passes.
+    let starts_plain = name
+        .bytes()
+        .next()
+        .is_some_and(|b| b.is_ascii_alphanumeric() || b == b'_');
+    starts_plain
+        && name.len() <= MAX_NAME_LEN
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))

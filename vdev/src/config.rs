@@ -31,7 +31,7 @@ pub enum ConfigError {
     },
     #[error("No vhost-user socket given (--socket or `socket` in the config file)")]
     NoSocket,
-    #[error("Tenant name {0:?} must be 1-64 characters of [A-Za-z0-9_.-]")]
+    #[error("Tenant name {0:?} must be 1-64 characters of [A-Za-z0-9_.-], the first not . or -")]
     TenantName(String),
     #[error("Queue size {0} must be a power of two between 2 and {MAX_QUEUE_SIZE}")]
     QueueSize(u16),
@@ -163,12 +163,7 @@ impl TryFrom<Args> for Config {
 
 impl Config {
     fn validate(&self) -> Result<(), ConfigError> {
-        let name_ok = (1..=64).contains(&self.tenant.len())
-            && self
-                .tenant
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
-        if !name_ok {
+        if !vrdma_tenant_policy::is_valid_name(&self.tenant) {
             return Err(ConfigError::TenantName(self.tenant.clone()));
         }
         if !self.queue_size.is_power_of_two() || !(2..=MAX_QUEUE_SIZE).contains(&self.queue_size) {
@@ -293,6 +288,16 @@ mod tests {
             parse(&["--socket", "/s", "--tenant", "a b"]),
             Err(ConfigError::TenantName(_))
         ));
+        for name in ["..", ".", ".hidden", "-x"] {
+            let tenant = format!("--tenant={name}");
+            assert!(
+                matches!(
+                    parse(&["--socket", "/s", &tenant]),
+                    Err(ConfigError::TenantName(_))
+                ),
+                "{name}"
+            );
+        }
         assert!(matches!(
             parse(&["--socket", "/s", "--lid", "0"]),
             Err(ConfigError::Lid(0))

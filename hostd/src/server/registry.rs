@@ -187,14 +187,12 @@ impl Server {
                 format!("Protocol version {version} is not {PROTOCOL_VERSION}"),
             ));
         }
-        let device_ok = (1..=64).contains(&device.len())
-            && device
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"_.-".contains(&b));
-        if !device_ok {
+        // The same rule as tenant names: a device name is part of labels
+        // and (in vdev) of paths.
+        if !vrdma_tenant_policy::is_valid_name(device) {
             return Err(refuse(
                 libc::EINVAL,
-                "Device name must be 1-64 characters of [A-Za-z0-9_.-]",
+                "Device name must be 1-64 characters of [A-Za-z0-9_.-], the first not . or -",
             ));
         }
         let cred = channel.peer_cred();

@@ -584,6 +584,15 @@ fn bad_names() {
         10,
         "not a valid name",
     );
+    // A tenant name becomes part of paths and labels: `..` would climb.
+    for name in ["..", ".", ".hidden", "-rf"] {
+        refused(
+            &format!("{BASE}[[tenant]]\nname = \"{name}\"\n"),
+            "tenant[2].name",
+            10,
+            "not a valid name",
+        );
+    }
     let long = "x".repeat(65);
     refused(
         &format!("{BASE}[[tenant]]\nname = \"{long}\"\n"),

@@ -130,7 +130,7 @@ fn check_name(key: KeyPath, name: &str) -> Result<(), (KeyPath, String)> {
         Err((
             key,
             format!(
-                "{name:?} is not a valid name: 1 to {MAX_NAME_LEN} characters of A-Z a-z 0-9 _ . -"
+                "{name:?} is not a valid name: 1 to {MAX_NAME_LEN} characters of A-Z a-z 0-9 _ . -, the first not . or -"
             ),
         ))
     }
