@@ -29,9 +29,9 @@
 //!   CM channels, and the CM event queue).
 //!
 //! Start-up is split so that everything needing the file system or
-//! privileges happens before the sandbox: [`open`] binds the listener (and,
-//! when hostd's socket is out of reach of vdev's unprivileged uid, makes the
-//! first hostd registration), then [`run`] serves inside the sandbox.
+//! privileges happens before the sandbox: [`open`] binds the listener, then
+//! [`run`] registers with hostd (as the unprivileged uid hostd checks) and
+//! serves inside the sandbox.
 
 pub mod backend;
 pub mod cm;
@@ -89,16 +89,11 @@ pub struct Opened {
     listener: Listener,
     /// Its path, removed when vdev stops.
     socket_file: SocketFile,
-    /// A registration with hostd made before the sandbox, used for the
-    /// first frontend (see [`sandbox::Sandbox::register_early`]).
-    early_fabric: Option<Fabric>,
 }
 
 impl std::fmt::Debug for Opened {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Opened")
-            .field("early_fabric", &self.early_fabric)
-            .finish_non_exhaustive()
+        f.debug_struct("Opened").finish_non_exhaustive()
     }
 }
 
@@ -112,9 +107,8 @@ impl Drop for SocketFile {
     }
 }
 
-/// Binds the vhost-user socket and, with `register_early`, registers the
-/// device with hostd now (for the first frontend). Runs before the sandbox.
-pub fn open(config: &Config, register_early: bool) -> Result<Opened, Error> {
+/// Binds the vhost-user socket. Runs before the sandbox.
+pub fn open(config: &Config) -> Result<Opened, Error> {
     // The socket file appears only once it listens, so a frontend that
     // waits for it never meets ECONNREFUSED.
     let listener = bind_published(&config.socket, |path| {
@@ -128,17 +122,9 @@ pub fn open(config: &Config, register_early: bool) -> Result<Opened, Error> {
         )),
     })?;
     let socket_file = SocketFile(config.socket.clone());
-    let early_fabric = match (&config.hostd, register_early) {
-        (Some(path), true) => Some(
-            Fabric::connect(path, &config.tenant, &device_name(&config.socket))
-                .map_err(Error::Fabric)?,
-        ),
-        _ => None,
-    };
     Ok(Opened {
         listener,
         socket_file,
-        early_fabric,
     })
 }
 
@@ -180,7 +166,6 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
     let Opened {
         listener,
         socket_file: _socket_file,
-        mut early_fabric,
     } = opened;
     let identity = DeviceIdentity {
         tenant: Arc::from(config.tenant.as_str()),
@@ -207,9 +192,11 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
     let mut listener = Some(listener);
     let mut contexts: std::collections::HashMap<u64, Context> = Default::default();
     let (mut next_id, mut accepting) = (0u64, false);
-    // A registration failed while contexts were open: no more until one
-    // of them ends (hostd may be restarting, or out of this uid's reach).
+    // A registration failed after start (hostd restarting, or full): no
+    // further context until a retry works; the contexts open carry on and
+    // a frontend waits in the listener's backlog meanwhile.
     let mut held_back = false;
+    let mut hold = HoldBack::default();
     let mut link = link::Link::new(&config.tenant);
     // The device's connection manager, on one context's registration.
     let mut cm: Option<DeviceCm> = None;
@@ -228,21 +215,38 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
         if let Some(l) = listener.take_if(|_| next) {
             // A registration with hostd per context: when its frontend
             // goes, closing it makes hostd drop what that context had.
-            let fabric = match (early_fabric.take(), &config.hostd) {
-                (Some(fabric), _) => Some(Arc::new(fabric)),
-                (None, Some(path)) => match register(path, &config.tenant, &device_name) {
-                    Ok(fabric) => Some(Arc::new(fabric)),
-                    Err(e) if !contexts.is_empty() => {
+            let fabric = match &config.hostd {
+                Some(path) => match register(path, &config.tenant, &device_name) {
+                    Ok(fabric) => {
+                        hold = HoldBack::default();
+                        Some(Arc::new(fabric))
+                    }
+                    // At start, before any frontend is served: a problem
+                    // of configuration (hostd's socket out of this uid's
+                    // reach, an unknown tenant), reported once, now. A
+                    // hostd that is not listening yet (both started at
+                    // once) is waited for a while.
+                    Err(e) if next_id == 0 => {
+                        match wait_for_hostd(path, &config.tenant, &device_name, e) {
+                            Ok(fabric) => Some(Arc::new(fabric)),
+                            Err(e) => return Err(Error::Fabric(e)),
+                        }
+                    }
+                    // Later (hostd restarting, the device's contexts all
+                    // taken): never the end of vdev nor of the contexts
+                    // open; the next frontend waits for a retry.
+                    Err(e) => {
                         tracing::warn!(tenant = %config.tenant, open = contexts.len(),
-                            "No further context until one closes: {}",
+                            retry_ms = hold.pause.as_millis() as u64,
+                            "No further context until hostd takes a registration again: {}",
                             vrdma_errors::error_chain(&e));
                         listener = Some(l);
                         held_back = true;
+                        hold.failed();
                         continue;
                     }
-                    Err(e) => return Err(Error::Fabric(e)),
                 },
-                (None, None) => None,
+                None => None,
             };
             if let Some(fabric) = &fabric {
                 tracing::info!(tenant = %config.tenant, context = next_id, lid = fabric.lid,
@@ -273,16 +277,25 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
             next_id += 1;
             accepting = true;
         }
-        if contexts.is_empty() {
+        if contexts.is_empty() && !held_back {
             return Ok(());
         }
         // The senders live in the context threads and here: never closed.
-        // While hostd is away, the wait ends for the next try.
-        let event = match link.wait() {
+        // While hostd is away, or a registration is held back, the wait
+        // ends for the next try.
+        let retry = held_back.then(|| hold.wait());
+        let event = match link.wait().into_iter().chain(retry).min() {
             None => happened.recv().ok(),
             Some(pause) => match happened.recv_timeout(pause) {
                 Ok(event) => Some(event),
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    if held_back && hold.wait().is_zero() {
+                        // The held-back registration's turn: try again.
+                        held_back = false;
+                    }
+                    if !link.wait().is_some_and(|w| w.is_zero()) {
+                        continue;
+                    }
                     let backend_of = |id| contexts.get(&id).map(|c| c.backend.clone());
                     if link.retry(backend_of, threads, lost) {
                         // Registrations work again: further contexts too.
@@ -361,13 +374,14 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                 if contexts.is_empty() {
                     return Err(error);
                 }
-                // The other contexts are served on; another try when one
-                // of them ends.
+                // The other contexts are served on; another try after a
+                // pause, or when one of them ends.
                 tracing::warn!(tenant = %config.tenant, context = id, open = contexts.len(),
-                    "No further context until one closes: {}", vrdma_errors::error_chain(&error));
+                    "No further context for a moment: {}", vrdma_errors::error_chain(&error));
                 listener = Some(l);
                 accepting = false;
                 held_back = true;
+                hold.failed();
             }
         }
     }
@@ -403,9 +417,10 @@ impl DeviceCm {
         slot: &verbs::cm::CmSlot,
         threads: &Threads,
     ) -> Option<DeviceCm> {
-        // Routes get the port's active MTU, as hostd's network allows it.
+        // Routes get the port's active MTU, as hostd's network allows it
+        // (again after hostd restarts: `CmService::hostd_restarted`).
         let cm_config = cm::CmConfig {
-            path_mtu: fabric.active_mtu.into(),
+            path_mtu: fabric.active_mtu().into(),
             ..cm::CmConfig::default()
         };
         let started = cm::CmService::start(fabric.clone(), &config.tenant, cm_config, threads);
@@ -520,11 +535,91 @@ fn serve_context(
                 }
             };
             let _ = events.send(Event::Accepted(id, listener));
-            let result = daemon.wait();
+            // A frontend that closes its socket (a program exiting, a VM
+            // shutting down) ends the connection with `Disconnected` or a
+            // partial message: a normal end, as the library's own `serve`
+            // treats it, not an error worth a warning.
+            let result = match daemon.wait() {
+                Err(vhost_user_backend::Error::HandleRequest(
+                    vhost::vhost_user::Error::Disconnected
+                    | vhost::vhost_user::Error::PartialMessage,
+                )) => Ok(()),
+                other => other,
+            };
             backend.stop_workers();
             let _ = events.send(Event::Ended(id, result));
         })
         .map_err(|e| Error::Thread("vhost-user", e))
+}
+
+/// How long vdev waits at start for a hostd that is not listening yet.
+const HOSTD_START_PATIENCE: Duration = Duration::from_secs(30);
+
+/// The first registration failed with `first`: while that is because
+/// nothing listens on hostd's socket yet (no socket file, or a refused
+/// connection), tries again for [`HOSTD_START_PATIENCE`]; any other
+/// failure is returned at once.
+fn wait_for_hostd(
+    path: &std::path::Path,
+    tenant: &str,
+    device: &str,
+    first: fabric::FabricError,
+) -> Result<Fabric, fabric::FabricError> {
+    let not_listening = |e: &fabric::FabricError| {
+        let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+        while let Some(s) = source {
+            if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                return matches!(
+                    io.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+                );
+            }
+            source = s.source();
+        }
+        false
+    };
+    if !not_listening(&first) {
+        return Err(first);
+    }
+    tracing::info!(tenant, hostd = %path.display(), "Waiting for hostd to listen ({})",
+        vrdma_errors::error_chain(&first));
+    let deadline = std::time::Instant::now() + HOSTD_START_PATIENCE;
+    loop {
+        std::thread::sleep(Duration::from_millis(100));
+        match register(path, tenant, device) {
+            Err(e) if not_listening(&e) && std::time::Instant::now() < deadline => {}
+            result => return result,
+        }
+    }
+}
+
+/// When a held-back registration is tried again: after 10 ms, doubling to
+/// 1 s while it keeps failing.
+#[derive(Debug)]
+struct HoldBack {
+    pause: Duration,
+    next_try: std::time::Instant,
+}
+
+impl Default for HoldBack {
+    fn default() -> Self {
+        HoldBack {
+            pause: Duration::from_millis(10),
+            next_try: std::time::Instant::now(),
+        }
+    }
+}
+
+impl HoldBack {
+    fn failed(&mut self) {
+        self.next_try = std::time::Instant::now() + self.pause;
+        self.pause = (self.pause * 2).min(Duration::from_secs(1));
+    }
+
+    fn wait(&self) -> Duration {
+        self.next_try
+            .saturating_duration_since(std::time::Instant::now())
+    }
 }
 
 /// The name this device registers under with hostd: derived from its socket

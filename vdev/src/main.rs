@@ -29,9 +29,8 @@ fn start(config: &Config) -> Result<(), Box<dyn std::error::Error>> {
     // 2. What the sandbox will be, decided before anything changes.
     let sandbox = Sandbox::new(config)?;
     // 3. Open what needs the file system or privileges: the vhost-user
-    //    listener (and the first hostd registration if hostd's socket is
-    //    out of reach of vdev's final uid).
-    let opened = vrdma_vdev::open(config, sandbox.register_early)?;
+    //    listener.
+    let opened = vrdma_vdev::open(config)?;
     // 4. The sandbox, single-threaded: namespaces, landlock, privileges,
     //    then seccomp last (it forbids what the steps before do): the main
     //    thread's filter, and the launcher of every later thread.

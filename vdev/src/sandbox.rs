@@ -31,15 +31,6 @@ use crate::seccomp::{Role, Threads};
 pub struct Sandbox {
     /// The steps, shared with hostd.
     pub plan: Plan,
-    /// Register the first device with hostd before the sandbox, because
-    /// the uid vdev switches to cannot connect to hostd's socket (file
-    /// permissions). Only the first frontend can then be served: the
-    /// registration of every further context fails. Connecting as the final uid
-    /// is what hostd's peer-credential check expects, so this is only a
-    /// fallback for a hostd socket that is not connectable (hostd creates
-    /// its vdev socket with mode 0666; a directory above it that the uid
-    /// cannot search, or an older hostd, still needs this).
-    pub register_early: bool,
 }
 
 impl Sandbox {
@@ -61,28 +52,25 @@ impl Sandbox {
             no_user_namespace: None,
         };
         let plan = Plan::new(&config.sandbox, walls)?;
-        let register_early = match (&config.hostd, plan.identity()) {
-            // A socket that does not exist yet or cannot be inspected is
-            // left to the connect itself, which reports it.
-            (Some(path), Some(id)) => !id.may_connect(path).unwrap_or(true),
-            _ => false,
-        };
-        if let (true, Some(path), Some(id)) = (register_early, &config.hostd, plan.identity()) {
-            tracing::warn!(
-                tenant = %config.tenant,
-                hostd = %path.display(),
-                uid = id.uid,
-                gid = id.gid,
-                "hostd's socket is not connectable by the uid vdev runs as: registering \
-                 with hostd now, before dropping privileges. Only the first frontend can be \
-                 served; let this uid connect to hostd's socket (its group or mode) to \
-                 serve several frontends at once and one after another"
-            );
+        // vdev registers with hostd from inside its sandbox, as the uid
+        // hostd's peer check expects, for every context it serves; a
+        // socket that uid cannot reach fails the first registration, at
+        // start. Mode bits cannot see ACLs: this only explains that
+        // failure beforehand, the connect decides.
+        if let (Some(path), Some(id)) = (&config.hostd, plan.identity()) {
+            if !id.may_connect(path).unwrap_or(true) {
+                tracing::warn!(
+                    tenant = %config.tenant,
+                    hostd = %path.display(),
+                    uid = id.uid,
+                    gid = id.gid,
+                    "hostd's socket looks out of reach of the uid vdev runs as (it needs search \
+                     on every directory above the socket and write on the socket): registering \
+                     with hostd will probably fail"
+                );
+            }
         }
-        Ok(Sandbox {
-            plan,
-            register_early,
-        })
+        Ok(Sandbox { plan })
     }
 
     /// Every step of the sandbox, in its order, on the main thread (see

@@ -336,20 +336,19 @@ fn refusing_hostd(path: &Path) -> std::thread::JoinHandle<(u32, String)> {
 }
 
 #[test]
-fn hostd_registration_happens_as_the_unprivileged_uid_when_it_can() {
+fn hostd_registration_happens_as_the_unprivileged_uid() {
     use std::os::unix::fs::PermissionsExt;
     if !root() {
         eprintln!("skipped: vdev changes uid only when started as root");
         return;
     }
-    let cases: [(u32, &[&str], u32, bool); 3] = [
-        (0o777, &[], 65534, false),
+    let cases: [(u32, &[&str]); 2] = [
+        (0o777, &[]),
         // Inside the namespace sandbox, hostd's socket directory is the
         // only thing of the host's file system that is still there.
-        (0o777, &["--sandbox", "namespace"], 65534, false),
-        (0o755, &[], 0, true),
+        (0o777, &["--sandbox", "namespace"]),
     ];
-    for (n, (mode, extra, expected_uid, early)) in cases.into_iter().enumerate() {
+    for (n, (mode, extra)) in cases.into_iter().enumerate() {
         let dir = ScratchDir::new(&format!("vdev-sandbox-hostd-{n}"));
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
             .expect("chmod");
@@ -364,13 +363,45 @@ fn hostd_registration_happens_as_the_unprivileged_uid_when_it_can() {
         let log = vdev.log();
         let (uid, tenant) = hostd.join().expect("stand-in hostd");
         assert_eq!(tenant, "registers");
-        // A socket vdev's uid may connect to: vdev registers from inside
-        // its sandbox, as uid 65534 (what hostd's peer check sees). One it
-        // may not: the first registration is made before the sandbox, and
-        // vdev says why.
-        assert_eq!(uid, expected_uid, "mode {mode:o} {extra:?}:\n{log}");
-        assert_eq!(log.contains("registering with hostd now"), early, "{log}");
+        // vdev registers from inside its sandbox, as uid 65534: what
+        // hostd's peer check sees.
+        assert_eq!(uid, 65534, "mode {mode:o} {extra:?}:\n{log}");
+        // A refusal at start is vdev's end, with hostd's reason.
         assert_eq!(status.code(), Some(1), "{status}:\n{log}");
         assert!(log.contains("stand-in hostd refuses"), "{log}");
     }
+}
+
+/// A hostd socket the unprivileged uid cannot reach (a directory it cannot
+/// search) is found at start, before any frontend is served — not after the
+/// first program, as when vdev registered once before dropping privileges.
+#[test]
+fn a_hostd_socket_out_of_reach_fails_at_start_and_says_why() {
+    use std::os::unix::fs::PermissionsExt;
+    if !root() {
+        eprintln!("skipped: vdev changes uid only when started as root");
+        return;
+    }
+    let dir = ScratchDir::new("vdev-sandbox-hostd-0700");
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).expect("chmod");
+    let path = dir.path().join("hostd.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).expect("chmod");
+    let hostd_arg = path.to_str().expect("utf8").to_owned();
+    let mut vdev = start("out-of-reach", &["--hostd", hostd_arg.as_str()], &[]);
+    let status = vdev.wait_exit();
+    let log = vdev.log();
+    assert_eq!(status.code(), Some(1), "{status}:\n{log}");
+    assert!(
+        log.contains("looks out of reach of the uid vdev runs as"),
+        "{log}"
+    );
+    assert!(log.contains("Permission denied"), "{log}");
+    assert!(!log.contains("Waiting for a frontend"), "{log}");
+    // Nothing reached the socket.
+    assert_eq!(
+        listener.accept().map_err(|e| e.kind()).err(),
+        Some(std::io::ErrorKind::WouldBlock)
+    );
 }
