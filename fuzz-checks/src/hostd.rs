@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 
 use vrdma_hostd::engine::guest::SharedMapping;
-use vrdma_hostd::engine::guest::{DoorbellPage, GuestMemory};
+use vrdma_hostd::engine::guest::{DoorbellPage, GuestMemory, MAX_SLOTS};
 use vrdma_hostd_protocol::messages::{self, Request, MAX_MESSAGE};
 use vrdma_hostd_protocol::shm::sealed_memfd;
 use vrdma_spec::limits::MAX_QPS;
@@ -43,8 +43,13 @@ fn new_slot() -> Option<Slot> {
     let file = sealed_memfd("fuzz-doorbell", SLOT_BYTES).ok()?;
     let view = SharedMapping::map(file.try_clone().ok()?, 0, SLOT_BYTES).ok()?;
     let mut mem = GuestMemory::default();
-    mem.add(0, SLOT_GPA, SharedMapping::map(file, 0, SLOT_BYTES).ok()?)
-        .ok()?;
+    mem.add(
+        0,
+        SLOT_GPA,
+        SharedMapping::map(file, 0, SLOT_BYTES).ok()?,
+        MAX_SLOTS,
+    )
+    .ok()?;
     Some(Slot { mem, view })
 }
 

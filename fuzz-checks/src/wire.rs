@@ -407,7 +407,9 @@ fn device(engine: &mut Engine, id: DeviceId, n: u16, name: &str, mem: u64) -> (D
         let dup = file.try_clone().expect("dup memfd");
         SharedMapping::map(dup, 0, mem).expect("map memfd")
     };
-    engine.add_memory(id, 0, 0, map(&file)).expect("memory");
+    engine
+        .add_memory(id, 0, 0, map(&file), vrdma_hostd::engine::guest::MAX_SLOTS)
+        .expect("memory");
     let kick = EventFd::new(EFD_NONBLOCK).expect("eventfd");
     engine.set_doorbell(id, DOORBELL, kick).expect("doorbell");
     let irq = EventFd::new(EFD_NONBLOCK).expect("eventfd");

@@ -222,8 +222,34 @@ pub fn serve(config: &Config, opened: Opened, threads: &Threads) -> Result<(), E
         tenants = config.policy.tenants.len(),
         "hostd serving"
     );
+    log_fabric(config);
     server.serve(&listener, threads);
     Ok(())
+}
+
+/// Says what `[fabric]` hostd took (or that it has none): the first thing
+/// an operator checks when hosts do not reach each other.
+fn log_fabric(config: &Config) {
+    let Some(fabric) = &config.fabric else {
+        tracing::info!("No [fabric]: this host's devices reach only each other");
+        return;
+    };
+    let address = fabric.cluster.host(&fabric.host).map(|h| h.address);
+    let directory = match &fabric.directory {
+        config::DirectoryKind::Static => "the cluster file".to_owned(),
+        config::DirectoryKind::Etcd { endpoints, .. } => format!("etcd at {endpoints:?}"),
+    };
+    tracing::info!(
+        host = %fabric.host,
+        address = %address.map_or_else(|| "(not in the cluster file)".to_owned(), |a| a.to_string()),
+        udp_port = net::io::ROCE_V2_PORT,
+        ip_mtu = fabric.ip_mtu,
+        active_mtu = fabric.active_mtu(),
+        cluster_file = %fabric.cluster_file.display(),
+        hosts = fabric.cluster.hosts.len(),
+        directory = %directory,
+        "RoCEv2 fabric"
+    );
 }
 
 /// The datapath `config` asks for, not started yet ([`Datapath::start`]).

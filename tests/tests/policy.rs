@@ -172,6 +172,61 @@ fn hostd_caps_memory_across_all_devices_of_a_tenant() {
     let _b = two.pd.alloc_mr(MIB / 2, RW).expect("what is left");
 }
 
+/// Memory regions over scattered application memory (each its own page,
+/// so each its own memory slot on hostd in process mode) are limited by
+/// `max_mr` alone, with ENOMEM — not by hostd's memory slots (EINVAL after
+/// 1,023) — and deregistering them gives their slots back for ever.
+#[test]
+fn scattered_memory_regions_are_limited_by_max_mr_alone() {
+    const PAGE: usize = 4096;
+    /// The policy's default `max_mr`.
+    const MAX_MR: usize = 1024;
+    let hostd = Hostd::start(None);
+    let alpha = Tenant::start(&hostd, "alpha");
+    // One anonymous mapping per page, with a gap between: no two regions
+    // share or touch a page.
+    let pages = MAX_MR + 1;
+    // SAFETY: a fresh private anonymous mapping; unmapped at the end.
+    let base = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            2 * PAGE * pages,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(base, libc::MAP_FAILED);
+    let page = |i: usize| base.cast::<u8>().wrapping_add(2 * PAGE * i);
+    for round in 0..2 {
+        let mut mrs = Vec::with_capacity(MAX_MR);
+        for i in 0..MAX_MR {
+            // SAFETY: page i is mapped, readable and stays mapped until
+            // the end of the test; nothing else uses it.
+            match unsafe { alpha.pd.reg_mr(page(i), PAGE, RW) } {
+                Ok(mr) => mrs.push(mr),
+                Err(e) => panic!("round {round}: MR {i} of {MAX_MR} refused: {e:?}"),
+            }
+        }
+        // SAFETY: as above.
+        let past = unsafe { alpha.pd.reg_mr(page(MAX_MR), PAGE, RW) };
+        assert_eq!(
+            refused(past),
+            libc::ENOMEM,
+            "round {round}: MR {}",
+            MAX_MR + 1
+        );
+        let counts = hostd.usage("alpha");
+        assert_eq!(counts["mrs"], MAX_MR as u64, "round {round}: {counts}");
+        for mr in mrs {
+            mr.dereg().map_err(|e| e.error).expect("dereg");
+        }
+    }
+    // SAFETY: the mapping made above; no MR covers it any more.
+    assert_eq!(unsafe { libc::munmap(base, 2 * PAGE * pages) }, 0);
+}
+
 #[test]
 fn reload_raises_and_lowers_limits_without_touching_what_exists() {
     let policy = |max_qp: u32| {

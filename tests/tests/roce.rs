@@ -139,6 +139,22 @@ fn unmodified_programs_run_between_tenants_on_different_hosts() {
     vrdma_tests::need::root("network namespaces");
     let shim = IbverbsShim::new();
     let fabric = Fabric::start();
+    let peers = |host: usize| {
+        let (code, json, err) = fabric.hostd(host).ctl(&["peers", "--json"]);
+        assert_eq!(code, 0, "vrdmactl peers: {err}");
+        let peers: serde_json::Value = serde_json::from_str(&json).expect("peers JSON");
+        peers.as_array().expect("list").clone()
+    };
+    let row = |peers: &[serde_json::Value], host: &str| {
+        (peers.iter().find(|p| p["host"] == host))
+            .unwrap_or_else(|| panic!("no row for {host}: {peers:?}"))
+            .clone()
+    };
+    // Before any traffic, every other host of the cluster has its row,
+    // and there is no row of unknown sources.
+    let before = peers(1);
+    let hosts: Vec<&str> = before.iter().filter_map(|p| p["host"].as_str()).collect();
+    assert_eq!(hosts, ["h2", "h3"], "{before:?}");
     // rc_pingpong validates every message's bytes (-c).
     let r = run_between_h1_and_h2(
         &fabric,
@@ -163,14 +179,23 @@ fn unmodified_programs_run_between_tenants_on_different_hosts() {
     );
     // The bytes crossed the bridge: hostd h1 counted packets both ways
     // with peer h2.
-    let (code, peers, _) = fabric.hostd(1).ctl(&["peers", "--json"]);
-    assert_eq!(code, 0);
-    let peers: serde_json::Value = serde_json::from_str(&peers).expect("peers JSON");
-    let h2 = (peers.as_array().expect("list").iter())
-        .find(|p| p["host"] == "h2")
-        .expect("peer h2 counted");
+    let h2 = row(&peers(1), "h2");
+    let h1 = row(&peers(2), "h1");
     assert!(h2["tx_packets"].as_u64().unwrap_or(0) > 10_000, "{h2}");
     assert!(h2["rx_packets"].as_u64().unwrap_or(0) > 10_000, "{h2}");
+    // Bytes are the RoCE packets (the UDP payload) both ways: what h2 took
+    // from h1 is what h1 sent h2, less at most the largest packet for each
+    // packet lost on the way (a socket buffer that overflowed), and the
+    // other way round.
+    let n = |p: &serde_json::Value, key: &str| p[key].as_u64().unwrap_or(0);
+    for (tx, rx) in [(&h2, &h1), (&h1, &h2)] {
+        let lost = n(tx, "tx_packets").saturating_sub(n(rx, "rx_packets"));
+        let (sent, taken) = (n(tx, "tx_bytes"), n(rx, "rx_bytes"));
+        assert!(
+            taken <= sent && sent - taken <= lost * 4200,
+            "sent {sent} bytes, taken {taken}, {lost} packets lost:\n{h2}\n{h1}"
+        );
+    }
     let metrics = fabric.hostd(1).ctl(&["metrics"]).1;
     assert!(
         metrics.contains("vrdma_peer_tx_packets_total{host=\"h2\"}"),

@@ -68,8 +68,9 @@ pub struct Fabric {
     /// The GID hostd assigned this device: its port's GID 0, what peers
     /// connect to.
     pub gid: [u8; 16],
-    /// Its port's active MTU, as hostd's network allows.
-    pub active_mtu: vrdma_spec::verbs::Mtu,
+    /// Its port's active MTU in bytes, as hostd's network allows: a hostd
+    /// that comes back with another `ip_mtu` may change it.
+    active_mtu: std::sync::atomic::AtomicU32,
     /// Physical QPs of hostd's NIC the device's virtual QPs share.
     pub physical_queues: u32,
     /// The tenant's policy as hostd sent it at registration.
@@ -94,9 +95,7 @@ impl Fabric {
             lid: welcome.lid,
             link_layer: welcome.link_layer,
             gid: welcome.gid,
-            // A hostd that says less than 256 gets the smallest MTU.
-            active_mtu: vrdma_spec::verbs::Mtu::at_most(welcome.active_mtu)
-                .unwrap_or(vrdma_spec::verbs::Mtu::Mtu256),
+            active_mtu: welcome.active_mtu.into(),
             physical_queues: welcome.physical_queues,
             policy: welcome.policy,
             notifications: Mutex::new(Some(notifications)),
@@ -119,7 +118,16 @@ impl Fabric {
             open_context(&self.path, &self.tenant, &self.device)?;
         *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel;
         *self.notifications.lock().unwrap_or_else(|p| p.into_inner()) = Some(notifications);
+        self.active_mtu
+            .store(welcome.active_mtu, std::sync::atomic::Ordering::Relaxed);
         Ok(welcome)
+    }
+
+    /// The port's active MTU, as hostd last said.
+    pub fn active_mtu(&self) -> vrdma_spec::verbs::Mtu {
+        let bytes = self.active_mtu.load(std::sync::atomic::Ordering::Relaxed);
+        // A hostd that says less than 256 gets the smallest MTU.
+        vrdma_spec::verbs::Mtu::at_most(bytes).unwrap_or(vrdma_spec::verbs::Mtu::Mtu256)
     }
 
     /// Sends a request (with `fds`) and returns hostd's answer; a refusal

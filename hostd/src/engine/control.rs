@@ -158,15 +158,17 @@ impl Engine {
         self.devices.get_mut(&id).ok_or(EngineError::UnknownDevice)
     }
 
-    /// Memory slot `slot` of device `id` is guest-physical `gpa..` in `map`.
+    /// Memory slot `slot` of device `id` is guest-physical `gpa..` in `map`;
+    /// the device has at most `limit` slots ([`super::guest::slot_limit`]).
     pub fn add_memory(
         &mut self,
         id: DeviceId,
         slot: u32,
         gpa: u64,
         map: SharedMapping,
+        limit: usize,
     ) -> Result<(), EngineError> {
-        self.device_mut(id)?.mem.add(slot, gpa, map)
+        self.device_mut(id)?.mem.add(slot, gpa, map, limit)
     }
 
     /// Slot `slot` is gone: keys over it are revoked, and every ring in it

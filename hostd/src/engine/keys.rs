@@ -734,6 +734,7 @@ mod tests {
                 slot,
                 u64::from(slot) << 32,
                 SharedMapping::map(file, 0, bytes).expect("map"),
+                crate::engine::guest::MAX_SLOTS,
             )
             .expect("slot");
         }

@@ -114,6 +114,12 @@ pub enum EngineError {
     Invalid(&'static str),
     #[error("Too many {0}")]
     Limit(&'static str),
+    #[error(
+        "Memory slot {slot} is past the device's {limit} (the tenant's max_mr and {} for \
+         rings and guest RAM): too many memory regions over scattered memory",
+        guest::SLOTS_BESIDE_MRS
+    )]
+    SlotLimit { slot: u32, limit: usize },
     #[error("Not supported: {0}")]
     Unsupported(&'static str),
     #[error("Not permitted: {0}")]
@@ -138,6 +144,8 @@ impl EngineError {
             }
             EngineError::Invalid(_) => libc::EINVAL,
             EngineError::Limit(_) => libc::ENOSPC,
+            // One memory region too many (policy.md: ENOMEM for the N+1th).
+            EngineError::SlotLimit { .. } => libc::ENOMEM,
             EngineError::Unsupported(_) => libc::EOPNOTSUPP,
             EngineError::Privileged(_) => libc::EPERM,
         }

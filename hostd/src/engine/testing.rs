@@ -22,7 +22,7 @@ use vrdma_spec::verbs::{access, QpState, SendOpcode};
 use vrdma_tenant_policy::{Policy, PriorityClass, TenantPolicy};
 use zerocopy::{FromBytes, IntoBytes};
 
-use super::guest::SharedMapping;
+use super::guest::{SharedMapping, MAX_SLOTS};
 use super::{Address, DeviceId, Engine, EngineError};
 use crate::gids::Gid;
 use crate::scheduler::Scheduler;
@@ -292,7 +292,13 @@ impl Side {
             .attach_device(id, &policy.name, address, &[id as u32 - 1], policy)
             .expect("attach");
         engine
-            .add_memory(id, 0, 0, SharedMapping::map(file, 0, MEM).expect("map"))
+            .add_memory(
+                id,
+                0,
+                0,
+                SharedMapping::map(file, 0, MEM).expect("map"),
+                MAX_SLOTS,
+            )
             .expect("memory");
         let kick = EventFd::new(EFD_NONBLOCK).expect("eventfd");
         let irq = EventFd::new(EFD_NONBLOCK).expect("eventfd");

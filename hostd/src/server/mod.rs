@@ -38,6 +38,7 @@ use crate::config::Config;
 use crate::datapath::Datapath;
 use crate::engine::gsi::{Mad, GSI_QPN, MAD_LEN};
 use crate::engine::guest::SharedMapping;
+use crate::engine::wire::PeerStats;
 use crate::engine::EngineError;
 use crate::engine::Start;
 use crate::gids::{self, Gid, Peer};
@@ -371,8 +372,10 @@ impl Server {
                     ));
                 }
                 let file = files.remove(0);
+                let limit =
+                    crate::engine::guest::slot_limit(self.tenant_policy(&s.tenant)?.quotas.max_mr);
                 let mem = SharedMapping::map(file, file_offset, len).map_err(shm_refusal)?;
-                self.datapath.lock().add_memory(id, slot, gpa, mem)?;
+                self.datapath.lock().add_memory(id, slot, gpa, mem, limit)?;
                 tracing::debug!(tenant = %s.tenant, device = id, slot, gpa, len, "Memory slot added");
                 Ok(Response::Ok)
             }
@@ -825,7 +828,7 @@ impl Server {
             (accounts, throttled, peers)
         };
         let (peers, packet_io) = match peers {
-            Some((peers, io)) => (peers, Some(io)),
+            Some((peers, io)) => (self.every_peer_host(peers), Some(io)),
             None => (Vec::new(), None),
         };
         let names: BTreeSet<&str> = policy
@@ -852,6 +855,27 @@ impl Server {
             peers,
             packet_io,
         }
+    }
+}
+
+impl Server {
+    /// `peers` (the wire's counters) with a row for every other host of
+    /// the cluster, traffic or not, and the row of packets from unknown
+    /// sources only when there were such packets.
+    fn every_peer_host(&self, mut peers: Vec<PeerStats>) -> Vec<PeerStats> {
+        let me = self.config.fabric.as_ref().map(|f| f.host.as_str());
+        if let Some(directory) = self.directory() {
+            for host in directory.hosts() {
+                if Some(host.name.as_str()) != me && !peers.iter().any(|p| p.host == host.name) {
+                    peers.push(PeerStats {
+                        host: host.name,
+                        ..PeerStats::default()
+                    });
+                }
+            }
+        }
+        peers.retain(|p| !p.host.is_empty() || *p != PeerStats::default());
+        peers
     }
 }
 

@@ -141,10 +141,13 @@ impl CmService {
     /// takes what already waits. Connections of the old hostd's time run
     /// on (their peers may still answer); none is torn down here.
     pub fn hostd_restarted(&self) -> Result<(), CmError> {
-        self.shared
-            .fabric()
+        let fabric = self.shared.fabric();
+        fabric
             .gsi_notify(&self.shared.gsi)
             .map_err(CmError::Fabric)?;
+        // The new hostd's network may have another MTU: routes resolved
+        // from now on get it.
+        self.shared.lock().set_path_mtu(fabric.active_mtu().into());
         let _ = self.shared.wake.write(1);
         tracing::info!(tenant = %self.shared.tenant,
             "Connection manager attached to the restarted hostd");

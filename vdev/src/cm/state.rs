@@ -422,6 +422,12 @@ impl State {
         Ok(())
     }
 
+    /// Routes resolved from now on get `path_mtu` (an `ibv_mtu` value):
+    /// the port's active MTU changed with a restarted hostd.
+    pub fn set_path_mtu(&mut self, path_mtu: u8) {
+        self.config.path_mtu = path_mtu;
+    }
+
     /// `rdma_resolve_route`: the path from the two GIDs (RoCE: no SA);
     /// ROUTE_RESOLVED follows.
     pub fn resolve_route(&mut self, owner: OwnerId, id: IdNum) -> Result<(), CmError> {

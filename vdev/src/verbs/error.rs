@@ -50,6 +50,12 @@ pub enum VerbError {
     Cm(#[source] crate::cm::CmError),
     #[error("Cannot watch a CM channel")]
     Io(#[source] std::io::Error),
+    #[error("hostd refused the guest memory at {gpa:#x}: {reason}")]
+    SlotRefused {
+        gpa: u64,
+        errno: i32,
+        reason: String,
+    },
 }
 
 impl VerbError {
@@ -72,6 +78,7 @@ impl VerbError {
             VerbError::NoDevice(_) => libc::ENODEV,
             VerbError::Cm(e) => e.errno(),
             VerbError::Io(_) => libc::EIO,
+            VerbError::SlotRefused { errno, .. } => *errno,
         }
     }
 }

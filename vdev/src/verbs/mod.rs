@@ -18,6 +18,7 @@ mod notify;
 mod port;
 mod qp;
 mod share;
+mod slots;
 mod srq;
 
 use std::collections::{BTreeMap, HashMap};
@@ -119,8 +120,7 @@ pub struct RdmaDevice {
     /// The eventfds hostd is given (set with `fabric`).
     notify_fds: Option<Arc<dyn NotifyFds>>,
     /// hostd's numbers for the guest memory slots it was given.
-    slot_numbers: HashMap<SlotId, u32>,
-    next_slot_number: u32,
+    slots: slots::HostdSlots,
     /// This context's CM channels (none on a device without a CM).
     cm: cm::ContextCm,
 }
@@ -151,8 +151,7 @@ impl RdmaDevice {
             next_handle: 1,
             fabric: None,
             notify_fds: None,
-            slot_numbers: HashMap::new(),
-            next_slot_number: 0,
+            slots: slots::HostdSlots::default(),
             cm: cm::ContextCm::new(identity_tenant, None),
         }
     }
@@ -202,7 +201,7 @@ impl RdmaDevice {
         identity.lid = fabric.lid;
         identity.link_layer = fabric.link_layer;
         identity.gid = fabric.gid;
-        identity.active_mtu = fabric.active_mtu;
+        identity.active_mtu = fabric.active_mtu();
         let mut device = RdmaDevice::new(identity, local.stricter(&fabric.policy.quotas));
         device.local_limits = local;
         device.fabric = Some(fabric);
@@ -264,13 +263,13 @@ impl RdmaDevice {
             return;
         };
         let gone: Vec<SlotId> = self
-            .slot_numbers
-            .keys()
+            .slots
+            .offered_slots()
+            .into_iter()
             .filter(|s| !slots.contains(s))
-            .copied()
             .collect();
         for slot in gone {
-            if let Some(number) = self.slot_numbers.remove(&slot) {
+            if let Some(number) = self.slots.gone(&slot) {
                 if let Err(e) = fabric.remove_memory(number) {
                     tracing::warn!(tenant = %self.identity.tenant, slot = number, error = %e, "hostd did not drop a memory slot");
                 }
@@ -278,22 +277,23 @@ impl RdmaDevice {
         }
         for region in mem.iter() {
             let slot = SlotId::of(region);
-            if self.slot_numbers.contains_key(&slot) {
+            if self.slots.offered(&slot) {
                 continue;
             }
             let Some(file) = vm_memory::GuestMemoryRegion::file_offset(region) else {
                 continue;
             };
-            let number = self.next_slot_number;
-            self.next_slot_number += 1;
+            let number = self.slots.next_number();
             let gpa = vm_memory::GuestMemoryRegion::start_addr(region).0;
             let len = vm_memory::GuestMemoryRegion::len(region);
             match fabric.add_memory(number, gpa, len, file.file(), file.start()) {
-                Ok(()) => {
-                    self.slot_numbers.insert(slot, number);
+                Ok(()) => self.slots.taken(slot, number),
+                Err(e) => {
+                    let reason = vrdma_errors::error_chain(&e);
+                    tracing::warn!(tenant = %self.identity.tenant, gpa, len, error = %reason,
+                        "hostd refused a guest memory slot; memory regions in it will fail");
+                    self.slots.refused(slot, e.errno(), reason);
                 }
-                Err(e) => tracing::warn!(tenant = %self.identity.tenant, gpa, len, error = %e,
-                    "hostd refused a guest memory slot; memory regions in it will fail"),
             }
         }
     }
@@ -347,9 +347,19 @@ impl RdmaDevice {
             "Released all verbs objects");
     }
 
-    /// hostd's number for a slot, if it has the slot.
-    fn slot_number(&self, slot: &SlotId) -> Option<u32> {
-        self.slot_numbers.get(slot).copied()
+    /// hostd's number for a slot, or why it has none.
+    fn slot_number(&self, slot: &SlotId, gpa: u64) -> VerbResult<u32> {
+        if let Some(number) = self.slots.number(slot) {
+            return Ok(number);
+        }
+        Err(match self.slots.refusal(slot) {
+            Some((errno, reason)) => VerbError::SlotRefused {
+                gpa,
+                errno: *errno,
+                reason: reason.clone(),
+            },
+            None => VerbError::Invalid(format!("guest memory at {gpa:#x} is not known to hostd")),
+        })
     }
 
     /// The QPs.

@@ -212,12 +212,7 @@ impl RdmaDevice {
     ) -> VerbResult<MrRegistration> {
         let mut segments = Vec::new();
         for seg in shadow.segments() {
-            let slot = self.slot_number(&seg.slot).ok_or_else(|| {
-                VerbError::Invalid(format!(
-                    "guest memory at {:#x} is not known to hostd",
-                    seg.gpa
-                ))
-            })?;
+            let slot = self.slot_number(&seg.slot, seg.gpa)?;
             segments.push(MrSegment {
                 slot,
                 offset: seg.gpa - seg.slot.gpa,

@@ -102,12 +102,21 @@ impl RdmaDevice {
             self.config.gid = welcome.gid;
             restored.gid_changed = true;
         }
+        // hostd may have come back with another `[fabric] ip_mtu`: the port
+        // says the MTU it has now (QPs modified from now on check their
+        // path MTU against it).
+        let mtu = fabric.active_mtu();
+        if mtu != self.identity.active_mtu {
+            tracing::info!(tenant = %self.tenant(), old = self.identity.active_mtu.bytes(),
+                new = mtu.bytes(), "hostd gave the port another active MTU");
+            self.identity.active_mtu = mtu;
+            self.config.port.active_mtu = mtu.into();
+        }
         // Memory: every slot again, numbered afresh.
-        self.slot_numbers.clear();
-        self.next_slot_number = 0;
+        self.slots.clear();
         let mem = self.mem.clone();
         self.mirror_slots(&mem, &MemorySlots::of(&mem));
-        restored.objects += self.slot_numbers.len();
+        restored.objects += self.slots.len();
         let tenant = self.identity.tenant.clone();
         let mut tally = Tally {
             tenant: &tenant,

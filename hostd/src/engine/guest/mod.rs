@@ -337,8 +337,23 @@ unsafe fn avx2_copy(src: *const u8, dst: *mut u8, len: usize) {
 /// misses a core keeps in flight.
 pub const PREFETCH_ENTRIES: u32 = 8;
 
-/// Memory slots one device may have (vhost-user allows 509).
-pub const MAX_SLOTS: usize = 1024;
+/// Memory slots beside one per memory region that a device may have: the
+/// guest's RAM (a VM), the driver's ring arenas and doorbell page (process
+/// mode). In process mode each region registered over scattered
+/// application memory is a slot of its own, so a device's slots are capped
+/// at the tenant's `max_mr` plus these ([`slot_limit`]): `max_mr` is the
+/// limit a program meets.
+pub const SLOTS_BESIDE_MRS: usize = 256;
+
+/// Hard ceiling on a device's slot numbers, whatever the policy says.
+pub const MAX_SLOTS: usize = vrdma_tenant_policy::CEILING.max_mr as usize + SLOTS_BESIDE_MRS;
+
+/// Slots a device of a tenant with `max_mr` may have.
+pub fn slot_limit(max_mr: u32) -> usize {
+    (max_mr as usize)
+        .saturating_add(SLOTS_BESIDE_MRS)
+        .min(MAX_SLOTS)
+}
 
 /// One guest memory slot: guest-physical `[gpa, gpa + len)` is `map`.
 #[derive(Debug)]
@@ -354,11 +369,19 @@ pub struct GuestMemory {
 }
 
 impl GuestMemory {
-    /// Slot `slot` is guest-physical `[gpa, gpa + map.len())`.
-    pub fn add(&mut self, slot: u32, gpa: u64, map: SharedMapping) -> Result<(), EngineError> {
+    /// Slot `slot` is guest-physical `[gpa, gpa + map.len())`; slot numbers
+    /// are below `limit` (vdev reuses the lowest free number, so the
+    /// number bounds the count too).
+    pub fn add(
+        &mut self,
+        slot: u32,
+        gpa: u64,
+        map: SharedMapping,
+        limit: usize,
+    ) -> Result<(), EngineError> {
         let index = slot as usize;
-        if index >= MAX_SLOTS {
-            return Err(EngineError::Limit("memory slots"));
+        if index >= limit.min(MAX_SLOTS) {
+            return Err(EngineError::SlotLimit { slot, limit });
         }
         if gpa.checked_add(map.len() as u64).is_none() {
             return Err(EngineError::Invalid("memory slot wraps the address space"));

@@ -119,9 +119,38 @@ mod rings {
         let file = sealed_memfd("guest-test", bytes).expect("memfd");
         let view = SharedMapping::map(file.try_clone().expect("dup"), 0, bytes).expect("map");
         let mut mem = GuestMemory::default();
-        mem.add(3, GPA, SharedMapping::map(file, 0, bytes).expect("map"))
-            .expect("slot");
+        mem.add(
+            3,
+            GPA,
+            SharedMapping::map(file, 0, bytes).expect("map"),
+            MAX_SLOTS,
+        )
+        .expect("slot");
         (mem, Arc::new(view))
+    }
+
+    #[test]
+    fn a_device_has_as_many_slots_as_its_tenant_has_memory_regions_and_a_few() {
+        let limit = slot_limit(4);
+        assert_eq!(limit, 4 + SLOTS_BESIDE_MRS);
+        assert_eq!(slot_limit(u32::MAX), MAX_SLOTS);
+        let mut mem = GuestMemory::default();
+        let map = || {
+            let file = sealed_memfd("slots-test", 4096).expect("memfd");
+            SharedMapping::map(file, 0, 4096).expect("map")
+        };
+        let last = u32::try_from(limit - 1).expect("small");
+        mem.add(last, 0, map(), limit).expect("the last slot");
+        let refused = mem
+            .add(last + 1, 1 << 20, map(), limit)
+            .expect_err("one past");
+        assert!(
+            matches!(refused, EngineError::SlotLimit { .. }),
+            "{refused}"
+        );
+        // policy.md: a limit hit is ENOMEM, with the reason.
+        assert_eq!(refused.errno(), libc::ENOMEM);
+        assert!(refused.to_string().contains("max_mr"), "{refused}");
     }
 
     #[test]
@@ -225,8 +254,13 @@ mod completions {
         let file = sealed_memfd("completion-test", 1 << 16).expect("memfd");
         let view = SharedMapping::map(file.try_clone().expect("dup"), 0, 1 << 16).expect("map");
         let mut mem = GuestMemory::default();
-        mem.add(0, 0, SharedMapping::map(file, 0, 1 << 16).expect("map"))
-            .expect("slot");
+        mem.add(
+            0,
+            0,
+            SharedMapping::map(file, 0, 1 << 16).expect("map"),
+            MAX_SLOTS,
+        )
+        .expect("slot");
         (mem, view)
     }
 

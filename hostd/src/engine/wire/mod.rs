@@ -427,7 +427,10 @@ impl Engine {
             w.peers.dropped(0, "unknown_source");
             return;
         };
-        w.peers.received(peer, bytes.len());
+        // The RoCE packet (BTH to ICRC), as counted when sending: the UDP
+        // payload, without the IPv4 header (its IHL words) and UDP's 8.
+        let headers = usize::from(bytes.first().map_or(5, |b| b & 0x0f)) * 4 + 8;
+        w.peers.received(peer, bytes.len().saturating_sub(headers));
         if pkt.bth.pkey != DEFAULT_PKEY {
             w.drop_packet(peer, "bad_pkey");
             return;

@@ -16,6 +16,7 @@ use vrdma_hostd_protocol::messages::{
     QpConnection, QpModify, QpSetup, Request, Response, Welcome, WorkRing,
 };
 use vrdma_spec::limits::QpGrant;
+use vrdma_spec::verbs::Mtu;
 use vrdma_tenant_policy::Policy;
 
 use super::*;
@@ -82,6 +83,8 @@ struct Script {
     /// again when `repeat_keys` is set.
     mrs: AtomicU32,
     repeat_keys: AtomicBool,
+    /// The active MTU a registration is welcomed with (0: 1024).
+    active_mtu: AtomicU32,
 }
 
 /// A stand-in hostd: one registration, then every request recorded (with
@@ -162,7 +165,10 @@ fn serve_one(channel: Channel, script: Arc<Script>, tx: mpsc::Sender<(Request, V
         gid: HOSTD_GID,
         physical_queues: 4,
         policy: Policy::default_policy().tenants[0].clone(),
-        active_mtu: 1024,
+        active_mtu: match script.active_mtu.load(Ordering::SeqCst) {
+            0 => 1024,
+            mtu => mtu,
+        },
     }));
     channel
         .send(&welcome, &[theirs.as_raw_fd()])
@@ -233,13 +239,15 @@ fn attached_to(tag: &str, fds: Arc<TestFds>) -> (FakeHostd, RdmaDevice, Arc<Test
 
 /// The port's state as `QUERY_PORT` reports it.
 fn port_state(dev: &mut RdmaDevice) -> u8 {
+    query_port(dev).state
+}
+
+fn query_port(dev: &mut RdmaDevice) -> vrdma_spec::config::PortAttr {
     let req = vrdma_spec::control::QueryPortReq {
         port_num: 1,
         ..Default::default()
     };
-    run::<vrdma_spec::config::PortAttr>(dev, Opcode::QueryPort, req.as_bytes())
-        .expect("QUERY_PORT")
-        .state
+    run::<vrdma_spec::config::PortAttr>(dev, Opcode::QueryPort, req.as_bytes()).expect("QUERY_PORT")
 }
 
 /// Sets event ring `eq`'s indices as hostd and the driver left them.
@@ -740,9 +748,18 @@ fn a_restarted_hostd_gets_the_context_back_and_the_port_comes_up() {
     // The driver read both events.
     set_indices(&dev, eq, 4, 4);
 
+    // The new hostd runs with another `[fabric] ip_mtu`.
+    assert_eq!(query_port(&mut dev).active_mtu, u8::from(Mtu::Mtu1024));
+    hostd.script.active_mtu.store(2048, Ordering::SeqCst);
     let fabric = dev.fabric().cloned().expect("fabric");
     let welcome = fabric.reconnect().expect("registered again");
     let restored = dev.restore(&welcome);
+    assert_eq!(
+        query_port(&mut dev).active_mtu,
+        u8::from(Mtu::Mtu2048),
+        "the port has the new hostd's MTU"
+    );
+    assert_eq!(fabric.active_mtu(), Mtu::Mtu2048);
     assert_eq!(
         restored,
         Restored {
