@@ -31,6 +31,7 @@
 pub mod accept;
 pub mod admin;
 pub mod config;
+pub mod cpu;
 pub mod datapath;
 pub mod engine;
 pub mod gids;

@@ -4,7 +4,6 @@
 //! The caller holds the datapath lock, so each one is atomic with respect
 //! to the datapath: when it returns, the datapath sees all of it.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,7 +18,7 @@ use super::guest::{Cq, DoorbellPage, EventRing, GuestRing, SharedMapping};
 use super::rc::{Qp, QpRef};
 use super::wqe::{RecvLimits, SendLimits};
 use super::{Address, Device, DeviceId, Doorbell, Engine, EngineError, Pqp, MAX_VECTORS};
-use crate::ids::Slab;
+use crate::ids::{PickedMap, Slab};
 
 /// Smallest stride of a work ring (a cache line holds the fixed part).
 const MIN_WQE_STRIDE: u32 = 64;
@@ -73,11 +72,11 @@ impl Engine {
             doorbell: None,
             eqs: Vec::new(),
             cqs: Slab::default(),
-            cq_by_num: HashMap::new(),
-            qps: HashMap::new(),
+            cq_by_num: PickedMap::default(),
+            qps: PickedMap::default(),
             srqs: Slab::default(),
-            srq_by_num: HashMap::new(),
-            ahs: HashMap::new(),
+            srq_by_num: PickedMap::default(),
+            ahs: PickedMap::default(),
             qp_by_db: Vec::new(),
             pqps: (pqps.iter())
                 .map(|&number| Pqp {

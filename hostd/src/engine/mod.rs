@@ -41,7 +41,7 @@ pub mod ud;
 pub mod wire;
 pub mod wqe;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -50,7 +50,7 @@ use vrdma_spec::ring::{event_kind, Cqe, DEVICE_FLAG_ERROR};
 use vrdma_spec::verbs::{QpState, WcOpcode, WcStatus};
 
 use crate::gids::Gid;
-use crate::ids::{IdMap, Slab};
+use crate::ids::{IdMap, PickedMap, Slab};
 use crate::scheduler::{Head, OpKind, Pick, QueueId, Scheduler};
 use crate::stats::Accounts;
 use guest::{Cq, EventRing};
@@ -196,15 +196,15 @@ pub struct Device {
     doorbell: Option<Doorbell>,
     eqs: Vec<Option<EventRing>>,
     cqs: Slab<Cq>,
-    /// CQs by number (the vdev picks numbers: collision-resistant hashing).
-    cq_by_num: HashMap<u32, usize>,
+    /// CQs by number (the vdev picks numbers: a randomly seeded hash).
+    cq_by_num: PickedMap<u32, usize>,
     /// QPs by number (likewise).
-    qps: HashMap<u32, QpRef>,
+    qps: PickedMap<u32, QpRef>,
     srqs: Slab<srq::Srq>,
     /// SRQs by number (likewise).
-    srq_by_num: HashMap<u32, usize>,
+    srq_by_num: PickedMap<u32, usize>,
     /// Address handles by number (likewise).
-    ahs: HashMap<u32, ud::Ah>,
+    ahs: PickedMap<u32, ud::Ah>,
     /// QPs by doorbell index.
     qp_by_db: Vec<Option<QpRef>>,
     pqps: Vec<Pqp>,

@@ -127,18 +127,9 @@ impl SharedMapping {
     /// it is outside the mapping): a hint, which never faults and changes
     /// nothing a reader sees.
     pub fn prefetch(&self, offset: usize) {
-        let Some(at) = self.range(offset, 1) else {
-            return;
-        };
-        #[cfg(target_arch = "x86_64")]
-        {
-            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-            // SAFETY: a prefetch does not access memory architecturally (it
-            // cannot fault), and `at` lies inside the mapping anyway.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(at.cast::<i8>()) };
+        if let Some(at) = self.range(offset, 1) {
+            crate::cpu::prefetch(at);
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = at;
     }
 
     /// Copies `out.len()` bytes at `offset` out of the mapping; false if the

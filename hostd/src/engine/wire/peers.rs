@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::ids::PickedMap;
 use crate::net::directory::Directory;
 
 /// What went to and came from one peer host.
@@ -73,8 +74,9 @@ pub struct Peers {
     hosts: Vec<PeerStats>,
     by_name: HashMap<String, usize>,
     /// GID → peer index and the GID's network, as the directory said at
-    /// `generation`.
-    by_gid: HashMap<Ipv4Addr, (usize, Arc<str>)>,
+    /// `generation` (looked up per packet; only GIDs the directory knows
+    /// are inserted: foldhash).
+    by_gid: PickedMap<Ipv4Addr, (usize, Arc<str>)>,
     generation: u64,
 }
 
@@ -84,7 +86,7 @@ impl Default for Peers {
             global: PeerStats::default(),
             hosts: Vec::new(),
             by_name: HashMap::new(),
-            by_gid: HashMap::new(),
+            by_gid: PickedMap::default(),
             generation: u64::MAX,
         }
     }

@@ -56,21 +56,27 @@ pub struct Ends<'a> {
 /// the hostds at `admins` (`vrdmactl stats --json`, every tenant's
 /// `gsi.queue_full`); `None` if a hostd could not say.
 fn qp1_drops(admins: &[PathBuf]) -> Option<u64> {
-    let vrdmactl = supervisor::find_binary("vrdmactl", "vrdma-hostd").ok()?;
     let mut total = 0;
     for admin in admins {
-        let out = Command::new(&vrdmactl)
-            .arg("--admin-socket")
-            .arg(admin)
-            .args(["stats", "--json"])
-            .output()
-            .ok()?;
-        let stats: serde_json::Value = serde_json::from_slice(&out.stdout).ok()?;
+        let stats = vrdmactl_json(admin, "stats")?;
         for t in stats["tenants"].as_array()? {
             total += t["gsi"]["queue_full"].as_u64().unwrap_or(0);
         }
     }
     Some(total)
+}
+
+/// `vrdmactl <command> --json` of the hostd at `admin`, parsed; `None` if
+/// it could not be had.
+pub fn vrdmactl_json(admin: &std::path::Path, command: &str) -> Option<serde_json::Value> {
+    let vrdmactl = supervisor::find_binary("vrdmactl", "vrdma-hostd").ok()?;
+    let out = Command::new(&vrdmactl)
+        .arg("--admin-socket")
+        .arg(admin)
+        .args([command, "--json"])
+        .output()
+        .ok()?;
+    serde_json::from_slice(&out.stdout).ok()
 }
 
 /// One cmtime run: milliseconds of each step over all connections.

@@ -104,7 +104,7 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
     latency_vs_tcp(&s, params.iters, targets)?;
     bandwidth_vs_tcp(&s, params, targets)?;
     let rc = message_rate(&s, params.secs, targets)?;
-    crate::cross_ud::message_rate(&s.a, &s.b, params.secs, rc, targets)?;
+    crate::cross_ud::message_rate(&s.a, &s.b, &s.hosts[1], params.secs, rc, targets)?;
     let (n1, n2) = (h1.netns_path(), h2.netns_path());
     let ends = crate::conn_rate::Ends {
         label: "across hosts",

@@ -80,6 +80,7 @@ fn ud_qp(t: &Tenant, depth: u32) -> Result<QueuePair> {
 pub fn message_rate(
     a: &Tenant,
     b: &Tenant,
+    b_host: &crate::host::Host,
     secs: Duration,
     rc: f64,
     targets: &mut Targets,
@@ -155,6 +156,10 @@ pub fn message_rate(
         sent.and(got)
     })?;
     let best = trials.iter().copied().fold(0.0, f64::max);
+    println!(
+        "cross ud_msg_rate    receiving hostd's drops over the trials: {}",
+        drops(b_host).unwrap_or_else(|| "(vrdmactl peers could not say)".into())
+    );
     let lists = |v: &[f64]| {
         v.iter()
             .map(|x| format!("{x:.2}"))
@@ -261,4 +266,27 @@ fn keep_receiving(
         received.fetch_add(n, Ordering::AcqRel);
     }
     Ok(())
+}
+
+/// The drops by reason over every peer of the hostd of `host`, and its
+/// network namespace's UDP receive-buffer overflows: where lost
+/// datagrams went.
+fn drops(host: &crate::host::Host) -> Option<String> {
+    let peers = crate::conn_rate::vrdmactl_json(&host.admin_socket(), "peers")?;
+    let mut by_reason = std::collections::BTreeMap::<String, u64>::new();
+    for p in peers.as_array()? {
+        for (reason, n) in p["drops"].as_object().into_iter().flatten() {
+            *by_reason.entry(reason.clone()).or_default() += n.as_u64().unwrap_or(0);
+        }
+    }
+    // /proc/<pid>/net is the network namespace of that process: hostd's.
+    let snmp = std::fs::read_to_string(format!("/proc/{}/net/snmp", host.hostd_pid())).ok()?;
+    let mut udp = snmp.lines().filter(|l| l.starts_with("Udp:"));
+    let (names, values) = (udp.next()?, udp.next()?);
+    for (name, value) in names.split_whitespace().zip(values.split_whitespace()) {
+        if name == "RcvbufErrors" {
+            by_reason.insert("udp_rcvbuf_errors".into(), value.parse().unwrap_or(0));
+        }
+    }
+    Some(format!("{by_reason:?}"))
 }
