@@ -180,6 +180,14 @@ fn datapath_rules() -> Result<Rules, SeccompError> {
     let dontwait = libc::MSG_DONTWAIT as u64;
     r.allow_if_eq(libc::SYS_sendmmsg, 3, &[dontwait])?;
     r.allow_if_eq(libc::SYS_recvmmsg, 3, &[dontwait])?;
+    // The packet socket's drop counter (PACKET_STATISTICS), and nothing else.
+    r.allow_if_all(
+        libc::SYS_getsockopt,
+        &[
+            (1, Op::Eq, libc::SOL_PACKET as u64),
+            (2, Op::Eq, libc::PACKET_STATISTICS as u64),
+        ],
+    )?;
     Ok(r)
 }
 
@@ -535,6 +543,13 @@ mod tests {
         for nr in [libc::SYS_sendmmsg, libc::SYS_recvmmsg] {
             assert_eq!(run(&datapath, nr, [9, 0, 64, 0, 0, 0]), KILL, "{nr}");
         }
+        // The packet socket's statistics, and no other socket option.
+        let (packet, stats) = (libc::SOL_PACKET as u64, libc::PACKET_STATISTICS as u64);
+        let getsockopt =
+            |level, name| run(&datapath, libc::SYS_getsockopt, [3, level, name, 0, 0, 0]);
+        assert_ne!(getsockopt(packet, stats), KILL);
+        assert_eq!(getsockopt(sol, peercred), KILL);
+        assert_eq!(getsockopt(packet, libc::PACKET_VNET_HDR as u64), KILL);
         for role in ROLES {
             let f = x86_64_filter(role);
             let rwx = RW | libc::PROT_EXEC as u64;

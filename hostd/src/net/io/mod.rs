@@ -163,11 +163,16 @@ pub struct IoCounters {
     /// Frames dropped because they could not be kept or cut: longer than
     /// a receive buffer, a GSO type other than UDP's, a bad segment size.
     pub receive_truncated: u64,
+    /// Frames the kernel dropped before hostd could take them: its receive
+    /// queue was full (the packet socket's `PACKET_STATISTICS`, read every
+    /// few thousand receives and when the queue runs empty).
+    #[serde(default)]
+    pub receive_kernel_drops: u64,
 }
 
 impl IoCounters {
     /// Every counter by name (the metrics' names end in them).
-    pub fn named(&self) -> [(&'static str, u64); 15] {
+    pub fn named(&self) -> [(&'static str, u64); 16] {
         [
             ("sent_packets", self.sent_packets),
             ("sent_bytes", self.sent_bytes),
@@ -184,6 +189,7 @@ impl IoCounters {
             ("received_gso_messages", self.received_gso_messages),
             ("received_gso_packets", self.received_gso_packets),
             ("receive_truncated", self.receive_truncated),
+            ("receive_kernel_drops", self.receive_kernel_drops),
         ]
     }
 }

@@ -97,7 +97,16 @@ pub(super) struct PacketRx {
     /// The next frame to hand out, and the next segment within it.
     next: usize,
     segment: usize,
+    /// `recvmmsg` calls since the kernel's drop counter was last read, and
+    /// when that was.
+    calls_since_stats: u32,
+    stats_read: std::time::Instant,
 }
+
+/// The kernel's drop counter is read at least every this many receives...
+const STATS_EVERY_CALLS: u32 = 4096;
+/// ... and when the queue runs empty, if it was not read for this long.
+const STATS_IDLE_EVERY: std::time::Duration = std::time::Duration::from_millis(10);
 
 impl PacketRx {
     /// Opens the socket (needs `CAP_NET_RAW`; before the sandbox): every
@@ -132,6 +141,8 @@ impl PacketRx {
             filled: 0,
             next: 0,
             segment: 0,
+            calls_since_stats: 0,
+            stats_read: std::time::Instant::now(),
         };
         rx.drain_unfiltered()?;
         Ok(rx)
@@ -182,9 +193,44 @@ impl PacketRx {
             if n == bufs.len() {
                 return Ok(n);
             }
-            if self.receive()? == 0 {
+            let got = self.receive()?;
+            self.calls_since_stats += 1;
+            if self.calls_since_stats >= STATS_EVERY_CALLS
+                || (got == 0 && self.stats_read.elapsed() >= STATS_IDLE_EVERY)
+            {
+                counters.receive_kernel_drops += u64::from(self.kernel_drops());
+            }
+            if got == 0 {
                 return Ok(n);
             }
+        }
+    }
+
+    /// Frames the kernel dropped since the last call (its queue was full):
+    /// `PACKET_STATISTICS`, which reading resets. 0 if it cannot say.
+    fn kernel_drops(&mut self) -> u32 {
+        self.calls_since_stats = 0;
+        self.stats_read = std::time::Instant::now();
+        let mut stats = libc::tpacket_stats {
+            tp_packets: 0,
+            tp_drops: 0,
+        };
+        let mut len = size_of::<libc::tpacket_stats>() as libc::socklen_t;
+        // SAFETY: `stats` and `len` are live locals of the sizes the
+        // kernel is told; it writes at most `len` bytes.
+        let r = unsafe {
+            libc::getsockopt(
+                self.fd.as_raw_fd(),
+                libc::SOL_PACKET,
+                libc::PACKET_STATISTICS,
+                (&mut stats as *mut libc::tpacket_stats).cast(),
+                &mut len,
+            )
+        };
+        if r == 0 {
+            stats.tp_drops
+        } else {
+            0
         }
     }
 

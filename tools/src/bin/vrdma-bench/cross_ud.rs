@@ -5,7 +5,10 @@
 //! once its packet is queued, so the sender's completions say nothing of
 //! delivery: the figure is the messages beta *received* per second, a
 //! thread on h2's side keeping [`RECEIVES`] receives posted on each QP;
-//! what was sent and never received is reported as lost.
+//! what was sent and not received by a trial's end is reported as "not
+//! received" (lost, or still queued: a UD send completes once hostd has
+//! queued its packet, so what a trial sent last may arrive in the next),
+//! beside every drop counter of the receiving side.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -134,7 +137,7 @@ pub fn message_rate(
     let received = AtomicUsize::new(0);
     let stop = AtomicBool::new(false);
     let mut trials = Vec::new();
-    let mut lost = Vec::new();
+    let mut unreceived = Vec::new();
     std::thread::scope(|scope| -> Result<()> {
         let receiver = scope.spawn(|| keep_receiving(b, &receivers, &recv_sges, &received, &stop));
         let mut run = || -> Result<()> {
@@ -146,7 +149,7 @@ pub fn message_rate(
                 let got = received.load(Ordering::Acquire) - got_before;
                 let elapsed = t0.elapsed().saturating_sub(Duration::from_millis(20));
                 trials.push(got as f64 / elapsed.as_secs_f64() / 1e6);
-                lost.push(sent.saturating_sub(got));
+                unreceived.push(sent.saturating_sub(got));
             }
             Ok(())
         };
@@ -167,7 +170,7 @@ pub fn message_rate(
             .join(" ")
     };
     println!(
-        "cross ud_msg_rate    64 B  {QPS} UD QPs, {WINDOW} in flight each in lists of {BATCH}, {RECEIVES} receives posted each: {best:.3} Mop/s received (trials {}; lost {lost:?}); RC WRITE {rc:.3} Mop/s: {:.2}×",
+        "cross ud_msg_rate    64 B  {QPS} UD QPs, {WINDOW} in flight each in lists of {BATCH}, {RECEIVES} receives posted each: {best:.3} Mop/s received (trials {}; not received by each trial's end {unreceived:?}); RC WRITE {rc:.3} Mop/s: {:.2}×",
         lists(&trials),
         best / rc.max(f64::MIN_POSITIVE)
     );
@@ -268,9 +271,10 @@ fn keep_receiving(
     Ok(())
 }
 
-/// The drops by reason over every peer of the hostd of `host`, and its
-/// network namespace's UDP receive-buffer overflows: where lost
-/// datagrams went.
+/// Every drop counter of the receiving side: the drops by reason over
+/// every peer of the hostd of `host`, its packet queue's, its network
+/// namespace's UDP receive-buffer overflows and interfaces' drops, and the
+/// kernel's input backlogs: where a lost datagram would have gone.
 fn drops(host: &crate::host::Host) -> Option<String> {
     let peers = crate::conn_rate::vrdmactl_json(&host.admin_socket(), "peers")?;
     let mut by_reason = std::collections::BTreeMap::<String, u64>::new();
@@ -278,6 +282,10 @@ fn drops(host: &crate::host::Host) -> Option<String> {
         for (reason, n) in p["drops"].as_object().into_iter().flatten() {
             *by_reason.entry(reason.clone()).or_default() += n.as_u64().unwrap_or(0);
         }
+    }
+    let stats = crate::conn_rate::vrdmactl_json(&host.admin_socket(), "stats")?;
+    for key in ["receive_kernel_drops", "receive_truncated"] {
+        by_reason.insert(key.into(), stats["packet_io"][key].as_u64().unwrap_or(0));
     }
     // /proc/<pid>/net is the network namespace of that process: hostd's.
     let snmp = std::fs::read_to_string(format!("/proc/{}/net/snmp", host.hostd_pid())).ok()?;
@@ -288,5 +296,29 @@ fn drops(host: &crate::host::Host) -> Option<String> {
             by_reason.insert("udp_rcvbuf_errors".into(), value.parse().unwrap_or(0));
         }
     }
+    // The namespace's interfaces: frames dropped on receive and send.
+    let dev = std::fs::read_to_string(format!("/proc/{}/net/dev", host.hostd_pid())).ok()?;
+    for line in dev.lines().skip(2) {
+        let Some((name, counters)) = line.split_once(':') else {
+            continue;
+        };
+        let c: Vec<u64> = counters
+            .split_whitespace()
+            .map(|v| v.parse().unwrap_or(0))
+            .collect();
+        if let (Some(rx), Some(tx)) = (c.get(3), c.get(11)) {
+            by_reason.insert(format!("{}_rx_dropped", name.trim()), *rx);
+            by_reason.insert(format!("{}_tx_dropped", name.trim()), *tx);
+        }
+    }
+    // The kernel's per-CPU input backlogs (netdev_max_backlog), which a
+    // veth delivers into: second column, summed over CPUs.
+    let softnet = std::fs::read_to_string("/proc/net/softnet_stat").ok()?;
+    let backlog: u64 = softnet
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(1))
+        .filter_map(|v| u64::from_str_radix(v, 16).ok())
+        .sum();
+    by_reason.insert("softnet_backlog_drops_since_boot".into(), backlog);
     Some(format!("{by_reason:?}"))
 }
