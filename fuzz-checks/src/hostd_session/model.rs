@@ -22,8 +22,11 @@ use super::{
 use vrdma_hostd::stats::Usage;
 use vrdma_hostd_protocol::messages::PROTOCOL_VERSION;
 
-/// Memory slots a device may have (hostd's `MAX_SLOTS`).
-const MAX_SLOTS: u32 = 1024;
+/// Memory slots a device of the session's tenant may have: hostd's
+/// `slot_limit` of the policy's `max_mr` (6, `super::POLICY`).
+fn max_slots() -> u32 {
+    u32::try_from(vrdma_hostd::engine::guest::slot_limit(6)).unwrap_or(u32::MAX)
+}
 /// Completion vectors of a device (hostd's `MAX_VECTORS`).
 const MAX_VECTORS: u32 = 256;
 /// Smallest stride of a work ring.
@@ -299,7 +302,7 @@ impl Model {
     }
 
     /// A memory slot: the memfd's range (`EINVAL`), the slot number
-    /// (`ENOSPC`), the guest range (`EINVAL`), then whether the slot is
+    /// (`ENOMEM`), the guest range (`EINVAL`), then whether the slot is
     /// taken (`EEXIST`).
     fn predict_memory(
         &self,
@@ -320,8 +323,8 @@ impl Model {
                 .is_some_and(|end| end <= MEMFD_SIZES[*i]);
         if !maps {
             refuse(libc::EINVAL)
-        } else if slot >= MAX_SLOTS {
-            refuse(libc::ENOSPC)
+        } else if slot >= max_slots() {
+            refuse(libc::ENOMEM)
         } else if gpa.checked_add(len).is_none() {
             refuse(libc::EINVAL)
         } else if self.slots.contains_key(&slot) {
