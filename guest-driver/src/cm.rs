@@ -486,12 +486,15 @@ impl CmChannel {
         req.srq = u8::from(p.srq);
         // At most 256.
         req.private_data_len = (p.private_data.len() as u16).into();
-        req.flags = if p.starting_psn.is_some() {
+        let psn = if p.starting_psn.is_some() {
             cm_flags::PSN_VALID
         } else {
             0
-        }
-        .into();
+        };
+        let tclass = p.traffic_class.map_or(0, |tc| {
+            cm_flags::TRAFFIC_CLASS_VALID | u32::from(tc) << cm_flags::TRAFFIC_CLASS_SHIFT
+        });
+        req.flags = (psn | tclass).into();
         req.private_data[..p.private_data.len()].copy_from_slice(&p.private_data);
         Ok(req)
     }

@@ -53,6 +53,12 @@ pub mod event_kind {
 pub mod cm_flags {
     /// CmConnReq: `starting_psn` is given (otherwise the ID's own).
     pub const PSN_VALID: u32 = 0x1;
+    /// CmConnReq of CM_CONNECT: bits 8–15 of `flags` are the traffic
+    /// class of the connection's path (`rdma_set_option(RDMA_OPTION_ID_TOS)`;
+    /// otherwise the route's, 0).
+    pub const TRAFFIC_CLASS_VALID: u32 = 0x2;
+    /// Where the traffic class sits in CmConnReq's `flags`.
+    pub const TRAFFIC_CLASS_SHIFT: u32 = 8;
     /// CmResolveAddrReq: `src` is given (otherwise the device's address).
     pub const SRC_VALID: u32 = 0x1;
 }
@@ -309,6 +315,10 @@ pub struct ConnParam {
     /// UD accept: the Q_Key of the QP; 0 means rdma_cm's
     /// `RDMA_UDP_QKEY` (0x01234567).
     pub qkey: u32,
+    /// Connect: the traffic class of the connection's path (the IPv4 TOS
+    /// byte of its packets) instead of the route's; both sides' QPs get
+    /// it (the REQ carries it).
+    pub traffic_class: Option<u8>,
 }
 
 #[cfg(test)]

@@ -11,6 +11,10 @@
  *       device's counters, prints "warm" after one cycle more and waits
  *       for a line on stdin, then prints "done" after the N cycles and
  *       waits for the end of stdin before it exits
+ *   -t TOS, -a TIMEOUT (client): rdma_set_option RDMA_OPTION_ID_TOS and
+ *       RDMA_OPTION_ID_ACK_TIMEOUT on each ID before its route is resolved
+ *   -q: each side prints its first connection's QP as ibv_query_qp sees
+ *       it: "<side>: tclass N timeout N"
  *
  * Exit status 0 only if every cycle completed and every message arrived
  * intact.
@@ -20,6 +24,7 @@
 #include <netinet/in.h>
 #include <rdma/rdma_cma.h>
 #include <rdma/rdma_verbs.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +33,7 @@
 #define MSG 64
 
 static struct rdma_event_channel *channel;
+static int tos = -1, ack_timeout = -1, query;
 
 /* Registered buffers live on their own page (as perftest's do), not on
  * the stack. */
@@ -87,6 +93,45 @@ static int wait_wc(struct ibv_cq *cq, enum ibv_wc_opcode op)
 	return 0;
 }
 
+/* With -q, the first connection's QP as the device reports it. */
+static int report_qp(const char *side, struct rdma_cm_id *id, int cycle)
+{
+	struct ibv_qp_init_attr init;
+	struct ibv_qp_attr a;
+
+	if (!query || cycle)
+		return 0;
+	if (ibv_query_qp(id->qp, &a, IBV_QP_AV | IBV_QP_TIMEOUT, &init)) {
+		perror("ibv_query_qp");
+		return -1;
+	}
+	printf("%s: tclass %d timeout %d\n", side, a.ah_attr.grh.traffic_class, a.timeout);
+	fflush(stdout);
+	return 0;
+}
+
+/* With -t and -a, the options every client ID gets. */
+static int set_options(struct rdma_cm_id *id)
+{
+	uint8_t v;
+
+	if (tos >= 0) {
+		v = tos;
+		if (rdma_set_option(id, RDMA_OPTION_ID, RDMA_OPTION_ID_TOS, &v, sizeof(v))) {
+			perror("rdma_set_option TOS");
+			return -1;
+		}
+	}
+	if (ack_timeout >= 0) {
+		v = ack_timeout;
+		if (rdma_set_option(id, RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, &v, sizeof(v))) {
+			perror("rdma_set_option ACK_TIMEOUT");
+			return -1;
+		}
+	}
+	return 0;
+}
+
 static void pattern(char *to, int cycle)
 {
 	memset(to, 0, MSG);
@@ -135,6 +180,7 @@ static int serve(int port, int n)
 			return 1;
 		}
 		if (expect(RDMA_CM_EVENT_ESTABLISHED, id, NULL) ||
+		    report_qp("server", id, i) ||
 		    wait_wc(id->recv_cq, IBV_WC_RECV))
 			return 1;
 		pattern(want, i);
@@ -164,7 +210,8 @@ static int connect_once(struct sockaddr_in *dst, int cycle)
 		perror("rdma_create_id");
 		return -1;
 	}
-	if (rdma_resolve_addr(id, NULL, (struct sockaddr *)dst, 2000) ||
+	if (set_options(id) ||
+	    rdma_resolve_addr(id, NULL, (struct sockaddr *)dst, 2000) ||
 	    expect(RDMA_CM_EVENT_ADDR_RESOLVED, id, NULL) ||
 	    rdma_resolve_route(id, 2000) ||
 	    expect(RDMA_CM_EVENT_ROUTE_RESOLVED, id, NULL))
@@ -177,7 +224,8 @@ static int connect_once(struct sockaddr_in *dst, int cycle)
 	param.retry_count = 7;
 	param.rnr_retry_count = 7;
 	if (rdma_connect(id, &param) ||
-	    expect(RDMA_CM_EVENT_ESTABLISHED, id, NULL))
+	    expect(RDMA_CM_EVENT_ESTABLISHED, id, NULL) ||
+	    report_qp("client", id, cycle))
 		return -1;
 	pattern(buf, cycle);
 	mr = rdma_reg_msgs(id, buf, MSG);
@@ -201,13 +249,16 @@ int main(int argc, char **argv)
 	char line[16];
 	double s;
 
-	while ((op = getopt(argc, argv, "sc:p:n:w")) != -1) {
+	while ((op = getopt(argc, argv, "sc:p:n:wt:a:q")) != -1) {
 		switch (op) {
 		case 's': listen = 1; break;
 		case 'c': server = optarg; break;
 		case 'p': port = atoi(optarg); break;
 		case 'n': n = atoi(optarg); break;
 		case 'w': pause = 1; break;
+		case 't': tos = atoi(optarg); break;
+		case 'a': ack_timeout = atoi(optarg); break;
+		case 'q': query = 1; break;
 		default: return 2;
 		}
 	}

@@ -387,7 +387,11 @@ fn perftest_connects_through_rdma_cm() {
     for placement in BOTH {
         let ip = placement.server_ip().to_string();
         for (program, args) in [
-            ("ib_write_bw", &["-s", "65536", "-n", "1000"][..]),
+            // -T: rdma_set_option(RDMA_OPTION_ID_TOS).
+            (
+                "ib_write_bw",
+                &["-s", "65536", "-n", "1000", "-T", "32"][..],
+            ),
             ("ib_read_lat", &["-n", "1000"][..]),
             ("ib_send_bw", &["-s", "65536", "-n", "1000"][..]),
             ("ib_send_bw", &["-c", "UD", "-n", "1000"][..]),
@@ -633,7 +637,9 @@ fn failed_connections_fail_as_rdma_cm_reports_them() {
 
 /// 1,000 connections made, used (one checked SEND) and torn down one
 /// after the other (tests/c/cm_cycles.c) leave both devices holding what
-/// they held after the first.
+/// they held after the first. The client sets RDMA_OPTION_ID_TOS 32 and
+/// RDMA_OPTION_ID_ACK_TIMEOUT 14 on every ID: both sides' QPs get the
+/// traffic class (the REQ carries it), the client's QP the timeout.
 #[test]
 fn a_thousand_connect_disconnect_cycles_leave_the_counters_where_they_started() {
     use std::io::Write;
@@ -649,7 +655,7 @@ fn a_thousand_connect_disconnect_cycles_leave_the_counters_where_they_started() 
         let server = t.spawn(
             placement.server(),
             exe,
-            &strings(&["-s", "-p", &p, "-n", "1001"]),
+            &strings(&["-s", "-p", &p, "-n", "1001", "-q"]),
             "cycles-server",
         );
         t.wait_ready(placement, Ready::Listen(port), before);
@@ -660,6 +666,7 @@ fn a_thousand_connect_disconnect_cycles_leave_the_counters_where_they_started() 
         let mut client = t
             .command(placement.client(), exe)
             .args(["-c", &ip, "-p", &p, "-n", "1000", "-w"])
+            .args(["-t", "32", "-a", "14", "-q"])
             .stdin(Stdio::piped())
             .stdout(file("out"))
             .stderr(file("err"))
@@ -695,6 +702,16 @@ fn a_thousand_connect_disconnect_cycles_leave_the_counters_where_they_started() 
         assert!(
             server_text.contains("1001 connections served"),
             "{server_text}"
+        );
+        assert!(
+            text.lines().any(|l| l == "client: tclass 32 timeout 14"),
+            "{placement:?}: the client's QP:\n{text}"
+        );
+        assert!(
+            server_text
+                .lines()
+                .any(|l| l.starts_with("server: tclass 32 ")),
+            "{placement:?}: the server's QP:\n{server_text}"
         );
         assert_eq!(
             done, warm,

@@ -469,11 +469,16 @@ impl State {
         qp1: &dyn Qp1,
     ) -> Result<(), CmError> {
         let i = self.in_state(owner, id, "connect", &[IdState::RouteResolved])?;
-        let route = i.route.ok_or(CmError::WrongState {
+        let mut route = i.route.ok_or(CmError::WrongState {
             id,
             state: i.state,
             op: "connect",
         })?;
+        // RDMA_OPTION_ID_TOS: the path's traffic class, in the REQ (both
+        // sides' QPs take it from there) and in the ID's route.
+        if let Some(tc) = param.traffic_class {
+            route.traffic_class = tc;
+        }
         let header = CmaHeader {
             src_port: i.src.port(),
             addrs: CmaAddrs::V4 {
@@ -527,6 +532,7 @@ impl State {
         self.by_conn.insert(conn, id);
         let i = self.id_mut(owner, id)?;
         i.conn = Some(conn);
+        i.route = Some(route);
         i.state = IdState::Connect;
         self.flush(now, qp1);
         Ok(())

@@ -426,7 +426,11 @@ fn private_data(field: &[u8; CM_MAX_PRIVATE_DATA], len: u16) -> VerbResult<&[u8]
 
 fn conn_param(req: &CmConnReq) -> VerbResult<ConnParam> {
     let flags = req.flags.get();
-    if flags & !cm_flags::PSN_VALID != 0 {
+    let tclass_bits = 0xff << cm_flags::TRAFFIC_CLASS_SHIFT;
+    let known = cm_flags::PSN_VALID | cm_flags::TRAFFIC_CLASS_VALID | tclass_bits;
+    if flags & !known != 0
+        || (flags & cm_flags::TRAFFIC_CLASS_VALID == 0 && flags & tclass_bits != 0)
+    {
         return Err(VerbError::Invalid(format!("connect flags {flags:#x}")));
     }
     let qp_num = req.qp_num.get();
@@ -448,6 +452,8 @@ fn conn_param(req: &CmConnReq) -> VerbResult<ConnParam> {
         qp_num,
         starting_psn: (flags & cm_flags::PSN_VALID != 0).then_some(psn),
         qkey: req.qkey.get(),
+        traffic_class: (flags & cm_flags::TRAFFIC_CLASS_VALID != 0)
+            .then_some((flags >> cm_flags::TRAFFIC_CLASS_SHIFT) as u8),
     })
 }
 
@@ -646,7 +652,13 @@ mod tests {
             refused(&|r| r.starting_psn = 0x100_0000.into()),
             Err(libc::EINVAL)
         );
-        assert_eq!(refused(&|r| r.flags = 0x2.into()), Err(libc::EINVAL));
+        assert_eq!(refused(&|r| r.flags = 0x4.into()), Err(libc::EINVAL));
+        // A traffic class only with its flag.
+        assert_eq!(refused(&|r| r.flags = 0x2000.into()), Err(libc::EINVAL));
+        req.flags = (cm_flags::TRAFFIC_CLASS_VALID | 0x20 << cm_flags::TRAFFIC_CLASS_SHIFT).into();
+        assert_eq!(conn_param(&req).expect("valid").traffic_class, Some(0x20));
+        req.flags = 0.into();
+        assert_eq!(conn_param(&req).expect("valid").traffic_class, None);
     }
 
     #[test]

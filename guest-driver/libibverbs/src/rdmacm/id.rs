@@ -28,8 +28,8 @@ use crate::abi::{
     ibv_qp_attr, ibv_qp_init_attr, ibv_sa_path_rec, rdma_cm_event, rdma_cm_id, rdma_conn_param,
     rdma_event_channel, rdma_port_space, sockaddr, sockaddr_in, IBV_EVENT_COMM_EST, IBV_QPS_ERR,
     IBV_QPT_RC, IBV_QPT_UD, RDMA_CM_EVENT_REJECTED, RDMA_MAX_INIT_DEPTH, RDMA_MAX_RESP_RES,
-    RDMA_OPTION_ID, RDMA_OPTION_ID_AFONLY, RDMA_OPTION_ID_REUSEADDR, RDMA_PS_IB, RDMA_PS_IPOIB,
-    RDMA_PS_TCP, RDMA_PS_UDP,
+    RDMA_OPTION_ID, RDMA_OPTION_ID_ACK_TIMEOUT, RDMA_OPTION_ID_AFONLY, RDMA_OPTION_ID_REUSEADDR,
+    RDMA_OPTION_ID_TOS, RDMA_PS_IB, RDMA_PS_IPOIB, RDMA_PS_TCP, RDMA_PS_UDP,
 };
 use crate::control;
 use crate::ffi::{non_null, VResult};
@@ -60,6 +60,11 @@ pub(crate) struct IdState {
     /// `rdma_addrinfo.ai_connect`: sent before the caller's private data.
     pub(crate) connect_data: Vec<u8>,
     pub(crate) path_rec: Option<Box<ibv_sa_path_rec>>,
+    /// `RDMA_OPTION_ID_TOS`: the traffic class of the paths this ID
+    /// connects (the route's report shows it too).
+    pub(crate) tos: Option<u8>,
+    /// `RDMA_OPTION_ID_ACK_TIMEOUT`: the QP's `timeout` at RTS.
+    pub(crate) ack_timeout: Option<u8>,
 }
 
 /// Events reported and acknowledged (`rdma_destroy_id` waits for these to
@@ -276,12 +281,13 @@ impl Id {
         }
         if info.route_valid != 0 {
             let mut st = lock(&self.st);
+            let tos = st.tos;
             let rec = st.path_rec.get_or_insert_with(Box::default);
             rec.dgid.raw = info.dgid;
             rec.sgid.raw = info.sgid;
             rec.pkey = info.pkey.get().to_be();
             rec.mtu = info.mtu;
-            rec.traffic_class = info.traffic_class;
+            rec.traffic_class = tos.unwrap_or(info.traffic_class);
             rec.hop_limit = info.hop_limit;
             rec.sl = info.sl;
             rec.flow_label = info.flow_label.get().to_be();
@@ -353,7 +359,15 @@ impl Id {
         let (wire, mask) = cm
             .init_qp_attr(id, state)
             .map_err(|e| crate::ffi::errno_of(&e))?;
-        Ok((control::qp_attr_from_wire(&wire), mask))
+        let mut attr = control::qp_attr_from_wire(&wire);
+        // RDMA_OPTION_ID_ACK_TIMEOUT, as Linux's rdma_init_qp_attr applies
+        // it: the timeout of an RTS that sets one.
+        if let Some(timeout) = lock(&self.st).ack_timeout {
+            if mask & crate::abi::IBV_QP_TIMEOUT != 0 {
+                attr.timeout = timeout;
+            }
+        }
+        Ok((attr, mask))
     }
 
     /// Moves the QP to ERR (rejected, disconnected, failed).
@@ -431,6 +445,7 @@ impl Id {
             qp_num,
             starting_psn: None,
             qkey: 0,
+            traffic_class: st.tos,
         }
     }
 
@@ -918,9 +933,11 @@ pub unsafe extern "C" fn rdma_init_qp_attr(
 }
 
 /// `rdma_set_option`: REUSEADDR and AFONLY hold as asked (vrdma's ports
-/// have no TIME_WAIT to reuse, and its addresses are IPv4); TOS, the ACK
-/// timeout and IB paths are not applied by the device, so they are
-/// refused (ENOSYS) rather than ignored.
+/// have no TIME_WAIT to reuse, and its addresses are IPv4); TOS (a `u8`)
+/// is the traffic class of the paths the ID connects — the IPv4 TOS byte
+/// of both sides' packets, as the REQ carries it — and the ACK timeout (a
+/// `u8`, RC IDs only) its QP's `timeout` at RTS, as Linux applies them;
+/// IB paths are refused (ENOSYS) rather than ignored.
 ///
 /// # Safety
 ///
@@ -932,7 +949,7 @@ pub unsafe extern "C" fn rdma_set_option(
     optval: *mut libc::c_void,
     optlen: usize,
 ) -> i32 {
-    with_id("rdma_set_option", id, |_| {
+    with_id("rdma_set_option", id, |id| {
         non_null(optval)?;
         if level == RDMA_OPTION_ID as i32
             && (optname == RDMA_OPTION_ID_REUSEADDR as i32
@@ -943,6 +960,25 @@ pub unsafe extern "C" fn rdma_set_option(
             } else {
                 Err(libc::EINVAL)
             };
+        }
+        let is = |name: u32| level == RDMA_OPTION_ID as i32 && optname == name as i32;
+        if is(RDMA_OPTION_ID_TOS) || is(RDMA_OPTION_ID_ACK_TIMEOUT) {
+            if optlen != size_of::<u8>() {
+                return Err(libc::EINVAL);
+            }
+            // SAFETY: the caller's `optlen` (1) bytes at `optval`.
+            let value = unsafe { optval.cast::<u8>().read() };
+            let mut st = lock(&id.st);
+            if is(RDMA_OPTION_ID_TOS) {
+                st.tos = Some(value);
+            } else {
+                // Linux: RC (and XRC) IDs only; a 5-bit IB timeout.
+                if id.cm().qp_type != IBV_QPT_RC || value > 31 {
+                    return Err(libc::EINVAL);
+                }
+                st.ack_timeout = Some(value);
+            }
+            return Ok(());
         }
         tracing::warn!(level, optname, "rdma_set_option: not supported by vrdma");
         Err(libc::ENOSYS)
