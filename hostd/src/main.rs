@@ -15,6 +15,9 @@ use vrdma_hostd::config::{Args, Config};
 use vrdma_hostd::sandbox::Sandbox;
 
 fn main() -> ExitCode {
+    if let Some(done) = vrdma_isolation::daemon::manpage_requested::<Args>("hostd") {
+        return done;
+    }
     vrdma_isolation::daemon::main(
         "hostd",
         // 1. Configuration: flags, config file and policy file, validated

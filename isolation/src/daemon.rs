@@ -87,6 +87,28 @@ pub fn main<C, E: Error>(
     }
 }
 
+/// The argument that asks a vrdma program for its manual page.
+pub const PRINT_MANPAGE: &str = "--print-manpage";
+
+/// With [`PRINT_MANPAGE`] as its only argument, program `name` writes its
+/// manual page (roff, from its clap definition `A`: every option as
+/// `--help` gives it) to stdout and is done: what the Debian package
+/// ships as `man 1 <name>`. `None` for any other command line.
+pub fn manpage_requested<A: clap::CommandFactory>(name: &'static str) -> Option<ExitCode> {
+    let mut args = std::env::args_os().skip(1);
+    if args.next()? != PRINT_MANPAGE || args.next().is_some() {
+        return None;
+    }
+    let page = clap_mangen::Man::new(A::command().name(name).bin_name(name));
+    Some(match page.render(&mut std::io::stdout().lock()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cannot write the manual page: {e}");
+            ExitCode::FAILURE
+        }
+    })
+}
+
 /// The log: the `VRDMA_LOG` filter (default `info`) on stderr, in colour
 /// only on a terminal.
 fn init_log() {

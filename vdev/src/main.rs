@@ -15,6 +15,9 @@ use vrdma_vdev::config::{Args, Config};
 use vrdma_vdev::sandbox::Sandbox;
 
 fn main() -> ExitCode {
+    if let Some(done) = vrdma_isolation::daemon::manpage_requested::<Args>("vdev") {
+        return done;
+    }
     vrdma_isolation::daemon::main(
         "vdev",
         // 1. Configuration: flags and file, validated (users resolved by

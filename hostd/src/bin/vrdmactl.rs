@@ -62,6 +62,9 @@ enum Command {
 const UNREACHABLE: u8 = 2;
 
 fn main() -> ExitCode {
+    if let Some(done) = vrdma_isolation::daemon::manpage_requested::<Args>("vrdmactl") {
+        return done;
+    }
     let args = Args::parse();
     let request = match args.command {
         Command::Top { interval, count } => {
