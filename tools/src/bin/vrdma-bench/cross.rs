@@ -103,8 +103,8 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
     );
     latency_vs_tcp(&s, params.iters, targets)?;
     bandwidth_vs_tcp(&s, params, targets)?;
-    let rc = message_rate(&s, params.secs, targets)?;
-    crate::cross_ud::message_rate(&s.a, &s.b, &s.hosts[1], params.secs, rc, targets)?;
+    let (rc, rc_cost) = message_rate(&s, params.secs, targets)?;
+    crate::cross_ud::message_rate(&s.a, &s.b, &s.hosts, params.secs, (rc, rc_cost), targets)?;
     let (n1, n2) = (h1.netns_path(), h2.netns_path());
     let ends = crate::conn_rate::Ends {
         label: "across hosts",
@@ -182,7 +182,8 @@ fn bandwidth_vs_tcp(s: &Setup, params: Params, targets: &mut Targets) -> Result<
 
 /// 64 B WRITEs on [`RATE_QPS`] QPs from alpha to beta, the best of
 /// [`TRIALS`] runs of `secs` (after a tenth as long of warm-up), in Mop/s.
-fn message_rate(s: &Setup, secs: Duration, targets: &mut Targets) -> Result<f64> {
+/// Returns the best rate (Mop/s) and the hostds' CPU per message (µs).
+fn message_rate(s: &Setup, secs: Duration, targets: &mut Targets) -> Result<(f64, Option<f64>)> {
     let buf_a = s.a.buffer(RATE_QPS * 64)?;
     let buf_b = s.b.buffer(RATE_QPS * 64)?;
     let mut qps: Vec<(QueuePair, QueuePair)> = Vec::new();
@@ -209,17 +210,21 @@ fn message_rate(s: &Setup, secs: Duration, targets: &mut Targets) -> Result<f64>
         })
         .collect();
     let mut trials = Vec::new();
+    let before = crate::hostd_cost::Sample::take(&s.hosts, "alpha", "write");
     for _ in 0..TRIALS {
         trials.push(drive(&s.a, &qps, &lists, secs)? / 1e6);
     }
+    let after = crate::hostd_cost::Sample::take(&s.hosts, "alpha", "write");
+    let cost = before.zip(after).and_then(|(b, a)| b.per_op_until(&a));
     let best = trials.iter().copied().fold(0.0, f64::max);
     println!(
-        "cross msg_rate       64 B  {RATE_QPS} QPs, {RATE_WINDOW} in flight each in lists of {RATE_BATCH}: {best:.3} Mop/s (trials {})",
-        list(&trials)
+        "cross msg_rate       64 B  {RATE_QPS} QPs, {RATE_WINDOW} in flight each in lists of {RATE_BATCH}: {best:.3} Mop/s (trials {}); hostds' CPU per WRITE {}",
+        list(&trials),
+        crate::hostd_cost::show(cost)
     );
     let what = format!("across hosts: {RATE_QPS} QPs of 64 B WRITEs, Mop/s");
     targets.check(what, best, " Mop/s", Bound::AtLeast(1.0));
-    Ok(best)
+    Ok((best, cost))
 }
 
 /// Streams on every QP for `duration` after a tenth as long of warm-up,

@@ -83,9 +83,9 @@ fn ud_qp(t: &Tenant, depth: u32) -> Result<QueuePair> {
 pub fn message_rate(
     a: &Tenant,
     b: &Tenant,
-    b_host: &crate::host::Host,
+    hosts: &[crate::host::Host; 2],
     secs: Duration,
-    rc: f64,
+    (rc, rc_cost): (f64, Option<f64>),
     targets: &mut Targets,
 ) -> Result<()> {
     let senders: Vec<QueuePair> = (0..QPS)
@@ -138,9 +138,11 @@ pub fn message_rate(
     let stop = AtomicBool::new(false);
     let mut trials = Vec::new();
     let mut unreceived = Vec::new();
+    let (mut before, mut after) = (None, None);
     std::thread::scope(|scope| -> Result<()> {
         let receiver = scope.spawn(|| keep_receiving(b, &receivers, &recv_sges, &received, &stop));
         let mut run = || -> Result<()> {
+            before = crate::hostd_cost::Sample::take(hosts, "alpha", "send");
             for _ in 0..TRIALS {
                 let (got_before, t0) = (received.load(Ordering::Acquire), Instant::now());
                 let sent = send_for(a, &senders, &lists, secs)?;
@@ -151,6 +153,7 @@ pub fn message_rate(
                 trials.push(got as f64 / elapsed.as_secs_f64() / 1e6);
                 unreceived.push(sent.saturating_sub(got));
             }
+            after = crate::hostd_cost::Sample::take(hosts, "alpha", "send");
             Ok(())
         };
         let sent = run();
@@ -161,7 +164,7 @@ pub fn message_rate(
     let best = trials.iter().copied().fold(0.0, f64::max);
     println!(
         "cross ud_msg_rate    receiving hostd's drops over the trials: {}",
-        drops(b_host).unwrap_or_else(|| "(vrdmactl peers could not say)".into())
+        drops(&hosts[1]).unwrap_or_else(|| "(vrdmactl peers could not say)".into())
     );
     let lists = |v: &[f64]| {
         v.iter()
@@ -169,10 +172,13 @@ pub fn message_rate(
             .collect::<Vec<_>>()
             .join(" ")
     };
+    let cost = before.zip(after).and_then(|(b, a)| b.per_op_until(&a));
     println!(
-        "cross ud_msg_rate    64 B  {QPS} UD QPs, {WINDOW} in flight each in lists of {BATCH}, {RECEIVES} receives posted each: {best:.3} Mop/s received (trials {}; not received by each trial's end {unreceived:?}); RC WRITE {rc:.3} Mop/s: {:.2}×",
+        "cross ud_msg_rate    64 B  {QPS} UD QPs, {WINDOW} in flight each in lists of {BATCH}, {RECEIVES} receives posted each: {best:.3} Mop/s received (trials {}; not received by each trial's end {unreceived:?}); RC WRITE {rc:.3} Mop/s: {:.2}×; hostds' CPU per message: UD SEND {}, RC WRITE {}",
         lists(&trials),
-        best / rc.max(f64::MIN_POSITIVE)
+        best / rc.max(f64::MIN_POSITIVE),
+        crate::hostd_cost::show(cost),
+        crate::hostd_cost::show(rc_cost),
     );
     let what = format!("across hosts: {QPS} UD QPs of 64 B SENDs received, ÷ RC's 64 B WRITE rate");
     targets.check(

@@ -15,6 +15,7 @@ mod cores;
 mod cross;
 mod cross_ud;
 mod host;
+mod hostd_cost;
 mod latency;
 mod netns;
 mod reg_mr;
