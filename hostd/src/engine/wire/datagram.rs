@@ -121,10 +121,19 @@ impl Engine {
             return;
         };
         let dgid = ipv4_mapped(meta.dst.octets());
-        let target = self.qp_at(&dgid, pkt.bth.dest_qp).and_then(|q| {
-            let qp = self.qps.get(q)?;
-            (qp.qp_type == QpType::Ud && qp.receives()).then_some((q, qp.dev, qp.qkey))
-        });
+        let dest = (meta.dst, pkt.bth.dest_qp);
+        let cached = (w.last_ud)
+            .filter(|&(ip, qpn, q, serial)| {
+                (ip, qpn) == dest && self.qps.get(q).is_some_and(|qp| qp.serial == serial)
+            })
+            .map(|(_, _, q, _)| q);
+        let target = cached
+            .or_else(|| self.qp_at(&dgid, pkt.bth.dest_qp))
+            .and_then(|q| {
+                let qp = self.qps.get(q)?;
+                w.last_ud = Some((dest.0, dest.1, q, qp.serial));
+                (qp.qp_type == QpType::Ud && qp.receives()).then_some((q, qp.dev, qp.qkey))
+            });
         let Some((qref, di, qkey)) = target else {
             // Counted on the device the GID names too, if there is one:
             // its tenant sees what it missed.

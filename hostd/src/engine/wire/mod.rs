@@ -184,6 +184,11 @@ pub struct Wire {
     /// Destroyed RC QPs that still acknowledge what they took.
     closed: closed::ClosedQps,
     pub peers: Peers,
+    /// The UD QP the last datagram went to: (destination GID, QP number)
+    /// → its ref and serial. A GSO message's datagrams go to one QP, so
+    /// this spares most datagrams the GID, device and QP lookups; a QP
+    /// destroyed since has another serial (or none) and misses.
+    last_ud: Option<(Ipv4Addr, u32, QpRef, u64)>,
 }
 
 impl std::fmt::Debug for Wire {
@@ -207,6 +212,7 @@ impl Wire {
             acks: Vec::new(),
             closed: closed::ClosedQps::default(),
             peers: Peers::default(),
+            last_ud: None,
         }
     }
 

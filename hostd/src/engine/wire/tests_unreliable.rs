@@ -157,6 +157,14 @@ fn a_wrong_qkey_a_missing_receive_or_qp_drop_the_datagram_and_count_it() {
     let (_, b) = h.run_for(RUN);
     assert_eq!(ids(&b), vec![(5, WcStatus::Success)]);
     assert_eq!(h.sb.bytes(0x100 + 40, 10), b"controlled");
+    // B's QP goes, right after a datagram reached it (the receive path
+    // remembers the QP of the last datagram): the next one is dropped as
+    // for no QP, not delivered to what it remembered.
+    h.b.destroy_qp(1, B_UD).expect("destroy B's QP");
+    ud_send(&mut h.sa, 6, b"too late", B_UD, QKEY);
+    let (_, b) = h.run_for(RUN);
+    assert!(b.is_empty(), "{b:?}");
+    assert_eq!(peer_drops(&h.b, "ud_no_qp"), 2);
 }
 
 #[test]
