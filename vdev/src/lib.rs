@@ -196,7 +196,7 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
     // further context until a retry works; the contexts open carry on and
     // a frontend waits in the listener's backlog meanwhile.
     let mut held_back = false;
-    let mut hold = HoldBack::default();
+    let mut hold = link::Backoff::new(HOLD_BACK_FIRST_PAUSE);
     let mut link = link::Link::new(&config.tenant);
     // The device's connection manager, on one context's registration.
     let mut cm: Option<DeviceCm> = None;
@@ -218,7 +218,7 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
             let fabric = match &config.hostd {
                 Some(path) => match register(path, &config.tenant, &device_name) {
                     Ok(fabric) => {
-                        hold = HoldBack::default();
+                        hold = link::Backoff::new(HOLD_BACK_FIRST_PAUSE);
                         Some(Arc::new(fabric))
                     }
                     // At start, before any frontend is served: a problem
@@ -236,13 +236,13 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                     // taken): never the end of vdev nor of the contexts
                     // open; the next frontend waits for a retry.
                     Err(e) => {
+                        hold.retry_later();
                         tracing::warn!(tenant = %config.tenant, open = contexts.len(),
-                            retry_ms = hold.pause.as_millis() as u64,
+                            retry_ms = hold.wait().unwrap_or_default().as_millis() as u64,
                             "No further context until hostd takes a registration again: {}",
                             vrdma_errors::error_chain(&e));
                         listener = Some(l);
                         held_back = true;
-                        hold.failed();
                         continue;
                     }
                 },
@@ -283,13 +283,13 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
         // The senders live in the context threads and here: never closed.
         // While hostd is away, or a registration is held back, the wait
         // ends for the next try.
-        let retry = held_back.then(|| hold.wait());
+        let retry = held_back.then(|| hold.wait()).flatten();
         let event = match link.wait().into_iter().chain(retry).min() {
             None => happened.recv().ok(),
             Some(pause) => match happened.recv_timeout(pause) {
                 Ok(event) => Some(event),
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                    if held_back && hold.wait().is_zero() {
+                    if held_back && hold.wait().is_some_and(|w| w.is_zero()) {
                         // The held-back registration's turn: try again.
                         held_back = false;
                     }
@@ -381,7 +381,7 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
                 listener = Some(l);
                 accepting = false;
                 held_back = true;
-                hold.failed();
+                hold.retry_later();
             }
         }
     }
@@ -593,34 +593,9 @@ fn wait_for_hostd(
     }
 }
 
-/// When a held-back registration is tried again: after 10 ms, doubling to
-/// 1 s while it keeps failing.
-#[derive(Debug)]
-struct HoldBack {
-    pause: Duration,
-    next_try: std::time::Instant,
-}
-
-impl Default for HoldBack {
-    fn default() -> Self {
-        HoldBack {
-            pause: Duration::from_millis(10),
-            next_try: std::time::Instant::now(),
-        }
-    }
-}
-
-impl HoldBack {
-    fn failed(&mut self) {
-        self.next_try = std::time::Instant::now() + self.pause;
-        self.pause = (self.pause * 2).min(Duration::from_secs(1));
-    }
-
-    fn wait(&self) -> Duration {
-        self.next_try
-            .saturating_duration_since(std::time::Instant::now())
-    }
-}
+/// The first pause before a held-back registration is tried again (then
+/// doubling to [`link::LONGEST_PAUSE`] while it keeps failing).
+const HOLD_BACK_FIRST_PAUSE: Duration = Duration::from_millis(10);
 
 /// The name this device registers under with hostd: derived from its socket
 /// path, so it is stable across restarts of this vdev (hostd then gives it

@@ -23,14 +23,67 @@ pub const FIRST_PAUSE: Duration = Duration::from_millis(50);
 /// The longest pause between two tries.
 pub const LONGEST_PAUSE: Duration = Duration::from_secs(1);
 
+/// When to try something again that keeps failing: after `first`, then
+/// after a pause that doubles up to [`LONGEST_PAUSE`].
+#[derive(Debug)]
+pub struct Backoff {
+    first: Duration,
+    pause: Duration,
+    next_try: Option<Instant>,
+}
+
+impl Backoff {
+    /// No try under way yet.
+    pub fn new(first: Duration) -> Self {
+        Backoff {
+            first,
+            pause: first,
+            next_try: None,
+        }
+    }
+
+    /// Tries begin: the first after `first`.
+    pub fn start(&mut self) {
+        self.pause = self.first;
+        self.next_try = Some(Instant::now() + self.first);
+    }
+
+    /// A try failed: the next after twice the last pause (at most
+    /// [`LONGEST_PAUSE`]).
+    pub fn failed(&mut self) {
+        self.pause = (self.pause * 2).min(LONGEST_PAUSE);
+        self.next_try = Some(Instant::now() + self.pause);
+    }
+
+    /// A try failed: the first of a series ([`Backoff::start`]) or one more
+    /// ([`Backoff::failed`]).
+    pub fn retry_later(&mut self) {
+        if self.next_try.is_none() {
+            self.start();
+        } else {
+            self.failed();
+        }
+    }
+
+    /// Nothing to try again.
+    pub fn stop(&mut self) {
+        self.next_try = None;
+    }
+
+    /// How long until the next try, if one is due.
+    pub fn wait(&self) -> Option<Duration> {
+        self.next_try
+            .map(|at| at.saturating_duration_since(Instant::now()))
+    }
+}
+
 /// The contexts whose registration with hostd was lost, and when to try
 /// again.
 #[derive(Debug)]
 pub struct Link {
     tenant: String,
     down: BTreeSet<u64>,
-    pause: Duration,
-    next_try: Option<Instant>,
+    backoff: Backoff,
     /// A try failed since hostd went away (logged once).
     failing: bool,
 }
@@ -40,8 +93,7 @@ impl Link {
         Link {
             tenant: tenant.to_owned(),
             down: BTreeSet::new(),
-            pause: FIRST_PAUSE,
-            next_try: None,
+            backoff: Backoff::new(FIRST_PAUSE),
             failing: false,
         }
     }
@@ -52,8 +104,7 @@ impl Link {
             tracing::warn!(tenant = %self.tenant,
                 "hostd went away: the device's port is down; registering again every {} ms \
                  to {} s until hostd is back", FIRST_PAUSE.as_millis(), LONGEST_PAUSE.as_secs());
-            self.pause = FIRST_PAUSE;
-            self.next_try = Some(Instant::now() + FIRST_PAUSE);
+            self.backoff.start();
             self.failing = false;
         }
         self.down.insert(id);
@@ -63,7 +114,7 @@ impl Link {
     pub fn forget(&mut self, id: u64) {
         self.down.remove(&id);
         if self.down.is_empty() {
-            self.next_try = None;
+            self.backoff.stop();
         }
     }
 
@@ -74,8 +125,7 @@ impl Link {
 
     /// How long until the next try, if one is due.
     pub fn wait(&self) -> Option<Duration> {
-        self.next_try
-            .map(|at| at.saturating_duration_since(Instant::now()))
+        self.backoff.wait()
     }
 
     /// Registers the contexts that are down again, in order, each with its
@@ -104,14 +154,13 @@ impl Link {
                             vrdma_errors::error_chain(&e));
                         self.failing = true;
                     }
-                    self.pause = (self.pause * 2).min(LONGEST_PAUSE);
-                    self.next_try = Some(Instant::now() + self.pause);
+                    self.backoff.failed();
                     return false;
                 }
             }
         }
         tracing::info!(tenant = %self.tenant, "hostd is back: the device's port is active again");
-        self.next_try = None;
+        self.backoff.stop();
         true
     }
 }
