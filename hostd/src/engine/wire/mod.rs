@@ -441,8 +441,8 @@ impl Engine {
             return;
         };
         // The RoCE packet (BTH to ICRC), as counted when sending: the UDP
-        // payload, without the IPv4 header (its IHL words) and UDP's 8.
-        let headers = usize::from(bytes.first().map_or(5, |b| b & 0x0f)) * 4 + 8;
+        // payload (parse_ipv4 took only option-less IPv4 headers).
+        let headers = vrdma_roce::IPV4_HEADER_LEN + vrdma_roce::UDP_HEADER_LEN;
         w.peers.received(peer, bytes.len().saturating_sub(headers));
         if pkt.bth.pkey != DEFAULT_PKEY {
             w.drop_packet(peer, "bad_pkey");

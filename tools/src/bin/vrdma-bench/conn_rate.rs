@@ -58,25 +58,12 @@ pub struct Ends<'a> {
 fn qp1_drops(admins: &[PathBuf]) -> Option<u64> {
     let mut total = 0;
     for admin in admins {
-        let stats = vrdmactl_json(admin, "stats")?;
+        let stats = crate::host::vrdmactl_json(admin, "stats")?;
         for t in stats["tenants"].as_array()? {
             total += t["gsi"]["queue_full"].as_u64().unwrap_or(0);
         }
     }
     Some(total)
-}
-
-/// `vrdmactl <command> --json` of the hostd at `admin`, parsed; `None` if
-/// it could not be had.
-pub fn vrdmactl_json(admin: &std::path::Path, command: &str) -> Option<serde_json::Value> {
-    let vrdmactl = supervisor::find_binary("vrdmactl", "vrdma-hostd").ok()?;
-    let out = Command::new(&vrdmactl)
-        .arg("--admin-socket")
-        .arg(admin)
-        .args([command, "--json"])
-        .output()
-        .ok()?;
-    serde_json::from_slice(&out.stdout).ok()
 }
 
 /// One cmtime run: milliseconds of each step over all connections.

@@ -282,14 +282,14 @@ fn keep_receiving(
 /// namespace's UDP receive-buffer overflows and interfaces' drops, and the
 /// kernel's input backlogs: where a lost datagram would have gone.
 fn drops(host: &crate::host::Host) -> Option<String> {
-    let peers = crate::conn_rate::vrdmactl_json(&host.admin_socket(), "peers")?;
+    let peers = host.ctl_json("peers")?;
     let mut by_reason = std::collections::BTreeMap::<String, u64>::new();
     for p in peers.as_array()? {
         for (reason, n) in p["drops"].as_object().into_iter().flatten() {
             *by_reason.entry(reason.clone()).or_default() += n.as_u64().unwrap_or(0);
         }
     }
-    let stats = crate::conn_rate::vrdmactl_json(&host.admin_socket(), "stats")?;
+    let stats = host.ctl_json("stats")?;
     for key in ["receive_kernel_drops", "receive_truncated"] {
         by_reason.insert(key.into(), stats["packet_io"][key].as_u64().unwrap_or(0));
     }

@@ -107,6 +107,11 @@ impl Host {
         name.into()
     }
 
+    /// `vrdmactl <command> --json` of this hostd, parsed ([`vrdmactl_json`]).
+    pub fn ctl_json(&self, command: &str) -> Option<serde_json::Value> {
+        vrdmactl_json(&self.admin_socket(), command)
+    }
+
     /// A vdev for `tenant` attached to hostd.
     pub fn vdev(&self, tenant: &str) -> Result<Daemon> {
         let n = self.vdevs.replace(self.vdevs.get() + 1);
@@ -304,4 +309,17 @@ pub fn policy<'a>(tenants: impl IntoIterator<Item = (&'a str, &'a str, u32)>) ->
             format!("[[tenant]]\nname = \"{name}\"\nnetwork = \"bench\"\npriority = {{ class = \"{class}\", weight = {weight} }}\n\n")
         })
         .collect()
+}
+
+/// `vrdmactl <command> --json` of the hostd whose admin socket is `admin`,
+/// parsed; `None` if it could not be had.
+pub fn vrdmactl_json(admin: &Path, command: &str) -> Option<serde_json::Value> {
+    let vrdmactl = find_binary("vrdmactl", "vrdma-hostd").ok()?;
+    let out = std::process::Command::new(&vrdmactl)
+        .arg("--admin-socket")
+        .arg(admin)
+        .args([command, "--json"])
+        .output()
+        .ok()?;
+    serde_json::from_slice(&out.stdout).ok()
 }

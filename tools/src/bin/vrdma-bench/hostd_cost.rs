@@ -32,7 +32,7 @@ pub struct Sample {
 impl Sample {
     pub fn take(hosts: &[Host; 2], tenant: &str, kind: &str) -> Option<Sample> {
         let cpu = cpu_seconds(hosts[0].hostd_pid())? + cpu_seconds(hosts[1].hostd_pid())?;
-        let stats = crate::conn_rate::vrdmactl_json(&hosts[0].admin_socket(), "stats")?;
+        let stats = hosts[0].ctl_json("stats")?;
         let ops = (stats["tenants"].as_array()?.iter())
             .find(|t| t["tenant"] == tenant)
             .and_then(|t| t["ops"][kind].as_u64())?;
