@@ -526,7 +526,7 @@ fn run_chain(
     )));
     let queue = MockSplitQueue::new(mem, VIRTQ_LEN);
     let chain = queue.build_desc_chain(&descs).expect("chain");
-    let used = process_chain(dev, mem, chain);
+    let used = process_chain(dev, mem, chain, 0);
     assert!(
         used <= writable,
         "used length {used} beyond {writable} writable bytes"

@@ -15,6 +15,8 @@
 //! - [`hostd_session`]: hostd's handling of a compromised vdev's requests,
 //!   through a real `Server` over a socketpair.
 //! - [`policy`]: the tenant policy file parser.
+//! - [`journal`]: a dead vdev's journal as its successor rebuilds a
+//!   context from it.
 //! - [`memory`]: memory-table changes interleaved with MRs and key lookups.
 //! - [`roce`]: the RoCEv2 packet parser (what a peer host sends).
 //! - [`cm`]: the IB CM MAD codec and agent (what a peer's CM sends to QP1).
@@ -26,6 +28,7 @@ pub mod control;
 pub mod hostd;
 pub mod hostd_session;
 pub mod input;
+pub mod journal;
 pub mod memory;
 pub mod policy;
 pub mod rings;
@@ -49,4 +52,5 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("roce_packet", roce::check),
     ("cm_mad", cm::check),
     ("wire_packets", wire::check),
+    ("journal", journal::check),
 ];

@@ -57,6 +57,7 @@ impl Hostd {
             line_rate_mbps: None,
             metrics_listen: None,
             link_layer: None,
+            orphan_grace_ms: None,
             sandbox: Default::default(),
         })
         .expect("a valid hostd configuration");

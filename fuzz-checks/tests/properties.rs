@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use proptest::prelude::*;
 use vrdma_fuzz_checks::{
-    cm, control, hostd, hostd_session, memory, policy, rings, roce, wire, wqe, TARGETS,
+    cm, control, hostd, hostd_session, journal, memory, policy, rings, roce, wire, wqe, TARGETS,
 };
 
 fn config() -> ProptestConfig {
@@ -51,6 +51,11 @@ proptest! {
     #[test]
     fn policy_files(text in policy_text()) {
         policy::check(text.as_bytes());
+    }
+
+    #[test]
+    fn journals(data in proptest::collection::vec(any::<u8>(), 0..512)) {
+        journal::check(&data);
     }
 
     #[test]

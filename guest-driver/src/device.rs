@@ -52,6 +52,9 @@ pub struct DeviceOptions {
     /// Events each completion vector's event ring holds (a power of two up
     /// to `MAX_RING_DEPTH`). The device drops events that find it full.
     pub event_ring_depth: u32,
+    /// How long a device whose backend went away (a restarted vdev) is
+    /// waited for before its verbs fail with EIO; zero: not at all.
+    pub reconnect_patience: Duration,
 }
 
 impl Default for DeviceOptions {
@@ -61,6 +64,7 @@ impl Default for DeviceOptions {
             control_timeout: Duration::from_secs(10),
             spin: Duration::from_micros(20),
             event_ring_depth: 1024,
+            reconnect_patience: crate::transport::vhost_user::RECONNECT_PATIENCE,
         }
     }
 }
@@ -223,6 +227,7 @@ impl Device {
     pub fn open(transport: Box<dyn Transport>, options: DeviceOptions) -> Result<Arc<Self>> {
         // Checked before the device is touched: a bad option is EINVAL.
         let event_ring_args = EventRing::alloc_args(options.event_ring_depth)?;
+        transport.set_reconnect_patience(options.reconnect_patience);
         let features =
             transport.negotiate_features(VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX)?;
         if features & VIRTIO_F_VERSION_1 == 0 {

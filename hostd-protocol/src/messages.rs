@@ -28,8 +28,10 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// by LID (`dlid` of [`QpConnection`] and [`AhSetup`]). 9: QP1 for the
 /// device's connection manager ([`Request::GsiNotify`],
 /// [`Request::SendMad`], [`Request::TakeMads`]). 10: address resolution
-/// for the connection manager ([`Request::ResolveGid`]).
-pub const PROTOCOL_VERSION: u32 = 10;
+/// for the connection manager ([`Request::ResolveGid`]). 11: a context
+/// outlives its vdev ([`Request::Journal`], [`Request::Release`],
+/// [`Request::Adopt`], [`Request::TakeRecords`]).
+pub const PROTOCOL_VERSION: u32 = 11;
 
 /// The LID of hostd itself on an InfiniBand port: it is the subnet
 /// manager (`sm_lid` of every port); devices get LIDs from 2 on.
@@ -202,7 +204,72 @@ pub enum Request {
     /// in the directory). vdev answers both refusals alike, so that a
     /// tenant cannot tell another network's addresses from unused ones.
     ResolveGid { gid: [u8; 16] },
+    /// **Not answered.** vdev's journal of the context: the records of the
+    /// objects its last control command (or memory update) touched, and
+    /// the context's key once its control queue is known. hostd keeps them
+    /// for the next vdev of the device should this one die
+    /// ([`Request::Adopt`]), and interprets nothing in them: the next vdev
+    /// decodes and checks them as it would guest input. A state-changing
+    /// request not followed by a journal leaves the context unadoptable
+    /// (vdev may have died half-way through a command).
+    Journal(Journal),
+    /// The context ends on purpose (its frontend left): when the
+    /// connection closes, hostd releases it instead of keeping it for an
+    /// adoption. Answered `Ok`.
+    Release,
+    /// Sent by a new context with nothing created yet: take over the
+    /// orphaned context of this device whose key is `key` (left by a vdev
+    /// that died); this registration then serves it, its objects live on.
+    /// Answered [`Response::Adopted`] (then [`Request::TakeRecords`]), or
+    /// refused `ENOENT` (no such orphan: the frontend gets a fresh device).
+    Adopt { key: ContextKey },
+    /// The adopted context's records from the `from`th on (in key order),
+    /// as many as fit one message; answered [`Response::Records`].
+    TakeRecords { from: u32 },
+    /// The frontend of an adopted context came back with new eventfds (a
+    /// VMM re-creates its notifiers when it reconnects): with `doorbell`,
+    /// the first descriptor is the doorbell queue's new kick; then one
+    /// interrupt eventfd per vector of `vectors`, each an event ring the
+    /// context has. Answered `Ok`.
+    RenewNotifiers { doorbell: bool, vectors: Vec<u32> },
 }
+
+/// What identifies a context across vdev restarts: the backing of its
+/// control queue's descriptor table (the memfd's device and inode, and the
+/// table's offset in it). Only the frontend that holds that memory can
+/// present it again, and each context's control queue is its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ContextKey {
+    pub dev: u64,
+    pub ino: u64,
+    pub offset: u64,
+}
+
+/// One record of a context's journal: an object's state as vdev encodes
+/// it (`data`), or its removal (`None`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Record {
+    pub kind: u8,
+    pub id: u32,
+    pub data: Option<String>,
+}
+
+/// [`Request::Journal`]'s content.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Journal {
+    /// The context's key, when vdev learned it (with its first command).
+    pub key: Option<ContextKey>,
+    pub records: Vec<Record>,
+}
+
+/// Bounds hostd puts on one context's journal; past them the context is
+/// not kept for adoption (it is released when its vdev goes).
+pub const MAX_RECORDS: usize = 1 << 16;
+/// The most bytes of record data one context keeps.
+pub const MAX_RECORD_BYTES: usize = 32 << 20;
 
 /// A MAD the device's control plane sends from QP1.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -405,6 +472,11 @@ pub enum Response {
     MrKeys { lkey: u32, rkey: u32 },
     /// Answer to [`Request::TakeMads`].
     Mads(Vec<MadIn>),
+    /// Answer to [`Request::Adopt`]: the context's records number `records`.
+    Adopted { records: u32 },
+    /// Answer to [`Request::TakeRecords`]: the next records, and whether
+    /// more follow.
+    Records { records: Vec<Record>, more: bool },
     /// The request was refused: a positive errno and why.
     Refused { errno: i32, reason: String },
 }

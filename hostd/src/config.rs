@@ -114,6 +114,11 @@ pub struct Args {
     /// (LIDs; single-host only).
     #[arg(long, value_parser = parse_link_layer)]
     pub link_layer: Option<PortLinkLayer>,
+    /// How long a context whose vdev died (crashed, killed, restarted for
+    /// an upgrade) is kept, running, for the next vdev of its device to
+    /// take over; 0: released at once.
+    #[arg(long)]
+    pub orphan_grace_ms: Option<u64>,
     /// The sandbox: the same flags, meaning and checks as vdev's.
     #[command(flatten)]
     pub sandbox: SandboxArgs,
@@ -132,6 +137,7 @@ struct FileConfig {
     spin_us: Option<u64>,
     line_rate_mbps: Option<u32>,
     metrics_listen: Option<std::net::SocketAddr>,
+    orphan_grace_ms: Option<u64>,
     #[serde(default)]
     sandbox: SandboxFile,
     #[serde(default)]
@@ -258,6 +264,9 @@ pub struct Config {
     pub link_layer: PortLinkLayer,
     /// The cluster this hostd is part of; `None`: single host.
     pub fabric: Option<FabricConfig>,
+    /// How long a context whose vdev died is kept for the next vdev
+    /// (`orphan_grace_ms`); zero: released at once.
+    pub orphan_grace: std::time::Duration,
 }
 
 pub const DEFAULT_PHYSICAL_QPS: u32 = 64;
@@ -265,6 +274,11 @@ pub const DEFAULT_DATAPATH_THREADS: u32 = 1;
 pub const DEFAULT_SPIN_US: u64 = 200;
 /// A BlueField-3 port: 400 Gbit/s.
 pub const DEFAULT_LINE_RATE_MBPS: u32 = 400_000;
+/// A dead vdev's contexts wait this long for its successor: time enough
+/// for systemd's restart (`RestartSec`) and a slow start.
+pub const DEFAULT_ORPHAN_GRACE_MS: u64 = 30_000;
+/// Longer than this, a dead tenant's memory would stay mapped for no one.
+const MAX_ORPHAN_GRACE_MS: u64 = 600_000;
 /// Fastest port accepted (1.6 Tbit/s).
 const MAX_LINE_RATE_MBPS: u32 = 1_600_000;
 
@@ -342,6 +356,11 @@ impl TryFrom<Args> for Config {
             sandbox,
             link_layer: args.link_layer.or(file.port.link_layer).unwrap_or_default(),
             fabric,
+            orphan_grace: std::time::Duration::from_millis(
+                args.orphan_grace_ms
+                    .or(file.orphan_grace_ms)
+                    .unwrap_or(DEFAULT_ORPHAN_GRACE_MS),
+            ),
         };
         config.validate()?;
         config.policy = match &config.policy_file {
@@ -380,6 +399,13 @@ impl Config {
                 "datapath_threads",
                 self.datapath_threads,
                 "must be between 1 and 64",
+            ));
+        }
+        if self.orphan_grace.as_millis() > u128::from(MAX_ORPHAN_GRACE_MS) {
+            return Err(invalid(
+                "orphan_grace_ms",
+                self.orphan_grace.as_millis(),
+                "must be at most 600000 (10 minutes)",
             ));
         }
         if let Some(&cpu) = self.datapath_cpus.iter().find(|&&c| c >= MAX_CPUS) {
@@ -572,6 +598,7 @@ mod tests {
                 sandbox: SandboxConfig::defaults(DEFAULT_RLIMIT_NOFILE),
                 link_layer: PortLinkLayer::Ethernet,
                 fabric: None,
+                orphan_grace: std::time::Duration::from_millis(DEFAULT_ORPHAN_GRACE_MS),
             }
         );
         assert_eq!(config.line_rate_bytes(), 50_000_000_000);

@@ -246,6 +246,12 @@ impl Hostd {
                 .arg("--policy")
                 .arg(must(dir.0.write("policy.toml", text)));
         }
+        // The harness's vdevs die by SIGKILL when dropped, often before
+        // they released their contexts: a test's hostd keeps nothing for
+        // a successor unless the test asks (`--orphan-grace-ms`).
+        if !extra.iter().any(|a| a.starts_with("--orphan-grace-ms")) {
+            launch = launch.args(["--orphan-grace-ms", "0"]);
+        }
         let daemon = start(launch.args(extra));
         Hostd {
             socket: daemon.socket().to_owned(),

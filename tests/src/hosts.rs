@@ -133,8 +133,17 @@ impl Fabric {
         Fabric::on(Cluster::bridged(3), Directory::File)
     }
 
+    /// [`Fabric::start`] with more arguments for every hostd.
+    pub fn start_with_hostd_args(args: &[&str]) -> Self {
+        Fabric::on_with(Cluster::bridged(3), Directory::File, args)
+    }
+
     /// The fabric on `cluster`'s three hosts.
     pub fn on(cluster: Cluster, directory: Directory) -> Self {
+        Fabric::on_with(cluster, directory, &[])
+    }
+
+    fn on_with(cluster: Cluster, directory: Directory, hostd_args: &[&str]) -> Self {
         let files = TempDir::new("roce");
         let cluster_path = files.path().join("cluster.toml");
         std::fs::write(&cluster_path, cluster_file()).expect("cluster file");
@@ -163,10 +172,14 @@ impl Fabric {
                 )
                 .expect("config");
                 let config = config.to_str().expect("UTF-8").to_owned();
+                let args: Vec<&str> = ["--config", config.as_str()]
+                    .into_iter()
+                    .chain(hostd_args.iter().copied())
+                    .collect();
                 Some(Hostd::start_in_netns(
                     Some(&cluster.host(i).netns_path()),
                     Some(POLICY),
-                    &["--config", &config],
+                    &args,
                 ))
             })
             .collect();

@@ -59,6 +59,10 @@ pub enum Answer {
     /// A TakeMads's MADs.
     Mads(Vec<vrdma_hostd_protocol::messages::MadIn>),
     Refused(i32),
+    /// An Adopt's count of records.
+    Adopted(u32),
+    /// A TakeRecords's records, and whether more follow.
+    Records(Vec<vrdma_hostd_protocol::messages::Record>, bool),
     /// hostd closed the connection (or it broke).
     Gone,
 }
@@ -123,6 +127,13 @@ impl RogueVdev {
         self.welcome.gid
     }
 
+    /// Sends a journal (hostd does not answer it).
+    pub fn journal(&self, journal: vrdma_hostd_protocol::messages::Journal) {
+        self.channel
+            .send(&Request::Journal(journal), &[])
+            .expect("send a journal");
+    }
+
     /// Sends `request` with `fds` and returns hostd's answer.
     pub fn call(&self, request: &Request, fds: &[RawFd]) -> Answer {
         match self.channel.call::<_, Response>(request, fds) {
@@ -131,6 +142,8 @@ impl RogueVdev {
             Ok((Response::QpState { state }, _)) => Answer::State(state),
             Ok((Response::SrqLimit { limit }, _)) => Answer::SrqLimit(limit),
             Ok((Response::Mads(mads), _)) => Answer::Mads(mads),
+            Ok((Response::Adopted { records }, _)) => Answer::Adopted(records),
+            Ok((Response::Records { records, more }, _)) => Answer::Records(records, more),
             Ok((Response::Refused { errno, .. }, _)) => Answer::Refused(errno),
             Ok((Response::Welcome(_), _)) => panic!("hostd answered Welcome to {request:?}"),
             // Closed, or reset while hostd shut a failed device down.

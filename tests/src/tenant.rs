@@ -8,8 +8,8 @@
 use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::{
-    CompletionQueue, Context, MemoryRegion, ProtectionDomain, QpCapabilities, QueuePair, RecvWr,
-    SendPayload, SendWr, Sge, WorkCompletion,
+    CompletionQueue, Context, DeviceOptions, MemoryRegion, ProtectionDomain, QpCapabilities,
+    QueuePair, RecvWr, SendPayload, SendWr, Sge, WorkCompletion,
 };
 use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
 pub use vrdma_tools::verbs::{
@@ -45,7 +45,21 @@ impl Tenant {
     /// Opens the device `vdev` serves (a new frontend connection), with a
     /// CQ of 1024 entries.
     pub fn open(vdev: Vdev) -> Self {
-        let Opened { cq, pd, ctx, gid } = Opened::open(&vdev.socket, 1024)
+        Self::open_with(vdev, DeviceOptions::default())
+    }
+
+    /// [`Tenant::open`], the device opened so that it does not wait for a
+    /// vdev that went away to come back: its verbs fail at once.
+    pub fn open_without_reconnect(vdev: Vdev) -> Self {
+        let options = DeviceOptions {
+            reconnect_patience: Duration::ZERO,
+            ..DeviceOptions::default()
+        };
+        Self::open_with(vdev, options)
+    }
+
+    fn open_with(vdev: Vdev, options: DeviceOptions) -> Self {
+        let Opened { cq, pd, ctx, gid } = Opened::open_with(&vdev.socket, 1024, options)
             .unwrap_or_else(|e| panic!("open the device: {e}\n{}", vdev.log()));
         Tenant {
             cq,

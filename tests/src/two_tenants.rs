@@ -40,7 +40,12 @@ pub struct Fabric {
 
 impl Fabric {
     pub fn start() -> Self {
-        let hostd = Hostd::start(None);
+        Self::start_with_hostd_args(&[])
+    }
+
+    /// [`Fabric::start`] with more arguments for hostd.
+    pub fn start_with_hostd_args(args: &[&str]) -> Self {
+        let hostd = Hostd::start_with(None, args);
         let alpha = Vdev::on_hostd(&hostd, "alpha", &[]);
         let beta = Vdev::on_hostd(&hostd, "beta", &[]);
         Fabric { alpha, beta, hostd }

@@ -8,8 +8,8 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::{
-    CompletionQueue, Context, Error, ProtectionDomain, QpCapabilities, QpInitAttr, QueuePair,
-    SendPayload, SendWr, Sge, WorkCompletion,
+    CompletionQueue, Context, DeviceOptions, Error, ProtectionDomain, QpCapabilities, QpInitAttr,
+    QueuePair, SendPayload, SendWr, Sge, WorkCompletion,
 };
 use vrdma_spec::control::QpAttr;
 use vrdma_spec::qp_state::{mask, rc_transition};
@@ -31,7 +31,12 @@ impl Opened {
     /// Opens the device a vdev serves on `socket` (process mode) with a PD
     /// and a CQ of `cq_depth` entries on vector 0.
     pub fn open(socket: &Path, cq_depth: u32) -> Result<Self, Error> {
-        let ctx = Context::open_vhost_user(socket)?;
+        Self::open_with(socket, cq_depth, DeviceOptions::default())
+    }
+
+    /// [`Opened::open`] with the device opened with `options`.
+    pub fn open_with(socket: &Path, cq_depth: u32, options: DeviceOptions) -> Result<Self, Error> {
+        let ctx = Context::open_vhost_user_with(socket, options)?;
         let gid = ctx.query_gid(1, 0)?.gid;
         let pd = ctx.alloc_pd()?;
         let cq = ctx.create_cq(cq_depth, 0)?;

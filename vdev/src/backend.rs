@@ -25,6 +25,7 @@ use vmm_sys_util::epoll::EventSet;
 use vmm_sys_util::event::{
     new_event_consumer_and_notifier, EventConsumer, EventFlag, EventNotifier,
 };
+use vrdma_hostd_protocol::messages::ContextKey;
 use vrdma_spec::zerocopy::IntoBytes;
 use vrdma_spec::CONTROL_QUEUE;
 use vrdma_tenant_policy::Limits;
@@ -94,6 +95,10 @@ struct Inner {
     bad_heads: AtomicU64,
     /// The CM event queue's index, if the device has a connection manager.
     cm_queue: Option<u16>,
+    /// The driver's control queue ran since the last reset: its key and
+    /// starting position were looked at (a driver that came back takes its
+    /// context over).
+    control_started: AtomicBool,
 }
 
 /// The worker's epoll set, where the context's CM channels' eventfds are
@@ -182,6 +187,7 @@ impl VrdmaBackend {
                 vrings,
                 bad_heads: AtomicU64::new(0),
                 cm_queue,
+                control_started: AtomicBool::new(false),
             }),
         }
     }
@@ -407,6 +413,26 @@ impl VrdmaBackend {
             return;
         };
         let mem = atomic.memory();
+        if !self.inner.control_started.swap(true, Ordering::AcqRel) {
+            let (desc, position) = {
+                let state = vring.get_ref();
+                let queue = state.get_queue();
+                (queue.desc_table(), queue.next_avail())
+            };
+            match control_queue_key(&mem, desc) {
+                Some(key) => {
+                    if !self.device().control_queue_started(key, position) {
+                        // Not yet: at the driver's next notification.
+                        self.inner.control_started.store(false, Ordering::Release);
+                        return;
+                    }
+                }
+                None => tracing::debug!(
+                    tenant,
+                    "Control queue not in file-backed memory: the context cannot outlive vdev"
+                ),
+            }
+        }
         let event_idx = self.inner.event_idx.load(Ordering::Relaxed);
         let warn = |what: &str, e: &dyn std::error::Error| {
             tracing::warn!(tenant, error = %vrdma_errors::error_chain(e), "Control queue: cannot {what}");
@@ -422,9 +448,14 @@ impl VrdmaBackend {
                     let mut state = vring.get_mut();
                     let queue = state.get_queue_mut();
                     let size = queue.size();
-                    queue.iter(&*mem).map(|mut chains| (chains.next(), size))
+                    // The avail position of the chain popped next: a
+                    // command's identity on the queue across a restart.
+                    let position = queue.next_avail();
+                    queue
+                        .iter(&*mem)
+                        .map(|mut chains| (chains.next(), size, position))
                 };
-                let (chain, size) = match next {
+                let (chain, size, position) = match next {
                     Ok(next) => next,
                     Err(e) => {
                         // The avail index runs more than the queue ahead:
@@ -455,7 +486,7 @@ impl VrdmaBackend {
                     );
                     continue;
                 }
-                let used = control::process_chain(&mut self.device(), &mem, chain);
+                let used = control::process_chain(&mut self.device(), &mem, chain, position);
                 if let Err(e) = vring.add_used(head, used) {
                     warn("return a chain", &e);
                 }
@@ -489,6 +520,24 @@ impl VrdmaBackend {
             }
         }
     }
+}
+
+/// The key of a context whose control queue's descriptor table is at
+/// `desc` (device address): the table's backing file and offset. `None`
+/// when the table is not in file-backed memory (nothing to find it by
+/// after a restart).
+fn control_queue_key(mem: &GuestMemoryMmap, desc: u64) -> Option<ContextKey> {
+    use std::os::unix::fs::MetadataExt;
+    use vm_memory::GuestMemoryRegion;
+    let region = mem.find_region(vm_memory::GuestAddress(desc))?;
+    let file = region.file_offset()?;
+    let meta = file.file().metadata().ok()?;
+    let offset = file.start().checked_add(desc - region.start_addr().0)?;
+    Some(ContextKey {
+        dev: meta.dev(),
+        ino: meta.ino(),
+        offset,
+    })
 }
 
 impl VhostUserBackend for VrdmaBackend {
@@ -543,6 +592,7 @@ impl VhostUserBackend for VrdmaBackend {
     }
 
     fn reset_device(&self) {
+        self.inner.control_started.store(false, Ordering::Release);
         tracing::info!(
             tenant = self.tenant(),
             "Device reset: all verbs objects released"
@@ -562,6 +612,7 @@ impl VhostUserBackend for VrdmaBackend {
     /// resets the device too.
     fn stop_vring(&self, queue_index: u32) -> io::Result<()> {
         if queue_index == u32::from(CONTROL_QUEUE) {
+            self.inner.control_started.store(false, Ordering::Release);
             tracing::info!(
                 tenant = self.tenant(),
                 "Control queue stopped (device reset): all verbs objects released"

@@ -37,11 +37,13 @@ impl Refusal {
     }
 }
 
-/// Processes one control chain and returns the used length to report.
+/// Processes one control chain, the one at avail `position` of the
+/// queue, and returns the used length to report.
 pub fn process_chain(
     device: &mut RdmaDevice,
     mem: &GuestMemoryMmap,
     chain: DescriptorChain<&GuestMemoryMmap>,
+    position: u16,
 ) -> u32 {
     let tenant = device.tenant().to_owned();
     let head = chain.head_index();
@@ -63,7 +65,7 @@ pub fn process_chain(
         return 0;
     }
     let (status, payload) = match read_request(&mut reader, writer.available_bytes()) {
-        Ok((opcode, request)) => match device.execute(opcode, &request) {
+        Ok((opcode, request)) => match device.execute_at(position, opcode, &request) {
             Ok(payload) => {
                 tracing::debug!(tenant, ?opcode, "Control command done");
                 (0, payload)

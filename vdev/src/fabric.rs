@@ -12,8 +12,9 @@ use std::sync::{Mutex, Weak};
 
 use vrdma_hostd_protocol::channel::{Channel, ChannelError};
 use vrdma_hostd_protocol::messages::{
-    AhSetup, MadIn, MadOut, MrRegistration, Notification, PortLinkLayer, QpModify, QpSetup,
-    Request, Response, SrqSetup, TenantPolicy, Welcome, PROTOCOL_VERSION,
+    AhSetup, ContextKey, Journal, MadIn, MadOut, MrRegistration, Notification, PortLinkLayer,
+    QpModify, QpSetup, Record, Request, Response, SrqSetup, TenantPolicy, Welcome,
+    PROTOCOL_VERSION,
 };
 
 use crate::seccomp::{Role, Threads};
@@ -156,10 +157,84 @@ impl Fabric {
     /// never close the channel.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        self.channel
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .shutdown();
+        let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        // On purpose, so hostd does not keep the context for a successor
+        // (hostd gone: nothing to tell).
+        if let Ok((response, _)) = channel.call::<Request, Response>(&Request::Release, &[]) {
+            if !matches!(response, Response::Ok) {
+                tracing::debug!(tenant = %self.tenant, ?response, "hostd did not take the release");
+            }
+        }
+        channel.shutdown();
+    }
+
+    /// Sends the context's journal (not answered: hostd keeps it for the
+    /// next vdev should this one die). A failure is hostd gone, which the
+    /// policy listener notices.
+    pub fn journal(&self, journal: Journal) {
+        let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = channel.send(&Request::Journal(journal), &[]) {
+            tracing::debug!(tenant = %self.tenant, "Journal not sent: {}", vrdma_errors::error_chain(&e));
+        }
+    }
+
+    /// The frontend of an adopted context came back with these eventfds:
+    /// the doorbell queue's kick (if the context has a doorbell page) and
+    /// each event ring's interrupt, by vector.
+    pub fn renew_notifiers(
+        &self,
+        kick: Option<BorrowedFd<'_>>,
+        calls: &[(u32, BorrowedFd<'_>)],
+    ) -> Result<(), FabricError> {
+        // A message carries at most MAX_FDS descriptors.
+        let mut kick = kick;
+        let per_message = vrdma_hostd_protocol::channel::MAX_FDS - 1;
+        let mut chunks = calls.chunks(per_message).peekable();
+        if chunks.peek().is_none() && kick.is_none() {
+            return Ok(());
+        }
+        loop {
+            let chunk = chunks.next().unwrap_or_default();
+            let fds: Vec<RawFd> = (kick.iter().map(|k| k.as_raw_fd()))
+                .chain(chunk.iter().map(|(_, fd)| fd.as_raw_fd()))
+                .collect();
+            let request = Request::RenewNotifiers {
+                doorbell: kick.take().is_some(),
+                vectors: chunk.iter().map(|(v, _)| *v).collect(),
+            };
+            self.call(&request, &fds)?;
+            if chunks.peek().is_none() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Takes over the orphaned context keyed `key` (this context created
+    /// nothing yet) and returns its journal's records; refused `ENOENT`
+    /// when there is none.
+    pub fn adopt(&self, key: ContextKey) -> Result<Vec<Record>, FabricError> {
+        let count = match self.request(&Request::Adopt { key }, &[])? {
+            Response::Adopted { records } => records as usize,
+            other => return Err(FabricError::Unexpected(Box::new(other))),
+        };
+        let mut records: Vec<Record> = Vec::with_capacity(count.min(1 << 16));
+        loop {
+            let from = u32::try_from(records.len()).unwrap_or(u32::MAX);
+            match self.request(&Request::TakeRecords { from }, &[])? {
+                Response::Records {
+                    records: page,
+                    more,
+                } => {
+                    let empty = page.is_empty();
+                    records.extend(page);
+                    if !more || empty {
+                        break;
+                    }
+                }
+                other => return Err(FabricError::Unexpected(Box::new(other))),
+            }
+        }
+        Ok(records)
     }
 
     /// Whether vdev ended the registration ([`Fabric::close`]).

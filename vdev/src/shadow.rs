@@ -33,6 +33,35 @@ enum Backing {
 }
 
 impl SlotId {
+    /// The slot of `len` bytes at `gpa` backed by file `(dev, ino)` from
+    /// `offset` (as a journal recorded it).
+    pub fn of_file(gpa: u64, len: u64, dev: u64, ino: u64, offset: u64) -> Self {
+        SlotId {
+            gpa,
+            len,
+            backing: Backing::File { dev, ino, offset },
+        }
+    }
+
+    /// Bytes of the slot.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the slot is empty (never: a memory table has no empty
+    /// region).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Its file's device, inode and offset; `None` for anonymous memory.
+    pub fn file_backing(&self) -> Option<(u64, u64, u64)> {
+        match self.backing {
+            Backing::File { dev, ino, offset } => Some((dev, ino, offset)),
+            Backing::Anonymous { .. } => None,
+        }
+    }
+
     /// The identity of `region`.
     pub fn of<R: GuestMemoryRegion>(region: &R) -> Self {
         let file = region
@@ -198,6 +227,24 @@ impl ShadowRegion {
             return Err(ShadowError::Overflow { addr: iova, len });
         }
         Ok(ShadowRegion::of_pieces(iova, len, access, segments))
+    }
+
+    /// A region as a journal recorded it (its segments checked against
+    /// their slots by the caller).
+    pub fn restored(
+        iova: u64,
+        len: u64,
+        access: u32,
+        segments: Vec<Segment>,
+        revoked: bool,
+    ) -> Self {
+        ShadowRegion {
+            iova,
+            len,
+            access,
+            segments,
+            revoked,
+        }
     }
 
     /// A live region of `len` bytes made of `segments`, known as `iova`.

@@ -31,7 +31,11 @@ pub type Mem = GuestMemoryAtomic<GuestMemoryMmap>;
 /// A vring of the device: vhost-user-backend's `VringRwLock`, which also
 /// joins the collection open on its creating thread.
 #[derive(Clone)]
-pub struct DeviceVring(VringRwLock<Mem>);
+pub struct DeviceVring {
+    ring: VringRwLock<Mem>,
+    /// The control queue (the first vring of a collection).
+    control: bool,
+}
 
 thread_local! {
     /// The vrings created on this thread since [`collect`] began.
@@ -68,7 +72,11 @@ impl<'a> VringStateMutGuard<'a, Mem> for DeviceVring {
 
 impl VringT<Mem> for DeviceVring {
     fn new(mem: Mem, max_queue_size: u16) -> Result<Self, QueueError> {
-        let vring = DeviceVring(VringRwLock::new(mem, max_queue_size)?);
+        let index = COLLECTED.with(|c| c.borrow().as_ref().map(Vec::len));
+        let vring = DeviceVring {
+            ring: VringRwLock::new(mem, max_queue_size)?,
+            control: index == Some(usize::from(vrdma_spec::CONTROL_QUEUE)),
+        };
         COLLECTED.with(|c| {
             if let Some(vrings) = c.borrow_mut().as_mut() {
                 vrings.push(vring.clone());
@@ -78,83 +86,90 @@ impl VringT<Mem> for DeviceVring {
     }
 
     fn get_ref(&self) -> RwLockReadGuard<'_, VringState<Mem>> {
-        self.0.get_ref()
+        self.ring.get_ref()
     }
 
     fn get_mut(&self) -> RwLockWriteGuard<'_, VringState<Mem>> {
-        self.0.get_mut()
+        self.ring.get_mut()
     }
 
     fn add_used(&self, desc_index: u16, len: u32) -> Result<(), QueueError> {
-        self.0.add_used(desc_index, len)
+        self.ring.add_used(desc_index, len)
     }
 
     fn signal_used_queue(&self) -> io::Result<()> {
-        self.0.signal_used_queue()
+        self.ring.signal_used_queue()
     }
 
     fn enable_notification(&self) -> Result<bool, QueueError> {
-        self.0.enable_notification()
+        self.ring.enable_notification()
     }
 
     fn disable_notification(&self) -> Result<(), QueueError> {
-        self.0.disable_notification()
+        self.ring.disable_notification()
     }
 
     fn needs_notification(&self) -> Result<bool, QueueError> {
-        self.0.needs_notification()
+        self.ring.needs_notification()
     }
 
     fn set_enabled(&self, enabled: bool) {
-        self.0.set_enabled(enabled)
+        self.ring.set_enabled(enabled)
     }
 
     fn set_queue_info(&self, desc: u64, avail: u64, used: u64) -> Result<(), QueueError> {
-        self.0.set_queue_info(desc, avail, used)
+        self.ring.set_queue_info(desc, avail, used)
     }
 
     fn queue_next_avail(&self) -> u16 {
-        self.0.queue_next_avail()
+        self.ring.queue_next_avail()
     }
 
     fn set_queue_next_avail(&self, base: u16) {
-        self.0.set_queue_next_avail(base)
+        self.ring.set_queue_next_avail(base)
     }
 
     fn set_queue_next_used(&self, idx: u16) {
-        self.0.set_queue_next_used(idx)
+        self.ring.set_queue_next_used(idx)
     }
 
     fn queue_used_idx(&self) -> Result<u16, QueueError> {
-        self.0.queue_used_idx()
+        self.ring.queue_used_idx()
     }
 
     fn set_queue_size(&self, num: u16) {
-        self.0.set_queue_size(num)
+        self.ring.set_queue_size(num)
     }
 
     fn set_queue_event_idx(&self, enabled: bool) {
-        self.0.set_queue_event_idx(enabled)
+        self.ring.set_queue_event_idx(enabled)
     }
 
     fn set_queue_ready(&self, ready: bool) {
-        self.0.set_queue_ready(ready)
+        self.ring.set_queue_ready(ready)
     }
 
     fn set_kick(&self, file: Option<File>) {
-        self.0.set_kick(file)
+        // A control command the driver sent while no backend listened
+        // (vdev restarting; a VMM gives a new eventfd when it reconnects)
+        // would wait for ever: look at the queue once as if notified.
+        if let Some(file) = file.as_ref().filter(|_| self.control) {
+            use std::io::Write;
+            let _ = (&*file).write_all(&1u64.to_ne_bytes());
+        }
+        self.ring.set_kick(file)
     }
 
     fn read_kick(&self) -> io::Result<bool> {
-        self.0.read_kick()
+        self.ring.read_kick()
     }
 
     fn set_call(&self, file: Option<File>) {
-        self.0.set_call(file)
+        self.ring.set_call(file)
     }
 
     fn set_err(&self, file: Option<File>) {
-        self.0.set_err(file)
+        self.ring.set_err(file)
     }
 }
 

@@ -203,7 +203,15 @@ impl Model {
         };
         let one_eventfd = matches!(fds, [Fd::Eventfd]);
         match request {
-            Request::Hello { .. } | Request::OpenContext { .. } => Expect::Either,
+            // Never generated: a journal is not answered, and adoption
+            // needs an orphan, which one session never leaves.
+            Request::Hello { .. }
+            | Request::OpenContext { .. }
+            | Request::Journal(_)
+            | Request::Release
+            | Request::Adopt { .. }
+            | Request::RenewNotifiers { .. }
+            | Request::TakeRecords { .. } => Expect::Either,
             &Request::AddMemory {
                 slot,
                 gpa,
@@ -509,6 +517,11 @@ impl Model {
             | Request::GsiNotify
             | Request::SendMad(_)
             | Request::TakeMads { .. }
+            | Request::Journal(_)
+            | Request::Release
+            | Request::Adopt { .. }
+            | Request::RenewNotifiers { .. }
+            | Request::TakeRecords { .. }
             | Request::ResolveGid { .. } => {}
             &Request::AddMemory {
                 slot,

@@ -58,6 +58,18 @@ pub enum TransportError {
     },
     #[error("The device went away (its vhost-user socket closed)")]
     Disconnected,
+    #[error("The device came back with {now} queues instead of {was}")]
+    QueueCountChanged { was: u16, now: u64 },
+    #[error("Queue {0}'s used ring is not in memory the device was given")]
+    RingOutsideMemory(u16),
+    #[error("Cannot read the used index of queue {queue}")]
+    UsedIndex {
+        queue: u16,
+        #[source]
+        source: io::Error,
+    },
+    #[error("Cannot keep a memory region's file descriptor")]
+    RegionFd(#[source] io::Error),
     #[error(
         "vdev at {path} did not take this connection within {waited:?}: it serves \
          another application (one application per device at a time)"
@@ -114,6 +126,11 @@ pub struct QueueSetup {
 /// A way to reach a vrdma device. All methods take `&self`: notifications
 /// come from any thread, so implementations lock what they must.
 pub trait Transport: Send + Sync + std::fmt::Debug {
+    /// How long the transport waits for a device that went away to come
+    /// back (a restarted vdev) before it reports it gone; zero: not at all.
+    /// Transports whose device cannot go away ignore it.
+    fn set_reconnect_patience(&self, _patience: Duration) {}
+
     /// How the device reaches the driver's memory.
     fn memory_model(&self) -> MemoryModel {
         MemoryModel::SharedFiles

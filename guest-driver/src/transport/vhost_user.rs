@@ -15,10 +15,21 @@
 //! (`wait`, `interrupt_fd`), which the device signals after writing the
 //! vector's event ring. Reading a call eventfd clears it, so `acknowledge`
 //! comes before the waiter looks at its queue again.
+//!
+//! vdev may die and be restarted on the same socket path, taking over the
+//! device's state. The transport then reconnects by itself
+//! ([`VhostUserTransport::reconnect`]): it remembers what it told the
+//! backend (features, memory regions, queues) and tells the new one again,
+//! each queue resuming at the used index the old backend last published.
+//! Layers above see at most a spurious wake-up; the data path does not go
+//! through vdev and is unaffected.
 
-use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
-use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
+use std::fs::File;
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vhost::vhost_user::message::{
@@ -27,6 +38,7 @@ use vhost::vhost_user::message::{
 use vhost::vhost_user::{Frontend, VhostUserFrontend};
 use vhost::{VhostBackend, VhostUserMemoryRegionInfo, VringConfigData};
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_errors::error_chain;
 
 use super::{QueueSetup, Transport, TransportError};
 use crate::dma::DmaRegion;
@@ -41,10 +53,37 @@ const REQUIRED_PROTOCOL_FEATURES: VhostUserProtocolFeatures = VhostUserProtocolF
 /// The vhost-user protocol allows at most this many queues.
 const MAX_QUEUES: u64 = 256;
 
+/// How long [`VhostUserTransport::reconnect`] waits for a restarted vdev
+/// to listen on its socket again and take the connection.
+pub const RECONNECT_PATIENCE: Duration = Duration::from_secs(10);
+
+/// A memory region the backend was told about, kept to tell a new backend.
+#[derive(Debug)]
+struct Region {
+    device_addr: u64,
+    size: u64,
+    host_addr: u64,
+    /// Our own duplicate: the caller's fd is only borrowed, and a reconnect
+    /// may come long after that borrow ended.
+    fd: OwnedFd,
+}
+
 struct State {
     frontend: Frontend,
     /// SET_MEM_TABLE goes first; later regions use ADD_MEM_REG.
     mem_table_sent: bool,
+    /// Bumped by each reconnect, so that of the threads that saw one
+    /// connection end, only the first reconnects.
+    generation: u64,
+    /// A reconnect failed: the device is gone for good (logged once).
+    broken: bool,
+    /// What the backend was told, to tell a new one after a reconnect.
+    acked_features: Option<u64>,
+    regions: Vec<Region>,
+    queues: Vec<QueueSetup>,
+    /// How long a reconnect waits for vdev ([`RECONNECT_PATIENCE`] unless
+    /// set); zero: a vdev that went away is not waited for.
+    patience: Duration,
 }
 
 impl std::fmt::Debug for State {
@@ -52,40 +91,257 @@ impl std::fmt::Debug for State {
         f.debug_struct("State")
             .field("frontend", &self.frontend.as_raw_fd())
             .field("mem_table_sent", &self.mem_table_sent)
+            .field("generation", &self.generation)
+            .field("broken", &self.broken)
+            .field("acked_features", &self.acked_features)
+            .field("regions", &self.regions)
+            .field("queues", &self.queues)
             .finish()
     }
+}
+
+/// The socket `wait` watches for a hang-up, and which connection it is.
+#[derive(Debug)]
+struct Watched {
+    generation: u64,
+    /// A duplicate of the frontend's socket, shared with the waiters that
+    /// poll it: a waiter never polls a closed fd whose number was reused.
+    socket: Arc<OwnedFd>,
 }
 
 /// A vrdma device reached over a vhost-user socket.
 #[derive(Debug)]
 pub struct VhostUserTransport {
+    path: PathBuf,
     state: Mutex<State>,
     /// Per queue: the eventfd we write to kick the device.
     kicks: Vec<EventFd>,
     /// Per queue: the eventfd the device writes to interrupt us.
     calls: Vec<EventFd>,
-    /// The vhost-user socket (owned by the frontend in `state`), watched
-    /// while waiting so that a vdev that died is noticed at once instead
-    /// of after a timeout.
-    socket: RawFd,
+    /// The vhost-user socket, watched while waiting so that a vdev that
+    /// died is noticed at once instead of after a timeout. Its own lock,
+    /// never held across I/O: waiters must not queue behind a request.
+    watched: Mutex<Watched>,
 }
 
 fn request(request: &'static str) -> impl FnOnce(vhost::Error) -> TransportError {
     move |source| TransportError::VhostUser { request, source }
 }
 
-// The struct gains Xen fields when another crate enables vhost's `xen`
-// feature; the update keeps this compiling then.
-#[allow(clippy::needless_update)]
-fn region_info(region: &DmaRegion<'_>) -> VhostUserMemoryRegionInfo {
-    VhostUserMemoryRegionInfo {
-        guest_phys_addr: region.device_addr,
-        memory_size: region.size,
-        userspace_addr: region.host_addr,
-        mmap_offset: 0,
-        mmap_handle: region.fd.as_raw_fd(),
-        ..Default::default()
+/// Whether a request failed because the backend is gone (rather than
+/// because it refused it): worth a reconnect.
+fn peer_gone(e: &TransportError) -> bool {
+    use vhost::vhost_user::Error as E;
+    match e {
+        TransportError::Disconnected => true,
+        TransportError::VhostUser {
+            source: vhost::Error::VhostUserProtocol(e),
+            ..
+        } => match e {
+            E::Disconnected | E::SocketBroken(_) | E::PartialMessage => true,
+            E::SocketError(io) => matches!(
+                io.raw_os_error(),
+                Some(libc::EPIPE | libc::ECONNRESET | libc::ENOTCONN)
+            ),
+            _ => false,
+        },
+        _ => false,
     }
+}
+
+impl Region {
+    fn new(region: &DmaRegion<'_>) -> Result<Self, TransportError> {
+        Ok(Self {
+            device_addr: region.device_addr,
+            size: region.size,
+            host_addr: region.host_addr,
+            fd: region
+                .fd
+                .try_clone_to_owned()
+                .map_err(TransportError::RegionFd)?,
+        })
+    }
+
+    // The struct gains Xen fields when another crate enables vhost's `xen`
+    // feature; the update keeps this compiling then.
+    #[allow(clippy::needless_update)]
+    fn info(&self) -> VhostUserMemoryRegionInfo {
+        VhostUserMemoryRegionInfo {
+            guest_phys_addr: self.device_addr,
+            memory_size: self.size,
+            userspace_addr: self.host_addr,
+            mmap_offset: 0,
+            mmap_handle: self.fd.as_raw_fd(),
+            ..Default::default()
+        }
+    }
+}
+
+/// The used index the device last published in queue `q`'s used ring: the
+/// queue resumes there after a reconnect. Entries published as used are
+/// done; what was made available after them is offered again.
+///
+/// Read through the region's file (at the ring's offset in it) rather than
+/// through our mapping: it needs no unsafe code and does not depend on the
+/// mapping still being there. The region is a memfd mapped shared from
+/// offset 0, so the file's bytes are the ring's bytes. No one writes the
+/// index meanwhile: its writer is the backend that went away.
+fn published_used_index(regions: &[Region], q: &QueueSetup) -> Result<u16, TransportError> {
+    let outside = TransportError::RingOutsideMemory(q.index);
+    // `struct vring_used { le16 flags; le16 idx; ... }`.
+    let idx_addr = q.used_addr.checked_add(2).ok_or(outside)?;
+    let region = regions
+        .iter()
+        .find(|r| {
+            idx_addr >= r.device_addr
+                && idx_addr
+                    .checked_add(2)
+                    .is_some_and(|end| end <= r.device_addr.saturating_add(r.size))
+        })
+        .ok_or(TransportError::RingOutsideMemory(q.index))?;
+    let file = File::from(
+        region
+            .fd
+            .try_clone()
+            .map_err(|source| TransportError::UsedIndex {
+                queue: q.index,
+                source,
+            })?,
+    );
+    let mut idx = [0u8; 2];
+    file.read_exact_at(&mut idx, idx_addr - region.device_addr)
+        .map_err(|source| TransportError::UsedIndex {
+            queue: q.index,
+            source,
+        })?;
+    Ok(u16::from_le_bytes(idx))
+}
+
+/// A shared duplicate of `frontend`'s socket, for waiters to poll.
+fn watch_socket(frontend: &Frontend) -> Result<Arc<OwnedFd>, TransportError> {
+    // SAFETY: the frontend owns the socket and keeps it open for the
+    // duration of this borrow, which only duplicates it.
+    let socket = unsafe { BorrowedFd::borrow_raw(frontend.as_raw_fd()) };
+    Ok(Arc::new(
+        socket.try_clone_to_owned().map_err(TransportError::Watch)?,
+    ))
+}
+
+/// Connects to `path`, waiting until `deadline` while no one listens there
+/// yet (a restarted vdev that has not yet bound its socket).
+fn connect_patiently(path: &Path, deadline: Instant) -> Result<Frontend, TransportError> {
+    let mut nap_ms = 1;
+    loop {
+        let error = match UnixStream::connect(path) {
+            Ok(socket) => return Ok(Frontend::from_stream(socket, 1)),
+            Err(e) => e,
+        };
+        let now = Instant::now();
+        let missing = matches!(
+            error.kind(),
+            std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused
+        );
+        if !missing || now >= deadline {
+            return Err(TransportError::Connect {
+                path: path.to_owned(),
+                source: vhost::Error::VhostUserProtocol(vhost::vhost_user::Error::SocketConnect(
+                    error,
+                )),
+            });
+        }
+        std::thread::sleep((deadline - now).min(Duration::from_millis(nap_ms)));
+        nap_ms = (nap_ms * 2).min(50);
+    }
+}
+
+/// Negotiates the vhost-user protocol on a new connection (owner, protocol
+/// features, NEED_REPLY) and returns the device's queue count; waits up to
+/// `busy_timeout` while vdev serves another application.
+fn handshake(
+    frontend: &mut Frontend,
+    path: &Path,
+    busy_timeout: Duration,
+) -> Result<u64, TransportError> {
+    frontend.set_owner().map_err(request("SET_OWNER"))?;
+    // SET_OWNER has no reply: the connection is served once vdev has
+    // read it. Until then it waits in vdev's backlog, where a request
+    // with a reply would wait for ever.
+    if !wait_until_read(frontend.as_raw_fd(), busy_timeout)? {
+        return Err(TransportError::Busy {
+            path: path.to_owned(),
+            waited: busy_timeout,
+        });
+    }
+    let features = frontend.get_features().map_err(request("GET_FEATURES"))?;
+    if features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0 {
+        return Err(TransportError::MissingFeature(
+            "VHOST_USER_F_PROTOCOL_FEATURES",
+        ));
+    }
+    let protocol = frontend
+        .get_protocol_features()
+        .map_err(request("GET_PROTOCOL_FEATURES"))?;
+    if !protocol.contains(REQUIRED_PROTOCOL_FEATURES) {
+        let missing = REQUIRED_PROTOCOL_FEATURES - protocol;
+        tracing::error!(?missing, "vhost-user backend lacks protocol features");
+        return Err(TransportError::MissingFeature(
+            "protocol features CONFIG, MQ, REPLY_ACK and CONFIGURE_MEM_SLOTS",
+        ));
+    }
+    frontend
+        .set_protocol_features(REQUIRED_PROTOCOL_FEATURES)
+        .map_err(request("SET_PROTOCOL_FEATURES"))?;
+    frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
+    let queues = frontend.get_queue_num().map_err(request("GET_QUEUE_NUM"))?;
+    if queues > MAX_QUEUES {
+        return Err(TransportError::TooManyQueues(queues));
+    }
+    Ok(queues)
+}
+
+/// Sets queue `q` up on the backend, starting at ring index `base`, and
+/// enables it if `enable` (a reconnect enables the queues only once all
+/// are set up, as QEMU does: the backend may start on the first enabled
+/// one, and must then find every queue's eventfds there).
+fn program_queue(
+    frontend: &mut Frontend,
+    q: &QueueSetup,
+    base: u16,
+    (kick, call): (&EventFd, &EventFd),
+    enable: bool,
+) -> Result<(), TransportError> {
+    let i = usize::from(q.index);
+    frontend
+        .set_vring_num(i, q.size)
+        .map_err(request("SET_VRING_NUM"))?;
+    let config = VringConfigData {
+        queue_max_size: q.size,
+        queue_size: q.size,
+        flags: 0,
+        // Process mode: frontend virtual addresses are the device addresses.
+        desc_table_addr: q.desc_addr,
+        used_ring_addr: q.used_addr,
+        avail_ring_addr: q.avail_addr,
+        log_addr: None,
+    };
+    frontend
+        .set_vring_addr(i, &config)
+        .map_err(request("SET_VRING_ADDR"))?;
+    frontend
+        .set_vring_base(i, base)
+        .map_err(request("SET_VRING_BASE"))?;
+    frontend
+        .set_vring_call(i, call)
+        .map_err(request("SET_VRING_CALL"))?;
+    frontend
+        .set_vring_kick(i, kick)
+        .map_err(request("SET_VRING_KICK"))?;
+    if enable {
+        frontend
+            .set_vring_enable(i, true)
+            .map_err(request("SET_VRING_ENABLE"))?;
+    }
+    Ok(())
 }
 
 /// How long [`VhostUserTransport::connect`] waits for vdev to take the
@@ -153,40 +409,7 @@ impl VhostUserTransport {
                 path: path.to_owned(),
                 source,
             })?;
-        frontend.set_owner().map_err(request("SET_OWNER"))?;
-        // SET_OWNER has no reply: the connection is served once vdev has
-        // read it. Until then it waits in vdev's backlog, where a request
-        // with a reply would wait for ever.
-        if !wait_until_read(frontend.as_raw_fd(), busy_timeout)? {
-            return Err(TransportError::Busy {
-                path: path.to_owned(),
-                waited: busy_timeout,
-            });
-        }
-        let features = frontend.get_features().map_err(request("GET_FEATURES"))?;
-        if features & VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits() == 0 {
-            return Err(TransportError::MissingFeature(
-                "VHOST_USER_F_PROTOCOL_FEATURES",
-            ));
-        }
-        let protocol = frontend
-            .get_protocol_features()
-            .map_err(request("GET_PROTOCOL_FEATURES"))?;
-        if !protocol.contains(REQUIRED_PROTOCOL_FEATURES) {
-            let missing = REQUIRED_PROTOCOL_FEATURES - protocol;
-            tracing::error!(?missing, "vhost-user backend lacks protocol features");
-            return Err(TransportError::MissingFeature(
-                "protocol features CONFIG, MQ, REPLY_ACK and CONFIGURE_MEM_SLOTS",
-            ));
-        }
-        frontend
-            .set_protocol_features(REQUIRED_PROTOCOL_FEATURES)
-            .map_err(request("SET_PROTOCOL_FEATURES"))?;
-        frontend.set_hdr_flags(VhostUserHeaderFlag::NEED_REPLY);
-        let queues = frontend.get_queue_num().map_err(request("GET_QUEUE_NUM"))?;
-        if queues > MAX_QUEUES {
-            return Err(TransportError::TooManyQueues(queues));
-        }
+        let queues = handshake(&mut frontend, path, busy_timeout)?;
         let eventfds = || {
             (0..queues)
                 .map(|_| EventFd::new(EFD_NONBLOCK).map_err(TransportError::EventFd))
@@ -194,14 +417,149 @@ impl VhostUserTransport {
         };
         tracing::debug!(path = %path.display(), queues, "Connected to vhost-user backend");
         Ok(Self {
+            path: path.to_owned(),
             kicks: eventfds()?,
             calls: eventfds()?,
-            socket: frontend.as_raw_fd(),
+            watched: Mutex::new(Watched {
+                generation: 0,
+                socket: watch_socket(&frontend)?,
+            }),
             state: Mutex::new(State {
                 frontend,
                 mem_table_sent: false,
+                generation: 0,
+                broken: false,
+                acked_features: None,
+                regions: Vec::new(),
+                queues: Vec::new(),
+                patience: RECONNECT_PATIENCE,
             }),
         })
+    }
+
+    /// Connects to the device's socket again (vdev was restarted there) and
+    /// tells the new backend everything the old one was told: features,
+    /// memory, and each queue, resuming at the used index the old backend
+    /// last published. Waits up to [`RECONNECT_PATIENCE`] for vdev to
+    /// listen again. The queues' eventfds stay the same, and each set-up
+    /// queue is kicked afterwards so the backend looks at it at once.
+    pub fn reconnect(&self) -> Result<(), TransportError> {
+        self.reconnect_locked(&mut self.state())
+    }
+
+    fn reconnect_locked(&self, state: &mut State) -> Result<(), TransportError> {
+        if state.patience.is_zero() {
+            return Err(TransportError::Disconnected);
+        }
+        tracing::info!(path = %self.path.display(), "vdev went away; reconnecting");
+        let started = Instant::now();
+        let deadline = started + state.patience;
+        // Hang the old connection up first: a backend still alive behind it
+        // sees the end, and waiters still polling it wake up.
+        // SAFETY: shutdown on the frontend's own open socket; it closes
+        // nothing, so no fd is invalidated.
+        unsafe { libc::shutdown(state.frontend.as_raw_fd(), libc::SHUT_RDWR) };
+        let mut frontend = connect_patiently(&self.path, deadline)?;
+        let queues = handshake(
+            &mut frontend,
+            &self.path,
+            deadline.saturating_duration_since(Instant::now()),
+        )?;
+        if queues != self.kicks.len() as u64 {
+            return Err(TransportError::QueueCountChanged {
+                was: self.num_queues(),
+                now: queues,
+            });
+        }
+        if let Some(acked) = state.acked_features {
+            frontend
+                .set_features(acked)
+                .map_err(request("SET_FEATURES"))?;
+        }
+        if let Some((first, rest)) = state.regions.split_first() {
+            frontend
+                .set_mem_table(&[first.info()])
+                .map_err(request("SET_MEM_TABLE"))?;
+            for region in rest {
+                frontend
+                    .add_mem_region(&region.info())
+                    .map_err(request("ADD_MEM_REG"))?;
+            }
+        }
+        let mut bases = Vec::with_capacity(state.queues.len());
+        for q in &state.queues {
+            let base = published_used_index(&state.regions, q)?;
+            let (kick, call) = self.queue_fds(q.index)?;
+            program_queue(&mut frontend, q, base, (kick, call), false)?;
+            bases.push((q.index, base));
+        }
+        for q in &state.queues {
+            frontend
+                .set_vring_enable(usize::from(q.index), true)
+                .map_err(request("SET_VRING_ENABLE"))?;
+        }
+        let socket = watch_socket(&frontend)?;
+        // The old frontend (and its fd) goes only now that the new one
+        // replaced it.
+        drop(std::mem::replace(&mut state.frontend, frontend));
+        state.generation += 1;
+        state.broken = false;
+        state.mem_table_sent = !state.regions.is_empty();
+        *self.watched() = Watched {
+            generation: state.generation,
+            socket,
+        };
+        for q in &state.queues {
+            self.notify(q.index)?;
+        }
+        tracing::info!(elapsed = ?started.elapsed(), generation = state.generation, "Reconnected to vdev");
+        tracing::debug!(?bases, "Queues resumed at these used indexes (queue, base)");
+        Ok(())
+    }
+
+    /// Reconnects after connection `seen` ended, unless another thread
+    /// already did. A failure is final: logged once, then
+    /// [`TransportError::Disconnected`] for everyone.
+    fn recover(&self, seen: u64) -> Result<(), TransportError> {
+        let mut state = self.state();
+        if state.generation != seen {
+            return Ok(());
+        }
+        if state.broken {
+            return Err(TransportError::Disconnected);
+        }
+        self.reconnect_locked(&mut state).map_err(|e| {
+            tracing::warn!(error = %error_chain(&e), "Cannot reconnect to vdev; the device is gone");
+            state.broken = true;
+            TransportError::Disconnected
+        })
+    }
+
+    /// Runs a request over the socket; if it failed because the backend is
+    /// gone, reconnects and runs it once more. `op` records what it told
+    /// the backend in the state (under the same lock, so that a concurrent
+    /// reconnect either replays it or precedes it).
+    fn with_reconnect<T>(
+        &self,
+        mut op: impl FnMut(&mut State) -> Result<T, TransportError>,
+    ) -> Result<T, TransportError> {
+        let seen = {
+            let mut state = self.state();
+            match op(&mut state) {
+                Err(e) if peer_gone(&e) => {
+                    tracing::debug!(error = %error_chain(&e), "vhost-user request found vdev gone");
+                    state.generation
+                }
+                done => return done,
+            }
+        };
+        self.recover(seen)?;
+        op(&mut self.state())
+    }
+
+    fn watched(&self) -> MutexGuard<'_, Watched> {
+        // Replaced whole: never inconsistent, recover from poisoning.
+        self.watched.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
@@ -219,8 +577,12 @@ impl VhostUserTransport {
 }
 
 impl Transport for VhostUserTransport {
+    fn set_reconnect_patience(&self, patience: Duration) {
+        self.state().patience = patience;
+    }
+
     fn negotiate_features(&self, wanted: u64) -> Result<u64, TransportError> {
-        let state = self.state();
+        let mut state = self.state();
         let offered = state
             .frontend
             .get_features()
@@ -230,6 +592,7 @@ impl Transport for VhostUserTransport {
             .frontend
             .set_features(acked)
             .map_err(request("SET_FEATURES"))?;
+        state.acked_features = Some(acked);
         Ok(acked)
     }
 
@@ -244,11 +607,12 @@ impl Transport for VhostUserTransport {
             got: 0,
         })?;
         let zeroes = vec![0u8; buf.len()];
-        let mut state = self.state();
-        let (_, payload) = state
-            .frontend
-            .get_config(offset, size, VhostUserConfigFlags::empty(), &zeroes)
-            .map_err(request("GET_CONFIG"))?;
+        let (_, payload) = self.with_reconnect(|state| {
+            state
+                .frontend
+                .get_config(offset, size, VhostUserConfigFlags::empty(), &zeroes)
+                .map_err(request("GET_CONFIG"))
+        })?;
         if payload.len() != buf.len() {
             return Err(TransportError::ConfigSize {
                 expected: buf.len(),
@@ -260,64 +624,59 @@ impl Transport for VhostUserTransport {
     }
 
     fn add_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError> {
-        let info = region_info(region);
-        let mut state = self.state();
-        if state.mem_table_sent {
-            state
-                .frontend
-                .add_mem_region(&info)
-                .map_err(request("ADD_MEM_REG"))?;
-        } else {
-            state
-                .frontend
-                .set_mem_table(&[info])
-                .map_err(request("SET_MEM_TABLE"))?;
-            state.mem_table_sent = true;
-        }
-        Ok(())
+        let mut pending = Some(Region::new(region)?);
+        self.with_reconnect(|state| {
+            let Some(region) = pending.as_ref() else {
+                return Ok(());
+            };
+            let info = region.info();
+            if state.mem_table_sent {
+                state
+                    .frontend
+                    .add_mem_region(&info)
+                    .map_err(request("ADD_MEM_REG"))?;
+            } else {
+                state
+                    .frontend
+                    .set_mem_table(&[info])
+                    .map_err(request("SET_MEM_TABLE"))?;
+                state.mem_table_sent = true;
+            }
+            state.regions.extend(pending.take());
+            Ok(())
+        })
     }
 
     fn remove_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError> {
-        let info = region_info(region);
-        self.state()
-            .frontend
-            .remove_mem_region(&info)
-            .map_err(request("REM_MEM_REG"))
+        let (addr, size) = (region.device_addr, region.size);
+        self.with_reconnect(|state| {
+            let Some(i) = state
+                .regions
+                .iter()
+                .position(|r| r.device_addr == addr && r.size == size)
+            else {
+                // Never added: let the backend say what it makes of it.
+                let region = Region::new(region)?;
+                return state
+                    .frontend
+                    .remove_mem_region(&region.info())
+                    .map_err(request("REM_MEM_REG"));
+            };
+            state
+                .frontend
+                .remove_mem_region(&state.regions[i].info())
+                .map_err(request("REM_MEM_REG"))?;
+            state.regions.swap_remove(i);
+            Ok(())
+        })
     }
 
     fn setup_queue(&self, q: &QueueSetup) -> Result<(), TransportError> {
         let (kick, call) = self.queue_fds(q.index)?;
-        let i = usize::from(q.index);
         let mut state = self.state();
-        let frontend = &mut state.frontend;
-        frontend
-            .set_vring_num(i, q.size)
-            .map_err(request("SET_VRING_NUM"))?;
-        let config = VringConfigData {
-            queue_max_size: q.size,
-            queue_size: q.size,
-            flags: 0,
-            // Process mode: frontend virtual addresses are the device addresses.
-            desc_table_addr: q.desc_addr,
-            used_ring_addr: q.used_addr,
-            avail_ring_addr: q.avail_addr,
-            log_addr: None,
-        };
-        frontend
-            .set_vring_addr(i, &config)
-            .map_err(request("SET_VRING_ADDR"))?;
-        frontend
-            .set_vring_base(i, 0)
-            .map_err(request("SET_VRING_BASE"))?;
-        frontend
-            .set_vring_call(i, call)
-            .map_err(request("SET_VRING_CALL"))?;
-        frontend
-            .set_vring_kick(i, kick)
-            .map_err(request("SET_VRING_KICK"))?;
-        frontend
-            .set_vring_enable(i, true)
-            .map_err(request("SET_VRING_ENABLE"))?;
+        program_queue(&mut state.frontend, q, 0, (kick, call), true)?;
+        state.queues.retain(|old| old.index != q.index);
+        state.queues.push(*q);
         Ok(())
     }
 
@@ -330,6 +689,10 @@ impl Transport for VhostUserTransport {
     fn wait(&self, queue: u16, timeout: Option<Duration>) -> Result<bool, TransportError> {
         let (_, call) = self.queue_fds(queue)?;
         let timeout_ms = timeout.map_or(-1, |t| i32::try_from(t.as_millis()).unwrap_or(i32::MAX));
+        let (generation, socket) = {
+            let watched = self.watched();
+            (watched.generation, Arc::clone(&watched.socket))
+        };
         let mut pfds = [
             libc::pollfd {
                 fd: call.as_raw_fd(),
@@ -338,18 +701,22 @@ impl Transport for VhostUserTransport {
             },
             // No events asked: poll reports hang-up and errors regardless.
             libc::pollfd {
-                fd: self.socket,
+                fd: socket.as_raw_fd(),
                 events: 0,
                 revents: 0,
             },
         ];
         // SAFETY: `pfds` is a valid array of two pollfds for the duration
-        // of the call; the socket stays open while `self` lives.
+        // of the call; `socket` keeps its fd open until after it.
         let n = unsafe { libc::poll(pfds.as_mut_ptr(), 2, timeout_ms) };
         let pfd = pfds[0];
         if pfds[1].revents & (libc::POLLHUP | libc::POLLERR) != 0 && pfd.revents & libc::POLLIN == 0
         {
-            return Err(TransportError::Disconnected);
+            // vdev went away: once reconnected (by us or by another
+            // waiter), a spurious wake-up makes the caller look again.
+            drop(socket);
+            self.recover(generation)?;
+            return Ok(false);
         }
         if n < 0 {
             let source = std::io::Error::last_os_error();
@@ -381,5 +748,314 @@ impl Transport for VhostUserTransport {
         // SAFETY: the eventfd is owned by `self` and stays open as long as
         // the returned borrow, which is tied to `&self`.
         Some(unsafe { BorrowedFd::borrow_raw(call.as_raw_fd()) })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::io::Read;
+    use std::os::unix::fs::{FileExt, MetadataExt};
+    use std::os::unix::net::{UnixListener, UnixStream};
+    use std::path::{Path, PathBuf};
+    use std::sync::{Arc, Mutex};
+    use std::thread::JoinHandle;
+    use std::time::Duration;
+
+    use vhost::vhost_user::message::*;
+    use vhost::vhost_user::{
+        Backend, BackendReqHandler, Error, GpuBackend, Result, VhostUserBackendReqHandlerMut,
+    };
+    use vhost::VhostUserMemoryRegionBase;
+
+    use super::{VhostUserTransport, REQUIRED_PROTOCOL_FEATURES};
+    use crate::dma::DmaArena;
+    use crate::transport::{QueueSetup, Transport, TransportError, VIRTIO_F_VERSION_1};
+
+    /// What a stand-in backend was told.
+    #[derive(Debug, Default)]
+    struct Recorder {
+        acked_features: Option<u64>,
+        /// (index, base) of each SET_VRING_BASE.
+        bases: Vec<(u32, u32)>,
+        /// (guest address, inode of the fd) of each region received.
+        regions: Vec<(u64, u64)>,
+        kicks: Vec<(u8, File)>,
+    }
+
+    fn nope<T>() -> Result<T> {
+        Err(Error::InvalidOperation("not in this test"))
+    }
+
+    fn inode(file: &File) -> u64 {
+        file.metadata().map_or(0, |m| m.ino())
+    }
+
+    impl VhostUserBackendReqHandlerMut for Recorder {
+        fn set_owner(&mut self) -> Result<()> {
+            Ok(())
+        }
+        fn reset_owner(&mut self) -> Result<()> {
+            nope()
+        }
+        fn reset_device(&mut self) -> Result<()> {
+            nope()
+        }
+        fn get_features(&mut self) -> Result<u64> {
+            Ok(VIRTIO_F_VERSION_1 | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits())
+        }
+        fn set_features(&mut self, features: u64) -> Result<()> {
+            self.acked_features = Some(features);
+            Ok(())
+        }
+        fn set_mem_table(
+            &mut self,
+            ctx: &[VhostUserMemoryRegion],
+            files: Vec<File>,
+            _: Option<bool>,
+        ) -> Result<Option<Vec<VhostUserMemoryRegionBase>>> {
+            let received = ctx.iter().zip(&files);
+            self.regions = received
+                .map(|(r, f)| (r.guest_phys_addr, inode(f)))
+                .collect();
+            Ok(None)
+        }
+        fn set_vring_num(&mut self, _: u32, _: u32) -> Result<()> {
+            Ok(())
+        }
+        fn set_vring_addr(
+            &mut self,
+            _: u32,
+            _: VhostUserVringAddrFlags,
+            _: u64,
+            _: u64,
+            _: u64,
+            _: u64,
+        ) -> Result<()> {
+            Ok(())
+        }
+        fn set_vring_base(&mut self, index: u32, base: u32) -> Result<()> {
+            self.bases.push((index, base));
+            Ok(())
+        }
+        fn get_vring_base(&mut self, _: u32) -> Result<VhostUserVringState> {
+            nope()
+        }
+        fn set_vring_kick(&mut self, index: u8, fd: Option<File>) -> Result<()> {
+            self.kicks.extend(fd.map(|f| (index, f)));
+            Ok(())
+        }
+        fn set_vring_call(&mut self, _: u8, _: Option<File>) -> Result<()> {
+            Ok(())
+        }
+        fn set_vring_err(&mut self, _: u8, _: Option<File>) -> Result<()> {
+            nope()
+        }
+        fn get_protocol_features(&mut self) -> Result<VhostUserProtocolFeatures> {
+            Ok(REQUIRED_PROTOCOL_FEATURES)
+        }
+        fn set_protocol_features(&mut self, _: u64) -> Result<()> {
+            Ok(())
+        }
+        fn get_queue_num(&mut self) -> Result<u64> {
+            Ok(2)
+        }
+        fn set_vring_enable(&mut self, _: u32, _: bool) -> Result<()> {
+            Ok(())
+        }
+        fn get_config(&mut self, _: u32, size: u32, _: VhostUserConfigFlags) -> Result<Vec<u8>> {
+            Ok(vec![0xab; size as usize])
+        }
+        fn set_config(&mut self, _: u32, _: &[u8], _: VhostUserConfigFlags) -> Result<()> {
+            nope()
+        }
+        fn set_backend_req_fd(&mut self, _: Backend) {}
+        fn set_gpu_socket(&mut self, _: GpuBackend) -> Result<()> {
+            nope()
+        }
+        fn get_shared_object(&mut self, _: VhostUserSharedMsg) -> Result<File> {
+            nope()
+        }
+        fn get_inflight_fd(&mut self, _: &VhostUserInflight) -> Result<(VhostUserInflight, File)> {
+            nope()
+        }
+        fn set_inflight_fd(&mut self, _: &VhostUserInflight, _: File) -> Result<()> {
+            nope()
+        }
+        fn get_max_mem_slots(&mut self) -> Result<u64> {
+            Ok(8)
+        }
+        fn add_mem_region(
+            &mut self,
+            region: &VhostUserSingleMemoryRegion,
+            fd: File,
+            _: Option<bool>,
+        ) -> Result<Option<VhostUserMemoryRegionBase>> {
+            self.regions.push((region.guest_phys_addr, inode(&fd)));
+            Ok(None)
+        }
+        fn remove_mem_region(&mut self, _: &VhostUserSingleMemoryRegion) -> Result<()> {
+            Ok(())
+        }
+        fn set_device_state_fd(
+            &mut self,
+            _: VhostTransferStateDirection,
+            _: VhostTransferStatePhase,
+            _: File,
+        ) -> Result<Option<File>> {
+            nope()
+        }
+        fn check_device_state(&mut self) -> Result<()> {
+            nope()
+        }
+        fn get_shmem_config(&mut self) -> Result<VhostUserShMemConfig> {
+            nope()
+        }
+        fn set_log_base(&mut self, _: &VhostUserLog, _: File) -> Result<()> {
+            nope()
+        }
+    }
+
+    /// A stand-in vdev listening on `path`, serving one frontend.
+    struct FakeVdev {
+        path: PathBuf,
+        recorder: Arc<Mutex<Recorder>>,
+        /// The served connection, once accepted, to hang it up.
+        conn: Arc<Mutex<Option<UnixStream>>>,
+        thread: Option<JoinHandle<()>>,
+    }
+
+    impl FakeVdev {
+        fn start(path: &Path) -> Self {
+            let listener = UnixListener::bind(path).expect("bind the test socket");
+            let recorder = Arc::new(Mutex::new(Recorder::default()));
+            let conn = Arc::new(Mutex::new(None));
+            let (r, c) = (Arc::clone(&recorder), Arc::clone(&conn));
+            let thread = std::thread::spawn(move || {
+                let Ok((stream, _)) = listener.accept() else {
+                    return;
+                };
+                *c.lock().expect("lock") = stream.try_clone().ok();
+                let mut handler = BackendReqHandler::from_stream(stream, r);
+                while handler.handle_request().is_ok() {}
+            });
+            Self {
+                path: path.to_owned(),
+                recorder,
+                conn,
+                thread: Some(thread),
+            }
+        }
+
+        /// Dies like a SIGKILLed vdev: the connection closes and the socket
+        /// path is gone until a new one binds it.
+        fn kill(mut self) -> Recorder {
+            if let Some(conn) = self.conn.lock().expect("lock").take() {
+                let _ = conn.shutdown(std::net::Shutdown::Both);
+            }
+            if let Some(thread) = self.thread.take() {
+                thread.join().expect("backend thread");
+            }
+            let _ = std::fs::remove_file(&self.path);
+            std::mem::take(&mut *self.recorder.lock().expect("lock"))
+        }
+    }
+
+    /// The counter of a kick eventfd the backend received (0: not kicked).
+    fn kicked(recorder: &Recorder, queue: u8) -> u64 {
+        let Some((_, file)) = recorder.kicks.iter().find(|(i, _)| *i == queue) else {
+            return 0;
+        };
+        let mut count = [0u8; 8];
+        (&*file)
+            .read_exact(&mut count)
+            .map_or(0, |()| u64::from_ne_bytes(count))
+    }
+
+    #[test]
+    fn survives_a_vdev_restart() {
+        let path =
+            std::env::temp_dir().join(format!("vrdma-reconnect-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let vdev = FakeVdev::start(&path);
+        let transport = Arc::new(VhostUserTransport::connect(&path).expect("connect"));
+        let acked = transport
+            .negotiate_features(VIRTIO_F_VERSION_1)
+            .expect("features");
+        let arena = DmaArena::new(16 * 4096).expect("arena");
+        let memfd = arena.file().expect("a memfd arena");
+        transport
+            .add_memory(&arena.region().expect("a region"))
+            .expect("add memory");
+        let base = arena.device_addr();
+        let queue = QueueSetup {
+            index: 0,
+            size: 16,
+            desc_addr: base,
+            avail_addr: base + 4096,
+            used_addr: base + 8192,
+        };
+        transport.setup_queue(&queue).expect("setup queue");
+        // The device published 3 used entries before it died.
+        let set_used = |idx: u16| {
+            memfd
+                .write_all_at(&idx.to_le_bytes(), 8192 + 2)
+                .expect("ring")
+        };
+        set_used(3);
+
+        let waiter = {
+            let transport = Arc::clone(&transport);
+            std::thread::spawn(move || transport.wait(0, Some(Duration::from_secs(30))))
+        };
+        // Let the waiter poll before the socket hangs up.
+        std::thread::sleep(Duration::from_millis(100));
+        let old = vdev.kill();
+        assert_eq!(old.bases, [(0, 0)]);
+        // vdev takes a while to come back: the socket is missing meanwhile.
+        std::thread::sleep(Duration::from_millis(100));
+        let vdev = FakeVdev::start(&path);
+        let woke = waiter.join().expect("waiter");
+        assert!(matches!(woke, Ok(false)), "wait returned {woke:?}");
+
+        let memfd_inode = inode(memfd);
+        let check = |new: &Recorder, used: u32| {
+            assert_eq!(new.bases, [(0, used)], "queue 0 resumes at the used index");
+            assert_eq!(new.regions, [(base, memfd_inode)], "the same memory");
+            assert_eq!(new.acked_features, Some(acked));
+            assert_eq!(kicked(new, 0), 1, "queue 0 kicked after the handshake");
+        };
+        let new = std::mem::take(&mut *vdev.recorder.lock().expect("lock"));
+        check(&new, 3);
+
+        // A request that finds vdev gone reconnects and is answered.
+        set_used(5);
+        drop(vdev.kill());
+        let vdev = FakeVdev::start(&path);
+        let mut config = [0u8; 4];
+        transport
+            .read_config(0, &mut config)
+            .expect("config after restart");
+        assert_eq!(config, [0xab; 4]);
+        let new = std::mem::take(&mut *vdev.recorder.lock().expect("lock"));
+        check(&new, 5);
+
+        // A vdev that hangs up on every new connection: the reconnect
+        // fails, and the device is gone for every later waiter too.
+        drop(vdev.kill());
+        let listener = UnixListener::bind(&path).expect("bind");
+        let refuser = std::thread::spawn(move || drop(listener.accept()));
+        let gone = transport.wait(0, Some(Duration::from_secs(30)));
+        assert!(
+            matches!(gone, Err(TransportError::Disconnected)),
+            "{gone:?}"
+        );
+        refuser.join().expect("refuser");
+        let again = transport.wait(0, Some(Duration::from_secs(30)));
+        assert!(
+            matches!(again, Err(TransportError::Disconnected)),
+            "{again:?}"
+        );
+        let _ = std::fs::remove_file(&path);
     }
 }

@@ -64,8 +64,13 @@ impl Context {
     /// Connects to vdev's vhost-user socket at `path` (process mode) and
     /// opens the device with default options.
     pub fn open_vhost_user(path: impl AsRef<Path>) -> Result<Self> {
+        Self::open_vhost_user_with(path, DeviceOptions::default())
+    }
+
+    /// [`Context::open_vhost_user`] with `options`.
+    pub fn open_vhost_user_with(path: impl AsRef<Path>, options: DeviceOptions) -> Result<Self> {
         let transport = VhostUserTransport::connect(path)?;
-        Self::open(Box::new(transport), DeviceOptions::default())
+        Self::open(Box::new(transport), options)
     }
 
     /// Opens a context of a VM's vrdma device (VM mode): the device is the

@@ -211,6 +211,48 @@ impl Engine {
         Ok(())
     }
 
+    /// Device `id`'s frontend came back with new eventfds (a VMM that
+    /// reconnected to a restarted vdev): the doorbell's kick (if given)
+    /// and the event rings' interrupts are these from now on. Each new
+    /// interrupt fires once: an event that came while the old one was
+    /// unwatched is not missed.
+    pub fn renew_notifiers(
+        &mut self,
+        id: DeviceId,
+        kick: Option<EventFd>,
+        irqs: Vec<(u32, EventFd)>,
+    ) -> Result<(), EngineError> {
+        let serial = self.next_serial;
+        let dev = self.device_mut(id)?;
+        for (vector, _) in &irqs {
+            if !dev.eqs.get(*vector as usize).is_some_and(Option::is_some) {
+                return Err(EngineError::Invalid("no event ring on that vector"));
+            }
+        }
+        let mut renewed_bell = false;
+        if let Some(kick) = kick {
+            let bell = dev
+                .doorbell
+                .as_mut()
+                .ok_or(EngineError::Invalid("no doorbell page"))?;
+            // A new serial: the datapath threads watch the new kick.
+            bell.kick = kick;
+            bell.serial = serial;
+            renewed_bell = true;
+        }
+        for (vector, irq) in irqs {
+            if let Some(Some(eq)) = dev.eqs.get_mut(vector as usize) {
+                let _ = irq.write(1);
+                eq.set_irq(irq);
+            }
+        }
+        if renewed_bell {
+            self.next_serial += 1;
+        }
+        self.generation += 1;
+        Ok(())
+    }
+
     /// Registers a memory region of device `id`; returns its (lkey, rkey).
     pub fn register_mr(
         &mut self,

@@ -47,6 +47,7 @@ use crate::net::directory::Directory;
 use crate::seccomp::{Role, Threads};
 use crate::stats::{Stats, TenantStats};
 
+mod journal;
 mod registry;
 
 use registry::{Registry, Session};
@@ -157,6 +158,11 @@ pub struct Server {
     quota_keys: Vec<String>,
     /// The directory of the cluster (`[fabric]`), once set.
     directory: OnceLock<Arc<dyn Directory>>,
+    /// Signalled (with the registry's lock) when a context is orphaned:
+    /// the thread that releases expired orphans looks at its deadlines.
+    orphans_changed: std::sync::Condvar,
+    /// No thread expires orphans: none are kept.
+    no_orphans: std::sync::atomic::AtomicBool,
 }
 
 impl Server {
@@ -191,6 +197,8 @@ impl Server {
             reloading: Mutex::new(()),
             quota_keys: quota_keys(),
             directory: OnceLock::new(),
+            orphans_changed: std::sync::Condvar::new(),
+            no_orphans: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -236,9 +244,45 @@ impl Server {
             thread: "vdev-conn",
             max: MAX_CONNECTIONS,
         };
+        let reaper = Arc::clone(self);
+        if let Err(e) = threads.spawn(Role::Connection, "orphans", move || reaper.reap_orphans()) {
+            // Orphans would never expire: keep none.
+            tracing::error!(
+                "Cannot start the orphans' thread; contexts of dead vdevs are released at once: {e}"
+            );
+            self.no_orphans
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         serve_connections(listener, threads, vdevs, move |channel| {
             server.connection(Arc::new(channel))
         });
+    }
+
+    /// Releases orphaned contexts whose grace period ended, for ever.
+    fn reap_orphans(&self) {
+        loop {
+            let next = self.expire_orphans();
+            let reg = self.registry();
+            // Under the lock: an orphan added since `expire_orphans` is
+            // either seen here or signals the wait below.
+            let next = (reg.connected.values())
+                .flat_map(|d| d.orphans.iter().map(|o| o.until))
+                .chain(next)
+                .min();
+            let _reg = match next {
+                None => self
+                    .orphans_changed
+                    .wait(reg)
+                    .unwrap_or_else(|e| e.into_inner()),
+                Some(until) => {
+                    let wait = until.saturating_duration_since(Instant::now());
+                    self.orphans_changed
+                        .wait_timeout(reg, wait)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0
+                }
+            };
+        }
     }
 
     /// Serves one vdev until it disconnects or breaks the protocol, then
@@ -248,6 +292,22 @@ impl Server {
         let mut notify_peer: Option<Channel> = None;
         loop {
             let (request, files) = match channel.recv::<Request>() {
+                Ok((Request::Journal(journal), files)) if files.is_empty() => {
+                    // Not answered: vdev does not wait for it.
+                    if let Some(s) = session.as_mut() {
+                        if let Some(key) = journal.key {
+                            // A fresh driver where an orphan's was (a VM
+                            // rebooted while no vdev ran): the orphan's
+                            // QPs must not write into its memory.
+                            self.supersede(s, key);
+                        }
+                        if let Some(why) = s.journal.apply(journal) {
+                            tracing::warn!(tenant = %s.tenant, device = %s.device,
+                                "Context not kept should its vdev die: {why}");
+                        }
+                    }
+                    continue;
+                }
                 Ok(received) => received,
                 Err(ChannelError::Message(e)) => {
                     // Undecodable: answer once, then hang up, since nothing
@@ -297,7 +357,11 @@ impl Server {
             }
         }
         if let Some(s) = session {
-            self.teardown(&s);
+            if self.no_orphans.load(std::sync::atomic::Ordering::Relaxed) {
+                self.teardown(&s);
+            } else {
+                self.context_lost(s);
+            }
         }
     }
 
@@ -312,6 +376,7 @@ impl Server {
         let takes_fd = matches!(
             request,
             Request::AddMemory { .. }
+                | Request::RenewNotifiers { .. }
                 | Request::GsiNotify
                 | Request::SetDoorbell { .. }
                 | Request::CreateEq { .. }
@@ -343,9 +408,88 @@ impl Server {
             *notify_peer = Some(peer);
             return Ok(Response::Welcome(Box::new(welcome)));
         }
-        let Some(s) = session.as_ref() else {
+        let Some(s) = session.as_mut() else {
             return Err(refuse(libc::EPROTO, "The first request must be Hello"));
         };
+        match request {
+            Request::Adopt { key } => {
+                let records = self.adopt(s, key)?;
+                return Ok(Response::Adopted {
+                    records: records as u32,
+                });
+            }
+            Request::TakeRecords { from } => {
+                let (records, more) = s.journal.page(from as usize);
+                return Ok(Response::Records { records, more });
+            }
+            Request::Release => {
+                s.released = true;
+                return Ok(Response::Ok);
+            }
+            Request::Journal(_) => {
+                return Err(refuse(libc::EPROTO, "A journal carries no descriptors"));
+            }
+            Request::RenewNotifiers { doorbell, vectors } => {
+                if files.len() != usize::from(doorbell) + vectors.len() {
+                    return Err(refuse(
+                        libc::EINVAL,
+                        format!(
+                            "RenewNotifiers names {} eventfds, carries {}",
+                            usize::from(doorbell) + vectors.len(),
+                            files.len()
+                        ),
+                    ));
+                }
+                let mut fds = files
+                    .into_iter()
+                    .map(|f| one_eventfd(vec![f], "RenewNotifiers"));
+                let kick = if doorbell {
+                    fds.next().transpose()?
+                } else {
+                    None
+                };
+                let irqs = (vectors.into_iter())
+                    .zip(fds)
+                    .map(|(v, fd)| fd.map(|fd| (v, fd)))
+                    .collect::<Result<Vec<_>, _>>()?;
+                self.datapath.lock().renew_notifiers(s.id, kick, irqs)?;
+                self.datapath.wake();
+                return Ok(Response::Ok);
+            }
+            _ => {}
+        }
+        // What the journal must follow, and what makes a context too old
+        // to adopt another.
+        let (changes, creates) = match &request {
+            Request::AddMemory { .. } | Request::RemoveMemory { .. } | Request::ResetDevice => {
+                (true, false)
+            }
+            Request::RegisterMr(_)
+            | Request::RestoreMr { .. }
+            | Request::DeregisterMr { .. }
+            | Request::SetDoorbell { .. }
+            | Request::CreateEq { .. }
+            | Request::ResumeEq { .. }
+            | Request::CreateCq { .. }
+            | Request::ResumeCq { .. }
+            | Request::DestroyCq { .. }
+            | Request::CreateQp(_)
+            | Request::ResumeQp(_)
+            | Request::ModifyQp(_)
+            | Request::DestroyQp { .. }
+            | Request::CreateSrq(_)
+            | Request::ResumeSrq(_)
+            | Request::ModifySrq { .. }
+            | Request::DestroySrq { .. }
+            | Request::CreateAh(_)
+            | Request::DestroyAh { .. } => (true, true),
+            _ => (false, false),
+        };
+        if changes {
+            s.journal.changed();
+        }
+        s.created |= creates;
+        let s = &*s;
         // An object a previous hostd served continues from its rings.
         let start = match &request {
             Request::ResumeEq { .. }
@@ -530,6 +674,11 @@ impl Server {
                 tracing::info!(tenant = %s.tenant, device = %s.device, "Device reset by its driver");
                 Ok(Response::Ok)
             }
+            Request::Adopt { .. }
+            | Request::TakeRecords { .. }
+            | Request::Release
+            | Request::RenewNotifiers { .. }
+            | Request::Journal(_) => Err(refuse(libc::EPROTO, "Handled above")),
             Request::QuotaRejected { quota } => {
                 if !self.quota_keys.contains(&quota) {
                     return Err(refuse(

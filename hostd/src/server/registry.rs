@@ -7,9 +7,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use vrdma_hostd_protocol::channel::Channel;
-use vrdma_hostd_protocol::messages::{PortLinkLayer, Welcome, PROTOCOL_VERSION};
+use vrdma_hostd_protocol::messages::{ContextKey, PortLinkLayer, Welcome, PROTOCOL_VERSION};
 use vrdma_tenant_policy::{Policy, TenantPolicy};
 
+use super::journal::{ContextJournal, Orphan};
 use super::{refuse, set_nonblocking, Refusal, Server, MAX_CONTEXTS_PER_DEVICE};
 use crate::config::MAX_QUEUES_PER_DEVICE;
 use crate::engine::{Address, DeviceId};
@@ -31,6 +32,8 @@ pub(super) struct Connected {
     /// Each context's datapath device and hostd's end of its notification
     /// channel (non-blocking).
     pub(super) contexts: Vec<(DeviceId, Arc<Channel>)>,
+    /// Contexts whose vdev died, running on for its successor.
+    pub(super) orphans: Vec<Orphan>,
 }
 
 /// Host-wide bookkeeping of devices, and the policy in force.
@@ -121,9 +124,156 @@ pub(super) struct Session {
     pub(super) tenant: String,
     pub(super) device: String,
     pub(super) pqps: Vec<u32>,
+    /// What the next vdev needs should this one die.
+    pub(super) journal: ContextJournal,
+    /// vdev ended the context on purpose ([`Request::Release`]).
+    ///
+    /// [`Request::Release`]: vrdma_hostd_protocol::messages::Request::Release
+    pub(super) released: bool,
+    /// An object was created on this context: it can no longer adopt
+    /// another.
+    pub(super) created: bool,
 }
 
 impl Server {
+    /// Context `s`'s vdev is gone without releasing it: if it can be taken
+    /// over, it is kept running for the grace period; else torn down.
+    pub(super) fn context_lost(&self, s: Session) {
+        let grace = self.config.orphan_grace;
+        let key = match s.journal.adoptable() {
+            Ok(key) if !s.released && !grace.is_zero() => key,
+            Ok(_) => return self.teardown(&s),
+            Err(why) => {
+                if !s.released {
+                    tracing::info!(tenant = %s.tenant, device = %s.device, lid = s.lid,
+                        "vdev gone; its context is not kept for a successor: {why}");
+                }
+                return self.teardown(&s);
+            }
+        };
+        let records = s.journal.len();
+        let mut reg = self.registry();
+        let Some(device) = reg.connected.get_mut(&s.lid) else {
+            drop(reg);
+            return self.teardown(&s);
+        };
+        device.contexts.retain(|(id, _)| *id != s.id);
+        // The same key twice (a frontend that re-created its control
+        // queue where the old one was): the newer context is the one.
+        let stale: Vec<Orphan> = {
+            let (stale, keep) = std::mem::take(&mut device.orphans)
+                .into_iter()
+                .partition(|o| o.key == key);
+            device.orphans = keep;
+            stale
+        };
+        let id = s.id;
+        tracing::info!(tenant = %s.tenant, device = %s.device, lid = s.lid, context = id,
+            records, grace_ms = grace.as_millis() as u64,
+            "vdev gone; its context runs on, kept for the next vdev of the device");
+        device.orphans.push(Orphan {
+            session: s,
+            key,
+            until: std::time::Instant::now() + grace,
+        });
+        drop(reg);
+        for o in stale {
+            self.teardown(&o.session);
+        }
+        self.orphans_changed.notify_all();
+    }
+
+    /// Tears down the orphans whose grace period ended; returns when the
+    /// next one ends.
+    pub(super) fn expire_orphans(&self) -> Option<std::time::Instant> {
+        let now = std::time::Instant::now();
+        let mut expired = Vec::new();
+        let mut next: Option<std::time::Instant> = None;
+        {
+            let mut reg = self.registry();
+            for device in reg.connected.values_mut() {
+                let (gone, keep) = std::mem::take(&mut device.orphans)
+                    .into_iter()
+                    .partition(|o: &Orphan| o.until <= now);
+                device.orphans = keep;
+                expired.extend(gone);
+                next = (device.orphans.iter().map(|o| o.until)).chain(next).min();
+            }
+        }
+        for o in expired {
+            tracing::info!(tenant = %o.session.tenant, device = %o.session.device,
+                lid = o.session.lid, context = o.session.id,
+                "No vdev took the context over in its grace period; released");
+            // Its entry is gone from the registry already: teardown
+            // detaches it and frees the device with its last context.
+            self.teardown(&o.session);
+        }
+        next
+    }
+
+    /// Context `s` (created nothing yet) takes over its device's orphan
+    /// keyed `key`: `s` serves the orphan's datapath device from now on,
+    /// with its journal, and its own empty one goes.
+    pub(super) fn adopt(&self, s: &mut Session, key: ContextKey) -> Result<usize, Refusal> {
+        if s.created {
+            return Err(refuse(
+                libc::EBUSY,
+                "Adopt comes before the context creates anything",
+            ));
+        }
+        let orphan = {
+            let mut reg = self.registry();
+            let device = reg
+                .connected
+                .get_mut(&s.lid)
+                .filter(|d| d.tenant == s.tenant && d.device == s.device);
+            let Some(device) = device else {
+                return Err(refuse(libc::ENOENT, "The device has no orphaned context"));
+            };
+            let Some(at) = device.orphans.iter().position(|o| o.key == key) else {
+                return Err(refuse(
+                    libc::ENOENT,
+                    "No orphaned context of the device has this key",
+                ));
+            };
+            let orphan = device.orphans.swap_remove(at);
+            for entry in device.contexts.iter_mut().filter(|(id, _)| *id == s.id) {
+                entry.0 = orphan.session.id;
+            }
+            orphan
+        };
+        let fresh = std::mem::replace(&mut s.id, orphan.session.id);
+        self.datapath.lock().detach_device(fresh);
+        self.datapath.wake();
+        s.journal = orphan.session.journal;
+        let records = s.journal.len();
+        tracing::info!(tenant = %s.tenant, device = %s.device, lid = s.lid, context = s.id,
+            records, "A new vdev took over an orphaned context");
+        Ok(records)
+    }
+
+    /// Context `s` runs a fresh driver on the control queue keyed `key`:
+    /// an orphan of the device under that key is history (its driver was
+    /// reset, e.g. a VM rebooted while no vdev ran) and goes now.
+    pub(super) fn supersede(&self, s: &Session, key: ContextKey) {
+        let stale: Vec<Orphan> = {
+            let mut reg = self.registry();
+            let Some(device) = reg.connected.get_mut(&s.lid) else {
+                return;
+            };
+            let (stale, keep) = std::mem::take(&mut device.orphans)
+                .into_iter()
+                .partition(|o| o.key == key);
+            device.orphans = keep;
+            stale
+        };
+        for o in stale {
+            tracing::info!(tenant = %s.tenant, device = %s.device, context = o.session.id,
+                "A fresh driver took the place of an orphaned context; released");
+            self.teardown(&o.session);
+        }
+    }
+
     pub(super) fn teardown(&self, s: &Session) {
         // The datapath lets go of the rings first; only then are the pQPs
         // free for another vdev.
@@ -134,7 +284,8 @@ impl Server {
             return;
         };
         device.contexts.retain(|(id, _)| *id != s.id);
-        if !device.contexts.is_empty() {
+        device.orphans.retain(|o| o.session.id != s.id);
+        if !device.contexts.is_empty() || !device.orphans.is_empty() {
             tracing::info!(
                 tenant = %s.tenant,
                 device = %s.device,
@@ -231,13 +382,25 @@ impl Server {
                 // Another context of a device its own vdev serves: the
                 // device's LID, GID and physical queues, a datapath device
                 // of its own (its memory, rings and objects).
-                if !shared {
+                let taken_over = open.contexts.is_empty();
+                if taken_over {
+                    // Only orphans: the vdev that served them died, and
+                    // this is its successor (same tenant, device and, by
+                    // the policy, uid).
+                    tracing::info!(
+                        tenant,
+                        device,
+                        lid,
+                        orphans = open.orphans.len(),
+                        "A new vdev serves the device of one that died"
+                    );
+                } else if !shared {
                     return Err(refuse(
                         libc::EBUSY,
                         format!("Device {device} of tenant {tenant} is already connected"),
                     ));
                 }
-                if pid.is_none() || open.pid != pid {
+                if !taken_over && (pid.is_none() || open.pid != pid) {
                     return Err(refuse(
                         libc::EBUSY,
                         format!(
@@ -246,7 +409,7 @@ impl Server {
                         ),
                     ));
                 }
-                if open.contexts.len() >= MAX_CONTEXTS_PER_DEVICE {
+                if open.contexts.len() + open.orphans.len() >= MAX_CONTEXTS_PER_DEVICE {
                     // Busy, not out of space: a context whose connection
                     // just closed is still being torn down (vdev retries).
                     return Err(refuse(
@@ -262,6 +425,7 @@ impl Server {
                 reg.next_device += 1;
                 if let Some(open) = reg.connected.get_mut(&lid) {
                     open.contexts.push((id, Arc::new(ours)));
+                    open.pid = pid;
                 }
                 (id, lid, gid, pqps, policy, false)
             } else {
@@ -333,6 +497,7 @@ impl Server {
                         gid,
                         pqps: pqps.clone(),
                         contexts: vec![(id, Arc::new(ours))],
+                        orphans: Vec::new(),
                     },
                 );
                 (id, lid, gid, pqps, policy, true)
@@ -345,6 +510,9 @@ impl Server {
             tenant: tenant.to_owned(),
             device: device.to_owned(),
             pqps,
+            journal: ContextJournal::default(),
+            released: false,
+            created: false,
         };
         match self.start_device(&session, policy, first) {
             Ok(welcome) => {

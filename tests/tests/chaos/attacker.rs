@@ -16,7 +16,7 @@ use vrdma_guest_driver::{
 };
 use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::{access, SendOpcode, WcStatus};
-use vrdma_tests::daemon::Hostd;
+use vrdma_tests::daemon::{Hostd, Vdev};
 use vrdma_tests::rng::Rng;
 use vrdma_tests::tenant::{bring_up, connect, rdma, read_mr, wait_completions, Connection, Tenant};
 
@@ -208,7 +208,12 @@ impl<'v> Attacker<'v> {
             hostd_socket: hostd.socket.clone(),
             victim,
             secrets: victim.secrets(),
-            beta: Some(Beta::new(Tenant::start(hostd, "beta"))),
+            // Its vdev is killed and not waited for (`kill_vdev`).
+            beta: Some(Beta::new(Tenant::open_without_reconnect(Vdev::on_hostd(
+                hostd,
+                "beta",
+                &[],
+            )))),
             next_wr: 0,
             tally: Tally::new(),
             playing: Move::OwnWrite,

@@ -50,6 +50,10 @@ pub enum VerbError {
     Cm(#[source] crate::cm::CmError),
     #[error("Cannot watch a CM channel")]
     Io(#[source] std::io::Error),
+    #[error("The device's context was lost with its previous vdev: {0}")]
+    Lost(String),
+    #[error("The previous vdev answered this command with errno {0}")]
+    Replayed(i32),
     #[error("hostd refused the guest memory at {gpa:#x}: {reason}")]
     SlotRefused {
         gpa: u64,
@@ -77,7 +81,8 @@ impl VerbError {
             VerbError::Privileged(_) => libc::EPERM,
             VerbError::NoDevice(_) => libc::ENODEV,
             VerbError::Cm(e) => e.errno(),
-            VerbError::Io(_) => libc::EIO,
+            VerbError::Io(_) | VerbError::Lost(_) => libc::EIO,
+            VerbError::Replayed(errno) => *errno,
             VerbError::SlotRefused { errno, .. } => *errno,
         }
     }

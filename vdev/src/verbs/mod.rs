@@ -13,6 +13,7 @@ mod ah;
 pub mod cm;
 mod cq;
 mod error;
+mod journal;
 mod mr;
 mod notify;
 mod port;
@@ -42,6 +43,7 @@ use share::Counted;
 pub use ah::AddressHandle;
 pub use cq::CompletionQueue;
 pub use error::{VerbError, VerbResult};
+pub use journal::{kind as record_kind, AdoptError};
 pub use mr::MemoryRegion;
 pub use notify::{EventRing, FdError, NotifyFds};
 pub use port::Restored;
@@ -123,6 +125,8 @@ pub struct RdmaDevice {
     slots: slots::HostdSlots,
     /// This context's CM channels (none on a device without a CM).
     cm: cm::ContextCm,
+    /// The context's journal in hostd, for a successor should vdev die.
+    journal: journal::JournalState,
 }
 
 impl RdmaDevice {
@@ -153,6 +157,7 @@ impl RdmaDevice {
             notify_fds: None,
             slots: slots::HostdSlots::default(),
             cm: cm::ContextCm::new(identity_tenant, None),
+            journal: journal::JournalState::default(),
         }
     }
 
@@ -268,8 +273,10 @@ impl RdmaDevice {
             .into_iter()
             .filter(|s| !slots.contains(s))
             .collect();
+        let mut changed = Vec::new();
         for slot in gone {
             if let Some(number) = self.slots.gone(&slot) {
+                changed.push(number);
                 if let Err(e) = fabric.remove_memory(number) {
                     tracing::warn!(tenant = %self.identity.tenant, slot = number, error = %e, "hostd did not drop a memory slot");
                 }
@@ -287,7 +294,10 @@ impl RdmaDevice {
             let gpa = vm_memory::GuestMemoryRegion::start_addr(region).0;
             let len = vm_memory::GuestMemoryRegion::len(region);
             match fabric.add_memory(number, gpa, len, file.file(), file.start()) {
-                Ok(()) => self.slots.taken(slot, number),
+                Ok(()) => {
+                    self.slots.taken(slot, number);
+                    changed.push(number);
+                }
                 Err(e) => {
                     let reason = vrdma_errors::error_chain(&e);
                     tracing::warn!(tenant = %self.identity.tenant, gpa, len, error = %reason,
@@ -296,6 +306,7 @@ impl RdmaDevice {
                 }
             }
         }
+        self.journal_slots(&changed);
     }
 
     /// Releases every object, as a device reset or a departed frontend
@@ -317,6 +328,8 @@ impl RdmaDevice {
                 tracing::warn!(tenant = %self.identity.tenant, error = %e, "hostd did not reset the device");
             }
         }
+        let gone = self.object_keys();
+        self.journal_released(gone);
         // The device's other contexts keep theirs.
         for &qpn in self.qps.keys() {
             self.share.free_qpn(qpn);
@@ -360,6 +373,11 @@ impl RdmaDevice {
             },
             None => VerbError::Invalid(format!("guest memory at {gpa:#x} is not known to hostd")),
         })
+    }
+
+    /// The device's objects over all its contexts (the quotas' usage).
+    pub fn usage(&self) -> Usage {
+        self.share.usage()
     }
 
     /// The QPs.

@@ -105,6 +105,24 @@ impl DbIndexes {
         Some(index)
     }
 
+    /// Takes `index` (a QP taken over from a journal); false if it is
+    /// taken or beyond the page.
+    pub fn claim(&mut self, index: u32) -> bool {
+        if index >= MAX_QPS {
+            return false;
+        }
+        let word = index as usize / 64;
+        if self.words.len() <= word {
+            self.words.resize(word + 1, 0);
+        }
+        let bit = 1u64 << (index % 64);
+        if self.words[word] & bit != 0 {
+            return false;
+        }
+        self.words[word] |= bit;
+        true
+    }
+
     /// Gives `index` back.
     pub fn free(&mut self, index: u32) {
         if let Some(word) = self.words.get_mut(index as usize / 64) {

@@ -146,6 +146,26 @@ impl DeviceShare {
         qpn
     }
 
+    /// Counts `n` objects that exist already (taken over from a journal),
+    /// whatever the quota says now: a lowered quota refuses new objects
+    /// only.
+    pub fn add(&self, what: Counted, n: u32) {
+        let mut shared = self.lock();
+        let count = shared.usage.count(what);
+        *count = count.saturating_add(n);
+    }
+
+    /// Counts `len` registered bytes that exist already.
+    pub fn add_bytes(&self, len: u64) {
+        let mut shared = self.lock();
+        shared.usage.mr_bytes = shared.usage.mr_bytes.saturating_add(len);
+    }
+
+    /// Holds QP number `qpn` (a QP taken over from a journal).
+    pub fn hold_qpn(&self, qpn: u32) {
+        self.lock().qpns.insert(qpn);
+    }
+
     /// A QP number is free again.
     pub fn free_qpn(&self, qpn: u32) {
         self.lock().qpns.remove(&qpn);

@@ -74,6 +74,18 @@ impl HostdSlots {
             .collect()
     }
 
+    /// The slot hostd has under `number`.
+    pub(super) fn slot_of(&self, number: u32) -> Option<SlotId> {
+        (self.numbers.iter())
+            .find(|(_, &n)| n == number)
+            .map(|(slot, _)| *slot)
+    }
+
+    /// hostd's numbers of the slots it has.
+    pub(super) fn numbers(&self) -> Vec<u32> {
+        self.numbers.values().copied().collect()
+    }
+
     /// How many slots hostd has.
     pub(super) fn len(&self) -> usize {
         self.numbers.len()

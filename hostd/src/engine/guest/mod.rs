@@ -896,6 +896,11 @@ pub struct EventRing {
 }
 
 impl EventRing {
+    /// Interrupts go through `irq` from now on.
+    pub fn set_irq(&mut self, irq: EventFd) {
+        self.irq = irq;
+    }
+
     /// An event ring over `ring` interrupting through `irq`.
     pub fn new(ring: GuestRing, irq: EventFd) -> Self {
         ring.reset_device_line();

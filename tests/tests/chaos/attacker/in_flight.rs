@@ -291,7 +291,7 @@ impl Attacker<'_> {
         drop((pair, link, mr, read_only));
         let mut vdev = t.close();
         vdev.restart();
-        let t = Tenant::open(vdev);
+        let t = Tenant::open_without_reconnect(vdev);
         assert_eq!(t.gid, gid, "{ctx}: a restarted vdev keeps its GID");
         self.beta = Some(Beta::new(t));
     }

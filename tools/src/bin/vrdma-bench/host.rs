@@ -142,7 +142,11 @@ impl Host {
             tenant: tenant.into(),
             source,
         })?;
-        Ok(Tenant { dev, vdev })
+        Ok(Tenant {
+            dev,
+            socket: vdev.socket().to_owned(),
+            vdev: std::sync::Mutex::new(vdev),
+        })
     }
 
     /// The daemon process of hostd.
@@ -155,13 +159,27 @@ impl Host {
 /// order: the device first).
 pub struct Tenant {
     dev: Opened,
-    vdev: Daemon,
+    socket: PathBuf,
+    /// Behind a lock so that another thread may restart it while this
+    /// tenant's traffic runs.
+    vdev: std::sync::Mutex<Daemon>,
 }
 
 impl Tenant {
     /// The vdev's socket (another process may open the device there too).
     pub fn socket(&self) -> &Path {
-        self.vdev.socket()
+        &self.socket
+    }
+
+    fn vdev(&self) -> std::sync::MutexGuard<'_, Daemon> {
+        self.vdev.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// SIGKILLs the vdev and starts it again on the same socket (as a
+    /// service manager restarts a crashed daemon); returns when the new
+    /// one listens.
+    pub fn restart_vdev(&self) -> Result<()> {
+        self.vdev().restart().map_err(BenchError::from)
     }
 
     /// The device's IPv4 address (its IPv4-mapped GID).
@@ -172,7 +190,7 @@ impl Tenant {
 
     /// The vdev's process.
     pub fn vdev_pid(&self) -> u32 {
-        self.vdev.pid()
+        self.vdev().pid()
     }
 
     /// An RC QP on the tenant's one CQ with `send_wr` send slots.

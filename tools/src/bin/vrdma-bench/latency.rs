@@ -196,7 +196,7 @@ fn pong(kind: Kind, l: &Link<'_>, size: usize, total: usize) -> Result<()> {
 }
 
 /// An RDMA WRITE of `src[from..from + size]` to `dst[to..]`.
-fn write(
+pub fn write(
     qp: &QueuePair,
     src: &Buffer,
     from: usize,

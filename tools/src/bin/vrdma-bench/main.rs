@@ -20,6 +20,7 @@ mod latency;
 mod netns;
 mod reg_mr;
 mod report;
+mod restart;
 mod scale;
 mod sharing;
 mod throughput;
@@ -56,6 +57,10 @@ enum Test {
     /// Connection setup rate through rdma_cm (Debian's cmtime on the
     /// drop-in librdmacm, 1,000 connections) against TCP's.
     ConnRate,
+    /// The longest gap between an application's completions while its
+    /// device's vdev is SIGKILLed and restarted, against the same traffic
+    /// without a restart.
+    Restart,
 }
 
 /// The flooding tenants' operation.
@@ -245,7 +250,12 @@ fn baseline(what: &'static str) -> impl FnOnce(std::io::Error) -> BenchError {
 
 fn run(args: &Args, tests: &[Test], targets: &mut Targets) -> Result<()> {
     // The two-tenant tests share one hostd on its embedded default policy.
-    let two_tenant = |t: &Test| !matches!(t, Test::Scale | Test::Isolation | Test::Weights);
+    let two_tenant = |t: &Test| {
+        !matches!(
+            t,
+            Test::Scale | Test::Isolation | Test::Weights | Test::Restart
+        )
+    };
     if tests.iter().any(two_tenant) {
         let host = Host::start(Some(host::BENCH_POLICY), &[])?;
         let a = host.tenant("alpha")?;
@@ -299,6 +309,9 @@ fn run(args: &Args, tests: &[Test], targets: &mut Targets) -> Result<()> {
         }
     }
     // These start hostds of their own.
+    if tests.contains(&Test::Restart) {
+        restart::run(targets)?;
+    }
     if tests.contains(&Test::Scale) {
         let secs = Duration::from_secs(args.scale_secs);
         scale::run(args.tenants, args.qps_per_tenant, secs, targets)?;

@@ -4,6 +4,7 @@
 
 mod hostd;
 mod infiniband;
+mod journal;
 mod notify;
 mod qp;
 mod srq;

@@ -1,0 +1,238 @@
+//! A vdev that dies (SIGKILL) and is restarted takes nothing of its
+//! tenant's with it: Debian's unmodified programs, through the drop-in
+//! `libibverbs.so.1`, run on across the restart and exit 0 with their data
+//! checked. hostd keeps the dead vdev's contexts running for the next
+//! vdev (docs/architecture.md, "A context outlives its vdev"); the
+//! programs' drivers reconnect to the restarted vdev, which takes their
+//! contexts over from hostd's journal, and the verbs after it (the
+//! teardown at the end) work on the objects made before it.
+
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use vrdma_tests::daemon::{tcp_listening, wait_output, IbverbsShim};
+use vrdma_tests::need;
+use vrdma_tests::two_tenants::{next_port, serial, Fabric, Run};
+
+/// hostd keeps a dead vdev's contexts for its successor (the tests'
+/// hostds do not by default).
+const KEEP_ORPHANS: &[&str] = &["--orphan-grace-ms", "30000"];
+
+/// Starts `program args` as the server on alpha and its client on beta,
+/// and waits until the client has been running for `settle` (the pair
+/// has connected and moves data).
+fn start_pair(
+    shim: &IbverbsShim,
+    fabric: &Fabric,
+    program: &str,
+    args: &[&str],
+    settle: Duration,
+) -> (Child, Child) {
+    let port = next_port().to_string();
+    let server = shim
+        .command(program, &fabric.alpha.socket)
+        .args(["-p", &port])
+        .args(args)
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let client = shim
+        .command(program, &fabric.beta.socket)
+        .args(["-p", &port])
+        .args(args)
+        .arg("localhost")
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    std::thread::sleep(settle);
+    (server, client)
+}
+
+/// Waits for both programs: each must exit 0.
+fn finish_pair(fabric: &Fabric, what: &str, server: Child, client: Child) -> Run {
+    let (client, client_late) = wait_output(client, Duration::from_secs(120));
+    let (server, server_late) = wait_output(server, Duration::from_secs(30));
+    let run = Run { server, client };
+    assert!(
+        run.server.status.success() && run.client.status.success() && !client_late && !server_late,
+        "{what}: server {:?}, client {:?} (late: {server_late}/{client_late})\n--- server:\n{}\n\
+         --- client:\n{}\n{}",
+        run.server.status,
+        run.client.status,
+        run.server_text(),
+        run.client_text(),
+        fabric.logs()
+    );
+    run
+}
+
+/// The server's QP was connected (INIT, then RTR: perftest's WRITE
+/// server goes no further) before its vdev is killed: the restart comes
+/// while data moves.
+#[track_caller]
+fn assert_connected(fabric: &Fabric) {
+    let log = fabric.alpha.log();
+    assert!(
+        log.matches("opcode=ModifyQp").count() >= 2,
+        "the server's QP is not connected yet:\n{}",
+        fabric.logs()
+    );
+}
+
+/// Whether both programs still run (the kill came in the middle).
+fn both_running(server: &mut Child, client: &mut Child) -> bool {
+    matches!((server.try_wait(), client.try_wait()), (Ok(None), Ok(None)))
+}
+
+#[test]
+fn rc_pingpong_runs_on_while_its_vdev_is_killed_and_restarted() {
+    need::program("ibv_rc_pingpong", "ibverbs-utils");
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let mut fabric = Fabric::start_with_hostd_args(KEEP_ORPHANS);
+    // 100000 round trips with 4 KiB messages (the programs check every
+    // message's size and, with -c, the receive's contents).
+    let args = ["-g", "0", "-n", "100000", "-s", "4096", "-c"];
+    let (mut server, mut client) = start_pair(
+        &shim,
+        &fabric,
+        "ibv_rc_pingpong",
+        &args,
+        Duration::from_millis(300),
+    );
+    assert!(
+        both_running(&mut server, &mut client),
+        "ibv_rc_pingpong ended before the kill: make the run longer\n{}",
+        fabric.logs()
+    );
+    assert_connected(&fabric);
+    fabric.alpha.restart();
+    let killed_mid_run = both_running(&mut server, &mut client);
+    let run = finish_pair(&fabric, "ibv_rc_pingpong", server, client);
+    assert!(killed_mid_run, "the restart came after the run ended");
+    for text in [run.server_text(), run.client_text()] {
+        assert!(
+            text.contains("100000 iters"),
+            "every iteration ran:\n{text}"
+        );
+    }
+    let alpha = fabric.alpha.log();
+    assert!(
+        alpha.contains("Took over the context of the previous vdev"),
+        "the restarted vdev took the context over:\n{}",
+        fabric.logs()
+    );
+    let hostd = fabric.hostd.log();
+    assert!(
+        hostd.contains("its context runs on, kept for the next vdev")
+            && hostd.contains("A new vdev took over an orphaned context"),
+        "hostd kept the context for the new vdev:\n{hostd}"
+    );
+}
+
+#[test]
+fn write_bw_runs_on_while_its_vdev_is_killed_and_restarted() {
+    need::program("ib_write_bw", "perftest");
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let mut fabric = Fabric::start_with_hostd_args(KEEP_ORPHANS);
+    // Four seconds of 64 KiB WRITEs; the server's vdev dies in the middle
+    // (perftest takes a second to set up).
+    let args = ["-x", "0", "-s", "65536", "-D", "4"];
+    let (mut server, mut client) =
+        start_pair(&shim, &fabric, "ib_write_bw", &args, Duration::from_secs(3));
+    assert!(both_running(&mut server, &mut client), "{}", fabric.logs());
+    assert_connected(&fabric);
+    fabric.alpha.restart();
+    let run = finish_pair(&fabric, "ib_write_bw", server, client);
+    // The report's line for 64 KiB: bytes, iterations, peak and average
+    // bandwidth, message rate; an average of 0 would mean nothing moved.
+    let report = run.client_text();
+    let line = report
+        .lines()
+        .find(|l| l.trim_start().starts_with("65536"))
+        .unwrap_or_else(|| panic!("no 64 KiB line:\n{report}"));
+    let average: f64 = line
+        .split_whitespace()
+        .nth(3)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no average bandwidth in {line:?}"));
+    assert!(average > 0.0, "{line}");
+    assert!(
+        fabric
+            .alpha
+            .log()
+            .contains("Took over the context of the previous vdev"),
+        "{}",
+        fabric.logs()
+    );
+}
+
+/// The same across hosts: alpha on h1 serves, alpha on h2 is the client,
+/// every RDMA byte goes over the namespaces' bridge as RoCEv2; h1's vdev
+/// is killed and restarted mid-run.
+#[test]
+fn rc_pingpong_across_hosts_runs_on_while_a_vdev_is_killed_and_restarted() {
+    vrdma_tests::need::root("network namespaces");
+    need::program("ibv_rc_pingpong", "ibverbs-utils");
+    let _serial = serial();
+    let shim = IbverbsShim::new();
+    let mut fabric = vrdma_tests::hosts::Fabric::start_with_hostd_args(KEEP_ORPHANS);
+    let port = next_port().to_string();
+    let args = ["-g", "0", "-n", "100000", "-s", "4096", "-c", "-p", &port];
+    let mut server = shim
+        .command("ibv_rc_pingpong", fabric.device(1, "alpha"))
+        .args(args)
+        .spawn()
+        .expect("spawn the server");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut client = shim
+        .command("ibv_rc_pingpong", fabric.device(2, "alpha"))
+        .args(args)
+        .arg("127.0.0.1")
+        .spawn()
+        .expect("spawn the client");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        both_running(&mut server, &mut client),
+        "ended before the kill\n{}",
+        fabric.logs()
+    );
+    let vdev = (fabric.vdevs.iter_mut())
+        .find(|(host, tenant, _)| *host == 1 && tenant == "alpha")
+        .map(|(_, _, vdev)| vdev)
+        .expect("h1's alpha");
+    assert!(
+        vdev.log().matches("opcode=ModifyQp").count() >= 3,
+        "not connected yet"
+    );
+    vdev.restart();
+    let (client, client_late) = wait_output(client, Duration::from_secs(120));
+    let (server, server_late) = wait_output(server, Duration::from_secs(30));
+    let run = Run { server, client };
+    assert!(
+        run.server.status.success() && run.client.status.success() && !client_late && !server_late,
+        "server {:?}, client {:?}\n--- server:\n{}\n--- client:\n{}\n{}",
+        run.server.status,
+        run.client.status,
+        run.server_text(),
+        run.client_text(),
+        fabric.logs()
+    );
+    assert!(
+        run.client_text().contains("100000 iters"),
+        "{}",
+        run.client_text()
+    );
+    let log = fabric.vdev(1, "alpha").log();
+    assert!(
+        log.contains("Took over the context of the previous vdev"),
+        "{}",
+        fabric.logs()
+    );
+}
