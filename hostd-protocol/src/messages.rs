@@ -269,7 +269,11 @@ pub struct Journal {
 /// not kept for adoption (it is released when its vdev goes).
 pub const MAX_RECORDS: usize = 1 << 16;
 /// The most bytes of record data one context keeps.
-pub const MAX_RECORD_BYTES: usize = 32 << 20;
+pub const MAX_RECORD_BYTES: usize = 8 << 20;
+/// The most bytes of record data all contexts of one device keep (a
+/// compromised vdev's 64 contexts cannot make hostd hold 64 times the
+/// above).
+pub const MAX_DEVICE_RECORD_BYTES: usize = 32 << 20;
 
 /// A MAD the device's control plane sends from QP1.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

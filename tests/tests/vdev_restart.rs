@@ -88,18 +88,35 @@ fn both_running(server: &mut Child, client: &mut Child) -> bool {
 
 #[test]
 fn rc_pingpong_runs_on_while_its_vdev_is_killed_and_restarted() {
+    // 100000 round trips with 4 KiB messages (the programs check every
+    // message's size and, with -c, the receive's contents).
+    pingpong_across_a_restart(&["-g", "0", "-n", "100000", "-s", "4096", "-c"]);
+}
+
+/// The same, both sides sleeping on completion events (`-e`): the driver
+/// is waiting on its completion channel when its vdev dies, reconnects
+/// from there, and the interrupts (hostd's) go on meanwhile.
+#[test]
+fn rc_pingpong_on_completion_events_runs_on_while_its_vdev_is_killed_and_restarted() {
+    pingpong_across_a_restart(&["-g", "0", "-n", "20000", "-s", "4096", "-c", "-e"]);
+}
+
+fn pingpong_across_a_restart(args: &[&str]) {
     need::program("ibv_rc_pingpong", "ibverbs-utils");
     let _serial = serial();
     let shim = IbverbsShim::new();
     let mut fabric = Fabric::start_with_hostd_args(KEEP_ORPHANS);
-    // 100000 round trips with 4 KiB messages (the programs check every
-    // message's size and, with -c, the receive's contents).
-    let args = ["-g", "0", "-n", "100000", "-s", "4096", "-c"];
+    let iters = args
+        .iter()
+        .skip_while(|&&a| a != "-n")
+        .nth(1)
+        .copied()
+        .unwrap_or("1000");
     let (mut server, mut client) = start_pair(
         &shim,
         &fabric,
         "ibv_rc_pingpong",
-        &args,
+        args,
         Duration::from_millis(300),
     );
     assert!(
@@ -114,7 +131,7 @@ fn rc_pingpong_runs_on_while_its_vdev_is_killed_and_restarted() {
     assert!(killed_mid_run, "the restart came after the run ended");
     for text in [run.server_text(), run.client_text()] {
         assert!(
-            text.contains("100000 iters"),
+            text.contains(&format!("{iters} iters")),
             "every iteration ran:\n{text}"
         );
     }
@@ -181,7 +198,9 @@ fn rc_pingpong_across_hosts_runs_on_while_a_vdev_is_killed_and_restarted() {
     let shim = IbverbsShim::new();
     let mut fabric = vrdma_tests::hosts::Fabric::start_with_hostd_args(KEEP_ORPHANS);
     let port = next_port().to_string();
-    let args = ["-g", "0", "-n", "100000", "-s", "4096", "-c", "-p", &port];
+    // Across hosts a round trip costs tens of µs (two kernels' UDP paths):
+    // fewer iterations, one 1 KiB packet each way.
+    let args = ["-g", "0", "-n", "20000", "-s", "1024", "-c", "-p", &port];
     let mut server = shim
         .command("ibv_rc_pingpong", fabric.device(1, "alpha"))
         .args(args)
@@ -225,7 +244,7 @@ fn rc_pingpong_across_hosts_runs_on_while_a_vdev_is_killed_and_restarted() {
         fabric.logs()
     );
     assert!(
-        run.client_text().contains("100000 iters"),
+        run.client_text().contains("20000 iters"),
         "{}",
         run.client_text()
     );

@@ -15,10 +15,13 @@
 //! [`Request::Journal`]: vrdma_hostd_protocol::messages::Request::Journal
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Instant;
 
 use vrdma_hostd_protocol::messages::{
-    ContextKey, Journal, Record, MAX_MESSAGE, MAX_RECORDS, MAX_RECORD_BYTES,
+    ContextKey, Journal, Record, MAX_DEVICE_RECORD_BYTES, MAX_MESSAGE, MAX_RECORDS,
+    MAX_RECORD_BYTES,
 };
 
 use super::registry::Session;
@@ -31,11 +34,33 @@ pub(super) struct ContextJournal {
     bytes: usize,
     /// A state-changing request arrived after the last journal.
     pending: bool,
-    /// The journal outgrew [`MAX_RECORDS`] or [`MAX_RECORD_BYTES`].
+    /// The journal outgrew [`MAX_RECORDS`] or [`MAX_RECORD_BYTES`], or the
+    /// device's journals [`MAX_DEVICE_RECORD_BYTES`].
     overflowed: bool,
+    /// The bytes every context of the device keeps (shared by them).
+    device_bytes: Arc<AtomicUsize>,
+}
+
+impl Drop for ContextJournal {
+    fn drop(&mut self) {
+        self.device_bytes.fetch_sub(self.bytes, Ordering::Relaxed);
+    }
 }
 
 impl ContextJournal {
+    /// An empty journal of a context of the device whose contexts'
+    /// journals hold `device_bytes` together.
+    pub(super) fn of_device(device_bytes: Arc<AtomicUsize>) -> Self {
+        ContextJournal {
+            key: None,
+            records: BTreeMap::new(),
+            bytes: 0,
+            pending: false,
+            overflowed: false,
+            device_bytes,
+        }
+    }
+
     /// A request that changes the context's state arrived.
     pub(super) fn changed(&mut self) {
         self.pending = true;
@@ -51,6 +76,7 @@ impl ContextJournal {
         if self.overflowed {
             return None;
         }
+        let before = self.bytes;
         for record in journal.records {
             let at = (record.kind, record.id);
             if let Some(old) = self.records.remove(&at) {
@@ -61,9 +87,22 @@ impl ContextJournal {
                 self.records.insert(at, data);
             }
         }
-        if self.records.len() > MAX_RECORDS || self.bytes > MAX_RECORD_BYTES {
+        let device = if self.bytes >= before {
+            self.device_bytes
+                .fetch_add(self.bytes - before, Ordering::Relaxed)
+                + (self.bytes - before)
+        } else {
+            self.device_bytes
+                .fetch_sub(before - self.bytes, Ordering::Relaxed)
+                - (before - self.bytes)
+        };
+        if self.records.len() > MAX_RECORDS
+            || self.bytes > MAX_RECORD_BYTES
+            || device > MAX_DEVICE_RECORD_BYTES
+        {
             self.overflowed = true;
             self.records.clear();
+            self.device_bytes.fetch_sub(self.bytes, Ordering::Relaxed);
             self.bytes = 0;
             return Some("the context's journal outgrew its bounds");
         }
@@ -156,7 +195,8 @@ mod tests {
 
     #[test]
     fn a_journal_past_its_bounds_is_not_kept() {
-        let mut j = ContextJournal::default();
+        let device = Arc::new(AtomicUsize::new(0));
+        let mut j = ContextJournal::of_device(device.clone());
         let big = "x".repeat(MAX_RECORD_BYTES / 4 + 1);
         let mut why = None;
         for id in 0..4 {
@@ -172,6 +212,30 @@ mod tests {
         assert!(why.is_some());
         assert_eq!(j.adoptable(), Err("its journal outgrew its bounds"));
         assert_eq!(j.len(), 0);
+        assert_eq!(device.load(Ordering::Relaxed), 0, "its bytes given back");
+    }
+
+    /// The device's contexts together stay within their budget: once
+    /// they hold it, the next context's growth overflows that context.
+    #[test]
+    fn a_devices_contexts_share_one_budget() {
+        let device = Arc::new(AtomicUsize::new(0));
+        let chunk = "z".repeat(MAX_RECORD_BYTES / 2);
+        let mut journals: Vec<ContextJournal> = Vec::new();
+        let mut overflowed = 0;
+        for _ in 0..(2 * MAX_DEVICE_RECORD_BYTES / chunk.len() + 2) {
+            let mut j = ContextJournal::of_device(device.clone());
+            let why = j.apply(Journal {
+                key: None,
+                records: vec![record(2, 1, Some(&chunk))],
+            });
+            overflowed += usize::from(why.is_some());
+            journals.push(j);
+        }
+        assert!(overflowed > 0);
+        assert!(device.load(Ordering::Relaxed) <= MAX_DEVICE_RECORD_BYTES);
+        drop(journals);
+        assert_eq!(device.load(Ordering::Relaxed), 0);
     }
 
     #[test]

@@ -34,6 +34,8 @@ pub(super) struct Connected {
     pub(super) contexts: Vec<(DeviceId, Arc<Channel>)>,
     /// Contexts whose vdev died, running on for its successor.
     pub(super) orphans: Vec<Orphan>,
+    /// The bytes its contexts' journals hold together.
+    pub(super) journal_bytes: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// Host-wide bookkeeping of devices, and the policy in force.
@@ -350,7 +352,7 @@ impl Server {
         let (ours, theirs) =
             Channel::pair().map_err(|e| refuse(libc::ENOMEM, vrdma_errors::error_chain(&e)))?;
         set_nonblocking(&ours).map_err(|e| refuse(libc::ENOMEM, e.to_string()))?;
-        let (id, lid, gid, pqps, policy, first) = {
+        let (id, lid, gid, pqps, policy, first, journal_bytes) = {
             let mut reg = self.registry();
             // Read under the registry lock: a reload either happened before
             // (this device gets the new policy) or notifies it afterwards.
@@ -421,13 +423,14 @@ impl Server {
                     ));
                 }
                 let (gid, pqps) = (open.gid, open.pqps.clone());
+                let journal_bytes = open.journal_bytes.clone();
                 let id = reg.next_device;
                 reg.next_device += 1;
                 if let Some(open) = reg.connected.get_mut(&lid) {
                     open.contexts.push((id, Arc::new(ours)));
                     open.pid = pid;
                 }
-                (id, lid, gid, pqps, policy, false)
+                (id, lid, gid, pqps, policy, false, journal_bytes)
             } else {
                 let gid = match &self.config.fabric {
                     Some(fabric) => (fabric.cluster.gids.iter())
@@ -488,6 +491,7 @@ impl Server {
                 reg.by_gid.insert(gid, lid);
                 let id = reg.next_device;
                 reg.next_device += 1;
+                let journal_bytes: Arc<std::sync::atomic::AtomicUsize> = Default::default();
                 reg.connected.insert(
                     lid,
                     Connected {
@@ -498,9 +502,10 @@ impl Server {
                         pqps: pqps.clone(),
                         contexts: vec![(id, Arc::new(ours))],
                         orphans: Vec::new(),
+                        journal_bytes: journal_bytes.clone(),
                     },
                 );
-                (id, lid, gid, pqps, policy, true)
+                (id, lid, gid, pqps, policy, true, journal_bytes)
             }
         };
         let session = Session {
@@ -510,7 +515,7 @@ impl Server {
             tenant: tenant.to_owned(),
             device: device.to_owned(),
             pqps,
-            journal: ContextJournal::default(),
+            journal: ContextJournal::of_device(journal_bytes),
             released: false,
             created: false,
         };

@@ -554,9 +554,14 @@ impl RdmaDevice {
     /// Rebuilds the objects from `records`, checked like guest input.
     fn rebuild(&mut self, records: &[Record]) -> Result<(), AdoptError> {
         let mut by_kind: BTreeMap<u8, Vec<&Record>> = BTreeMap::new();
+        let mut seen = std::collections::HashSet::new();
         for record in records {
             if !(kind::PD..=kind::DONE).contains(&record.kind) {
                 return Err(invalid(record.kind, record.id, "unknown kind"));
+            }
+            // One record per object: hostd keeps them by kind and id.
+            if !seen.insert((record.kind, record.id)) {
+                return Err(invalid(record.kind, record.id, "recorded twice"));
             }
             by_kind.entry(record.kind).or_default().push(record);
         }
@@ -581,9 +586,7 @@ impl RdmaDevice {
         for r in of(kind::SLOT) {
             let s: SlotRecord = decode(r)?;
             let slot = SlotId::of_file(s.gpa, s.len, s.dev, s.ino, s.offset);
-            if next.slots.insert(r.id, slot).is_some() {
-                return Err(invalid(r.kind, r.id, "slot twice"));
-            }
+            next.slots.insert(r.id, slot);
         }
         for r in of(kind::HANDLES) {
             let h: HandlesRecord = decode(r)?;

@@ -158,3 +158,46 @@ fn hostile_records_are_refused_and_nothing_is_half_restored() {
         assert_eq!(next.doorbell(), None, "{what}: half restored");
     }
 }
+
+/// A command the previous vdev executed and journaled, offered again at
+/// the same position of the control queue (its answer never reached the
+/// queue): answered from the journal, not run twice; anything else runs.
+#[test]
+fn a_command_offered_again_is_answered_from_the_journal_once() {
+    let (dev, pdn, _, _) = driven();
+    let mut records = dev.journal_records();
+    // The previous vdev's last command: ALLOC_PD at position 9, which
+    // made PD `pdn` (already among the records).
+    let answer = PdHandle {
+        pdn: pdn.into(),
+        reserved: 0.into(),
+    };
+    let done = format!(
+        r#"{{"position":9,"opcode":{},"request":[],"errno":0,"payload":{:?}}}"#,
+        u16::from(Opcode::AllocPd),
+        answer.as_bytes()
+    )
+    .replace(' ', "");
+    records.push(Record {
+        kind: record_kind::DONE,
+        id: 0,
+        data: Some(done),
+    });
+    let mut next = successor();
+    next.rebuild_from(&records).expect("rebuilt");
+    let before = next.object_counts();
+    // Another command at that position is not the journaled one: it runs.
+    let query = next.execute_at(9, Opcode::QueryDevice, &[]);
+    assert!(query.is_ok());
+    // The replay is spent once another command came: ALLOC_PD now runs.
+    let mut again = successor();
+    again.rebuild_from(&records).expect("rebuilt");
+    let replayed = again.execute_at(9, Opcode::AllocPd, &[]).expect("answered");
+    assert_eq!(replayed, answer.as_bytes(), "the journal's answer");
+    assert_eq!(again.object_counts(), before, "nothing ran twice");
+    let fresh = again
+        .execute_at(10, Opcode::AllocPd, &[])
+        .expect("a new PD");
+    assert_ne!(fresh, answer.as_bytes());
+    assert_eq!(again.object_counts().0, before.0 + 1);
+}
