@@ -76,6 +76,7 @@ fn an_orphan_goes_whole_to_a_successor_of_its_own_device_only() {
     dies_with(&hostd, "dev0", key(1), records.clone());
     logged(&hostd, "its context runs on, kept for the next vdev", 1);
     assert_eq!(hostd.usage("alpha")["devices"], 1, "the device lives on");
+    assert_eq!(hostd.usage("alpha")["orphaned_contexts"], 1);
 
     // Another tenant, and another device of the same tenant, reach only
     // their own devices: no orphan there.
@@ -111,6 +112,7 @@ fn an_orphan_goes_whole_to_a_successor_of_its_own_device_only() {
         Answer::Refused(libc::ENOENT)
     );
     logged(&hostd, "A new vdev took over an orphaned context", 1);
+    assert_eq!(hostd.usage("alpha")["orphaned_contexts"], 0);
 }
 
 #[test]

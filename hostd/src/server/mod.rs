@@ -961,9 +961,13 @@ impl Server {
     /// Every tenant's counters, usage and quotas: the tenants of the
     /// policy in force and every tenant hostd has accounted for.
     pub fn stats(&self) -> Stats {
-        let (policy, known) = {
+        let (policy, known, orphans) = {
             let reg = self.registry();
-            (Arc::clone(&reg.policy), reg.known.clone())
+            let mut orphans: HashMap<String, u64> = HashMap::new();
+            for device in reg.connected.values() {
+                *orphans.entry(device.tenant.clone()).or_default() += device.orphans.len() as u64;
+            }
+            (Arc::clone(&reg.policy), reg.known.clone(), orphans)
         };
         let now = Instant::now();
         let (accounts, throttled, peers) = {
@@ -991,12 +995,18 @@ impl Server {
             .filter_map(|name| {
                 let tp = known.get(name)?;
                 let account = accounts.get(name).cloned().unwrap_or_default();
-                Some(TenantStats::new(
+                let mut stats = TenantStats::new(
                     &account,
                     tp,
                     policy.tenant(name).is_some(),
                     throttled.get(name).copied().unwrap_or_default(),
-                ))
+                );
+                // Contexts of dead vdevs, running on for a successor.
+                stats.usage.insert(
+                    "orphaned_contexts".into(),
+                    orphans.get(name).copied().unwrap_or_default(),
+                );
+                Some(stats)
             })
             .collect();
         Stats {
