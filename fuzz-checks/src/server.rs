@@ -57,7 +57,9 @@ impl Hostd {
             line_rate_mbps: None,
             metrics_listen: None,
             link_layer: None,
-            orphan_grace_ms: None,
+            // Sessions end without a release: nothing is kept for a
+            // successor.
+            orphan_grace_ms: Some(0),
             sandbox: Default::default(),
         })
         .expect("a valid hostd configuration");
