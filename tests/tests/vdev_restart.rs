@@ -18,6 +18,9 @@ use vrdma_tests::two_tenants::{next_port, serial, Fabric, Run};
 /// hostds do not by default).
 const KEEP_ORPHANS: &[&str] = &["--orphan-grace-ms", "30000"];
 
+/// What a restarted vdev logs per context it took over.
+const TAKEN_OVER: &str = "Took over the context of the previous vdev";
+
 /// Starts `program args` as the server on alpha and its client on beta,
 /// and waits until the client has been running for `settle` (the pair
 /// has connected and moves data).
@@ -126,9 +129,20 @@ fn pingpong_across_a_restart(args: &[&str]) {
     );
     assert_connected(&fabric);
     fabric.alpha.restart();
+    // The drivers reconnect as soon as vdev is back, not at their next
+    // verb (a polling program has none until its end): the takeover comes
+    // while the programs run.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !fabric.alpha.log().contains(TAKEN_OVER) {
+        assert!(Instant::now() < deadline, "no takeover:\n{}", fabric.logs());
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let killed_mid_run = both_running(&mut server, &mut client);
     let run = finish_pair(&fabric, "ibv_rc_pingpong", server, client);
-    assert!(killed_mid_run, "the restart came after the run ended");
+    assert!(
+        killed_mid_run,
+        "the restart and the takeover came after the run ended"
+    );
     for text in [run.server_text(), run.client_text()] {
         assert!(
             text.contains(&format!("{iters} iters")),
@@ -254,4 +268,36 @@ fn rc_pingpong_across_hosts_runs_on_while_a_vdev_is_killed_and_restarted() {
         "{}",
         fabric.logs()
     );
+}
+
+/// A program that makes no verb after its vdev died (it polls, or sleeps)
+/// still keeps its device: its driver watches the socket and reconnects
+/// as soon as the new vdev listens, which takes the context over — long
+/// before hostd's grace period would end it.
+#[test]
+fn an_idle_driver_reconnects_on_its_own() {
+    let _serial = serial();
+    let hostd = vrdma_tests::daemon::Hostd::start_with(None, KEEP_ORPHANS);
+    let mut tenant = vrdma_tests::tenant::Tenant::start(&hostd, "alpha");
+    let mr = tenant
+        .pd
+        .alloc_mr(4096, 0)
+        .expect("an MR before the restart");
+    tenant.vdev.restart();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !tenant.vdev.log().contains(TAKEN_OVER) {
+        assert!(
+            Instant::now() < deadline,
+            "no takeover without a verb:\n{}",
+            tenant.vdev.log()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The objects made before work on: the MR deregisters, a QP is made
+    // on the CQ from before.
+    let qp = tenant.qp(vrdma_tests::tenant::default_caps());
+    drop(qp);
+    mr.dereg()
+        .map_err(|e| e.error)
+        .expect("dereg after the restart");
 }

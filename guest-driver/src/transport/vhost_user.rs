@@ -110,8 +110,73 @@ struct Watched {
 }
 
 /// A vrdma device reached over a vhost-user socket.
+///
+/// The connection itself ([`Link`]) is shared with a thread that watches
+/// the socket: when vdev goes away it reconnects at once, not only when
+/// the application next needs vdev — a program that only polls its CQs
+/// never would, and hostd keeps a dead vdev's context for a successor only
+/// for a while (`orphan_grace_ms`).
 #[derive(Debug)]
 pub struct VhostUserTransport {
+    link: Arc<Link>,
+    /// Wakes the watcher to end it.
+    stop: Arc<EventFd>,
+    watcher: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for VhostUserTransport {
+    fn drop(&mut self) {
+        let _ = self.stop.write(1);
+        if let Some(watcher) = self.watcher.take() {
+            let _ = watcher.join();
+        }
+    }
+}
+
+impl std::ops::Deref for VhostUserTransport {
+    type Target = Link;
+    fn deref(&self) -> &Link {
+        &self.link
+    }
+}
+
+impl VhostUserTransport {
+    /// Connects to vdev's socket and negotiates the vhost-user protocol
+    /// (owner, protocol features, queue count), waiting up to
+    /// [`DEFAULT_BUSY_TIMEOUT`] while vdev serves another application.
+    /// Virtio features are negotiated later by
+    /// [`Transport::negotiate_features`].
+    pub fn connect(path: impl AsRef<Path>) -> Result<Self, TransportError> {
+        Self::connect_within(path, DEFAULT_BUSY_TIMEOUT)
+    }
+
+    /// [`VhostUserTransport::connect`], waiting up to `busy_timeout` for
+    /// vdev to take the connection; then [`TransportError::Busy`].
+    pub fn connect_within(
+        path: impl AsRef<Path>,
+        busy_timeout: Duration,
+    ) -> Result<Self, TransportError> {
+        let link = Arc::new(Link::connect_within(path.as_ref(), busy_timeout)?);
+        let stop = Arc::new(EventFd::new(EFD_NONBLOCK).map_err(TransportError::EventFd)?);
+        let watcher = {
+            let (link, stop) = (Arc::clone(&link), Arc::clone(&stop));
+            std::thread::Builder::new()
+                .name("vrdma-vhost-watch".into())
+                .spawn(move || link.watch(&stop))
+                .map_err(TransportError::Watch)?
+        };
+        Ok(VhostUserTransport {
+            link,
+            stop,
+            watcher: Some(watcher),
+        })
+    }
+}
+
+/// One vhost-user connection to vdev, and what it told vdev (to tell a
+/// restarted vdev again).
+#[derive(Debug)]
+pub struct Link {
     path: PathBuf,
     state: Mutex<State>,
     /// Per queue: the eventfd we write to kick the device.
@@ -387,23 +452,8 @@ fn wait_until_read(fd: RawFd, timeout: Duration) -> Result<bool, TransportError>
     }
 }
 
-impl VhostUserTransport {
-    /// Connects to vdev's socket and negotiates the vhost-user protocol
-    /// (owner, protocol features, queue count), waiting up to
-    /// [`DEFAULT_BUSY_TIMEOUT`] while vdev serves another application.
-    /// Virtio features are negotiated later by
-    /// [`Transport::negotiate_features`].
-    pub fn connect(path: impl AsRef<Path>) -> Result<Self, TransportError> {
-        Self::connect_within(path, DEFAULT_BUSY_TIMEOUT)
-    }
-
-    /// [`VhostUserTransport::connect`], waiting up to `busy_timeout` for
-    /// vdev to take the connection; then [`TransportError::Busy`].
-    pub fn connect_within(
-        path: impl AsRef<Path>,
-        busy_timeout: Duration,
-    ) -> Result<Self, TransportError> {
-        let path = path.as_ref();
+impl Link {
+    fn connect_within(path: &Path, busy_timeout: Duration) -> Result<Self, TransportError> {
         let mut frontend =
             Frontend::connect(path, 1).map_err(|source| TransportError::Connect {
                 path: path.to_owned(),
@@ -459,12 +509,21 @@ impl VhostUserTransport {
         // SAFETY: shutdown on the frontend's own open socket; it closes
         // nothing, so no fd is invalidated.
         unsafe { libc::shutdown(state.frontend.as_raw_fd(), libc::SHUT_RDWR) };
-        let mut frontend = connect_patiently(&self.path, deadline)?;
-        let queues = handshake(
-            &mut frontend,
-            &self.path,
-            deadline.saturating_duration_since(Instant::now()),
-        )?;
+        // A connection can reach the dying vdev's listener, still open for
+        // a moment after its connections closed, and then hang up in the
+        // handshake: that is vdev not being back yet, not a refusal.
+        let (mut frontend, queues) = loop {
+            let mut frontend = connect_patiently(&self.path, deadline)?;
+            let left = deadline.saturating_duration_since(Instant::now());
+            match handshake(&mut frontend, &self.path, left) {
+                Ok(queues) => break (frontend, queues),
+                Err(e) if peer_gone(&e) && Instant::now() < deadline => {
+                    tracing::debug!("A connection hung up in the handshake; trying again");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => return Err(e),
+            }
+        };
         if queues != self.kicks.len() as u64 {
             return Err(TransportError::QueueCountChanged {
                 was: self.num_queues(),
@@ -520,6 +579,49 @@ impl VhostUserTransport {
     /// Reconnects after connection `seen` ended, unless another thread
     /// already did. A failure is final: logged once, then
     /// [`TransportError::Disconnected`] for everyone.
+    /// Watches the socket until `stop`: when vdev hangs up, reconnects
+    /// (once per connection: a waiter that saw the same hang-up finds the
+    /// generation moved). Ends when a reconnect fails for good.
+    fn watch(&self, stop: &EventFd) {
+        loop {
+            let (generation, socket) = {
+                let watched = self.watched();
+                (watched.generation, Arc::clone(&watched.socket))
+            };
+            let mut pfds = [
+                // No events asked: poll reports hang-up and errors
+                // regardless (replies to requests are not this thread's).
+                libc::pollfd {
+                    fd: socket.as_raw_fd(),
+                    events: 0,
+                    revents: 0,
+                },
+                libc::pollfd {
+                    fd: stop.as_raw_fd(),
+                    events: libc::POLLIN,
+                    revents: 0,
+                },
+            ];
+            // SAFETY: two valid pollfds for the duration of the call; the
+            // socket's duplicate and `stop` stay open meanwhile.
+            let n = unsafe { libc::poll(pfds.as_mut_ptr(), 2, -1) };
+            if n < 0 {
+                if std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return;
+            }
+            if pfds[1].revents != 0 {
+                return;
+            }
+            if pfds[0].revents & (libc::POLLHUP | libc::POLLERR) != 0
+                && self.recover(generation).is_err()
+            {
+                return;
+            }
+        }
+    }
+
     fn recover(&self, seen: u64) -> Result<(), TransportError> {
         let mut state = self.state();
         if state.generation != seen {
@@ -576,7 +678,54 @@ impl VhostUserTransport {
     }
 }
 
+/// Every call goes to the connection.
 impl Transport for VhostUserTransport {
+    fn set_reconnect_patience(&self, patience: Duration) {
+        self.link.set_reconnect_patience(patience)
+    }
+
+    fn negotiate_features(&self, wanted: u64) -> Result<u64, TransportError> {
+        self.link.negotiate_features(wanted)
+    }
+
+    fn num_queues(&self) -> u16 {
+        self.link.num_queues()
+    }
+
+    fn read_config(&self, offset: u32, buf: &mut [u8]) -> Result<(), TransportError> {
+        self.link.read_config(offset, buf)
+    }
+
+    fn add_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError> {
+        self.link.add_memory(region)
+    }
+
+    fn remove_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError> {
+        self.link.remove_memory(region)
+    }
+
+    fn setup_queue(&self, q: &QueueSetup) -> Result<(), TransportError> {
+        self.link.setup_queue(q)
+    }
+
+    fn notify(&self, queue: u16) -> Result<(), TransportError> {
+        self.link.notify(queue)
+    }
+
+    fn wait(&self, queue: u16, timeout: Option<Duration>) -> Result<bool, TransportError> {
+        self.link.wait(queue, timeout)
+    }
+
+    fn acknowledge(&self, queue: u16) -> Result<(), TransportError> {
+        self.link.acknowledge(queue)
+    }
+
+    fn interrupt_fd(&self, queue: u16) -> Option<BorrowedFd<'_>> {
+        self.link.interrupt_fd(queue)
+    }
+}
+
+impl Transport for Link {
     fn set_reconnect_patience(&self, patience: Duration) {
         self.state().patience = patience;
     }
@@ -1040,8 +1189,32 @@ mod tests {
         let new = std::mem::take(&mut *vdev.recorder.lock().expect("lock"));
         check(&new, 5);
 
+        // Nobody waits and nothing is asked (a program that only polls its
+        // CQs): the watcher reconnects on its own.
+        set_used(6);
+        drop(vdev.kill());
+        let vdev = FakeVdev::start(&path);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let reconnected = !vdev.recorder.lock().expect("lock").bases.is_empty();
+            if reconnected {
+                // The kicks come last, once every queue is set up.
+                std::thread::sleep(Duration::from_millis(200));
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the watcher did not reconnect"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let new = std::mem::take(&mut *vdev.recorder.lock().expect("lock"));
+        check(&new, 6);
+
         // A vdev that hangs up on every new connection: the reconnect
-        // fails, and the device is gone for every later waiter too.
+        // fails once its patience is spent, and the device is gone for
+        // every later waiter too.
+        transport.set_reconnect_patience(Duration::from_millis(500));
         drop(vdev.kill());
         let listener = UnixListener::bind(&path).expect("bind");
         let refuser = std::thread::spawn(move || drop(listener.accept()));
