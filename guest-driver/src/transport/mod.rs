@@ -187,6 +187,9 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
 
 /// A shared transport is a transport (lets a caller keep a handle on it).
 impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
+    fn set_reconnect_patience(&self, patience: Duration) {
+        (**self).set_reconnect_patience(patience)
+    }
     fn memory_model(&self) -> MemoryModel {
         (**self).memory_model()
     }

@@ -678,50 +678,51 @@ impl Link {
     }
 }
 
-/// Every call goes to the connection.
+/// Every call goes to the connection (`Link`'s own methods: `self.link`
+/// is an `Arc`, which is a transport too).
 impl Transport for VhostUserTransport {
     fn set_reconnect_patience(&self, patience: Duration) {
-        self.link.set_reconnect_patience(patience)
+        self.link.as_ref().set_reconnect_patience(patience)
     }
 
     fn negotiate_features(&self, wanted: u64) -> Result<u64, TransportError> {
-        self.link.negotiate_features(wanted)
+        self.link.as_ref().negotiate_features(wanted)
     }
 
     fn num_queues(&self) -> u16 {
-        self.link.num_queues()
+        self.link.as_ref().num_queues()
     }
 
     fn read_config(&self, offset: u32, buf: &mut [u8]) -> Result<(), TransportError> {
-        self.link.read_config(offset, buf)
+        self.link.as_ref().read_config(offset, buf)
     }
 
     fn add_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError> {
-        self.link.add_memory(region)
+        self.link.as_ref().add_memory(region)
     }
 
     fn remove_memory(&self, region: &DmaRegion<'_>) -> Result<(), TransportError> {
-        self.link.remove_memory(region)
+        self.link.as_ref().remove_memory(region)
     }
 
     fn setup_queue(&self, q: &QueueSetup) -> Result<(), TransportError> {
-        self.link.setup_queue(q)
+        self.link.as_ref().setup_queue(q)
     }
 
     fn notify(&self, queue: u16) -> Result<(), TransportError> {
-        self.link.notify(queue)
+        self.link.as_ref().notify(queue)
     }
 
     fn wait(&self, queue: u16, timeout: Option<Duration>) -> Result<bool, TransportError> {
-        self.link.wait(queue, timeout)
+        self.link.as_ref().wait(queue, timeout)
     }
 
     fn acknowledge(&self, queue: u16) -> Result<(), TransportError> {
-        self.link.acknowledge(queue)
+        self.link.as_ref().acknowledge(queue)
     }
 
     fn interrupt_fd(&self, queue: u16) -> Option<BorrowedFd<'_>> {
-        self.link.interrupt_fd(queue)
+        self.link.as_ref().interrupt_fd(queue)
     }
 }
 
