@@ -228,8 +228,14 @@ impl Device {
         // Checked before the device is touched: a bad option is EINVAL.
         let event_ring_args = EventRing::alloc_args(options.event_ring_depth)?;
         transport.set_reconnect_patience(options.reconnect_patience);
-        let features =
-            transport.negotiate_features(VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX)?;
+        // A driver that comes back to a restarted vdev says so: only then
+        // does its device outlive the vdev (device-spec §2).
+        let reconnect = match transport.reconnects() {
+            true => vrdma_spec::VRDMA_F_RECONNECT,
+            false => 0,
+        };
+        let features = transport
+            .negotiate_features(VIRTIO_F_VERSION_1 | VIRTIO_RING_F_EVENT_IDX | reconnect)?;
         if features & VIRTIO_F_VERSION_1 == 0 {
             return Err(Error::BadDevice(
                 "it does not offer VIRTIO_F_VERSION_1".into(),

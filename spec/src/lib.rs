@@ -55,6 +55,14 @@ pub(crate) use wire_struct;
 /// The virtio device id the virtio specification reserves for an RDMA device.
 pub const VIRTIO_ID_RDMA: u32 = 42;
 
+/// Device feature bit 0: the driver (the vhost-user frontend) comes back
+/// to a restarted backend with its queues where they were, so the device
+/// keeps its objects running while no backend serves it (device-spec §2).
+/// A driver that does not ack it gets its device released with its
+/// backend: its memory may be reused meanwhile (a VM's guest RAM), so no
+/// work of it may run on.
+pub const VRDMA_F_RECONNECT: u64 = 1 << 0;
+
 /// Version of this contract. The major number changes when a layout changes
 /// incompatibly; a driver refuses a device whose major number it does not know.
 /// 2: hostd reads the rings itself — one doorbell page per device

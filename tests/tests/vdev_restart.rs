@@ -301,3 +301,32 @@ fn an_idle_driver_reconnects_on_its_own() {
         .map_err(|e| e.error)
         .expect("dereg after the restart");
 }
+
+/// A frontend that does not come back to a restarted vdev (it did not ack
+/// VRDMA_F_RECONNECT: a VMM without reconnect, or a driver told not to
+/// wait) leaves nothing running when its vdev dies: its memory may be
+/// reused, so hostd releases the context at once, as before contexts
+/// outlived their vdev.
+#[test]
+fn a_frontend_that_does_not_come_back_leaves_nothing_running() {
+    let _serial = serial();
+    let hostd = vrdma_tests::daemon::Hostd::start_with(None, KEEP_ORPHANS);
+    let mut tenant = vrdma_tests::tenant::Tenant::open_without_reconnect(
+        vrdma_tests::daemon::Vdev::on_hostd(&hostd, "alpha", &[]),
+    );
+    let qp = tenant.qp(vrdma_tests::tenant::default_caps());
+    assert_eq!(hostd.usage("alpha")["qps"], 1);
+    tenant.vdev.kill();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while hostd.usage("alpha")["qps"] != 0 {
+        assert!(Instant::now() < deadline, "{}", hostd.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        hostd.log().contains("its frontend does not come back"),
+        "{}",
+        hostd.log()
+    );
+    assert_eq!(hostd.usage("alpha")["orphaned_contexts"], 0);
+    drop(qp);
+}

@@ -572,6 +572,7 @@ impl VhostUserBackend for VrdmaBackend {
         (1 << VIRTIO_F_VERSION_1)
             | (1 << VIRTIO_RING_F_EVENT_IDX)
             | (1 << VIRTIO_RING_F_INDIRECT_DESC)
+            | vrdma_spec::VRDMA_F_RECONNECT
             | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
     }
 
@@ -581,6 +582,8 @@ impl VhostUserBackend for VrdmaBackend {
             features = format_args!("{features:#x}"),
             "Features acknowledged"
         );
+        self.device()
+            .set_frontend_reconnects(features & vrdma_spec::VRDMA_F_RECONNECT != 0);
     }
 
     fn protocol_features(&self) -> VhostUserProtocolFeatures {

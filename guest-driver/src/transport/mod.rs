@@ -131,6 +131,12 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     /// Transports whose device cannot go away ignore it.
     fn set_reconnect_patience(&self, _patience: Duration) {}
 
+    /// Whether the transport comes back to a restarted backend with its
+    /// queues where they were (the driver then acks `VRDMA_F_RECONNECT`).
+    fn reconnects(&self) -> bool {
+        false
+    }
+
     /// How the device reaches the driver's memory.
     fn memory_model(&self) -> MemoryModel {
         MemoryModel::SharedFiles
@@ -189,6 +195,9 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
 impl<T: Transport + ?Sized> Transport for std::sync::Arc<T> {
     fn set_reconnect_patience(&self, patience: Duration) {
         (**self).set_reconnect_patience(patience)
+    }
+    fn reconnects(&self) -> bool {
+        (**self).reconnects()
     }
     fn memory_model(&self) -> MemoryModel {
         (**self).memory_model()

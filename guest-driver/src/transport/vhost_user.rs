@@ -685,6 +685,10 @@ impl Transport for VhostUserTransport {
         self.link.as_ref().set_reconnect_patience(patience)
     }
 
+    fn reconnects(&self) -> bool {
+        self.link.as_ref().reconnects()
+    }
+
     fn negotiate_features(&self, wanted: u64) -> Result<u64, TransportError> {
         self.link.as_ref().negotiate_features(wanted)
     }
@@ -727,6 +731,10 @@ impl Transport for VhostUserTransport {
 }
 
 impl Transport for Link {
+    fn reconnects(&self) -> bool {
+        !self.state().patience.is_zero()
+    }
+
     fn set_reconnect_patience(&self, patience: Duration) {
         self.state().patience = patience;
     }

@@ -179,6 +179,9 @@ pub(super) struct JournalState {
     replay: Option<DoneRecord>,
     /// The context could not be taken over: every command fails (EIO).
     pub(super) lost: Option<String>,
+    /// The frontend acked `VRDMA_F_RECONNECT`: it comes back after a
+    /// restart, so hostd may keep the context for a successor.
+    reconnects: bool,
 }
 
 fn invalid(kind: u8, id: u32, reason: impl Into<String>) -> AdoptError {
@@ -464,8 +467,12 @@ impl RdmaDevice {
             return true;
         }
         if position == 0 {
-            self.journal.key = Some(key);
-            self.send_journal(Vec::new());
+            // A frontend that will not come back gives hostd no key: its
+            // context goes with this vdev (its memory may be reused).
+            if self.journal.reconnects {
+                self.journal.key = Some(key);
+                self.send_journal(Vec::new());
+            }
             return true;
         }
         if !self.notifiers_ready() {
@@ -491,6 +498,11 @@ impl RdmaDevice {
             }
         }
         true
+    }
+
+    /// Whether the frontend acked `VRDMA_F_RECONNECT` (SET_FEATURES).
+    pub fn set_frontend_reconnects(&mut self, reconnects: bool) {
+        self.journal.reconnects = reconnects;
     }
 
     /// Whether the frontend gave every eventfd hostd may need: the
