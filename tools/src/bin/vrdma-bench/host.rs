@@ -3,7 +3,6 @@
 //! opened by a vhost-user frontend in this process, and connected QP pairs
 //! with a buffer on each side.
 
-use std::cell::Cell;
 use std::path::{Path, PathBuf};
 
 use vrdma_guest_driver::{
@@ -33,10 +32,13 @@ pub fn set_extra_hostd_args(args: Vec<String>) {
 /// hostd and the vdevs of one measurement. Fields drop in order: hostd
 /// before its directory.
 pub struct Host {
-    hostd: Daemon,
+    /// Behind a lock so that another thread may restart it while traffic
+    /// runs.
+    hostd: std::sync::Mutex<Daemon>,
+    hostd_socket: PathBuf,
     vdev: PathBuf,
     dir: Scratch,
-    vdevs: Cell<u32>,
+    vdevs: std::sync::atomic::AtomicU32,
 }
 
 impl Host {
@@ -60,10 +62,11 @@ impl Host {
         // hostd may run anywhere; it pins its own datapath threads.
         let hostd = cores::on_every_cpu(|| launch.start()).map_err(BenchError::Cores)??;
         Ok(Self {
-            hostd,
+            hostd_socket: hostd.socket().to_owned(),
+            hostd: std::sync::Mutex::new(hostd),
             vdev: find_binary("vdev", "vrdma-vdev")?,
             dir,
-            vdevs: Cell::new(0),
+            vdevs: std::sync::atomic::AtomicU32::new(0),
         })
     }
 
@@ -93,16 +96,17 @@ impl Host {
             .netns(netns);
         let hostd = cores::on_datapath_cpu(|| launch.start()).map_err(BenchError::Cores)??;
         Ok(Self {
-            hostd,
+            hostd_socket: hostd.socket().to_owned(),
+            hostd: std::sync::Mutex::new(hostd),
             vdev: find_binary("vdev", "vrdma-vdev")?,
             dir,
-            vdevs: Cell::new(0),
+            vdevs: std::sync::atomic::AtomicU32::new(0),
         })
     }
 
     /// hostd's admin socket (its default: next to its vdev socket).
     pub fn admin_socket(&self) -> PathBuf {
-        let mut name = self.hostd.socket().as_os_str().to_owned();
+        let mut name = self.hostd_socket.as_os_str().to_owned();
         name.push(".admin");
         name.into()
     }
@@ -114,12 +118,14 @@ impl Host {
 
     /// A vdev for `tenant` attached to hostd.
     pub fn vdev(&self, tenant: &str) -> Result<Daemon> {
-        let n = self.vdevs.replace(self.vdevs.get() + 1);
+        let n = self
+            .vdevs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let launch = Launch::vdev(
             &self.vdev,
             self.dir.path(),
             tenant,
-            Some(self.hostd.socket()),
+            Some(&self.hostd_socket),
         );
         // vdev is the host's control plane, not the tenant's application:
         // anywhere, as hostd's other threads (connection setup is its
@@ -149,9 +155,22 @@ impl Host {
         })
     }
 
+    fn hostd(&self) -> std::sync::MutexGuard<'_, Daemon> {
+        self.hostd.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// SIGKILLs hostd and starts it again on the same socket, as a service
+    /// manager restarts a crashed daemon; returns when the new one listens.
+    pub fn restart_hostd(&self) -> Result<()> {
+        // As at its start: anywhere (it pins its own datapath threads),
+        // not on the calling thread's CPUs.
+        cores::on_every_cpu(|| self.hostd().restart()).map_err(BenchError::Cores)??;
+        Ok(())
+    }
+
     /// The daemon process of hostd.
     pub fn hostd_pid(&self) -> u32 {
-        self.hostd.pid()
+        self.hostd().pid()
     }
 }
 
@@ -179,7 +198,9 @@ impl Tenant {
     /// service manager restarts a crashed daemon); returns when the new
     /// one listens.
     pub fn restart_vdev(&self) -> Result<()> {
-        self.vdev().restart().map_err(BenchError::from)
+        // Anywhere, as at its start (`Host::vdev`).
+        cores::on_every_cpu(|| self.vdev().restart()).map_err(BenchError::Cores)??;
+        Ok(())
     }
 
     /// The device's IPv4 address (its IPv4-mapped GID).

@@ -41,11 +41,60 @@ fn longest_gap(link: &Link<'_>, window: Duration) -> Result<(Duration, u64)> {
     Ok((longest, done))
 }
 
+/// Like [`longest_gap`] across a crash and restart of hostd, which fails
+/// the application's connected QPs: a failed completion, or none within
+/// a second, makes the application do what RDMA applications do — drop
+/// its QPs and connect new ones, trying until hostd takes them. The gap
+/// runs from the last good completion to the next.
+fn longest_gap_reconnecting(link: &mut Link<'_>, window: Duration) -> Result<(Duration, u32)> {
+    let (a, b) = (link.a, link.b);
+    let mut wcs = [WorkCompletion::default(); 16];
+    let (start, mut last, mut longest, mut reconnects) =
+        (Instant::now(), Instant::now(), Duration::ZERO, 0u32);
+    while start.elapsed() < window {
+        let posted = Instant::now();
+        let ok =
+            crate::latency::write(&link.qa, &link.ma, 0, &link.mb, 0, 64, true).and_then(|()| {
+                loop {
+                    if poll_ok(&link.a.cq, &mut wcs[..1])? > 0 {
+                        return Ok(true);
+                    }
+                    if posted.elapsed() > Duration::from_secs(1) {
+                        return Ok(false);
+                    }
+                }
+            });
+        if matches!(ok, Ok(true)) {
+            let now = Instant::now();
+            longest = longest.max(now - last);
+            last = now;
+            continue;
+        }
+        // Connect anew; while hostd is away every verb fails (EIO).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        *link = loop {
+            match Link::new(a, b, 64, 16) {
+                Ok(fresh) => break fresh,
+                Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(1)),
+                Err(e) => return Err(e),
+            }
+        };
+        reconnects += 1;
+        // The old QPs' flushed work lands in the same CQs.
+        let settle = Instant::now();
+        while settle.elapsed() < Duration::from_millis(5) {
+            let _ = a.cq.poll(&mut wcs);
+            let _ = b.cq.poll(&mut wcs);
+        }
+    }
+    Ok((longest, reconnects))
+}
+
 pub fn run(targets: &mut Targets) -> Result<()> {
     let host = Host::start(Some(BENCH_POLICY), &[])?;
     let a = host.tenant("alpha")?;
     let b = host.tenant("beta")?;
-    let link = Link::new(&a, &b, 64, 16)?;
+    let mut link = Link::new(&a, &b, 64, 16)?;
     // Warm: the first WRITEs pay for page faults and caches.
     longest_gap(&link, Duration::from_millis(300))?;
     let (quiet, quiet_n) = longest_gap(&link, WINDOW)?;
@@ -75,6 +124,21 @@ pub fn run(targets: &mut Targets) -> Result<()> {
         KILL_AT.as_millis(),
         us(restart),
         us(verb),
+    );
+    // For comparison: hostd SIGKILLed and restarted under the same traffic.
+    let (hostd_gap, reconnects) = std::thread::scope(|s| -> Result<(Duration, u32)> {
+        let killer = s.spawn(|| -> Result<()> {
+            std::thread::sleep(KILL_AT);
+            host.restart_hostd()
+        });
+        let measured = longest_gap_reconnecting(&mut link, Duration::from_secs(3))?;
+        killer.join().map_err(|_| BenchError::Panicked)??;
+        Ok(measured)
+    })?;
+    println!(
+        "hostd restart, for comparison: the same WRITEs for 3 s with hostd SIGKILLed and restarted {} ms in, the application connecting new QPs when its work fails: longest gap between good completions {} ({reconnects} reconnection(s))",
+        KILL_AT.as_millis(),
+        us(hostd_gap)
     );
     targets.check(
         "vdev SIGKILL + restart: longest completion gap",
