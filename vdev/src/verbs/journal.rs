@@ -212,38 +212,45 @@ fn geometry((gpa, depth, stride): (u64, u32, u32)) -> (u64, WorkRingGeometry) {
     (gpa, WorkRingGeometry { depth, stride })
 }
 
-/// The object a state-changing command touched: its record kind and id
-/// (the handle, the first 32-bit field of the request — or, for a
-/// creation, of the response). `None` for commands that change nothing
-/// kept here (queries, the connection manager's, whose state does not
-/// outlive vdev).
-fn touched(opcode: Opcode, request: &[u8], response: &[u8]) -> Option<(u8, u32, bool)> {
-    let first = |bytes: &[u8]| -> Option<u32> {
-        Some(u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?))
-    };
-    let (kind, creates) = match opcode {
-        Opcode::AllocPd => (kind::PD, true),
-        Opcode::DeallocPd => (kind::PD, false),
-        Opcode::RegMr | Opcode::RegMrSg => (kind::MR, true),
-        Opcode::DeregMr => (kind::MR, false),
-        Opcode::CreateCq => (kind::CQ, true),
-        Opcode::DestroyCq => (kind::CQ, false),
-        Opcode::CreateQp => (kind::QP, true),
-        Opcode::ModifyQp | Opcode::DestroyQp => (kind::QP, false),
-        Opcode::CreateSrq => (kind::SRQ, true),
-        Opcode::ModifySrq | Opcode::DestroySrq => (kind::SRQ, false),
-        Opcode::CreateAh => (kind::AH, true),
-        Opcode::DestroyAh => (kind::AH, false),
-        Opcode::SetDoorbell => return Some((kind::DOORBELL, 0, false)),
-        Opcode::CreateEq => return first(request).map(|v| (kind::EQ, v, false)),
+/// Where a state-changing command names the object it touched.
+#[derive(Clone, Copy)]
+enum Named {
+    /// The first 32-bit field of the request (a destroy, a modify; an
+    /// event ring's vector).
+    ByRequest,
+    /// The first 32-bit field of the response (a creation's new handle).
+    ByResponse,
+    /// Always this id (the one doorbell page).
+    Fixed(u32),
+}
+
+/// The record kind a state-changing command touches, and where its id is;
+/// `None` for commands that change nothing kept here (queries, the
+/// connection manager's, whose state does not outlive vdev).
+fn journaled(opcode: Opcode) -> Option<(u8, Named)> {
+    use Named::{ByRequest, ByResponse};
+    Some(match opcode {
+        Opcode::AllocPd => (kind::PD, ByResponse),
+        Opcode::DeallocPd => (kind::PD, ByRequest),
+        Opcode::RegMr | Opcode::RegMrSg => (kind::MR, ByResponse),
+        Opcode::DeregMr => (kind::MR, ByRequest),
+        Opcode::CreateCq => (kind::CQ, ByResponse),
+        Opcode::DestroyCq => (kind::CQ, ByRequest),
+        Opcode::CreateQp => (kind::QP, ByResponse),
+        Opcode::ModifyQp | Opcode::DestroyQp => (kind::QP, ByRequest),
+        Opcode::CreateSrq => (kind::SRQ, ByResponse),
+        Opcode::ModifySrq | Opcode::DestroySrq => (kind::SRQ, ByRequest),
+        Opcode::CreateAh => (kind::AH, ByResponse),
+        Opcode::DestroyAh => (kind::AH, ByRequest),
+        Opcode::SetDoorbell => (kind::DOORBELL, Named::Fixed(0)),
+        Opcode::CreateEq => (kind::EQ, ByRequest),
         _ => return None,
-    };
-    let id = if creates {
-        first(response)?
-    } else {
-        first(request)?
-    };
-    Some((kind, id, creates))
+    })
+}
+
+/// The first little-endian 32-bit field of `bytes`.
+fn first_u32(bytes: &[u8]) -> Option<u32> {
+    Some(u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?))
 }
 
 impl RdmaDevice {
@@ -274,17 +281,19 @@ impl RdmaDevice {
             }
         }
         let result = self.execute(opcode, request);
-        if self.fabric.is_some() && (touched(opcode, request, &[]).is_some() || creates(opcode)) {
-            self.journal_command(position, opcode, request, &result);
+        if let (Some(_), Some(touched)) = (&self.fabric, journaled(opcode)) {
+            self.journal_command(position, opcode, touched, request, &result);
         }
         result
     }
 
-    /// Sends hostd the records of what `opcode` touched and its answer.
+    /// Sends hostd the record of the object `opcode` touched (`touched`:
+    /// [`journaled`]) and its answer.
     fn journal_command(
         &mut self,
         position: u16,
         opcode: Opcode,
+        (kind, named): (u8, Named),
         request: &[u8],
         result: &VerbResult<Vec<u8>>,
     ) {
@@ -293,9 +302,15 @@ impl RdmaDevice {
             Err(e) => (e.errno(), Vec::new()),
         };
         let mut records = Vec::new();
-        if let Some((kind, id, creates)) = touched(opcode, request, &payload) {
+        let id = match named {
+            Named::ByRequest => first_u32(request),
+            // A failed creation made nothing.
+            Named::ByResponse => first_u32(&payload),
+            Named::Fixed(id) => Some(id),
+        };
+        if let Some(id) = id {
             records.push(self.record(kind, id));
-            if creates {
+            if matches!(named, Named::ByResponse) {
                 records.push(self.record(kind::HANDLES, 0));
             }
         }
@@ -475,13 +490,16 @@ impl RdmaDevice {
             }
             return true;
         }
-        if !self.notifiers_ready() {
+        let Some(notifiers) = self.frontend_notifiers() else {
             tracing::debug!(tenant = %self.identity.tenant,
                 "A driver is coming back; its queues are not all set up yet");
             return false;
-        }
+        };
         self.journal.key = Some(key);
-        match self.adopt(key).and_then(|()| self.renew_notifiers()) {
+        match self
+            .adopt(key)
+            .and_then(|()| self.renew_notifiers(notifiers))
+        {
             Ok(()) => {
                 self.journal.key_sent = true;
                 let (pds, mrs, cqs, qps) = self.object_counts();
@@ -505,14 +523,21 @@ impl RdmaDevice {
         self.journal.reconnects = reconnects;
     }
 
-    /// Whether the frontend gave every eventfd hostd may need: the
-    /// doorbell queue's kick and every completion vector's interrupt.
-    fn notifiers_ready(&self) -> bool {
+    /// Every eventfd hostd may need, if the frontend gave them all yet:
+    /// the doorbell queue's kick and each completion vector's interrupt
+    /// (none without eventfds to lend: nothing to renew).
+    fn frontend_notifiers(&self) -> Option<Notifiers> {
         let Some(fds) = &self.notify_fds else {
-            return true;
+            return Some(Notifiers::default());
         };
-        fds.doorbell_kick().is_ok()
-            && (0..u32::from(self.identity.comp_vectors)).all(|v| fds.vector_call(v).is_ok())
+        let kick = fds.doorbell_kick().ok()?;
+        let calls = (0..u32::from(self.identity.comp_vectors))
+            .map(|v| fds.vector_call(v).ok().map(|fd| (v, fd)))
+            .collect::<Option<Vec<_>>>()?;
+        Some(Notifiers {
+            kick: Some(kick),
+            calls,
+        })
     }
 
     /// Takes the orphan keyed `key` over from hostd and rebuilds this
@@ -539,27 +564,21 @@ impl RdmaDevice {
         }
     }
 
-    /// Gives hostd the eventfds the frontend came back with: a VMM creates
-    /// new ones when it reconnects (a process-mode driver brings the same),
-    /// and the old ones would wake and interrupt no one.
-    fn renew_notifiers(&mut self) -> Result<(), AdoptError> {
-        let (Some(fabric), Some(fds)) = (self.fabric.clone(), self.notify_fds.clone()) else {
+    /// Gives hostd the eventfds the frontend came back with (`notifiers`)
+    /// for the doorbell page and event rings the context has: a VMM
+    /// creates new ones when it reconnects (a process-mode driver brings
+    /// the same), and the old ones would wake and interrupt no one.
+    fn renew_notifiers(&self, notifiers: Notifiers) -> Result<(), AdoptError> {
+        let Some(fabric) = &self.fabric else {
             return Ok(());
         };
-        let fd_error = |e: super::FdError| invalid(kind::EQ, 0, e.to_string());
-        let kick = match self.doorbell {
-            Some(_) => Some(fds.doorbell_kick().map_err(fd_error)?),
-            None => None,
-        };
-        let calls = (self.eqs.keys())
-            .map(|&v| fds.vector_call(v).map(|fd| (v, fd)))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(fd_error)?;
-        let borrowed: Vec<(u32, std::os::fd::BorrowedFd<'_>)> = (calls.iter())
+        let kick = notifiers.kick.as_ref().filter(|_| self.doorbell.is_some());
+        let calls: Vec<(u32, std::os::fd::BorrowedFd<'_>)> = (notifiers.calls.iter())
+            .filter(|(v, _)| self.eqs.contains_key(v))
             .map(|(v, fd)| (*v, std::os::fd::AsFd::as_fd(fd)))
             .collect();
         fabric
-            .renew_notifiers(kick.as_ref().map(std::os::fd::AsFd::as_fd), &borrowed)
+            .renew_notifiers(kick.map(std::os::fd::AsFd::as_fd), &calls)
             .map_err(AdoptError::Fabric)
     }
 
@@ -838,18 +857,13 @@ impl RdmaDevice {
     }
 }
 
-/// Whether `opcode` creates an object (its handle is in the response).
-fn creates(opcode: Opcode) -> bool {
-    matches!(
-        opcode,
-        Opcode::AllocPd
-            | Opcode::RegMr
-            | Opcode::RegMrSg
-            | Opcode::CreateCq
-            | Opcode::CreateQp
-            | Opcode::CreateSrq
-            | Opcode::CreateAh
-    )
+/// The eventfds a frontend that came back lent vdev, for hostd.
+#[derive(Default)]
+struct Notifiers {
+    /// The doorbell queue's kick.
+    kick: Option<std::os::fd::OwnedFd>,
+    /// Each completion vector's interrupt.
+    calls: Vec<(u32, std::os::fd::OwnedFd)>,
 }
 
 /// Objects rebuilt from records, before they become the context's.
