@@ -261,13 +261,12 @@ impl Server {
     /// Releases orphaned contexts whose grace period ended, for ever.
     fn reap_orphans(&self) {
         loop {
-            let next = self.expire_orphans();
+            self.expire_orphans();
             let reg = self.registry();
             // Under the lock: an orphan added since `expire_orphans` is
             // either seen here or signals the wait below.
             let next = (reg.connected.values())
                 .flat_map(|d| d.orphans.iter().map(|o| o.until))
-                .chain(next)
                 .min();
             let _reg = match next {
                 None => self

@@ -162,13 +162,7 @@ impl Server {
         device.contexts.retain(|(id, _)| *id != s.id);
         // The same key twice (a frontend that re-created its control
         // queue where the old one was): the newer context is the one.
-        let stale: Vec<Orphan> = {
-            let (stale, keep) = std::mem::take(&mut device.orphans)
-                .into_iter()
-                .partition(|o| o.key == key);
-            device.orphans = keep;
-            stale
-        };
+        let stale: Vec<Orphan> = device.orphans.extract_if(.., |o| o.key == key).collect();
         let id = s.id;
         tracing::info!(tenant = %s.tenant, device = %s.device, lid = s.lid, context = id,
             records, grace_ms = grace.as_millis() as u64,
@@ -185,21 +179,14 @@ impl Server {
         self.orphans_changed.notify_all();
     }
 
-    /// Tears down the orphans whose grace period ended; returns when the
-    /// next one ends.
-    pub(super) fn expire_orphans(&self) -> Option<std::time::Instant> {
+    /// Tears down the orphans whose grace period ended.
+    pub(super) fn expire_orphans(&self) {
         let now = std::time::Instant::now();
         let mut expired = Vec::new();
-        let mut next: Option<std::time::Instant> = None;
         {
             let mut reg = self.registry();
             for device in reg.connected.values_mut() {
-                let (gone, keep) = std::mem::take(&mut device.orphans)
-                    .into_iter()
-                    .partition(|o: &Orphan| o.until <= now);
-                device.orphans = keep;
-                expired.extend(gone);
-                next = (device.orphans.iter().map(|o| o.until)).chain(next).min();
+                expired.extend(device.orphans.extract_if(.., |o| o.until <= now));
             }
         }
         for o in expired {
@@ -210,7 +197,6 @@ impl Server {
             // detaches it and frees the device with its last context.
             self.teardown(&o.session);
         }
-        next
     }
 
     /// Context `s` (created nothing yet) takes over its device's orphan
@@ -263,11 +249,7 @@ impl Server {
             let Some(device) = reg.connected.get_mut(&s.lid) else {
                 return;
             };
-            let (stale, keep) = std::mem::take(&mut device.orphans)
-                .into_iter()
-                .partition(|o| o.key == key);
-            device.orphans = keep;
-            stale
+            device.orphans.extract_if(.., |o| o.key == key).collect()
         };
         for o in stale {
             tracing::info!(tenant = %s.tenant, device = %s.device, context = o.session.id,
