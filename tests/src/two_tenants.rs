@@ -140,6 +140,20 @@ pub fn run_pair_with(
     args: &[&str],
     setup: impl Fn(&mut Command),
 ) -> Run {
+    let (server, client) = spawn_pair(shim, fabric, program, args, setup);
+    finish_pair(fabric, &format!("{program} {args:?}"), server, client)
+}
+
+/// Starts `program args` as the server on alpha (`-p port`) and, once it
+/// listens, as the client on beta towards `localhost`; both with `setup`
+/// applied. Returns (server, client).
+pub fn spawn_pair(
+    shim: &IbverbsShim,
+    fabric: &Fabric,
+    program: &str,
+    args: &[&str],
+    setup: impl Fn(&mut Command),
+) -> (Child, Child) {
     let port = next_port().to_string();
     let mut server = shim.command(program, &fabric.alpha.socket);
     server.args(["-p", &port]).args(args);
@@ -157,6 +171,12 @@ pub fn run_pair_with(
     let client = client
         .spawn()
         .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    (server, client)
+}
+
+/// Waits for both sides of a pair (`what`, for messages): the client up to
+/// 120 s, then the server up to 20 s; each must exit 0.
+pub fn finish_pair(fabric: &Fabric, what: &str, server: Child, client: Child) -> Run {
     let (client, client_late) = wait_output(client, Duration::from_secs(120));
     let (server, server_late) = wait_output(server, Duration::from_secs(20));
     let run = Run { server, client };
@@ -164,7 +184,7 @@ pub fn run_pair_with(
     let late = |late: bool| if late { " (killed: too slow)" } else { "" };
     assert!(
         ok && !client_late && !server_late,
-        "{program} {args:?}: server {:?}{}, client {:?}{}\n--- server:\n{}\n--- client:\n{}\n{}",
+        "{what}: server {:?}{}, client {:?}{}\n--- server:\n{}\n--- client:\n{}\n{}",
         run.server.status,
         late(server_late),
         run.client.status,

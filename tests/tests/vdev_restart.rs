@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use vrdma_tests::daemon::{tcp_listening, wait_output, IbverbsShim};
 use vrdma_tests::need;
-use vrdma_tests::two_tenants::{next_port, serial, Fabric, Run};
+use vrdma_tests::two_tenants::{finish_pair, next_port, serial, spawn_pair, Fabric, Run};
 
 /// hostd keeps a dead vdev's contexts for its successor (the tests'
 /// hostds do not by default).
@@ -31,44 +31,9 @@ fn start_pair(
     args: &[&str],
     settle: Duration,
 ) -> (Child, Child) {
-    let port = next_port().to_string();
-    let server = shim
-        .command(program, &fabric.alpha.socket)
-        .args(["-p", &port])
-        .args(args)
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let client = shim
-        .command(program, &fabric.beta.socket)
-        .args(["-p", &port])
-        .args(args)
-        .arg("localhost")
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let pair = spawn_pair(shim, fabric, program, args, |_| {});
     std::thread::sleep(settle);
-    (server, client)
-}
-
-/// Waits for both programs: each must exit 0.
-fn finish_pair(fabric: &Fabric, what: &str, server: Child, client: Child) -> Run {
-    let (client, client_late) = wait_output(client, Duration::from_secs(120));
-    let (server, server_late) = wait_output(server, Duration::from_secs(30));
-    let run = Run { server, client };
-    assert!(
-        run.server.status.success() && run.client.status.success() && !client_late && !server_late,
-        "{what}: server {:?}, client {:?} (late: {server_late}/{client_late})\n--- server:\n{}\n\
-         --- client:\n{}\n{}",
-        run.server.status,
-        run.client.status,
-        run.server_text(),
-        run.client_text(),
-        fabric.logs()
-    );
-    run
+    pair
 }
 
 /// The server's QP was connected (INIT, then RTR: perftest's WRITE
