@@ -60,6 +60,7 @@ impl Hostd {
             // Sessions end without a release: nothing is kept for a
             // successor.
             orphan_grace_ms: Some(0),
+            take_over: false,
             sandbox: Default::default(),
         })
         .expect("a valid hostd configuration");

@@ -154,6 +154,21 @@ impl AsRawFd for Listener {
     }
 }
 
+impl From<OwnedFd> for Listener {
+    /// A listening seqpacket socket another process bound and handed over
+    /// (hostd's handover).
+    fn from(fd: OwnedFd) -> Self {
+        Listener { fd }
+    }
+}
+
+impl Listener {
+    /// Another descriptor of the listening socket (to hand it over).
+    pub fn try_clone_fd(&self) -> io::Result<OwnedFd> {
+        self.fd.try_clone()
+    }
+}
+
 /// One end of a connected seqpacket channel.
 #[derive(Debug)]
 pub struct Channel {

@@ -30,8 +30,9 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// [`Request::SendMad`], [`Request::TakeMads`]). 10: address resolution
 /// for the connection manager ([`Request::ResolveGid`]). 11: a context
 /// outlives its vdev ([`Request::Journal`], [`Request::Release`],
-/// [`Request::Adopt`], [`Request::TakeRecords`]).
-pub const PROTOCOL_VERSION: u32 = 11;
+/// [`Request::Adopt`], [`Request::TakeRecords`]). 12: hostd hands over to
+/// a new hostd ([`Notification::Handover`], [`Request::ResumeHandover`]).
+pub const PROTOCOL_VERSION: u32 = 12;
 
 /// The LID of hostd itself on an InfiniBand port: it is the subnet
 /// manager (`sm_lid` of every port); devices get LIDs from 2 on.
@@ -232,6 +233,14 @@ pub enum Request {
     /// interrupt eventfd per vector of `vectors`, each an event ring the
     /// context has. Answered `Ok`.
     RenewNotifiers { doorbell: bool, vectors: Vec<u32> },
+    /// Sent by a context registering again after hostd handed over
+    /// ([`Notification::Handover`]), before it gives its objects back:
+    /// `token` names what the previous hostd handed over of this context
+    /// (its QPs' transport state: PSNs, what a responder was in the middle
+    /// of), which the new hostd gives each QP once vdev has brought it back
+    /// to its state. Answered `Ok`, or refused: `ENOENT` (no such token:
+    /// expired, or the handover failed) or `EACCES` (another device's).
+    ResumeHandover { token: String },
 }
 
 /// What identifies a context across vdev restarts: the backing of its
@@ -305,6 +314,13 @@ pub enum Notification {
     /// The operator reloaded the policy; this is the tenant's new one.
     /// Raised quotas apply at once, lowered ones to new objects only.
     Policy(TenantPolicy),
+    /// A new hostd takes over from this one, which closes the channel next
+    /// (by exiting): the port is not down. vdev registers the context with
+    /// the new hostd at once, presents `token`
+    /// ([`Request::ResumeHandover`]) and gives its objects back in their
+    /// states — connected QPs stay connected; nothing is flushed and no
+    /// event is written.
+    Handover { token: String },
 }
 
 /// A work ring (send or receive) in guest memory.

@@ -35,6 +35,12 @@ pub enum AdminRequest {
     Reload,
     /// Per peer host counters of the RoCEv2 transport.
     Peers,
+    /// A new hostd takes over (`hostd --take-over`): this hostd stops, and
+    /// sends its sockets and then its contexts' state
+    /// ([`crate::handover`]).
+    Handover,
+    /// The new hostd took what was handed over: this one exits.
+    HandoverTaken,
 }
 
 /// hostd's answer.
@@ -50,6 +56,11 @@ pub enum AdminResponse {
     Reloaded {
         file: String,
         changes: Vec<String>,
+    },
+    /// What a hostd hands over of its contexts ([`crate::handover::Blob`]
+    /// as JSON, decoded by the new hostd as untrusted input).
+    Handover {
+        blob: String,
     },
     /// The request failed (for a reload: the policy in force stays).
     Error {
@@ -158,6 +169,9 @@ pub fn answer(server: &Server, request: AdminRequest) -> AdminResponse {
             },
             Err(message) => AdminResponse::Error { message },
         },
+        AdminRequest::Handover | AdminRequest::HandoverTaken => AdminResponse::Error {
+            message: "A handover runs on a connection of its own (hostd --take-over)".into(),
+        },
     }
 }
 
@@ -199,6 +213,13 @@ pub fn spawn(server: Arc<Server>, listener: Listener, threads: &Threads) -> io::
 fn serve_client(server: &Server, chan: &Channel) {
     loop {
         let response = match chan.recv::<AdminRequest>() {
+            Ok((AdminRequest::Handover, fds)) if fds.is_empty() => {
+                // Returns only when the handover did not happen (else
+                // this process exits).
+                let message = server.hand_over(chan);
+                tracing::error!("No handover: {message}; serving on");
+                AdminResponse::Error { message }
+            }
             Ok((request, fds)) if fds.is_empty() => answer(server, request),
             Ok(_) => AdminResponse::Error {
                 message: "Admin requests carry no file descriptors".into(),

@@ -119,6 +119,11 @@ pub struct Args {
     /// take over; 0: released at once.
     #[arg(long)]
     pub orphan_grace_ms: Option<u64>,
+    /// Take over from the hostd running on this configuration's admin
+    /// socket (an upgrade): its sockets, and its contexts and their QPs,
+    /// which carry on here; it exits once this hostd has them.
+    #[arg(long)]
+    pub take_over: bool,
     /// The sandbox: the same flags, meaning and checks as vdev's.
     #[command(flatten)]
     pub sandbox: SandboxArgs,
@@ -267,6 +272,8 @@ pub struct Config {
     /// How long a context whose vdev died is kept for the next vdev
     /// (`orphan_grace_ms`); zero: released at once.
     pub orphan_grace: std::time::Duration,
+    /// Take over from the running hostd (`--take-over`).
+    pub take_over: bool,
 }
 
 pub const DEFAULT_PHYSICAL_QPS: u32 = 64;
@@ -361,6 +368,7 @@ impl TryFrom<Args> for Config {
                     .or(file.orphan_grace_ms)
                     .unwrap_or(DEFAULT_ORPHAN_GRACE_MS),
             ),
+            take_over: args.take_over,
         };
         config.validate()?;
         config.policy = match &config.policy_file {
@@ -599,6 +607,7 @@ mod tests {
                 link_layer: PortLinkLayer::Ethernet,
                 fabric: None,
                 orphan_grace: std::time::Duration::from_millis(DEFAULT_ORPHAN_GRACE_MS),
+                take_over: false,
             }
         );
         assert_eq!(config.line_rate_bytes(), 50_000_000_000);

@@ -35,6 +35,7 @@ pub mod cpu;
 pub mod datapath;
 pub mod engine;
 pub mod gids;
+pub mod handover;
 pub mod ids;
 pub mod lids;
 pub mod metrics_http;
@@ -81,6 +82,12 @@ pub enum Error {
     Metrics(#[source] metrics_http::MetricsError),
     #[error("Cannot start the metrics thread")]
     MetricsThread(#[source] std::io::Error),
+    #[error("Cannot take over from the running hostd")]
+    TakeOver(#[source] handover::HandoverError),
+    #[error("Cannot tell the previous hostd to go")]
+    Commit(#[source] std::io::Error),
+    #[error("Cannot keep the sockets to hand over")]
+    Keep(#[source] std::io::Error),
     #[error("Cannot open the RoCEv2 packet queues (UDP port {port})")]
     PacketIo {
         port: u16,
@@ -102,6 +109,12 @@ pub struct Opened {
     packet_io: Option<Box<dyn net::io::PacketIo>>,
     /// The metrics endpoint's listener (`metrics_listen`).
     metrics: Option<metrics_http::Endpoint>,
+    /// The sockets above once more, for a new hostd this one may hand
+    /// over to.
+    sockets: server::handover::HandoverSockets,
+    /// What was taken over from a previous hostd (`--take-over`), and the
+    /// word that lets it go.
+    taken: Option<(handover::Handover, handover::Commit)>,
 }
 
 impl std::fmt::Debug for Opened {
@@ -128,12 +141,87 @@ pub const VDEV_SOCKET_MODE: u32 = 0o666;
 /// (mode 0600) and the vdev socket (mode [`VDEV_SOCKET_MODE`]). Call it
 /// before starting any thread: both steps are process-wide.
 pub fn open(config: &Config) -> Result<Opened, Error> {
-    use std::os::unix::fs::PermissionsExt;
     let sighup = admin::block_sighup().map_err(Error::Signals)?;
-    let admin_listener = admin::bind(&config.admin_socket).map_err(|source| Error::Listen {
+    let taken = config
+        .take_over
+        .then(|| handover::take(&config.admin_socket))
+        .transpose()
+        .map_err(Error::TakeOver)?;
+    let (admin_listener, listener, udp, handed_metrics, taken) = match taken {
+        Some(t) => (
+            t.admin_listener,
+            t.listener,
+            t.udp,
+            t.metrics,
+            Some((t.handover, t.commit)),
+        ),
+        None => (
+            bind_admin(config)?,
+            bind_vdev_socket(config)?,
+            None,
+            None,
+            None,
+        ),
+    };
+    let directory = config
+        .fabric
+        .as_ref()
+        .map(|fabric| net::directory::open_directory(fabric, &config.policy))
+        .transpose()
+        .map_err(Error::Directory)?
+        .map(Arc::from);
+    let port = net::io::ROCE_V2_PORT;
+    let packet_io = match (&directory, udp) {
+        (Some(_), Some(udp)) => Some(net::io::UdpIo::adopt(udp, port)),
+        (Some(_), None) => Some(net::io::UdpIo::open(std::net::Ipv4Addr::UNSPECIFIED, port)),
+        (None, _) => None,
+    }
+    .transpose()
+    .map_err(|source| Error::PacketIo { port, source })?;
+    let metrics = match (config.metrics_listen, handed_metrics) {
+        (Some(_), Some(l)) => Some(metrics_http::adopt(l)),
+        (Some(addr), None) => Some(metrics_http::bind(addr)),
+        (None, _) => None,
+    }
+    .transpose()
+    .map_err(Error::Metrics)?;
+    let sockets = server::handover::HandoverSockets {
+        listener: listener.try_clone_fd().map_err(Error::Keep)?,
+        admin: admin_listener.try_clone_fd().map_err(Error::Keep)?,
+        udp: packet_io
+            .as_ref()
+            .map(net::io::UdpIo::send_socket)
+            .transpose()
+            .map_err(Error::Keep)?,
+        metrics: metrics
+            .as_ref()
+            .map(metrics_http::Endpoint::listener_fd)
+            .transpose()
+            .map_err(Error::Keep)?,
+    };
+    Ok(Opened {
+        sighup,
+        admin_listener,
+        listener,
+        directory,
+        packet_io: packet_io.map(|io| Box::new(io) as Box<dyn net::io::PacketIo>),
+        metrics,
+        sockets,
+        taken,
+    })
+}
+
+/// Binds the admin socket (mode 0600).
+fn bind_admin(config: &Config) -> Result<Listener, Error> {
+    admin::bind(&config.admin_socket).map_err(|source| Error::Listen {
         path: config.admin_socket.clone(),
         source,
-    })?;
+    })
+}
+
+/// Binds the vdev socket (mode [`VDEV_SOCKET_MODE`]).
+fn bind_vdev_socket(config: &Config) -> Result<Listener, Error> {
+    use std::os::unix::fs::PermissionsExt;
     let listener = Listener::bind(&config.socket).map_err(|source| Error::Listen {
         path: config.socket.clone(),
         source,
@@ -146,35 +234,7 @@ pub fn open(config: &Config) -> Result<Opened, Error> {
         path: config.socket.clone(),
         source: source.into(),
     })?;
-    let directory = config
-        .fabric
-        .as_ref()
-        .map(|fabric| net::directory::open_directory(fabric, &config.policy))
-        .transpose()
-        .map_err(Error::Directory)?
-        .map(Arc::from);
-    let packet_io = match &directory {
-        Some(_) => {
-            let port = net::io::ROCE_V2_PORT;
-            let io = net::io::UdpIo::open(std::net::Ipv4Addr::UNSPECIFIED, port)
-                .map_err(|source| Error::PacketIo { port, source })?;
-            Some(Box::new(io) as Box<dyn net::io::PacketIo>)
-        }
-        None => None,
-    };
-    let metrics = config
-        .metrics_listen
-        .map(metrics_http::bind)
-        .transpose()
-        .map_err(Error::Metrics)?;
-    Ok(Opened {
-        sighup,
-        admin_listener,
-        listener,
-        directory,
-        packet_io,
-        metrics,
-    })
+    Ok(listener)
 }
 
 /// Serves vdevs on the configured socket, and the admin socket, until the
@@ -195,6 +255,8 @@ pub fn serve(config: &Config, opened: Opened, threads: &Threads) -> Result<(), E
         directory,
         packet_io,
         metrics,
+        sockets,
+        taken,
     } = opened;
     let datapath = datapath(config).map_err(Error::Datapath)?;
     if let (Some(io), Some(directory)) = (packet_io, &directory) {
@@ -203,6 +265,7 @@ pub fn serve(config: &Config, opened: Opened, threads: &Threads) -> Result<(), E
     }
     datapath.start(threads).map_err(Error::Datapath)?;
     let server = Server::new(config.clone(), datapath);
+    server.set_handover_sockets(sockets);
     if let Some(directory) = directory {
         directory.start(threads).map_err(Error::Directory)?;
         server.set_directory(directory);
@@ -224,6 +287,11 @@ pub fn serve(config: &Config, opened: Opened, threads: &Threads) -> Result<(), E
         "hostd serving"
     );
     log_fabric(config);
+    if let Some((handover, commit)) = taken {
+        server.set_handed(handover);
+        // The previous hostd exits now; its vdevs come back here.
+        commit.commit().map_err(Error::Commit)?;
+    }
     server.serve(&listener, threads);
     Ok(())
 }

@@ -44,6 +44,8 @@ pub enum MetricsError {
     },
     #[error("Cannot set the metrics listener's timeouts")]
     Timeouts(#[source] io::Error),
+    #[error("The metrics listener handed over is not a bound TCP socket")]
+    HandedOver(#[source] io::Error),
 }
 
 /// The bound endpoint: its listener and the address it got (port 0 asks
@@ -64,6 +66,19 @@ pub fn bind(addr: SocketAddr) -> Result<Endpoint, MetricsError> {
     }
     let addr = listener.local_addr().map_err(bind_error)?;
     Ok(Endpoint { listener, addr })
+}
+
+/// The endpoint of a listener a previous hostd bound and handed over.
+pub fn adopt(listener: TcpListener) -> Result<Endpoint, MetricsError> {
+    let addr = listener.local_addr().map_err(MetricsError::HandedOver)?;
+    Ok(Endpoint { listener, addr })
+}
+
+impl Endpoint {
+    /// A descriptor of its listener, for a handover.
+    pub fn listener_fd(&self) -> io::Result<std::os::fd::OwnedFd> {
+        Ok(self.listener.try_clone()?.into())
+    }
 }
 
 fn set_timeout(listener: &TcpListener, option: libc::c_int, t: Duration) -> io::Result<()> {

@@ -18,7 +18,7 @@
 //!   (`sendmmsg`, `recvmmsg`, never waiting) on the sockets of
 //!   `net::io::UdpIo`, opened before the sandbox.
 //! - [`Role::Admin`] — the admin socket's listener and its clients
-//!   (`vrdmactl`: stats, metrics, reload).
+//!   (`vrdmactl`: stats, metrics, reload; a new hostd taking over).
 //! - [`Role::Sighup`] — reload on SIGHUP, read from a signalfd.
 //! - [`Role::Directory`] — the etcd directory's threads (`vrdma-directory`:
 //!   lease keepalive and writes; `vrdma-dir-watch`: the watch), only with
@@ -198,9 +198,17 @@ fn admin_rules() -> Result<Rules, SeccompError> {
     // sandbox; a failed accept waits a little, not to spin.
     r.allow(libc::SYS_accept4);
     r.allow(libc::SYS_clock_nanosleep);
-    // Admin requests and responses (no descriptors are accepted).
+    // Admin requests and responses (no descriptors are accepted); a
+    // handover sends the sockets (SCM_RIGHTS) to the new hostd.
     r.allow(libc::SYS_recvmsg);
     r.allow(libc::SYS_sendmsg);
+    // A handover waits for the new hostd's word on a non-blocking socket
+    // (with pauses: there is no poll), to give up after a while.
+    r.allow_if_eq(
+        libc::SYS_fcntl,
+        1,
+        &[libc::F_GETFL as u64, libc::F_SETFL as u64],
+    )?;
     Ok(r)
 }
 

@@ -220,7 +220,9 @@ fn reload_pushes_policy(name: &str, trigger: impl Fn(&Hostd)) {
     let note = alpha
         .notification(Duration::from_secs(10))
         .expect("alpha is told again");
-    let Notification::Policy(p) = note;
+    let Notification::Policy(p) = note else {
+        panic!("expected the new policy, got {note:?}");
+    };
     assert_eq!(p.quotas.max_mr_bytes, MIB / 2);
     assert_eq!(region(&alpha, 2 * MIB, MIB), Err(libc::ENOMEM));
     let qp = alpha.loopback(1, 2);

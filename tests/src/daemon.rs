@@ -261,6 +261,18 @@ impl Hostd {
         }
     }
 
+    /// Upgrades hostd by handover (`--take-over`): returns once the
+    /// previous process exited (asserting it exited 0, having handed
+    /// over) and the new one serves.
+    pub fn hand_over(&mut self) {
+        let status = must(self.daemon.hand_over());
+        assert!(
+            status.success(),
+            "the previous hostd exited with {status}:\n{}",
+            self.log()
+        );
+    }
+
     /// The policy file hostd was started with (written by [`Hostd::start`]).
     pub fn policy_path(&self) -> PathBuf {
         self.dir.path().join("policy.toml")

@@ -516,6 +516,26 @@ impl Daemon {
         self.wait_listening()
     }
 
+    /// Upgrades it by handover (hostd only): starts a new process with the
+    /// same arguments and `--take-over`, which takes the running one's
+    /// sockets and state; waits (up to [`TIMEOUT`]) until the running one
+    /// has exited, and returns how. The new process is this daemon from
+    /// then on (its log goes on in the same file).
+    pub fn hand_over(&mut self) -> Result<ExitStatus, Error> {
+        let mut next = self.launch.clone().arg("--take-over").spawn()?;
+        match self.wait_exit(TIMEOUT) {
+            Ok(status) => {
+                self.child = next;
+                Ok(status)
+            }
+            Err(e) => {
+                let _ = next.kill();
+                let _ = next.wait();
+                Err(e)
+            }
+        }
+    }
+
     /// How many of its threads run under a seccomp filter, of how many
     /// (from `/proc`; none of none once it exited).
     pub fn seccomp_threads(&self) -> (usize, usize) {

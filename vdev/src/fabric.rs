@@ -124,6 +124,13 @@ impl Fabric {
         Ok(welcome)
     }
 
+    /// Presents the token a hostd that handed over gave this context
+    /// ([`Request::ResumeHandover`]): the new hostd gives its QPs their
+    /// transport back as they come back.
+    pub fn resume_handover(&self, token: String) -> Result<(), FabricError> {
+        self.call(&Request::ResumeHandover { token }, &[])
+    }
+
     /// The port's active MTU, as hostd last said.
     pub fn active_mtu(&self) -> vrdma_spec::verbs::Mtu {
         let bytes = self.active_mtu.load(std::sync::atomic::Ordering::Relaxed);
@@ -521,6 +528,16 @@ pub fn listen_for_policy(
                 };
                 let mut device = device.lock().unwrap_or_else(|p| p.into_inner());
                 device.set_policy_quotas(policy.quotas);
+            }
+            Ok((Notification::Handover { token }, _fds)) => {
+                let Some(device) = device.upgrade() else {
+                    return;
+                };
+                tracing::info!(%tenant, "hostd hands over to a new hostd: the port stays up");
+                device
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .handing_over(token);
             }
             Err(ChannelError::Closed) => {
                 if let (Some(fabric), Some(device)) = (fabric.upgrade(), device.upgrade()) {

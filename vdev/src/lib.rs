@@ -321,8 +321,9 @@ pub fn run(config: &Config, opened: Opened, threads: &Threads) -> Result<(), Err
         };
         match event {
             Event::HostdLost(id) => {
-                if contexts.contains_key(&id) {
-                    link.lost(id);
+                if let Some(c) = contexts.get(&id) {
+                    let handed_over = c.backend.device().is_handed_over();
+                    link.lost(id, handed_over);
                 }
             }
             Event::Accepted(id, l) => {

@@ -48,6 +48,12 @@ impl Backoff {
         self.next_try = Some(Instant::now() + self.first);
     }
 
+    /// Tries begin with one now (then as after [`Backoff::start`]).
+    pub fn start_now(&mut self) {
+        self.pause = self.first;
+        self.next_try = Some(Instant::now());
+    }
+
     /// A try failed: the next after twice the last pause (at most
     /// [`LONGEST_PAUSE`]).
     pub fn failed(&mut self) {
@@ -98,13 +104,21 @@ impl Link {
         }
     }
 
-    /// Context `id`'s registration was lost (hostd went away).
-    pub fn lost(&mut self, id: u64) {
+    /// Context `id`'s registration was lost: hostd went away, or handed
+    /// over to a new hostd (`handed_over`: the new one is there already,
+    /// so the first try is at once).
+    pub fn lost(&mut self, id: u64, handed_over: bool) {
         if self.down.is_empty() {
-            tracing::warn!(tenant = %self.tenant,
-                "hostd went away: the device's port is down; registering again every {} ms \
-                 to {} s until hostd is back", FIRST_PAUSE.as_millis(), LONGEST_PAUSE.as_secs());
-            self.backoff.start();
+            if handed_over {
+                tracing::info!(tenant = %self.tenant,
+                    "hostd handed over: registering with the new hostd");
+                self.backoff.start_now();
+            } else {
+                tracing::warn!(tenant = %self.tenant,
+                    "hostd went away: the device's port is down; registering again every {} ms \
+                     to {} s until hostd is back", FIRST_PAUSE.as_millis(), LONGEST_PAUSE.as_secs());
+                self.backoff.start();
+            }
             self.failing = false;
         }
         self.down.insert(id);

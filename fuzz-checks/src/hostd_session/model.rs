@@ -212,6 +212,8 @@ impl Model {
             | Request::Adopt { .. }
             | Request::RenewNotifiers { .. }
             | Request::TakeRecords { .. } => Expect::Either,
+            // This hostd took nothing over: no token is known.
+            Request::ResumeHandover { .. } => refuse(libc::ENOENT),
             &Request::AddMemory {
                 slot,
                 gpa,
@@ -501,6 +503,7 @@ impl Model {
         match request {
             Request::Hello { .. }
             | Request::OpenContext { .. }
+            | Request::ResumeHandover { .. }
             | Request::QuotaRejected { .. }
             | Request::QueryQp { .. }
             | Request::ResumeEq { .. }

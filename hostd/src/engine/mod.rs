@@ -30,6 +30,7 @@
 
 mod control;
 pub mod gsi;
+pub mod handover;
 pub use control::Start;
 pub mod guest;
 pub mod keys;
@@ -332,6 +333,10 @@ pub struct Engine {
     wire: Option<Box<wire::Wire>>,
     /// The port's active MTU in bytes: the largest UD message.
     port_mtu: u32,
+    /// Until then contexts a previous hostd handed over are coming back:
+    /// a local peer that is not there yet is waited for
+    /// ([`Engine::set_resuming`]).
+    resuming_until: Option<Instant>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -364,6 +369,7 @@ impl Engine {
             unpublished: Vec::new(),
             wire: None,
             port_mtu: 4096,
+            resuming_until: None,
         }
     }
 

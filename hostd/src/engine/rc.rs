@@ -515,7 +515,10 @@ impl Engine {
         if left == 0 {
             return false;
         }
-        let infinite = kind == WaitKind::Rnr && limit == 7;
+        // While a new hostd takes contexts over, a local peer that is not
+        // back yet is waited for without using up the QP's retries.
+        let infinite = (kind == WaitKind::Rnr && limit == 7)
+            || (kind == WaitKind::Retry && self.resuming_until.is_some_and(|t| due < t));
         qp.wait = Some(Wait {
             kind,
             due,

@@ -47,6 +47,7 @@ use crate::net::directory::Directory;
 use crate::seccomp::{Role, Threads};
 use crate::stats::{Stats, TenantStats};
 
+pub mod handover;
 mod journal;
 mod registry;
 
@@ -163,6 +164,11 @@ pub struct Server {
     orphans_changed: std::sync::Condvar,
     /// No thread expires orphans: none are kept.
     no_orphans: std::sync::atomic::AtomicBool,
+    /// The sockets a new hostd gets should this one hand over.
+    handover_sockets: OnceLock<handover::HandoverSockets>,
+    /// What this hostd took over from a previous one and its vdevs have
+    /// not claimed yet.
+    handed: Mutex<handover::Handed>,
 }
 
 impl Server {
@@ -199,6 +205,8 @@ impl Server {
             directory: OnceLock::new(),
             orphans_changed: std::sync::Condvar::new(),
             no_orphans: std::sync::atomic::AtomicBool::new(false),
+            handover_sockets: OnceLock::new(),
+            handed: Mutex::new(handover::Handed::default()),
         })
     }
 
@@ -369,7 +377,7 @@ impl Server {
         channel: &Arc<Channel>,
         session: &mut Option<Session>,
         request: Request,
-        mut files: Vec<File>,
+        files: Vec<File>,
         notify_peer: &mut Option<Channel>,
     ) -> Result<Response, Refusal> {
         let takes_fd = matches!(
@@ -423,6 +431,10 @@ impl Server {
             }
             Request::Release => {
                 s.released = true;
+                return Ok(Response::Ok);
+            }
+            Request::ResumeHandover { token } => {
+                self.resume_handover(channel, s, &token)?;
                 return Ok(Response::Ok);
             }
             Request::Journal(_) => {
@@ -488,15 +500,30 @@ impl Server {
             s.journal.changed();
         }
         s.created |= creates;
-        let s = &*s;
-        // An object a previous hostd served continues from its rings.
-        let start = match &request {
-            Request::ResumeEq { .. }
-            | Request::ResumeCq { .. }
-            | Request::ResumeQp(_)
-            | Request::ResumeSrq(_) => Start::Resumed,
-            _ => Start::Fresh,
+        // A QP handed over by a previous hostd, on its way back.
+        let mut handed = match &request {
+            Request::ModifyQp(m) if s.handed.contains_key(&m.vqpn) => {
+                Some(std::mem::take(&mut s.handed))
+            }
+            _ => None,
         };
+        let start = start_of(&request);
+        let result = self.apply(s, request, files, start, handed.as_mut());
+        if let Some(h) = handed {
+            s.handed = h;
+        }
+        result
+    }
+
+    /// Runs a request that changes or asks the datapath, for context `s`.
+    fn apply(
+        &self,
+        s: &Session,
+        request: Request,
+        mut files: Vec<File>,
+        start: Start,
+        handed: Option<&mut HashMap<u32, crate::engine::handover::QpTransport>>,
+    ) -> Result<Response, Refusal> {
         let id = s.id;
         match request {
             Request::Hello { .. } | Request::OpenContext { .. } => {
@@ -586,7 +613,12 @@ impl Server {
                 if let Some(conn) = &mut modify.connection {
                     conn.dgid = self.reachable_destination(s, conn.dgid, conn.dlid)?;
                 }
-                self.datapath.lock().modify_qp(id, &modify)?;
+                let mut engine = self.datapath.lock();
+                engine.modify_qp(id, &modify)?;
+                if let Some(handed) = handed {
+                    Self::resume_qp(&mut engine, id, handed, modify.vqpn, modify.state);
+                }
+                drop(engine);
                 // Work posted before RTS, or to flush at ERR: let the
                 // datapath see it now.
                 self.datapath.wake();
@@ -675,6 +707,7 @@ impl Server {
             }
             Request::Adopt { .. }
             | Request::TakeRecords { .. }
+            | Request::ResumeHandover { .. }
             | Request::Release
             | Request::RenewNotifiers { .. }
             | Request::Journal(_) => Err(refuse(libc::EPROTO, "Handled above")),
@@ -1034,6 +1067,18 @@ impl Server {
         }
         peers.retain(|p| !p.host.is_empty() || *p != PeerStats::default());
         peers
+    }
+}
+
+/// Whether `request` names an object a previous hostd served, which
+/// continues from its rings.
+fn start_of(request: &Request) -> Start {
+    match request {
+        Request::ResumeEq { .. }
+        | Request::ResumeCq { .. }
+        | Request::ResumeQp(_)
+        | Request::ResumeSrq(_) => Start::Resumed,
+        _ => Start::Fresh,
     }
 }
 

@@ -135,6 +135,9 @@ pub(super) struct Session {
     /// An object was created on this context: it can no longer adopt
     /// another.
     pub(super) created: bool,
+    /// The transport of its QPs a previous hostd handed over, by QP
+    /// number, until each is back in its state.
+    pub(super) handed: HashMap<u32, crate::engine::handover::QpTransport>,
 }
 
 impl Server {
@@ -500,6 +503,7 @@ impl Server {
             journal: ContextJournal::of_device(journal_bytes),
             released: false,
             created: false,
+            handed: HashMap::new(),
         };
         match self.start_device(&session, policy, first) {
             Ok(welcome) => {

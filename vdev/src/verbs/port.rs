@@ -38,6 +38,8 @@ pub struct Restored {
     pub flushed_qps: usize,
     /// The Welcome named another GID than the port had.
     pub gid_changed: bool,
+    /// The context carries on after a handover (nothing was down).
+    pub handed_over: bool,
 }
 
 impl RdmaDevice {
@@ -58,6 +60,13 @@ impl RdmaDevice {
         if self.port_down() {
             return;
         }
+        if self.handover.is_some() {
+            // A handover, not a failure: the port stays up, the QPs as
+            // they are; the new hostd gets them back in their states.
+            tracing::info!(tenant = %self.tenant(),
+                "hostd handed over: registering with the new hostd");
+            return;
+        }
         self.config.port.state = PortState::Down.into();
         self.config.port.phys_state = PHYS_DISABLED;
         let failed = self.fail_qps();
@@ -70,6 +79,20 @@ impl RdmaDevice {
                 break;
             }
         }
+    }
+
+    /// The hostd serving this context hands over to a new one and gave it
+    /// `token`: when its channel closes the port stays up
+    /// ([`RdmaDevice::port_lost`]), and [`RdmaDevice::restore`] brings the
+    /// context back onto the new hostd in its states.
+    pub fn handing_over(&mut self, token: String) {
+        self.handover = Some(token);
+    }
+
+    /// Whether the context's hostd handed over and the context is not on
+    /// the new one yet.
+    pub fn is_handed_over(&self) -> bool {
+        self.handover.is_some()
     }
 
     /// hostd is back and this context registered again (`welcome` is its
@@ -93,6 +116,23 @@ impl RdmaDevice {
         let Some(fabric) = self.fabric.clone() else {
             return restored;
         };
+        // After a handover the context carries on where it was, if the new
+        // hostd has what the previous one handed over of it; else it comes
+        // back as after a restart (the port went down meanwhile).
+        let handed_over = match self.handover.take() {
+            None => false,
+            Some(token) => match fabric.resume_handover(token) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(tenant = %self.tenant(),
+                        "The new hostd has nothing of this context: it comes back as after a \
+                         restart: {}", vrdma_errors::error_chain(&e));
+                    self.port_lost();
+                    false
+                }
+            },
+        };
+        restored.handed_over = handed_over;
         if welcome.gid != self.identity.gid {
             tracing::warn!(tenant = %self.tenant(),
                 old = %std::net::Ipv6Addr::from(self.identity.gid),
@@ -131,9 +171,11 @@ impl RdmaDevice {
                 return tally.restored;
             }
         }
-        self.config.port.state = PortState::Active.into();
-        self.config.port.phys_state = PHYS_LINK_UP;
-        self.post_port_event(event_kind::PORT_ACTIVE, 1);
+        if !handed_over {
+            self.config.port.state = PortState::Active.into();
+            self.config.port.phys_state = PHYS_LINK_UP;
+            self.post_port_event(event_kind::PORT_ACTIVE, 1);
+        }
         for (&vector, eq) in &self.eqs {
             let sent = self
                 .lend_fd("CREATE_EQ", |fds| fds.vector_call(vector))
@@ -183,7 +225,12 @@ impl RdmaDevice {
             if !tally.record("QP", qpn, fabric.resume_qp(qp.setup())) {
                 return tally.restored;
             }
-            if let Some(modify) = qp.restoring() {
+            let steps = if handed_over {
+                qp.replaying()
+            } else {
+                qp.restoring().into_iter().collect()
+            };
+            for modify in steps {
                 let flushing = modify.state == u8::from(vrdma_spec::verbs::QpState::Err);
                 let going_on = match fabric.modify_qp(modify) {
                     Ok(()) => {

@@ -375,6 +375,36 @@ impl QueuePair {
     }
 }
 
+impl QueuePair {
+    /// What a new hostd that took over (a handover), with this QP resumed
+    /// in RESET, is told to bring it back to its state through the states
+    /// before: INIT with its access flags (and a UD QP's Q_Key), RTR and
+    /// RTS with the whole connection, then SQD or SQE; ERR directly. The
+    /// new hostd gives it the transport the previous one handed over when
+    /// it reaches its state.
+    pub(super) fn replaying(&self) -> Vec<QpModify> {
+        let connected = self.qp_type != QpType::Ud;
+        let step = |to: QpState| QpModify {
+            vqpn: self.qpn,
+            state: to.into(),
+            connection: (connected && matches!(to, QpState::Rtr | QpState::Rts))
+                .then(|| connection_of(&self.attr)),
+            access: (to == QpState::Init).then(|| self.attr.qp_access_flags.get()),
+            qkey: (to == QpState::Init && !connected).then(|| self.attr.qkey.get()),
+        };
+        let path: &[QpState] = match self.state {
+            QpState::Reset => &[],
+            QpState::Init => &[QpState::Init],
+            QpState::Rtr => &[QpState::Init, QpState::Rtr],
+            QpState::Rts => &[QpState::Init, QpState::Rtr, QpState::Rts],
+            QpState::Sqd => &[QpState::Init, QpState::Rtr, QpState::Rts, QpState::Sqd],
+            QpState::Sqe => &[QpState::Init, QpState::Rtr, QpState::Rts, QpState::Sqe],
+            QpState::Err => &[QpState::Err],
+        };
+        path.iter().map(|&to| step(to)).collect()
+    }
+}
+
 /// Capacities in their wire form as numbers.
 pub(super) fn caps_of(cap: &QpCap) -> Caps {
     Caps {

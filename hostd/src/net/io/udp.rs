@@ -130,6 +130,27 @@ impl UdpIo {
         })
     }
 
+    /// Opens the packet socket and takes `udp`, the send socket a previous
+    /// hostd opened with [`UdpIo::open`] and handed over (bound to
+    /// `port`, which the new hostd could not bind while the previous one
+    /// holds it). Needs `CAP_NET_RAW`; before the sandbox.
+    pub fn adopt(udp: OwnedFd, port: u16) -> io::Result<UdpIo> {
+        Ok(UdpIo {
+            udp,
+            // SAFETY: as in `open`.
+            tx: Box::new(unsafe { std::mem::zeroed() }),
+            rx: PacketRx::open(port)?,
+            port,
+            gso: true,
+            counters: IoCounters::default(),
+        })
+    }
+
+    /// A descriptor of the send socket, for a handover.
+    pub fn send_socket(&self) -> io::Result<OwnedFd> {
+        self.udp.try_clone()
+    }
+
     /// Turns UDP GSO on or off (on after [`UdpIo::open`]). With GSO on, a
     /// run of packets with the same source, destination, TOS and length
     /// (the last one may be shorter) goes as one message, which the kernel

@@ -773,6 +773,7 @@ fn a_restarted_hostd_gets_the_context_back_and_the_port_comes_up() {
             refused: 0,
             flushed_qps: 1,
             gid_changed: false,
+            handed_over: false,
         }
     );
     assert_eq!(port_state(&mut dev), u8::from(PortState::Active));
