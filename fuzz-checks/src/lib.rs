@@ -17,6 +17,7 @@
 //! - [`policy`]: the tenant policy file parser.
 //! - [`journal`]: a dead vdev's journal as its successor rebuilds a
 //!   context from it.
+//! - [`handover`]: the blob a running hostd hands a new hostd.
 //! - [`memory`]: memory-table changes interleaved with MRs and key lookups.
 //! - [`roce`]: the RoCEv2 packet parser (what a peer host sends).
 //! - [`cm`]: the IB CM MAD codec and agent (what a peer's CM sends to QP1).
@@ -25,6 +26,7 @@
 
 pub mod cm;
 pub mod control;
+pub mod handover;
 pub mod hostd;
 pub mod hostd_session;
 pub mod input;
@@ -53,4 +55,5 @@ pub const TARGETS: &[(&str, Check)] = &[
     ("cm_mad", cm::check),
     ("wire_packets", wire::check),
     ("journal", journal::check),
+    ("handover", handover::check),
 ];

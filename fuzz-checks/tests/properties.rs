@@ -5,7 +5,8 @@ use std::path::PathBuf;
 
 use proptest::prelude::*;
 use vrdma_fuzz_checks::{
-    cm, control, hostd, hostd_session, journal, memory, policy, rings, roce, wire, wqe, TARGETS,
+    cm, control, handover, hostd, hostd_session, journal, memory, policy, rings, roce, wire, wqe,
+    TARGETS,
 };
 
 fn config() -> ProptestConfig {
@@ -51,6 +52,11 @@ proptest! {
     #[test]
     fn policy_files(text in policy_text()) {
         policy::check(text.as_bytes());
+    }
+
+    #[test]
+    fn handover_blobs(data in proptest::collection::vec(any::<u8>(), 0..256)) {
+        handover::check(&data);
     }
 
     #[test]

@@ -313,7 +313,7 @@ pub struct MadIn {
 pub enum Notification {
     /// The operator reloaded the policy; this is the tenant's new one.
     /// Raised quotas apply at once, lowered ones to new objects only.
-    Policy(TenantPolicy),
+    Policy(Box<TenantPolicy>),
     /// A new hostd takes over from this one, which closes the channel next
     /// (by exiting): the port is not down. vdev registers the context with
     /// the new hostd at once, presents `token`

@@ -252,3 +252,118 @@ pub fn take(admin_socket: &Path) -> Result<Taken, HandoverError> {
         commit: Commit { channel },
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::handover::{HandedReceiving, RemoteTransport};
+
+    fn blob() -> Blob {
+        Blob {
+            version: BLOB_VERSION,
+            contexts: vec![HandedContext {
+                token: "0123456789abcdef0123456789abcdef".into(),
+                tenant: "alpha".into(),
+                device: "a0".into(),
+                pid: Some(42),
+                qps: vec![QpTransport {
+                    vqpn: 7,
+                    state: 3,
+                    ud_psn: 0,
+                    remote: Some(RemoteTransport {
+                        next_psn: 100,
+                        acked: 99,
+                        high: 120,
+                        epsn: 5,
+                        msn: 4,
+                        receiving: HandedReceiving::Write {
+                            va: 0x1000,
+                            rkey: 9,
+                            len: 8192,
+                            offset: 4096,
+                        },
+                        reads: Vec::new(),
+                        atomics: Vec::new(),
+                        nak_sent: false,
+                        dropping: false,
+                    }),
+                }],
+            }],
+        }
+    }
+
+    fn remote(b: &mut Blob) -> &mut RemoteTransport {
+        b.contexts[0].qps[0].remote.as_mut().expect("remote")
+    }
+
+    fn text(b: &Blob) -> String {
+        serde_json::to_string(b).expect("encode")
+    }
+
+    #[test]
+    fn a_blob_decodes_to_what_was_handed_over() {
+        let b = blob();
+        let h = decode(text(&b).as_bytes()).expect("valid");
+        assert_eq!(h.contexts.len(), 1);
+        assert_eq!(h.contexts[&b.contexts[0].token], b.contexts[0]);
+    }
+
+    #[test]
+    fn a_truncated_or_corrupted_blob_is_refused_whole() {
+        let t = text(&blob());
+        for cut in [0, 1, t.len() / 2, t.len() - 1] {
+            assert!(matches!(
+                decode(&t.as_bytes()[..cut]),
+                Err(HandoverError::Malformed(_))
+            ));
+        }
+        let flipped = t.replace("\"epsn\":5", "\"epsn\":\"5\"");
+        assert!(matches!(
+            decode(flipped.as_bytes()),
+            Err(HandoverError::Malformed(_))
+        ));
+        let unknown = t.replace("\"msn\":4", "\"msn\":4,\"extra\":1");
+        assert!(matches!(
+            decode(unknown.as_bytes()),
+            Err(HandoverError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn every_field_is_checked() {
+        let mut b = blob();
+        b.version = 2;
+        assert!(matches!(
+            decode(text(&b).as_bytes()),
+            Err(HandoverError::Version(2))
+        ));
+        let bad = |f: &dyn Fn(&mut Blob)| {
+            let mut b = blob();
+            f(&mut b);
+            decode(text(&b).as_bytes()).map(|_| ())
+        };
+        assert!(bad(&|b| b.contexts[0].token = "xyz".into()).is_err());
+        assert!(bad(&|b| b.contexts[0].tenant = String::new()).is_err());
+        assert!(bad(&|b| b.contexts[0].qps[0].state = 9).is_err());
+        assert!(bad(&|b| b.contexts[0].qps[0].vqpn = 1 << 24).is_err());
+        assert!(bad(&|b| remote(b).epsn = 1 << 24).is_err());
+        assert!(bad(&|b| remote(b).msn = u32::MAX).is_err());
+        assert!(bad(&|b| remote(b).receiving = HandedReceiving::Write {
+            va: 0,
+            rkey: 1,
+            len: 10,
+            offset: 11,
+        })
+        .is_err());
+        assert!(bad(&|b| {
+            let qp = b.contexts[0].qps[0].clone();
+            b.contexts[0].qps.push(qp);
+        })
+        .is_err());
+        assert!(bad(&|b| {
+            let c = b.contexts[0].clone();
+            b.contexts.push(c);
+        })
+        .is_err());
+    }
+}

@@ -210,7 +210,10 @@ fn reload_pushes_policy(name: &str, trigger: impl Fn(&Hostd)) {
     let note = alpha
         .notification(Duration::from_secs(10))
         .expect("alpha is told");
-    assert_eq!(note, Notification::Policy(tenant_policy(&raised, "alpha")));
+    assert_eq!(
+        note,
+        Notification::Policy(Box::new(tenant_policy(&raised, "alpha")))
+    );
     assert!(beta.notification(Duration::from_millis(100)).is_none());
     let (lkey, rkey) =
         region(&alpha, 0, MIB + MIB / 4).expect("the raised quota applies to new MRs");

@@ -959,7 +959,7 @@ impl Server {
             .lock()
             .configure_tenants(&new.tenants, Instant::now());
         for (tenant, device, chan, policy) in notify {
-            match chan.send(&Notification::Policy(policy), &[]) {
+            match chan.send(&Notification::Policy(Box::new(policy)), &[]) {
                 Ok(()) => {
                     tracing::info!(tenant, device, "Sent the tenant's new policy to its vdev")
                 }

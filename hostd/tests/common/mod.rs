@@ -99,6 +99,33 @@ impl Hostd {
         hostd
     }
 
+    /// Starts a new hostd on the same configuration with `--take-over`
+    /// and waits until the running one exited (0: it handed over); the new
+    /// one is this hostd from then on.
+    pub fn take_over(&mut self) -> std::process::ExitStatus {
+        let next = Command::new(env!("CARGO_BIN_EXE_hostd"))
+            .arg("--config")
+            .arg(self.dir.join("hostd.toml"))
+            .arg("--take-over")
+            .env("VRDMA_LOG", "warn")
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn the new hostd");
+        let deadline = Instant::now() + DEADLINE;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break status;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the running hostd did not hand over"
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        self.child = next;
+        status
+    }
+
     /// The process id.
     pub fn pid(&self) -> u32 {
         self.child.id()

@@ -438,6 +438,44 @@ impl RdmaDevice {
         self.send_journal(records);
     }
 
+    /// Gives a hostd that holds nothing of this context's journal (it
+    /// restarted, or took the context over in a handover) all of it: the
+    /// key and every record, in messages of at most half a message of
+    /// data (JSON escaping may double it). Without it the context would
+    /// not be kept should this vdev die later.
+    pub(super) fn journal_everything(&mut self) {
+        if self.journal.lost.is_some() {
+            return;
+        }
+        let Some(fabric) = self.fabric.clone() else {
+            return;
+        };
+        let budget = vrdma_hostd_protocol::messages::MAX_MESSAGE / 2;
+        let mut key = self.journal.key;
+        self.journal.key_sent = key.is_some();
+        let (mut page, mut used) = (Vec::new(), 0);
+        for record in self.journal_records() {
+            // The record's data and its frame (kind, id, field names).
+            let len = record.data.as_ref().map_or(0, String::len) + 48;
+            if used + len > budget && !page.is_empty() {
+                let records = std::mem::take(&mut page);
+                fabric.journal(Journal {
+                    key: key.take(),
+                    records,
+                });
+                used = 0;
+            }
+            used += len;
+            page.push(record);
+        }
+        // The last (or only) message, even empty: it says the journal is
+        // whole after the requests that brought the context back.
+        fabric.journal(Journal {
+            key: key.take(),
+            records: page,
+        });
+    }
+
     /// Journals that every object is gone (the device was reset); the
     /// memory slots stay, as in hostd.
     pub(super) fn journal_released(&mut self, gone: Vec<(u8, u32)>) {

@@ -244,7 +244,9 @@ impl RdmaDevice {
                 }
             }
         }
-        tally.restored
+        let restored = tally.restored;
+        self.journal_everything();
+        restored
     }
 
     /// Posts a port event (or a QP_FATAL with it) on event ring 0; false

@@ -168,6 +168,22 @@ impl Host {
         Ok(())
     }
 
+    /// Upgrades hostd by handover: a new hostd takes the running one's
+    /// sockets and state (`--take-over`); returns once the previous one
+    /// exited, with how long that took.
+    pub fn hand_over_hostd(&self) -> Result<std::time::Duration> {
+        let started = std::time::Instant::now();
+        let status =
+            cores::on_every_cpu(|| self.hostd().hand_over()).map_err(BenchError::Cores)??;
+        if !status.success() {
+            return Err(BenchError::Setup {
+                what: "hand hostd over".into(),
+                detail: format!("the previous hostd exited with {status}"),
+            });
+        }
+        Ok(started.elapsed())
+    }
+
     /// The daemon process of hostd.
     pub fn hostd_pid(&self) -> u32 {
         self.hostd().pid()

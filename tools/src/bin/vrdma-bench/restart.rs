@@ -1,10 +1,11 @@
-//! What an application sees when its device's vdev dies and comes back:
-//! the longest gap between two of its completions while 64-byte RDMA
-//! WRITEs run back to back (one in flight), with the vdev SIGKILLed and
-//! restarted in the middle, against the longest gap of the same traffic
-//! in a window of the same length without a restart, measured in the same
-//! run. Then the first control verb after the restart (it waits for the
-//! new vdev and its takeover of the context): how long it took.
+//! What an application sees when its device's vdev dies and comes back,
+//! and when hostd is upgraded by handover: the longest gap between two of
+//! its completions while 64-byte RDMA WRITEs run back to back (one in
+//! flight), with the vdev SIGKILLed and restarted in the middle (then
+//! hostd handed over in the middle), against the longest gap of the same
+//! traffic in a window of the same length without either, measured in the
+//! same run. Then the first control verb after the restart (it waits for
+//! the new vdev and its takeover of the context): how long it took.
 
 use std::time::{Duration, Instant};
 
@@ -19,6 +20,10 @@ const WINDOW: Duration = Duration::from_millis(1500);
 const KILL_AT: Duration = Duration::from_millis(300);
 /// The longest gap an application may see across a vdev restart.
 const TARGET_GAP: Duration = Duration::from_millis(100);
+/// The longest gap an application may see across a hostd handover.
+const TARGET_HANDOVER_GAP: Duration = Duration::from_millis(250);
+/// A WRITE not completed by then counts as lost (the run fails).
+const STALL: Duration = Duration::from_secs(10);
 
 /// Back-to-back WRITEs of 64 bytes from `link.a` for `window`: the longest
 /// gap between two completions, and how many completed.
@@ -28,9 +33,13 @@ fn longest_gap(link: &Link<'_>, window: Duration) -> Result<(Duration, u64)> {
         (Instant::now(), Instant::now(), Duration::ZERO, 0u64);
     while start.elapsed() < window {
         crate::latency::write(&link.qa, &link.ma, 0, &link.mb, 0, 64, true)?;
-        loop {
-            if poll_ok(&link.a.cq, &mut wcs)? > 0 {
-                break;
+        let posted = Instant::now();
+        while poll_ok(&link.a.cq, &mut wcs)? == 0 {
+            if posted.elapsed() > STALL {
+                return Err(BenchError::Setup {
+                    what: "complete a WRITE".into(),
+                    detail: format!("none completed in {} s", STALL.as_secs()),
+                });
             }
         }
         let now = Instant::now();
@@ -125,6 +134,26 @@ pub fn run(targets: &mut Targets) -> Result<()> {
         us(restart),
         us(verb),
     );
+    // hostd upgraded by handover under the same traffic: the application
+    // does nothing about it.
+    longest_gap(&link, Duration::from_millis(300))?;
+    let (handover_gap, handover_n, handover) =
+        std::thread::scope(|s| -> Result<(Duration, u64, Duration)> {
+            let upgrader = s.spawn(|| -> Result<Duration> {
+                std::thread::sleep(KILL_AT);
+                host.hand_over_hostd()
+            });
+            let (gap, n) = longest_gap(&link, WINDOW)?;
+            let took = upgrader.join().map_err(|_| BenchError::Panicked)??;
+            Ok((gap, n, took))
+        })?;
+    println!(
+        "hostd handover: the same WRITEs, {:.1} s window, hostd handed over to a new hostd (--take-over) {} ms in: longest gap between completions {} ({handover_n} completions, every one successful; the new hostd started and the previous one exited within {})",
+        WINDOW.as_secs_f64(),
+        KILL_AT.as_millis(),
+        us(handover_gap),
+        us(handover),
+    );
     // For comparison: hostd SIGKILLed and restarted under the same traffic.
     let (hostd_gap, reconnects) = std::thread::scope(|s| -> Result<(Duration, u32)> {
         let killer = s.spawn(|| -> Result<()> {
@@ -145,6 +174,12 @@ pub fn run(targets: &mut Targets) -> Result<()> {
         gap.as_secs_f64() * 1e3,
         " ms",
         Bound::AtMost(TARGET_GAP.as_secs_f64() * 1e3),
+    );
+    targets.check(
+        "hostd handover: longest completion gap",
+        handover_gap.as_secs_f64() * 1e3,
+        " ms",
+        Bound::AtMost(TARGET_HANDOVER_GAP.as_secs_f64() * 1e3),
     );
     Ok(())
 }
