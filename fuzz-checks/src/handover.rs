@@ -55,6 +55,7 @@ pub fn template() -> Blob {
                 token: "00112233445566778899aabbccddeeff".into(),
                 tenant: "alpha".into(),
                 device: "vdev-1".into(),
+                gid: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 10, 0, 0, 7],
                 pid: Some(4242),
                 qps: vec![
                     QpTransport {
@@ -75,6 +76,7 @@ pub fn template() -> Blob {
                 token: "ffeeddccbbaa99887766554433221100".into(),
                 tenant: "beta".into(),
                 device: "vdev-2".into(),
+                gid: [0; 16],
                 pid: None,
                 qps: vec![QpTransport {
                     vqpn: 0x00ff_ffff,

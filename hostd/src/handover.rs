@@ -66,6 +66,8 @@ pub struct HandedContext {
     pub token: String,
     pub tenant: String,
     pub device: String,
+    /// The device's GID: it gets the same one from the new hostd.
+    pub gid: [u8; 16],
     /// The vdev process, as the socket's credentials said.
     pub pid: Option<i32>,
     pub qps: Vec<QpTransport>,
@@ -265,6 +267,7 @@ mod tests {
                 token: "0123456789abcdef0123456789abcdef".into(),
                 tenant: "alpha".into(),
                 device: "a0".into(),
+                gid: [0; 16],
                 pid: Some(42),
                 qps: vec![QpTransport {
                     vqpn: 7,

@@ -92,6 +92,8 @@ pub struct Link {
     backoff: Backoff,
     /// A try failed since hostd went away (logged once).
     failing: bool,
+    /// hostd handed over (the port stayed up) rather than went away.
+    handed_over: bool,
 }
 
 impl Link {
@@ -101,6 +103,7 @@ impl Link {
             down: BTreeSet::new(),
             backoff: Backoff::new(FIRST_PAUSE),
             failing: false,
+            handed_over: false,
         }
     }
 
@@ -120,6 +123,7 @@ impl Link {
                 self.backoff.start();
             }
             self.failing = false;
+            self.handed_over = handed_over;
         }
         self.down.insert(id);
     }
@@ -173,7 +177,11 @@ impl Link {
                 }
             }
         }
-        tracing::info!(tenant = %self.tenant, "hostd is back: the device's port is active again");
+        if self.handed_over {
+            tracing::info!(tenant = %self.tenant, "Every context is on the new hostd");
+        } else {
+            tracing::info!(tenant = %self.tenant, "hostd is back: the device's port is active again");
+        }
         self.backoff.stop();
         true
     }

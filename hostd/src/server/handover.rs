@@ -15,6 +15,7 @@ use super::{refuse, Refusal, Server};
 use crate::admin::{send_response, AdminRequest, AdminResponse};
 use crate::engine::handover::QpTransport;
 use crate::engine::{DeviceId, Engine};
+use crate::gids::Gid;
 use crate::handover::{Blob, HandedContext, Handover, Sockets, BLOB_VERSION, TOKEN_LIFETIME};
 
 /// How long the running hostd waits, stopped, for the new one to say it
@@ -69,6 +70,30 @@ impl Server {
 
     fn handed(&self) -> std::sync::MutexGuard<'_, Handed> {
         self.handed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The GID device `device` of `tenant` had before a handover (if its
+    /// contexts are still coming back), and the GIDs the others coming
+    /// back had.
+    pub(super) fn handed_gids(
+        &self,
+        tenant: &str,
+        device: &str,
+    ) -> (Option<Gid>, std::collections::HashSet<Gid>) {
+        let handed = self.handed();
+        if handed.until.is_none_or(|t| t <= Instant::now()) {
+            return (None, Default::default());
+        }
+        let mut own = None;
+        let mut others = std::collections::HashSet::new();
+        for c in handed.contexts.values() {
+            if c.tenant == tenant && c.device == device {
+                own = Some(c.gid);
+            } else {
+                others.insert(c.gid);
+            }
+        }
+        (own, others)
     }
 
     /// Context `s` registered again after a handover and presents `token`:
@@ -129,13 +154,25 @@ impl Server {
         vqpn: u32,
         state: u8,
     ) {
-        if handed.get(&vqpn).is_none_or(|t| t.state != state) {
-            return;
+        let err = u8::from(vrdma_spec::verbs::QpState::Err);
+        match handed.get(&vqpn) {
+            // It had gone to ERR on the datapath (vdev's view was older):
+            // it goes there again rather than run.
+            Some(t) if t.state == err && state != err => {}
+            Some(t) if t.state == state => {}
+            _ => return,
         }
         let Some(t) = handed.remove(&vqpn) else {
             return;
         };
-        if let Err(e) = engine.resume_transport(id, &t) {
+        let failed = if t.state == err && state != err {
+            Err(crate::engine::EngineError::Invalid(
+                "the QP was in ERR when it was handed over",
+            ))
+        } else {
+            engine.resume_transport(id, &t)
+        };
+        if let Err(e) = failed {
             tracing::warn!(
                 device = id,
                 vqpn,
@@ -178,6 +215,7 @@ impl Server {
                     token: token.clone(),
                     tenant: device.tenant.clone(),
                     device: device.device.clone(),
+                    gid: device.gid,
                     pid: device.pid,
                     qps: engine.handover_qps(*id),
                 });

@@ -417,11 +417,17 @@ impl Server {
                 }
                 (id, lid, gid, pqps, policy, false, journal_bytes)
             } else {
+                // After a handover each device gets the GID it had (its
+                // peers' connections name it), and no other device takes
+                // one of those while they come back.
+                let (handed_gid, kept) = self.handed_gids(tenant, device);
                 let gid = match &self.config.fabric {
                     Some(fabric) => (fabric.cluster.gids.iter())
                         .filter(|e| e.host == fabric.host && e.tenant == tenant)
                         .map(|e| vrdma_spec::gid::ipv4_mapped(e.gid.octets()))
-                        .find(|g| !reg.by_gid.contains_key(g))
+                        .filter(|g| !reg.by_gid.contains_key(g))
+                        .filter(|g| handed_gid.is_none_or(|h| h == *g))
+                        .find(|g| handed_gid == Some(*g) || !kept.contains(g))
                         .ok_or_else(|| {
                             refuse(
                                 libc::ENOSPC,
