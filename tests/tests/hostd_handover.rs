@@ -118,38 +118,36 @@ fn write_bw_runs_on_while_hostd_is_handed_over() {
     fabric.hostd.hand_over();
     wait_all_back(|| fabric.hostd.log(), || fabric.logs());
     let run = finish_pair(&fabric, "ib_write_bw", server, client);
-    // The report's line for 64 KiB: bytes, iterations, peak and average
-    // bandwidth, message rate; an average of 0 would mean nothing moved.
-    let report = run.client_text();
-    let line = report
-        .lines()
-        .find(|l| l.trim_start().starts_with("65536"))
-        .unwrap_or_else(|| panic!("no 64 KiB line:\n{report}"));
-    let average: f64 = line
-        .split_whitespace()
-        .nth(3)
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no average bandwidth in {line:?}"));
-    assert!(average > 0.0, "{line}");
+    // The report's line for 64 KiB: an average of 0 would mean nothing moved.
+    assert!(
+        average_64k(&run.client_text()) > 0.0,
+        "{}",
+        run.client_text()
+    );
     assert_handed_over(&fabric.hostd.log(), &fabric.logs());
 }
 
-/// The same across hosts: alpha on h1 serves, alpha on h2 is the client,
-/// every RDMA byte goes over the namespaces' bridge as RoCEv2. h1's hostd
-/// is handed over mid-run: the new one takes the RoCEv2 socket and each
-/// QP's PSNs, and what was on the wire meanwhile is sent again (h2's
-/// requester on its timeout, h1's from the oldest message not completed).
-#[test]
-fn rc_pingpong_across_hosts_runs_on_while_a_hostd_is_handed_over() {
+/// `program args` between alpha on `server` and alpha on `client` (hosts
+/// of a three-host cluster; every RDMA byte goes over the namespaces'
+/// bridge as RoCEv2), with h1's hostd handed over `settle` into the run:
+/// the new one takes the RoCEv2 socket and each QP's PSNs, and what was on
+/// the wire meanwhile is sent again (the peer's requester on its timeout,
+/// h1's from the oldest message not completed). Both exit 0; returns what
+/// they printed.
+fn across_hosts(
+    program: &str,
+    args: &[&str],
+    (server, client): (usize, usize),
+    settle: Duration,
+) -> Run {
     vrdma_tests::need::root("network namespaces");
-    need::program("ibv_rc_pingpong", "ibverbs-utils");
     let _serial = serial();
     let shim = IbverbsShim::new();
     let mut fabric = vrdma_tests::hosts::Fabric::start();
     let port = next_port().to_string();
-    let args = ["-g", "0", "-n", "20000", "-s", "1024", "-c", "-p", &port];
     let mut server = shim
-        .command("ibv_rc_pingpong", fabric.device(1, "alpha"))
+        .command(program, fabric.device(server, "alpha"))
+        .args(["-p", &port])
         .args(args)
         .spawn()
         .expect("spawn the server");
@@ -158,12 +156,13 @@ fn rc_pingpong_across_hosts_runs_on_while_a_hostd_is_handed_over() {
         std::thread::sleep(Duration::from_millis(10));
     }
     let mut client = shim
-        .command("ibv_rc_pingpong", fabric.device(2, "alpha"))
+        .command(program, fabric.device(client, "alpha"))
+        .args(["-p", &port])
         .args(args)
         .arg("127.0.0.1")
         .spawn()
         .expect("spawn the client");
-    std::thread::sleep(Duration::from_millis(500));
+    std::thread::sleep(settle);
     assert!(
         both_running(&mut server, &mut client),
         "ended before the handover\n{}",
@@ -184,7 +183,7 @@ fn rc_pingpong_across_hosts_runs_on_while_a_hostd_is_handed_over() {
     let run = Run { server, client };
     assert!(
         run.server.status.success() && run.client.status.success() && !client_late && !server_late,
-        "server {:?}, client {:?}\n--- server:\n{}\n--- client:\n{}\n{}",
+        "{program}: server {:?}, client {:?}\n--- server:\n{}\n--- client:\n{}\n{}",
         run.server.status,
         run.client.status,
         run.server_text(),
@@ -192,12 +191,50 @@ fn rc_pingpong_across_hosts_runs_on_while_a_hostd_is_handed_over() {
         fabric.logs()
     );
     assert!(mid_run, "the handover came after the run ended");
+    assert_handed_over(&log(), &fabric.logs());
+    run
+}
+
+/// The average bandwidth of ib_write_bw's 64 KiB line (0 would mean
+/// nothing moved).
+fn average_64k(report: &str) -> f64 {
+    let line = report
+        .lines()
+        .find(|l| l.trim_start().starts_with("65536"))
+        .unwrap_or_else(|| panic!("no 64 KiB line:\n{report}"));
+    line.split_whitespace()
+        .nth(3)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no average bandwidth in {line:?}"))
+}
+
+#[test]
+fn rc_pingpong_across_hosts_runs_on_while_a_hostd_is_handed_over() {
+    need::program("ibv_rc_pingpong", "ibverbs-utils");
+    let args = ["-g", "0", "-n", "20000", "-s", "1024", "-c"];
+    let run = across_hosts("ibv_rc_pingpong", &args, (1, 2), Duration::from_millis(500));
     assert!(
         run.client_text().contains("20000 iters"),
         "{}",
         run.client_text()
     );
-    assert_handed_over(&log(), &fabric.logs());
+}
+
+/// h1 receives the WRITEs (its responder is handed over in the middle of
+/// a 64 KiB message), then h1 sends them (its requester has a window of
+/// WRITEs on the wire, sent again from the oldest).
+#[test]
+fn write_bw_across_hosts_runs_on_while_either_side_is_handed_over() {
+    need::program("ib_write_bw", "perftest");
+    let args = ["-x", "0", "-s", "65536", "-D", "4"];
+    for sides in [(1, 2), (2, 1)] {
+        let run = across_hosts("ib_write_bw", &args, sides, Duration::from_secs(3));
+        assert!(
+            average_64k(&run.client_text()) > 0.0,
+            "{}",
+            run.client_text()
+        );
+    }
 }
 
 /// The new hostd holds each context's whole journal (its vdev sends it
