@@ -144,9 +144,8 @@ pub fn run_pair_with(
     finish_pair(fabric, &format!("{program} {args:?}"), server, client)
 }
 
-/// Starts `program args` as the server on alpha (`-p port`) and, once it
-/// listens, as the client on beta towards `localhost`; both with `setup`
-/// applied. Returns (server, client).
+/// Starts `program args` as the server on alpha and its client on beta
+/// (`setup` adjusts both commands).
 pub fn spawn_pair(
     shim: &IbverbsShim,
     fabric: &Fabric,
@@ -154,24 +153,40 @@ pub fn spawn_pair(
     args: &[&str],
     setup: impl Fn(&mut Command),
 ) -> (Child, Child) {
+    spawn_pair_on(
+        shim,
+        (&fabric.alpha.socket, &fabric.beta.socket),
+        program,
+        args,
+        setup,
+    )
+}
+
+/// Starts `program -p PORT args` as a server on the device at `server`
+/// and, once it listens on its TCP port, as its client on `client`,
+/// connecting to 127.0.0.1 (the programs' out-of-band exchange stays in
+/// the test's network namespace, wherever the devices' hosts are).
+pub fn spawn_pair_on(
+    shim: &IbverbsShim,
+    (server, client): (&Path, &Path),
+    program: &str,
+    args: &[&str],
+    setup: impl Fn(&mut Command),
+) -> (Child, Child) {
     let port = next_port().to_string();
-    let mut server = shim.command(program, &fabric.alpha.socket);
-    server.args(["-p", &port]).args(args);
-    setup(&mut server);
-    let server = server
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    let mut s = shim.command(program, server);
+    s.args(["-p", &port]).args(args);
+    setup(&mut s);
+    let s = s.spawn().unwrap_or_else(|e| panic!("spawn {program}: {e}"));
     let deadline = Instant::now() + Duration::from_secs(20);
     while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
     }
-    let mut client = shim.command(program, &fabric.beta.socket);
-    client.args(["-p", &port]).args(args).arg("localhost");
-    setup(&mut client);
-    let client = client
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {program}: {e}"));
-    (server, client)
+    let mut c = shim.command(program, client);
+    c.args(["-p", &port]).args(args).arg("127.0.0.1");
+    setup(&mut c);
+    let c = c.spawn().unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    (s, c)
 }
 
 /// Waits for both sides of a pair (`what`, for messages): the client up to

@@ -8,9 +8,9 @@
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use vrdma_tests::daemon::{tcp_listening, wait_output, IbverbsShim};
+use vrdma_tests::daemon::{wait_output, IbverbsShim};
 use vrdma_tests::need;
-use vrdma_tests::two_tenants::{finish_pair, next_port, serial, spawn_pair, Fabric, Run};
+use vrdma_tests::two_tenants::{finish_pair, serial, spawn_pair, spawn_pair_on, Fabric, Run};
 
 /// What the new hostd logs per context that came back.
 const BACK: &str = "Context back after the handover";
@@ -144,24 +144,16 @@ fn across_hosts(
     let _serial = serial();
     let shim = IbverbsShim::new();
     let mut fabric = vrdma_tests::hosts::Fabric::start();
-    let port = next_port().to_string();
-    let mut server = shim
-        .command(program, fabric.device(server, "alpha"))
-        .args(["-p", &port])
-        .args(args)
-        .spawn()
-        .expect("spawn the server");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let mut client = shim
-        .command(program, fabric.device(client, "alpha"))
-        .args(["-p", &port])
-        .args(args)
-        .arg("127.0.0.1")
-        .spawn()
-        .expect("spawn the client");
+    let (mut server, mut client) = spawn_pair_on(
+        &shim,
+        (
+            fabric.device(server, "alpha"),
+            fabric.device(client, "alpha"),
+        ),
+        program,
+        args,
+        |_| {},
+    );
     std::thread::sleep(settle);
     assert!(
         both_running(&mut server, &mut client),

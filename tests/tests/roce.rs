@@ -12,8 +12,6 @@
 
 use std::path::Path;
 use std::process::{Child, Command, Output};
-use std::sync::atomic::{AtomicU16, Ordering};
-use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::verbs::QpCapabilities;
@@ -21,21 +19,9 @@ use vrdma_tests::daemon::{tcp_listening, IbverbsShim, TempDir};
 use vrdma_tests::hosts::{packets_to, text, wait, Directory, Fabric};
 use vrdma_tests::netns::Cluster;
 use vrdma_tests::tenant::Tenant;
+use vrdma_tests::two_tenants::{next_port, serial, spawn_pair_on};
 use vrdma_tools::relay::Faults;
 use vrdma_tools::verbs::{bring_up, Connection};
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-/// One cluster at a time: the machine has two cores.
-fn serial() -> MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn next_port() -> u16 {
-    static NEXT: AtomicU16 = AtomicU16::new(0);
-    let base = 30000 + (std::process::id() % 20000) as u16;
-    base + NEXT.fetch_add(1, Ordering::Relaxed)
-}
 
 /// `program args` as server on `server`, then as client on `client`
 /// (both `-p port`), over loopback; returns (server, client) outputs.
@@ -47,14 +33,7 @@ fn pair(
     args: &[&str],
     timeout: Duration,
 ) -> (Output, Output) {
-    let port = next_port();
-    let p = port.to_string();
-    let s = spawn(shim, server, program, &p, args, None);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !tcp_listening(port) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let c = spawn(shim, client, program, &p, args, Some("127.0.0.1"));
+    let (s, c) = spawn_pair_on(shim, (server, client), program, args, |_| {});
     let c = wait(c, timeout);
     let s = wait(s, Duration::from_secs(5));
     (s, c)

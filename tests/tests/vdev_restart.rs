@@ -10,9 +10,9 @@
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use vrdma_tests::daemon::{tcp_listening, wait_output, IbverbsShim};
+use vrdma_tests::daemon::{wait_output, IbverbsShim};
 use vrdma_tests::need;
-use vrdma_tests::two_tenants::{finish_pair, next_port, serial, spawn_pair, Fabric, Run};
+use vrdma_tests::two_tenants::{finish_pair, serial, spawn_pair, spawn_pair_on, Fabric, Run};
 
 /// hostd keeps a dead vdev's contexts for its successor (the tests'
 /// hostds do not by default).
@@ -176,25 +176,16 @@ fn rc_pingpong_across_hosts_runs_on_while_a_vdev_is_killed_and_restarted() {
     let _serial = serial();
     let shim = IbverbsShim::new();
     let mut fabric = vrdma_tests::hosts::Fabric::start_with_hostd_args(KEEP_ORPHANS);
-    let port = next_port().to_string();
     // Across hosts a round trip costs tens of µs (two kernels' UDP paths):
     // fewer iterations, one 1 KiB packet each way.
-    let args = ["-g", "0", "-n", "20000", "-s", "1024", "-c", "-p", &port];
-    let mut server = shim
-        .command("ibv_rc_pingpong", fabric.device(1, "alpha"))
-        .args(args)
-        .spawn()
-        .expect("spawn the server");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    let mut client = shim
-        .command("ibv_rc_pingpong", fabric.device(2, "alpha"))
-        .args(args)
-        .arg("127.0.0.1")
-        .spawn()
-        .expect("spawn the client");
+    let args = ["-g", "0", "-n", "20000", "-s", "1024", "-c"];
+    let (mut server, mut client) = spawn_pair_on(
+        &shim,
+        (fabric.device(1, "alpha"), fabric.device(2, "alpha")),
+        "ibv_rc_pingpong",
+        &args,
+        |_| {},
+    );
     std::thread::sleep(Duration::from_millis(500));
     assert!(
         both_running(&mut server, &mut client),
