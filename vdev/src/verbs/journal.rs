@@ -192,6 +192,17 @@ fn invalid(kind: u8, id: u32, reason: impl Into<String>) -> AdoptError {
     }
 }
 
+/// PD `pdn` of the tables being rebuilt, which record `r` names (whose
+/// users the caller counts).
+fn pd_of<'p>(
+    pds: &'p mut HashMap<u32, ProtectionDomain>,
+    pdn: u32,
+    r: &Record,
+) -> Result<&'p mut ProtectionDomain, AdoptError> {
+    pds.get_mut(&pdn)
+        .ok_or_else(|| invalid(r.kind, r.id, "no such PD"))
+}
+
 fn encode<T: Serialize>(value: &T) -> Option<String> {
     serde_json::to_string(value).ok()
 }
@@ -718,7 +729,7 @@ impl RdmaDevice {
         for r in of(kind::MR) {
             let m: MrRecord = decode(r)?;
             let bad = |why: &str| invalid(r.kind, r.id, why);
-            let pd = next.pds.get_mut(&m.pdn).ok_or_else(|| bad("no such PD"))?;
+            let pd = pd_of(&mut next.pds, m.pdn, r)?;
             let segments = (m.segments.iter())
                 .map(|&(number, gpa, len)| {
                     let slot = *next.slots.get(&number).ok_or_else(|| bad("no such slot"))?;
@@ -756,11 +767,7 @@ impl RdmaDevice {
             let q: SrqRecord = decode(r)?;
             let bad = |why: String| invalid(r.kind, r.id, why);
             // SRQs and AHs keep their PD busy as QPs do.
-            let pd = next
-                .pds
-                .get_mut(&q.pdn)
-                .ok_or_else(|| bad("no such PD".into()))?;
-            pd.qps += 1;
+            pd_of(&mut next.pds, q.pdn, r)?.qps += 1;
             let ring = geometry(q.ring);
             self.check_ring(ring.0, ring.1.ring_bytes())
                 .map_err(|e| bad(e.to_string()))?;
@@ -783,11 +790,7 @@ impl RdmaDevice {
             let state = QpState::try_from(q.state).map_err(|s| bad(format!("state {s}")))?;
             let cap = control::QpCap::read_from_bytes(&q.cap).map_err(|_| bad("cap".into()))?;
             let attr = control::QpAttr::read_from_bytes(&q.attr).map_err(|_| bad("attr".into()))?;
-            let pd = next
-                .pds
-                .get_mut(&q.pdn)
-                .ok_or_else(|| bad("no such PD".into()))?;
-            pd.qps += 1;
+            pd_of(&mut next.pds, q.pdn, r)?.qps += 1;
             for cqn in [q.send_cqn, q.recv_cqn] {
                 let cq = next
                     .cqs
@@ -835,10 +838,7 @@ impl RdmaDevice {
         for r in of(kind::AH) {
             let a: AhRecord = decode(r)?;
             let bad = |why: &str| invalid(r.kind, r.id, why);
-            next.pds
-                .get_mut(&a.pdn)
-                .ok_or_else(|| bad("no such PD"))?
-                .qps += 1;
+            pd_of(&mut next.pds, a.pdn, r)?.qps += 1;
             let attr = control::AhAttr::read_from_bytes(&a.attr).map_err(|_| bad("attr"))?;
             next.ahs.insert(r.id, AddressHandle { pdn: a.pdn, attr });
         }

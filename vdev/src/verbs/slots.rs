@@ -15,6 +15,8 @@ use crate::shadow::SlotId;
 #[derive(Debug, Default)]
 pub(super) struct HostdSlots {
     numbers: HashMap<SlotId, u32>,
+    /// The same, by number (a rebuild looks up every MR segment's slot).
+    slots: HashMap<u32, SlotId>,
     /// Numbers below `next` no slot holds.
     free: BTreeSet<u32>,
     next: u32,
@@ -48,7 +50,10 @@ impl HostdSlots {
         if !self.free.remove(&number) {
             self.next = self.next.max(number.saturating_add(1));
         }
-        self.numbers.insert(slot, number);
+        if let Some(old) = self.numbers.insert(slot, number) {
+            self.slots.remove(&old);
+        }
+        self.slots.insert(number, slot);
     }
 
     /// hostd refused `slot`: `errno`, `reason`.
@@ -61,6 +66,7 @@ impl HostdSlots {
     pub(super) fn gone(&mut self, slot: &SlotId) -> Option<u32> {
         self.refused.remove(slot);
         let number = self.numbers.remove(slot)?;
+        self.slots.remove(&number);
         self.free.insert(number);
         Some(number)
     }
@@ -76,9 +82,7 @@ impl HostdSlots {
 
     /// The slot hostd has under `number`.
     pub(super) fn slot_of(&self, number: u32) -> Option<SlotId> {
-        (self.numbers.iter())
-            .find(|(_, &n)| n == number)
-            .map(|(slot, _)| *slot)
+        self.slots.get(&number).copied()
     }
 
     /// hostd's numbers of the slots it has.
