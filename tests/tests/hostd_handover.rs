@@ -66,33 +66,61 @@ fn assert_handed_over(log: &str, logs: &str) {
     );
 }
 
-#[test]
-fn rc_pingpong_runs_on_while_hostd_is_handed_over() {
-    need::program("ibv_rc_pingpong", "ibverbs-utils");
-    let _serial = serial();
+/// `program args` between alpha (server) and beta (client) of one host,
+/// with hostd handed over `settle` into the run, then `meanwhile` (more
+/// trouble while the programs run); both must exit 0 with the handover
+/// having come mid-run and every context back. Returns what they printed.
+fn on_one_host(
+    fabric: &mut Fabric,
+    program: &str,
+    args: &[&str],
+    settle: Duration,
+    meanwhile: impl FnOnce(&mut Fabric),
+) -> Run {
     let shim = IbverbsShim::new();
-    let mut fabric = Fabric::start();
-    let args = ["-g", "0", "-n", "100000", "-s", "4096", "-c"];
-    let (mut server, mut client) = spawn_pair(&shim, &fabric, "ibv_rc_pingpong", &args, |_| {});
-    std::thread::sleep(Duration::from_millis(300));
+    let (mut server, mut client) = spawn_pair(&shim, fabric, program, args, |_| {});
+    std::thread::sleep(settle);
     assert!(
         both_running(&mut server, &mut client),
-        "ibv_rc_pingpong ended before the handover: make the run longer\n{}",
+        "{program} ended before the handover: make the run longer\n{}",
         fabric.logs()
     );
     fabric.hostd.hand_over();
     let contexts = wait_all_back(|| fabric.hostd.log(), || fabric.logs());
     assert!(contexts >= 2, "both programs' contexts:\n{}", fabric.logs());
+    meanwhile(fabric);
     let mid_run = both_running(&mut server, &mut client);
-    let run = finish_pair(&fabric, "ibv_rc_pingpong", server, client);
+    let run = finish_pair(fabric, program, server, client);
     assert!(mid_run, "the handover came after the run ended");
+    assert_handed_over(&fabric.hostd.log(), &fabric.logs());
+    run
+}
+
+/// Both sides ran `iters` iterations.
+#[track_caller]
+fn assert_iterations(run: &Run, iters: &str) {
     for text in [run.server_text(), run.client_text()] {
         assert!(
-            text.contains("100000 iters"),
+            text.contains(&format!("{iters} iters")),
             "every iteration ran:\n{text}"
         );
     }
-    assert_handed_over(&fabric.hostd.log(), &fabric.logs());
+}
+
+#[test]
+fn rc_pingpong_runs_on_while_hostd_is_handed_over() {
+    need::program("ibv_rc_pingpong", "ibverbs-utils");
+    let _serial = serial();
+    let mut fabric = Fabric::start();
+    let args = ["-g", "0", "-n", "100000", "-s", "4096", "-c"];
+    let run = on_one_host(
+        &mut fabric,
+        "ibv_rc_pingpong",
+        &args,
+        Duration::from_millis(300),
+        |_| {},
+    );
+    assert_iterations(&run, "100000");
     // The port never went down: no vdev saw hostd go.
     for vdev in [&fabric.alpha, &fabric.beta] {
         assert!(
@@ -107,24 +135,23 @@ fn rc_pingpong_runs_on_while_hostd_is_handed_over() {
 fn write_bw_runs_on_while_hostd_is_handed_over() {
     need::program("ib_write_bw", "perftest");
     let _serial = serial();
-    let shim = IbverbsShim::new();
     let mut fabric = Fabric::start();
     // Four seconds of 64 KiB WRITEs; hostd is handed over in the middle
     // (perftest takes a second to set up).
     let args = ["-x", "0", "-s", "65536", "-D", "4"];
-    let (mut server, mut client) = spawn_pair(&shim, &fabric, "ib_write_bw", &args, |_| {});
-    std::thread::sleep(Duration::from_secs(3));
-    assert!(both_running(&mut server, &mut client), "{}", fabric.logs());
-    fabric.hostd.hand_over();
-    wait_all_back(|| fabric.hostd.log(), || fabric.logs());
-    let run = finish_pair(&fabric, "ib_write_bw", server, client);
+    let run = on_one_host(
+        &mut fabric,
+        "ib_write_bw",
+        &args,
+        Duration::from_secs(3),
+        |_| {},
+    );
     // The report's line for 64 KiB: an average of 0 would mean nothing moved.
     assert!(
         average_64k(&run.client_text()) > 0.0,
         "{}",
         run.client_text()
     );
-    assert_handed_over(&fabric.hostd.log(), &fabric.logs());
 }
 
 /// `program args` between alpha on `server` and alpha on `client` (hosts
@@ -236,30 +263,27 @@ fn write_bw_across_hosts_runs_on_while_either_side_is_handed_over() {
 fn a_vdev_killed_after_a_handover_is_still_taken_over() {
     need::program("ibv_rc_pingpong", "ibverbs-utils");
     let _serial = serial();
-    let shim = IbverbsShim::new();
     let mut fabric = Fabric::start_with_hostd_args(&["--orphan-grace-ms", "30000"]);
     let args = ["-g", "0", "-n", "100000", "-s", "4096", "-c"];
-    let (mut server, mut client) = spawn_pair(&shim, &fabric, "ibv_rc_pingpong", &args, |_| {});
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(both_running(&mut server, &mut client), "{}", fabric.logs());
-    fabric.hostd.hand_over();
-    wait_all_back(|| fabric.hostd.log(), || fabric.logs());
-    fabric.alpha.restart();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while !fabric
-        .alpha
-        .log()
-        .contains("Took over the context of the previous vdev")
-    {
-        assert!(Instant::now() < deadline, "no takeover:\n{}", fabric.logs());
-        std::thread::sleep(Duration::from_millis(5));
-    }
-    let mid_run = both_running(&mut server, &mut client);
-    let run = finish_pair(&fabric, "ibv_rc_pingpong", server, client);
-    assert!(mid_run, "the run ended before the vdev's restart");
-    for text in [run.server_text(), run.client_text()] {
-        assert!(text.contains("100000 iters"), "{text}");
-    }
+    let run = on_one_host(
+        &mut fabric,
+        "ibv_rc_pingpong",
+        &args,
+        Duration::from_millis(300),
+        |fabric| {
+            fabric.alpha.restart();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !fabric
+                .alpha
+                .log()
+                .contains("Took over the context of the previous vdev")
+            {
+                assert!(Instant::now() < deadline, "no takeover:\n{}", fabric.logs());
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        },
+    );
+    assert_iterations(&run, "100000");
 }
 
 /// Completion events (`-e`): both programs sleep on their completion
@@ -269,19 +293,14 @@ fn a_vdev_killed_after_a_handover_is_still_taken_over() {
 fn rc_pingpong_on_completion_events_runs_on_while_hostd_is_handed_over() {
     need::program("ibv_rc_pingpong", "ibverbs-utils");
     let _serial = serial();
-    let shim = IbverbsShim::new();
     let mut fabric = Fabric::start();
     let args = ["-g", "0", "-n", "20000", "-s", "4096", "-c", "-e"];
-    let (mut server, mut client) = spawn_pair(&shim, &fabric, "ibv_rc_pingpong", &args, |_| {});
-    std::thread::sleep(Duration::from_millis(300));
-    assert!(both_running(&mut server, &mut client), "{}", fabric.logs());
-    fabric.hostd.hand_over();
-    wait_all_back(|| fabric.hostd.log(), || fabric.logs());
-    let mid_run = both_running(&mut server, &mut client);
-    let run = finish_pair(&fabric, "ibv_rc_pingpong", server, client);
-    assert!(mid_run, "the handover came after the run ended");
-    for text in [run.server_text(), run.client_text()] {
-        assert!(text.contains("20000 iters"), "{text}");
-    }
-    assert_handed_over(&fabric.hostd.log(), &fabric.logs());
+    let run = on_one_host(
+        &mut fabric,
+        "ibv_rc_pingpong",
+        &args,
+        Duration::from_millis(300),
+        |_| {},
+    );
+    assert_iterations(&run, "20000");
 }

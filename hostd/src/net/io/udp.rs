@@ -118,26 +118,19 @@ impl UdpIo {
         )?;
         set_buffer(&udp, libc::SO_SNDBUFFORCE, libc::SO_SNDBUF)?;
         bind_to(&udp, bind, port)?;
+        Self::adopt(udp, port)
+    }
+
+    /// Opens the packet socket and takes `udp`, the send socket set up and
+    /// bound to `port` by [`UdpIo::open`] — in this process, or in a
+    /// previous hostd that handed it over (the new one could not bind the
+    /// port while the previous one holds it). Needs `CAP_NET_RAW`; before
+    /// the sandbox.
+    pub fn adopt(udp: OwnedFd, port: u16) -> io::Result<UdpIo> {
         Ok(UdpIo {
             udp,
             // SAFETY: all-zero is a valid value of these C structs and
             // plain arrays (null pointers, zero lengths).
-            tx: Box::new(unsafe { std::mem::zeroed() }),
-            rx: PacketRx::open(port)?,
-            port,
-            gso: true,
-            counters: IoCounters::default(),
-        })
-    }
-
-    /// Opens the packet socket and takes `udp`, the send socket a previous
-    /// hostd opened with [`UdpIo::open`] and handed over (bound to
-    /// `port`, which the new hostd could not bind while the previous one
-    /// holds it). Needs `CAP_NET_RAW`; before the sandbox.
-    pub fn adopt(udp: OwnedFd, port: u16) -> io::Result<UdpIo> {
-        Ok(UdpIo {
-            udp,
-            // SAFETY: as in `open`.
             tx: Box::new(unsafe { std::mem::zeroed() }),
             rx: PacketRx::open(port)?,
             port,
