@@ -152,8 +152,13 @@ impl VringT<Mem> for DeviceVring {
     fn set_kick(&self, file: Option<File>) {
         // A control command the driver sent while no backend listened
         // (vdev restarting; a VMM gives a new eventfd when it reconnects)
-        // would wait for ever: look at the queue once as if notified.
-        if let Some(file) = file.as_ref().filter(|_| self.control) {
+        // would wait for ever: look at the queue once as if notified — a
+        // queue that ran before only (its base past 0). A queue starting
+        // afresh is looked at on the driver's first notification, as a
+        // device does: its rings may still hold what a previous boot left
+        // until the driver writes them (a machine reset).
+        let resumed = self.ring.queue_next_avail() != 0;
+        if let Some(file) = file.as_ref().filter(|_| self.control && resumed) {
             use std::io::Write;
             let _ = (&*file).write_all(&1u64.to_ne_bytes());
         }
