@@ -304,3 +304,49 @@ fn rc_pingpong_on_completion_events_runs_on_while_hostd_is_handed_over() {
     );
     assert_iterations(&run, "20000");
 }
+
+/// Control verbs issued while hostd hands over do not fail: one whose
+/// request to hostd meets the handover waits until its context is on the
+/// new hostd and runs there. A program registering and deregistering
+/// memory regions back to back (thousands a second) across a handover,
+/// then creating a QP, sees no error.
+#[test]
+fn control_verbs_during_a_handover_wait_instead_of_failing() {
+    let _serial = serial();
+    let mut hostd = vrdma_tests::daemon::Hostd::start(None);
+    let tenant = vrdma_tests::tenant::Tenant::start(&hostd, "alpha");
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let (verbs, tenant) = std::thread::scope(|s| {
+        let worker = s.spawn(|| {
+            let mut verbs = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let mr = tenant
+                    .pd
+                    .alloc_mr(4096, 0)
+                    .unwrap_or_else(|e| panic!("REG_MR after {verbs} verbs: {e}"));
+                mr.dereg()
+                    .map_err(|e| e.error)
+                    .unwrap_or_else(|e| panic!("DEREG_MR after {verbs} verbs: {e}"));
+                verbs += 2;
+            }
+            verbs
+        });
+        std::thread::sleep(Duration::from_millis(200));
+        hostd.hand_over();
+        wait_all_back(|| hostd.log(), || hostd.log());
+        std::thread::sleep(Duration::from_millis(200));
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        (worker.join(), &tenant)
+    });
+    let verbs = verbs.unwrap_or_else(|_| panic!("a verb failed:\n{}", tenant.vdev.log()));
+    assert!(verbs > 100, "{verbs} verbs ran");
+    // How many met the handover mid-request (0 when the handover fell
+    // between two): for the record.
+    let met = (tenant.vdev.log())
+        .matches("Control command met a hostd handover")
+        .count();
+    eprintln!("{verbs} verbs, {met} of them met the handover mid-request");
+    let qp = tenant.qp(vrdma_tests::tenant::default_caps());
+    drop(qp);
+    assert_handed_over(&hostd.log(), &tenant.vdev.log());
+}

@@ -486,7 +486,12 @@ impl VrdmaBackend {
                     );
                     continue;
                 }
-                let used = control::process_chain(&mut self.device(), &mem, chain, position);
+                let used = control::process_chain(
+                    &mut control::Locked(&self.inner.device),
+                    &mem,
+                    chain,
+                    position,
+                );
                 if let Err(e) = vring.add_used(head, used) {
                     warn("return a chain", &e);
                 }

@@ -9,6 +9,8 @@
 //! never stalls on a bad chain.
 
 use std::io::{Read, Write};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use virtio_queue::{DescriptorChain, Reader, Writer};
 use vm_memory::GuestMemoryMmap;
@@ -17,7 +19,7 @@ use vrdma_spec::control::{Opcode, RequestHeader, ResponseHeader};
 use vrdma_spec::zerocopy::{FromBytes, IntoBytes};
 use vrdma_spec::MAX_CONTROL_MSG;
 
-use crate::verbs::RdmaDevice;
+use crate::verbs::{RdmaDevice, VerbResult};
 
 const REQ_HDR: usize = core::mem::size_of::<RequestHeader>();
 const RESP_HDR: usize = core::mem::size_of::<ResponseHeader>();
@@ -37,15 +39,82 @@ impl Refusal {
     }
 }
 
+/// How long a command that met a hostd handover waits for its context to
+/// be registered with the new hostd before it fails after all.
+const REGISTER_WAIT: Duration = Duration::from_secs(10);
+
+/// What runs a control command: a device ([`RdmaDevice`]: tests and
+/// fuzzing), or a served device behind its lock ([`Locked`]).
+pub trait Executor {
+    fn tenant(&self) -> String;
+    /// Runs the command at avail `position` (`RdmaDevice::execute_at`).
+    fn execute(&mut self, position: u16, opcode: Opcode, request: &[u8]) -> VerbResult<Vec<u8>>;
+}
+
+impl Executor for RdmaDevice {
+    fn tenant(&self) -> String {
+        RdmaDevice::tenant(self).to_owned()
+    }
+
+    fn execute(&mut self, position: u16, opcode: Opcode, request: &[u8]) -> VerbResult<Vec<u8>> {
+        self.execute_at(position, opcode, request)
+    }
+}
+
+/// A served device behind its lock. A command whose request to hostd met
+/// a handover (hostd said it hands over, then went) lets go of the device,
+/// waits until the main thread has registered the context with the new
+/// hostd and given it the context back, and runs again there: the driver
+/// sees a pause, not an error. Running it again is safe — a command that
+/// fails at hostd leaves vdev's tables as they were, and what the previous
+/// hostd did of it went with that hostd, unless it was handed over, which
+/// the new hostd then answers as the state it has.
+pub struct Locked<'d>(pub &'d Arc<Mutex<RdmaDevice>>);
+
+impl Locked<'_> {
+    fn device(&self) -> std::sync::MutexGuard<'_, RdmaDevice> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Executor for Locked<'_> {
+    fn tenant(&self) -> String {
+        self.device().tenant().to_owned()
+    }
+
+    fn execute(&mut self, position: u16, opcode: Opcode, request: &[u8]) -> VerbResult<Vec<u8>> {
+        let (result, fabric) = {
+            let mut device = self.device();
+            let fabric = (device.fabric().cloned()).map(|f| {
+                let generation = f.generation();
+                (f, generation)
+            });
+            (device.execute_at(position, opcode, request), fabric)
+        };
+        match (result, fabric) {
+            (Err(e), Some((fabric, generation))) if e.handed_over() => {
+                tracing::info!(tenant = %self.tenant(), ?opcode,
+                    "Control command met a hostd handover: it runs again on the new hostd");
+                if fabric.wait_registered(generation, REGISTER_WAIT) {
+                    self.device().execute_at(position, opcode, request)
+                } else {
+                    Err(e)
+                }
+            }
+            (result, _) => result,
+        }
+    }
+}
+
 /// Processes one control chain, the one at avail `position` of the
 /// queue, and returns the used length to report.
 pub fn process_chain(
-    device: &mut RdmaDevice,
+    device: &mut impl Executor,
     mem: &GuestMemoryMmap,
     chain: DescriptorChain<&GuestMemoryMmap>,
     position: u16,
 ) -> u32 {
-    let tenant = device.tenant().to_owned();
+    let tenant = device.tenant();
     let head = chain.head_index();
     let (mut reader, mut writer) = match (Reader::new(mem, chain.clone()), Writer::new(mem, chain))
     {
@@ -65,7 +134,7 @@ pub fn process_chain(
         return 0;
     }
     let (status, payload) = match read_request(&mut reader, writer.available_bytes()) {
-        Ok((opcode, request)) => match device.execute_at(position, opcode, &request) {
+        Ok((opcode, request)) => match device.execute(position, opcode, &request) {
             Ok(payload) => {
                 tracing::debug!(tenant, ?opcode, "Control command done");
                 (0, payload)

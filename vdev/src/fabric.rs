@@ -40,6 +40,8 @@ pub enum FabricError {
     Keys { lkey: u32, rkey: u32 },
     #[error("The context's registration was ended")]
     Closed,
+    #[error("hostd handed over to a new hostd while the request was under way")]
+    HandedOver,
 }
 
 impl FabricError {
@@ -81,7 +83,27 @@ pub struct Fabric {
     /// vdev ended the registration ([`Fabric::close`]): the notification
     /// channel's end is then expected, not hostd going away.
     closed: AtomicBool,
+    /// A handover under way, and how many times the context registered
+    /// again; `moved` is signalled when either changes.
+    link: Mutex<LinkState>,
+    moved: std::sync::Condvar,
 }
+
+/// What [`Fabric`] knows of its registration's moves between hostds.
+#[derive(Debug, Default)]
+struct LinkState {
+    /// The token the hostd that hands over gave this context
+    /// ([`Notification::Handover`]), until the context registers with the
+    /// new one.
+    token: Option<String>,
+    /// Registrations since the first ([`Fabric::reconnect`]).
+    generation: u64,
+}
+
+/// How long a request whose channel failed waits for hostd's word that it
+/// hands over (which arrives on the notification channel, read by another
+/// thread) before the failure counts as hostd gone.
+const HANDOVER_WORD: std::time::Duration = std::time::Duration::from_millis(100);
 
 impl Fabric {
     /// Connects to hostd and opens a context of this device (its first
@@ -101,6 +123,8 @@ impl Fabric {
             policy: welcome.policy,
             notifications: Mutex::new(Some(notifications)),
             closed: AtomicBool::new(false),
+            link: Mutex::new(LinkState::default()),
+            moved: std::sync::Condvar::new(),
         })
     }
 
@@ -121,7 +145,63 @@ impl Fabric {
         *self.notifications.lock().unwrap_or_else(|p| p.into_inner()) = Some(notifications);
         self.active_mtu
             .store(welcome.active_mtu, std::sync::atomic::Ordering::Relaxed);
+        self.link().generation += 1;
+        self.moved.notify_all();
         Ok(welcome)
+    }
+
+    fn link(&self) -> std::sync::MutexGuard<'_, LinkState> {
+        self.link.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The hostd serving this context hands over and gave it `token`
+    /// ([`Notification::Handover`]).
+    pub fn set_handover(&self, token: String) {
+        self.link().token = Some(token);
+        self.moved.notify_all();
+    }
+
+    /// Whether a handover is under way and the context is not on the new
+    /// hostd yet.
+    pub fn handover_pending(&self) -> bool {
+        self.link().token.is_some()
+    }
+
+    /// The handover's token, for the new hostd (once).
+    pub fn take_handover(&self) -> Option<String> {
+        self.link().token.take()
+    }
+
+    /// How many times the context registered again so far.
+    pub fn generation(&self) -> u64 {
+        self.link().generation
+    }
+
+    /// Waits (at most `timeout`) until the context registered again since
+    /// `generation`; returns whether it did.
+    pub fn wait_registered(&self, generation: u64, timeout: std::time::Duration) -> bool {
+        let link = self.link();
+        let (link, _) = self
+            .moved
+            .wait_timeout_while(link, timeout, |l| l.generation == generation)
+            .unwrap_or_else(|p| p.into_inner());
+        link.generation != generation
+    }
+
+    /// The channel to hostd failed (`e`): if hostd is handing over — its
+    /// word may still be on its way on the notification channel — the
+    /// request met the move to the new hostd, not hostd's end.
+    fn failed(&self, e: ChannelError) -> FabricError {
+        let link = self.link();
+        let (link, _) = self
+            .moved
+            .wait_timeout_while(link, HANDOVER_WORD, |l| l.token.is_none())
+            .unwrap_or_else(|p| p.into_inner());
+        if link.token.is_some() {
+            FabricError::HandedOver
+        } else {
+            e.into()
+        }
     }
 
     /// Presents the token a hostd that handed over gave this context
@@ -142,7 +222,11 @@ impl Fabric {
     /// is an error.
     fn request(&self, request: &Request, fds: &[RawFd]) -> Result<Response, FabricError> {
         let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
-        let (response, _files): (Response, Vec<File>) = channel.call(request, fds)?;
+        let (response, _files): (Response, Vec<File>) = match channel.call(request, fds) {
+            Ok(answer) => answer,
+            Err(e @ (ChannelError::Closed | ChannelError::Io(_))) => return Err(self.failed(e)),
+            Err(e) => return Err(e.into()),
+        };
         match response {
             Response::Refused { errno, reason } => Err(FabricError::Refused { errno, reason }),
             other => Ok(other),
@@ -519,42 +603,43 @@ pub fn listen_for_policy(
     lost: Box<dyn FnOnce() + Send>,
     threads: &Threads,
 ) -> std::io::Result<()> {
-    threads.spawn(Role::PolicyListener, "policy-listener", move || loop {
-        match channel.recv::<Notification>() {
-            Ok((Notification::Policy(policy), _fds)) => {
-                let (Some(_fabric), Some(device)) = (fabric.upgrade(), device.upgrade()) else {
-                    // The registration is being torn down.
-                    return;
-                };
-                let mut device = device.lock().unwrap_or_else(|p| p.into_inner());
-                device.set_policy_quotas(policy.quotas);
-            }
-            Ok((Notification::Handover { token }, _fds)) => {
-                let Some(device) = device.upgrade() else {
-                    return;
-                };
-                tracing::info!(%tenant, "hostd hands over to a new hostd: the port stays up");
-                device
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .handing_over(token);
-            }
-            Err(ChannelError::Closed) => {
-                if let (Some(fabric), Some(device)) = (fabric.upgrade(), device.upgrade()) {
-                    if !fabric.closed() {
-                        tracing::debug!(%tenant, "hostd's notification channel closed");
-                        device
-                            .lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .port_lost();
-                        lost();
-                    }
+    threads.spawn(Role::PolicyListener, "policy-listener", move || {
+        loop {
+            match channel.recv::<Notification>() {
+                Ok((Notification::Policy(policy), _fds)) => {
+                    let (Some(_fabric), Some(device)) = (fabric.upgrade(), device.upgrade())
+                    else {
+                        // The registration is being torn down.
+                        return;
+                    };
+                    let mut device = device.lock().unwrap_or_else(|p| p.into_inner());
+                    device.set_policy_quotas(policy.quotas);
                 }
-                return;
-            }
-            Err(e) => {
-                tracing::warn!(%tenant, error = %e, "Bad notification from hostd; no longer listening");
-                return;
+                Ok((Notification::Handover { token }, _fds)) => {
+                    let Some(fabric) = fabric.upgrade() else {
+                        return;
+                    };
+                    tracing::info!(%tenant, "hostd hands over to a new hostd: the port stays up");
+                    fabric.set_handover(token);
+                }
+                Err(ChannelError::Closed) => {
+                    let (Some(fabric), Some(device)) = (fabric.upgrade(), device.upgrade()) else {
+                        return;
+                    };
+                    if fabric.closed() {
+                        return;
+                    }
+                    tracing::debug!(%tenant, "hostd's notification channel closed");
+                    device.lock().unwrap_or_else(|p| p.into_inner()).port_lost();
+                    // The main thread registers the context again (a
+                    // command that met a handover waits for that).
+                    lost();
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(%tenant, error = %e, "Bad notification from hostd; no longer listening");
+                    return;
+                }
             }
         }
     })?;

@@ -92,9 +92,15 @@ pub struct Link {
     backoff: Backoff,
     /// A try failed since hostd went away (logged once).
     failing: bool,
-    /// hostd handed over (the port stayed up) rather than went away.
-    handed_over: bool,
+    /// hostd handed over (the port stayed up) rather than went away, since
+    /// then.
+    handed_over: Option<Instant>,
 }
+
+/// How long contexts wait, their port up, for the hostd that took over:
+/// past it (it died, or never served) hostd counts as gone — the ports go
+/// down and the QPs are flushed, as after any hostd failure.
+pub const HANDOVER_PATIENCE: Duration = Duration::from_secs(2);
 
 impl Link {
     pub fn new(tenant: &str) -> Self {
@@ -103,7 +109,7 @@ impl Link {
             down: BTreeSet::new(),
             backoff: Backoff::new(FIRST_PAUSE),
             failing: false,
-            handed_over: false,
+            handed_over: None,
         }
     }
 
@@ -123,7 +129,7 @@ impl Link {
                 self.backoff.start();
             }
             self.failing = false;
-            self.handed_over = handed_over;
+            self.handed_over = handed_over.then(Instant::now);
         }
         self.down.insert(id);
     }
@@ -166,6 +172,23 @@ impl Link {
                     self.down.remove(&id);
                 }
                 Err(e) => {
+                    if self
+                        .handed_over
+                        .is_some_and(|t| t.elapsed() > HANDOVER_PATIENCE)
+                    {
+                        tracing::warn!(tenant = %self.tenant,
+                            "The hostd that took over does not serve: the port is down");
+                        self.handed_over = None;
+                        for id in &self.down {
+                            if let Some(backend) = backend_of(*id) {
+                                let mut device = backend.device();
+                                if let Some(fabric) = device.fabric().cloned() {
+                                    fabric.take_handover();
+                                }
+                                device.port_lost();
+                            }
+                        }
+                    }
                     if !self.failing {
                         tracing::info!(tenant = %self.tenant,
                             "hostd is not back yet ({}); still trying",
@@ -177,7 +200,7 @@ impl Link {
                 }
             }
         }
-        if self.handed_over {
+        if self.handed_over.take().is_some() {
             tracing::info!(tenant = %self.tenant, "Every context is on the new hostd");
         } else {
             tracing::info!(tenant = %self.tenant, "hostd is back: the device's port is active again");

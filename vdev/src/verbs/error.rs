@@ -63,6 +63,12 @@ pub enum VerbError {
 }
 
 impl VerbError {
+    /// The request to hostd met a handover: the command can run again once
+    /// the context is on the new hostd.
+    pub fn handed_over(&self) -> bool {
+        matches!(self, VerbError::Fabric(FabricError::HandedOver))
+    }
+
     /// The positive Linux errno this error is reported as.
     pub fn errno(&self) -> i32 {
         match self {

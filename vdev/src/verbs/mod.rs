@@ -127,9 +127,6 @@ pub struct RdmaDevice {
     cm: cm::ContextCm,
     /// The context's journal in hostd, for a successor should vdev die.
     journal: journal::JournalState,
-    /// hostd is handing over to a new hostd: the token that names this
-    /// context's state there ([`RdmaDevice::handing_over`]).
-    handover: Option<String>,
 }
 
 impl RdmaDevice {
@@ -161,7 +158,6 @@ impl RdmaDevice {
             slots: slots::HostdSlots::default(),
             cm: cm::ContextCm::new(identity_tenant, None),
             journal: journal::JournalState::default(),
-            handover: None,
         }
     }
 

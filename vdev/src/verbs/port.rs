@@ -60,7 +60,7 @@ impl RdmaDevice {
         if self.port_down() {
             return;
         }
-        if self.handover.is_some() {
+        if self.is_handed_over() {
             // A handover, not a failure: the port stays up, the QPs as
             // they are; the new hostd gets them back in their states.
             tracing::info!(tenant = %self.tenant(),
@@ -81,18 +81,15 @@ impl RdmaDevice {
         }
     }
 
-    /// The hostd serving this context hands over to a new one and gave it
-    /// `token`: when its channel closes the port stays up
+    /// Whether the hostd serving this context handed over to a new one
+    /// ([`Notification::Handover`], kept by the fabric) and the context is
+    /// not on the new one yet: when its channel closes the port stays up
     /// ([`RdmaDevice::port_lost`]), and [`RdmaDevice::restore`] brings the
     /// context back onto the new hostd in its states.
-    pub fn handing_over(&mut self, token: String) {
-        self.handover = Some(token);
-    }
-
-    /// Whether the context's hostd handed over and the context is not on
-    /// the new one yet.
+    ///
+    /// [`Notification::Handover`]: vrdma_hostd_protocol::messages::Notification::Handover
     pub fn is_handed_over(&self) -> bool {
-        self.handover.is_some()
+        self.fabric.as_ref().is_some_and(|f| f.handover_pending())
     }
 
     /// hostd is back and this context registered again (`welcome` is its
@@ -119,7 +116,7 @@ impl RdmaDevice {
         // After a handover the context carries on where it was, if the new
         // hostd has what the previous one handed over of it; else it comes
         // back as after a restart (the port went down meanwhile).
-        let handed_over = match self.handover.take() {
+        let handed_over = match fabric.take_handover() {
             None => false,
             Some(token) => match fabric.resume_handover(token) {
                 Ok(()) => true,
