@@ -350,3 +350,86 @@ fn control_verbs_during_a_handover_wait_instead_of_failing() {
     drop(qp);
     assert_handed_over(&hostd.log(), &tenant.vdev.log());
 }
+
+/// With a `[fabric]`, a device's GID is the first free one of its
+/// tenant's pool on the host; after a handover each device gets its own
+/// back whatever order the devices come back in (its peers' connections
+/// name it). Here alpha has two devices and two GIDs on h1; the vdev of
+/// the first device is stopped (SIGSTOP) through the handover, so the
+/// second device registers with the new hostd first.
+#[test]
+fn each_device_gets_its_gid_back_whatever_order_it_comes_back_in() {
+    vrdma_tests::need::root("network namespaces");
+    let _serial = serial();
+    let cluster = vrdma_tests::netns::Cluster::bridged(1);
+    let files = vrdma_tests::daemon::TempDir::new("handover-gids");
+    let cluster_file = files.path().join("cluster.toml");
+    std::fs::write(
+        &cluster_file,
+        "[[host]]\nname = \"h1\"\naddress = \"10.200.0.1\"\n\n\
+         [[gid]]\naddress = \"10.200.1.1\"\nhost = \"h1\"\ntenant = \"alpha\"\n\n\
+         [[gid]]\naddress = \"10.200.1.2\"\nhost = \"h1\"\ntenant = \"alpha\"\n",
+    )
+    .expect("cluster file");
+    let config = files.path().join("h1.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[fabric]\nhost = \"h1\"\ncluster = \"{}\"\ndirectory = \"static\"\n",
+            cluster_file.display()
+        ),
+    )
+    .expect("config");
+    let config = config.to_str().expect("UTF-8");
+    let policy = "[[tenant]]\nname = \"alpha\"\nnetwork = \"blue\"\n";
+    let mut hostd = vrdma_tests::daemon::Hostd::start_in_netns(
+        Some(&cluster.host(1).netns_path()),
+        Some(policy),
+        &["--config", config],
+    );
+    let mut first = vrdma_tests::daemon::Vdev::on_hostd(&hostd, "alpha", &[]);
+    let second = vrdma_tests::daemon::Vdev::on_hostd(&hostd, "alpha", &[]);
+    // Each device's GID, from hostd's log: "vdev connected ... device=..
+    // ... gid=.." (the last such line per device).
+    let gids = |log: &str| -> std::collections::BTreeMap<String, String> {
+        let field = |line: &str, key: &str| -> Option<String> {
+            let v = line
+                .split(&format!(" {key}="))
+                .nth(1)?
+                .split_whitespace()
+                .next()?;
+            Some(v.trim_matches('"').to_owned())
+        };
+        (log.lines())
+            .filter(|l| l.contains("vdev connected"))
+            .filter_map(|l| Some((field(l, "device")?, field(l, "gid")?)))
+            .collect()
+    };
+    let before = gids(&hostd.log());
+    assert_eq!(before.len(), 2, "two devices:\n{}", hostd.log());
+    assert_eq!(
+        before
+            .values()
+            .collect::<std::collections::BTreeSet<_>>()
+            .len(),
+        2,
+        "{before:?}"
+    );
+    first.signal(libc::SIGSTOP).expect("stop the first vdev");
+    hostd.hand_over();
+    // The second device is back first (its contexts: one each, made
+    // ahead for a frontend).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while hostd.log().matches(BACK).count() < 1 {
+        assert!(Instant::now() < deadline, "{}", hostd.log());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    first
+        .signal(libc::SIGCONT)
+        .expect("continue the first vdev");
+    wait_all_back(|| hostd.log(), || hostd.log());
+    let after = gids(&hostd.log());
+    eprintln!("GIDs before and after the handover: {before:?} / {after:?}");
+    assert_eq!(after, before, "{}", hostd.log());
+    drop(second);
+}
