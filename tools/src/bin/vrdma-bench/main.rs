@@ -58,8 +58,9 @@ enum Test {
     /// drop-in librdmacm, 1,000 connections) against TCP's.
     ConnRate,
     /// The longest gap between an application's completions while its
-    /// device's vdev is SIGKILLed and restarted, against the same traffic
-    /// without a restart.
+    /// device's vdev is SIGKILLed and restarted, and while hostd is
+    /// upgraded by handover, against the same traffic without either (and
+    /// hostd SIGKILLed and restarted, for comparison).
     Restart,
 }
 
