@@ -10,11 +10,12 @@
 //! has only contexts whose every field is in bounds (tokens of 32 hex
 //! digits, each once; names of 1-256 bytes; each QP once, PSNs of 24 bits,
 //! a message being received within its length, at most 16 READ responses
-//! and 16 atomic results) — a blob with one bad field is refused whole —
+//! and 16 atomic results, an SRQ receive taken of at most 64 SGEs and
+//! 2 GiB) — a blob with one bad field is refused whole —
 //! and encodes back to a blob that decodes to the same.
 
 use vrdma_hostd::engine::handover::{
-    HandedAtomic, HandedRead, HandedReceiving, QpTransport, RemoteTransport,
+    HandedAtomic, HandedRead, HandedReceive, HandedReceiving, QpTransport, RemoteTransport,
 };
 use vrdma_hostd::handover::{decode, Blob, HandedContext, BLOB_VERSION};
 
@@ -63,12 +64,17 @@ pub fn template() -> Blob {
                         state: 3,
                         ud_psn: 0,
                         remote: Some(remote.clone()),
+                        srq_receive: Some(HandedReceive {
+                            wr_id: 0xfeed,
+                            sges: vec![(0x7f00_0000_3000, 4096, 0x1236), (0x1000, 0, 7)],
+                        }),
                     },
                     QpTransport {
                         vqpn: 2,
                         state: 0,
                         ud_psn: 0,
                         remote: None,
+                        srq_receive: None,
                     },
                 ],
             },
@@ -83,6 +89,7 @@ pub fn template() -> Blob {
                     state: 3,
                     ud_psn: 99,
                     remote: None,
+                    srq_receive: None,
                 }],
             },
         ],
@@ -156,6 +163,10 @@ pub fn check(data: &[u8]) {
                 if let HandedReceiving::Write { len, offset, .. } = r.receiving {
                     assert!(offset <= len);
                 }
+            }
+            if let Some(r) = &q.srq_receive {
+                assert!(r.sges.len() <= 64);
+                assert!(r.sges.iter().map(|s| u64::from(s.1)).sum::<u64>() <= 1 << 31);
             }
         }
         qps += c.qps.len();

@@ -273,6 +273,7 @@ mod tests {
                     vqpn: 7,
                     state: 3,
                     ud_psn: 0,
+                    srq_receive: None,
                     remote: Some(RemoteTransport {
                         next_psn: 100,
                         acked: 99,

@@ -433,3 +433,35 @@ fn each_device_gets_its_gid_back_whatever_order_it_comes_back_in() {
     assert_eq!(after, before, "{}", hostd.log());
     drop(second);
 }
+
+/// A QP on an SRQ in the middle of receiving a SEND when hostd hands over
+/// took its receive off the SRQ's ring at the message's first packet: the
+/// new hostd gets that receive with the QP (else it would take the next
+/// one and complete it with the message's first part missing). Debian's
+/// `ibv_srq_pingpong` (16 QPs sharing the server's SRQ, every message's
+/// contents checked with `-c`): across hosts with 64 KiB messages (64
+/// packets of 1 KiB each: the server's QPs are mid-message most of the
+/// time), and on one host with 8 KiB ones.
+#[test]
+fn srq_pingpong_runs_on_while_hostd_is_handed_over() {
+    need::program("ibv_srq_pingpong", "ibverbs-utils");
+    let args = ["-g", "0", "-n", "2000", "-s", "65536", "-m", "1024", "-c"];
+    let run = across_hosts(
+        "ibv_srq_pingpong",
+        &args,
+        (1, 2),
+        Duration::from_millis(500),
+    );
+    assert_iterations(&run, "2000");
+    let _serial = serial();
+    let mut fabric = Fabric::start();
+    let args = ["-g", "0", "-n", "20000", "-s", "8192", "-c"];
+    let run = on_one_host(
+        &mut fabric,
+        "ibv_srq_pingpong",
+        &args,
+        Duration::from_millis(300),
+        |_| {},
+    );
+    assert_iterations(&run, "20000");
+}

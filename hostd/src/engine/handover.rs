@@ -17,6 +17,7 @@ use vrdma_roce::Psn;
 use vrdma_spec::verbs::QpState;
 
 use super::wire::state::{ReadResponse, Receiving, ATOMIC_REPLAY};
+use super::wqe::RecvWork;
 use super::{DeviceId, Engine, EngineError};
 
 /// The largest message (2 GiB, the verbs' `max_msg_sz`): a bound on every
@@ -37,6 +38,20 @@ pub struct QpTransport {
     pub ud_psn: u32,
     /// A QP connected to another host.
     pub remote: Option<RemoteTransport>,
+    /// The receive a QP on an SRQ took for the message it is in the
+    /// middle of (an SRQ's receive is taken off its ring when a message
+    /// begins; the new hostd would otherwise take the next one).
+    #[serde(default)]
+    pub srq_receive: Option<HandedReceive>,
+}
+
+/// A receive taken off an SRQ and not completed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct HandedReceive {
+    pub wr_id: u64,
+    /// (address, length, lkey) of each SGE.
+    pub sges: Vec<(u64, u32, u32)>,
 }
 
 /// The transport of a QP whose peer is on another host.
@@ -125,6 +140,12 @@ impl QpTransport {
         if self.ud_psn > 0x00ff_ffff {
             return Err(wide("UD PSN"));
         }
+        if let Some(r) = &self.srq_receive {
+            let total = r.sges.iter().map(|s| u64::from(s.1)).sum::<u64>();
+            if r.sges.len() > vrdma_spec::limits::MAX_SGE as usize || total > MAX_MESSAGE {
+                return Err(invalid("the SRQ receive taken is out of bounds"));
+            }
+        }
         let Some(r) = &self.remote else {
             return Ok(());
         };
@@ -178,6 +199,12 @@ impl Engine {
                     vqpn,
                     state: qp.state.into(),
                     ud_psn: qp.ud_psn & 0x00ff_ffff,
+                    srq_receive: (qp.srq.is_some() && qp.has_rq_head).then(|| HandedReceive {
+                        wr_id: qp.rq_head.wr_id,
+                        sges: (qp.rq_head.sges().iter())
+                            .map(|s| (s.addr.get(), s.length.get(), s.lkey.get()))
+                            .collect(),
+                    }),
                     remote: qp.remote.as_deref().map(|r| RemoteTransport {
                         next_psn: r.inflight.front().map_or(r.next_psn, |m| m.first).get(),
                         acked: r.acked.get(),
@@ -235,6 +262,11 @@ impl Engine {
         let qref = self
             .qp_of(id, t.vqpn)
             .ok_or(EngineError::UnknownQp(t.vqpn))?;
+        // A receive taken off an SRQ was read with the SRQ's limits.
+        let srq_max_sge = (self.qps.get(qref))
+            .and_then(|qp| Some((qp.dev, qp.srq?)))
+            .and_then(|(di, srq)| self.devices.at(di)?.srqs.get(srq))
+            .map(|s| s.limits.max_sge);
         let qp = self
             .qps
             .get_mut(qref)
@@ -245,6 +277,15 @@ impl Engine {
             ));
         }
         qp.ud_psn = t.ud_psn;
+        if let Some(r) = &t.srq_receive {
+            let Some(max_sge) = srq_max_sge else {
+                return Err(EngineError::Invalid("the QP has no SRQ"));
+            };
+            qp.rq_head = Box::new(RecvWork::with_sges(r.wr_id, &r.sges, max_sge).ok_or(
+                EngineError::Invalid("the SRQ receive taken does not fit the QP"),
+            )?);
+            qp.has_rq_head = true;
+        }
         let (Some(r), Some(remote)) = (&t.remote, qp.remote.as_deref_mut()) else {
             return match t.remote {
                 None => Ok(()),

@@ -202,6 +202,32 @@ impl RecvWork {
     pub fn sges(&self) -> &[Sge] {
         sges_of(&self.payload.0, usize::from(self.num_sge))
     }
+
+    /// A receive with `sges` (address, length, lkey), checked as one read
+    /// from a ring is (at most `max_sge` SGEs, a valid total length); the
+    /// keys are checked when it is filled, as always. For a receive a
+    /// previous hostd took off an SRQ and handed over.
+    pub fn with_sges(wr_id: u64, sges: &[(u64, u32, u32)], max_sge: u32) -> Option<RecvWork> {
+        let n = sges.len();
+        if n > max_sge.min(MAX_SGE) as usize {
+            return None;
+        }
+        let mut work = RecvWork {
+            wr_id,
+            num_sge: u8::try_from(n).ok()?,
+            ..RecvWork::default()
+        };
+        for (slot, &(addr, length, lkey)) in (work.payload.0.chunks_exact_mut(SGE_SIZE)).zip(sges) {
+            let sge = Sge {
+                addr: addr.into(),
+                length: length.into(),
+                lkey: lkey.into(),
+            };
+            slot.copy_from_slice(sge.as_bytes());
+        }
+        work.length = total_length(work.sges())?;
+        Some(work)
+    }
 }
 
 fn sges_of(payload: &[u8; PAYLOAD_BYTES], n: usize) -> &[Sge] {
