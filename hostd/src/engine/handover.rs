@@ -281,9 +281,9 @@ impl Engine {
             let Some(max_sge) = srq_max_sge else {
                 return Err(EngineError::Invalid("the QP has no SRQ"));
             };
-            qp.rq_head = Box::new(RecvWork::with_sges(r.wr_id, &r.sges, max_sge).ok_or(
+            *qp.rq_head = RecvWork::with_sges(r.wr_id, &r.sges, max_sge).ok_or(
                 EngineError::Invalid("the SRQ receive taken does not fit the QP"),
-            )?);
+            )?;
             qp.has_rq_head = true;
         }
         let (Some(r), Some(remote)) = (&t.remote, qp.remote.as_deref_mut()) else {
