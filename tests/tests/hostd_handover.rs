@@ -256,6 +256,24 @@ fn write_bw_across_hosts_runs_on_while_either_side_is_handed_over() {
     }
 }
 
+/// READs across hosts: h1 reads from h2 (its requester has READs on the
+/// wire, asked again from the oldest: the peer answers a duplicate READ
+/// request by reading again), then h2 reads from h1 (h1's responder owes
+/// READ responses, handed over).
+#[test]
+fn read_bw_across_hosts_runs_on_while_either_side_is_handed_over() {
+    need::program("ib_read_bw", "perftest");
+    let args = ["-x", "0", "-s", "65536", "-D", "3"];
+    for sides in [(2, 1), (1, 2)] {
+        let run = across_hosts("ib_read_bw", &args, sides, Duration::from_secs(2));
+        assert!(
+            average_64k(&run.client_text()) > 0.0,
+            "{}",
+            run.client_text()
+        );
+    }
+}
+
 /// The new hostd holds each context's whole journal (its vdev sends it
 /// after bringing the context back): a vdev killed after the handover is
 /// taken over by its successor as before it.
