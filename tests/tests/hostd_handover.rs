@@ -483,3 +483,58 @@ fn srq_pingpong_runs_on_while_hostd_is_handed_over() {
     );
     assert_iterations(&run, "20000");
 }
+
+/// What operators and Prometheus know by address keeps answering: the
+/// metrics endpoint and the admin socket are the same sockets, served by
+/// the new hostd once the previous one exited.
+#[test]
+fn metrics_and_the_admin_socket_answer_on_after_a_handover() {
+    let _serial = serial();
+    let mut hostd =
+        vrdma_tests::daemon::Hostd::start_with(None, &["--metrics-listen", "127.0.0.1:0"]);
+    // hostd logs the endpoint's address (port 0: any) as it starts.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let addr: std::net::SocketAddr = loop {
+        let logged = (hostd.log().lines())
+            .filter(|l| l.contains("Serving Prometheus metrics over HTTP"))
+            .find_map(|l| {
+                l.split("addr=")
+                    .nth(1)?
+                    .split_whitespace()
+                    .next()?
+                    .parse()
+                    .ok()
+            });
+        if let Some(addr) = logged {
+            break addr;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no metrics address logged:\n{}",
+            hostd.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let scrape = || {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).expect("connect to /metrics");
+        s.set_read_timeout(Some(Duration::from_secs(10)))
+            .expect("timeout");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .expect("ask");
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).expect("read");
+        answer
+    };
+    assert!(scrape().starts_with("HTTP/1.1 200"), "before");
+    let alpha = vrdma_tests::tenant::Tenant::start(&hostd, "alpha");
+    hostd.hand_over();
+    wait_all_back(|| hostd.log(), || hostd.log());
+    let answer = scrape();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(answer.contains("vrdma_"), "{answer}");
+    let (code, stats, err) = hostd.ctl(&["stats", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(stats.contains("alpha"), "{stats}");
+    drop(alpha);
+}
