@@ -423,8 +423,14 @@ fn each_device_gets_its_gid_back_whatever_order_it_comes_back_in() {
             .filter_map(|l| Some((field(l, "device")?, field(l, "gid")?)))
             .collect()
     };
+    // Both vdevs register their device as they start (the second may
+    // still be at it).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while gids(&hostd.log()).len() < 2 {
+        assert!(Instant::now() < deadline, "two devices:\n{}", hostd.log());
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let before = gids(&hostd.log());
-    assert_eq!(before.len(), 2, "two devices:\n{}", hostd.log());
     assert_eq!(
         before
             .values()

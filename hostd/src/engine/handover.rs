@@ -333,6 +333,20 @@ impl Engine {
         remote.atomics_next = r.atomics.len() % ATOMIC_REPLAY;
         remote.nak_sent = r.nak_sent;
         remote.dropping = r.dropping;
+        tracing::debug!(
+            device = id,
+            vqpn = t.vqpn,
+            next_psn = r.next_psn,
+            acked = r.acked,
+            high = r.high,
+            epsn = r.epsn,
+            reads = r.reads.len(),
+            "Transport handed over"
+        );
+        // READ responses owed go out now, not at the peer's next request.
+        if let Some(w) = self.wire.as_deref_mut() {
+            w.mark_active(qref);
+        }
         Ok(())
     }
 }

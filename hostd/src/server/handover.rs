@@ -172,6 +172,14 @@ impl Server {
         } else {
             engine.resume_transport(id, &t)
         };
+        if failed.is_ok() {
+            tracing::debug!(
+                device = id,
+                vqpn,
+                state,
+                "The QP carries on after the handover"
+            );
+        }
         if let Err(e) = failed {
             tracing::warn!(
                 device = id,
@@ -261,9 +269,11 @@ impl Server {
             stopped_us = started.elapsed().as_micros() as u64,
             "Handed over to the new hostd; exiting"
         );
-        // The lock stays held: nothing of this hostd runs again.
-        drop(engine);
-        drop(reg);
+        // Exits holding both locks (exit runs no destructor): no datapath
+        // round runs after the state was handed over — one would send
+        // packets and take acknowledgements the new hostd knows nothing
+        // of, and the peers' and the new hostd's PSNs would part.
+        let _held = (engine, reg);
         std::process::exit(0)
     }
 }

@@ -304,7 +304,7 @@ impl Wire {
         self.tx_len > 0
     }
 
-    fn mark_active(&mut self, qref: QpRef) {
+    pub(in crate::engine) fn mark_active(&mut self, qref: QpRef) {
         if !self.active.contains(&qref) {
             self.active.push(qref);
         }

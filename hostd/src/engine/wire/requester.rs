@@ -255,6 +255,13 @@ impl Engine {
         };
         // An acknowledgement of a PSN never sent is not believed.
         if psn.diff(front.first) < -1 || psn.diff(remote.high) >= 0 {
+            tracing::debug!(
+                psn = psn.get(),
+                first = front.first.get(),
+                high = remote.high.get(),
+                acked = remote.acked.get(),
+                "Acknowledgement out of the window dropped"
+            );
             w.drop_packet(remote.conn.peer, "ack_out_of_window");
             return;
         }

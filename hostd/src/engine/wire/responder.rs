@@ -59,6 +59,11 @@ impl Engine {
                     },
                 );
             }
+            tracing::debug!(
+                psn = psn.get(),
+                ahead = d,
+                "Request ahead of the expected PSN dropped"
+            );
             w.drop_packet(peer, "psn_ahead");
             return;
         }
