@@ -34,7 +34,7 @@ use vrdma_spec::ring::send_flags::SIGNALED;
 use vrdma_spec::verbs::SendOpcode;
 
 use crate::baselines::{pause, pingpong_client, pingpong_server};
-use crate::host::{connect, poll_ok, Host, Tenant};
+use crate::host::{connect, poll_ok, Host, Link, Tenant};
 use crate::netns::{NetHost, Pair};
 use crate::report::{us, Bound, Targets};
 use crate::throughput::{self, Shape, Until};
@@ -105,6 +105,7 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
     bandwidth_vs_tcp(&s, params, targets)?;
     let (rc, rc_cost) = message_rate(&s, params.secs, targets)?;
     crate::cross_ud::message_rate(&s.a, &s.b, &s.hosts, params.secs, (rc, rc_cost), targets)?;
+    handover(&s, targets)?;
     let (n1, n2) = (h1.netns_path(), h2.netns_path());
     let ends = crate::conn_rate::Ends {
         label: "across hosts",
@@ -115,6 +116,34 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
     let tcp = SocketAddrV4::new(h1.underlay, TCP_PORT + 10);
     let baseline = || crate::conn_rate::tcp_setup_rate(tcp, Some(&n1), Some(&n2));
     crate::conn_rate::run(&ends, baseline, TCP_PORT + 11, targets)
+}
+
+/// The longest gap between alpha's 64 B WRITE completions (back to back,
+/// one in flight, to beta on the other host) when the requester's hostd
+/// (h1), then the responder's (h2), is handed over mid-window, against
+/// the same traffic without a handover.
+fn handover(s: &Setup, targets: &mut Targets) -> Result<()> {
+    use crate::restart::{across_a_handover, longest_gap, TARGET_HANDOVER_GAP, WINDOW};
+    let link = Link::new(&s.a, &s.b, 64, 16)?;
+    longest_gap(&link, Duration::from_millis(300))?;
+    let (quiet, quiet_n) = longest_gap(&link, WINDOW)?;
+    for (side, host) in [("requester's (h1)", &s.hosts[0]), ("responder's (h2)", &s.hosts[1])] {
+        let (gap, n, took) = across_a_handover(&link, host)?;
+        println!(
+            "cross handover       64 B WRITEs back to back, {:.1} s windows: longest gap between completions {} without a handover ({quiet_n} completions), {} with the {side} hostd handed over ({n} completions, every one successful; new hostd started to previous exited: {})",
+            WINDOW.as_secs_f64(),
+            us(quiet),
+            us(gap),
+            us(took),
+        );
+        targets.check(
+            format!("across hosts: {side} hostd handover, longest completion gap"),
+            gap.as_secs_f64() * 1e3,
+            " ms",
+            Bound::AtMost(TARGET_HANDOVER_GAP.as_secs_f64() * 1e3),
+        );
+    }
+    Ok(())
 }
 
 /// 64 B WRITE p50 against TCP's half round trip.

@@ -16,18 +16,18 @@ use crate::report::{us, Bound, Targets};
 use crate::{verbs, BenchError, Result};
 
 /// Each window's length; the restart comes this far into its window.
-const WINDOW: Duration = Duration::from_millis(1500);
+pub const WINDOW: Duration = Duration::from_millis(1500);
 const KILL_AT: Duration = Duration::from_millis(300);
 /// The longest gap an application may see across a vdev restart.
 const TARGET_GAP: Duration = Duration::from_millis(100);
 /// The longest gap an application may see across a hostd handover.
-const TARGET_HANDOVER_GAP: Duration = Duration::from_millis(250);
+pub const TARGET_HANDOVER_GAP: Duration = Duration::from_millis(250);
 /// A WRITE not completed by then counts as lost (the run fails).
 const STALL: Duration = Duration::from_secs(10);
 
 /// Back-to-back WRITEs of 64 bytes from `link.a` for `window`: the longest
 /// gap between two completions, and how many completed.
-fn longest_gap(link: &Link<'_>, window: Duration) -> Result<(Duration, u64)> {
+pub fn longest_gap(link: &Link<'_>, window: Duration) -> Result<(Duration, u64)> {
     let mut wcs = [WorkCompletion::default(); 4];
     let (start, mut last, mut longest, mut done) =
         (Instant::now(), Instant::now(), Duration::ZERO, 0u64);
@@ -99,6 +99,22 @@ fn longest_gap_reconnecting(link: &mut Link<'_>, window: Duration) -> Result<(Du
     Ok((longest, reconnects))
 }
 
+/// [`longest_gap`] over a [`WINDOW`] in which `host`'s hostd is handed
+/// over [`KILL_AT`] in (after a warm-up): the gap, the completions, and
+/// how long the new hostd took from its start to the previous one's exit.
+pub fn across_a_handover(link: &Link<'_>, host: &Host) -> Result<(Duration, u64, Duration)> {
+    longest_gap(link, Duration::from_millis(300))?;
+    std::thread::scope(|s| -> Result<(Duration, u64, Duration)> {
+        let upgrader = s.spawn(|| -> Result<Duration> {
+            std::thread::sleep(KILL_AT);
+            host.hand_over_hostd()
+        });
+        let (gap, n) = longest_gap(link, WINDOW)?;
+        let took = upgrader.join().map_err(|_| BenchError::Panicked)??;
+        Ok((gap, n, took))
+    })
+}
+
 pub fn run(targets: &mut Targets) -> Result<()> {
     let host = Host::start(Some(BENCH_POLICY), &[])?;
     let a = host.tenant("alpha")?;
@@ -136,17 +152,7 @@ pub fn run(targets: &mut Targets) -> Result<()> {
     );
     // hostd upgraded by handover under the same traffic: the application
     // does nothing about it.
-    longest_gap(&link, Duration::from_millis(300))?;
-    let (handover_gap, handover_n, handover) =
-        std::thread::scope(|s| -> Result<(Duration, u64, Duration)> {
-            let upgrader = s.spawn(|| -> Result<Duration> {
-                std::thread::sleep(KILL_AT);
-                host.hand_over_hostd()
-            });
-            let (gap, n) = longest_gap(&link, WINDOW)?;
-            let took = upgrader.join().map_err(|_| BenchError::Panicked)??;
-            Ok((gap, n, took))
-        })?;
+    let (handover_gap, handover_n, handover) = across_a_handover(&link, &host)?;
     println!(
         "hostd handover: the same WRITEs, {:.1} s window, hostd handed over to a new hostd (--take-over) {} ms in: longest gap between completions {} ({handover_n} completions, every one successful; the new hostd started and the previous one exited within {})",
         WINDOW.as_secs_f64(),
