@@ -127,7 +127,10 @@ fn handover(s: &Setup, targets: &mut Targets) -> Result<()> {
     let link = Link::new(&s.a, &s.b, 64, 16)?;
     longest_gap(&link, Duration::from_millis(300))?;
     let (quiet, quiet_n) = longest_gap(&link, WINDOW)?;
-    for (side, host) in [("requester's (h1)", &s.hosts[0]), ("responder's (h2)", &s.hosts[1])] {
+    for (side, host) in [
+        ("requester's (h1)", &s.hosts[0]),
+        ("responder's (h2)", &s.hosts[1]),
+    ] {
         let (gap, n, took) = across_a_handover(&link, host)?;
         println!(
             "cross handover       64 B WRITEs back to back, {:.1} s windows: longest gap between completions {} without a handover ({quiet_n} completions), {} with the {side} hostd handed over ({n} completions, every one successful; new hostd started to previous exited: {})",
