@@ -273,6 +273,34 @@ impl Hostd {
         );
     }
 
+    /// The address hostd logged it serves Prometheus metrics on
+    /// (`--metrics-listen`, port 0: any), waiting up to 10 s for the line.
+    pub fn metrics_addr(&self) -> std::net::SocketAddr {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let log = self.log();
+            let addr = log
+                .lines()
+                .filter(|l| l.contains("Serving Prometheus metrics over HTTP"))
+                .find_map(|l| {
+                    l.split("addr=")
+                        .nth(1)?
+                        .split_whitespace()
+                        .next()?
+                        .parse()
+                        .ok()
+                });
+            if let Some(addr) = addr {
+                return addr;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no metrics address logged:\n{log}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     /// The policy file hostd was started with (written by [`Hostd::start`]).
     pub fn policy_path(&self) -> PathBuf {
         self.dir.path().join("policy.toml")

@@ -192,8 +192,22 @@ pub fn spawn_pair_on(
 /// Waits for both sides of a pair (`what`, for messages): the client up to
 /// 120 s, then the server up to 20 s; each must exit 0.
 pub fn finish_pair(fabric: &Fabric, what: &str, server: Child, client: Child) -> Run {
+    finish_pair_logged(what, (server, Duration::from_secs(20)), client, || {
+        fabric.logs()
+    })
+}
+
+/// Waits for both sides of a pair (`what`, for messages): the client up to
+/// 120 s, then the server up to its wait; each must exit 0, else the
+/// failure shows both outputs and `logs()`.
+pub fn finish_pair_logged(
+    what: &str,
+    (server, server_wait): (Child, Duration),
+    client: Child,
+    logs: impl Fn() -> String,
+) -> Run {
     let (client, client_late) = wait_output(client, Duration::from_secs(120));
-    let (server, server_late) = wait_output(server, Duration::from_secs(20));
+    let (server, server_late) = wait_output(server, server_wait);
     let run = Run { server, client };
     let ok = run.server.status.success() && run.client.status.success();
     let late = |late: bool| if late { " (killed: too slow)" } else { "" };
@@ -206,7 +220,7 @@ pub fn finish_pair(fabric: &Fabric, what: &str, server: Child, client: Child) ->
         late(client_late),
         run.server_text(),
         run.client_text(),
-        fabric.logs()
+        logs()
     );
     run
 }

@@ -8,9 +8,11 @@
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use vrdma_tests::daemon::{wait_output, IbverbsShim};
+use vrdma_tests::daemon::IbverbsShim;
 use vrdma_tests::need;
-use vrdma_tests::two_tenants::{finish_pair, serial, spawn_pair, spawn_pair_on, Fabric, Run};
+use vrdma_tests::two_tenants::{
+    finish_pair, finish_pair_logged, serial, spawn_pair, spawn_pair_on, Fabric, Run,
+};
 
 /// What the new hostd logs per context that came back.
 const BACK: &str = "Context back after the handover";
@@ -197,18 +199,9 @@ fn across_hosts(
     };
     wait_all_back(log, || fabric.logs());
     let mid_run = both_running(&mut server, &mut client);
-    let (client, client_late) = wait_output(client, Duration::from_secs(120));
-    let (server, server_late) = wait_output(server, Duration::from_secs(30));
-    let run = Run { server, client };
-    assert!(
-        run.server.status.success() && run.client.status.success() && !client_late && !server_late,
-        "{program}: server {:?}, client {:?}\n--- server:\n{}\n--- client:\n{}\n{}",
-        run.server.status,
-        run.client.status,
-        run.server_text(),
-        run.client_text(),
+    let run = finish_pair_logged(program, (server, Duration::from_secs(30)), client, || {
         fabric.logs()
-    );
+    });
     assert!(mid_run, "the handover came after the run ended");
     assert_handed_over(&log(), &fabric.logs());
     run
@@ -232,11 +225,27 @@ fn rc_pingpong_across_hosts_runs_on_while_a_hostd_is_handed_over() {
     need::program("ibv_rc_pingpong", "ibverbs-utils");
     let args = ["-g", "0", "-n", "20000", "-s", "1024", "-c"];
     let run = across_hosts("ibv_rc_pingpong", &args, (1, 2), Duration::from_millis(500));
-    assert!(
-        run.client_text().contains("20000 iters"),
-        "{}",
-        run.client_text()
-    );
+    assert_iterations(&run, "20000");
+}
+
+/// `program args` (a perftest bandwidth program) across hosts, once with
+/// each side's order in `sides` (server host, client host), h1's hostd
+/// handed over `settle` into each run: the client reports a 64 KiB line
+/// with an average above 0.
+fn bandwidth_across_hosts(
+    program: &str,
+    args: &[&str],
+    sides: [(usize, usize); 2],
+    settle: Duration,
+) {
+    for order in sides {
+        let run = across_hosts(program, args, order, settle);
+        assert!(
+            average_64k(&run.client_text()) > 0.0,
+            "{}",
+            run.client_text()
+        );
+    }
 }
 
 /// h1 receives the WRITEs (its responder is handed over in the middle of
@@ -246,14 +255,12 @@ fn rc_pingpong_across_hosts_runs_on_while_a_hostd_is_handed_over() {
 fn write_bw_across_hosts_runs_on_while_either_side_is_handed_over() {
     need::program("ib_write_bw", "perftest");
     let args = ["-x", "0", "-s", "65536", "-D", "4"];
-    for sides in [(1, 2), (2, 1)] {
-        let run = across_hosts("ib_write_bw", &args, sides, Duration::from_secs(3));
-        assert!(
-            average_64k(&run.client_text()) > 0.0,
-            "{}",
-            run.client_text()
-        );
-    }
+    bandwidth_across_hosts(
+        "ib_write_bw",
+        &args,
+        [(1, 2), (2, 1)],
+        Duration::from_secs(3),
+    );
 }
 
 /// READs across hosts: h1 reads from h2 (its requester has READs on the
@@ -264,14 +271,12 @@ fn write_bw_across_hosts_runs_on_while_either_side_is_handed_over() {
 fn read_bw_across_hosts_runs_on_while_either_side_is_handed_over() {
     need::program("ib_read_bw", "perftest");
     let args = ["-x", "0", "-s", "65536", "-D", "3"];
-    for sides in [(2, 1), (1, 2)] {
-        let run = across_hosts("ib_read_bw", &args, sides, Duration::from_secs(2));
-        assert!(
-            average_64k(&run.client_text()) > 0.0,
-            "{}",
-            run.client_text()
-        );
-    }
+    bandwidth_across_hosts(
+        "ib_read_bw",
+        &args,
+        [(2, 1), (1, 2)],
+        Duration::from_secs(2),
+    );
 }
 
 /// The new hostd holds each context's whole journal (its vdev sends it
@@ -498,29 +503,7 @@ fn metrics_and_the_admin_socket_answer_on_after_a_handover() {
     let _serial = serial();
     let mut hostd =
         vrdma_tests::daemon::Hostd::start_with(None, &["--metrics-listen", "127.0.0.1:0"]);
-    // hostd logs the endpoint's address (port 0: any) as it starts.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let addr: std::net::SocketAddr = loop {
-        let logged = (hostd.log().lines())
-            .filter(|l| l.contains("Serving Prometheus metrics over HTTP"))
-            .find_map(|l| {
-                l.split("addr=")
-                    .nth(1)?
-                    .split_whitespace()
-                    .next()?
-                    .parse()
-                    .ok()
-            });
-        if let Some(addr) = logged {
-            break addr;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no metrics address logged:\n{}",
-            hostd.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let addr = hostd.metrics_addr();
     let scrape = || {
         use std::io::{Read, Write};
         let mut s = std::net::TcpStream::connect(addr).expect("connect to /metrics");

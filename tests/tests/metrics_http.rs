@@ -12,33 +12,6 @@ use vrdma_spec::verbs::{SendOpcode, WcStatus};
 use vrdma_tests::daemon::{metric_value, Hostd};
 use vrdma_tests::tenant::{qp_pair, Connection, Pair, Tenant};
 
-/// The address hostd logged it serves metrics on.
-fn metrics_addr(hostd: &Hostd) -> SocketAddr {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let log = hostd.log();
-        let addr = log
-            .lines()
-            .filter(|l| l.contains("Serving Prometheus metrics over HTTP"))
-            .find_map(|l| {
-                l.split("addr=")
-                    .nth(1)?
-                    .split_whitespace()
-                    .next()?
-                    .parse()
-                    .ok()
-            });
-        if let Some(addr) = addr {
-            return addr;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no metrics address logged:\n{log}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// Sends `request` as is and returns (status code, headers, body).
 fn exchange(addr: SocketAddr, request: &[u8]) -> (u16, String, Vec<u8>) {
     let mut s = TcpStream::connect(addr).expect("connect to the metrics endpoint");
@@ -107,7 +80,7 @@ impl Writing {
 #[test]
 fn hostd_serves_its_metrics_over_http_and_answers_anything_else_with_its_status() {
     let hostd = Hostd::start_with(None, &["--metrics-listen", "127.0.0.1:0"]);
-    let addr = metrics_addr(&hostd);
+    let addr = hostd.metrics_addr();
     let w = Writing::on(hostd);
     let pair = &w.pair;
     for _ in 0..10 {

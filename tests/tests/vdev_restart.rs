@@ -10,9 +10,11 @@
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use vrdma_tests::daemon::{wait_output, IbverbsShim};
+use vrdma_tests::daemon::IbverbsShim;
 use vrdma_tests::need;
-use vrdma_tests::two_tenants::{finish_pair, serial, spawn_pair, spawn_pair_on, Fabric, Run};
+use vrdma_tests::two_tenants::{
+    finish_pair, finish_pair_logged, serial, spawn_pair, spawn_pair_on, Fabric,
+};
 
 /// hostd keeps a dead vdev's contexts for its successor (the tests'
 /// hostds do not by default).
@@ -201,17 +203,11 @@ fn rc_pingpong_across_hosts_runs_on_while_a_vdev_is_killed_and_restarted() {
         "not connected yet"
     );
     vdev.restart();
-    let (client, client_late) = wait_output(client, Duration::from_secs(120));
-    let (server, server_late) = wait_output(server, Duration::from_secs(30));
-    let run = Run { server, client };
-    assert!(
-        run.server.status.success() && run.client.status.success() && !client_late && !server_late,
-        "server {:?}, client {:?}\n--- server:\n{}\n--- client:\n{}\n{}",
-        run.server.status,
-        run.client.status,
-        run.server_text(),
-        run.client_text(),
-        fabric.logs()
+    let run = finish_pair_logged(
+        "ibv_rc_pingpong",
+        (server, Duration::from_secs(30)),
+        client,
+        || fabric.logs(),
     );
     assert!(
         run.client_text().contains("20000 iters"),
