@@ -11,6 +11,8 @@
 //!   was 5–10 % of a datapath thread's time on a UD receive).
 //! - [`Slab`]: objects by a dense index hostd hands out, for the datapath's
 //!   references between objects (no hashing at all).
+//! - [`os_random`]: the kernel's randomness, for identifiers that must not
+//!   be guessed (key tags, handover tokens).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -131,6 +133,26 @@ impl<T> Slab<T> {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// Fills `buf` from the kernel's randomness (`getrandom`, retried when a
+/// signal interrupts it or it returns less).
+pub fn os_random(buf: &mut [u8]) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let rest = &mut buf[got..];
+        // SAFETY: writes at most `rest.len()` bytes into `rest`.
+        let n = unsafe { libc::getrandom(rest.as_mut_ptr().cast(), rest.len(), 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        got += n as usize;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

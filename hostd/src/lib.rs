@@ -20,7 +20,8 @@
 //! - [`admin`]: the admin socket (`vrdmactl`: stats, metrics, reload) and
 //!   reload on SIGHUP.
 //! - [`accept`]: the accept loop of both sockets, a thread per connection.
-//! - [`ids`]: fast hash maps and slabs for identifiers hostd assigns.
+//! - [`ids`]: fast hash maps and slabs for identifiers hostd assigns, and
+//!   the randomness of those that must not be guessed.
 //! - [`lids`]: device LIDs, stable per device name and bounded per tenant.
 //! - [`gids`]: device GIDs (what connections name a peer by) and what a
 //!   destination GID resolves to.

@@ -138,9 +138,7 @@ impl KeyTable {
     /// An empty table whose tags come from the OS's randomness.
     pub fn new() -> Self {
         let mut seed = [0u8; 8];
-        // SAFETY: getrandom writes at most `seed.len()` bytes into `seed`.
-        let n = unsafe { libc::getrandom(seed.as_mut_ptr().cast(), seed.len(), 0) };
-        let seed = if n == 8 {
+        let seed = if crate::ids::os_random(&mut seed).is_ok() {
             u64::from_ne_bytes(seed)
         } else {
             // No entropy: tags are a defence in depth only (keys are

@@ -307,18 +307,6 @@ fn wait_taken(chan: &Channel) -> Result<(), String> {
 /// 128 random bits as 32 hex digits.
 fn random_token() -> std::io::Result<String> {
     let mut bytes = [0u8; 16];
-    let mut got = 0;
-    while got < bytes.len() {
-        // SAFETY: writes at most the rest of `bytes`, which it points into.
-        let n = unsafe { libc::getrandom(bytes[got..].as_mut_ptr().cast(), bytes.len() - got, 0) };
-        if n < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() == std::io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        got += n as usize;
-    }
+    crate::ids::os_random(&mut bytes)?;
     Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
 }
