@@ -182,6 +182,34 @@ struct FabricFile {
     etcd_endpoints: Option<Vec<String>>,
     lease_seconds: Option<u64>,
     ip_mtu: Option<u32>,
+    packet_io: Option<PacketIoName>,
+    xdp_mode: Option<XdpModeName>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum PacketIoName {
+    AfXdp,
+    Udp,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum XdpModeName {
+    Native,
+    Generic,
+}
+
+/// Which packet queues carry RoCEv2 (`[fabric] packet_io`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PacketIoChoice {
+    /// Not set: AF_XDP where it can be set up, the kernel's UDP path
+    /// otherwise (hostd's log says which and why).
+    Auto,
+    /// `"af_xdp"`: AF_XDP or nothing (hostd does not start without it).
+    AfXdp,
+    /// `"udp"`: the kernel's UDP path.
+    Udp,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -219,6 +247,11 @@ pub struct FabricConfig {
     /// The IP MTU between the hosts (the interfaces' MTU, 1500 by default):
     /// it decides the ports' active MTU.
     pub ip_mtu: u32,
+    /// The packet queues RoCEv2 goes through.
+    pub packet_io: PacketIoChoice,
+    /// Where the XDP program runs (`xdp_mode`); `None`: generic XDP on a
+    /// virtual interface (faster there), native on a real one.
+    pub xdp_mode: Option<crate::net::io::XdpMode>,
 }
 
 impl FabricConfig {
@@ -545,12 +578,31 @@ fn fabric(f: FabricFile, config: Option<&Path>) -> Result<FabricConfig, ConfigEr
             "must be between 576 and 9216",
         ));
     }
+    let packet_io = match f.packet_io {
+        None => PacketIoChoice::Auto,
+        Some(PacketIoName::AfXdp) => PacketIoChoice::AfXdp,
+        Some(PacketIoName::Udp) => PacketIoChoice::Udp,
+    };
+    let xdp_mode = match f.xdp_mode {
+        Some(_) if packet_io == PacketIoChoice::Udp => {
+            return Err(invalid(
+                "fabric.xdp_mode",
+                format!("{:?}", f.xdp_mode),
+                "only with AF_XDP (packet_io = \"af_xdp\" or not set)",
+            ));
+        }
+        None => None,
+        Some(XdpModeName::Native) => Some(crate::net::io::XdpMode::Driver),
+        Some(XdpModeName::Generic) => Some(crate::net::io::XdpMode::Generic),
+    };
     Ok(FabricConfig {
         host: f.host,
         cluster_file,
         cluster: parsed,
         directory,
         ip_mtu,
+        packet_io,
+        xdp_mode,
     })
 }
 
@@ -858,6 +910,8 @@ mod tests {
                 cluster: cluster.clone(),
                 directory: DirectoryKind::Static,
                 ip_mtu: DEFAULT_IP_MTU,
+                packet_io: PacketIoChoice::Auto,
+                xdp_mode: None,
             })
         );
         // The ports' MTU follows the network's: 1024 at 1500, 4096 jumbo.
@@ -899,6 +953,8 @@ mod tests {
                     lease_seconds: DEFAULT_LEASE_SECONDS,
                 },
                 ip_mtu: DEFAULT_IP_MTU,
+                packet_io: PacketIoChoice::Auto,
+                xdp_mode: None,
             })
         );
         let config = with_file(
@@ -934,6 +990,12 @@ mod tests {
                 "fabric.etcd_endpoints",
             ),
             (table("lease_seconds = 5\n"), "fabric.lease_seconds"),
+            (table("packet_io = \"dpdk\"\n"), "dpdk"),
+            (table("xdp_mode = \"offload\"\n"), "offload"),
+            (
+                table("packet_io = \"udp\"\nxdp_mode = \"native\"\n"),
+                "fabric.xdp_mode",
+            ),
             (table("directory = \"etcd\"\n"), "needs at least one endpoint"),
             (table(&format!("{etcd}lease_seconds = 1\n")), "fabric.lease_seconds"),
             (table(&format!("{etcd}lease_seconds = 7200\n")), "fabric.lease_seconds"),

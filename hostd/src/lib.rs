@@ -89,6 +89,8 @@ pub enum Error {
     Commit(#[source] std::io::Error),
     #[error("Cannot keep the sockets to hand over")]
     Keep(#[source] std::io::Error),
+    #[error("Cannot set up AF_XDP (packet_io = \"af_xdp\" in [fabric])")]
+    AfXdp(#[source] std::io::Error),
     #[error("Cannot open the RoCEv2 packet queues (UDP port {port})")]
     PacketIo {
         port: u16,
@@ -171,14 +173,10 @@ pub fn open(config: &Config) -> Result<Opened, Error> {
         .transpose()
         .map_err(Error::Directory)?
         .map(Arc::from);
-    let port = net::io::ROCE_V2_PORT;
-    let packet_io = match (&directory, udp) {
-        (Some(_), Some(udp)) => Some(net::io::UdpIo::adopt(udp, port)),
-        (Some(_), None) => Some(net::io::UdpIo::open(std::net::Ipv4Addr::UNSPECIFIED, port)),
-        (None, _) => None,
-    }
-    .transpose()
-    .map_err(|source| Error::PacketIo { port, source })?;
+    let packet_io = match (&directory, &config.fabric) {
+        (Some(_), Some(fabric)) => Some(open_packet_io(fabric, udp, config.take_over)?),
+        _ => None,
+    };
     let metrics = match (config.metrics_listen, handed_metrics) {
         (Some(_), Some(l)) => Some(metrics_http::adopt(l)),
         (Some(addr), None) => Some(metrics_http::bind(addr)),
@@ -191,7 +189,7 @@ pub fn open(config: &Config) -> Result<Opened, Error> {
         admin: admin_listener.try_clone_fd().map_err(Error::Keep)?,
         udp: packet_io
             .as_ref()
-            .map(net::io::UdpIo::send_socket)
+            .map(|(_, send_socket)| send_socket.try_clone())
             .transpose()
             .map_err(Error::Keep)?,
         metrics: metrics
@@ -205,11 +203,69 @@ pub fn open(config: &Config) -> Result<Opened, Error> {
         admin_listener,
         listener,
         directory,
-        packet_io: packet_io.map(|io| Box::new(io) as Box<dyn net::io::PacketIo>),
+        packet_io: packet_io.map(|(io, _)| io),
         metrics,
         sockets,
         taken,
     })
+}
+
+/// The packet queues `fabric` asks for, and their kernel send socket (a
+/// handover passes it on): AF_XDP on the interface of this host's
+/// address, the kernel's UDP path beside it (or instead: `packet_io =
+/// "udp"`, a failure to set AF_XDP up when `packet_io` is not set, a
+/// handover — the AF_XDP sockets cannot be passed on; the next restart
+/// takes them up again). `udp`: the send socket handed over.
+fn open_packet_io(
+    fabric: &config::FabricConfig,
+    udp: Option<std::os::fd::OwnedFd>,
+    take_over: bool,
+) -> Result<(Box<dyn net::io::PacketIo>, std::os::fd::OwnedFd), Error> {
+    use config::PacketIoChoice;
+    let port = net::io::ROCE_V2_PORT;
+    let packet_error = |source| Error::PacketIo { port, source };
+    let kernel = match udp {
+        Some(udp) => net::io::UdpIo::adopt(udp, port),
+        None => net::io::UdpIo::open(std::net::Ipv4Addr::UNSPECIFIED, port),
+    }
+    .map_err(packet_error)?;
+    let send_socket = kernel.send_socket().map_err(Error::Keep)?;
+    let why_not = match (fabric.packet_io, take_over) {
+        (PacketIoChoice::Udp, _) => "packet_io = \"udp\" in [fabric]".to_owned(),
+        (_, true) => {
+            "taken over from another hostd: AF_XDP comes back at the next restart".to_owned()
+        }
+        (choice, false) => {
+            let host = fabric.cluster.host(&fabric.host).map(|h| h.address);
+            let opened = match host {
+                Some(a) => net::io::XdpIo::open(a, fabric.xdp_mode, kernel),
+                None => Err(std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "this host has no address in the cluster file",
+                )),
+            };
+            match opened {
+                Ok(io) => {
+                    tracing::info!(queues = %io.describe(), "RoCEv2 packets through AF_XDP");
+                    return Ok((Box::new(io), send_socket));
+                }
+                Err(e) if choice == PacketIoChoice::AfXdp => {
+                    return Err(Error::AfXdp(e));
+                }
+                Err(e) => {
+                    // `kernel` went into the failed attempt: open it again.
+                    let why = format!("AF_XDP could not be set up: {e}");
+                    let kernel =
+                        net::io::UdpIo::adopt(send_socket.try_clone().map_err(Error::Keep)?, port)
+                            .map_err(packet_error)?;
+                    tracing::info!(reason = %why, "RoCEv2 packets through the kernel's UDP path");
+                    return Ok((Box::new(kernel), send_socket));
+                }
+            }
+        }
+    };
+    tracing::info!(reason = %why_not, "RoCEv2 packets through the kernel's UDP path");
+    Ok((Box::new(kernel), send_socket))
 }
 
 /// Binds the admin socket (mode 0600).

@@ -180,6 +180,12 @@ fn datapath_rules() -> Result<Rules, SeccompError> {
     let dontwait = libc::MSG_DONTWAIT as u64;
     r.allow_if_eq(libc::SYS_sendmmsg, 3, &[dontwait])?;
     r.allow_if_eq(libc::SYS_recvmmsg, 3, &[dontwait])?;
+    // AF_XDP (net::io::XdpIo): a transmit kick is an empty `sendto` on
+    // the XSK; a next hop's MAC is asked of the kernel on the rtnetlink
+    // socket opened before the sandbox (`sendto`, then `recvfrom` of the
+    // answer the kernel queued during it). Never waiting.
+    r.allow_if_eq(libc::SYS_sendto, 3, &[dontwait])?;
+    r.allow_if_eq(libc::SYS_recvfrom, 3, &[dontwait])?;
     // The packet socket's drop counter (PACKET_STATISTICS), and nothing else.
     r.allow_if_all(
         libc::SYS_getsockopt,
@@ -381,6 +387,17 @@ mod tests {
                     [8, 0, 0, 0, 0, 0],
                 ),
                 ("sched_yield", libc::SYS_sched_yield, [0; 6]),
+                ("XSK kick", libc::SYS_sendto, [9, 0, 0, 0x40, 0, 0]),
+                (
+                    "rtnetlink question",
+                    libc::SYS_sendto,
+                    [10, 0, 40, 0x40, 0, 0],
+                ),
+                (
+                    "rtnetlink answer",
+                    libc::SYS_recvfrom,
+                    [10, 0, 8192, 0x40, 0, 0],
+                ),
                 (
                     "sched_setaffinity itself",
                     libc::SYS_sched_setaffinity,
@@ -448,6 +465,7 @@ mod tests {
                 (tcp_socket(), &[Directory]),
                 (any("connect", libc::SYS_connect), &[Directory]),
                 (any("recvfrom", libc::SYS_recvfrom), &[Directory]),
+                (any("sendto", libc::SYS_sendto), &[Directory]),
                 (any("eventfd2", libc::SYS_eventfd2), &[Main]),
                 (any("recvmsg", libc::SYS_recvmsg), &[Connection, Admin]),
                 (

@@ -14,6 +14,7 @@ mod bpf;
 mod gso;
 mod rx;
 mod udp;
+mod xdp;
 
 use std::io;
 use std::net::Ipv4Addr;
@@ -22,6 +23,7 @@ use std::os::fd::RawFd;
 use serde::{Deserialize, Serialize};
 
 pub use udp::UdpIo;
+pub use xdp::{XdpIo, XdpMode};
 
 /// The UDP port of RoCEv2.
 pub const ROCE_V2_PORT: u16 = 4791;
@@ -168,11 +170,31 @@ pub struct IoCounters {
     /// few thousand receives and when the queue runs empty).
     #[serde(default)]
     pub receive_kernel_drops: u64,
+    /// Packets sent through AF_XDP ([`XdpIo`]; counted in `sent_packets`
+    /// too).
+    #[serde(default)]
+    pub xdp_sent_packets: u64,
+    /// Packets received through AF_XDP (counted in `received_packets`
+    /// too).
+    #[serde(default)]
+    pub xdp_received_packets: u64,
+    /// AF_XDP sends stopped because every transmit frame was still the
+    /// kernel's: the packets stay with the caller.
+    #[serde(default)]
+    pub xdp_tx_full: u64,
+    /// Packets sent through the kernel's UDP path instead of AF_XDP: the
+    /// next hop's MAC was not known yet, or the route leaves through
+    /// another interface.
+    #[serde(default)]
+    pub xdp_kernel_sends: u64,
+    /// Frames from the XSKs dropped as malformed.
+    #[serde(default)]
+    pub xdp_received_invalid: u64,
 }
 
 impl IoCounters {
     /// Every counter by name (the metrics' names end in them).
-    pub fn named(&self) -> [(&'static str, u64); 16] {
+    pub fn named(&self) -> [(&'static str, u64); 21] {
         [
             ("sent_packets", self.sent_packets),
             ("sent_bytes", self.sent_bytes),
@@ -190,6 +212,11 @@ impl IoCounters {
             ("received_gso_packets", self.received_gso_packets),
             ("receive_truncated", self.receive_truncated),
             ("receive_kernel_drops", self.receive_kernel_drops),
+            ("xdp_sent_packets", self.xdp_sent_packets),
+            ("xdp_received_packets", self.xdp_received_packets),
+            ("xdp_tx_full", self.xdp_tx_full),
+            ("xdp_kernel_sends", self.xdp_kernel_sends),
+            ("xdp_received_invalid", self.xdp_received_invalid),
         ]
     }
 }
