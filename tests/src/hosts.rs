@@ -128,22 +128,68 @@ fn start_etcd(cluster: &Cluster, data: &Path) -> Child {
     child
 }
 
+/// The packet queues every hostd of a [`Fabric`] carries RoCEv2 through
+/// (`[fabric] packet_io`, set explicitly: a hostd that cannot set AF_XDP
+/// up fails to start rather than fall back unseen).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// AF_XDP sockets on the host's interface (the default where it works).
+    AfXdp,
+    /// The kernel's UDP stack.
+    Udp,
+}
+
+impl Backend {
+    fn config(self) -> &'static str {
+        match self {
+            Backend::AfXdp => "packet_io = \"af_xdp\"\n",
+            Backend::Udp => "packet_io = \"udp\"\n",
+        }
+    }
+}
+
 impl Fabric {
+    /// Three bridged hosts on AF_XDP, the directory in the cluster file.
     pub fn start() -> Self {
-        Fabric::on(Cluster::bridged(3), Directory::File)
+        Fabric::start_over(Backend::AfXdp)
+    }
+
+    /// [`Fabric::start`] over `backend`.
+    pub fn start_over(backend: Backend) -> Self {
+        Fabric::on_with(Cluster::bridged(3), Directory::File, [backend; 3], &[])
     }
 
     /// [`Fabric::start`] with more arguments for every hostd.
     pub fn start_with_hostd_args(args: &[&str]) -> Self {
-        Fabric::on_with(Cluster::bridged(3), Directory::File, args)
+        Fabric::on_with(
+            Cluster::bridged(3),
+            Directory::File,
+            [Backend::AfXdp; 3],
+            args,
+        )
     }
 
     /// The fabric on `cluster`'s three hosts.
     pub fn on(cluster: Cluster, directory: Directory) -> Self {
-        Fabric::on_with(cluster, directory, &[])
+        Fabric::on_with(cluster, directory, [Backend::AfXdp; 3], &[])
     }
 
-    fn on_with(cluster: Cluster, directory: Directory, hostd_args: &[&str]) -> Self {
+    /// [`Fabric::on`] over `backend`.
+    pub fn on_over(cluster: Cluster, directory: Directory, backend: Backend) -> Self {
+        Fabric::on_with(cluster, directory, [backend; 3], &[])
+    }
+
+    /// Three bridged hosts, host `i` on `backends[i - 1]`.
+    pub fn start_mixed(backends: [Backend; 3]) -> Self {
+        Fabric::on_with(Cluster::bridged(3), Directory::File, backends, &[])
+    }
+
+    fn on_with(
+        cluster: Cluster,
+        directory: Directory,
+        backends: [Backend; 3],
+        hostd_args: &[&str],
+    ) -> Self {
         let files = TempDir::new("roce");
         let cluster_path = files.path().join("cluster.toml");
         std::fs::write(&cluster_path, cluster_file()).expect("cluster file");
@@ -166,8 +212,9 @@ impl Fabric {
                 std::fs::write(
                     &config,
                     format!(
-                        "[fabric]\nhost = \"h{i}\"\ncluster = \"{}\"\n{table}",
-                        cluster_path.display()
+                        "[fabric]\nhost = \"h{i}\"\ncluster = \"{}\"\n{table}{}",
+                        cluster_path.display(),
+                        backends[i - 1].config()
                     ),
                 )
                 .expect("config");

@@ -16,12 +16,43 @@ use std::time::{Duration, Instant};
 
 use vrdma_guest_driver::verbs::QpCapabilities;
 use vrdma_tests::daemon::{tcp_listening, IbverbsShim, TempDir};
-use vrdma_tests::hosts::{packets_to, text, wait, Directory, Fabric};
+use vrdma_tests::hosts::{packets_to, text, wait, Backend, Directory, Fabric};
 use vrdma_tests::netns::Cluster;
 use vrdma_tests::tenant::Tenant;
 use vrdma_tests::two_tenants::{next_port, serial, spawn_pair_on};
 use vrdma_tools::relay::Faults;
 use vrdma_tools::verbs::{bring_up, Connection};
+
+/// Every test of this file runs once over each of hostd's packet paths:
+/// `<test>::af_xdp` and `<test>::udp`.
+macro_rules! over_both_backends {
+    ($($name:ident),* $(,)?) => {$(
+        mod $name {
+            use vrdma_tests::hosts::Backend;
+
+            #[test]
+            fn af_xdp() {
+                super::$name(Backend::AfXdp)
+            }
+
+            #[test]
+            fn udp() {
+                super::$name(Backend::Udp)
+            }
+        }
+    )*};
+}
+
+over_both_backends!(
+    unmodified_programs_run_between_tenants_on_different_hosts,
+    ud_and_uc_run_between_tenants_on_different_hosts,
+    ucx_and_open_mpi_run_between_hosts,
+    a_tenant_cannot_connect_to_another_network_on_another_host,
+    a_dead_host_fails_its_peers_with_retry_exceeded_while_others_run_on,
+    a_hostile_network_loses_no_byte_and_hangs_nothing,
+    with_the_directory_in_etcd_hosts_find_each_other_and_a_dead_host_disappears,
+    every_rc_operation_is_byte_exact_between_hosts,
+);
 
 /// `program args` as server on `server`, then as client on `client`
 /// (both `-p port`), over loopback; returns (server, client) outputs.
@@ -112,12 +143,64 @@ fn assert_ok(fabric: &Fabric, what: &str, (s, c): &(Output, Output)) {
     );
 }
 
+/// A host on AF_XDP and a host on the kernel's UDP path (as during a
+/// rolling upgrade, or after a handover) carry every operation between
+/// them, both ways: the UDP host's GSO messages cross the bridge whole,
+/// the AF_XDP host's XDP program leaves them (and every datagram with a
+/// UDP checksum) to its kernel, and its packet socket cuts them.
 #[test]
-fn unmodified_programs_run_between_tenants_on_different_hosts() {
+fn a_host_on_af_xdp_and_a_host_on_udp_carry_everything_between_them() {
     let _one = serial();
     vrdma_tests::need::root("network namespaces");
     let shim = IbverbsShim::new();
-    let fabric = Fabric::start();
+    let fabric = Fabric::start_mixed([Backend::Udp, Backend::AfXdp, Backend::AfXdp]);
+    let (h1, h2) = (fabric.device(1, "alpha"), fabric.device(2, "alpha"));
+    let programs: [(&str, &[&str]); 4] = [
+        (
+            "ibv_rc_pingpong",
+            &["-g", "0", "-n", "300", "-s", "4096", "-c"],
+        ),
+        ("ib_write_bw", &["-x", "0", "-s", "65536", "-n", "300"]),
+        ("ib_read_bw", &["-x", "0", "-s", "65536", "-n", "200"]),
+        ("ib_send_bw", &["-x", "0", "-s", "8192", "-n", "300"]),
+    ];
+    for (server, client) in [(h1, h2), (h2, h1)] {
+        for (program, args) in programs {
+            let r = pair(
+                &shim,
+                server,
+                client,
+                program,
+                args,
+                Duration::from_secs(60),
+            );
+            assert_ok(&fabric, program, &r);
+        }
+    }
+    let io = |h: usize| {
+        let stats = fabric.hostd(h).ctl(&["stats", "--json"]).1;
+        let stats: serde_json::Value = serde_json::from_str(&stats).expect("stats JSON");
+        stats["packet_io"].clone()
+    };
+    let (udp, xdp) = (io(1), io(2));
+    let n = |io: &serde_json::Value, key: &str| io[key].as_u64().unwrap_or(0);
+    // h1's GSO messages reached h2's kernel and packet socket, cut there;
+    // none went to h2's XSK (it would have taken one for a datagram).
+    assert!(n(&udp, "gso_messages") > 100, "h1: {udp}");
+    assert!(n(&xdp, "received_gso_messages") > 100, "h2: {xdp}");
+    assert_eq!(n(&xdp, "xdp_received_packets"), 0, "h2: {xdp}");
+    // h2 sent through its XSK, each datagram on its own.
+    assert!(n(&xdp, "xdp_sent_packets") > 10_000, "h2: {xdp}");
+    assert_eq!(n(&xdp, "gso_messages"), 0, "h2: {xdp}");
+    assert_eq!(n(&udp, "received_gso_messages"), 0, "h1: {udp}");
+    assert!(n(&udp, "received_packets") > 10_000, "h1: {udp}");
+}
+
+fn unmodified_programs_run_between_tenants_on_different_hosts(backend: Backend) {
+    let _one = serial();
+    vrdma_tests::need::root("network namespaces");
+    let shim = IbverbsShim::new();
+    let fabric = Fabric::start_over(backend);
     let peers = |host: usize| {
         let (code, json, err) = fabric.hostd(host).ctl(&["peers", "--json"]);
         assert_eq!(code, 0, "vrdmactl peers: {err}");
@@ -180,16 +263,48 @@ fn unmodified_programs_run_between_tenants_on_different_hosts() {
         metrics.contains("vrdma_peer_tx_packets_total{host=\"h2\"}"),
         "{metrics}"
     );
-    // The 64 KiB WRITEs and READ responses went as UDP GSO messages, and
-    // crossed the bridge whole: the receivers cut them.
+    assert_packet_path(&fabric, backend, 10_000);
+}
+
+/// Each of the first two hosts' hostd carried the traffic through
+/// `backend`: over UDP, the 64 KiB WRITEs and READ responses went as UDP
+/// GSO messages and crossed the bridge whole (the receivers cut them);
+/// over AF_XDP, at least `packets` each way went through its XSK, none
+/// through the kernel (the neighbours were resolved before), and nothing
+/// was dropped as malformed.
+fn assert_packet_path(fabric: &Fabric, backend: Backend, packets: u64) {
     for h in [1, 2] {
         let stats = fabric.hostd(h).ctl(&["stats", "--json"]).1;
         let stats: serde_json::Value = serde_json::from_str(&stats).expect("stats JSON");
         let io = &stats["packet_io"];
-        for counter in ["gso_messages", "received_gso_messages"] {
-            assert!(io[counter].as_u64().unwrap_or(0) > 100, "h{h}: {io}");
+        let n = |key: &str| io[key].as_u64().unwrap_or(0);
+        match backend {
+            Backend::Udp => {
+                for counter in ["gso_messages", "received_gso_messages"] {
+                    assert!(n(counter) > 100, "h{h}: {io}");
+                }
+                assert_eq!(
+                    n("xdp_sent_packets") + n("xdp_received_packets"),
+                    0,
+                    "h{h}: {io}"
+                );
+            }
+            Backend::AfXdp => {
+                for counter in ["xdp_sent_packets", "xdp_received_packets"] {
+                    assert!(n(counter) >= packets, "h{h}: {io}");
+                }
+                assert_eq!(n("gso_messages"), 0, "h{h}: {io}");
+                assert_eq!(n("xdp_received_invalid"), 0, "h{h}: {io}");
+            }
         }
-        assert_eq!(io["receive_truncated"], 0, "h{h}: {io}");
+        assert_eq!(n("receive_truncated"), 0, "h{h}: {io}");
+        assert!(
+            fabric.hostd(h).log().contains(match backend {
+                Backend::AfXdp => "RoCEv2 packets through AF_XDP",
+                Backend::Udp => "RoCEv2 packets through the kernel's UDP path",
+            }),
+            "h{h}'s log does not say {backend:?}"
+        );
     }
 }
 
@@ -197,12 +312,11 @@ fn unmodified_programs_run_between_tenants_on_different_hosts() {
 /// (`-c`), 10,000 exchanges each, and perftest's UD SEND and UC WRITE
 /// bandwidth; then a UD address handle towards a network the tenant may
 /// not reach is refused, and the datagrams' way is counted per peer.
-#[test]
-fn ud_and_uc_run_between_tenants_on_different_hosts() {
+fn ud_and_uc_run_between_tenants_on_different_hosts(backend: Backend) {
     let _one = serial();
     vrdma_tests::need::root("network namespaces");
     let shim = IbverbsShim::new();
-    let fabric = Fabric::start();
+    let fabric = Fabric::start_over(backend);
     let before = packets_to(fabric.hostd(1), "h2");
     let r = run_between_h1_and_h2(
         &fabric,
@@ -270,8 +384,7 @@ fn ud_and_uc_run_between_tenants_on_different_hosts() {
 /// checked ping-pong and allreduce. UCX's log shows vrdma's transports
 /// only (a rank's endpoint to itself aside), and the bytes crossed
 /// between the hosts.
-#[test]
-fn ucx_and_open_mpi_run_between_hosts() {
+fn ucx_and_open_mpi_run_between_hosts(backend: Backend) {
     use vrdma_tests::ucx::{assert_chose_among, install_device_node};
     let _one = serial();
     vrdma_tests::need::root("network namespaces");
@@ -279,7 +392,7 @@ fn ucx_and_open_mpi_run_between_hosts() {
     vrdma_tests::need::program("mpirun", "openmpi-bin");
     install_device_node(0);
     let shim = IbverbsShim::new();
-    let fabric = Fabric::start();
+    let fabric = Fabric::start_over(backend);
     let vrdma = ["rc_verbs", "ud_verbs"];
     for test in ["tag_lat", "tag_bw", "ucp_put_bw", "ucp_get"] {
         let before = packets_to(fabric.hostd(2), "h1");
@@ -371,12 +484,11 @@ fn ucx_and_open_mpi_run_between_hosts() {
     assert!(crossed >= 10_000, "mpirun: {crossed} packets from h1 to h2");
 }
 
-#[test]
-fn a_tenant_cannot_connect_to_another_network_on_another_host() {
+fn a_tenant_cannot_connect_to_another_network_on_another_host(backend: Backend) {
     let _one = serial();
     vrdma_tests::need::root("network namespaces");
     let shim = IbverbsShim::new();
-    let fabric = Fabric::start();
+    let fabric = Fabric::start_over(backend);
     assert_another_network_is_refused(&fabric, &shim);
     // gamma (blue, on h2) may reach alpha on h1.
     let r = pair(
@@ -390,12 +502,11 @@ fn a_tenant_cannot_connect_to_another_network_on_another_host() {
     assert_ok(&fabric, "gamma to alpha", &r);
 }
 
-#[test]
-fn a_dead_host_fails_its_peers_with_retry_exceeded_while_others_run_on() {
+fn a_dead_host_fails_its_peers_with_retry_exceeded_while_others_run_on(backend: Backend) {
     let _one = serial();
     vrdma_tests::need::root("network namespaces");
     let shim = IbverbsShim::new();
-    let mut fabric = Fabric::start();
+    let mut fabric = Fabric::start_over(backend);
     // h1 streams RDMA WRITEs to h2 (ib_write_bw's client is the sender),
     // and an unrelated exchange runs between h1 and h3.
     let (p12, p13) = (next_port(), next_port());
@@ -473,8 +584,7 @@ fn a_dead_host_fails_its_peers_with_retry_exceeded_while_others_run_on() {
     assert_ok(&fabric, "h1 <-> h3 while h2 died", &r);
 }
 
-#[test]
-fn a_hostile_network_loses_no_byte_and_hangs_nothing() {
+fn a_hostile_network_loses_no_byte_and_hangs_nothing(backend: Backend) {
     let _one = serial();
     vrdma_tests::need::root("network namespaces");
     let shim = IbverbsShim::new();
@@ -489,7 +599,7 @@ fn a_hostile_network_loses_no_byte_and_hangs_nothing() {
         seed: 7,
         ..Faults::default()
     };
-    let fabric = Fabric::on(Cluster::relayed(3, &faults), Directory::File);
+    let fabric = Fabric::on_over(Cluster::relayed(3, &faults), Directory::File, backend);
     // Every message's bytes checked by rc_pingpong (-c). Go-back-N sends a
     // whole window again per loss: messages of a few packets keep the run
     // short at these loss rates.
@@ -547,12 +657,11 @@ fn a_hostile_network_loses_no_byte_and_hangs_nothing() {
     );
 }
 
-#[test]
-fn with_the_directory_in_etcd_hosts_find_each_other_and_a_dead_host_disappears() {
+fn with_the_directory_in_etcd_hosts_find_each_other_and_a_dead_host_disappears(backend: Backend) {
     let _one = serial();
     vrdma_tests::need::root("network namespaces");
     let shim = IbverbsShim::new();
-    let mut fabric = Fabric::on(Cluster::bridged(3), Directory::Etcd);
+    let mut fabric = Fabric::on_over(Cluster::bridged(3), Directory::Etcd, backend);
     run_between_h1_and_h2(
         &fabric,
         &shim,
@@ -607,14 +716,13 @@ fn with_the_directory_in_etcd_hosts_find_each_other_and_a_dead_host_disappears()
     );
 }
 
-#[test]
-fn every_rc_operation_is_byte_exact_between_hosts() {
+fn every_rc_operation_is_byte_exact_between_hosts(backend: Backend) {
     use vrdma_guest_driver::{SendPayload, SendWr};
     use vrdma_spec::verbs::{SendOpcode, WcOpcode, WcStatus};
     use vrdma_tests::tenant::{fill, one, qp_pair, rdma, read_mr, signaled, Pair};
     let _one = serial();
     vrdma_tests::need::root("network namespaces");
-    let mut fabric = Fabric::start();
+    let mut fabric = Fabric::start_over(backend);
     // alpha's devices on h1 and h2, opened by this process.
     let mut take = |host: usize| {
         let i = (fabric.vdevs.iter())

@@ -88,6 +88,10 @@ const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> Insn {
 const MOV64_REG: u8 = 0x07 | 0xb0 | 0x08;
 const MOV64_IMM: u8 = 0x07 | 0xb0;
 const ADD64_IMM: u8 = 0x07;
+const ADD64_REG: u8 = 0x07 | 0x08;
+/// Byte swap to big endian (`BPF_ALU | BPF_END | BPF_TO_BE`; a no-op on
+/// a big-endian machine), of the width in `imm`.
+const TO_BE: u8 = 0x04 | 0xd0 | 0x08;
 const AND64_IMM: u8 = 0x07 | 0x50;
 const LDX_W: u8 = 0x61;
 const LDX_H: u8 = 0x69;
@@ -116,10 +120,10 @@ const R6: u8 = 6;
 /// so network-order constants appear byte-swapped: `0x0008` is EtherType
 /// 0x0800, `0xb712` is port 4791 (0x12b7), `0xff3f` masks the MF flag and
 /// the fragment offset (0x3fff).
-fn instructions(map_fd: i32, max_frame: u32) -> [Insn; 28] {
+fn instructions(map_fd: i32, max_frame: u32) -> [Insn; 37] {
     // Jump offsets count instructions after the jump; every test that
     // fails jumps to `pass`, the last two instructions.
-    const PASS: i16 = 26;
+    const PASS: i16 = 35;
     let pass = |at: i16| PASS - (at + 1);
     [
         /* 0 */ insn(MOV64_REG, R6, R1, 0, 0), // r6 = ctx
@@ -139,25 +143,46 @@ fn instructions(map_fd: i32, max_frame: u32) -> [Insn; 28] {
         /* 14 */ insn(JNE_IMM, R5, 0, pass(14), 0),
         /* 15 */ insn(LDX_H, R5, R2, 36, 0), // UDP destination port
         /* 16 */ insn(JNE_IMM, R5, 0, pass(16), 0xb712),
+        // A datagram with a UDP checksum comes from a kernel's UDP stack
+        // (a peer on vrdma's UDP path): maybe a GSO aggregate, which on a
+        // virtual link arrives whole and looks like one long datagram —
+        // the kernel keeps those and hostd's packet socket cuts them.
+        // RoCE NICs, Linux rxe and hostd's own AF_XDP path send none (the
+        // ICRC protects the packet); a kernel never sends 0 (a computed
+        // 0 goes as 0xffff, a partial sum is never 0).
+        /* 17 */
+        insn(LDX_H, R5, R2, 40, 0), // UDP checksum
+        /* 18 */ insn(JNE_IMM, R5, 0, pass(18), 0),
+        // A frame shorter than its IPv4 total length says (a truncated
+        // view: generic XDP may show a program only the head of a long
+        // socket buffer) goes to the kernel, which has the rest.
+        /* 19 */
+        insn(LDX_H, R5, R2, 16, 0), // total length
+        /* 20 */ insn(TO_BE, R5, 0, 0, 16), // to host order
+        /* 21 */ insn(AND64_IMM, R5, 0, 0, 0xffff),
+        /* 22 */ insn(MOV64_REG, R4, R2, 0, 0),
+        /* 23 */ insn(ADD64_IMM, R4, 0, 0, 14),
+        /* 24 */ insn(ADD64_REG, R4, R5, 0, 0),
+        /* 25 */ insn(JGT_REG, R4, R3, pass(25), 0),
         // A frame longer than `max_frame` (data_end > data + max_frame)
         // goes to the kernel: it would not fit a UMEM frame.
-        /* 17 */
+        /* 26 */
         insn(MOV64_REG, R4, R2, 0, 0),
-        /* 18 */ insn(ADD64_IMM, R4, 0, 0, max_frame as i32),
-        /* 19 */ insn(JGT_REG, R3, R4, pass(19), 0),
-        /* 20 */ insn(LDX_W, R2, R6, 16, 0), // key: ctx->rx_queue_index
+        /* 27 */ insn(ADD64_IMM, R4, 0, 0, max_frame as i32),
+        /* 28 */ insn(JGT_REG, R3, R4, pass(28), 0),
+        /* 29 */ insn(LDX_W, R2, R6, 16, 0), // key: ctx->rx_queue_index
         // r1 = the XSKMAP (a 64-bit load: two instruction slots).
-        /* 21 */
+        /* 30 */
         insn(LD_IMM64, R1, PSEUDO_MAP_FD, 0, map_fd),
-        /* 22 */ insn(0, 0, 0, 0, 0),
+        /* 31 */ insn(0, 0, 0, 0, 0),
         // Without a socket on the queue the redirect returns its flags'
         // action: XDP_PASS.
-        /* 23 */
+        /* 32 */
         insn(MOV64_IMM, R3, 0, 0, XDP_PASS),
-        /* 24 */ insn(CALL, 0, 0, 0, HELPER_REDIRECT_MAP),
-        /* 25 */ insn(EXIT, 0, 0, 0, 0),
-        /* 26: pass */ insn(MOV64_IMM, R0, 0, 0, XDP_PASS),
-        /* 27 */ insn(EXIT, 0, 0, 0, 0),
+        /* 33 */ insn(CALL, 0, 0, 0, HELPER_REDIRECT_MAP),
+        /* 34 */ insn(EXIT, 0, 0, 0, 0),
+        /* 35: pass */ insn(MOV64_IMM, R0, 0, 0, XDP_PASS),
+        /* 36 */ insn(EXIT, 0, 0, 0, 0),
     ]
 }
 
@@ -380,20 +405,20 @@ mod tests {
             .filter(|(_, i)| matches!(i.code, JGT_REG | JNE_IMM))
             .map(|(at, i)| at as i16 + 1 + i.off)
             .collect::<Vec<_>>();
-        assert_eq!(jumps, vec![26; 7]);
+        assert_eq!(jumps, vec![35; 9]);
         assert_eq!(
-            (v[26].code, v[26].imm, v[27].code),
+            (v[35].code, v[35].imm, v[36].code),
             (MOV64_IMM, XDP_PASS, EXIT)
         );
         assert_eq!(
-            (v[21].code, v[21].regs >> 4, v[21].imm),
+            (v[30].code, v[30].regs >> 4, v[30].imm),
             (LD_IMM64, PSEUDO_MAP_FD, 7)
         );
         assert_eq!(
-            (v[24].code, v[24].imm, v[25].code),
+            (v[33].code, v[33].imm, v[34].code),
             (CALL, HELPER_REDIRECT_MAP, EXIT)
         );
-        assert_eq!(v[18].imm, 3000);
+        assert_eq!(v[27].imm, 3000);
     }
 
     #[test]
