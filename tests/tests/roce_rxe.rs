@@ -6,7 +6,7 @@
 //! The guest ([`RxeGuest`]) has its virtio-net NIC on a tap in a network
 //! namespace the test makes; the tap's host side is 10.99.0.1, the
 //! guest's eth0 10.99.0.2 with `rxe0` on it. hostd runs in that namespace
-//! with a `[fabric]`: its cluster file makes 10.99.0.1 (the tap's address,
+//! with a `[fabric]` on AF_XDP (generic XDP on the tap): its cluster file makes 10.99.0.1 (the tap's address,
 //! local to the namespace) the pool of tenant `alpha` on this host, and
 //! 10.99.0.2 the GID of host `rxe-guest` in network `demo` (alpha's, in
 //! hostd's default policy), so alpha's device has GID ::ffff:10.99.0.1 at
@@ -537,7 +537,8 @@ fn vrdma_and_linux_soft_roce_run_debians_rdma_programs_both_ways() {
     std::fs::write(
         &config,
         format!(
-            "[fabric]\nhost = \"{HOST}\"\ncluster = {:?}\ndirectory = \"static\"\n",
+            "[fabric]\nhost = \"{HOST}\"\ncluster = {:?}\ndirectory = \"static\"\n\
+             packet_io = \"af_xdp\"\n",
             cluster.display().to_string()
         ),
     )
@@ -610,6 +611,25 @@ fn vrdma_and_linux_soft_roce_run_debians_rdma_programs_both_ways() {
         setup.hostd.log_tail(200)
     );
     check_peers(&setup.hostd, &peers);
+    check_af_xdp(&setup.hostd);
+}
+
+/// hostd took the tap with AF_XDP (generic XDP: a tap is virtual), and
+/// rxe's packets (sent with UDP checksum 0, as RoCE NICs send them) came
+/// through its XSK, as its own went out through it; none was malformed.
+fn check_af_xdp(hostd: &Hostd) {
+    assert!(
+        hostd.log().contains("RoCEv2 packets through AF_XDP"),
+        "hostd did not take AF_XDP:\n{}",
+        hostd.log_tail(50)
+    );
+    let (_, stats, _) = hostd.ctl(&["stats", "--json"]);
+    let stats: serde_json::Value = serde_json::from_str(&stats).expect("stats JSON");
+    let io = &stats["packet_io"];
+    let n = |key: &str| io[key].as_u64().unwrap_or(0);
+    assert!(n("xdp_received_packets") > 1000, "{io}");
+    assert!(n("xdp_sent_packets") > 1000, "{io}");
+    assert_eq!(n("xdp_received_invalid"), 0, "{io}");
 }
 
 /// hostd's counters after every case passed: packets went both ways with

@@ -86,6 +86,7 @@ pub fn message_rate(
     hosts: &[crate::host::Host; 2],
     secs: Duration,
     (rc, rc_cost): (f64, Option<f64>),
+    tag: &str,
     targets: &mut Targets,
 ) -> Result<()> {
     let senders: Vec<QueuePair> = (0..QPS)
@@ -163,7 +164,7 @@ pub fn message_rate(
     })?;
     let best = trials.iter().copied().fold(0.0, f64::max);
     println!(
-        "cross ud_msg_rate    receiving hostd's drops over the trials: {}",
+        "cross ud_msg_rate [{tag}] receiving hostd's drops over the trials: {}",
         drops(&hosts[1]).unwrap_or_else(|| "(vrdmactl peers could not say)".into())
     );
     let lists = |v: &[f64]| {
@@ -174,13 +175,15 @@ pub fn message_rate(
     };
     let cost = before.zip(after).and_then(|(b, a)| b.per_op_until(&a));
     println!(
-        "cross ud_msg_rate    64 B  {QPS} UD QPs, {WINDOW} in flight each in lists of {BATCH}, {RECEIVES} receives posted each: {best:.3} Mop/s received (trials {}; not received by each trial's end {unreceived:?}); RC WRITE {rc:.3} Mop/s: {:.2}×; hostds' CPU per message: UD SEND {}, RC WRITE {}",
+        "cross ud_msg_rate [{tag}] 64 B  {QPS} UD QPs, {WINDOW} in flight each in lists of {BATCH}, {RECEIVES} receives posted each: {best:.3} Mop/s received (trials {}; not received by each trial's end {unreceived:?}); RC WRITE {rc:.3} Mop/s: {:.2}×; hostds' CPU per message: UD SEND {}, RC WRITE {}",
         lists(&trials),
         best / rc.max(f64::MIN_POSITIVE),
         crate::hostd_cost::show(cost),
         crate::hostd_cost::show(rc_cost),
     );
-    let what = format!("across hosts: {QPS} UD QPs of 64 B SENDs received, ÷ RC's 64 B WRITE rate");
+    let what = format!(
+        "across hosts [{tag}]: {QPS} UD QPs of 64 B SENDs received, ÷ RC's 64 B WRITE rate"
+    );
     targets.check(
         what,
         best / rc.max(f64::MIN_POSITIVE),

@@ -72,15 +72,21 @@ impl Host {
 
     /// hostd inside network namespace `netns`, in a cluster: its config
     /// file `[fabric] host = "<host>"` on the static cluster file
-    /// `cluster`; the whole process on the datapath CPU if one is
+    /// `cluster`, its packets through `packet_io`; the whole process on the datapath CPU if one is
     /// dedicated (two hostds share it), else anywhere.
-    pub fn start_in_cluster(netns: &Path, host: &str, cluster: &str) -> Result<Self> {
+    pub fn start_in_cluster(
+        netns: &Path,
+        host: &str,
+        cluster: &str,
+        packet_io: crate::cross::PacketIo,
+    ) -> Result<Self> {
         let dir = Scratch::new(&format!("bench-{host}"))?;
         let hostd = find_binary("hostd", "vrdma-hostd")?;
         dir.write("cluster.toml", cluster)?;
         let policy = dir.write("policy.toml", BENCH_POLICY)?;
         let config = format!(
-            "[fabric]\nhost = \"{host}\"\ncluster = \"cluster.toml\"\ndirectory = \"static\"\nip_mtu = 9000\n"
+            "[fabric]\nhost = \"{host}\"\ncluster = \"cluster.toml\"\ndirectory = \"static\"\nip_mtu = 9000\npacket_io = \"{}\"\n",
+            packet_io.name()
         );
         let config = dir.write("hostd.toml", &config)?;
         let extra = EXTRA_HOSTD_ARGS

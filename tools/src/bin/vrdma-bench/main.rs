@@ -139,6 +139,10 @@ struct Args {
     /// Seconds each TCP stream and message-rate trial across hosts runs.
     #[arg(long, default_value_t = 2)]
     cross_secs: u64,
+    /// The hostds' packet paths measured across hosts, one after the
+    /// other in the same run (each against TCP again).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [cross::PacketIo::Udp, cross::PacketIo::AfXdp])]
+    packet_io: Vec<cross::PacketIo>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -221,6 +225,7 @@ fn main() -> Result<(), Failed> {
             iters: args.iters,
             bytes: args.cross_bytes,
             secs: Duration::from_secs(args.cross_secs),
+            packet_io: args.packet_io.clone(),
         };
         cross::run(params, &mut targets)?;
         print!("{}", targets.summary());
