@@ -153,6 +153,10 @@ fn connection_rules() -> Result<Rules, SeccompError> {
     Ok(r)
 }
 
+/// `SOL_XDP` and its `XDP_STATISTICS` option (`linux/if_xdp.h`).
+const SOL_XDP: u64 = 283;
+const XDP_STATISTICS: u64 = 7;
+
 /// The datapath polling threads.
 fn datapath_rules() -> Result<Rules, SeccompError> {
     let mut r = Rules::new();
@@ -186,12 +190,16 @@ fn datapath_rules() -> Result<Rules, SeccompError> {
     // answer the kernel queued during it). Never waiting.
     r.allow_if_eq(libc::SYS_sendto, 3, &[dontwait])?;
     r.allow_if_eq(libc::SYS_recvfrom, 3, &[dontwait])?;
-    // The packet socket's drop counter (PACKET_STATISTICS), and nothing else.
-    r.allow_if_all(
+    // The packet socket's drop counter (PACKET_STATISTICS) and the XSKs'
+    // (XDP_STATISTICS), and nothing else.
+    r.allow_if_any(
         libc::SYS_getsockopt,
         &[
-            (1, Op::Eq, libc::SOL_PACKET as u64),
-            (2, Op::Eq, libc::PACKET_STATISTICS as u64),
+            &[
+                (1, Op::Eq, libc::SOL_PACKET as u64),
+                (2, Op::Eq, libc::PACKET_STATISTICS as u64),
+            ],
+            &[(1, Op::Eq, SOL_XDP), (2, Op::Eq, XDP_STATISTICS)],
         ],
     )?;
     Ok(r)
@@ -389,6 +397,11 @@ mod tests {
                 ("sched_yield", libc::SYS_sched_yield, [0; 6]),
                 ("XSK kick", libc::SYS_sendto, [9, 0, 0, 0x40, 0, 0]),
                 (
+                    "XSK statistics",
+                    libc::SYS_getsockopt,
+                    [9, SOL_XDP, XDP_STATISTICS, 0, 0, 0],
+                ),
+                (
                     "rtnetlink question",
                     libc::SYS_sendto,
                     [10, 0, 40, 0x40, 0, 0],
@@ -566,10 +579,20 @@ mod tests {
         let other = [1234, 128, 0, 0, 0, 0];
         assert_eq!(run(&datapath, libc::SYS_sched_setaffinity, other), KILL);
         // Packets never wait: a blocking send or receive is refused.
-        for nr in [libc::SYS_sendmmsg, libc::SYS_recvmmsg] {
+        for nr in [
+            libc::SYS_sendmmsg,
+            libc::SYS_recvmmsg,
+            libc::SYS_sendto,
+            libc::SYS_recvfrom,
+        ] {
             assert_eq!(run(&datapath, nr, [9, 0, 64, 0, 0, 0]), KILL, "{nr}");
         }
-        // The packet socket's statistics, and no other socket option.
+        // The packet socket's and the XSKs' statistics, and no other
+        // socket option.
+        let getsockopt =
+            |level, name| run(&datapath, libc::SYS_getsockopt, [3, level, name, 0, 0, 0]);
+        assert_ne!(getsockopt(SOL_XDP, XDP_STATISTICS), KILL);
+        assert_eq!(getsockopt(SOL_XDP, 1 /* XDP_MMAP_OFFSETS */), KILL);
         let (packet, stats) = (libc::SOL_PACKET as u64, libc::PACKET_STATISTICS as u64);
         let getsockopt =
             |level, name| run(&datapath, libc::SYS_getsockopt, [3, level, name, 0, 0, 0]);

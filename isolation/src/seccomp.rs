@@ -189,6 +189,27 @@ impl Rules {
         Ok(())
     }
 
+    /// Allows `nr` when all the conditions of any one of `alternatives`
+    /// hold (e.g. a `getsockopt` of either of two options).
+    pub fn allow_if_any(
+        &mut self,
+        nr: i64,
+        alternatives: &[&[(u8, Op, u64)]],
+    ) -> Result<(), SeccompError> {
+        let rules = alternatives
+            .iter()
+            .map(|conditions| {
+                let conditions = conditions
+                    .iter()
+                    .map(|(arg, op, value)| cond(*arg, op.clone(), *value))
+                    .collect::<Result<Vec<_>, _>>()?;
+                rule(conditions)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        self.0.insert(nr, rules);
+        Ok(())
+    }
+
     /// Allows `nr` (`socket` or `socketpair`) for `AF_UNIX` seqpacket
     /// sockets only: no network, netlink or stream sockets.
     pub fn allow_unix_seqpacket(&mut self, nr: i64) -> Result<(), SeccompError> {

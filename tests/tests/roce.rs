@@ -189,10 +189,10 @@ fn a_host_on_af_xdp_and_a_host_on_udp_carry_everything_between_them() {
     assert!(n(&udp, "gso_messages") > 100, "h1: {udp}");
     assert!(n(&xdp, "received_gso_messages") > 100, "h2: {xdp}");
     assert_eq!(n(&xdp, "xdp_received_packets"), 0, "h2: {xdp}");
-    // h2 sent through its XSK, each datagram on its own.
-    assert!(n(&xdp, "xdp_sent_packets") > 10_000, "h2: {xdp}");
-    assert_eq!(n(&xdp, "gso_messages"), 0, "h2: {xdp}");
-    assert_eq!(n(&udp, "received_gso_messages"), 0, "h1: {udp}");
+    // h2 sent single packets through its XSK, bursts as GSO messages
+    // through its kernel; h1 took both.
+    assert!(n(&xdp, "xdp_sent_packets") > 1000, "h2: {xdp}");
+    assert!(n(&xdp, "gso_messages") > 100, "h2: {xdp}");
     assert!(n(&udp, "received_packets") > 10_000, "h1: {udp}");
 }
 
@@ -263,15 +263,15 @@ fn unmodified_programs_run_between_tenants_on_different_hosts(backend: Backend) 
         metrics.contains("vrdma_peer_tx_packets_total{host=\"h2\"}"),
         "{metrics}"
     );
-    assert_packet_path(&fabric, backend, 10_000);
+    assert_packet_path(&fabric, backend, 1_000);
 }
 
 /// Each of the first two hosts' hostd carried the traffic through
 /// `backend`: over UDP, the 64 KiB WRITEs and READ responses went as UDP
 /// GSO messages and crossed the bridge whole (the receivers cut them);
-/// over AF_XDP, at least `packets` each way went through its XSK, none
-/// through the kernel (the neighbours were resolved before), and nothing
-/// was dropped as malformed.
+/// over AF_XDP, at least `packets` each way went through its XSK (the
+/// ping-pongs' single packets), the bursts through the kernel as GSO
+/// messages, and the XSKs dropped nothing.
 fn assert_packet_path(fabric: &Fabric, backend: Backend, packets: u64) {
     for h in [1, 2] {
         let stats = fabric.hostd(h).ctl(&["stats", "--json"]).1;
@@ -293,8 +293,17 @@ fn assert_packet_path(fabric: &Fabric, backend: Backend, packets: u64) {
                 for counter in ["xdp_sent_packets", "xdp_received_packets"] {
                     assert!(n(counter) >= packets, "h{h}: {io}");
                 }
-                assert_eq!(n("gso_messages"), 0, "h{h}: {io}");
-                assert_eq!(n("xdp_received_invalid"), 0, "h{h}: {io}");
+                // Bursts (the bandwidth tests') went as GSO messages
+                // through the kernel, the copy-mode XSK's bulk path.
+                assert!(n("gso_messages") > 100, "h{h}: {io}");
+                for counter in [
+                    "xdp_received_invalid",
+                    "xdp_rx_dropped",
+                    "xdp_rx_ring_full",
+                    "xdp_fill_ring_empty",
+                ] {
+                    assert_eq!(n(counter), 0, "h{h}: {counter}: {io}");
+                }
             }
         }
         assert_eq!(n("receive_truncated"), 0, "h{h}: {io}");

@@ -190,11 +190,21 @@ pub struct IoCounters {
     /// Frames from the XSKs dropped as malformed.
     #[serde(default)]
     pub xdp_received_invalid: u64,
+    /// Frames the kernel dropped on the XSKs (`XDP_STATISTICS`, read every
+    /// few thousand receives and when they run empty): too long, …
+    #[serde(default)]
+    pub xdp_rx_dropped: u64,
+    /// … because a receive ring was full (hostd did not keep up) …
+    #[serde(default)]
+    pub xdp_rx_ring_full: u64,
+    /// … or for want of a fill frame.
+    #[serde(default)]
+    pub xdp_fill_ring_empty: u64,
 }
 
 impl IoCounters {
     /// Every counter by name (the metrics' names end in them).
-    pub fn named(&self) -> [(&'static str, u64); 21] {
+    pub fn named(&self) -> [(&'static str, u64); 24] {
         [
             ("sent_packets", self.sent_packets),
             ("sent_bytes", self.sent_bytes),
@@ -217,6 +227,9 @@ impl IoCounters {
             ("xdp_tx_full", self.xdp_tx_full),
             ("xdp_kernel_sends", self.xdp_kernel_sends),
             ("xdp_received_invalid", self.xdp_received_invalid),
+            ("xdp_rx_dropped", self.xdp_rx_dropped),
+            ("xdp_rx_ring_full", self.xdp_rx_ring_full),
+            ("xdp_fill_ring_empty", self.xdp_fill_ring_empty),
         ]
     }
 }

@@ -293,7 +293,13 @@ fn drops(host: &crate::host::Host) -> Option<String> {
         }
     }
     let stats = host.ctl_json("stats")?;
-    for key in ["receive_kernel_drops", "receive_truncated"] {
+    for key in [
+        "receive_kernel_drops",
+        "receive_truncated",
+        "xdp_rx_dropped",
+        "xdp_rx_ring_full",
+        "xdp_fill_ring_empty",
+    ] {
         by_reason.insert(key.into(), stats["packet_io"][key].as_u64().unwrap_or(0));
     }
     // /proc/<pid>/net is the network namespace of that process: hostd's.

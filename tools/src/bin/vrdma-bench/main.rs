@@ -13,6 +13,7 @@ mod baselines;
 mod conn_rate;
 mod cores;
 mod cross;
+mod cross_floor;
 mod cross_ud;
 mod host;
 mod hostd_cost;

@@ -54,8 +54,15 @@ const NEIGHBOR_REFRESH: Duration = Duration::from_secs(1);
 const UNRESOLVED_RETRY: Duration = Duration::from_millis(1);
 /// The kernel's packet socket is read on every this many receive calls
 /// that found the XSKs short of what was asked (it only carries the
-/// exceptions, and a `recvmmsg` costs a system call).
+/// exceptions, and a `recvmmsg` costs a system call) — and on every call
+/// while it has packets (a bulk transfer of packets too long for a UMEM
+/// frame, a peer on the UDP path).
 const KERNEL_EVERY: u32 = 8;
+/// The XSKs' drop counters are read at least every this many receive
+/// calls, and when one finds nothing if they were not read for
+/// [`STATS_IDLE_EVERY`].
+const STATS_EVERY_CALLS: u32 = 4096;
+const STATS_IDLE_EVERY: Duration = Duration::from_millis(10);
 
 /// What hostd knows of one destination's next hop.
 #[derive(Debug, Clone, Copy)]
@@ -63,7 +70,23 @@ struct Route {
     /// `None`: send through the kernel.
     mac: Option<[u8; 6]>,
     asked: Instant,
+    /// Until when packets to it go through the kernel as GSO messages
+    /// (see [`BULK_RUN`]).
+    bulk_until: Option<Instant>,
 }
+
+/// In copy mode, a run of at least this many packets to one destination
+/// in one send goes through the kernel's UDP path as GSO messages: an XSK
+/// in copy mode makes a socket buffer per packet, the kernel one per 64
+/// packets, and a burst is where that counts (measured: 64 B WRITEs on 8
+/// QPs across a veth, docs/performance.md). Single packets keep the XSK's
+/// shorter way.
+const BULK_RUN: usize = 8;
+/// How long a destination stays on the kernel's path after its last
+/// packet went that way: packets to it return to the faster XSK only once
+/// those sent before through the kernel have arrived, so that a QP's
+/// packets are not reordered.
+const BULK_HOLD: Duration = Duration::from_micros(500);
 
 /// RoCEv2 packets through AF_XDP (see the module's documentation).
 pub struct XdpIo {
@@ -78,6 +101,15 @@ pub struct XdpIo {
     epoll: OwnedFd,
     next_rx: usize,
     short_receives: u32,
+    /// The last kernel read found packets: read it on every call.
+    kernel_busy: bool,
+    /// Whether any XSK copies (no zero copy): bursts then go through the
+    /// kernel ([`BULK_RUN`]).
+    copy_mode: bool,
+    /// Each XSK's drop counters when last read, and when that was.
+    stats: Vec<xsk::XskStats>,
+    calls_since_stats: u32,
+    stats_read: Instant,
     counters: XdpCounters,
 }
 
@@ -150,6 +182,8 @@ impl XdpIo {
         }
         let neighbors = Neighbors::open(iface.index)?;
         let epoll = epoll_over(xsks.iter().map(AsRawFd::as_raw_fd).chain([kernel.rx_fd()]))?;
+        let stats = vec![xsk::XskStats::default(); xsks.len()];
+        let copy_mode = !xsks.iter().all(Xsk::zero_copy);
         Ok(XdpIo {
             xsks,
             program,
@@ -160,6 +194,11 @@ impl XdpIo {
             epoll,
             next_rx: 0,
             short_receives: 0,
+            kernel_busy: false,
+            copy_mode,
+            stats,
+            calls_since_stats: 0,
+            stats_read: Instant::now(),
             counters: XdpCounters::default(),
         })
     }
@@ -188,12 +227,11 @@ impl XdpIo {
 
     /// The MAC address of `dst`'s next hop through the interface, `None`
     /// when packets to `dst` must go through the kernel.
-    fn next_hop(&mut self, dst: Ipv4Addr, now: &mut Option<Instant>) -> Option<[u8; 6]> {
+    fn next_hop(&mut self, dst: Ipv4Addr, now: Instant) -> Option<[u8; 6]> {
+        let mut bulk_until = None;
         if let Some(r) = self.routes.get(&dst) {
-            // The clock is read once per send call, and only when a route
-            // is there to age.
-            let t = *now.get_or_insert_with(Instant::now);
-            let fresh = t.duration_since(r.asked)
+            bulk_until = r.bulk_until;
+            let fresh = now.duration_since(r.asked)
                 < if r.mac.is_some() {
                     NEIGHBOR_REFRESH
                 } else {
@@ -203,7 +241,6 @@ impl XdpIo {
                 return r.mac;
             }
         }
-        let t = *now.get_or_insert_with(Instant::now);
         let mac = match self.neighbors.next_hop(dst) {
             Ok(NextHop::Mac(mac)) => Some(mac),
             Ok(NextHop::Unresolved | NextHop::Elsewhere) => None,
@@ -212,23 +249,49 @@ impl XdpIo {
                 None
             }
         };
-        self.routes.insert(dst, Route { mac, asked: t });
+        self.routes.insert(
+            dst,
+            Route {
+                mac,
+                asked: now,
+                bulk_until,
+            },
+        );
         mac
     }
 
-    /// The MAC to send `p` to through the XSK, `None` when it goes
-    /// through the kernel (no MAC known, or too long for a UMEM frame).
-    fn way(&mut self, p: &OutPacket, now: &mut Option<Instant>) -> Option<[u8; 6]> {
-        if fits(p) {
-            self.next_hop(p.dst, now)
-        } else {
-            None
+    /// Whether `run` packets to `dst` (whose next hop is known) go through
+    /// the kernel as a burst: a run of [`BULK_RUN`] or more starts or
+    /// extends the hold, and anything within the hold goes the same way.
+    /// Only in copy mode (zero copy has no socket buffer to save).
+    fn bulk(&mut self, dst: Ipv4Addr, run: usize, now: Instant) -> bool {
+        if !self.copy_mode {
+            return false;
+        }
+        let Some(r) = self.routes.get_mut(&dst) else {
+            return false;
+        };
+        if run >= BULK_RUN || r.bulk_until.is_some_and(|t| now < t) {
+            r.bulk_until = Some(now + BULK_HOLD);
+            return true;
+        }
+        false
+    }
+
+    /// Reads every XSK's drop counters (the kernel keeps their totals).
+    fn read_stats(&mut self) {
+        self.calls_since_stats = 0;
+        self.stats_read = Instant::now();
+        for (x, last) in self.xsks.iter().zip(self.stats.iter_mut()) {
+            if let Some(s) = x.statistics() {
+                *last = s;
+            }
         }
     }
 
-    /// Sends `batch` (all to destinations with a MAC) on the first XSK;
-    /// how many it queued.
-    fn send_xdp(&mut self, batch: &[OutPacket], macs: &[[u8; 6]]) -> usize {
+    /// Sends `batch` (all to the next hop `mac`, all fitting a frame) on
+    /// the first XSK; how many it queued.
+    fn send_xdp(&mut self, batch: &[OutPacket], mac: [u8; 6]) -> usize {
         let (src_mac, port) = (self.iface.mac, self.kernel.src_port());
         let Some(xsk) = self.xsks.first_mut() else {
             return 0;
@@ -237,7 +300,7 @@ impl XdpIo {
         let n = xsk.send(batch.len(), |i, frame| {
             let p = &batch[i];
             bytes += p.len as u64;
-            write_frame(frame, p, &macs[i], &src_mac, port)
+            write_frame(frame, p, &mac, &src_mac, port)
         });
         self.counters.sent_packets += n as u64;
         self.counters.sent_bytes += bytes;
@@ -336,44 +399,38 @@ fn epoll_over(fds: impl Iterator<Item = RawFd>) -> io::Result<OwnedFd> {
     Ok(ep)
 }
 
-/// Destinations' MACs for one send call, on the stack.
-const SEND_RUN: usize = 64;
-
 impl PacketIo for XdpIo {
     fn send(&mut self, batch: &[OutPacket]) -> io::Result<usize> {
-        let mut now = None;
+        // One clock read per call ages the routes and times the holds.
+        let now = Instant::now();
         let mut done = 0;
         while done < batch.len() {
-            // The longest run from `done` that goes one way: through the
-            // XSK (each with its MAC) or through the kernel.
-            let first = self.way(&batch[done], &mut now);
-            let mut macs = [[0u8; 6]; SEND_RUN];
-            let mut run = 1;
-            if let Some(m) = first {
-                macs[0] = m;
-            }
-            while done + run < batch.len() && run < SEND_RUN {
-                let p = &batch[done + run];
-                let prev = &batch[done + run - 1];
-                let hop = if p.dst == prev.dst && fits(p) == fits(prev) {
-                    first.map(|_| macs[run - 1])
-                } else {
-                    self.way(p, &mut now)
-                };
-                match (first, hop) {
-                    (Some(_), Some(m)) => macs[run] = m,
-                    (None, None) => {}
-                    _ => break,
+            // The packets from `done` to the same destination, then those
+            // of them that go the same way: the XSK (known next hop, fits
+            // a frame, no burst) or the kernel.
+            let dst = batch[done].dst;
+            let same = batch[done..].iter().take_while(|p| p.dst == dst).count();
+            let hop = self.next_hop(dst, now);
+            let to_xsk = |p: &OutPacket| fits(p);
+            let (run, xsk) = match hop {
+                Some(mac) if !self.bulk(dst, same, now) => {
+                    let first = to_xsk(&batch[done]);
+                    let run = batch[done..done + same]
+                        .iter()
+                        .take_while(|p| to_xsk(p) == first)
+                        .count();
+                    (run, first.then_some(mac))
                 }
-                run += 1;
-            }
+                _ => (same, None),
+            };
             let part = &batch[done..done + run];
-            let sent = if first.is_some() {
-                self.send_xdp(part, &macs[..run])
-            } else {
-                let n = self.kernel.send(part)?;
-                self.counters.kernel_sends += n as u64;
-                n
+            let sent = match xsk {
+                Some(mac) => self.send_xdp(part, mac),
+                None => {
+                    let n = self.kernel.send(part)?;
+                    self.counters.kernel_sends += n as u64;
+                    n
+                }
             };
             done += sent;
             if sent < run {
@@ -415,10 +472,18 @@ impl PacketIo for XdpIo {
         self.next_rx = (self.next_rx + 1) % queues.max(1);
         if got < bufs.len() {
             self.short_receives += 1;
-            if self.short_receives >= KERNEL_EVERY {
+            if self.kernel_busy || self.short_receives >= KERNEL_EVERY {
                 self.short_receives = 0;
-                got += self.kernel.recv(&mut bufs[got..])?;
+                let n = self.kernel.recv(&mut bufs[got..])?;
+                self.kernel_busy = n > 0;
+                got += n;
             }
+        }
+        self.calls_since_stats += 1;
+        if self.calls_since_stats >= STATS_EVERY_CALLS
+            || (got == 0 && self.stats_read.elapsed() >= STATS_IDLE_EVERY)
+        {
+            self.read_stats();
         }
         Ok(got)
     }
@@ -443,6 +508,11 @@ impl PacketIo for XdpIo {
         c.xdp_tx_full = x.tx_full;
         c.xdp_kernel_sends = x.kernel_sends;
         c.xdp_received_invalid = x.received_invalid;
+        for s in &self.stats {
+            c.xdp_rx_dropped += s.rx_dropped;
+            c.xdp_rx_ring_full += s.rx_ring_full;
+            c.xdp_fill_ring_empty += s.rx_fill_ring_empty_descs;
+        }
         c
     }
 }

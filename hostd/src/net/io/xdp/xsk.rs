@@ -26,6 +26,7 @@ const XDP_TX_RING: libc::c_int = 3;
 const XDP_UMEM_REG: libc::c_int = 4;
 const XDP_UMEM_FILL_RING: libc::c_int = 5;
 const XDP_UMEM_COMPLETION_RING: libc::c_int = 6;
+const XDP_STATISTICS: libc::c_int = 7;
 const XDP_PGOFF_RX_RING: libc::off_t = 0;
 const XDP_PGOFF_TX_RING: libc::off_t = 0x8000_0000;
 const XDP_UMEM_PGOFF_FILL_RING: libc::off_t = 0x1_0000_0000;
@@ -43,8 +44,10 @@ pub const FRAME_SIZE: u32 = 4096;
 const RX_HEADROOM: u32 = 256;
 /// The longest frame an XSK receives: the rest of a UMEM frame.
 pub const MAX_FRAME: u32 = FRAME_SIZE - RX_HEADROOM;
-/// UMEM frames per socket: half for receiving, half for sending.
-const FRAMES: u32 = 2048;
+/// UMEM frames per socket (32 MiB): half for receiving, half for
+/// sending. The receive half is what absorbs a burst while the datapath
+/// thread is busy (the UDP path's socket buffer is 8 MiB).
+const FRAMES: u32 = 8192;
 /// Entries of each ring (each holds at most its half of the frames).
 const RING: u32 = FRAMES / 2;
 
@@ -55,6 +58,22 @@ struct Desc {
     addr: u64,
     len: u32,
     options: u32,
+}
+
+/// `struct xdp_statistics`: what the kernel dropped on a socket.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct XskStats {
+    /// Frames dropped for other reasons (too long for a frame, …).
+    pub rx_dropped: u64,
+    pub rx_invalid_descs: u64,
+    pub tx_invalid_descs: u64,
+    /// Frames dropped because the receive ring was full: hostd did not
+    /// keep up.
+    pub rx_ring_full: u64,
+    /// Frames dropped for want of a fill frame.
+    pub rx_fill_ring_empty_descs: u64,
+    pub tx_ring_empty_descs: u64,
 }
 
 /// `struct xdp_ring_offset`.
@@ -481,6 +500,25 @@ impl Xsk {
                 0,
             )
         };
+    }
+
+    /// What the kernel dropped on this socket so far (`None` if it could
+    /// not say).
+    pub fn statistics(&self) -> Option<XskStats> {
+        let mut stats = XskStats::default();
+        let mut len = std::mem::size_of::<XskStats>() as libc::socklen_t;
+        // SAFETY: the kernel writes at most `len` bytes of `struct
+        // xdp_statistics` into the live local `stats`.
+        let r = unsafe {
+            libc::getsockopt(
+                self.fd.as_raw_fd(),
+                SOL_XDP,
+                XDP_STATISTICS,
+                (&mut stats as *mut XskStats).cast(),
+                &mut len,
+            )
+        };
+        (r == 0).then_some(stats)
     }
 
     fn frame(&self, addr: u64, len: u32) -> Option<&[u8]> {
