@@ -210,7 +210,7 @@ impl Mailbox {
                 return false;
             }
             spins = spins.wrapping_add(1);
-            if spins % every == 0 {
+            if spins.is_multiple_of(every) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
