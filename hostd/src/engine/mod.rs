@@ -465,6 +465,13 @@ impl Engine {
             })
     }
 
+    /// Tells the wire a datapath round runs (see `Wire::in_round`).
+    fn set_in_round(&mut self, on: bool) {
+        if let Some(w) = self.wire.as_mut() {
+            w.in_round = on;
+        }
+    }
+
     /// One round of the datapath for the devices `mine`: takes their
     /// doorbells, wakes QPs whose timers are due, flushes errored QPs,
     /// stages the pQPs with work, and runs what the scheduler picks, up to
@@ -472,6 +479,7 @@ impl Engine {
     pub fn round(&mut self, mine: &[DeviceId], now: Instant) -> Round {
         let mut round = Round::default();
         self.batching = true;
+        self.set_in_round(true);
         round.worked |= self.wire_receive(now);
         for &id in mine {
             round.worked |= self.take_doorbells(id, now);
@@ -506,6 +514,7 @@ impl Engine {
         let (wire_due, wire_busy) = self.wire_send(now);
         self.publish_completions();
         self.batching = false;
+        self.set_in_round(false);
         round.busy = round.preempted
             || ((ops >= ROUND_OPS || bytes >= ROUND_BYTES) && self.sched.has_work())
             || !self.flushing.is_empty()

@@ -189,6 +189,12 @@ pub struct Wire {
     /// this spares most datagrams the GID, device and QP lookups; a QP
     /// destroyed since has another serial (or none) and misses.
     last_ud: Option<(Ipv4Addr, u32, QpRef, u64)>,
+    /// A datapath round is running: only then may a full queue be handed
+    /// to the kernel from `emit`. The packet queues' system calls are the
+    /// datapath threads' (their seccomp role); a request a vdev's
+    /// connection thread runs (a MAD, a QP flushed) meets a full queue
+    /// with `Emit::Full` instead.
+    pub(crate) in_round: bool,
 }
 
 impl std::fmt::Debug for Wire {
@@ -213,6 +219,7 @@ impl Wire {
             closed: closed::ClosedQps::default(),
             peers: Peers::default(),
             last_ud: None,
+            in_round: false,
         }
     }
 
@@ -236,7 +243,9 @@ impl Wire {
         fill: impl FnOnce(&mut [u8]) -> bool,
     ) -> Emit {
         if self.tx_len == self.tx.len() {
-            self.flush();
+            if self.in_round {
+                self.flush();
+            }
             if self.tx_len == self.tx.len() {
                 return Emit::Full;
             }
