@@ -276,7 +276,7 @@ fn gsi_emit(w: &mut Wire, src: Ipv4Addr, dst: Ipv4Addr, mad: &Mad) -> Emit {
         qkey: GSI_QKEY,
         src_qp: GSI_QPN,
     });
-    w.emit(&path, &h, MAD_LEN, |out| {
+    w.emit_control(&path, &h, MAD_LEN, |out| {
         out.copy_from_slice(&mad.bytes[..]);
         true
     })

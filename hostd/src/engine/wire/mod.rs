@@ -39,6 +39,8 @@ use super::Engine;
 
 /// Packets queued for sending before the queue is handed to the kernel.
 pub const TX_BATCH: usize = 64;
+/// Places of the send queue only QP1's MADs may take (`Wire::emit_control`).
+const CONTROL_RESERVE: usize = 8;
 /// Packets received per call.
 pub const RX_BATCH: usize = 64;
 /// Receive calls per round at most (then the round does other work).
@@ -234,7 +236,9 @@ impl Wire {
     }
 
     /// Queues a packet with headers `h` and `len` payload bytes written by
-    /// `fill` (false: the local memory failed), for `path`.
+    /// `fill` (false: the local memory failed), for `path`. The transport's
+    /// packets leave the queue's last [`CONTROL_RESERVE`] places to
+    /// [`Wire::emit_control`]'s.
     pub fn emit(
         &mut self,
         path: &Path,
@@ -242,11 +246,36 @@ impl Wire {
         len: usize,
         fill: impl FnOnce(&mut [u8]) -> bool,
     ) -> Emit {
-        if self.tx_len == self.tx.len() {
+        self.emit_within(self.tx.len() - CONTROL_RESERVE, path, h, len, fill)
+    }
+
+    /// [`Wire::emit`] for a MAD of QP1: it may take the places the
+    /// transport leaves, so that a connection's setup is not refused while
+    /// a window of retransmissions waits for the next round (a vdev's
+    /// connection thread queues MADs between rounds).
+    pub fn emit_control(
+        &mut self,
+        path: &Path,
+        h: &Headers,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> bool,
+    ) -> Emit {
+        self.emit_within(self.tx.len(), path, h, len, fill)
+    }
+
+    fn emit_within(
+        &mut self,
+        limit: usize,
+        path: &Path,
+        h: &Headers,
+        len: usize,
+        fill: impl FnOnce(&mut [u8]) -> bool,
+    ) -> Emit {
+        if self.tx_len >= limit {
             if self.in_round {
                 self.flush();
             }
-            if self.tx_len == self.tx.len() {
+            if self.tx_len >= limit {
                 return Emit::Full;
             }
         }
