@@ -52,18 +52,54 @@ pub struct Ends<'a> {
     pub hostds: Vec<PathBuf>,
 }
 
-/// CM MADs dropped so far because a device's QP1 queue was full, over
-/// the hostds at `admins` (`vrdmactl stats --json`, every tenant's
-/// `gsi.queue_full`); `None` if a hostd could not say.
-fn qp1_drops(admins: &[PathBuf]) -> Option<u64> {
-    let mut total = 0;
-    for admin in admins {
-        let stats = crate::host::vrdmactl_json(admin, "stats")?;
-        for t in stats["tenants"].as_array()? {
-            total += t["gsi"]["queue_full"].as_u64().unwrap_or(0);
+/// What the hostds at `admins` counted so far of CM MADs (`vrdmactl stats
+/// --json`, every tenant's `gsi`: sent, received, dropped because a
+/// device's QP1 queue was full) and of packets their transport dropped
+/// (`vrdmactl peers --json`, every peer's drops by reason); `None` if a
+/// hostd could not say. Over a run, MADs sent but neither received nor
+/// dropped at QP1 were lost between the hostds.
+#[derive(Debug, Default, Clone, Copy)]
+struct Mads {
+    sent: u64,
+    received: u64,
+    queue_full: u64,
+    wire_drops: u64,
+}
+
+impl Mads {
+    fn read(admins: &[PathBuf]) -> Option<Mads> {
+        let mut m = Mads::default();
+        for admin in admins {
+            let stats = crate::host::vrdmactl_json(admin, "stats")?;
+            for t in stats["tenants"].as_array()? {
+                let n = |k: &str| t["gsi"][k].as_u64().unwrap_or(0);
+                m.sent += n("sent");
+                m.received += n("received");
+                m.queue_full += n("queue_full");
+            }
+            let peers = crate::host::vrdmactl_json(admin, "peers")?;
+            for p in peers.as_array()? {
+                if let Some(drops) = p["drops"].as_object() {
+                    m.wire_drops += drops
+                        .values()
+                        .filter_map(serde_json::Value::as_u64)
+                        .sum::<u64>();
+                }
+            }
         }
+        Some(m)
     }
-    Some(total)
+
+    /// What changed from `before` to `self`, as the report says it.
+    fn since(&self, before: &Mads) -> String {
+        let (sent, received) = (self.sent - before.sent, self.received - before.received);
+        let full = self.queue_full - before.queue_full;
+        format!(
+            "MADs dropped at QP1 {full} (sent {sent}, received {received}, lost between the hostds {}), packets the transports dropped {}",
+            sent.saturating_sub(received + full),
+            self.wire_drops - before.wire_drops
+        )
+    }
 }
 
 /// One cmtime run: milliseconds of each step over all connections.
@@ -266,18 +302,18 @@ pub fn run(
     let mut setups = Vec::with_capacity(TRIALS);
     for trial in 0..TRIALS {
         let tcp_rate = tcp().map_err(baseline("set up TCP connections"))?;
-        let drops_before = qp1_drops(&ends.hostds);
+        let before = Mads::read(&ends.hostds);
         let steps = run_cmtime(shim.path(), ends, port + trial as u16)?;
-        let drops = match (drops_before, qp1_drops(&ends.hostds)) {
-            (Some(b), Some(a)) => a.saturating_sub(b).to_string(),
-            _ => "unknown".to_owned(),
+        let mads = match (before, Mads::read(&ends.hostds)) {
+            (Some(b), Some(a)) => a.since(&b),
+            _ => "MADs: the hostds could not say".to_owned(),
         };
         let setup = CONNECTIONS as f64 / (steps.setup_ms() / 1000.0);
         let teardown = CONNECTIONS as f64 / (steps.teardown_ms() / 1000.0);
         println!(
             "conn_rate  {}: {CONNECTIONS} RC connections (cmtime) set up at {setup:.0}/s \
              (ms: id {:.1} addr {:.1} route {:.1} qp {:.1} connect {:.1}), torn down at \
-             {teardown:.0}/s, MADs dropped at QP1 {drops} | TCP {tcp_rate:.0}/s | ratio {:.2}",
+             {teardown:.0}/s, {mads} | TCP {tcp_rate:.0}/s | ratio {:.2}",
             ends.label,
             steps.create_id,
             steps.resolve_addr,
