@@ -294,6 +294,21 @@ fn a_vdev_killed_after_a_handover_is_still_taken_over() {
         &args,
         Duration::from_millis(300),
         |fabric| {
+            // Killed once it has brought its contexts back to the new
+            // hostd and sent their journals (killed in the middle of that,
+            // a context is not kept: hostd cannot know what it missed).
+            // (Its link logs each round of registrations; the last must be
+            // done.)
+            let back = |log: &str| {
+                let done = log.rfind("Every context is on the new hostd");
+                let started = log.rfind("vrdma_vdev::link: hostd handed over");
+                matches!((done, started), (Some(d), Some(s)) if d > s)
+            };
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while !back(&fabric.alpha.log()) {
+                assert!(Instant::now() < deadline, "not back:\n{}", fabric.logs());
+                std::thread::sleep(Duration::from_millis(5));
+            }
             fabric.alpha.restart();
             let deadline = Instant::now() + Duration::from_secs(5);
             while !fabric
