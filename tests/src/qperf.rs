@@ -53,8 +53,9 @@ pub fn results(text: &str) -> BTreeMap<String, Vec<(String, f64)>> {
             continue;
         }
         let figure = line.split_once('=').and_then(|(key, value)| {
-            let value = value.split_whitespace().next()?.parse::<f64>().ok()?;
-            Some((key.trim().to_owned(), value))
+            // qperf groups thousands with commas: `1,000 MB/sec`.
+            let number = value.split_whitespace().next()?.replace(',', "");
+            Some((key.trim().to_owned(), number.parse::<f64>().ok()?))
         });
         match (figure, &current) {
             (Some(figure), Some(test)) if line.starts_with("    ") => {
@@ -102,5 +103,24 @@ pub fn assert_every_figure<'a>(text: &str, tests: impl IntoIterator<Item = &'a s
                 .unwrap_or_else(|| panic!("{test}: no {key}:\n{text}"));
             assert!(value > 0.0, "{test}: {key} = {value}:\n{text}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn figures_are_read_with_qperf_s_thousands_separators() {
+        let text = "ud_bw:\n    send_bw  =  1,016 MB/sec\n    recv_bw  =  1,000 MB/sec\nrc_lat:\n    latency  =  34.8 us\n";
+        let r = results(text);
+        assert_eq!(
+            r["ud_bw"],
+            vec![
+                ("send_bw".to_owned(), 1016.0),
+                ("recv_bw".to_owned(), 1000.0)
+            ]
+        );
+        assert_eq!(r["rc_lat"], vec![("latency".to_owned(), 34.8)]);
     }
 }
