@@ -181,12 +181,7 @@ impl Rules {
         nr: i64,
         conditions: &[(u8, Op, u64)],
     ) -> Result<(), SeccompError> {
-        let conditions = conditions
-            .iter()
-            .map(|(arg, op, value)| cond(*arg, op.clone(), *value))
-            .collect::<Result<Vec<_>, _>>()?;
-        self.0.insert(nr, vec![rule(conditions)?]);
-        Ok(())
+        self.allow_if_any(nr, &[conditions])
     }
 
     /// Allows `nr` when all the conditions of any one of `alternatives`

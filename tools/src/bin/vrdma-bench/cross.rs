@@ -62,6 +62,14 @@ pub enum PacketIo {
 }
 
 impl PacketIo {
+    /// A target that differs by path: `udp`'s, or `af_xdp`'s.
+    fn target(self, udp: f64, af_xdp: f64) -> f64 {
+        match self {
+            PacketIo::Udp => udp,
+            PacketIo::AfXdp => af_xdp,
+        }
+    }
+
     /// Its name in the config file and in the report.
     pub fn name(self) -> &'static str {
         match self {
@@ -240,11 +248,7 @@ fn latency_vs_tcp(
         s.tag()
     );
     // On AF_XDP: at most TCP's (issue 23); on UDP: the older 0.5.
-    let bound = match s.io {
-        PacketIo::AfXdp => 1.0,
-        PacketIo::Udp => 0.5,
-    };
-    targets.check(what, ratio, "", Bound::AtMost(bound));
+    targets.check(what, ratio, "", Bound::AtMost(s.io.target(0.5, 1.0)));
     if let Some(floor) = floor {
         // Where the floor itself is above TCP, the target is 1.2× it.
         let over = p50.as_secs_f64() / floor.as_secs_f64();
@@ -299,11 +303,7 @@ fn bandwidth_vs_tcp(s: &Setup, params: &Params, targets: &mut Targets) -> Result
         "across hosts [{}]: 64 KiB WRITE bandwidth / one TCP stream",
         s.tag()
     );
-    let bound = match s.io {
-        PacketIo::AfXdp => 2.0,
-        PacketIo::Udp => 1.0,
-    };
-    targets.check(what, ratio, "", Bound::AtLeast(bound));
+    targets.check(what, ratio, "", Bound::AtLeast(s.io.target(1.0, 2.0)));
     Ok(())
 }
 
@@ -354,11 +354,7 @@ fn message_rate(s: &Setup, secs: Duration, targets: &mut Targets) -> Result<(f64
         "across hosts [{}]: {RATE_QPS} QPs of 64 B WRITEs, Mop/s",
         s.tag()
     );
-    let bound = match s.io {
-        PacketIo::AfXdp => 4.0,
-        PacketIo::Udp => 1.0,
-    };
-    targets.check(what, best, " Mop/s", Bound::AtLeast(bound));
+    targets.check(what, best, " Mop/s", Bound::AtLeast(s.io.target(1.0, 4.0)));
     Ok((best, cost))
 }
 

@@ -31,8 +31,10 @@ mod xsk;
 use std::collections::HashMap;
 use std::io;
 use std::net::Ipv4Addr;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::time::{Duration, Instant};
+
+use vmm_sys_util::epoll::{ControlOperation, Epoll, EpollEvent, EventSet};
 
 use iface::Interface;
 use neigh::{Neighbors, NextHop};
@@ -43,7 +45,9 @@ use super::{InPacket, IoCounters, OutPacket, PacketIo, UdpIo, MAX_IN_PACKET};
 
 /// Ethernet, IPv4 and UDP headers before a RoCEv2 payload.
 const ETH: usize = 14;
-const HEADERS: usize = ETH + 20 + 8;
+const HEADERS: usize = ETH + vrdma_roce::IPV4_HEADER_LEN + vrdma_roce::UDP_HEADER_LEN;
+/// The IPv4 TTL of every packet sent (the kernel's default).
+const TTL: u8 = 64;
 
 /// How often a destination's next hop is asked again: a neighbor that
 /// changed its MAC address (a migrated VM, a replaced NIC) is followed
@@ -98,7 +102,7 @@ pub struct XdpIo {
     iface: Interface,
     routes: HashMap<Ipv4Addr, Route, foldhash::fast::RandomState>,
     /// The XSKs' fds and the packet socket's, for the datapath's epoll.
-    epoll: OwnedFd,
+    epoll: Epoll,
     next_rx: usize,
     short_receives: u32,
     /// The last kernel read found packets: read it on every call.
@@ -324,9 +328,10 @@ fn annotate(e: io::Error, what: String) -> io::Error {
 }
 
 /// Writes `p` as an Ethernet frame into `frame` (at least [`HEADERS`] +
-/// `p.len` bytes: a UMEM frame); returns its length. IPv4 ID 0 and DF, as
-/// the engine computed the ICRC for; no UDP checksum (RoCEv2 relies on
-/// the ICRC, and IPv4 allows 0).
+/// `p.len` bytes: a UMEM frame); returns its length, 0 if it does not
+/// fit. The IPv4 and UDP headers are `vrdma_roce`'s (ID 0 and DF, as the
+/// engine computed the ICRC for; no UDP checksum: RoCEv2 relies on the
+/// ICRC, and IPv4 allows 0).
 fn write_frame(
     frame: &mut [u8],
     p: &OutPacket,
@@ -342,61 +347,26 @@ fn write_frame(
     frame[0..6].copy_from_slice(dst_mac);
     frame[6..12].copy_from_slice(src_mac);
     frame[12..14].copy_from_slice(&0x0800u16.to_be_bytes());
-    let ip = &mut frame[ETH..ETH + 20];
-    let ip_len = (20 + 8 + payload.len()) as u16;
-    ip[0] = 0x45;
-    ip[1] = p.tos;
-    ip[2..4].copy_from_slice(&ip_len.to_be_bytes());
-    ip[4..6].copy_from_slice(&[0, 0]);
-    ip[6..8].copy_from_slice(&0x4000u16.to_be_bytes());
-    ip[8] = 64;
-    ip[9] = libc::IPPROTO_UDP as u8;
-    ip[10..12].copy_from_slice(&[0, 0]);
-    ip[12..16].copy_from_slice(&p.src.octets());
-    ip[16..20].copy_from_slice(&p.dst.octets());
-    let sum = ipv4_checksum(ip);
-    ip[10..12].copy_from_slice(&sum.to_be_bytes());
-    let udp = &mut frame[ETH + 20..HEADERS];
-    udp[0..2].copy_from_slice(&port.to_be_bytes());
-    udp[2..4].copy_from_slice(&super::ROCE_V2_PORT.to_be_bytes());
-    udp[4..6].copy_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
-    udp[6..8].copy_from_slice(&[0, 0]);
+    let ip = vrdma_roce::Ipv4Meta::outgoing(p.src, p.dst, port);
+    if vrdma_roce::write_ipv4_udp_header(&mut frame[ETH..], &ip, p.tos, TTL, payload.len()).is_err()
+    {
+        return 0;
+    }
     frame[HEADERS..total].copy_from_slice(payload);
     total
 }
 
-/// The IPv4 header checksum of `h` (its checksum field zero).
-fn ipv4_checksum(h: &[u8]) -> u16 {
-    let mut sum: u32 = h
-        .chunks_exact(2)
-        .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
-        .sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
-}
-
 /// An epoll set over `fds` (readable when any is).
-fn epoll_over(fds: impl Iterator<Item = RawFd>) -> io::Result<OwnedFd> {
-    // SAFETY: plain system call.
-    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-    if ep < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the descriptor just returned, owned by nothing else.
-    let ep = unsafe { OwnedFd::from_raw_fd(ep) };
+fn epoll_over(fds: impl Iterator<Item = RawFd>) -> io::Result<Epoll> {
+    let epoll = Epoll::new()?;
     for fd in fds {
-        let mut ev = libc::epoll_event {
-            events: libc::EPOLLIN as u32,
-            u64: fd as u64,
-        };
-        // SAFETY: `ev` is live for the call; both descriptors are open.
-        if unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
-            return Err(io::Error::last_os_error());
-        }
+        epoll.ctl(
+            ControlOperation::Add,
+            fd,
+            EpollEvent::new(EventSet::IN, fd as u64),
+        )?;
     }
-    Ok(ep)
+    Ok(epoll)
 }
 
 impl PacketIo for XdpIo {
@@ -547,7 +517,14 @@ mod tests {
         assert_eq!(&ip[4..8], &[0, 0, 0x40, 0]);
         assert_eq!(ip[9], 17);
         // A header with its checksum in sums to 0xffff.
-        assert_eq!(ipv4_checksum(ip), 0);
+        let mut sum: u32 = ip
+            .chunks_exact(2)
+            .map(|w| u32::from(u16::from_be_bytes([w[0], w[1]])))
+            .sum();
+        while sum > 0xffff {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        assert_eq!(sum, 0xffff);
         assert_eq!(&ip[12..20], &[10, 0, 0, 1, 10, 0, 0, 2]);
         let udp = &frame[ETH + 20..HEADERS];
         assert_eq!(udp, &[0x12, 0xb7, 0x12, 0xb7, 0, 13, 0, 0]);
