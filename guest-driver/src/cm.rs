@@ -20,10 +20,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+pub use vrdma_spec::cm::move_flags;
 use vrdma_spec::cm::{
     cm_flags, CmAddr, CmBindReq, CmChannelHandle, CmConnReq, CmCreateIdReq, CmEventRecord,
-    CmIdInfo, CmIdReq, CmInitQpAttrReq, CmListenReq, CmQpAttrResp, CmRejectReq, CmResolveAddrReq,
-    CM_EVENT_SIZE, CM_MAX_PRIVATE_DATA,
+    CmIdInfo, CmIdReq, CmInitQpAttrReq, CmListenReq, CmMoveQpReq, CmQpAttrResp, CmRejectReq,
+    CmResolveAddrReq, CM_EVENT_SIZE, CM_MAX_PRIVATE_DATA, MOVE_KEEP,
 };
 use vrdma_spec::control::{AhAttr, Opcode, QpAttr};
 use vrdma_spec::verbs::{QpState, QpType};
@@ -45,6 +46,18 @@ pub const MAX_CHANNEL_EVENTS: usize = 4096;
 /// A CM ID of a channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CmId(pub u32);
+
+/// [`CmChannel::move_qp`]'s replacements for the CM's attributes (`None`:
+/// the CM's).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MoveOverrides {
+    /// RTR's `max_dest_rd_atomic`.
+    pub max_dest_rd_atomic: Option<u8>,
+    /// RTS's `max_rd_atomic`.
+    pub max_rd_atomic: Option<u8>,
+    /// RTS's `timeout`.
+    pub timeout: Option<u8>,
+}
 
 pub use vrdma_spec::cm::ConnParam;
 
@@ -409,6 +422,36 @@ impl CmChannel {
             reserved: [0; 4],
         };
         let resp: CmQpAttrResp = self.dev.command(Opcode::CmInitQpAttr, req.as_bytes())?;
+        Ok((resp.attr, resp.attr_mask.get()))
+    }
+
+    /// CM_MOVE_QP: QP `qpn` moved with the ID's attributes through each
+    /// state up to `state` (from INIT with [`move_flags::FROM_INIT`], else
+    /// from RTR), `over` replacing the CM's RTR `max_dest_rd_atomic`, RTS
+    /// `max_rd_atomic` and RTS `timeout` where given; one command for what
+    /// takes rdma_cm's library two per state. Answers the RTR step's
+    /// attributes and mask (else the last step's).
+    pub fn move_qp(
+        &self,
+        id: CmId,
+        qpn: u32,
+        state: QpState,
+        flags: u8,
+        over: MoveOverrides,
+    ) -> Result<(QpAttr, u32)> {
+        let keep = |v: Option<u8>| v.unwrap_or(MOVE_KEEP);
+        let req = CmMoveQpReq {
+            qpn: qpn.into(),
+            channel: self.channel.into(),
+            id: id.0.into(),
+            qp_state: u8::from(state),
+            flags,
+            max_dest_rd_atomic: keep(over.max_dest_rd_atomic),
+            max_rd_atomic: keep(over.max_rd_atomic),
+            timeout: keep(over.timeout),
+            reserved: [0; 7],
+        };
+        let resp: CmQpAttrResp = self.dev.command(Opcode::CmMoveQp, req.as_bytes())?;
         Ok((resp.attr, resp.attr_mask.get()))
     }
 

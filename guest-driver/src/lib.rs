@@ -53,7 +53,7 @@ pub mod verbs;
 pub mod virtqueue;
 mod write_freeze;
 
-pub use cm::{CmChannel, CmEvent, CmId, ConnParam};
+pub use cm::{move_flags, CmChannel, CmEvent, CmId, ConnParam, MoveOverrides};
 pub use device::{DeviceEvent, DeviceOptions};
 pub use error::{DestroyError, Error, PostError, Result};
 pub use ring::{RecvWr, SendPayload, SendWr, Sge, UdDest, WorkCompletion};

@@ -9,11 +9,16 @@ pub const MAX_CPUS: usize = libc::CPU_SETSIZE as usize;
 
 /// The CPUs the calling thread may run on, ascending.
 pub fn allowed() -> io::Result<Vec<usize>> {
+    allowed_of(0)
+}
+
+/// The CPUs thread `tid` (0: the calling thread) may run on, ascending.
+pub fn allowed_of(tid: libc::pid_t) -> io::Result<Vec<usize>> {
     // SAFETY: cpu_set_t is plain bits; all zeros is the empty set.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: `set` is a valid, writable cpu_set_t of the size passed; pid
-    // 0 is the calling thread.
-    let rc = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
+    // SAFETY: `set` is a valid, writable cpu_set_t of the size passed; a
+    // thread id the kernel checks (0: the calling thread).
+    let rc = unsafe { libc::sched_getaffinity(tid, std::mem::size_of_val(&set), &mut set) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }
@@ -25,6 +30,12 @@ pub fn allowed() -> io::Result<Vec<usize>> {
 
 /// Restricts the calling thread to `cpus` (each below [`MAX_CPUS`]).
 pub fn pin_current_thread(cpus: &[usize]) -> io::Result<()> {
+    pin_thread(0, cpus)
+}
+
+/// Restricts thread `tid` (0: the calling thread) to `cpus` (each below
+/// [`MAX_CPUS`]).
+pub fn pin_thread(tid: libc::pid_t, cpus: &[usize]) -> io::Result<()> {
     // SAFETY: as in `allowed`.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
     for &cpu in cpus {
@@ -37,9 +48,9 @@ pub fn pin_current_thread(cpus: &[usize]) -> io::Result<()> {
         // SAFETY: `cpu` < CPU_SETSIZE (checked above); `set` is valid.
         unsafe { libc::CPU_SET(cpu, &mut set) };
     }
-    // SAFETY: `set` is a valid cpu_set_t of the size passed; pid 0 is the
-    // calling thread; the kernel only reads it.
-    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; a thread id
+    // the kernel checks (0: the calling thread); the kernel only reads it.
+    let rc = unsafe { libc::sched_setaffinity(tid, std::mem::size_of_val(&set), &set) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }

@@ -201,6 +201,44 @@ wire_struct! {
     }
 }
 
+/// [`CmMoveQpReq::flags`].
+pub mod move_flags {
+    /// Start at INIT (the QP is in RESET or INIT); else at RTR.
+    pub const FROM_INIT: u8 = 1 << 0;
+    /// The RTS step's SQ PSN is 0 (a UD QP, as rdma_cm's `ucma_init_ud_qp`).
+    pub const SQ_PSN_ZERO: u8 = 1 << 1;
+}
+
+/// [`CmMoveQpReq`]'s "keep the CM's value" for its attribute overrides.
+pub const MOVE_KEEP: u8 = 0xff;
+
+wire_struct! {
+    /// CM_MOVE_QP: QP `qpn` moved through the states from INIT (with
+    /// [`move_flags::FROM_INIT`]) or RTR up to `qp_state`, each step with
+    /// the attributes CM_INIT_QP_ATTR gives for it: what rdma_cm's
+    /// `rdma_accept`, the active side's CONNECT_RESPONSE handling and
+    /// `rdma_create_qp` do in up to six commands, in one. An override
+    /// other than [`MOVE_KEEP`] replaces the CM's value in its step.
+    pub struct CmMoveQpReq {
+        /// First: the journal names the QP a command touched by its
+        /// request's first field.
+        pub qpn: U32,
+        pub channel: U32,
+        pub id: U32,
+        /// The last state: INIT 1, RTR 2 or RTS 3 (`QpState`).
+        pub qp_state: u8,
+        /// [`move_flags`].
+        pub flags: u8,
+        /// RTR's `max_dest_rd_atomic`.
+        pub max_dest_rd_atomic: u8,
+        /// RTS's `max_rd_atomic`.
+        pub max_rd_atomic: u8,
+        /// RTS's `timeout` (`RDMA_OPTION_ID_ACK_TIMEOUT`).
+        pub timeout: u8,
+        pub reserved: [u8; 7],
+    }
+}
+
 wire_struct! {
     /// CM_INIT_QP_ATTR's response: what `ibv_modify_qp` (MODIFY_QP) is
     /// given, laid out as [`crate::control::ModifyQpReq`] with `qpn`
@@ -339,6 +377,7 @@ mod tests {
         assert_eq!(offset_of!(CmConnReq, private_data), 32);
         assert_eq!(size_of::<CmRejectReq>(), 272);
         assert_eq!(size_of::<CmInitQpAttrReq>(), 16);
+        assert_eq!(size_of::<CmMoveQpReq>(), 24);
         assert_eq!(size_of::<CmQpAttrResp>(), 112);
         assert_eq!(size_of::<CmIdInfo>(), 96);
         assert_eq!(offset_of!(CmIdInfo, flow_label), 80);

@@ -57,6 +57,9 @@ wire_enum! {
         CmDestroyId = 35,
         CmInitQpAttr = 36,
         CmQueryId = 37,
+        /// CM_INIT_QP_ATTR and MODIFY_QP for each state up to one, in one
+        /// command ([`cm::CmMoveQpReq`]).
+        CmMoveQp = 38,
     }
 }
 
@@ -105,6 +108,7 @@ impl Opcode {
             Opcode::CmConnect | Opcode::CmAccept => size_of::<cm::CmConnReq>(),
             Opcode::CmReject => size_of::<cm::CmRejectReq>(),
             Opcode::CmInitQpAttr => size_of::<cm::CmInitQpAttrReq>(),
+            Opcode::CmMoveQp => size_of::<cm::CmMoveQpReq>(),
             Opcode::CmResolveRoute
             | Opcode::CmEstablish
             | Opcode::CmDisconnect
@@ -132,7 +136,7 @@ impl Opcode {
             Opcode::CmOpenChannel => size_of::<cm::CmChannelHandle>(),
             Opcode::CmCreateId => size_of::<cm::CmIdReq>(),
             Opcode::CmBindAddr => size_of::<cm::CmAddr>(),
-            Opcode::CmInitQpAttr => size_of::<cm::CmQpAttrResp>(),
+            Opcode::CmInitQpAttr | Opcode::CmMoveQp => size_of::<cm::CmQpAttrResp>(),
             Opcode::CmQueryId => size_of::<cm::CmIdInfo>(),
             Opcode::CmCloseChannel
             | Opcode::CmListen
@@ -608,11 +612,11 @@ mod tests {
 
     #[test]
     fn opcodes_round_trip() {
-        for code in 1..=37u16 {
+        for code in 1..=38u16 {
             let op = Opcode::try_from(code).expect("defined opcode");
             assert_eq!(u16::from(op), code);
         }
         assert!(Opcode::try_from(0).is_err());
-        assert!(Opcode::try_from(38).is_err());
+        assert!(Opcode::try_from(39).is_err());
     }
 }

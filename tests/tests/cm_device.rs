@@ -10,13 +10,14 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
-use vrdma_guest_driver::cm::{event_kind, port_space};
+use vrdma_guest_driver::cm::{event_kind, move_flags, port_space, MoveOverrides};
 use vrdma_guest_driver::{CmChannel, CmEvent, CmId, ConnParam, QueuePair, RecvWr, SendWr};
 use vrdma_spec::cm::{
     CmAddr, CmBindReq, CmChannelHandle, CmConnReq, CmCreateIdReq, CmEventRecord, CmIdReq,
-    CmInitQpAttrReq, CmResolveAddrReq, CM_EVENT_SIZE,
+    CmInitQpAttrReq, CmMoveQpReq, CmResolveAddrReq, CM_EVENT_SIZE, MOVE_KEEP,
 };
 use vrdma_spec::control::{Opcode, RequestHeader};
+use vrdma_spec::qp_state::mask;
 use vrdma_spec::verbs::{QpState, SendOpcode, WcOpcode, WcStatus};
 use vrdma_spec::zerocopy::{FromBytes, FromZeros, IntoBytes};
 use vrdma_tests::daemon::{Hostd, Vdev};
@@ -146,9 +147,26 @@ fn connect_accept_move_qps_write_send_and_disconnect_through_the_cm() {
     assert_eq!(&req.private_data[..hello.len()], hello);
     assert_eq!(req.qp_num, cqp.qp_num());
     let sqp = server.qp(default_caps());
-    move_qp(&sch, req.id, &sqp, QpState::Init);
-    move_qp(&sch, req.id, &sqp, QpState::Rtr);
-    move_qp(&sch, req.id, &sqp, QpState::Rts);
+    // The server's QP in one CM_MOVE_QP (the client's below state by
+    // state): RESET to RTS with the ID's attributes, one overridden.
+    let over = MoveOverrides {
+        max_rd_atomic: Some(1),
+        ..MoveOverrides::default()
+    };
+    let (rtr, mask) = (sch.move_qp(
+        req.id,
+        sqp.qp_num(),
+        QpState::Rts,
+        move_flags::FROM_INIT,
+        over,
+    ))
+    .expect("CM_MOVE_QP");
+    assert_eq!(rtr.qp_state, u8::from(QpState::Rtr), "the RTR step's AV");
+    assert_eq!(rtr.dest_qp_num.get(), cqp.qp_num());
+    assert_ne!(mask & mask::AV, 0);
+    let now = sqp.query(0).expect("query");
+    assert_eq!(now.attr.qp_state, u8::from(QpState::Rts));
+    assert_eq!(now.attr.max_rd_atomic, 1);
     // The server's receive for the client's SEND, before it can come.
     let (smr, cmr) = (
         server.pd.alloc_mr(4096, ALL_ACCESS).expect("server MR"),
@@ -482,6 +500,35 @@ fn hostile_cm_requests_and_event_buffers_get_their_errnos() {
         errno(&mut vmm, Opcode::CmInitQpAttr, init.as_bytes()),
         libc::EINVAL
     );
+    // CM_MOVE_QP: unknown flags, a state it does not move to, INIT
+    // without FROM_INIT, a QP this context does not have (as MODIFY_QP's
+    // unknown handle): each EINVAL.
+    let moves = |qpn: u32, state: u8, flags: u8| CmMoveQpReq {
+        qpn: qpn.into(),
+        channel: c.into(),
+        id: mine.into(),
+        qp_state: state,
+        flags,
+        max_dest_rd_atomic: MOVE_KEEP,
+        max_rd_atomic: MOVE_KEEP,
+        timeout: MOVE_KEEP,
+        reserved: [0; 7],
+    };
+    for (req, what) in [
+        (moves(0x123, 3, 0x80), "unknown flags"),
+        (moves(0x123, 6, move_flags::FROM_INIT), "to SQE"),
+        (moves(0x123, 1, 0), "INIT without FROM_INIT"),
+        (
+            moves(0x123, 2, move_flags::FROM_INIT),
+            "before the peer is known",
+        ),
+    ] {
+        assert_eq!(
+            errno(&mut vmm, Opcode::CmMoveQp, req.as_bytes()),
+            libc::EINVAL,
+            "CM_MOVE_QP: {what}"
+        );
+    }
     // Connect before resolving: the wrong state.
     conn.qp_num = 0x123.into();
     assert_eq!(

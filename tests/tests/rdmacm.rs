@@ -363,6 +363,15 @@ fn ucmatose_udaddy_rdma_server_and_cmtime_connect_by_ip_address() {
             Duration::from_secs(90),
         );
         t.assert_ok("cmtime", placement, &r);
+        // cmtime exits 0 and times its steps even when connections failed
+        // (it skips them): none may have.
+        for line in r.client.lines() {
+            assert!(
+                !line.contains("failure") && !line.contains("error"),
+                "cmtime ({placement:?}) failed a connection: {line}\n{}",
+                r.client
+            );
+        }
         for step in [
             "resolve addr",
             "resolve route",

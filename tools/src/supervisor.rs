@@ -187,7 +187,9 @@ impl Scratch {
             path: path.clone(),
             source,
         })?;
-        Ok(Self { path, keep: false })
+        // Kept for a look at the daemons' logs after the run.
+        let keep = std::env::var_os("VRDMA_KEEP_SCRATCH").is_some();
+        Ok(Self { path, keep })
     }
 
     /// The directory.
@@ -338,7 +340,12 @@ impl Launch {
             .arg("--socket")
             .arg(&self.socket)
             .args(&self.args)
-            .env("VRDMA_LOG", &self.log_level)
+            .env(
+                "VRDMA_LOG",
+                // A debugging run's level for every daemon.
+                std::env::var_os("VRDMA_DAEMON_LOG")
+                    .unwrap_or_else(|| self.log_level.clone().into()),
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)

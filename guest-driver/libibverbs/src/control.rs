@@ -527,20 +527,41 @@ pub unsafe extern "C" fn ibv_modify_qp(
             .ok_or(libc::EINVAL)?
             .modify(&wire, mask)
             .map_err(|e| errno_of(&e))?;
-        if mask & mask::STATE != 0 {
-            // SAFETY: a field of the live QP (rdma-core keeps it current).
-            unsafe { (*qp).state = attr.qp_state };
-        }
-        if mask & mask::AV != 0 {
-            let ctx = ctx_of(our.ibv.qp_base.context)?;
-            let mut qps = ctx.shared.qps.write().unwrap_or_else(|e| e.into_inner());
-            if let Some(route) = qps.get_mut(&our.ibv.qp_base.qp_num) {
-                route.dlid = attr.ah_attr.dlid;
-                route.sl = attr.ah_attr.sl;
-            }
-        }
-        Ok(())
+        let state = (mask & mask::STATE != 0).then_some(attr.qp_state);
+        let av = (mask & mask::AV != 0).then_some(&attr.ah_attr);
+        // SAFETY: the caller's live QP.
+        unsafe { note_modified(qp, state, av) }
     })
+}
+
+/// What the library keeps of a QP after the device moved it (by
+/// MODIFY_QP, or CM_MOVE_QP for rdma_cm): its `state` field (rdma-core
+/// keeps it current) and, with a new AV, the route its LID-addressed
+/// sends take.
+///
+/// # Safety
+///
+/// `qp` is a live QP of this library.
+pub(crate) unsafe fn note_modified(
+    qp: *mut ibv_qp,
+    state: Option<u32>,
+    av: Option<&crate::abi::ibv_ah_attr>,
+) -> VResult<()> {
+    // SAFETY: the caller's live QP.
+    let our = unsafe { Qp::from_raw(qp)? };
+    if let Some(state) = state {
+        // SAFETY: a field of the live QP.
+        unsafe { (*qp).state = state };
+    }
+    if let Some(av) = av {
+        let ctx = ctx_of(our.ibv.qp_base.context)?;
+        let mut qps = ctx.shared.qps.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(route) = qps.get_mut(&our.ibv.qp_base.qp_num) {
+            route.dlid = av.dlid;
+            route.sl = av.sl;
+        }
+    }
+    Ok(())
 }
 
 /// `ibv_query_qp`: every attribute (whatever the mask) and the creation

@@ -15,6 +15,13 @@
 //! its source GID (the same walls as RTR and UD's); each device queues at
 //! most [`GSI_QUEUE`] MADs not yet taken. On the wire a MAD is one UD SEND
 //! ONLY from QP1 to QP1 with Q_Key [`GSI_QKEY`]. Every drop is counted.
+//!
+//! QP1 has a send queue of its own, as a NIC's: a MAD for another host
+//! that finds the wire's packet queue full (a thousand REQs of one
+//! `cmtime` come at once, from a vdev's connection thread, which may not
+//! hand packets to the kernel itself) waits in the [`Outbox`], in order,
+//! and the datapath's next round sends it. Refusing it instead left the
+//! connection to the CM's retransmission timer: seconds.
 
 use std::collections::VecDeque;
 use std::net::Ipv4Addr;
@@ -38,8 +45,16 @@ pub const MAD_LEN: usize = 256;
 /// The MAD common header's base version and the CM's management class.
 pub const MAD_BASE_VERSION: u8 = 1;
 pub const CM_CLASS: u8 = 0x07;
-/// MADs a device queues for its control plane at most.
-pub const GSI_QUEUE: usize = 256;
+/// MADs a device queues for its control plane at most: a burst of
+/// connection requests whole (`cmtime` sends a thousand REQs at once; 256
+/// dropped some, and each drop cost its connection the CM's retransmission
+/// timeout, seconds). Linux's MAD layer posts 512 receives on QP1 and
+/// takes them in the kernel as they come; a vdev's CM thread takes them
+/// in batches, later.
+pub const GSI_QUEUE: usize = 4096;
+/// MADs waiting in the [`Outbox`] at most: from one device, and in all.
+pub const OUTBOX_PER_DEVICE: usize = 2048;
+pub const OUTBOX: usize = 8192;
 
 /// A CM MAD and the other end of its trip: its destination when sent,
 /// its source when received.
@@ -71,6 +86,50 @@ pub struct Gsi {
     queue: VecDeque<Mad>,
     /// Signalled when a MAD joins an empty queue.
     notify: Option<EventFd>,
+}
+
+/// QP1's send queue towards other hosts: MADs the wire had no room for
+/// yet, oldest first, and how many each sending context has in it.
+#[derive(Debug, Default)]
+pub struct Outbox {
+    waiting: VecDeque<Outgoing>,
+    per_device: std::collections::HashMap<DeviceId, usize>,
+}
+
+#[derive(Debug)]
+struct Outgoing {
+    from: DeviceId,
+    src: Ipv4Addr,
+    dst: Ipv4Addr,
+    mad: Mad,
+}
+
+impl Outbox {
+    /// Whether MADs wait.
+    pub fn is_empty(&self) -> bool {
+        self.waiting.is_empty()
+    }
+
+    fn push(&mut self, m: Outgoing) -> Result<(), EngineError> {
+        let mine = self.per_device.get(&m.from).copied().unwrap_or(0);
+        if mine >= OUTBOX_PER_DEVICE || self.waiting.len() >= OUTBOX {
+            return Err(EngineError::Limit("MADs queued towards the network"));
+        }
+        self.per_device.insert(m.from, mine + 1);
+        self.waiting.push_back(m);
+        Ok(())
+    }
+
+    fn pop(&mut self) -> Option<Outgoing> {
+        let m = self.waiting.pop_front()?;
+        if let Some(n) = self.per_device.get_mut(&m.from) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_device.remove(&m.from);
+            }
+        }
+        Some(m)
+    }
 }
 
 /// Whether `bytes` is a CM MAD hostd carries.
@@ -116,16 +175,45 @@ impl Engine {
         let mut w = self.wire.take().ok_or(EngineError::Unsupported(
             "a MAD towards another host (this hostd is on no fabric)",
         ))?;
-        let emitted = gsi_emit(&mut w, src, dst, mad);
+        // Behind MADs already waiting, in order.
+        let emitted = match self.gsi_out.is_empty() {
+            true => gsi_emit(&mut w, src, dst, mad),
+            false => Emit::Full,
+        };
         self.wire = Some(w);
         match emitted {
             Emit::Sent => {
                 self.gsi_count(id, |c| c.sent += 1);
                 Ok(())
             }
-            Emit::Full => Err(EngineError::Limit("packets queued towards the network")),
+            Emit::Full => self.gsi_out.push(Outgoing {
+                from: id,
+                src,
+                dst,
+                mad: mad.clone(),
+            }),
             Emit::LocalError => Err(EngineError::Invalid("the MAD could not be put in a packet")),
         }
+    }
+
+    /// Moves the MADs waiting in the outbox to the wire's send queue (a
+    /// datapath round: a full queue goes to the kernel on the way) while
+    /// it takes them; true if some still wait. A MAD of a context gone
+    /// meanwhile goes too: its peer's CM sorts it out as any late MAD.
+    pub(super) fn gsi_send_waiting(&mut self, w: &mut Wire) -> bool {
+        while let Some(m) = self.gsi_out.waiting.front() {
+            match gsi_emit(w, m.src, m.dst, &m.mad) {
+                Emit::Full => return true,
+                emitted => {
+                    let from = m.from;
+                    self.gsi_out.pop();
+                    if emitted == Emit::Sent {
+                        self.gsi_count(from, |c| c.sent += 1);
+                    }
+                }
+            }
+        }
+        false
     }
 
     /// Up to `max` MADs that arrived for device `id` (any context of it),

@@ -331,6 +331,8 @@ pub struct Engine {
     unpublished: Vec<(usize, usize)>,
     /// The network, for QPs connected to other hosts.
     wire: Option<Box<wire::Wire>>,
+    /// MADs for other hosts waiting for room in the wire's send queue.
+    gsi_out: gsi::Outbox,
     /// The port's active MTU in bytes: the largest UD message.
     port_mtu: u32,
     /// Until then contexts a previous hostd handed over are coming back:
@@ -368,6 +370,7 @@ impl Engine {
             batching: false,
             unpublished: Vec::new(),
             wire: None,
+            gsi_out: gsi::Outbox::default(),
             port_mtu: 4096,
             resuming_until: None,
         }
@@ -463,6 +466,20 @@ impl Engine {
                     .and_then(|d| d.doorbell.as_ref())
                     .is_some_and(|b| !b.lost && b.page.pending())
             })
+    }
+
+    /// Whether a control request left work only a datapath round does:
+    /// a QP queued to run or to flush, packets or MADs waiting to go, a
+    /// remote QP with its transport active. Without it a request need not
+    /// wake the datapath (a wake-up sets it polling for a while: on this
+    /// host's two CPUs, through a storm of connection setups, as much CPU
+    /// as the setups themselves).
+    pub fn wants_round(&self) -> bool {
+        !self.dirty.is_empty()
+            || !self.flushing.is_empty()
+            || self.sched.has_work()
+            || !self.gsi_out.is_empty()
+            || (self.wire.as_ref()).is_some_and(|w| w.backlog() || w.has_active())
     }
 
     /// Tells the wire a datapath round runs (see `Wire::in_round`).

@@ -613,15 +613,20 @@ impl Server {
                 if let Some(conn) = &mut modify.connection {
                     conn.dgid = self.reachable_destination(s, conn.dgid, conn.dlid)?;
                 }
+                let resumed = handed.is_some();
                 let mut engine = self.datapath.lock();
                 engine.modify_qp(id, &modify)?;
                 if let Some(handed) = handed {
                     Self::resume_qp(&mut engine, id, handed, modify.vqpn, modify.state);
                 }
+                let wake = resumed || engine.wants_round();
                 drop(engine);
                 // Work posted before RTS, or to flush at ERR: let the
-                // datapath see it now.
-                self.datapath.wake();
+                // datapath see it now. Most transitions leave it nothing
+                // (a connection's setup makes eight).
+                if wake {
+                    self.datapath.wake();
+                }
                 Ok(Response::Ok)
             }
             Request::QueryQp { vqpn } => {
@@ -676,8 +681,15 @@ impl Server {
                     traffic_class: out.traffic_class,
                     bytes: Box::new(bytes),
                 };
-                self.datapath.lock().gsi_send(id, &mad)?;
-                self.datapath.wake();
+                let wake = {
+                    let mut engine = self.datapath.lock();
+                    engine.gsi_send(id, &mad)?;
+                    // A MAD for a device of this host is delivered already.
+                    engine.wants_round()
+                };
+                if wake {
+                    self.datapath.wake();
+                }
                 Ok(Response::Ok)
             }
             Request::TakeMads { max } => {

@@ -65,7 +65,8 @@ pub(crate) struct CmId {
     pub route: Option<PathRecord>,
     /// The agent's connection (or SIDR request) this ID drives.
     pub conn: Option<ConnId>,
-    /// Listening: the backlog and the service ID.
+    /// Listening: the backlog `rdma_listen` was given (not enforced:
+    /// `CmConfig::max_pending` is) and the service ID.
     pub backlog: u32,
     pub service_id: u64,
     /// Listening: connect requests delivered and not yet answered.

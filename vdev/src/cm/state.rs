@@ -72,6 +72,12 @@ pub struct CmConfig {
     pub sidr_retries: u8,
     /// CM IDs, over all owners.
     pub max_ids: usize,
+    /// Connect requests one listener holds unanswered at most, whatever
+    /// backlog `rdma_listen` was given (Linux's CM on IB and RoCE ignores
+    /// it, and programs pass small ones — cmtime 0, rping 3 — then take
+    /// thousands of requests at once); a bound all the same, so that
+    /// peers' requests cannot take every CM ID of the device.
+    pub max_pending: u32,
     pub max_owners: usize,
     /// The agent's tables.
     pub agent_connections: usize,
@@ -88,6 +94,7 @@ impl Default for CmConfig {
             sidr_timeout: 20,
             sidr_retries: 15,
             max_ids: 4096,
+            max_pending: 2048,
             max_owners: 256,
             agent_connections: 4096,
             agent_listeners: 256,
@@ -357,9 +364,10 @@ impl State {
     }
 
     /// `rdma_listen`: REQs (or SIDR_REQs) for the bound port are
-    /// delivered as CONNECT_REQUEST with a new ID, at most `backlog`
-    /// waiting for an answer (0: a default of 128). An unbound ID is
-    /// bound to a free port first.
+    /// delivered as CONNECT_REQUEST with a new ID, at most
+    /// [`CmConfig::max_pending`] waiting for an answer: `backlog` is kept
+    /// (and logged) but, as by Linux's CM on RoCE, not enforced. An
+    /// unbound ID is bound to a free port first.
     pub fn listen(&mut self, owner: OwnerId, id: IdNum, backlog: u32) -> Result<(), CmError> {
         let i = self.in_state(owner, id, "listen", &[IdState::Idle, IdState::AddrBound])?;
         if i.state == IdState::Idle {
@@ -370,7 +378,7 @@ impl State {
         self.agent.listen(sid).map_err(CmError::Agent)?;
         let i = self.id_mut(owner, id)?;
         i.service_id = sid;
-        i.backlog = if backlog == 0 { 128 } else { backlog };
+        i.backlog = backlog;
         i.state = IdState::Listen;
         // Rare and useful to operators (which services a tenant offers);
         // the tests wait for it before starting a client.

@@ -55,12 +55,11 @@ struct Dev {
 }
 
 fn dev(ip: Ipv4Addr) -> Dev {
-    let st = State::new(
-        Arc::from("t"),
-        ipv4_mapped(ip.octets()),
-        CmConfig::default(),
-    )
-    .unwrap();
+    dev_with(ip, CmConfig::default())
+}
+
+fn dev_with(ip: Ipv4Addr, config: CmConfig) -> Dev {
+    let st = State::new(Arc::from("t"), ipv4_mapped(ip.octets()), config).unwrap();
     let mut qp1 = Loop::default();
     qp1.reachable.insert(ipv4_mapped(A.octets()));
     qp1.reachable.insert(ipv4_mapped(B.octets()));
@@ -329,6 +328,63 @@ fn reachable_destinations_are_asked_once_and_refused_ones_every_time() {
     assert_eq!(a.qp1.asked.get(), 3, "C asked each time");
     a.qp1.reachable.insert(ipv4_mapped(c.octets()));
     assert_eq!(resolve(&mut a, c), CmEventKind::AddrResolved);
+}
+
+#[test]
+fn a_listener_holds_at_most_max_pending_unanswered_requests_whatever_its_backlog() {
+    let config = CmConfig {
+        max_pending: 2,
+        ..CmConfig::default()
+    };
+    let (mut a, mut b) = (dev(A), dev_with(B, config));
+    let (oa, ob) = (a.st.create_owner().unwrap(), b.st.create_owner().unwrap());
+    let l = b.st.create_id(ob, PortSpace::Tcp, None).unwrap();
+    b.st.bind_addr(ob, l, SocketAddrV4::new(B, 80)).unwrap();
+    // A backlog of 1 is not what bounds it (Linux's CM ignores it on RoCE).
+    b.st.listen(ob, l, 1).unwrap();
+    let now = Instant::now();
+    let mut qpn = 0x100;
+    let mut connect = |a: &mut Dev, b: &mut Dev| {
+        let id = resolved(a, oa, SocketAddrV4::new(B, 80));
+        // Each from a QP of its own (a second REQ of one QP is stale).
+        qpn += 1;
+        let param = ConnParam {
+            qp_num: qpn,
+            ..ConnParam::default()
+        };
+        a.st.connect(now, oa, id, &param, &a.qp1).unwrap();
+        deliver(a, A, b);
+        deliver(b, B, a);
+        id
+    };
+    let waiting: Vec<_> = (0..2)
+        .map(|_| {
+            connect(&mut a, &mut b);
+            let req = b.st.get_event(ob).unwrap().expect("a request");
+            assert_eq!(req.kind, CmEventKind::ConnectRequest);
+            req.id
+        })
+        .collect();
+    // The third finds two unanswered: REJ 28 (consumer defined), as the
+    // cma refuses a request it cannot take.
+    let third = connect(&mut a, &mut b);
+    assert!(b.st.get_event(ob).unwrap().is_none(), "not delivered");
+    let rej = a.st.get_event(oa).unwrap().expect("refused");
+    assert_eq!(
+        (rej.id, rej.kind, rej.status),
+        (third, CmEventKind::Rejected, 28)
+    );
+    assert_eq!(b.st.counters().requests_refused, 1);
+    // One answered makes room for the next.
+    b.st.destroy_id(now, ob, waiting[0], &b.qp1).unwrap();
+    deliver(&b, B, &mut a);
+    assert_eq!(
+        a.st.get_event(oa).unwrap().expect("REJ").kind,
+        CmEventKind::Rejected
+    );
+    connect(&mut a, &mut b);
+    let req = b.st.get_event(ob).unwrap().expect("room again");
+    assert_eq!(req.kind, CmEventKind::ConnectRequest);
 }
 
 #[test]

@@ -142,6 +142,24 @@ impl ContextCm {
         })
     }
 
+    /// What CM_INIT_QP_ATTR answers: the attributes and mask that move
+    /// ID `id` of channel `channel`'s QP to `state` (INIT, RTR or RTS).
+    pub fn qp_attr(&self, channel: u32, id: u32, state: QpState) -> VerbResult<CmQpAttrResp> {
+        if self.slot.is_none() {
+            return Err(VerbError::NoDevice("this device has no connection manager"));
+        }
+        if !matches!(state, QpState::Init | QpState::Rtr | QpState::Rts) {
+            return Err(VerbError::Invalid(format!(
+                "init_qp_attr for QP state {}",
+                u8::from(state)
+            )));
+        }
+        let attr = (self.owner(channel)?)
+            .init_qp_attr(IdNum(id), state)
+            .map_err(VerbError::Cm)?;
+        Ok(qp_attr_resp(&attr))
+    }
+
     /// Executes one `CM_*` command on its request payload (already of the
     /// opcode's exact length).
     pub fn execute(&mut self, opcode: Opcode, payload: &[u8]) -> VerbResult<Vec<u8>> {
@@ -268,9 +286,8 @@ impl ContextCm {
             }
             Opcode::CmInitQpAttr => {
                 let req: CmInitQpAttrReq = decode(payload)?;
-                let owner = self.owner(req.channel.get())?;
                 let state = match u8::try_from(req.qp_state.get()).map(QpState::try_from) {
-                    Ok(Ok(s @ (QpState::Init | QpState::Rtr | QpState::Rts))) => s,
+                    Ok(Ok(s)) => s,
                     _ => {
                         return Err(VerbError::Invalid(format!(
                             "init_qp_attr for QP state {}",
@@ -278,10 +295,8 @@ impl ContextCm {
                         )))
                     }
                 };
-                let attr = owner
-                    .init_qp_attr(IdNum(req.id.get()), state)
-                    .map_err(VerbError::Cm)?;
-                Ok(qp_attr_resp(&attr).as_bytes().to_vec())
+                let attr = self.qp_attr(req.channel.get(), req.id.get(), state)?;
+                Ok(attr.as_bytes().to_vec())
             }
             Opcode::CmResolveRoute
             | Opcode::CmEstablish

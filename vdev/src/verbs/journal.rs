@@ -248,7 +248,7 @@ fn journaled(opcode: Opcode) -> Option<(u8, Named)> {
         Opcode::CreateCq => (kind::CQ, ByResponse),
         Opcode::DestroyCq => (kind::CQ, ByRequest),
         Opcode::CreateQp => (kind::QP, ByResponse),
-        Opcode::ModifyQp | Opcode::DestroyQp => (kind::QP, ByRequest),
+        Opcode::ModifyQp | Opcode::DestroyQp | Opcode::CmMoveQp => (kind::QP, ByRequest),
         Opcode::CreateSrq => (kind::SRQ, ByResponse),
         Opcode::ModifySrq | Opcode::DestroySrq => (kind::SRQ, ByRequest),
         Opcode::CreateAh => (kind::AH, ByResponse),

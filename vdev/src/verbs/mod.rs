@@ -493,6 +493,8 @@ impl RdmaDevice {
             | Opcode::CmDestroyId
             | Opcode::CmInitQpAttr
             | Opcode::CmQueryId => self.cm.execute(opcode, payload),
+            // A QP of this context moved by its CM ID's attributes.
+            Opcode::CmMoveQp => respond(payload, |req| self.cm_move_qp(&req)),
         }
     }
 

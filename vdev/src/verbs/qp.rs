@@ -222,6 +222,88 @@ impl RdmaDevice {
         Ok(())
     }
 
+    /// CM_MOVE_QP: each state of the way (INIT with `FROM_INIT`, RTR,
+    /// RTS, up to `qp_state`) with the connection manager's attributes for
+    /// it, as rdma_cm's library would with CM_INIT_QP_ATTR and MODIFY_QP,
+    /// each step checked as a MODIFY_QP. A step refused leaves the QP in
+    /// the state it reached (the caller moves it to ERR, as rdma_cm's).
+    /// Answers the RTR step's attributes (its AV), else the last step's.
+    pub(super) fn cm_move_qp(
+        &mut self,
+        req: &vrdma_spec::cm::CmMoveQpReq,
+    ) -> VerbResult<vrdma_spec::cm::CmQpAttrResp> {
+        use vrdma_spec::cm::{move_flags, MOVE_KEEP};
+        let known = move_flags::FROM_INIT | move_flags::SQ_PSN_ZERO;
+        if req.flags & !known != 0 {
+            return Err(VerbError::Invalid(format!(
+                "CM_MOVE_QP flags {:#x}",
+                req.flags
+            )));
+        }
+        let from_init = req.flags & move_flags::FROM_INIT != 0;
+        let steps: &[QpState] = match (QpState::try_from(req.qp_state), from_init) {
+            (Ok(QpState::Init), true) => &[QpState::Init],
+            (Ok(QpState::Rtr), true) => &[QpState::Init, QpState::Rtr],
+            (Ok(QpState::Rts), true) => &[QpState::Init, QpState::Rtr, QpState::Rts],
+            (Ok(QpState::Rtr), false) => &[QpState::Rtr],
+            (Ok(QpState::Rts), false) => &[QpState::Rtr, QpState::Rts],
+            _ => {
+                return Err(VerbError::Invalid(format!(
+                    "CM_MOVE_QP to QP state {} (flags {:#x})",
+                    req.qp_state, req.flags
+                )))
+            }
+        };
+        let (qpn, channel, id) = (req.qpn.get(), req.channel.get(), req.id.get());
+        if !self.qps.contains_key(&qpn) {
+            return Err(VerbError::NoObject {
+                kind: "QP",
+                handle: qpn,
+            });
+        }
+        let mut answer = None;
+        for &step in steps {
+            let mut step_attr = self.cm.qp_attr(channel, id, step)?;
+            let a = &mut step_attr.attr;
+            let set = step_attr.attr_mask.get();
+            match step {
+                QpState::Rtr if req.max_dest_rd_atomic != MOVE_KEEP => {
+                    a.max_dest_rd_atomic = req.max_dest_rd_atomic;
+                }
+                QpState::Rts => {
+                    if req.max_rd_atomic != MOVE_KEEP {
+                        a.max_rd_atomic = req.max_rd_atomic;
+                    }
+                    if req.timeout != MOVE_KEEP && set & mask::TIMEOUT != 0 {
+                        a.timeout = req.timeout;
+                    }
+                    if req.flags & move_flags::SQ_PSN_ZERO != 0 {
+                        a.sq_psn = 0.into();
+                    }
+                }
+                _ => {}
+            }
+            // rdma_cm moves a QP in INIT to INIT again for what it learnt
+            // since (an active side's responder resources, hence remote
+            // READ access); where nothing changed, hostd is not asked.
+            let unchanged = step == QpState::Init
+                && (self.qps.get(&qpn)).is_some_and(|qp| {
+                    qp.state == QpState::Init && same_init_attr(&qp.attr, a, set)
+                });
+            if !unchanged {
+                self.modify_qp(&ModifyQpReq {
+                    qpn: req.qpn,
+                    attr_mask: step_attr.attr_mask,
+                    attr: step_attr.attr,
+                })?;
+            }
+            if answer.is_none() || step == QpState::Rtr {
+                answer = Some(step_attr);
+            }
+        }
+        answer.ok_or(VerbError::Invalid("CM_MOVE_QP without a step".into()))
+    }
+
     pub(super) fn modify_qp(&mut self, req: &ModifyQpReq) -> VerbResult<()> {
         let qpn = req.qpn.get();
         let attr_mask = req.attr_mask.get();
@@ -329,6 +411,17 @@ impl RdmaDevice {
     pub fn qp(&self, qpn: u32) -> Option<&QueuePair> {
         self.qps.get(&qpn)
     }
+}
+
+/// Whether INIT attributes `a` (those `mask` sets) are what `now` holds.
+fn same_init_attr(now: &QpAttr, a: &QpAttr, mask: u32) -> bool {
+    let same = |bit: u32, eq: bool| mask & bit == 0 || eq;
+    let known = mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::ACCESS_FLAGS | mask::QKEY;
+    mask & !known == 0
+        && same(mask::PKEY_INDEX, now.pkey_index == a.pkey_index)
+        && same(mask::PORT, now.port_num == a.port_num)
+        && same(mask::ACCESS_FLAGS, now.qp_access_flags == a.qp_access_flags)
+        && same(mask::QKEY, now.qkey == a.qkey)
 }
 
 impl QueuePair {

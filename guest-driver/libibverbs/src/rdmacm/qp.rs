@@ -3,6 +3,7 @@
 //! (`cq_context` the ID, as `rdma_get_send_comp` expects), and the QP
 //! moved to INIT (UD: on to RTS) with the device's attributes.
 
+use vrdma_guest_driver::cm::{move_flags, MoveOverrides};
 use vrdma_guest_driver::vrdma_spec::verbs::QpState;
 
 use super::cm_call;
@@ -119,13 +120,16 @@ fn create_qp_ex_on(id: &Id, attr: &mut ibv_qp_init_attr_ex) -> VResult<()> {
         return Err(e);
     }
     v.qp = qp;
-    let moved = if v.qp_type == IBV_QPT_UD {
-        id.move_qp(QpState::Init, |_| {})
-            .and_then(|()| id.move_qp(QpState::Rtr, |_| {}))
-            .and_then(|()| id.move_qp(QpState::Rts, |a| a.sq_psn = 0))
-    } else {
-        id.move_qp(QpState::Init, |_| {})
+    let (state, flags) = match v.qp_type == IBV_QPT_UD {
+        // A UD QP is ready at once, from SQ PSN 0 (rdma-core's
+        // `ucma_init_ud_qp`).
+        true => (
+            QpState::Rts,
+            move_flags::FROM_INIT | move_flags::SQ_PSN_ZERO,
+        ),
+        false => (QpState::Init, move_flags::FROM_INIT),
     };
+    let moved = id.move_qp_through(state, flags, MoveOverrides::default());
     if let Err(e) = moved {
         // SAFETY: the QP just made.
         unsafe { control::ibv_destroy_qp(qp) };

@@ -342,6 +342,12 @@ impl Wire {
         self.tx_len > 0
     }
 
+    /// Whether remote QPs have packets to send, responses owed or timers
+    /// running.
+    pub fn has_active(&self) -> bool {
+        !self.active.is_empty()
+    }
+
     pub(in crate::engine) fn mark_active(&mut self, qref: QpRef) {
         if !self.active.contains(&qref) {
             self.active.push(qref);
@@ -563,11 +569,12 @@ impl Engine {
         let Some(mut w) = self.wire.take() else {
             return (None, false);
         };
+        // Connection setup first: QP1's MADs that found the queue full.
+        let mut left = !self.gsi_out.is_empty() && self.gsi_send_waiting(&mut w);
         let mut active = std::mem::take(&mut w.active);
         // A QP waiting out an RNR NAK stays active (its message is still in
         // its window): its `rnr_until` is among the timers below.
         let mut next_due: Option<Instant> = None;
-        let mut left = false;
         let mut i = 0;
         while i < active.len() {
             let qref = active[i];

@@ -419,3 +419,39 @@ fn a_device_queues_a_bounded_number_of_mads() {
     assert_eq!(h.b.gsi_counts(1).map(|c| c.queue_full), Some(5));
     assert_eq!(peer_drops(&h.b, "gsi_queue_full"), 5);
 }
+
+#[test]
+fn mads_beyond_the_send_queue_wait_in_order_for_the_datapath() {
+    let mut h = Hosts::new(1024);
+    // A burst from a connection thread between two rounds (a thousand
+    // connects of one cmtime): more than the wire's queue holds.
+    let burst = 200;
+    assert!(burst > super::TX_BATCH);
+    for i in 0..burst {
+        h.a.gsi_send(1, &mad_to(20, i as u8))
+            .expect("queued, not refused");
+    }
+    h.run_for(RUN);
+    let got = h.b.take_gsi(1, usize::MAX).expect("take");
+    let tags: Vec<u8> = got.iter().map(|m| m.bytes[24]).collect();
+    assert_eq!(
+        tags,
+        (0..burst).map(|i| i as u8).collect::<Vec<_>>(),
+        "all, in order"
+    );
+    assert_eq!(h.a.gsi_counts(1).map(|c| c.sent), Some(burst as u64));
+    // The wait is bounded per device: beyond it, ENOSPC (the CM retries).
+    let mut accepted = 0;
+    let refused = loop {
+        match h.a.gsi_send(1, &mad_to(20, 0)) {
+            Ok(()) => accepted += 1,
+            Err(e) => break e.errno(),
+        }
+        assert!(
+            accepted <= super::TX_BATCH + gsi::OUTBOX_PER_DEVICE,
+            "unbounded"
+        );
+    };
+    assert_eq!(refused, libc::ENOSPC);
+    assert_eq!(accepted, super::TX_BATCH + gsi::OUTBOX_PER_DEVICE);
+}

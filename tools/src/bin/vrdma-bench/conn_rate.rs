@@ -13,7 +13,8 @@
 //! in the kernel before it returns), all held open until the server has
 //! accepted them.
 //!
-//! The tenants' quotas are raised for it ([`crate::host::BENCH_POLICY`]):
+//! The tenants' quotas are raised for it ([`crate::host::BENCH_POLICY`],
+//! and every vdev's [`crate::host::VDEV_LIMITS`]):
 //! each side holds [`CONNECTIONS`] QPs at once.
 
 use std::io;
@@ -37,8 +38,13 @@ const TARGET: f64 = 2000.0;
 
 /// Where the two cmtime processes run: on the two tenants' devices (a
 /// second context of each, beside the bench's own), in their hosts'
-/// network namespaces, on every CPU (connection setup is control-plane
-/// work, none of it on hostd's datapath core).
+/// network namespaces, on the tenants' CPUs — and the host's daemons
+/// (`host_side`: hostds, vdevs) on the datapath's CPU meanwhile
+/// ([`cores::HostSide`]), as a cloud host's control plane runs on host
+/// cores, never on its tenants' vCPUs. cmtime's main thread waits for
+/// each step's completions spinning on `sched_yield`: on this machine's
+/// two CPUs, beside the daemons, that spinner took CPU from the very
+/// threads it waited for.
 pub struct Ends<'a> {
     /// `same host` or `across hosts`.
     pub label: &'static str,
@@ -50,6 +56,8 @@ pub struct Ends<'a> {
     /// QP1 drops each trial reports (a dropped MAD costs a connection the
     /// CM's retry, seconds).
     pub hostds: Vec<PathBuf>,
+    /// The processes of the host's side: the hostds and the two vdevs.
+    pub host_side: Vec<u32>,
 }
 
 /// What the hostds at `admins` counted so far of CM MADs (`vrdmactl stats
@@ -191,19 +199,19 @@ fn cmtime(shim: &Path, device: &Path, netns: Option<&Path>, args: &[String]) -> 
 fn run_cmtime(shim: &Path, ends: &Ends, port: u16) -> Result<Steps> {
     let p = port.to_string();
     let (server, client) = (&ends.server, &ends.client);
-    let mut server = cores::on_every_cpu(|| {
-        cmtime(
-            shim,
-            server.0.socket(),
-            server.1.as_deref(),
-            &["-p".into(), p.clone()],
-        )
-        .and_then(|mut c| {
-            c.spawn()
-                .map_err(baseline("start cmtime (apt-get install rdmacm-utils)"))
-        })
-    })
-    .map_err(BenchError::Cores)??;
+    // The tenants' programs on the tenants' CPUs (this thread's), the
+    // host's daemons on the host's.
+    let _host = cores::HostSide::enter(&ends.host_side).map_err(BenchError::Cores)?;
+    let mut server = cmtime(
+        shim,
+        server.0.socket(),
+        server.1.as_deref(),
+        &["-p".into(), p.clone()],
+    )
+    .and_then(|mut c| {
+        c.spawn()
+            .map_err(baseline("start cmtime (apt-get install rdmacm-utils)"))
+    })?;
     // cmtime's server prints nothing when it listens: give it time.
     std::thread::sleep(Duration::from_millis(500));
     let args = [
@@ -214,18 +222,19 @@ fn run_cmtime(shim: &Path, ends: &Ends, port: u16) -> Result<Steps> {
         "-c".into(),
         CONNECTIONS.to_string(),
     ];
-    let client = cores::on_every_cpu(|| {
-        cmtime(shim, client.0.socket(), client.1.as_deref(), &args)
-            .and_then(|mut c| c.output().map_err(baseline("run cmtime's client")))
-    })
-    .map_err(BenchError::Cores)?;
+    let client = cmtime(shim, client.0.socket(), client.1.as_deref(), &args)
+        .and_then(|mut c| c.output().map_err(baseline("run cmtime's client")));
     // cmtime's server serves until it is killed.
     let _ = server.kill();
     let _ = server.wait();
     let client = client?;
     let text = String::from_utf8_lossy(&client.stdout);
+    let errors = String::from_utf8_lossy(&client.stderr);
     match Steps::parse(&text) {
-        Some(steps) if client.status.success() => Ok(steps),
+        // cmtime exits 0 and times every step even when connections
+        // failed (a QP it could not create, a request rejected): those
+        // are skipped, not counted, and the rate would be of fewer.
+        Some(steps) if client.status.success() && failures(&text, &errors).is_none() => Ok(steps),
         _ => Err(BenchError::Baseline {
             what: "set up connections with cmtime",
             source: io::Error::other(format!(
@@ -235,6 +244,14 @@ fn run_cmtime(shim: &Path, ends: &Ends, port: u16) -> Result<Steps> {
             )),
         }),
     }
+}
+
+/// What in cmtime's output says a connection failed: its `perror`s
+/// (`failure creating qp: ...`) and error events (`event: REJECTED,
+/// error: 28`), the first of them.
+fn failures<'a>(stdout: &'a str, stderr: &'a str) -> Option<&'a str> {
+    let failed = |l: &&str| l.contains("failure") || l.contains("error");
+    (stdout.lines().chain(stderr.lines())).find(failed)
 }
 
 /// [`CONNECTIONS`] TCP connections to `addr` (listening in
@@ -341,6 +358,20 @@ pub fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_connection_cmtime_could_not_make_fails_the_run() {
+        let table = "step              total ms     max ms     min us  us / conn\n\
+                     connect        :     133.50       1.00      10.00     133.50\n";
+        assert_eq!(super::failures(table, ""), None);
+        let rejected = format!("{table}event: REJECTED, error: 28\n");
+        assert_eq!(
+            super::failures(&rejected, ""),
+            Some("event: REJECTED, error: 28")
+        );
+        let no_qp = "failure creating qp: Cannot allocate memory\n";
+        assert_eq!(super::failures(table, no_qp), Some(no_qp.trim_end()));
+    }
 
     #[test]
     fn cmtime_table_is_read_step_by_step() {

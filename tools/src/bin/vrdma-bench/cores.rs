@@ -123,6 +123,46 @@ pub fn on_datapath_cpu<T>(f: impl FnOnce() -> T) -> std::io::Result<T> {
     Ok(out)
 }
 
+/// The host's side of a control-plane measurement: while it lives, every
+/// thread of the processes it was given (hostds, vdevs) runs on the
+/// datapath's CPU, as a cloud host's daemons run on the host's cores and
+/// never on the vCPUs of the tenants they serve; the tenants' programs
+/// stay on the other CPUs. Each thread gets its CPUs back on drop. Without
+/// a dedicated CPU it does nothing.
+pub struct HostSide {
+    before: Vec<(libc::pid_t, Vec<usize>)>,
+}
+
+impl HostSide {
+    /// Moves every thread of `pids` onto the datapath's CPU.
+    pub fn enter(pids: &[u32]) -> std::io::Result<HostSide> {
+        let mut side = HostSide { before: Vec::new() };
+        let Some(cpu) = datapath_cpu() else {
+            return Ok(side);
+        };
+        for &pid in pids {
+            for entry in std::fs::read_dir(format!("/proc/{pid}/task"))? {
+                let Some(tid) = (entry?.file_name().to_str()).and_then(|t| t.parse().ok()) else {
+                    continue;
+                };
+                let before = cpus::allowed_of(tid)?;
+                cpus::pin_thread(tid, &[cpu])?;
+                side.before.push((tid, before));
+            }
+        }
+        Ok(side)
+    }
+}
+
+impl Drop for HostSide {
+    fn drop(&mut self) {
+        for (tid, cpus) in &self.before {
+            // A thread gone meanwhile has nothing to get back.
+            let _ = cpus::pin_thread(*tid, cpus);
+        }
+    }
+}
+
 /// Spinning turns between two yields of a thread that waits, on cores
 /// it shares with the thread it waits for (more spinners than cores).
 pub const SHARED_YIELD_EVERY: u32 = 64;

@@ -90,6 +90,30 @@ pub struct Params {
     pub secs: Duration,
     /// The packet paths measured, in this order.
     pub packet_io: Vec<PacketIo>,
+    /// The measurements to make (all when empty).
+    pub only: Vec<Measure>,
+}
+
+/// One measurement across hosts, as `--test` selects it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Measure {
+    /// 64 B WRITE latency against TCP (and the path's floor).
+    Latency,
+    /// One QP's 64 KiB WRITE stream against one TCP stream.
+    Bandwidth,
+    /// 64 B WRITEs and UD SENDs on 8 QPs.
+    MessageRate,
+    /// Both hostds handed over under traffic.
+    Handover,
+    /// Connection setup through rdma_cm (on the handed-over hostds when
+    /// `Handover` runs too).
+    ConnRate,
+}
+
+impl Params {
+    fn wants(&self, m: Measure) -> bool {
+        self.only.is_empty() || self.only.contains(&m)
+    }
 }
 
 /// The two hosts, their hostds and tenants (fields drop in order: the
@@ -134,7 +158,8 @@ impl Setup {
 pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
     // The floor of each path first, on namespaces of their own.
     let mut floors = Vec::new();
-    for &io in &params.packet_io {
+    let per_path = [Measure::Latency, Measure::Bandwidth, Measure::MessageRate];
+    for &io in (params.packet_io.iter()).filter(|_| params.wants(Measure::Latency)) {
         floors.push((io, crate::cross_floor::run(io, params.iters.min(20_000))?.0));
     }
     let mut last = None;
@@ -157,24 +182,39 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
             std::net::Ipv6Addr::from(s.b.gid),
         );
         let floor = floors.iter().find(|(p, _)| *p == io).map(|(_, f)| *f);
-        latency_vs_tcp(&s, params.iters, floor, targets)?;
-        bandwidth_vs_tcp(&s, &params, targets)?;
-        let (rc, rc_cost) = message_rate(&s, params.secs, targets)?;
-        crate::cross_ud::message_rate(
-            &s.a,
-            &s.b,
-            &s.hosts,
-            params.secs,
-            (rc, rc_cost),
-            s.tag(),
-            targets,
-        )?;
+        if params.wants(Measure::Latency) {
+            latency_vs_tcp(&s, params.iters, floor, targets)?;
+        }
+        if params.wants(Measure::Bandwidth) {
+            bandwidth_vs_tcp(&s, &params, targets)?;
+        }
+        if params.wants(Measure::MessageRate) {
+            let (rc, rc_cost) = message_rate(&s, params.secs, targets)?;
+            crate::cross_ud::message_rate(
+                &s.a,
+                &s.b,
+                &s.hosts,
+                params.secs,
+                (rc, rc_cost),
+                s.tag(),
+                targets,
+            )?;
+        }
         last = Some(s);
+        if !per_path.iter().any(|&m| params.wants(m)) {
+            // Nothing per path: the last path alone for the rest.
+            break;
+        }
     }
     let Some(s) = last else {
         return Ok(());
     };
-    handover(&s, targets)?;
+    if params.wants(Measure::Handover) {
+        handover(&s, targets)?;
+    }
+    if !params.wants(Measure::ConnRate) {
+        return Ok(());
+    }
     let [h1, _] = &s.pair.hosts;
     let (n1, n2) = (h1.netns_path(), s.pair.hosts[1].netns_path());
     let ends = crate::conn_rate::Ends {
@@ -182,6 +222,9 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
         server: (&s.a, Some(n1.clone())),
         client: (&s.b, Some(n2.clone())),
         hostds: s.hosts.iter().map(Host::admin_socket).collect(),
+        host_side: (s.hosts.iter().map(Host::hostd_pid))
+            .chain([s.a.vdev_pid(), s.b.vdev_pid()])
+            .collect(),
     };
     let tcp = SocketAddrV4::new(h1.underlay, TCP_PORT + 10);
     let baseline = || crate::conn_rate::tcp_setup_rate(tcp, Some(&n1), Some(&n2));

@@ -127,12 +127,16 @@ impl Host {
         let n = self
             .vdevs
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // vdev's own limits cap the policy's quotas: raised alike.
+        let limits = self.dir.write("vdev-limits.toml", VDEV_LIMITS)?;
         let launch = Launch::vdev(
             &self.vdev,
             self.dir.path(),
             tenant,
             Some(&self.hostd_socket),
-        );
+        )
+        .arg("--config")
+        .arg(&limits);
         // vdev is the host's control plane, not the tenant's application:
         // anywhere, as hostd's other threads (connection setup is its
         // work, none of the datapath's).
@@ -361,6 +365,10 @@ name = \"beta\"
 network = \"demo\"
 quotas = { max_qp = 2048 }
 ";
+
+/// The `[limits]` of every vdev the bench starts: [`BENCH_POLICY`]'s
+/// QPs (the stricter of a vdev's limits and its tenant's quotas applies).
+pub const VDEV_LIMITS: &str = "[limits]\nmax_qp = 2048\n";
 
 /// A policy of tenants in one network with the given classes and weights.
 pub fn policy<'a>(tenants: impl IntoIterator<Item = (&'a str, &'a str, u32)>) -> String {

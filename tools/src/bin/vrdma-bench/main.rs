@@ -65,6 +65,20 @@ enum Test {
     Restart,
 }
 
+impl Test {
+    /// What `--cross-host` makes of this test, if anything.
+    fn across_hosts(self) -> Option<cross::Measure> {
+        Some(match self {
+            Test::WriteLat => cross::Measure::Latency,
+            Test::WriteBw => cross::Measure::Bandwidth,
+            Test::MsgRate => cross::Measure::MessageRate,
+            Test::Restart => cross::Measure::Handover,
+            Test::ConnRate => cross::Measure::ConnRate,
+            _ => return None,
+        })
+    }
+}
+
 /// The flooding tenants' operation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum FloodOp {
@@ -227,7 +241,19 @@ fn main() -> Result<(), Failed> {
             bytes: args.cross_bytes,
             secs: Duration::from_secs(args.cross_secs),
             packet_io: args.packet_io.clone(),
+            only: (args.test.iter())
+                .filter_map(|t| t.across_hosts())
+                .collect(),
         };
+        if params.only.is_empty() && !args.test.is_empty() {
+            return Err(BenchError::Setup {
+                what: "measure that across hosts".into(),
+                detail:
+                    "--cross-host measures write-lat, write-bw, msg-rate, restart and conn-rate"
+                        .into(),
+            }
+            .into());
+        }
         cross::run(params, &mut targets)?;
         print!("{}", targets.summary());
         return Ok(());
@@ -308,6 +334,7 @@ fn run(args: &Args, tests: &[Test], targets: &mut Targets) -> Result<()> {
                     server: (&a, None),
                     client: (&b, None),
                     hostds: vec![host.admin_socket()],
+                    host_side: vec![host.hostd_pid(), a.vdev_pid(), b.vdev_pid()],
                 };
                 let tcp = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 7481);
                 let baseline = || conn_rate::tcp_setup_rate(tcp, None, None);

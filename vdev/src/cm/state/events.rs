@@ -273,8 +273,8 @@ impl State {
         if (l.qp_type == QpType::Ud) == connected {
             return Err("the listener's QP type differs");
         }
-        if l.waiting >= l.backlog {
-            return Err("the listener's backlog is full");
+        if l.waiting >= self.config.max_pending {
+            return Err("the listener holds the most unanswered requests it may");
         }
         let (header, user) = CmaHeader::split(data).map_err(|_| "bad CMA header")?;
         let CmaAddrs::V4 { src, dst } = header.addrs else {
