@@ -32,7 +32,11 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// outlives its vdev ([`Request::Journal`], [`Request::Release`],
 /// [`Request::Adopt`], [`Request::TakeRecords`]). 12: hostd hands over to
 /// a new hostd ([`Notification::Handover`], [`Request::ResumeHandover`]).
-pub const PROTOCOL_VERSION: u32 = 12;
+/// 13: a QP's transitions in one request ([`Request::ModifyQps`]).
+pub const PROTOCOL_VERSION: u32 = 13;
+
+/// Transitions one [`Request::ModifyQps`] carries at most.
+pub const MAX_MODIFIES: usize = 4;
 
 /// The LID of hostd itself on an InfiniBand port: it is the subnet
 /// manager (`sm_lid` of every port); devices get LIDs from 2 on.
@@ -128,6 +132,12 @@ pub enum Request {
     /// state table); hostd applies it and answers `Ok`, or refuses it when
     /// the QP has meanwhile gone to ERR on its own (`EINVAL`).
     ModifyQp(QpModify),
+    /// Transitions of one virtual QP in order (a connection manager's
+    /// INIT, RTR, RTS), each as [`Request::ModifyQp`]; at most
+    /// [`MAX_MODIFIES`]. hostd stops at the first it refuses and answers
+    /// that refusal, the ones before applied (vdev asks [`Request::QueryQp`]
+    /// where it stopped).
+    ModifyQps(Vec<QpModify>),
     /// The QP's state as the datapath sees it (it may have entered ERR on
     /// its own); answered with [`Response::QpState`].
     QueryQp { vqpn: u32 },

@@ -462,6 +462,12 @@ impl Fabric {
         self.call(&Request::ModifyQp(modify), &[])
     }
 
+    /// A QP's transitions in order, in one request (hostd stops at the
+    /// first it refuses, the ones before applied).
+    pub fn modify_qps(&self, modifies: Vec<QpModify>) -> Result<(), FabricError> {
+        self.call(&Request::ModifyQps(modifies), &[])
+    }
+
     /// The QP's state as hostd's datapath sees it (a
     /// [`vrdma_spec::verbs::QpState`] value).
     pub fn query_qp(&self, vqpn: u32) -> Result<u8, FabricError> {

@@ -288,6 +288,9 @@ impl Model {
             | Request::ResumeQp(_)
             | Request::ResumeSrq(_)
             | Request::RestoreMr { .. } => Expect::Either,
+            // Nor a QP's transitions in one request (each is a ModifyQp,
+            // which it makes).
+            Request::ModifyQps(_) => Expect::Either,
             Request::ResetDevice => Expect::Ok,
             Request::GsiNotify if one_eventfd => Expect::Ok,
             Request::GsiNotify => refuse(libc::EINVAL),
@@ -506,6 +509,7 @@ impl Model {
             | Request::ResumeHandover { .. }
             | Request::QuotaRejected { .. }
             | Request::QueryQp { .. }
+            | Request::ModifyQps(_)
             | Request::ResumeEq { .. }
             | Request::ResumeCq { .. }
             | Request::ResumeQp(_)

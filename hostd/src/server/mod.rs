@@ -28,7 +28,7 @@ use std::time::Instant;
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::channel::{Channel, ChannelError, Listener};
 use vrdma_hostd_protocol::messages::{
-    MadIn, Notification, PortLinkLayer, Request, Response, SM_LID,
+    MadIn, Notification, PortLinkLayer, QpModify, Request, Response, MAX_MODIFIES, SM_LID,
 };
 use vrdma_hostd_protocol::shm::ShmError;
 use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
@@ -487,6 +487,7 @@ impl Server {
             | Request::CreateQp(_)
             | Request::ResumeQp(_)
             | Request::ModifyQp(_)
+            | Request::ModifyQps(_)
             | Request::DestroyQp { .. }
             | Request::CreateSrq(_)
             | Request::ResumeSrq(_)
@@ -505,6 +506,9 @@ impl Server {
             Request::ModifyQp(m) if s.handed.contains_key(&m.vqpn) => {
                 Some(std::mem::take(&mut s.handed))
             }
+            Request::ModifyQps(ms) if ms.iter().any(|m| s.handed.contains_key(&m.vqpn)) => {
+                Some(std::mem::take(&mut s.handed))
+            }
             _ => None,
         };
         let start = start_of(&request);
@@ -513,6 +517,26 @@ impl Server {
             s.handed = h;
         }
         result
+    }
+
+    /// One transition of a virtual QP of context `s` (its connection's
+    /// peer checked as RTR's); whether the datapath has work from it.
+    fn modify_one(
+        &self,
+        s: &Session,
+        mut modify: QpModify,
+        handed: Option<&mut HashMap<u32, crate::engine::handover::QpTransport>>,
+    ) -> Result<bool, Refusal> {
+        if let Some(conn) = &mut modify.connection {
+            conn.dgid = self.reachable_destination(s, conn.dgid, conn.dlid)?;
+        }
+        let resumed = handed.is_some();
+        let mut engine = self.datapath.lock();
+        engine.modify_qp(s.id, &modify)?;
+        if let Some(handed) = handed {
+            Self::resume_qp(&mut engine, s.id, handed, modify.vqpn, modify.state);
+        }
+        Ok(resumed || engine.wants_round())
     }
 
     /// Runs a request that changes or asks the datapath, for context `s`.
@@ -609,18 +633,8 @@ impl Server {
                 self.datapath.lock().open_qp(id, &setup, start)?;
                 Ok(Response::Ok)
             }
-            Request::ModifyQp(mut modify) => {
-                if let Some(conn) = &mut modify.connection {
-                    conn.dgid = self.reachable_destination(s, conn.dgid, conn.dlid)?;
-                }
-                let resumed = handed.is_some();
-                let mut engine = self.datapath.lock();
-                engine.modify_qp(id, &modify)?;
-                if let Some(handed) = handed {
-                    Self::resume_qp(&mut engine, id, handed, modify.vqpn, modify.state);
-                }
-                let wake = resumed || engine.wants_round();
-                drop(engine);
+            Request::ModifyQp(modify) => {
+                let wake = self.modify_one(s, modify, handed)?;
                 // Work posted before RTS, or to flush at ERR: let the
                 // datapath see it now. Most transitions leave it nothing
                 // (a connection's setup makes eight).
@@ -628,6 +642,30 @@ impl Server {
                     self.datapath.wake();
                 }
                 Ok(Response::Ok)
+            }
+            Request::ModifyQps(modifies) => {
+                if modifies.len() > MAX_MODIFIES {
+                    return Err(refuse(libc::EINVAL, "too many transitions in one request"));
+                }
+                if modifies.windows(2).any(|w| w[0].vqpn != w[1].vqpn) {
+                    return Err(refuse(libc::EINVAL, "transitions of more than one QP"));
+                }
+                let mut handed = handed;
+                let mut wake = false;
+                let mut result = Ok(Response::Ok);
+                for modify in modifies {
+                    match self.modify_one(s, modify, handed.as_deref_mut()) {
+                        Ok(w) => wake |= w,
+                        Err(e) => {
+                            result = Err(e);
+                            break;
+                        }
+                    }
+                }
+                if wake {
+                    self.datapath.wake();
+                }
+                result
             }
             Request::QueryQp { vqpn } => {
                 let state = self.datapath.lock().query_qp(id, vqpn)?;

@@ -255,12 +255,16 @@ impl RdmaDevice {
             }
         };
         let (qpn, channel, id) = (req.qpn.get(), req.channel.get(), req.id.get());
-        if !self.qps.contains_key(&qpn) {
-            return Err(VerbError::NoObject {
-                kind: "QP",
-                handle: qpn,
-            });
-        }
+        self.adopt_datapath_state(qpn)?;
+        let qp = self.qps.get(&qpn).ok_or(VerbError::NoObject {
+            kind: "QP",
+            handle: qpn,
+        })?;
+        // Each step checked as a MODIFY_QP from where the last left the QP;
+        // hostd is told them all in one request.
+        let (mut from, mut now) = (qp.state, qp.attr);
+        let mut planned: Vec<(QpState, QpAttr)> = Vec::with_capacity(steps.len());
+        let mut modifies = Vec::with_capacity(steps.len());
         let mut answer = None;
         for &step in steps {
             let mut step_attr = self.cm.qp_attr(channel, id, step)?;
@@ -286,49 +290,89 @@ impl RdmaDevice {
             // rdma_cm moves a QP in INIT to INIT again for what it learnt
             // since (an active side's responder resources, hence remote
             // READ access); where nothing changed, hostd is not asked.
-            let unchanged = step == QpState::Init
-                && (self.qps.get(&qpn)).is_some_and(|qp| {
-                    qp.state == QpState::Init && same_init_attr(&qp.attr, a, set)
-                });
+            let unchanged =
+                step == QpState::Init && from == QpState::Init && same_init_attr(&now, a, set);
             if !unchanged {
-                self.modify_qp(&ModifyQpReq {
+                let modify = ModifyQpReq {
                     qpn: req.qpn,
                     attr_mask: step_attr.attr_mask,
                     attr: step_attr.attr,
-                })?;
+                };
+                let (next, merged, transition) = self.plan_modify(qp, from, &now, &modify)?;
+                modifies.push(transition);
+                planned.push((next, merged));
+                (from, now) = (next, merged);
             }
             if answer.is_none() || step == QpState::Rtr {
                 answer = Some(step_attr);
             }
+        }
+        if let Some(fabric) = &self.fabric {
+            let told = match modifies.len() {
+                0 => Ok(()),
+                1 => fabric.modify_qp(modifies.remove(0)),
+                _ => fabric.modify_qps(modifies),
+            };
+            if let Err(e) = told {
+                // Where hostd stopped: its state, as the steps left it.
+                let reached = (fabric.query_qp(qpn).ok()).and_then(|s| QpState::try_from(s).ok());
+                if let Some(&(next, merged)) =
+                    (planned.iter()).rfind(|(next, _)| Some(*next) == reached)
+                {
+                    self.commit_modify(qpn, next, merged);
+                }
+                return Err(VerbError::Fabric(e));
+            }
+        }
+        if !planned.is_empty() {
+            self.commit_modify(qpn, from, now);
         }
         answer.ok_or(VerbError::Invalid("CM_MOVE_QP without a step".into()))
     }
 
     pub(super) fn modify_qp(&mut self, req: &ModifyQpReq) -> VerbResult<()> {
         let qpn = req.qpn.get();
-        let attr_mask = req.attr_mask.get();
         self.adopt_datapath_state(qpn)?;
-        let (port_mtu, link) = (self.config.port.active_mtu, self.identity.link_layer);
-        let max_rd_atomic = self.limits.max_rd_atomic;
-        let qp = self.qps.get_mut(&qpn).ok_or(VerbError::NoObject {
+        let qp = self.qps.get(&qpn).ok_or(VerbError::NoObject {
             kind: "QP",
             handle: qpn,
         })?;
+        let (next, merged, modify) = self.plan_modify(qp, qp.state, &qp.attr, req)?;
+        if let Some(fabric) = &self.fabric {
+            fabric.modify_qp(modify).map_err(VerbError::Fabric)?;
+        }
+        self.commit_modify(qpn, next, merged);
+        Ok(())
+    }
+
+    /// MODIFY_QP `req` of `qp` checked as if the QP were in state `from`
+    /// with attributes `now`: the state it goes to, its attributes after,
+    /// and the transition hostd is told. Changes nothing.
+    fn plan_modify(
+        &self,
+        qp: &QueuePair,
+        from: QpState,
+        now: &QpAttr,
+        req: &ModifyQpReq,
+    ) -> VerbResult<(QpState, QpAttr, QpModify)> {
+        let attr_mask = req.attr_mask.get();
+        let (port_mtu, link) = (self.config.port.active_mtu, self.identity.link_layer);
+        let max_rd_atomic = self.limits.max_rd_atomic;
         let a = &req.attr;
-        if attr_mask & mask::CUR_STATE != 0 && a.cur_qp_state != u8::from(qp.state) {
+        if attr_mask & mask::CUR_STATE != 0 && a.cur_qp_state != u8::from(from) {
             return Err(VerbError::Invalid(format!(
-                "cur_qp_state {} is not the QP's state {:?}",
-                a.cur_qp_state, qp.state
+                "cur_qp_state {} is not the QP's state {from:?}",
+                a.cur_qp_state
             )));
         }
         let next = if attr_mask & mask::STATE != 0 {
             QpState::try_from(a.qp_state)
                 .map_err(|v| VerbError::Invalid(format!("qp_state {v}")))?
         } else {
-            qp.state
+            from
         };
         check_supported_mask(attr_mask)?;
-        check_mask(qp.qp_type, qp.state, next, attr_mask).map_err(VerbError::Transition)?;
+        check_mask(qp.qp_type, from, next, attr_mask).map_err(VerbError::Transition)?;
         if attr_mask & mask::QKEY != 0 && a.qkey.get() & QKEY_CONTROLLED != 0 {
             // A controlled Q_Key (high bit) is the privileged QPs' (QP1's
             // 0x80010000): Linux refuses it to users without CAP_NET_RAW
@@ -338,13 +382,18 @@ impl RdmaDevice {
             ));
         }
         validate_attr(a, attr_mask, port_mtu, link, max_rd_atomic)?;
-        let mut merged = qp.attr;
+        let mut merged = *now;
         apply_attr(&mut merged, a, attr_mask);
-        if let Some(fabric) = &self.fabric {
-            fabric
-                .modify_qp(transition(qp, next, &merged, attr_mask))
-                .map_err(VerbError::Fabric)?;
-        }
+        let modify = transition(qp, from, next, &merged, attr_mask);
+        Ok((next, merged, modify))
+    }
+
+    /// The QP `qpn` is in state `next` with attributes `merged` (hostd
+    /// took the transition).
+    fn commit_modify(&mut self, qpn: u32, next: QpState, merged: QpAttr) {
+        let Some(qp) = self.qps.get_mut(&qpn) else {
+            return;
+        };
         qp.attr = merged;
         qp.state = next;
         qp.attr.qp_state = next.into();
@@ -353,7 +402,6 @@ impl RdmaDevice {
             // RESET returns the QP to its state after creation.
             qp.attr = reset_attr(qp.cap);
         }
-        Ok(())
     }
 
     pub(super) fn query_qp(&mut self, qpn: u32) -> VerbResult<QueryQpResp> {
@@ -547,9 +595,15 @@ fn reset_attr(cap: QpCap) -> QpAttr {
 /// complete then, since the requester's attributes (retries, timeout, send
 /// PSN, outstanding READs) come with RTS; its access flags when the mask
 /// changes them; a UD QP's Q_Key when the mask sets it.
-fn transition(qp: &QueuePair, to: QpState, attr: &QpAttr, attr_mask: u32) -> QpModify {
+fn transition(
+    qp: &QueuePair,
+    from: QpState,
+    to: QpState,
+    attr: &QpAttr,
+    attr_mask: u32,
+) -> QpModify {
     let connects = matches!(
-        (qp.state, to),
+        (from, to),
         (QpState::Init, QpState::Rtr) | (QpState::Rtr, QpState::Rts)
     );
     let connection = (connects && qp.qp_type != QpType::Ud).then(|| connection_of(attr));

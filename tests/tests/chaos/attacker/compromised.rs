@@ -5,7 +5,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
 use vrdma_hostd::engine::testing::{remote, send, sge, CAPS};
-use vrdma_hostd_protocol::messages::{QpConnection, Request};
+use vrdma_hostd_protocol::messages::{QpConnection, QpModify, Request, MAX_MODIFIES};
 use vrdma_hostd_protocol::shm::sealed_memfd;
 use vrdma_spec::ring::{event_kind, Cqe, SendWqe};
 use vrdma_spec::verbs::{QpState, SendOpcode, WcStatus};
@@ -292,11 +292,66 @@ impl Attacker<'_> {
             ),
             Answer::Refused(libc::ENOENT),
         );
+        self.hostile_transitions(rogue, vqpn);
         let exposed = self.victim.accept(vqpn, rogue.gid());
         // The victim now talks to the compromised vdev, not to beta's link.
         self.discard(true);
         self.reconnect(rogue, vqpn, exposed);
         (lkey, exposed)
+    }
+
+    /// A QP's transitions in one request (`ModifyQps`, what vdev's
+    /// CM_MOVE_QP sends) are each checked as one `ModifyQp`: too many, or
+    /// of two QPs, are refused whole; one towards a GID nobody has stops
+    /// the batch there, the ones before applied.
+    fn hostile_transitions(&mut self, rogue: &RogueVdev, vqpn: u32) {
+        let step = |vqpn: u32, state: QpState, connection: Option<QpConnection>| QpModify {
+            vqpn,
+            state: state.into(),
+            connection,
+            access: None,
+            qkey: None,
+        };
+        let nobody = connection(vrdma_spec::gid::ipv4_mapped([10, 9, 8, 7]), 1);
+        let reset = step(vqpn, QpState::Reset, None);
+        let batch = |steps: Vec<QpModify>| rogue.call(&Request::ModifyQps(steps), &[]);
+        self.expect_answer(
+            "reset",
+            rogue.modify(vqpn, QpState::Reset, None),
+            Answer::Ok,
+        );
+        self.expect_answer(
+            "five transitions in one request",
+            batch(vec![reset; MAX_MODIFIES + 1]),
+            Answer::Refused(libc::EINVAL),
+        );
+        self.expect_answer(
+            "transitions of two QPs in one request",
+            batch(vec![
+                step(vqpn, QpState::Init, None),
+                step(vqpn + 7, QpState::Init, None),
+            ]),
+            Answer::Refused(libc::EINVAL),
+        );
+        self.expect_answer(
+            "the refused batches changed nothing",
+            rogue.query_qp(vqpn),
+            Answer::State(QpState::Reset.into()),
+        );
+        self.expect_answer(
+            "INIT then RTR towards a GID nobody has",
+            batch(vec![
+                step(vqpn, QpState::Init, None),
+                step(vqpn, QpState::Rtr, Some(nobody)),
+                step(vqpn, QpState::Rts, Some(nobody)),
+            ]),
+            Answer::Refused(libc::ENOENT),
+        );
+        self.expect_answer(
+            "stopped after INIT",
+            rogue.query_qp(vqpn),
+            Answer::State(QpState::Init.into()),
+        );
     }
 
     /// RESET and connected again to the victim's exposed QP.
