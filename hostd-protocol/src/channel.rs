@@ -291,6 +291,12 @@ impl Channel {
             // MAX_FDS slots for the descriptors the kernel installs.
             match unsafe { self.sock.recv_with_fds(&mut iov, &mut fds) } {
                 Err(e) if e.errno() == libc::EINTR => continue,
+                // The peer closed its end with messages of ours unread in
+                // it (a hostd that exits with a context's journal pending
+                // on the notification channel). The kernel reports that
+                // once, before what the peer sent ahead of closing: read
+                // on, for those messages and then the end.
+                Err(e) if e.errno() == libc::ECONNRESET => continue,
                 Err(e) => return Err(io::Error::from_raw_os_error(e.errno()).into()),
                 Ok(received) => break received,
             }
@@ -318,6 +324,48 @@ impl Channel {
     ) -> Result<(R, Vec<File>), ChannelError> {
         self.send(request, fds)?;
         self.recv()
+    }
+
+    /// Sends one message without descriptors if the socket takes it now:
+    /// `Ok(false)` where a blocking send would wait (the peer's buffer
+    /// full), and nothing was sent.
+    pub fn try_send<T: Serialize>(&self, msg: &T) -> Result<bool, ChannelError> {
+        let bytes = messages::encode(msg)?;
+        let mut iov = libc::iovec {
+            iov_base: bytes.as_ptr().cast_mut().cast(),
+            iov_len: bytes.len(),
+        };
+        // SAFETY: msghdr is plain data; all zeros is no name, no control.
+        let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+        hdr.msg_iov = &mut iov;
+        hdr.msg_iovlen = 1;
+        loop {
+            // SAFETY: `hdr` names one iovec over `bytes`, both alive for the
+            // call, which only reads them.
+            let n = unsafe {
+                libc::sendmsg(
+                    self.sock.as_raw_fd(),
+                    &hdr,
+                    libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL,
+                )
+            };
+            if n >= 0 {
+                return Ok(true);
+            }
+            let e = io::Error::last_os_error();
+            match e.kind() {
+                io::ErrorKind::Interrupted => continue,
+                io::ErrorKind::WouldBlock => return Ok(false),
+                _ => return Err(e.into()),
+            }
+        }
+    }
+
+    /// A second handle on this end (a duplicated descriptor).
+    pub fn try_clone(&self) -> io::Result<Channel> {
+        Ok(Channel {
+            sock: self.sock.try_clone()?,
+        })
     }
 
     /// Shuts both directions down, waking a peer blocked in `recv`.
@@ -375,6 +423,18 @@ mod tests {
         assert!(matches!(b.recv::<Request>(), Err(ChannelError::Message(_))));
         drop(a);
         assert!(matches!(b.recv::<Request>(), Err(ChannelError::Closed)));
+    }
+
+    #[test]
+    fn a_peer_gone_with_our_messages_unread_leaves_its_own_to_read() {
+        let (a, b) = Channel::pair().expect("pair");
+        // b's journal, which a never read: a's close resets b's end. What a
+        // sent before (a hostd's handover notice) is still b's to read.
+        assert!(b.try_send(&Request::Release).expect("try_send"));
+        a.send(&Response::Ok, &[]).expect("send");
+        drop(a);
+        assert!(matches!(b.recv::<Response>(), Ok((Response::Ok, _))));
+        assert!(matches!(b.recv::<Response>(), Err(ChannelError::Closed)));
     }
 
     extern "C" fn ignore_signal(_: libc::c_int) {}

@@ -32,8 +32,11 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// outlives its vdev ([`Request::Journal`], [`Request::Release`],
 /// [`Request::Adopt`], [`Request::TakeRecords`]). 12: hostd hands over to
 /// a new hostd ([`Notification::Handover`], [`Request::ResumeHandover`]).
-/// 13: a QP's transitions in one request ([`Request::ModifyQps`]).
-pub const PROTOCOL_VERSION: u32 = 13;
+/// 13: a QP's transitions in one request ([`Request::ModifyQps`]). 14: a
+/// context's [`Request::Journal`] may come on its notification channel
+/// (hostd reads it there before the context's next request and when the
+/// context ends: it wakes no thread of hostd's).
+pub const PROTOCOL_VERSION: u32 = 14;
 
 /// Transitions one [`Request::ModifyQps`] carries at most.
 pub const MAX_MODIFIES: usize = 4;

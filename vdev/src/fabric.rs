@@ -80,6 +80,11 @@ pub struct Fabric {
     pub policy: TenantPolicy,
     /// hostd's notifications (policy reloads); taken by the listener thread.
     notifications: Mutex<Option<Channel>>,
+    /// This end of the notification channel again, for the journal: hostd
+    /// reads what comes on it before the context's next request and when
+    /// the context ends, so a journal message wakes no thread of hostd's
+    /// (a connection's setup journals six commands).
+    journal_out: Mutex<Option<Channel>>,
     /// vdev ended the registration ([`Fabric::close`]): the notification
     /// channel's end is then expected, not hostd going away.
     closed: AtomicBool,
@@ -121,6 +126,7 @@ impl Fabric {
             active_mtu: welcome.active_mtu.into(),
             physical_queues: welcome.physical_queues,
             policy: welcome.policy,
+            journal_out: Mutex::new(notifications.try_clone().ok()),
             notifications: Mutex::new(Some(notifications)),
             closed: AtomicBool::new(false),
             link: Mutex::new(LinkState::default()),
@@ -142,6 +148,8 @@ impl Fabric {
         let (channel, welcome, notifications) =
             open_context(&self.path, &self.tenant, &self.device)?;
         *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel;
+        *self.journal_out.lock().unwrap_or_else(|p| p.into_inner()) =
+            notifications.try_clone().ok();
         *self.notifications.lock().unwrap_or_else(|p| p.into_inner()) = Some(notifications);
         self.active_mtu
             .store(welcome.active_mtu, std::sync::atomic::Ordering::Relaxed);
@@ -263,8 +271,19 @@ impl Fabric {
     /// next vdev should this one die). A failure is hostd gone, which the
     /// policy listener notices.
     pub fn journal(&self, journal: Journal) {
+        let message = Request::Journal(journal);
+        // On the notification channel while it takes it; hostd reads that
+        // before the next request on the main one, which keeps the order
+        // when one goes there (a full buffer: a burst of vdev-only
+        // commands, such as PD allocations, with no request between).
+        let lazily = (self.journal_out.lock().unwrap_or_else(|p| p.into_inner()))
+            .as_ref()
+            .map(|out| out.try_send(&message));
+        if let Some(Ok(true)) = lazily {
+            return;
+        }
         let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = channel.send(&Request::Journal(journal), &[]) {
+        if let Err(e) = channel.send(&message, &[]) {
             tracing::debug!(tenant = %self.tenant, "Journal not sent: {}", vrdma_errors::error_chain(&e));
         }
     }

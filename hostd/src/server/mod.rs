@@ -298,20 +298,16 @@ impl Server {
         let mut session: Option<Session> = None;
         let mut notify_peer: Option<Channel> = None;
         loop {
-            let (request, files) = match channel.recv::<Request>() {
+            let received = channel.recv::<Request>();
+            // What vdev journaled on the notification channel comes first.
+            if let Some(s) = session.as_mut() {
+                self.take_journal(s);
+            }
+            let (request, files) = match received {
                 Ok((Request::Journal(journal), files)) if files.is_empty() => {
                     // Not answered: vdev does not wait for it.
                     if let Some(s) = session.as_mut() {
-                        if let Some(key) = journal.key {
-                            // A fresh driver where an orphan's was (a VM
-                            // rebooted while no vdev ran): the orphan's
-                            // QPs must not write into its memory.
-                            self.supersede(s, key);
-                        }
-                        if let Some(why) = s.journal.apply(journal) {
-                            tracing::warn!(tenant = %s.tenant, device = %s.device,
-                                "Context not kept should its vdev die: {why}");
-                        }
+                        self.journal(s, journal);
                     }
                     continue;
                 }
@@ -363,11 +359,51 @@ impl Server {
                 break;
             }
         }
-        if let Some(s) = session {
+        if let Some(mut s) = session {
+            // The last of its journal, which the vdev sent before it went.
+            self.take_journal(&mut s);
             if self.no_orphans.load(std::sync::atomic::Ordering::Relaxed) {
                 self.teardown(&s);
             } else {
                 self.context_lost(s);
+            }
+        }
+    }
+
+    /// Applies journal message `journal` of context `s`.
+    fn journal(&self, s: &mut Session, journal: vrdma_hostd_protocol::messages::Journal) {
+        if let Some(key) = journal.key {
+            // A fresh driver where an orphan's was (a VM rebooted while no
+            // vdev ran): the orphan's QPs must not write into its memory.
+            self.supersede(s, key);
+        }
+        if let Some(why) = s.journal.apply(journal) {
+            tracing::warn!(tenant = %s.tenant, device = %s.device,
+                "Context not kept should its vdev die: {why}");
+        }
+    }
+
+    /// Applies the journal messages context `s`'s vdev sent on the
+    /// notification channel (non-blocking: what is there now). Anything
+    /// else on it is a protocol violation, logged and dropped.
+    fn take_journal(&self, s: &mut Session) {
+        loop {
+            match s.notify.recv::<Request>() {
+                Ok((Request::Journal(journal), files)) if files.is_empty() => {
+                    self.journal(s, journal);
+                }
+                Ok(_) => {
+                    tracing::warn!(tenant = %s.tenant, device = %s.device,
+                        "Not a journal on the notification channel: dropped");
+                }
+                Err(ChannelError::Io(e)) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(ChannelError::Message(e)) => {
+                    tracing::warn!(tenant = %s.tenant, device = %s.device,
+                        "Undecodable message on the notification channel: {}",
+                        vrdma_errors::error_chain(&e));
+                }
+                // Closed (the vdev gone) or broken: nothing more to read.
+                Err(_) => return,
             }
         }
     }

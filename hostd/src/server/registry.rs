@@ -138,6 +138,9 @@ pub(super) struct Session {
     /// The transport of its QPs a previous hostd handed over, by QP
     /// number, until each is back in its state.
     pub(super) handed: HashMap<u32, crate::engine::handover::QpTransport>,
+    /// hostd's end of the context's notification channel, on which vdev
+    /// also sends its journal (read before each request and at the end).
+    pub(super) notify: Arc<Channel>,
 }
 
 impl Server {
@@ -337,6 +340,7 @@ impl Server {
         let (ours, theirs) =
             Channel::pair().map_err(|e| refuse(libc::ENOMEM, vrdma_errors::error_chain(&e)))?;
         set_nonblocking(&ours).map_err(|e| refuse(libc::ENOMEM, e.to_string()))?;
+        let ours = Arc::new(ours);
         let (id, lid, gid, pqps, policy, first, journal_bytes) = {
             let mut reg = self.registry();
             // Read under the registry lock: a reload either happened before
@@ -412,7 +416,7 @@ impl Server {
                 let id = reg.next_device;
                 reg.next_device += 1;
                 if let Some(open) = reg.connected.get_mut(&lid) {
-                    open.contexts.push((id, Arc::new(ours)));
+                    open.contexts.push((id, Arc::clone(&ours)));
                     open.pid = pid;
                 }
                 (id, lid, gid, pqps, policy, false, journal_bytes)
@@ -491,7 +495,7 @@ impl Server {
                         pid,
                         gid,
                         pqps: pqps.clone(),
-                        contexts: vec![(id, Arc::new(ours))],
+                        contexts: vec![(id, Arc::clone(&ours))],
                         orphans: Vec::new(),
                         journal_bytes: journal_bytes.clone(),
                     },
@@ -510,6 +514,7 @@ impl Server {
             released: false,
             created: false,
             handed: HashMap::new(),
+            notify: ours,
         };
         match self.start_device(&session, policy, first) {
             Ok(welcome) => {

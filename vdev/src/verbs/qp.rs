@@ -201,25 +201,39 @@ impl RdmaDevice {
     }
 
     /// A QP can enter ERR on its own in hostd's datapath (a WQE failed, a
-    /// ring was bad): before MODIFY_QP or QUERY_QP looks at the state, it
-    /// takes the datapath's ERR over. With the port down there is no
-    /// datapath to ask: the QPs are in ERR already ([`Self::fail_qps`]).
+    /// ring was bad): QUERY_QP takes the datapath's ERR over before it
+    /// answers, and so does a modify hostd refused. A modify does not ask
+    /// first: hostd refuses every transition of a QP in ERR but to RESET
+    /// and ERR, which any state may take — the answer a modify checked
+    /// against ERR would have got (EINVAL), without a round trip to hostd
+    /// on every modify (a connection's setup makes several). With the
+    /// port down there is no datapath to ask: the QPs are in ERR already
+    /// ([`Self::fail_qps`]).
     fn adopt_datapath_state(&mut self, qpn: u32) -> VerbResult<()> {
         if self.port_down() {
             return Ok(());
         }
-        let (Some(fabric), Some(qp)) = (&self.fabric, self.qps.get_mut(&qpn)) else {
+        let (Some(fabric), Some(qp)) = (&self.fabric, self.qps.get(&qpn)) else {
             return Ok(());
         };
         let state = fabric.query_qp(qpn).map_err(VerbError::Fabric)?;
         if state == u8::from(QpState::Err) && qp.state != QpState::Err {
-            tracing::info!(tenant = %self.identity.tenant, qpn, was = ?qp.state,
-                "The QP entered ERR in the datapath");
+            self.adopt_err(qpn);
+        }
+        Ok(())
+    }
+
+    /// The datapath moved QP `qpn` to ERR: so does the QP's state here.
+    fn adopt_err(&mut self, qpn: u32) {
+        let Some(qp) = self.qps.get_mut(&qpn) else {
+            return;
+        };
+        if qp.state != QpState::Err {
+            tracing::info!(tenant = %self.identity.tenant, qpn, was = ?qp.state, "The QP entered ERR in the datapath");
             qp.state = QpState::Err;
             qp.attr.qp_state = QpState::Err.into();
             qp.attr.cur_qp_state = QpState::Err.into();
         }
-        Ok(())
     }
 
     /// CM_MOVE_QP: each state of the way (INIT with `FROM_INIT`, RTR,
@@ -255,7 +269,6 @@ impl RdmaDevice {
             }
         };
         let (qpn, channel, id) = (req.qpn.get(), req.channel.get(), req.id.get());
-        self.adopt_datapath_state(qpn)?;
         let qp = self.qps.get(&qpn).ok_or(VerbError::NoObject {
             kind: "QP",
             handle: qpn,
@@ -320,6 +333,8 @@ impl RdmaDevice {
                     (planned.iter()).rfind(|(next, _)| Some(*next) == reached)
                 {
                     self.commit_modify(qpn, next, merged);
+                } else if reached == Some(QpState::Err) {
+                    self.adopt_err(qpn);
                 }
                 return Err(VerbError::Fabric(e));
             }
@@ -332,14 +347,20 @@ impl RdmaDevice {
 
     pub(super) fn modify_qp(&mut self, req: &ModifyQpReq) -> VerbResult<()> {
         let qpn = req.qpn.get();
-        self.adopt_datapath_state(qpn)?;
         let qp = self.qps.get(&qpn).ok_or(VerbError::NoObject {
             kind: "QP",
             handle: qpn,
         })?;
         let (next, merged, modify) = self.plan_modify(qp, qp.state, &qp.attr, req)?;
         if let Some(fabric) = &self.fabric {
-            fabric.modify_qp(modify).map_err(VerbError::Fabric)?;
+            if let Err(e) = fabric.modify_qp(modify) {
+                // Refused: perhaps because the datapath failed the QP.
+                if let Err(also) = self.adopt_datapath_state(qpn) {
+                    tracing::warn!(tenant = %self.tenant(), qpn, error = %also,
+                        "Cannot read the QP's state in hostd after a refused modify");
+                }
+                return Err(VerbError::Fabric(e));
+            }
         }
         self.commit_modify(qpn, next, merged);
         Ok(())

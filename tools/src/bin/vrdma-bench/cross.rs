@@ -163,7 +163,17 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
         floors.push((io, crate::cross_floor::run(io, params.iters.min(20_000))?.0));
     }
     let mut last = None;
-    for &io in &params.packet_io {
+    // With no measurement per path, only the last path is set up (for
+    // the handover and connection setup, which run on the last).
+    let paths = match per_path.iter().any(|&m| params.wants(m)) {
+        true => &params.packet_io[..],
+        false => params
+            .packet_io
+            .last()
+            .map(std::slice::from_ref)
+            .unwrap_or_default(),
+    };
+    for &io in paths {
         // The previous pair's hostds and namespaces go first.
         drop(last.take());
         let s = Setup::new(io)?;
@@ -201,10 +211,6 @@ pub fn run(params: Params, targets: &mut Targets) -> Result<()> {
             )?;
         }
         last = Some(s);
-        if !per_path.iter().any(|&m| params.wants(m)) {
-            // Nothing per path: the last path alone for the rest.
-            break;
-        }
     }
     let Some(s) = last else {
         return Ok(());

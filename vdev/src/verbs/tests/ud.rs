@@ -192,7 +192,6 @@ fn hostd_is_told_the_qkey_and_each_address_handle() {
     };
     let init_mask = mask::STATE | mask::PKEY_INDEX | mask::PORT | mask::QKEY;
     modify(&mut dev, ud, init_mask, init).expect("INIT");
-    assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: ud });
     assert_eq!(
         hostd.next_plain(),
         Request::ModifyQp(QpModify {
