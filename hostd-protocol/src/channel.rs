@@ -260,17 +260,7 @@ impl Channel {
     /// Receives one message and the descriptors that came with it. A message
     /// larger than [`MAX_MESSAGE`] is refused (its descriptors are closed).
     pub fn recv<T: DeserializeOwned>(&self) -> Result<(T, Vec<File>), ChannelError> {
-        // One buffer per thread, kept: a fresh zeroed 64 KiB per message
-        // (page faults and a memset on every verb's round trip) was a
-        // measurable part of a control call.
-        thread_local! {
-            static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-        }
-        BUF.with(|buf| {
-            let mut buf = buf.borrow_mut();
-            buf.resize(MAX_MESSAGE + 1, 0);
-            self.recv_into(&mut buf)
-        })
+        with_recv_buf(|buf| self.recv_into(buf))
     }
 
     fn recv_into<T: DeserializeOwned>(
@@ -361,6 +351,52 @@ impl Channel {
         }
     }
 
+    /// The next message if one is there, without waiting (`None`: none
+    /// yet). For messages that carry no descriptors: any that came are
+    /// closed by the kernel (no room given for them).
+    pub fn try_recv<T: DeserializeOwned>(&self) -> Result<Option<T>, ChannelError> {
+        with_recv_buf(|buf| self.try_recv_into(buf))
+    }
+
+    fn try_recv_into<T: DeserializeOwned>(
+        &self,
+        buf: &mut [u8],
+    ) -> Result<Option<T>, ChannelError> {
+        loop {
+            let mut iov = libc::iovec {
+                iov_base: buf.as_mut_ptr().cast(),
+                iov_len: buf.len(),
+            };
+            // SAFETY: msghdr is plain data; all zeros is no name, no control.
+            let mut hdr: libc::msghdr = unsafe { std::mem::zeroed() };
+            hdr.msg_iov = &mut iov;
+            hdr.msg_iovlen = 1;
+            // recvmsg, as `recv` (the sandboxes' filters allow it, not
+            // recvfrom). SAFETY: `hdr` names one iovec over `buf`, writable
+            // for its length, both alive for the call.
+            let n = unsafe { libc::recvmsg(self.sock.as_raw_fd(), &mut hdr, libc::MSG_DONTWAIT) };
+            let len = match usize::try_from(n) {
+                Ok(0) => return Err(ChannelError::Closed),
+                Ok(len) => len,
+                Err(_) => {
+                    let e = io::Error::last_os_error();
+                    match e.raw_os_error() {
+                        Some(libc::EINTR) => continue,
+                        Some(libc::EAGAIN) => return Ok(None),
+                        // As in `recv`: reported once, ahead of what the
+                        // peer sent before it closed.
+                        Some(libc::ECONNRESET) => continue,
+                        _ => return Err(e.into()),
+                    }
+                }
+            };
+            if len > MAX_MESSAGE {
+                return Err(MessageError::TooLarge(len).into());
+            }
+            return Ok(Some(messages::decode(&buf[..len])?));
+        }
+    }
+
     /// A second handle on this end (a duplicated descriptor).
     pub fn try_clone(&self) -> io::Result<Channel> {
         Ok(Channel {
@@ -372,6 +408,21 @@ impl Channel {
     pub fn shutdown(&self) {
         let _ = self.sock.shutdown(std::net::Shutdown::Both);
     }
+}
+
+/// Runs `f` on this thread's receive buffer ([`MAX_MESSAGE`] + 1 bytes).
+/// One buffer per thread, kept: a fresh zeroed 64 KiB per message (page
+/// faults and a memset on every verb's round trip) was a measurable part
+/// of a control call.
+fn with_recv_buf<R>(f: impl FnOnce(&mut [u8]) -> R) -> R {
+    thread_local! {
+        static BUF: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    BUF.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.resize(MAX_MESSAGE + 1, 0);
+        f(&mut buf)
+    })
 }
 
 impl From<OwnedFd> for Channel {
@@ -423,6 +474,35 @@ mod tests {
         assert!(matches!(b.recv::<Request>(), Err(ChannelError::Message(_))));
         drop(a);
         assert!(matches!(b.recv::<Request>(), Err(ChannelError::Closed)));
+    }
+
+    #[test]
+    fn try_recv_takes_what_is_there_and_never_waits() {
+        let (a, b) = Channel::pair().expect("pair");
+        assert!(matches!(b.try_recv::<Response>(), Ok(None)));
+        a.send(&Response::QpState { state: 3 }, &[]).expect("send");
+        a.send(&Response::Ok, &[]).expect("send");
+        assert_eq!(
+            b.try_recv::<Response>().expect("first"),
+            Some(Response::QpState { state: 3 })
+        );
+        assert_eq!(
+            b.try_recv::<Response>().expect("second"),
+            Some(Response::Ok)
+        );
+        assert!(matches!(b.try_recv::<Response>(), Ok(None)));
+        a.sock
+            .send_with_fds(&[b"{not json".as_slice()], &[])
+            .expect("send");
+        assert!(matches!(
+            b.try_recv::<Response>(),
+            Err(ChannelError::Message(_))
+        ));
+        drop(a);
+        assert!(matches!(
+            b.try_recv::<Response>(),
+            Err(ChannelError::Closed)
+        ));
     }
 
     #[test]

@@ -35,8 +35,9 @@ pub const MAX_MESSAGE: usize = 64 * 1024;
 /// 13: a QP's transitions in one request ([`Request::ModifyQps`]). 14: a
 /// context's [`Request::Journal`] may come on its notification channel
 /// (hostd reads it there before the context's next request and when the
-/// context ends: it wakes no thread of hostd's).
-pub const PROTOCOL_VERSION: u32 = 14;
+/// context ends: it wakes no thread of hostd's). 15: hostd pushes QP1's
+/// MADs on a socket ([`Request::GsiPush`]).
+pub const PROTOCOL_VERSION: u32 = 15;
 
 /// Transitions one [`Request::ModifyQps`] carries at most.
 pub const MAX_MODIFIES: usize = 4;
@@ -205,6 +206,16 @@ pub enum Request {
     /// One fd: an eventfd hostd signals when connection-manager MADs
     /// arrive for the device's QP1 (then [`Request::TakeMads`]).
     GsiNotify,
+    /// No fd: from now on hostd pushes each MAD that arrives for the
+    /// device's QP1 while none waits to be taken, as a [`Response::Mads`]
+    /// of one, on a socket of its own — answered [`Response::MadPush`]
+    /// with the other end, which the connection manager reads without a
+    /// request per MAD. What the socket has no room for waits to be taken
+    /// ([`Request::TakeMads`], after the [`Request::GsiNotify`] eventfd),
+    /// as do all MADs after it until none waits: whatever came on the
+    /// socket is older than what waits. Asked again, the old socket is
+    /// pushed to no more.
+    GsiPush,
     /// Sends a connection-manager MAD from the device's QP1 to QP1 of
     /// `peer`: checked as a connection at RTR (`EACCES`, `ENOENT`); a MAD
     /// of another class or size is refused (`EINVAL`).
@@ -503,8 +514,12 @@ pub enum Response {
     SrqLimit { limit: u32 },
     /// Answer to `RegisterMr`: the region's keys (distinct, never 0).
     MrKeys { lkey: u32, rkey: u32 },
-    /// Answer to [`Request::TakeMads`].
+    /// Answer to [`Request::TakeMads`]; on the socket of
+    /// [`Request::GsiPush`], one MAD pushed.
     Mads(Vec<MadIn>),
+    /// Answer to [`Request::GsiPush`], with one fd: the socket's end MADs
+    /// are pushed to.
+    MadPush,
     /// Answer to [`Request::Adopt`]: the context's records number `records`.
     Adopted { records: u32 },
     /// Answer to [`Request::TakeRecords`]: the next records, and whether

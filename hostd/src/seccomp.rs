@@ -190,6 +190,14 @@ fn datapath_rules() -> Result<Rules, SeccompError> {
     // answer the kernel queued during it). Never waiting.
     r.allow_if_eq(libc::SYS_sendto, 3, &[dontwait])?;
     r.allow_if_eq(libc::SYS_recvfrom, 3, &[dontwait])?;
+    // A MAD that came from the network goes to its device's connection
+    // manager on the push socket hostd made (`Channel::try_send`): never
+    // waiting, never raising SIGPIPE.
+    r.allow_if_eq(
+        libc::SYS_sendmsg,
+        2,
+        &[(libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) as u64],
+    )?;
     // The packet socket's drop counter (PACKET_STATISTICS) and the XSKs'
     // (XDP_STATISTICS), and nothing else.
     r.allow_if_any(
@@ -419,6 +427,7 @@ mod tests {
                 fcntl(libc::F_DUPFD_CLOEXEC),
                 ("sendmmsg", libc::SYS_sendmmsg, [9, 0, 64, 0x40, 0, 0]),
                 ("recvmmsg", libc::SYS_recvmmsg, [10, 0, 64, 0x40, 0, 0]),
+                ("push a MAD", libc::SYS_sendmsg, [11, 0, 0x4040, 0, 0, 0]),
             ],
             Role::Admin => vec![
                 ("accept4", libc::SYS_accept4, [4, 0, 0, 0o2000000, 0, 0]),

@@ -63,6 +63,9 @@ pub enum Answer {
     Adopted(u32),
     /// A TakeRecords's records, and whether more follow.
     Records(Vec<vrdma_hostd_protocol::messages::Record>, bool),
+    /// A GsiPush's answer, with how many descriptors came with it (one:
+    /// the socket).
+    MadPush(usize),
     /// hostd closed the connection (or it broke).
     Gone,
 }
@@ -144,10 +147,21 @@ impl RogueVdev {
             Ok((Response::Mads(mads), _)) => Answer::Mads(mads),
             Ok((Response::Adopted { records }, _)) => Answer::Adopted(records),
             Ok((Response::Records { records, more }, _)) => Answer::Records(records, more),
+            Ok((Response::MadPush, files)) => Answer::MadPush(files.len()),
             Ok((Response::Refused { errno, .. }, _)) => Answer::Refused(errno),
             Ok((Response::Welcome(_), _)) => panic!("hostd answered Welcome to {request:?}"),
             // Closed, or reset while hostd shut a failed device down.
             Err(_) => Answer::Gone,
+        }
+    }
+
+    /// Asks for QP1's push socket ([`Request::GsiPush`]): its end.
+    pub fn gsi_push(&self) -> vrdma_hostd_protocol::channel::Channel {
+        match self.channel.call::<_, Response>(&Request::GsiPush, &[]) {
+            Ok((Response::MadPush, mut files)) if files.len() == 1 => {
+                std::os::fd::OwnedFd::from(files.remove(0)).into()
+            }
+            other => panic!("GsiPush answered {other:?}"),
         }
     }
 

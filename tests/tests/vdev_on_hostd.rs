@@ -199,6 +199,7 @@ fn serve_vdev(channel: Channel, tx: mpsc::Sender<(Request, Vec<File>)>) {
         return;
     }
     let mut keys = 0x100;
+    let mut push_sockets = Vec::new();
     while let Ok((request, files)) = channel.recv::<Request>() {
         let answer = match request {
             // vdev's journal is not answered, nor followed by the test.
@@ -222,6 +223,20 @@ fn serve_vdev(channel: Channel, tx: mpsc::Sender<(Request, Vec<File>)>) {
                     _ => Response::Ok,
                 };
                 if channel.send(&answer, &[]).is_err() {
+                    return;
+                }
+                continue;
+            }
+            // Its push socket, as hostd makes it (kept open; nothing comes).
+            Request::GsiPush => {
+                let Ok((ours, theirs)) = Channel::pair() else {
+                    return;
+                };
+                push_sockets.push(ours);
+                if channel
+                    .send(&Response::MadPush, &[theirs.as_raw_fd()])
+                    .is_err()
+                {
                     return;
                 }
                 continue;

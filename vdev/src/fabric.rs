@@ -229,15 +229,25 @@ impl Fabric {
     /// Sends a request (with `fds`) and returns hostd's answer; a refusal
     /// is an error.
     fn request(&self, request: &Request, fds: &[RawFd]) -> Result<Response, FabricError> {
+        self.request_files(request, fds)
+            .map(|(response, _)| response)
+    }
+
+    /// [`Self::request`], with the descriptors the answer carries.
+    fn request_files(
+        &self,
+        request: &Request,
+        fds: &[RawFd],
+    ) -> Result<(Response, Vec<File>), FabricError> {
         let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
-        let (response, _files): (Response, Vec<File>) = match channel.call(request, fds) {
+        let (response, files): (Response, Vec<File>) = match channel.call(request, fds) {
             Ok(answer) => answer,
             Err(e @ (ChannelError::Closed | ChannelError::Io(_))) => return Err(self.failed(e)),
             Err(e) => return Err(e.into()),
         };
         match response {
             Response::Refused { errno, reason } => Err(FabricError::Refused { errno, reason }),
-            other => Ok(other),
+            other => Ok((other, files)),
         }
     }
 
@@ -536,6 +546,18 @@ impl Fabric {
     /// then takes them with [`Fabric::take_mads`].
     pub fn gsi_notify(&self, notify: &vmm_sys_util::eventfd::EventFd) -> Result<(), FabricError> {
         self.call(&Request::GsiNotify, &[notify.as_raw_fd()])
+    }
+
+    /// From now on hostd pushes the MADs that arrive for the device's QP1
+    /// on the socket whose end this returns, while none waits to be taken
+    /// (those wait behind [`Fabric::gsi_notify`]'s eventfd, as before).
+    pub fn gsi_push(&self) -> Result<Channel, FabricError> {
+        match self.request_files(&Request::GsiPush, &[])? {
+            (Response::MadPush, mut files) if files.len() == 1 => {
+                Ok(Channel::from(std::os::fd::OwnedFd::from(files.remove(0))))
+            }
+            (other, _) => Err(FabricError::Unexpected(Box::new(other))),
+        }
     }
 
     /// Sends a connection-manager MAD from the device's QP1 to QP1 of

@@ -28,6 +28,8 @@ use std::net::Ipv4Addr;
 use std::sync::Arc;
 
 use vmm_sys_util::eventfd::EventFd;
+use vrdma_hostd_protocol::channel::Channel;
+use vrdma_hostd_protocol::messages::{MadIn, Response};
 use vrdma_roce::{Bth, Deth, Headers, Ipv4Meta, Opcode, Packet, Psn, DEFAULT_PKEY};
 use vrdma_spec::gid::{ipv4_mapped, ipv4_of};
 
@@ -86,6 +88,21 @@ pub struct Gsi {
     queue: VecDeque<Mad>,
     /// Signalled when a MAD joins an empty queue.
     notify: Option<EventFd>,
+    /// Where a MAD goes at once while none is queued (the connection
+    /// manager reads it there, without a request per MAD); one that finds
+    /// it full is queued, and so is every MAD after it until the queue is
+    /// empty again, so that all that came there is older than what waits.
+    push: Option<Channel>,
+}
+
+/// `mad` as vdev receives it.
+pub fn mad_in(mad: &Mad) -> MadIn {
+    MadIn {
+        peer: mad.peer,
+        peer_qpn: mad.peer_qpn,
+        traffic_class: mad.traffic_class,
+        mad: mad.bytes.to_vec(),
+    }
 }
 
 /// QP1's send queue towards other hosts: MADs the wire had no room for
@@ -237,6 +254,14 @@ impl Engine {
         Ok(())
     }
 
+    /// From now on MADs for device `id` (any context of it) are pushed on
+    /// `push` while none waits to be taken (a previous socket no longer).
+    pub fn set_gsi_push(&mut self, id: DeviceId, push: Channel) -> Result<(), EngineError> {
+        let owner = self.gsi_owner(id)?;
+        self.device_mut(owner)?.gsi.push = Some(push);
+        Ok(())
+    }
+
     /// The context that holds QP1 of context `id`'s device: its first
     /// (QP1 is the device's, whichever context asks).
     fn gsi_owner(&self, id: DeviceId) -> Result<DeviceId, EngineError> {
@@ -265,6 +290,21 @@ impl Engine {
     /// dropped when its queue is full).
     fn gsi_deliver(&mut self, dest: DeviceId, mad: Mad) {
         if let Some(dev) = self.devices.get_mut(&dest) {
+            if dev.gsi.queue.is_empty() {
+                if let Some(push) = &dev.gsi.push {
+                    match push.try_send(&Response::Mads(vec![mad_in(&mad)])) {
+                        Ok(true) => {
+                            dev.counters.gsi.received += 1;
+                            return;
+                        }
+                        // Full: queued, the eventfd wakes the reader.
+                        Ok(false) => {}
+                        // Its reader gone (or not a socket that takes
+                        // them): the queue alone from now on.
+                        Err(_) => dev.gsi.push = None,
+                    }
+                }
+            }
             if dev.gsi.queue.len() >= GSI_QUEUE {
                 dev.counters.gsi.queue_full += 1;
                 return;

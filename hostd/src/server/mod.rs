@@ -28,7 +28,7 @@ use std::time::Instant;
 use vmm_sys_util::eventfd::EventFd;
 use vrdma_hostd_protocol::channel::{Channel, ChannelError, Listener};
 use vrdma_hostd_protocol::messages::{
-    MadIn, Notification, PortLinkLayer, QpModify, Request, Response, MAX_MODIFIES, SM_LID,
+    Notification, PortLinkLayer, QpModify, Request, Response, MAX_MODIFIES, SM_LID,
 };
 use vrdma_hostd_protocol::shm::ShmError;
 use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
@@ -36,7 +36,7 @@ use vrdma_tenant_policy::{Limits, Policy, TenantPolicy};
 use crate::accept::{serve_connections, Connections};
 use crate::config::Config;
 use crate::datapath::Datapath;
-use crate::engine::gsi::{Mad, GSI_QPN, MAD_LEN};
+use crate::engine::gsi::{self, Mad, GSI_QPN, MAD_LEN};
 use crate::engine::guest::SharedMapping;
 use crate::engine::wire::PeerStats;
 use crate::engine::EngineError;
@@ -349,10 +349,11 @@ impl Server {
                 };
             let mut fds: Vec<RawFd> = Vec::new();
             let peer = notify_peer.take();
-            if let (Response::Welcome(_), Some(peer)) = (&response, &peer) {
+            if let (Response::Welcome(_) | Response::MadPush, Some(peer)) = (&response, &peer) {
                 fds.push(peer.as_raw_fd());
             }
-            // The vdev has its end now; ours lives in the registry.
+            // The vdev has its end now; ours lives in the registry (the
+            // notification channel) or the engine (QP1's push socket).
             let sent = channel.send(&response, &fds);
             drop(peer);
             if sent.is_err() {
@@ -475,6 +476,16 @@ impl Server {
             }
             Request::Journal(_) => {
                 return Err(refuse(libc::EPROTO, "A journal carries no descriptors"));
+            }
+            Request::GsiPush => {
+                // hostd makes the socket: a vdev's own descriptor could be
+                // anything (a socket towards the network, from hostd's
+                // namespace).
+                let (ours, theirs) = Channel::pair()
+                    .map_err(|e| refuse(libc::ENOMEM, vrdma_errors::error_chain(&e)))?;
+                self.datapath.lock().set_gsi_push(s.id, ours)?;
+                *notify_peer = Some(theirs);
+                return Ok(Response::MadPush);
             }
             Request::RenewNotifiers { doorbell, vectors } => {
                 if files.len() != usize::from(doorbell) + vectors.len() {
@@ -769,16 +780,7 @@ impl Server {
             Request::TakeMads { max } => {
                 let max = usize::try_from(max).unwrap_or(usize::MAX);
                 let mads = self.datapath.lock().take_gsi(id, max)?;
-                Ok(Response::Mads(
-                    (mads.into_iter())
-                        .map(|m| MadIn {
-                            peer: m.peer,
-                            peer_qpn: m.peer_qpn,
-                            traffic_class: m.traffic_class,
-                            mad: m.bytes.to_vec(),
-                        })
-                        .collect(),
-                ))
+                Ok(Response::Mads(mads.iter().map(gsi::mad_in).collect()))
             }
             Request::ResolveGid { gid } => {
                 // The check a connection gets at RTR, with nothing created.
@@ -796,6 +798,7 @@ impl Server {
             | Request::ResumeHandover { .. }
             | Request::Release
             | Request::RenewNotifiers { .. }
+            | Request::GsiPush
             | Request::Journal(_) => Err(refuse(libc::EPROTO, "Handled above")),
             Request::QuotaRejected { quota } => {
                 if !self.quota_keys.contains(&quota) {

@@ -16,6 +16,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use vmm_sys_util::eventfd::{EventFd, EFD_NONBLOCK};
+use vrdma_hostd_protocol::channel::{Channel, ChannelError};
+use vrdma_hostd_protocol::messages::{MadIn, Response};
 use vrdma_spec::verbs::{QpState, QpType};
 
 use super::state::{CmConfig, State};
@@ -34,8 +36,12 @@ struct Shared {
     /// The registration QP1 is reached through (a context's; replaced by
     /// [`CmService::rebind`] when that context ends).
     fabric: Mutex<Arc<Fabric>>,
-    /// Signalled by hostd when MADs arrive.
+    /// Signalled by hostd when MADs arrive and wait to be taken.
     gsi: EventFd,
+    /// Where hostd pushes MADs while none waits ([`Fabric::gsi_push`]):
+    /// replaced when QP1 is asked for again (a restarted hostd, another
+    /// context); the thread reads the old one out before the new.
+    push: Mutex<Option<Arc<Channel>>>,
     /// Signalled by commands that bring a deadline forward, and by stop.
     wake: EventFd,
     stop: AtomicBool,
@@ -45,6 +51,35 @@ struct Shared {
 impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn push(&self) -> Option<Arc<Channel>> {
+        self.push.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Push socket `p` is closed: no longer the one in use (unless it was
+    /// replaced meanwhile).
+    fn forget_push(&self, p: &Arc<Channel>) {
+        let mut push = self.push.lock().unwrap_or_else(|p| p.into_inner());
+        if push.as_ref().is_some_and(|q| Arc::ptr_eq(p, q)) {
+            *push = None;
+        }
+    }
+
+    /// Asks `fabric`'s hostd for QP1's wake-ups and pushed MADs.
+    fn attach(&self, fabric: &Fabric) -> Result<(), CmError> {
+        fabric.gsi_notify(&self.gsi).map_err(CmError::Fabric)?;
+        let push = match fabric.gsi_push() {
+            Ok(push) => Some(Arc::new(push)),
+            Err(e) => {
+                // MADs are all taken then: slower, as correct.
+                tracing::warn!(tenant = %self.tenant,
+                    "hostd pushes no CM MADs; each is taken: {}", vrdma_errors::error_chain(&e));
+                None
+            }
+        };
+        *self.push.lock().unwrap_or_else(|p| p.into_inner()) = push;
+        Ok(())
     }
 
     fn fabric(&self) -> Arc<Fabric> {
@@ -103,15 +138,16 @@ impl CmService {
         let state = State::new(tenant.clone(), fabric.gid, config)?;
         let gsi = EventFd::new(EFD_NONBLOCK).map_err(CmError::Io)?;
         let wake = EventFd::new(EFD_NONBLOCK).map_err(CmError::Io)?;
-        fabric.gsi_notify(&gsi).map_err(CmError::Fabric)?;
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
-            fabric: Mutex::new(fabric),
+            fabric: Mutex::new(fabric.clone()),
             gsi,
+            push: Mutex::new(None),
             wake,
             stop: AtomicBool::new(false),
             tenant,
         });
+        shared.attach(&fabric)?;
         let for_thread = shared.clone();
         let thread = threads
             .spawn(Role::Cm, "cm", move || serve(&for_thread))
@@ -142,9 +178,7 @@ impl CmService {
     /// on (their peers may still answer); none is torn down here.
     pub fn hostd_restarted(&self) -> Result<(), CmError> {
         let fabric = self.shared.fabric();
-        fabric
-            .gsi_notify(&self.shared.gsi)
-            .map_err(CmError::Fabric)?;
+        self.shared.attach(&fabric)?;
         // The new hostd's network may have another MTU: routes resolved
         // from now on get it.
         self.shared.lock().set_path_mtu(fabric.active_mtu().into());
@@ -159,9 +193,7 @@ impl CmService {
     /// wake-ups on it, and the thread carries on with it. The device's IDs
     /// and connections stay as they are.
     pub fn rebind(&self, fabric: Arc<Fabric>) -> Result<(), CmError> {
-        fabric
-            .gsi_notify(&self.shared.gsi)
-            .map_err(CmError::Fabric)?;
+        self.shared.attach(&fabric)?;
         *self.shared.fabric.lock().unwrap_or_else(|p| p.into_inner()) = fabric;
         let _ = self.shared.wake.write(1);
         Ok(())
@@ -192,10 +224,12 @@ impl Drop for CmService {
     }
 }
 
-/// The thread: wait for MADs or the next deadline, take the MADs, run the
-/// timers, send; until stopped or the registration ends.
+/// The thread: wait for MADs or the next deadline, read the MADs hostd
+/// pushed, take those that wait in hostd when it signals, run the timers,
+/// send; until stopped or the registration ends.
 fn serve(shared: &Shared) {
     let (mut retry_take, mut failing) = (false, false);
+    let mut push = shared.push();
     loop {
         if shared.stop.load(Ordering::Acquire) {
             break;
@@ -206,19 +240,52 @@ fn serve(shared: &Shared) {
         if retry_take {
             timeout = Some(timeout.map_or(TAKE_RETRY, |t| t.min(TAKE_RETRY)));
         }
-        if let Err(e) = wait_readable(&[shared.gsi.as_raw_fd(), shared.wake.as_raw_fd()], timeout) {
+        let mut fds = vec![shared.gsi.as_raw_fd(), shared.wake.as_raw_fd()];
+        fds.extend(push.as_ref().map(|p| p.as_raw_fd()));
+        if let Err(e) = wait_readable(&fds, timeout) {
             tracing::error!(tenant = %shared.tenant, error = %e,
                 "The connection manager cannot wait; it stops");
             break;
         }
         // Non-blocking: a counter already read is fine.
-        let _ = shared.gsi.read();
+        let signalled = shared.gsi.read().is_ok();
         let _ = shared.wake.read();
         if shared.stop.load(Ordering::Acquire) {
             break;
         }
-        retry_take = false;
+        // Pushed MADs: a replaced socket's first (they are older), then
+        // the one in use now. (A MAD hostd pushed on the old one between
+        // its last read here and its replacement is lost, as a datagram on
+        // QP1 may be: the CM's retries cover it.)
+        let mut pushed = Vec::new();
+        if let Some(p) = push.take() {
+            if drain_pushed(shared, &p, &mut pushed) {
+                push = Some(p);
+            } else {
+                // Closed (hostd gone): not polled again.
+                shared.forget_push(&p);
+            }
+        }
+        let latest = shared.push();
+        if !same_push(&push, &latest) {
+            push = latest.filter(|p| {
+                let open = drain_pushed(shared, p, &mut pushed);
+                if !open {
+                    shared.forget_push(p);
+                }
+                open
+            });
+        }
         let fabric = shared.fabric();
+        if !pushed.is_empty() {
+            let now = Instant::now();
+            let mut st = shared.lock();
+            for mad in &pushed {
+                st.handle_mad(now, mad);
+            }
+            st.flush(now, &*fabric);
+        }
+        let take = std::mem::take(&mut retry_take) || signalled || failing;
         if fabric.closed() {
             // Its context ended: nothing to take until the service is
             // rebound (which wakes it); timers still run.
@@ -228,45 +295,49 @@ fn serve(shared: &Shared) {
             st.flush(now, &*fabric);
             continue;
         }
-        loop {
-            match fabric.take_mads(TAKE_BATCH) {
-                Ok(mads) => {
-                    if std::mem::take(&mut failing) {
-                        // hostd may be a new one (the registration was made
-                        // again): ask it for QP1's wake-ups again.
-                        match fabric.gsi_notify(&shared.gsi) {
-                            Ok(()) => tracing::info!(tenant = %shared.tenant,
-                                "CM MADs are taken again"),
-                            Err(e) => tracing::warn!(tenant = %shared.tenant,
-                                "CM MADs are taken again, but without wake-ups: {}",
-                                vrdma_errors::error_chain(&e)),
+        // MADs wait in hostd only after it signalled (one found the push
+        // socket full, or there is none); taken until a batch comes short.
+        if take {
+            loop {
+                match fabric.take_mads(TAKE_BATCH) {
+                    Ok(mads) => {
+                        if std::mem::take(&mut failing) {
+                            // hostd may be a new one (the registration was made
+                            // again): ask it for QP1's wake-ups again.
+                            match shared.attach(&fabric) {
+                                Ok(()) => tracing::info!(tenant = %shared.tenant,
+                                    "CM MADs are taken again"),
+                                Err(e) => tracing::warn!(tenant = %shared.tenant,
+                                    "CM MADs are taken again, but without wake-ups: {}",
+                                    vrdma_errors::error_chain(&e)),
+                            }
+                        }
+                        let now = Instant::now();
+                        let mut st = shared.lock();
+                        for mad in &mads {
+                            st.handle_mad(now, mad);
+                        }
+                        st.flush(now, &*fabric);
+                        if mads.len() < TAKE_BATCH as usize {
+                            break;
                         }
                     }
-                    let now = Instant::now();
-                    let mut st = shared.lock();
-                    for mad in &mads {
-                        st.handle_mad(now, mad);
-                    }
-                    st.flush(now, &*fabric);
-                    if mads.len() < TAKE_BATCH as usize {
+                    Err(e) => {
+                        if fabric.closed() {
+                            tracing::debug!(tenant = %shared.tenant,
+                                "The registration in use ended; waiting to be rebound");
+                            break;
+                        }
+                        shared.lock().note_take_failed();
+                        // Once per outage (hostd away: retried every 100 ms).
+                        if !failing {
+                            tracing::warn!(tenant = %shared.tenant,
+                                "Cannot take CM MADs from hostd: {}", vrdma_errors::error_chain(&e));
+                        }
+                        failing = true;
+                        retry_take = true;
                         break;
                     }
-                }
-                Err(e) => {
-                    if fabric.closed() {
-                        tracing::debug!(tenant = %shared.tenant,
-                            "The registration in use ended; waiting to be rebound");
-                        break;
-                    }
-                    shared.lock().note_take_failed();
-                    // Once per outage (hostd away: retried every 100 ms).
-                    if !failing {
-                        tracing::warn!(tenant = %shared.tenant,
-                            "Cannot take CM MADs from hostd: {}", vrdma_errors::error_chain(&e));
-                    }
-                    failing = true;
-                    retry_take = true;
-                    break;
                 }
             }
         }
@@ -276,6 +347,35 @@ fn serve(shared: &Shared) {
         st.flush(now, &*fabric);
     }
     tracing::debug!(tenant = %shared.tenant, "Connection manager stopped");
+}
+
+/// Reads every MAD waiting on push socket `p` into `out`; false when the
+/// socket is closed or broken (hostd gone: not to be polled again).
+fn drain_pushed(shared: &Shared, p: &Channel, out: &mut Vec<MadIn>) -> bool {
+    loop {
+        match p.try_recv::<Response>() {
+            Ok(Some(Response::Mads(mads))) => out.extend(mads),
+            Ok(Some(other)) => {
+                tracing::warn!(tenant = %shared.tenant, ?other,
+                    "Not a MAD on QP1's push socket: ignored");
+            }
+            Ok(None) => return true,
+            Err(ChannelError::Message(e)) => {
+                tracing::warn!(tenant = %shared.tenant,
+                    "Undecodable message on QP1's push socket: {}", vrdma_errors::error_chain(&e));
+            }
+            Err(_) => return false,
+        }
+    }
+}
+
+/// Whether `a` and `b` are the same push socket (or both none).
+fn same_push(a: &Option<Arc<Channel>>, b: &Option<Arc<Channel>>) -> bool {
+    match (a, b) {
+        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+        (None, None) => true,
+        _ => false,
+    }
 }
 
 /// Waits until one of `fds` (eventfds the caller keeps open) is readable or `timeout` passes (`None`:
