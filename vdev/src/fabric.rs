@@ -54,10 +54,25 @@ impl FabricError {
     }
 }
 
+/// Answers hostd may owe on the main channel at most before a posted
+/// request waits for them ([`Fabric::post_mad`]).
+const MAX_OWED: u32 = 64;
+
+/// The main channel, and how many answers hostd still owes on it for
+/// requests sent without waiting ([`Fabric::post_mad`]): whoever sends the
+/// next request reads them first, so every answer meets its request.
+#[derive(Debug)]
+struct MainChannel {
+    channel: Channel,
+    owed: u32,
+}
+
 /// A registered vdev on hostd.
 #[derive(Debug)]
 pub struct Fabric {
-    channel: Mutex<Channel>,
+    channel: Mutex<MainChannel>,
+    /// Posted MADs hostd refused (their answers came later).
+    mads_refused: std::sync::atomic::AtomicU64,
     /// hostd's socket, the tenant and the device name, to register again
     /// with a restarted hostd ([`Fabric::reconnect`]).
     path: PathBuf,
@@ -116,7 +131,8 @@ impl Fabric {
     pub fn connect(path: &Path, tenant: &str, device: &str) -> Result<Self, FabricError> {
         let (channel, welcome, notifications) = open_context(path, tenant, device)?;
         Ok(Fabric {
-            channel: Mutex::new(channel),
+            channel: Mutex::new(MainChannel { channel, owed: 0 }),
+            mads_refused: std::sync::atomic::AtomicU64::new(0),
             path: path.to_owned(),
             tenant: tenant.into(),
             device: device.into(),
@@ -147,7 +163,8 @@ impl Fabric {
         }
         let (channel, welcome, notifications) =
             open_context(&self.path, &self.tenant, &self.device)?;
-        *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = channel;
+        // What the old hostd owed is gone with it.
+        *self.channel.lock().unwrap_or_else(|p| p.into_inner()) = MainChannel { channel, owed: 0 };
         *self.journal_out.lock().unwrap_or_else(|p| p.into_inner()) =
             notifications.try_clone().ok();
         *self.notifications.lock().unwrap_or_else(|p| p.into_inner()) = Some(notifications);
@@ -239,8 +256,9 @@ impl Fabric {
         request: &Request,
         fds: &[RawFd],
     ) -> Result<(Response, Vec<File>), FabricError> {
-        let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
-        let (response, files): (Response, Vec<File>) = match channel.call(request, fds) {
+        let mut main = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        self.settle(&mut main)?;
+        let (response, files): (Response, Vec<File>) = match main.channel.call(request, fds) {
             Ok(answer) => answer,
             Err(e @ (ChannelError::Closed | ChannelError::Io(_))) => return Err(self.failed(e)),
             Err(e) => return Err(e.into()),
@@ -249,6 +267,31 @@ impl Fabric {
             Response::Refused { errno, reason } => Err(FabricError::Refused { errno, reason }),
             other => Ok((other, files)),
         }
+    }
+
+    /// Reads the answers hostd owes for posted requests: a refusal is
+    /// counted and logged (what a synchronous caller would have done with
+    /// it), anything else taken as done.
+    fn settle(&self, main: &mut MainChannel) -> Result<(), FabricError> {
+        while main.owed > 0 {
+            match main.channel.recv::<Response>() {
+                Ok((Response::Refused { errno, reason }, _)) => {
+                    main.owed -= 1;
+                    self.mads_refused.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(tenant = %self.tenant, errno, "hostd refused a CM MAD: {reason}");
+                }
+                Ok(_) => main.owed -= 1,
+                Err(e @ (ChannelError::Closed | ChannelError::Io(_))) => {
+                    main.owed = 0;
+                    return Err(self.failed(e));
+                }
+                Err(e) => {
+                    main.owed -= 1;
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Sends a request (with `fds`) and expects `Ok`.
@@ -266,15 +309,20 @@ impl Fabric {
     /// never close the channel.
     pub fn close(&self) {
         self.closed.store(true, Ordering::Release);
-        let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        let mut main = self.channel.lock().unwrap_or_else(|p| p.into_inner());
         // On purpose, so hostd does not keep the context for a successor
         // (hostd gone: nothing to tell).
-        if let Ok((response, _)) = channel.call::<Request, Response>(&Request::Release, &[]) {
-            if !matches!(response, Response::Ok) {
-                tracing::debug!(tenant = %self.tenant, ?response, "hostd did not take the release");
+        if self.settle(&mut main).is_ok() {
+            if let Ok((response, _)) = main
+                .channel
+                .call::<Request, Response>(&Request::Release, &[])
+            {
+                if !matches!(response, Response::Ok) {
+                    tracing::debug!(tenant = %self.tenant, ?response, "hostd did not take the release");
+                }
             }
         }
-        channel.shutdown();
+        main.channel.shutdown();
     }
 
     /// Sends the context's journal (not answered: hostd keeps it for the
@@ -292,8 +340,8 @@ impl Fabric {
         if let Some(Ok(true)) = lazily {
             return;
         }
-        let channel = self.channel.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = channel.send(&message, &[]) {
+        let main = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = main.channel.send(&message, &[]) {
             tracing::debug!(tenant = %self.tenant, "Journal not sent: {}", vrdma_errors::error_chain(&e));
         }
     }
@@ -566,6 +614,35 @@ impl Fabric {
     /// CM MAD (`EINVAL`).
     pub fn send_mad(&self, mad: MadOut) -> Result<(), FabricError> {
         self.call(&Request::SendMad(mad), &[])
+    }
+
+    /// [`Fabric::send_mad`] without waiting for hostd's answer, which the
+    /// next request reads first ([`Fabric::mads_refused`] counts the
+    /// refusals): a MAD is a datagram, which the CM's timers retry
+    /// whatever becomes of it, and a burst of them (a thousand
+    /// connections' REQs) then costs hostd one wake-up, not one each.
+    pub fn post_mad(&self, mad: MadOut) -> Result<(), FabricError> {
+        let mut main = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        if main.owed >= MAX_OWED {
+            self.settle(&mut main)?;
+        }
+        match main.channel.send(&Request::SendMad(mad), &[]) {
+            Ok(()) => {
+                main.owed += 1;
+                Ok(())
+            }
+            Err(e @ (ChannelError::Closed | ChannelError::Io(_))) => Err(self.failed(e)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Posted MADs hostd refused ([`Fabric::post_mad`]), with the answers
+    /// it still owes read first.
+    pub fn mads_refused(&self) -> u64 {
+        let mut main = self.channel.lock().unwrap_or_else(|p| p.into_inner());
+        // hostd gone: what it answered is what it refused.
+        let _ = self.settle(&mut main);
+        self.mads_refused.load(Ordering::Relaxed)
     }
 
     /// Up to `max` MADs that arrived for the device's QP1, oldest first.

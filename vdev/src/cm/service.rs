@@ -201,7 +201,11 @@ impl CmService {
 
     /// The counters now.
     pub fn counters(&self) -> CmCounters {
-        self.shared.lock().counters()
+        let mut counters = self.shared.lock().counters();
+        // Sent without waiting: hostd's refusals come later, to the
+        // registration (those of the one in use).
+        counters.send_failed += self.shared.fabric().mads_refused();
+        counters
     }
 
     /// Stops the thread (owners' commands fail from then on only where

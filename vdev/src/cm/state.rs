@@ -46,7 +46,7 @@ pub trait Qp1 {
 
 impl Qp1 for Fabric {
     fn send_mad(&self, mad: MadOut) -> Result<(), FabricError> {
-        Fabric::send_mad(self, mad)
+        Fabric::post_mad(self, mad)
     }
 
     fn resolve_gid(&self, gid: [u8; 16]) -> Result<(), FabricError> {

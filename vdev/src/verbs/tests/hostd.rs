@@ -192,6 +192,12 @@ fn serve_one(channel: Channel, script: Arc<Script>, tx: mpsc::Sender<(Request, V
                     rkey: 0x200 + n,
                 }
             }
+            // A MAD tagged 0xee (byte 24): refused, as one to a peer the
+            // tenant may not reach.
+            Request::SendMad(m) if m.mad.get(24) == Some(&0xee) => Response::Refused {
+                errno: libc::EACCES,
+                reason: "stand-in refuses".into(),
+            },
             // As hostd: a QP the datapath failed takes RESET or ERR only.
             Request::ModifyQp(m)
                 if script.qp_state.load(Ordering::SeqCst) == u8::from(QpState::Err)
@@ -284,6 +290,42 @@ fn set_indices(dev: &RdmaDevice, eq: u64, producer: u32, consumer: u32) {
 
 fn read_u32(dev: &RdmaDevice, addr: u64) -> u32 {
     u32::from_le(dev.mem.read_obj(GuestAddress(addr)).expect("guest u32"))
+}
+
+#[test]
+fn posted_mads_are_answered_before_the_next_request_and_refusals_counted() {
+    let (hostd, fabric) = FakeHostd::start("posted");
+    let mad = |tag: u8| {
+        let mut mad = vec![0u8; 256];
+        mad[24] = tag;
+        vrdma_hostd_protocol::messages::MadOut {
+            peer: [0; 16],
+            traffic_class: 0,
+            mad,
+        }
+    };
+    for tag in [1, 0xee, 2] {
+        fabric.post_mad(mad(tag)).expect("posted");
+    }
+    for tag in [1, 0xee, 2] {
+        match hostd.next_plain() {
+            Request::SendMad(m) => assert_eq!(m.mad[24], tag, "in order"),
+            other => panic!("{other:?}"),
+        }
+    }
+    // The next request gets its own answer, not one of theirs.
+    hostd
+        .script
+        .qp_state
+        .store(QpState::Rts.into(), Ordering::SeqCst);
+    assert_eq!(fabric.query_qp(5).expect("query"), u8::from(QpState::Rts));
+    assert_eq!(hostd.next_plain(), Request::QueryQp { vqpn: 5 });
+    assert_eq!(fabric.mads_refused(), 1, "the refused one");
+    // More than are owed at most: the oldest answers are read on the way.
+    for _ in 0..200 {
+        fabric.post_mad(mad(0xee)).expect("posted");
+    }
+    assert_eq!(fabric.mads_refused(), 201);
 }
 
 #[test]
