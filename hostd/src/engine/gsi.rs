@@ -337,6 +337,7 @@ impl Engine {
         tos: u8,
         pkt: &Packet<'_>,
     ) {
+        self.gsi_packets += 1;
         let Some(deth) = pkt.deth else {
             w.drop_packet(peer, "missing_deth");
             return;

@@ -333,6 +333,8 @@ pub struct Engine {
     wire: Option<Box<wire::Wire>>,
     /// MADs for other hosts waiting for room in the wire's send queue.
     gsi_out: gsi::Outbox,
+    /// Packets for QP1 received so far (see [`Engine::wire_receive`]).
+    gsi_packets: u64,
     /// The port's active MTU in bytes: the largest UD message.
     port_mtu: u32,
     /// Until then contexts a previous hostd handed over are coming back:
@@ -371,6 +373,7 @@ impl Engine {
             unpublished: Vec::new(),
             wire: None,
             gsi_out: gsi::Outbox::default(),
+            gsi_packets: 0,
             port_mtu: 4096,
             resuming_until: None,
         }

@@ -414,11 +414,18 @@ impl Engine {
 
     /// Receives and handles what the network brought; then sends the
     /// acknowledgements the packets made due (one per QP: coalesced).
+    /// Whether it worked for tenants' QPs: packets for QP1 alone are
+    /// handled but do not count — the connection manager's MADs promise
+    /// no data traffic, so the datapath does not start polling after them
+    /// (a thousand connections' MADs kept both hostds' datapaths polling
+    /// through the whole setup, on the core the CM and vdevs share: half
+    /// of that core's context switches).
     pub(super) fn wire_receive(&mut self, now: Instant) -> bool {
         let Some(mut w) = self.wire.take() else {
             return false;
         };
-        let mut worked = false;
+        let mut packets = 0u64;
+        let gsi_before = self.gsi_packets;
         let mut rx = std::mem::take(&mut w.rx);
         for _ in 0..RX_CALLS {
             let n = match w.io.recv(&mut rx) {
@@ -432,7 +439,7 @@ impl Engine {
             if n == 0 {
                 break;
             }
-            worked = true;
+            packets += n as u64;
             for (i, p) in rx[..n].iter().enumerate() {
                 // The next packet's headers while this one is handled: they
                 // were often out of cache by the time the parser read them
@@ -466,7 +473,7 @@ impl Engine {
         w.acks = acks;
         w.acks.clear();
         self.wire = Some(w);
-        worked
+        packets > self.gsi_packets - gsi_before
     }
 
     /// One received IPv4 packet: checked, then given to the QP's responder

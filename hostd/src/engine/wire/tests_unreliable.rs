@@ -421,6 +421,31 @@ fn a_device_queues_a_bounded_number_of_mads() {
 }
 
 #[test]
+fn a_round_that_only_took_mads_has_not_worked_for_the_datapath() {
+    let mut h = Hosts::new(1024);
+    h.run_for(RUN);
+    h.a.gsi_send(1, &mad_to(20, 7)).expect("send");
+    let sent = h.a.round(&[1], h.now);
+    assert!(!sent.busy, "the MAD left in that round");
+    // B takes the MAD in its round, which does not count as work: the
+    // datapath does not start polling for the connection manager.
+    let took = h.b.round(&[1], h.now);
+    assert!(!took.worked && !took.busy, "{took:?}");
+    let got = h.b.take_gsi(1, 16).expect("take");
+    assert_eq!(got.len(), 1, "the MAD was handled all the same");
+    // A tenant's packet does count.
+    let (lkey_a, rkey_b) = (h.sa.lkey, h.sb.rkey);
+    h.sa.fill(0, &pattern(64, 3));
+    let w = remote(send(1, SendOpcode::RdmaWrite), IOVA + 0x1000, rkey_b);
+    h.sa.post_sges(0, &w, &[sge(IOVA, 64, lkey_a)]);
+    let posted = h.a.round(&[1], h.now);
+    assert!(posted.worked);
+    let received = h.b.round(&[1], h.now);
+    assert!(received.worked, "{received:?}");
+    assert_eq!(h.sb.bytes(0x1000, 64), pattern(64, 3));
+}
+
+#[test]
 fn mads_beyond_the_send_queue_wait_in_order_for_the_datapath() {
     let mut h = Hosts::new(1024);
     // A burst from a connection thread between two rounds (a thousand
