@@ -428,6 +428,39 @@ impl IbverbsShim {
     }
 }
 
+thread_local! {
+    /// Programs this thread started ([`track`]) and has not collected yet
+    /// ([`wait_output`]).
+    static STARTED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Has the program `child` killed should the calling test panic before
+/// [`wait_output`] collects it. A test that failed between starting a
+/// client/server pair and waiting for it left both running — spinning
+/// pingpongs that loaded the machine for every test and benchmark after
+/// (`Child` does not kill on drop).
+pub fn track(child: &std::process::Child) {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            previous(info);
+            // The panicking thread's programs only (a test's own thread;
+            // other tests run on theirs).
+            let pids = STARTED.try_with(|s| std::mem::take(&mut *s.borrow_mut()));
+            for pid in pids.unwrap_or_default() {
+                if let Ok(pid) = libc::pid_t::try_from(pid) {
+                    // SAFETY: kill(2) on a child of this process not yet
+                    // reaped (wait_output forgets it before reaping): the
+                    // pid cannot have been reused.
+                    unsafe { libc::kill(pid, libc::SIGKILL) };
+                }
+            }
+        }));
+    });
+    STARTED.with(|s| s.borrow_mut().push(child.id()));
+}
+
 /// Waits for `child` up to `timeout`, killing it if it takes longer;
 /// returns its output and whether it was killed.
 pub fn wait_output(
@@ -437,7 +470,12 @@ pub fn wait_output(
     let deadline = std::time::Instant::now() + timeout;
     let late = loop {
         match child.try_wait() {
-            Ok(Some(_)) => break false,
+            // Reaped: forgotten before a panic could kill another process
+            // under its pid.
+            Ok(Some(_)) => {
+                forget(child.id());
+                break false;
+            }
             Ok(None) if std::time::Instant::now() >= deadline => {
                 let _ = child.kill();
                 break true;
@@ -446,7 +484,13 @@ pub fn wait_output(
             Err(e) => panic!("wait: {e}"),
         }
     };
+    forget(child.id());
     (child.wait_with_output().expect("collect output"), late)
+}
+
+/// `pid` is collected: no longer this thread's to kill.
+fn forget(pid: u32) {
+    let _ = STARTED.try_with(|s| s.borrow_mut().retain(|&p| p != pid));
 }
 
 /// Whether something listens on TCP `port` (read from /proc, so that a
@@ -491,4 +535,53 @@ pub fn metric_value(metrics: &str, series: &str) -> Option<f64> {
         .lines()
         .filter_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
         .find_map(|value| value.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::process::ExitStatusExt;
+    use std::process::{Command, Stdio};
+    use std::time::Duration;
+
+    use super::{track, wait_output};
+
+    #[test]
+    fn a_test_that_panics_takes_the_programs_it_started_with_it() {
+        let spawn = || {
+            Command::new("sleep")
+                .arg("60")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn sleep")
+        };
+        // Collected before the panic: not killed (its pid is forgotten).
+        let done = Command::new("true").spawn().expect("spawn true");
+        track(&done);
+        let (out, late) = wait_output(done, Duration::from_secs(10));
+        assert!(out.status.success() && !late);
+        let mut left = spawn();
+        track(&left);
+        let pid = left.id();
+        let panicked = std::thread::scope(|s| {
+            s.spawn(|| {
+                // Another thread's programs are its own.
+                let mut theirs = spawn();
+                track(&theirs);
+                let outcome = std::panic::catch_unwind(|| panic!("a failing test"));
+                assert!(outcome.is_err());
+                let status = theirs.wait().expect("wait");
+                assert_eq!(status.signal(), Some(libc::SIGKILL), "killed by the panic");
+            })
+            .join()
+        });
+        assert!(panicked.is_ok(), "the helper's own checks");
+        // This thread did not panic: its program runs on.
+        assert!(
+            left.try_wait().expect("try_wait").is_none(),
+            "pid {pid} killed"
+        );
+        let _ = left.kill();
+        let _ = left.wait();
+    }
 }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use crate::daemon::{tcp_listening, wait_output, Hostd, IbverbsShim, Vdev};
+use crate::daemon::{tcp_listening, track, wait_output, Hostd, IbverbsShim, Vdev};
 
 /// The tests share two cores with the daemons: one program pair (or one
 /// job) at a time within a test binary.
@@ -178,6 +178,7 @@ pub fn spawn_pair_on(
     s.args(["-p", &port]).args(args);
     setup(&mut s);
     let s = s.spawn().unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    track(&s);
     let deadline = Instant::now() + Duration::from_secs(20);
     while !tcp_listening(port.parse().expect("port")) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(20));
@@ -186,6 +187,7 @@ pub fn spawn_pair_on(
     c.args(["-p", &port]).args(args).arg("127.0.0.1");
     setup(&mut c);
     let c = c.spawn().unwrap_or_else(|e| panic!("spawn {program}: {e}"));
+    track(&c);
     (s, c)
 }
 
