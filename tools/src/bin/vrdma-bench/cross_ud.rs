@@ -30,8 +30,12 @@ const QPS: usize = 8;
 /// Sends in flight per QP, and per post (the last one signaled).
 const WINDOW: usize = 128;
 const BATCH: usize = 16;
-/// Receives each of beta's QPs keeps posted.
-const RECEIVES: usize = 256;
+/// Receives each of beta's QPs keeps posted: one scheduler time slice of
+/// traffic (8 QPs × 1,024 ≈ 3.5 ms at 2.3 M/s). The receiving thread
+/// shares the tenants' core with the sending one; with 256 each, the queues
+/// ran dry while it was off the core and 43,000–84,000 messages a run found
+/// no receive (perftest's `ib_send_bw -c UD` posts 512).
+const RECEIVES: usize = 1024;
 /// The message, and the GRH before it in the receive buffer.
 const SIZE: u32 = 64;
 const GRH: u32 = 40;
@@ -281,7 +285,8 @@ fn keep_receiving(
 }
 
 /// Every drop counter of the receiving side: the drops by reason over
-/// every peer of the hostd of `host`, its packet queue's, its network
+/// every peer of the hostd of `host` and over its devices (`device_…`), its
+/// packet queue's, its network
 /// namespace's UDP receive-buffer overflows and interfaces' drops, and the
 /// kernel's input backlogs: where a lost datagram would have gone.
 fn drops(host: &crate::host::Host) -> Option<String> {
@@ -293,6 +298,14 @@ fn drops(host: &crate::host::Host) -> Option<String> {
         }
     }
     let stats = host.ctl_json("stats")?;
+    // What the receiving devices dropped, by reason (`no_receive`: a UD
+    // message that found no receive posted — the receiving tenant's
+    // thread fell behind).
+    for t in stats["tenants"].as_array().into_iter().flatten() {
+        for (reason, n) in t["dropped"].as_object().into_iter().flatten() {
+            *by_reason.entry(format!("device_{reason}")).or_default() += n.as_u64().unwrap_or(0);
+        }
+    }
     for key in [
         "receive_kernel_drops",
         "receive_truncated",
