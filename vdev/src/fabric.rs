@@ -609,18 +609,13 @@ impl Fabric {
     }
 
     /// Sends a connection-manager MAD from the device's QP1 to QP1 of
-    /// `mad.peer`; hostd refuses a peer the tenant may not reach
+    /// `mad.peer`, without waiting for hostd's answer, which the next
+    /// request reads first: hostd refuses a peer the tenant may not reach
     /// (`EACCES`), an unknown one (`ENOENT`) and anything but a 256-byte
-    /// CM MAD (`EINVAL`).
-    pub fn send_mad(&self, mad: MadOut) -> Result<(), FabricError> {
-        self.call(&Request::SendMad(mad), &[])
-    }
-
-    /// [`Fabric::send_mad`] without waiting for hostd's answer, which the
-    /// next request reads first ([`Fabric::mads_refused`] counts the
-    /// refusals): a MAD is a datagram, which the CM's timers retry
-    /// whatever becomes of it, and a burst of them (a thousand
-    /// connections' REQs) then costs hostd one wake-up, not one each.
+    /// CM MAD (`EINVAL`), and [`Fabric::mads_refused`] counts those. A MAD
+    /// is a datagram, which the CM's timers retry whatever becomes of it,
+    /// and a burst of them (a thousand connections' REQs) then costs hostd
+    /// one wake-up, not one each.
     pub fn post_mad(&self, mad: MadOut) -> Result<(), FabricError> {
         let mut main = self.channel.lock().unwrap_or_else(|p| p.into_inner());
         if main.owed >= MAX_OWED {

@@ -262,32 +262,14 @@ fn serve(shared: &Shared) {
         // its last read here and its replacement is lost, as a datagram on
         // QP1 may be: the CM's retries cover it.)
         let mut pushed = Vec::new();
-        if let Some(p) = push.take() {
-            if drain_pushed(shared, &p, &mut pushed) {
-                push = Some(p);
-            } else {
-                // Closed (hostd gone): not polled again.
-                shared.forget_push(&p);
-            }
-        }
+        push = push.and_then(|p| drain_pushed(shared, p, &mut pushed));
         let latest = shared.push();
-        if !same_push(&push, &latest) {
-            push = latest.filter(|p| {
-                let open = drain_pushed(shared, p, &mut pushed);
-                if !open {
-                    shared.forget_push(p);
-                }
-                open
-            });
+        if push.as_ref().map(Arc::as_ptr) != latest.as_ref().map(Arc::as_ptr) {
+            push = latest.and_then(|p| drain_pushed(shared, p, &mut pushed));
         }
         let fabric = shared.fabric();
         if !pushed.is_empty() {
-            let now = Instant::now();
-            let mut st = shared.lock();
-            for mad in &pushed {
-                st.handle_mad(now, mad);
-            }
-            st.flush(now, &*fabric);
+            handle_mads(shared, &fabric, &pushed);
         }
         let take = std::mem::take(&mut retry_take) || signalled || failing;
         if fabric.closed() {
@@ -316,12 +298,7 @@ fn serve(shared: &Shared) {
                                     vrdma_errors::error_chain(&e)),
                             }
                         }
-                        let now = Instant::now();
-                        let mut st = shared.lock();
-                        for mad in &mads {
-                            st.handle_mad(now, mad);
-                        }
-                        st.flush(now, &*fabric);
+                        handle_mads(shared, &fabric, &mads);
                         if mads.len() < TAKE_BATCH as usize {
                             break;
                         }
@@ -353,9 +330,20 @@ fn serve(shared: &Shared) {
     tracing::debug!(tenant = %shared.tenant, "Connection manager stopped");
 }
 
-/// Reads every MAD waiting on push socket `p` into `out`; false when the
-/// socket is closed or broken (hostd gone: not to be polled again).
-fn drain_pushed(shared: &Shared, p: &Channel, out: &mut Vec<MadIn>) -> bool {
+/// Gives the agent `mads` and sends what it wants sent.
+fn handle_mads(shared: &Shared, fabric: &Fabric, mads: &[MadIn]) {
+    let now = Instant::now();
+    let mut st = shared.lock();
+    for mad in mads {
+        st.handle_mad(now, mad);
+    }
+    st.flush(now, fabric);
+}
+
+/// Reads every MAD waiting on push socket `p` into `out`; `p` again while
+/// it is open, `None` once it is closed or broken (hostd gone: forgotten,
+/// not to be polled again).
+fn drain_pushed(shared: &Shared, p: Arc<Channel>, out: &mut Vec<MadIn>) -> Option<Arc<Channel>> {
     loop {
         match p.try_recv::<Response>() {
             Ok(Some(Response::Mads(mads))) => out.extend(mads),
@@ -363,22 +351,16 @@ fn drain_pushed(shared: &Shared, p: &Channel, out: &mut Vec<MadIn>) -> bool {
                 tracing::warn!(tenant = %shared.tenant, ?other,
                     "Not a MAD on QP1's push socket: ignored");
             }
-            Ok(None) => return true,
+            Ok(None) => return Some(p),
             Err(ChannelError::Message(e)) => {
                 tracing::warn!(tenant = %shared.tenant,
                     "Undecodable message on QP1's push socket: {}", vrdma_errors::error_chain(&e));
             }
-            Err(_) => return false,
+            Err(_) => {
+                shared.forget_push(&p);
+                return None;
+            }
         }
-    }
-}
-
-/// Whether `a` and `b` are the same push socket (or both none).
-fn same_push(a: &Option<Arc<Channel>>, b: &Option<Arc<Channel>>) -> bool {
-    match (a, b) {
-        (Some(a), Some(b)) => Arc::ptr_eq(a, b),
-        (None, None) => true,
-        _ => false,
     }
 }
 

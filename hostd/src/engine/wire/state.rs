@@ -317,7 +317,7 @@ impl RemoteQp {
         npkts: u32,
         failed: Option<WcStatus>,
     ) -> bool {
-        if self.inflight.len() >= WINDOW_MESSAGES {
+        if !self.has_room_any() {
             return false;
         }
         let mut work = self.pool.pop().unwrap_or_default();
